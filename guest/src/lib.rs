@@ -1,1 +1,5 @@
+//! imp-guest: the host<->guest protocol (shared with imp-node and the testkit simulator) and,
+//! behind the binary, the guest's PID 1 and vsock agent.
 
+pub mod frame;
+pub mod protocol;
