@@ -1,0 +1,359 @@
+//! The guest agent: serves the protocol on vsock (in the VM) or a Unix socket (host-process
+//! mode, for the Firecracker simulator), one task per connection, all sharing one exec table.
+
+pub mod exec;
+pub mod metrics;
+pub mod probe;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+
+use crate::frame::{FrameError, FrameReader, FrameWriter};
+use crate::protocol::{
+    ErrorCode, ErrorMsg, Exec, GuestToHost, Hello, HostToGuest, Output, PROTOCOL_VERSION, Started,
+};
+use exec::{ExecEntry, ExecState, ExecTable};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("bind unix socket {path}: {source}")]
+    BindUnix { path: PathBuf, source: std::io::Error },
+    #[error("bind vsock port {port}: {source}")]
+    BindVsock { port: u32, source: std::io::Error },
+    #[error("install SIGCHLD handler: {0}")]
+    Signal(std::io::Error),
+}
+
+/// Why the agent stopped serving.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShutdownReason {
+    /// The host sent `Shutdown`.
+    HostRequested,
+    /// A `poweroff_on_exit` exec ended and its `Exited` was written to the host.
+    WorkloadExitReported { id: String },
+    /// A `poweroff_on_exit` exec ended but no host collected its exit within the grace period.
+    WorkloadExitUnreported { id: String },
+    /// SIGTERM/SIGINT (or Ctrl-Alt-Del as PID 1).
+    Signal(i32),
+}
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub boot_id: String,
+    /// How long to wait for a host to collect a `poweroff_on_exit` exit before powering off
+    /// anyway.
+    pub report_grace: Duration,
+    /// Filesystem whose usage `Metrics` reports.
+    pub metrics_root: PathBuf,
+}
+
+pub struct Agent {
+    config: AgentConfig,
+    execs: ExecTable,
+    shutdown: watch::Sender<Option<ShutdownReason>>,
+}
+
+impl Agent {
+    /// Create the agent and start its reaper. Call inside a tokio runtime, before anything
+    /// can spawn children.
+    pub fn start(config: AgentConfig) -> Result<Arc<Self>, AgentError> {
+        let agent = Arc::new(Agent { config, execs: ExecTable::new(), shutdown: watch::channel(None).0 });
+        let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())
+            .map_err(AgentError::Signal)?;
+        let execs = agent.execs.clone();
+        tokio::spawn(async move {
+            // SIGCHLD coalesces and can race with registration; the tick is the safety net.
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = sigchld.recv() => {}
+                    _ = tick.tick() => {}
+                }
+                execs.reap();
+            }
+        });
+        Ok(agent)
+    }
+
+    pub fn execs(&self) -> &ExecTable {
+        &self.execs
+    }
+
+    pub fn hello(&self) -> Hello {
+        Hello {
+            protocol: PROTOCOL_VERSION,
+            agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+            boot_id: self.config.boot_id.clone(),
+        }
+    }
+
+    /// First reason wins; later requests are ignored.
+    pub fn request_shutdown(&self, reason: ShutdownReason) {
+        self.shutdown.send_if_modified(|current| {
+            if current.is_none() {
+                tracing::info!(?reason, "shutdown requested");
+                *current = Some(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    pub async fn wait_shutdown(&self) -> ShutdownReason {
+        let mut rx = self.shutdown.subscribe();
+        let reason = rx.wait_for(|r| r.is_some()).await.expect("sender lives in self");
+        reason.clone().expect("checked by wait_for")
+    }
+
+    /// Serve connections from `listener` until shutdown is requested.
+    pub async fn serve(self: &Arc<Self>, listener: Listener) -> ShutdownReason {
+        loop {
+            let accepted = tokio::select! {
+                reason = self.wait_shutdown() => return reason,
+                accepted = listener.accept() => accepted,
+            };
+            match accepted {
+                Ok(conn) => {
+                    let agent = self.clone();
+                    tokio::spawn(async move { agent.handle_connection(conn).await });
+                }
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+
+    /// Speak the protocol on one connection until the host closes it or sends garbage that
+    /// breaks framing. Processes started here outlive the connection.
+    pub async fn handle_connection<S>(self: Arc<Self>, stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Send + 'static,
+    {
+        let (rd, wr) = tokio::io::split(stream);
+        let (tx, rx) = mpsc::channel::<Outgoing>(64);
+        let writer = tokio::spawn(write_loop(self.clone(), FrameWriter::new(wr), rx));
+        let mut watchers = JoinSet::new();
+        let mut reader = FrameReader::new(rd);
+        let _ = tx.send(Outgoing::plain(GuestToHost::Hello(self.hello()))).await;
+        loop {
+            let msg = match reader.read::<HostToGuest>().await {
+                Ok(Some(msg)) => msg,
+                Ok(None) => break,
+                Err(e) if e.is_recoverable() => {
+                    tracing::warn!(error = %e, "rejected frame");
+                    let _ = tx.send(Outgoing::plain(error_msg(e.error_code(), e.to_string(), None))).await;
+                    continue;
+                }
+                Err(e @ FrameError::TooLarge { .. }) => {
+                    // The payload was not consumed, so framing is lost: answer, then close.
+                    tracing::warn!(error = %e, "rejected frame, closing connection");
+                    let _ = tx.send(Outgoing::plain(error_msg(e.error_code(), e.to_string(), None))).await;
+                    break;
+                }
+                Err(e) => {
+                    tracing::info!(error = %e, "connection ended");
+                    break;
+                }
+            };
+            match msg {
+                HostToGuest::Exec(req) => self.exec(req, &tx, &mut watchers).await,
+                HostToGuest::HttpProbe(req) => {
+                    let result = probe::run(&req).await;
+                    let _ = tx.send(Outgoing::plain(GuestToHost::ProbeResult(result))).await;
+                }
+                HostToGuest::Metrics => {
+                    let msg = match metrics::collect(&self.config.metrics_root) {
+                        Ok(m) => GuestToHost::GuestMetrics(m),
+                        Err(e) => error_msg(ErrorCode::Internal, e.to_string(), None),
+                    };
+                    let _ = tx.send(Outgoing::plain(msg)).await;
+                }
+                HostToGuest::Shutdown => self.request_shutdown(ShutdownReason::HostRequested),
+            }
+        }
+        // Watchers only relay to this connection; the processes keep running.
+        watchers.shutdown().await;
+        drop(tx);
+        let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    }
+
+    async fn exec(self: &Arc<Self>, req: Exec, tx: &mpsc::Sender<Outgoing>, watchers: &mut JoinSet<()>) {
+        // Env keys only: values may be the JIT config.
+        let env_keys: Vec<&str> = req.env.keys().map(String::as_str).collect();
+        tracing::info!(exec_id = %req.id, argv = ?req.argv, ?env_keys, uid = ?req.uid, timeout_s = ?req.timeout_s, "exec requested");
+        let started = match self.execs.start(&req) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = tx.send(Outgoing::plain(error_msg(ErrorCode::InvalidRequest, e.to_string(), Some(&req.id)))).await;
+                return;
+            }
+        };
+        let new = matches!(started, exec::Started::New(_));
+        let entry = started.entry().clone();
+        if !new {
+            tracing::info!(exec_id = %req.id, "exec id seen before, reporting recorded state");
+        }
+        // Subscribe before reading the state so nothing between the two is missed.
+        let state_rx = entry.subscribe_state();
+        let output_rx = entry.subscribe_output();
+        let state = entry.state();
+        if let ExecState::SpawnFailed(message) = &state {
+            let _ = tx.send(Outgoing::plain(error_msg(ErrorCode::SpawnFailed, message.clone(), Some(&req.id)))).await;
+            return;
+        }
+        let pid = entry.pid.unwrap_or_default();
+        // Started is the answer to this request, so it goes out before the next one is read.
+        let _ = tx.send(Outgoing::plain(GuestToHost::Started(Started { id: entry.id.clone(), pid }))).await;
+        if new && entry.poweroff_on_exit {
+            self.arm_unreported_exit_timer(entry.clone());
+        }
+        watchers.spawn(watch_exec(entry, state_rx, output_rx, tx.clone()));
+    }
+
+    /// If nobody collects the workload's exit, power off anyway after the grace period.
+    fn arm_unreported_exit_timer(self: &Arc<Self>, entry: Arc<ExecEntry>) {
+        let agent = self.clone();
+        let grace = self.config.report_grace;
+        tokio::spawn(async move {
+            let mut rx = entry.subscribe_state();
+            if rx.wait_for(|s| matches!(s, ExecState::Exited(_))).await.is_ok() {
+                tokio::time::sleep(grace).await;
+                agent.request_shutdown(ShutdownReason::WorkloadExitUnreported { id: entry.id.clone() });
+            }
+        });
+    }
+}
+
+/// Relays output and the final `Exited` of one exec to one connection.
+async fn watch_exec(
+    entry: Arc<ExecEntry>,
+    mut state_rx: watch::Receiver<ExecState>,
+    mut output_rx: Option<tokio::sync::broadcast::Receiver<exec::OutputChunk>>,
+    tx: mpsc::Sender<Outgoing>,
+) {
+    loop {
+        let state = state_rx.borrow_and_update().clone();
+        if let ExecState::Exited(exited) = state {
+            // Flush output that arrived before the exit was published.
+            if let Some(rx) = output_rx.as_mut() {
+                while let Ok(chunk) = rx.try_recv() {
+                    let _ = tx.send(Outgoing::plain(output_msg(&entry.id, chunk))).await;
+                }
+            }
+            let _ = tx
+                .send(Outgoing { msg: GuestToHost::Exited(exited), poweroff_after: entry.poweroff_on_exit })
+                .await;
+            return;
+        }
+        tokio::select! {
+            changed = state_rx.changed() => if changed.is_err() { return },
+            chunk = recv_output(&mut output_rx) => match chunk {
+                Some(chunk) => { let _ = tx.send(Outgoing::plain(output_msg(&entry.id, chunk))).await; }
+                None => output_rx = None,
+            },
+        }
+    }
+}
+
+async fn recv_output(
+    rx: &mut Option<tokio::sync::broadcast::Receiver<exec::OutputChunk>>,
+) -> Option<exec::OutputChunk> {
+    let Some(r) = rx.as_mut() else { return std::future::pending().await };
+    loop {
+        match r.recv().await {
+            Ok(chunk) => return Some(chunk),
+            // A slow host loses output rather than stalling the process: best effort.
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                tracing::warn!(skipped = n, "output subscriber lagged");
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+        }
+    }
+}
+
+fn output_msg(id: &str, chunk: exec::OutputChunk) -> GuestToHost {
+    GuestToHost::Output(Output {
+        id: id.to_owned(),
+        stream: chunk.stream,
+        data_b64: base64::engine::general_purpose::STANDARD.encode(chunk.data),
+    })
+}
+
+fn error_msg(code: ErrorCode, message: String, id: Option<&str>) -> GuestToHost {
+    GuestToHost::Error(ErrorMsg { code, message, id: id.map(str::to_owned) })
+}
+
+struct Outgoing {
+    msg: GuestToHost,
+    /// Request power-off once this frame has been written (the workload's exit was reported).
+    poweroff_after: bool,
+}
+
+impl Outgoing {
+    fn plain(msg: GuestToHost) -> Self {
+        Self { msg, poweroff_after: false }
+    }
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    agent: Arc<Agent>,
+    mut writer: FrameWriter<W>,
+    mut rx: mpsc::Receiver<Outgoing>,
+) {
+    while let Some(out) = rx.recv().await {
+        if let Err(e) = writer.write(&out.msg).await {
+            tracing::info!(error = %e, "write to host failed, dropping connection");
+            return;
+        }
+        if out.poweroff_after
+            && let GuestToHost::Exited(exited) = &out.msg
+        {
+            agent.request_shutdown(ShutdownReason::WorkloadExitReported { id: exited.id.clone() });
+        }
+    }
+    let _ = writer.shutdown().await;
+}
+
+/// Where the agent accepts connections.
+pub enum Listener {
+    Unix(tokio::net::UnixListener),
+    Vsock(tokio_vsock::VsockListener),
+}
+
+impl Listener {
+    /// Bind a Unix socket, replacing a stale socket file from a previous run.
+    pub fn bind_unix(path: &Path) -> Result<Self, AgentError> {
+        let _ = std::fs::remove_file(path);
+        tokio::net::UnixListener::bind(path)
+            .map(Listener::Unix)
+            .map_err(|source| AgentError::BindUnix { path: path.to_owned(), source })
+    }
+
+    pub fn bind_vsock(port: u32) -> Result<Self, AgentError> {
+        let addr = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_ANY, port);
+        tokio_vsock::VsockListener::bind(addr)
+            .map(Listener::Vsock)
+            .map_err(|source| AgentError::BindVsock { port, source })
+    }
+
+    async fn accept(&self) -> std::io::Result<Box<dyn ConnectionBox>> {
+        Ok(match self {
+            Listener::Unix(l) => Box::new(l.accept().await?.0),
+            Listener::Vsock(l) => Box::new(l.accept().await?.0),
+        })
+    }
+}
+
+/// Object-safe connection, so one handler serves both listener kinds.
+pub trait ConnectionBox: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> ConnectionBox for T {}

@@ -1,0 +1,174 @@
+//! PID 1 mode: prepare the VM, serve the agent on vsock, power off at the end.
+//!
+//! Every stage prints a marker line on the serial console (`IMP-GUEST stage=<name> ok|FAILED`)
+//! so a boot failure is diagnosable from the VM's console log alone. A failed stage powers the
+//! VM off: PID 1 must never exit (the kernel would panic), and a VM that cannot serve the agent
+//! is useless; the host sees the VM stop without a Hello.
+
+pub mod cmdline;
+pub mod mounts;
+pub mod root;
+pub mod system;
+
+use std::fmt::Display;
+use std::path::Path;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::agent::{Agent, AgentConfig, AgentError, Listener, ShutdownReason};
+use crate::agent::exec::ExecTable;
+use cmdline::{BootConfig, CmdlineError, HaltAction};
+
+/// Time between SIGTERM and SIGKILL for everything left at shutdown.
+pub const KILL_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Pid1Error {
+    #[error(transparent)]
+    Mount(#[from] mounts::MountError),
+    #[error("read /proc/cmdline: {0}")]
+    ReadCmdline(std::io::Error),
+    #[error("kernel command line: {0}")]
+    Cmdline(#[from] CmdlineError),
+    #[error(transparent)]
+    Root(#[from] root::RootError),
+    #[error(transparent)]
+    System(#[from] system::SystemError),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error("start the async runtime: {0}")]
+    Runtime(std::io::Error),
+}
+
+/// One console marker line. Never pass anything derived from Exec env here.
+pub fn marker(stage: &str, detail: impl Display) {
+    println!("IMP-GUEST stage={stage} {detail}");
+}
+
+fn stage<T, E>(name: &str, f: impl FnOnce() -> Result<T, E>) -> Result<T, Pid1Error>
+where
+    E: Into<Pid1Error>,
+{
+    match f().map_err(Into::into) {
+        Ok(v) => {
+            marker(name, "ok");
+            Ok(v)
+        }
+        Err(e) => {
+            marker(name, format_args!("FAILED: {e}"));
+            Err(e)
+        }
+    }
+}
+
+/// Run as PID 1. Never returns: ends in power-off (or reboot, see `imp.halt`).
+pub fn run() -> ! {
+    marker("start", format_args!("imp-guest {}", env!("CARGO_PKG_VERSION")));
+    let mut halt = HaltAction::PowerOff;
+    match boot_and_serve(&mut halt) {
+        Ok(reason) => marker("shutdown", format_args!("reason={reason:?}")),
+        Err(e) => marker("boot", format_args!("FAILED, powering off: {e}")),
+    }
+    power_off(&halt)
+}
+
+fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
+    let root = Path::new("/");
+    stage("mount-early", || mounts::mount_all(root, mounts::EARLY))?;
+    let cfg: BootConfig = stage("cmdline", || {
+        let text = std::fs::read_to_string("/proc/cmdline").map_err(Pid1Error::ReadCmdline)?;
+        cmdline::parse(&text).map_err(Pid1Error::from)
+    })?;
+    *halt = cfg.halt.clone();
+    for key in &cfg.unknown_keys {
+        marker("cmdline", format_args!("ignoring unknown key {key}"));
+    }
+    if let Some(ov) = &cfg.overlay {
+        stage("overlay-root", || -> Result<(), Pid1Error> {
+            let upper = root::Upper { source: ov.upper.clone(), fstype: ov.upper_fstype.clone() };
+            let newroot = root::assemble(Path::new("/run/imp"), &root::Lower::from_config(ov), &upper)?;
+            root::switch_root(&newroot, &["/proc", "/sys", "/dev"])?;
+            Ok(())
+        })?;
+    }
+    stage("mount-late", || mounts::mount_all(root, mounts::LATE))?;
+    stage("loopback", system::loopback_up)?;
+    if let Some(name) = &cfg.hostname {
+        stage("hostname", || system::set_hostname(name))?;
+    }
+    if !cfg.dns.is_empty() {
+        stage("resolv-conf", || system::write_resolv_conf(root, &cfg.dns, &cfg.dns_search))?;
+    }
+    // Ctrl-Alt-Del (Firecracker's SendCtrlAltDel) becomes SIGINT to PID 1 instead of an
+    // immediate reboot, so it goes through the orderly shutdown below.
+    let _ = nix::sys::reboot::set_cad_enabled(false);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(Pid1Error::Runtime)?;
+    runtime.block_on(async {
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_else(|_| "unknown".into());
+        let agent = Agent::start(AgentConfig {
+            boot_id,
+            report_grace: cfg.report_grace,
+            metrics_root: root.to_owned(),
+        })?;
+        let listener = stage("agent-listen", || Listener::bind_vsock(cfg.vsock_port))?;
+        marker("ready", format_args!("agent on vsock port {}", cfg.vsock_port));
+        let reason = serve_until_signal(&agent, listener).await;
+        terminate_everything(agent.execs()).await;
+        Ok(reason)
+    })
+}
+
+/// Serve until the agent asks to stop or SIGTERM/SIGINT arrives.
+pub async fn serve_until_signal(agent: &std::sync::Arc<Agent>, listener: Listener) -> ShutdownReason {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::error!("cannot install SIGTERM/SIGINT handlers; serving without them");
+        return agent.serve(listener).await;
+    };
+    tokio::select! {
+        reason = agent.serve(listener) => reason,
+        _ = term.recv() => ShutdownReason::Signal(libc::SIGTERM),
+        _ = int.recv() => ShutdownReason::Signal(libc::SIGINT),
+    }
+}
+
+/// As PID 1: SIGTERM everything, give it [`KILL_GRACE`], SIGKILL the rest, reap, sync.
+async fn terminate_everything(execs: &ExecTable) {
+    // kill(-1) from PID 1 reaches every process but itself.
+    let _ = kill(Pid::from_raw(-1), Signal::SIGTERM);
+    let deadline = tokio::time::Instant::now() + KILL_GRACE;
+    while execs.reap() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = kill(Pid::from_raw(-1), Signal::SIGKILL);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    while execs.reap() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    nix::unistd::sync();
+}
+
+fn power_off(halt: &HaltAction) -> ! {
+    use nix::sys::reboot::{RebootMode, reboot};
+    nix::unistd::sync();
+    let mode = match halt {
+        HaltAction::PowerOff => RebootMode::RB_POWER_OFF,
+        HaltAction::Reboot => RebootMode::RB_AUTOBOOT,
+    };
+    marker("poweroff", format_args!("{mode:?}"));
+    let Err(e) = reboot(mode);
+    marker("poweroff", format_args!("FAILED: {e}"));
+    // PID 1 must not exit; park forever if the kernel refused.
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
