@@ -81,16 +81,20 @@ where
     Fut: Future<Output = Result<HostClient, HostError>>,
 {
     let mut delay = RETRY_MIN;
-    let mut last;
+    let mut last: Option<String> = None;
     loop {
         match tokio::time::timeout_at(deadline, attempt()).await {
             Ok(Ok(client)) => return Ok(client),
-            Ok(Err(e)) if e.retryable() => last = e.to_string(),
+            Ok(Err(e)) if e.retryable() => last = Some(e.to_string()),
             Ok(Err(e)) => return Err(e),
-            Err(_) => last = "attempt still in progress at the deadline".into(),
+            // Keep the previous failure: it says more than "still waiting".
+            Err(_) => {
+                let last = last.unwrap_or_else(|| "attempt still in progress at the deadline".into());
+                return Err(HostError::Timeout { path: path.to_owned(), last });
+            }
         }
         if Instant::now() + delay >= deadline {
-            return Err(HostError::Timeout { path: path.to_owned(), last });
+            return Err(HostError::Timeout { path: path.to_owned(), last: last.unwrap_or_default() });
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(RETRY_MAX);
