@@ -59,10 +59,12 @@ impl FrameError {
         match self {
             FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
             FrameError::UnknownType(_) => ErrorCode::UnknownType,
-            FrameError::NotJson { .. } | FrameError::MissingType | FrameError::InvalidMessage { .. } => {
-                ErrorCode::InvalidMessage
+            FrameError::NotJson { .. }
+            | FrameError::MissingType
+            | FrameError::InvalidMessage { .. } => ErrorCode::InvalidMessage,
+            FrameError::Truncated { .. } | FrameError::Encode(_) | FrameError::Io(_) => {
+                ErrorCode::Internal
             }
-            FrameError::Truncated { .. } | FrameError::Encode(_) | FrameError::Io(_) => ErrorCode::Internal,
         }
     }
 }
@@ -73,7 +75,10 @@ pub fn encode<M: Serialize>(msg: &M) -> Result<Vec<u8>, FrameError> {
     serde_json::to_writer(&mut out, msg).map_err(FrameError::Encode)?;
     let len = out.len() - LEN_PREFIX;
     if len > MAX_FRAME_BYTES {
-        return Err(FrameError::TooLarge { len: len as u64, max: MAX_FRAME_BYTES });
+        return Err(FrameError::TooLarge {
+            len: len as u64,
+            max: MAX_FRAME_BYTES,
+        });
     }
     out[..LEN_PREFIX].copy_from_slice(&(len as u32).to_be_bytes());
     Ok(out)
@@ -91,7 +96,10 @@ pub fn decode_payload<M: Message>(payload: &[u8]) -> Result<M, FrameError> {
     // a malformed Exec never has its (secret-bearing) content quoted back.
     let envelope: Envelope<'_> = serde_json::from_slice(payload).map_err(|e| {
         if e.is_syntax() || e.is_eof() {
-            FrameError::NotJson { line: e.line(), column: e.column() }
+            FrameError::NotJson {
+                line: e.line(),
+                column: e.column(),
+            }
         } else {
             FrameError::MissingType
         }
@@ -110,16 +118,23 @@ pub fn decode_payload<M: Message>(payload: &[u8]) -> Result<M, FrameError> {
     }
     serde_json::from_slice(payload).map_err(|e| {
         let detail = if M::SECRET_BEARING.contains(&ty.as_ref()) {
-            format!("wrong field shape at line {} column {} (details withheld: may carry secrets)", e.line(), e.column())
+            format!(
+                "wrong field shape at line {} column {} (details withheld: may carry secrets)",
+                e.line(),
+                e.column()
+            )
         } else {
             e.to_string()
         };
-        FrameError::InvalidMessage { type_name: ty.into_owned(), detail }
+        FrameError::InvalidMessage {
+            type_name: ty.into_owned(),
+            detail,
+        }
     })
 }
 
 /// Incremental decoder: feed bytes with [`extend`](Self::extend), take frames with
-/// [`next`](Self::next). After a non-recoverable error it must not be used again.
+/// [`decode_next`](Self::decode_next). After a non-recoverable error it must not be used again.
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
@@ -145,13 +160,16 @@ impl FrameDecoder {
 
     /// The next complete frame, `Ok(None)` if more bytes are needed. A recoverable error
     /// consumes the bad frame; `TooLarge` consumes nothing (the connection should be closed).
-    pub fn next<M: Message>(&mut self) -> Result<Option<M>, FrameError> {
+    pub fn decode_next<M: Message>(&mut self) -> Result<Option<M>, FrameError> {
         let Some(prefix) = self.buf.first_chunk::<LEN_PREFIX>() else {
             return Ok(None);
         };
         let len = u32::from_be_bytes(*prefix) as usize;
         if len > MAX_FRAME_BYTES {
-            return Err(FrameError::TooLarge { len: len as u64, max: MAX_FRAME_BYTES });
+            return Err(FrameError::TooLarge {
+                len: len as u64,
+                max: MAX_FRAME_BYTES,
+            });
         }
         let end = LEN_PREFIX + len;
         if self.buf.len() < end {
@@ -172,12 +190,18 @@ pub struct FrameReader<R> {
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn new(inner: R) -> Self {
-        Self { inner, decoder: FrameDecoder::new() }
+        Self {
+            inner,
+            decoder: FrameDecoder::new(),
+        }
     }
 
     /// Start with `buffered` bytes that were read from `inner` before framing began.
     pub fn with_buffered(inner: R, buffered: Vec<u8>) -> Self {
-        Self { inner, decoder: FrameDecoder::with_buffered(buffered) }
+        Self {
+            inner,
+            decoder: FrameDecoder::with_buffered(buffered),
+        }
     }
 
     /// The next message; `Ok(None)` on a clean end of stream at a frame boundary.
@@ -185,7 +209,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub async fn read<M: Message>(&mut self) -> Result<Option<M>, FrameError> {
         let mut chunk = [0u8; READ_CHUNK];
         loop {
-            if let Some(msg) = self.decoder.next()? {
+            if let Some(msg) = self.decoder.decode_next()? {
                 return Ok(Some(msg));
             }
             let n = self.inner.read(&mut chunk).await?;
@@ -252,35 +276,51 @@ mod tests {
 
     #[test]
     fn roundtrip_byte_by_byte() {
-        let msg = GuestToHost::Started(Started { id: "x".into(), pid: 42 });
+        let msg = GuestToHost::Started(Started {
+            id: "x".into(),
+            pid: 42,
+        });
         let bytes = encode(&msg).unwrap();
-        assert_eq!(u32::from_be_bytes(bytes[..4].try_into().unwrap()) as usize, bytes.len() - 4);
+        assert_eq!(
+            u32::from_be_bytes(bytes[..4].try_into().unwrap()) as usize,
+            bytes.len() - 4
+        );
         let mut dec = FrameDecoder::new();
         for (i, b) in bytes.iter().enumerate() {
-            assert!(dec.next::<GuestToHost>().unwrap().is_none(), "complete early at {i}");
+            assert!(
+                dec.decode_next::<GuestToHost>().unwrap().is_none(),
+                "complete early at {i}"
+            );
             dec.extend(&[*b]);
         }
-        assert_eq!(dec.next::<GuestToHost>().unwrap(), Some(msg));
+        assert_eq!(dec.decode_next::<GuestToHost>().unwrap(), Some(msg));
         assert_eq!(dec.buffered(), 0);
     }
 
     #[test]
     fn two_frames_in_one_buffer() {
         let a = HostToGuest::Metrics;
-        let b = HostToGuest::HttpProbe(HttpProbe { path: "/h".into(), port: 8080, timeout_ms: 5 });
+        let b = HostToGuest::HttpProbe(HttpProbe {
+            path: "/h".into(),
+            port: 8080,
+            timeout_ms: 5,
+        });
         let mut bytes = encode(&a).unwrap();
         bytes.extend(encode(&b).unwrap());
         let mut dec = FrameDecoder::with_buffered(bytes);
-        assert_eq!(dec.next::<HostToGuest>().unwrap(), Some(a));
-        assert_eq!(dec.next::<HostToGuest>().unwrap(), Some(b));
-        assert_eq!(dec.next::<HostToGuest>().unwrap(), None);
+        assert_eq!(dec.decode_next::<HostToGuest>().unwrap(), Some(a));
+        assert_eq!(dec.decode_next::<HostToGuest>().unwrap(), Some(b));
+        assert_eq!(dec.decode_next::<HostToGuest>().unwrap(), None);
     }
 
     #[test]
     fn oversize_rejected_before_payload_arrives() {
-        let mut dec = FrameDecoder::with_buffered(((MAX_FRAME_BYTES + 1) as u32).to_be_bytes().to_vec());
-        let err = dec.next::<HostToGuest>().unwrap_err();
-        assert!(matches!(err, FrameError::TooLarge { len, .. } if len == MAX_FRAME_BYTES as u64 + 1));
+        let mut dec =
+            FrameDecoder::with_buffered(((MAX_FRAME_BYTES + 1) as u32).to_be_bytes().to_vec());
+        let err = dec.decode_next::<HostToGuest>().unwrap_err();
+        assert!(
+            matches!(err, FrameError::TooLarge { len, .. } if len == MAX_FRAME_BYTES as u64 + 1)
+        );
         assert!(!err.is_recoverable());
         assert_eq!(err.error_code(), ErrorCode::FrameTooLarge);
     }
@@ -291,29 +331,42 @@ mod tests {
         let payload = format!(r#"{{"type":"metrics","pad":"{pad}"}}"#);
         assert_eq!(payload.len(), MAX_FRAME_BYTES);
         let mut dec = FrameDecoder::with_buffered(frame(payload.as_bytes()));
-        assert_eq!(dec.next::<HostToGuest>().unwrap(), Some(HostToGuest::Metrics));
+        assert_eq!(
+            dec.decode_next::<HostToGuest>().unwrap(),
+            Some(HostToGuest::Metrics)
+        );
     }
 
     #[test]
     fn encode_refuses_oversize() {
-        let big = GuestToHost::Started(Started { id: "x".repeat(MAX_FRAME_BYTES), pid: 1 });
+        let big = GuestToHost::Started(Started {
+            id: "x".repeat(MAX_FRAME_BYTES),
+            pid: 1,
+        });
         assert!(matches!(encode(&big), Err(FrameError::TooLarge { .. })));
     }
 
     #[test]
     fn decode_errors_are_precise_and_recoverable() {
-        let cases: Vec<(&[u8], fn(&FrameError) -> bool)> = vec![
+        type Check = fn(&FrameError) -> bool;
+        let cases: Vec<(&[u8], Check)> = vec![
             (b"not json", |e| matches!(e, FrameError::NotJson { .. })),
             (b"", |e| matches!(e, FrameError::NotJson { .. })),
             (b"[1,2]", |e| matches!(e, FrameError::MissingType)),
             (b"{\"id\":1}", |e| matches!(e, FrameError::MissingType)),
             (b"{\"type\":7}", |e| matches!(e, FrameError::MissingType)),
-            (b"{\"type\":\"launch_missiles\"}", |e| matches!(e, FrameError::UnknownType(t) if t == "launch_missiles")),
+            (
+                b"{\"type\":\"launch_missiles\"}",
+                |e| matches!(e, FrameError::UnknownType(t) if t == "launch_missiles"),
+            ),
             // A guest->host type is unknown in the host->guest direction.
-            (b"{\"type\":\"hello\"}", |e| matches!(e, FrameError::UnknownType(_))),
-            (b"{\"type\":\"http_probe\",\"port\":\"x\"}", |e| {
-                matches!(e, FrameError::InvalidMessage { type_name, .. } if type_name == "http_probe")
+            (b"{\"type\":\"hello\"}", |e| {
+                matches!(e, FrameError::UnknownType(_))
             }),
+            (
+                b"{\"type\":\"http_probe\",\"port\":\"x\"}",
+                |e| matches!(e, FrameError::InvalidMessage { type_name, .. } if type_name == "http_probe"),
+            ),
         ];
         let mut bytes = Vec::new();
         for (payload, _) in &cases {
@@ -322,12 +375,19 @@ mod tests {
         bytes.extend(encode(&HostToGuest::Metrics).unwrap());
         let mut dec = FrameDecoder::with_buffered(bytes);
         for (payload, check) in &cases {
-            let err = dec.next::<HostToGuest>().unwrap_err();
-            assert!(check(&err), "{:?} -> {err:?}", String::from_utf8_lossy(payload));
+            let err = dec.decode_next::<HostToGuest>().unwrap_err();
+            assert!(
+                check(&err),
+                "{:?} -> {err:?}",
+                String::from_utf8_lossy(payload)
+            );
             assert!(err.is_recoverable());
         }
         // The stream stayed aligned: the good frame after the bad ones decodes.
-        assert_eq!(dec.next::<HostToGuest>().unwrap(), Some(HostToGuest::Metrics));
+        assert_eq!(
+            dec.decode_next::<HostToGuest>().unwrap(),
+            Some(HostToGuest::Metrics)
+        );
     }
 
     #[test]
@@ -360,12 +420,21 @@ mod tests {
         all.extend(&second);
         let (seed, rest) = all.split_at(split);
         let mut reader = FrameReader::with_buffered(rest, seed.to_vec());
-        assert_eq!(reader.read::<HostToGuest>().await.unwrap(), Some(HostToGuest::Metrics));
-        assert_eq!(reader.read::<HostToGuest>().await.unwrap(), Some(HostToGuest::Shutdown));
+        assert_eq!(
+            reader.read::<HostToGuest>().await.unwrap(),
+            Some(HostToGuest::Metrics)
+        );
+        assert_eq!(
+            reader.read::<HostToGuest>().await.unwrap(),
+            Some(HostToGuest::Shutdown)
+        );
         assert!(reader.read::<HostToGuest>().await.unwrap().is_none());
 
         let cut = &second[..second.len() - 1];
         let mut reader = FrameReader::new(cut);
-        assert!(matches!(reader.read::<HostToGuest>().await, Err(FrameError::Truncated { .. })));
+        assert!(matches!(
+            reader.read::<HostToGuest>().await,
+            Err(FrameError::Truncated { .. })
+        ));
     }
 }

@@ -15,8 +15,8 @@ use tokio::time::Instant;
 
 use crate::frame::{FrameError, FrameReader, FrameWriter};
 use crate::protocol::{
-    ErrorMsg, Exec, Exited, GuestMetrics, GuestToHost, Hello, HostToGuest, HttpProbe, MIN_SUPPORTED_PROTOCOL,
-    PROTOCOL_VERSION, ProbeResult, Started,
+    ErrorMsg, Exec, Exited, GuestMetrics, GuestToHost, Hello, HostToGuest, HttpProbe,
+    MIN_SUPPORTED_PROTOCOL, PROTOCOL_VERSION, ProbeResult, Started,
 };
 
 /// The `OK <n>\n` line is short; more than this without a newline is not Firecracker.
@@ -49,7 +49,10 @@ pub enum HostError {
 impl HostError {
     /// Worth another attempt while the guest may still be booting.
     fn retryable(&self) -> bool {
-        matches!(self, HostError::Io(_) | HostError::Closed | HostError::Handshake(_) | HostError::Frame(_))
+        matches!(
+            self,
+            HostError::Io(_) | HostError::Closed | HostError::Handshake(_) | HostError::Frame(_)
+        )
     }
 }
 
@@ -66,7 +69,11 @@ pub struct HostClient {
 /// Connect through Firecracker's hybrid vsock at `uds_path` to guest `port`, retrying (the VM
 /// may still be booting, Firecracker closes the stream while nothing listens on the port) until
 /// the guest's Hello arrives or `deadline` passes.
-pub async fn connect(uds_path: &Path, port: u32, deadline: Instant) -> Result<HostClient, HostError> {
+pub async fn connect(
+    uds_path: &Path,
+    port: u32,
+    deadline: Instant,
+) -> Result<HostClient, HostError> {
     retry(uds_path, deadline, || connect_once(uds_path, Some(port))).await
 }
 
@@ -75,7 +82,11 @@ pub async fn connect_unix(path: &Path, deadline: Instant) -> Result<HostClient, 
     retry(path, deadline, || connect_once(path, None)).await
 }
 
-async fn retry<F, Fut>(path: &Path, deadline: Instant, mut attempt: F) -> Result<HostClient, HostError>
+async fn retry<F, Fut>(
+    path: &Path,
+    deadline: Instant,
+    mut attempt: F,
+) -> Result<HostClient, HostError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<HostClient, HostError>>,
@@ -89,12 +100,19 @@ where
             Ok(Err(e)) => return Err(e),
             // Keep the previous failure: it says more than "still waiting".
             Err(_) => {
-                let last = last.unwrap_or_else(|| "attempt still in progress at the deadline".into());
-                return Err(HostError::Timeout { path: path.to_owned(), last });
+                let last =
+                    last.unwrap_or_else(|| "attempt still in progress at the deadline".into());
+                return Err(HostError::Timeout {
+                    path: path.to_owned(),
+                    last,
+                });
             }
         }
         if Instant::now() + delay >= deadline {
-            return Err(HostError::Timeout { path: path.to_owned(), last: last.unwrap_or_default() });
+            return Err(HostError::Timeout {
+                path: path.to_owned(),
+                last: last.unwrap_or_default(),
+            });
         }
         tokio::time::sleep(delay).await;
         delay = (delay * 2).min(RETRY_MAX);
@@ -113,7 +131,9 @@ async fn connect_once(path: &Path, vsock_port: Option<u32>) -> Result<HostClient
 /// Send `CONNECT`, read the `OK` line and return whatever followed it in the same reads: the
 /// guest may already have sent its Hello.
 async fn handshake(stream: &mut UnixStream, port: u32) -> Result<Vec<u8>, HostError> {
-    stream.write_all(format!("CONNECT {port}\n").as_bytes()).await?;
+    stream
+        .write_all(format!("CONNECT {port}\n").as_bytes())
+        .await?;
     let mut buf = Vec::with_capacity(MAX_HANDSHAKE_LINE);
     let mut chunk = [0u8; 256];
     loop {
@@ -125,7 +145,9 @@ async fn handshake(stream: &mut UnixStream, port: u32) -> Result<Vec<u8>, HostEr
             return Ok(buf.split_off(nl + 1));
         }
         if buf.len() > MAX_HANDSHAKE_LINE {
-            return Err(HostError::Handshake(String::from_utf8_lossy(&buf).into_owned()));
+            return Err(HostError::Handshake(
+                String::from_utf8_lossy(&buf).into_owned(),
+            ));
         }
         let n = stream.read(&mut chunk).await?;
         if n == 0 {
@@ -136,7 +158,8 @@ async fn handshake(stream: &mut UnixStream, port: u32) -> Result<Vec<u8>, HostEr
 }
 
 fn is_ok_line(line: &str) -> bool {
-    line.strip_prefix("OK ").is_some_and(|n| n.trim_end_matches('\r').parse::<u32>().is_ok())
+    line.strip_prefix("OK ")
+        .is_some_and(|n| n.trim_end_matches('\r').parse::<u32>().is_ok())
 }
 
 /// Version rule: the guest states its major version in Hello; the host accepts it when it is
@@ -145,7 +168,11 @@ pub fn check_protocol(guest: u32) -> Result<(), HostError> {
     if (MIN_SUPPORTED_PROTOCOL..=PROTOCOL_VERSION).contains(&guest) {
         Ok(())
     } else {
-        Err(HostError::IncompatibleProtocol { guest, min: MIN_SUPPORTED_PROTOCOL, max: PROTOCOL_VERSION })
+        Err(HostError::IncompatibleProtocol {
+            guest,
+            min: MIN_SUPPORTED_PROTOCOL,
+            max: PROTOCOL_VERSION,
+        })
     }
 }
 
@@ -159,7 +186,12 @@ impl HostClient {
             None => return Err(HostError::Closed),
         };
         check_protocol(hello.protocol)?;
-        Ok(Self { reader, writer: FrameWriter::new(wr), hello, events: VecDeque::new() })
+        Ok(Self {
+            reader,
+            writer: FrameWriter::new(wr),
+            hello,
+            events: VecDeque::new(),
+        })
     }
 
     pub fn hello(&self) -> &Hello {
@@ -184,15 +216,23 @@ impl HostClient {
     }
 
     async fn read_wire(&mut self) -> Result<GuestToHost, HostError> {
-        self.reader.read::<GuestToHost>().await?.ok_or(HostError::Closed)
+        self.reader
+            .read::<GuestToHost>()
+            .await?
+            .ok_or(HostError::Closed)
     }
 
     /// Read until `pick` accepts a frame; frames it declines are queued as events.
-    async fn answer<T>(&mut self, mut pick: impl FnMut(&GuestToHost) -> bool, take: impl Fn(GuestToHost) -> Option<T>) -> Result<T, HostError> {
+    async fn answer<T>(
+        &mut self,
+        mut pick: impl FnMut(&GuestToHost) -> bool,
+        take: impl Fn(GuestToHost) -> Option<T>,
+    ) -> Result<T, HostError> {
         loop {
             let msg = self.read_wire().await?;
             if pick(&msg) {
-                return take(msg).ok_or_else(|| HostError::Unexpected("answer did not match".into()));
+                return take(msg)
+                    .ok_or_else(|| HostError::Unexpected("answer did not match".into()));
             }
             self.events.push_back(msg);
         }
@@ -222,10 +262,13 @@ impl HostClient {
 
     /// Wait for the `Exited` of exec `id` (queued or still to come).
     pub async fn wait_exited(&mut self, id: &str) -> Result<Exited, HostError> {
-        if let Some(pos) = self.events.iter().position(|m| matches!(m, GuestToHost::Exited(e) if e.id == id)) {
-            if let Some(GuestToHost::Exited(e)) = self.events.remove(pos) {
-                return Ok(e);
-            }
+        if let Some(pos) = self
+            .events
+            .iter()
+            .position(|m| matches!(m, GuestToHost::Exited(e) if e.id == id))
+            && let Some(GuestToHost::Exited(e)) = self.events.remove(pos)
+        {
+            return Ok(e);
         }
         self.answer(
             |m| matches!(m, GuestToHost::Exited(e) if e.id == id),
@@ -239,7 +282,13 @@ impl HostClient {
 
     pub async fn probe(&mut self, req: HttpProbe) -> Result<ProbeResult, HostError> {
         self.send(&HostToGuest::HttpProbe(req)).await?;
-        match self.answer(|m| matches!(m, GuestToHost::ProbeResult(_) | GuestToHost::Error(_)), Some).await? {
+        match self
+            .answer(
+                |m| matches!(m, GuestToHost::ProbeResult(_) | GuestToHost::Error(_)),
+                Some,
+            )
+            .await?
+        {
             GuestToHost::ProbeResult(r) => Ok(r),
             GuestToHost::Error(e) => Err(HostError::Guest(e)),
             other => Err(HostError::Unexpected(type_name(&other))),
@@ -248,7 +297,13 @@ impl HostClient {
 
     pub async fn metrics(&mut self) -> Result<GuestMetrics, HostError> {
         self.send(&HostToGuest::Metrics).await?;
-        match self.answer(|m| matches!(m, GuestToHost::GuestMetrics(_) | GuestToHost::Error(_)), Some).await? {
+        match self
+            .answer(
+                |m| matches!(m, GuestToHost::GuestMetrics(_) | GuestToHost::Error(_)),
+                Some,
+            )
+            .await?
+        {
             GuestToHost::GuestMetrics(r) => Ok(r),
             GuestToHost::Error(e) => Err(HostError::Guest(e)),
             other => Err(HostError::Unexpected(type_name(&other))),
@@ -284,7 +339,10 @@ mod tests {
     #[test]
     fn protocol_range() {
         assert!(check_protocol(PROTOCOL_VERSION).is_ok());
-        assert!(matches!(check_protocol(PROTOCOL_VERSION + 1), Err(HostError::IncompatibleProtocol { .. })));
+        assert!(matches!(
+            check_protocol(PROTOCOL_VERSION + 1),
+            Err(HostError::IncompatibleProtocol { .. })
+        ));
         assert!(check_protocol(0).is_err());
     }
 }

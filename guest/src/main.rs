@@ -37,7 +37,9 @@ enum Command {
 fn init_logging() {
     use tracing_subscriber::EnvFilter;
     tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
@@ -51,22 +53,38 @@ fn main() -> std::process::ExitCode {
     }
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Agent { listen_unix, listen_vsock, report_grace_s }) => {
-            agent_mode(listen_unix, listen_vsock, Duration::from_secs(report_grace_s))
-        }
+        Some(Command::Agent {
+            listen_unix,
+            listen_vsock,
+            report_grace_s,
+        }) => agent_mode(
+            listen_unix,
+            listen_vsock,
+            Duration::from_secs(report_grace_s),
+        ),
         None => {
             // PID 1 work (mounts, switch_root, power-off) on a host would be destructive.
-            eprintln!("imp-guest: not PID 1; run `imp-guest agent` for the agent alone (see --help)");
+            eprintln!(
+                "imp-guest: not PID 1; run `imp-guest agent` for the agent alone (see --help)"
+            );
             std::process::ExitCode::from(2)
         }
     }
 }
 
-fn agent_mode(listen_unix: Option<PathBuf>, listen_vsock: u32, report_grace: Duration) -> std::process::ExitCode {
+fn agent_mode(
+    listen_unix: Option<PathBuf>,
+    listen_vsock: u32,
+    report_grace: Duration,
+) -> std::process::ExitCode {
     // Orphans of exec'd jobs get reparented to us, as they would to PID 1 in a VM.
     // SAFETY: prctl with integer arguments only.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("imp-guest: start async runtime: {e}");
@@ -78,7 +96,11 @@ fn agent_mode(listen_unix: Option<PathBuf>, listen_vsock: u32, report_grace: Dur
         let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
             .map(|s| s.trim().to_owned())
             .unwrap_or_else(|_| format!("pid-{}", std::process::id()));
-        let agent = match Agent::start(AgentConfig { boot_id, report_grace, metrics_root: "/".into() }) {
+        let agent = match Agent::start(AgentConfig {
+            boot_id,
+            report_grace,
+            metrics_root: "/".into(),
+        }) {
             Ok(a) => a,
             Err(e) => {
                 tracing::error!(error = %e, "agent failed to start");

@@ -261,7 +261,9 @@ mod tests {
             "type": "exec", "id": "a", "argv": ["/bin/true"], "env": {"K": "v"}
         }))
         .unwrap();
-        let HostToGuest::Exec(exec) = msg else { panic!("not exec") };
+        let HostToGuest::Exec(exec) = msg else {
+            panic!("not exec")
+        };
         assert_eq!(exec.env["K"].expose(), "v");
         assert_eq!(exec.timeout_s, None);
         assert!(!exec.poweroff_on_exit);
@@ -272,7 +274,10 @@ mod tests {
 
     #[test]
     fn unit_variants_are_bare_type_objects() {
-        assert_eq!(serde_json::to_value(HostToGuest::Metrics).unwrap(), json!({"type": "metrics"}));
+        assert_eq!(
+            serde_json::to_value(HostToGuest::Metrics).unwrap(),
+            json!({"type": "metrics"})
+        );
         let s: HostToGuest = serde_json::from_value(json!({"type": "shutdown"})).unwrap();
         assert_eq!(s, HostToGuest::Shutdown);
     }
@@ -291,26 +296,50 @@ mod tests {
                 stream_output: false,
                 poweroff_on_exit: false,
             }),
-            HostToGuest::HttpProbe(HttpProbe { path: "/".into(), port: 1, timeout_ms: 1 }),
+            HostToGuest::HttpProbe(HttpProbe {
+                path: "/".into(),
+                port: 1,
+                timeout_ms: 1,
+            }),
             HostToGuest::Metrics,
             HostToGuest::Shutdown,
         ];
         let names: Vec<String> = host
             .iter()
-            .map(|m| serde_json::to_value(m).unwrap()["type"].as_str().unwrap().to_owned())
+            .map(|m| {
+                serde_json::to_value(m).unwrap()["type"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
             .collect();
         assert_eq!(names, HostToGuest::TYPES);
 
         let guest = [
-            GuestToHost::Hello(Hello { protocol: 1, agent_version: "x".into(), boot_id: "b".into() }),
-            GuestToHost::Started(Started { id: "i".into(), pid: 1 }),
+            GuestToHost::Hello(Hello {
+                protocol: 1,
+                agent_version: "x".into(),
+                boot_id: "b".into(),
+            }),
+            GuestToHost::Started(Started {
+                id: "i".into(),
+                pid: 1,
+            }),
             GuestToHost::Output(Output {
                 id: "i".into(),
                 stream: OutputStream::Stderr,
                 data_b64: String::new(),
             }),
-            GuestToHost::Exited(Exited { id: "i".into(), code: Some(0), signal: None, timed_out: false }),
-            GuestToHost::ProbeResult(ProbeResult { status: Some(200), error: None }),
+            GuestToHost::Exited(Exited {
+                id: "i".into(),
+                code: Some(0),
+                signal: None,
+                timed_out: false,
+            }),
+            GuestToHost::ProbeResult(ProbeResult {
+                status: Some(200),
+                error: None,
+            }),
             GuestToHost::GuestMetrics(GuestMetrics {
                 memory_total_bytes: 1,
                 memory_used_bytes: 1,
@@ -318,11 +347,20 @@ mod tests {
                 disk_used_bytes: 1,
                 uptime_seconds: 1.0,
             }),
-            GuestToHost::Error(ErrorMsg { code: ErrorCode::Internal, message: "m".into(), id: None }),
+            GuestToHost::Error(ErrorMsg {
+                code: ErrorCode::Internal,
+                message: "m".into(),
+                id: None,
+            }),
         ];
         let names: Vec<String> = guest
             .iter()
-            .map(|m| serde_json::to_value(m).unwrap()["type"].as_str().unwrap().to_owned())
+            .map(|m| {
+                serde_json::to_value(m).unwrap()["type"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
             .collect();
         assert_eq!(names, GuestToHost::TYPES);
     }
@@ -330,7 +368,10 @@ mod tests {
     #[test]
     fn redacted_debug_hides_value() {
         let mut env = BTreeMap::new();
-        env.insert("ACTIONS_RUNNER_INPUT_JITCONFIG".to_owned(), Redacted::new("s3cr3t-jit"));
+        env.insert(
+            "ACTIONS_RUNNER_INPUT_JITCONFIG".to_owned(),
+            Redacted::new("s3cr3t-jit"),
+        );
         let exec = Exec {
             id: "i".into(),
             argv: vec!["run.sh".into()],

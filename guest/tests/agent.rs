@@ -9,7 +9,9 @@ use std::time::Duration;
 use common::{AgentProc, exec, run, sh};
 use imp_guest::frame::{MAX_FRAME_BYTES, encode};
 use imp_guest::host::HostError;
-use imp_guest::protocol::{ErrorCode, GuestToHost, HostToGuest, HttpProbe, PROTOCOL_VERSION, Redacted};
+use imp_guest::protocol::{
+    ErrorCode, GuestToHost, HostToGuest, HttpProbe, PROTOCOL_VERSION, Redacted,
+};
 
 #[tokio::test]
 async fn hello_states_version_and_boot_id() {
@@ -54,7 +56,10 @@ async fn env_is_delivered_exactly() {
             (k.to_owned(), v.to_owned())
         })
         .collect();
-    let want: BTreeMap<String, String> = env.iter().map(|(k, v)| (k.clone(), v.expose().to_owned())).collect();
+    let want: BTreeMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.clone(), v.expose().to_owned()))
+        .collect();
     // Nothing inherited from the agent (it runs with RUST_LOG set), nothing missing.
     assert_eq!(got, want);
 }
@@ -68,7 +73,10 @@ async fn cwd_and_argv0_path_lookup() {
     let (out, _, exited) = run(&mut client, req).await;
     assert_eq!(exited.code, Some(0));
     let want = agent.dir.path().canonicalize().unwrap();
-    assert_eq!(String::from_utf8(out).unwrap().trim_end(), want.to_string_lossy());
+    assert_eq!(
+        String::from_utf8(out).unwrap().trim_end(),
+        want.to_string_lossy()
+    );
 
     let mut req = exec("nopath", &["true"]);
     req.env.clear();
@@ -105,7 +113,10 @@ async fn exit_codes_and_signals_reported() {
 
     client.exec(sh("sig", "kill -TERM $$")).await.unwrap();
     let e = client.wait_exited("sig").await.unwrap();
-    assert_eq!((e.code, e.signal, e.timed_out), (None, Some(libc::SIGTERM), false));
+    assert_eq!(
+        (e.code, e.signal, e.timed_out),
+        (None, Some(libc::SIGTERM), false)
+    );
 
     // Concurrent execs on one connection; exits come back as they happen, matched by id.
     client.exec(sh("slow", "sleep 0.5; exit 3")).await.unwrap();
@@ -119,19 +130,38 @@ async fn timeout_kills_the_process_group() {
     let agent = AgentProc::start();
     let mut client = agent.connect().await;
     let pidfile = agent.dir.path().join("bg.pid");
-    let mut req = sh("t", &format!("sleep 60 & echo $! > {}; wait", pidfile.display()));
+    let mut req = sh(
+        "t",
+        &format!("sleep 60 & echo $! > {}; wait", pidfile.display()),
+    );
     req.timeout_s = Some(1);
     let t0 = std::time::Instant::now();
     client.exec(req).await.unwrap();
-    let e = tokio::time::timeout(Duration::from_secs(10), client.wait_exited("t")).await.unwrap().unwrap();
-    assert_eq!((e.code, e.signal, e.timed_out), (None, Some(libc::SIGKILL), true));
+    let e = tokio::time::timeout(Duration::from_secs(10), client.wait_exited("t"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (e.code, e.signal, e.timed_out),
+        (None, Some(libc::SIGKILL), true)
+    );
     let elapsed = t0.elapsed();
-    assert!(elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(5), "{elapsed:?}");
+    assert!(
+        elapsed >= Duration::from_millis(900) && elapsed < Duration::from_secs(5),
+        "{elapsed:?}"
+    );
     // The background child was in the group, so it is gone too (and reaped by the subreaper).
-    let bg: i32 = std::fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    let bg: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while std::path::Path::new(&format!("/proc/{bg}")).exists() {
-        assert!(std::time::Instant::now() < deadline, "background sleep {bg} survived the timeout");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "background sleep {bg} survived the timeout"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -140,7 +170,10 @@ async fn timeout_kills_the_process_group() {
 async fn duplicate_exec_id_never_starts_a_second_process() {
     let agent = AgentProc::start();
     let counter = agent.dir.path().join("count");
-    let req = sh("dup", &format!("echo run >> {}; sleep 0.5", counter.display()));
+    let req = sh(
+        "dup",
+        &format!("echo run >> {}; sleep 0.5", counter.display()),
+    );
     let mut client = agent.connect().await;
     let first = client.exec(req.clone()).await.unwrap();
     // Same connection while running: same pid, no new process.
@@ -164,7 +197,10 @@ async fn duplicate_exec_id_never_starts_a_second_process() {
 async fn process_survives_connection_drop_and_exit_is_reported_on_reconnect() {
     let agent = AgentProc::start();
     let marker = agent.dir.path().join("done");
-    let req = sh("job", &format!("sleep 0.7; echo done > {}; exit 5", marker.display()));
+    let req = sh(
+        "job",
+        &format!("sleep 0.7; echo done > {}; exit 5", marker.display()),
+    );
     let pid = {
         let mut client = agent.connect().await;
         client.exec(req.clone()).await.unwrap().pid
@@ -214,13 +250,18 @@ async fn garbage_frames_get_errors_and_the_connection_goes_on() {
         (b"\xff\xfe not json", ErrorCode::InvalidMessage),
         (b"{\"no\":\"type\"}", ErrorCode::InvalidMessage),
         (b"{\"type\":\"reformat_disk\"}", ErrorCode::UnknownType),
-        (b"{\"type\":\"started\",\"id\":\"x\",\"pid\":1}", ErrorCode::UnknownType),
+        (
+            b"{\"type\":\"started\",\"id\":\"x\",\"pid\":1}",
+            ErrorCode::UnknownType,
+        ),
         (b"{\"type\":\"exec\",\"id\":5}", ErrorCode::InvalidMessage),
     ];
     for (payload, code) in cases {
         client.send_raw(&frame(payload)).await.unwrap();
         match client.recv().await.unwrap() {
-            GuestToHost::Error(e) => assert_eq!(e.code, code, "{}", String::from_utf8_lossy(payload)),
+            GuestToHost::Error(e) => {
+                assert_eq!(e.code, code, "{}", String::from_utf8_lossy(payload))
+            }
             other => panic!("expected error, got {other:?}"),
         }
     }
@@ -233,7 +274,10 @@ async fn garbage_frames_get_errors_and_the_connection_goes_on() {
 async fn oversize_frame_is_rejected_and_the_connection_closed() {
     let agent = AgentProc::start();
     let mut client = agent.connect().await;
-    client.send_raw(&((MAX_FRAME_BYTES as u32) + 1).to_be_bytes()).await.unwrap();
+    client
+        .send_raw(&((MAX_FRAME_BYTES as u32) + 1).to_be_bytes())
+        .await
+        .unwrap();
     match client.recv().await.unwrap() {
         GuestToHost::Error(e) => assert_eq!(e.code, ErrorCode::FrameTooLarge),
         other => panic!("expected error, got {other:?}"),
@@ -242,7 +286,10 @@ async fn oversize_frame_is_rejected_and_the_connection_closed() {
     // A u32::MAX length is refused the same way, and the agent is unharmed.
     let mut client = agent.connect().await;
     client.send_raw(&u32::MAX.to_be_bytes()).await.unwrap();
-    assert!(matches!(client.recv().await.unwrap(), GuestToHost::Error(_)));
+    assert!(matches!(
+        client.recv().await.unwrap(),
+        GuestToHost::Error(_)
+    ));
     let mut client = agent.connect().await;
     assert!(client.metrics().await.is_ok());
     // Exactly at the limit is fine: a valid (if padded) request gets its answer.
@@ -251,7 +298,10 @@ async fn oversize_frame_is_rejected_and_the_connection_closed() {
     let mut raw = (payload.len() as u32).to_be_bytes().to_vec();
     raw.extend(payload.as_bytes());
     client.send_raw(&raw).await.unwrap();
-    assert!(matches!(client.recv().await.unwrap(), GuestToHost::GuestMetrics(_)));
+    assert!(matches!(
+        client.recv().await.unwrap(),
+        GuestToHost::GuestMetrics(_)
+    ));
 }
 
 #[tokio::test]
@@ -291,16 +341,37 @@ async fn probe_results() {
     let agent = AgentProc::start();
     let mut client = agent.connect().await;
     let ok = http_server("HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n").await;
-    let r = client.probe(HttpProbe { path: "/healthz".into(), port: ok, timeout_ms: 2000 }).await.unwrap();
+    let r = client
+        .probe(HttpProbe {
+            path: "/healthz".into(),
+            port: ok,
+            timeout_ms: 2000,
+        })
+        .await
+        .unwrap();
     assert_eq!((r.status, r.error), (Some(204), None));
 
     let bad = http_server("HTTP/1.0 503 Service Unavailable\r\n\r\n").await;
-    let r = client.probe(HttpProbe { path: "/".into(), port: bad, timeout_ms: 2000 }).await.unwrap();
+    let r = client
+        .probe(HttpProbe {
+            path: "/".into(),
+            port: bad,
+            timeout_ms: 2000,
+        })
+        .await
+        .unwrap();
     assert_eq!(r.status, Some(503));
 
     let hang = http_server("").await;
     let t0 = std::time::Instant::now();
-    let r = client.probe(HttpProbe { path: "/".into(), port: hang, timeout_ms: 300 }).await.unwrap();
+    let r = client
+        .probe(HttpProbe {
+            path: "/".into(),
+            port: hang,
+            timeout_ms: 300,
+        })
+        .await
+        .unwrap();
     assert_eq!(r.status, None);
     assert!(r.error.unwrap().contains("timed out"));
     assert!(t0.elapsed() < Duration::from_secs(3));
@@ -309,15 +380,36 @@ async fn probe_results() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let r = client.probe(HttpProbe { path: "/".into(), port: closed, timeout_ms: 1000 }).await.unwrap();
+    let r = client
+        .probe(HttpProbe {
+            path: "/".into(),
+            port: closed,
+            timeout_ms: 1000,
+        })
+        .await
+        .unwrap();
     assert_eq!(r.status, None);
     assert!(r.error.unwrap().contains("connect"));
 
     let garbage = http_server("SSH-2.0-OpenSSH_9.2\r\n").await;
-    let r = client.probe(HttpProbe { path: "/".into(), port: garbage, timeout_ms: 1000 }).await.unwrap();
+    let r = client
+        .probe(HttpProbe {
+            path: "/".into(),
+            port: garbage,
+            timeout_ms: 1000,
+        })
+        .await
+        .unwrap();
     assert_eq!(r.status, None);
 
-    let r = client.probe(HttpProbe { path: "/x\r\nEvil: 1".into(), port: ok, timeout_ms: 1000 }).await.unwrap();
+    let r = client
+        .probe(HttpProbe {
+            path: "/x\r\nEvil: 1".into(),
+            port: ok,
+            timeout_ms: 1000,
+        })
+        .await
+        .unwrap();
     assert!(r.error.unwrap().contains("invalid probe path"));
 }
 
@@ -337,7 +429,10 @@ async fn orphans_are_reaped() {
     let mut client = agent.connect().await;
     // The shell exits at once; its background child is reparented to the agent (subreaper,
     // like PID 1 in the VM) and must not linger as a zombie once it exits.
-    client.exec(sh("orphan", "sleep 0.3 & exit 0")).await.unwrap();
+    client
+        .exec(sh("orphan", "sleep 0.3 & exit 0"))
+        .await
+        .unwrap();
     assert_eq!(client.wait_exited("orphan").await.unwrap().code, Some(0));
     tokio::time::sleep(Duration::from_millis(1800)).await;
     assert_eq!(common::zombie_children(agent.pid()), Vec::<u32>::new());
@@ -351,7 +446,9 @@ async fn poweroff_on_exit_after_the_exit_was_reported() {
     req.poweroff_on_exit = true;
     client.exec(req).await.unwrap();
     assert_eq!(client.wait_exited("runner").await.unwrap().code, Some(0));
-    let status = agent.wait_exit(Duration::from_secs(10)).expect("agent did not power off");
+    let status = agent
+        .wait_exit(Duration::from_secs(10))
+        .expect("agent did not power off");
     assert!(status.success());
     let log = agent.stop();
     assert!(log.contains("WorkloadExitReported"), "{log}");
@@ -368,7 +465,9 @@ async fn poweroff_on_exit_without_a_host_waits_for_the_grace_period() {
         // Drop before reading Exited. (The agent may still manage to write it: then it is
         // reported, which also ends the VM.)
     }
-    let status = agent.wait_exit(Duration::from_secs(10)).expect("agent did not power off");
+    let status = agent
+        .wait_exit(Duration::from_secs(10))
+        .expect("agent did not power off");
     assert!(status.success());
 }
 
@@ -377,7 +476,12 @@ async fn shutdown_request_ends_the_agent() {
     let mut agent = AgentProc::start();
     let mut client = agent.connect().await;
     client.shutdown().await.unwrap();
-    assert!(agent.wait_exit(Duration::from_secs(10)).expect("still running").success());
+    assert!(
+        agent
+            .wait_exit(Duration::from_secs(10))
+            .expect("still running")
+            .success()
+    );
     assert!(!agent.socket.exists(), "socket file left behind");
 }
 
@@ -387,7 +491,10 @@ async fn secrets_never_reach_logs_or_console() {
     let mut agent = AgentProc::start();
     let mut client = agent.connect().await;
     let mut req = exec("runner", &["true"]);
-    req.env.insert("ACTIONS_RUNNER_INPUT_JITCONFIG".into(), Redacted::new(SECRET));
+    req.env.insert(
+        "ACTIONS_RUNNER_INPUT_JITCONFIG".into(),
+        Redacted::new(SECRET),
+    );
     client.exec(req.clone()).await.unwrap();
     client.wait_exited("runner").await.unwrap();
     // A replay of the same request, and one that fails to spawn, are logged too.
@@ -414,13 +521,26 @@ async fn secrets_never_reach_logs_or_console() {
         }
     }
     let log = agent.stop();
-    assert!(log.contains("exec requested"), "log capture is not working: {log}");
-    assert!(log.contains("ACTIONS_RUNNER_INPUT_JITCONFIG"), "env keys are expected in the log: {log}");
-    assert!(!log.contains(SECRET), "secret leaked into the agent's output:\n{log}");
+    assert!(
+        log.contains("exec requested"),
+        "log capture is not working: {log}"
+    );
+    assert!(
+        log.contains("ACTIONS_RUNNER_INPUT_JITCONFIG"),
+        "env keys are expected in the log: {log}"
+    );
+    assert!(
+        !log.contains(SECRET),
+        "secret leaked into the agent's output:\n{log}"
+    );
     // Nor on disk under the agent's working area.
     for entry in std::fs::read_dir(agent.dir.path()).unwrap().flatten() {
         if entry.path() != agent.log && entry.path().is_file() {
-            assert!(!std::fs::read_to_string(entry.path()).unwrap_or_default().contains(SECRET));
+            assert!(
+                !std::fs::read_to_string(entry.path())
+                    .unwrap_or_default()
+                    .contains(SECRET)
+            );
         }
     }
 }

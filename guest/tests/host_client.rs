@@ -26,7 +26,12 @@ struct Bridge {
     coalesce_ok_and_hello: bool,
 }
 
-async fn start_bridge(uds: PathBuf, agent_socket: PathBuf, expect_port: u32, cfg: Bridge) -> Arc<AtomicUsize> {
+async fn start_bridge(
+    uds: PathBuf,
+    agent_socket: PathBuf,
+    expect_port: u32,
+    cfg: Bridge,
+) -> Arc<AtomicUsize> {
     let listener = UnixListener::bind(&uds).unwrap();
     let seen = Arc::new(AtomicUsize::new(0));
     let counter = seen.clone();
@@ -69,9 +74,23 @@ fn uds(agent: &AgentProc) -> PathBuf {
 async fn connect_keeps_bytes_that_arrive_with_the_ok_line() {
     let agent = AgentProc::start();
     let uds = uds(&agent);
-    start_bridge(uds.clone(), agent.socket.clone(), 10000, Bridge { refuse_first: 0, coalesce_ok_and_hello: true }).await;
-    let mut client = host::connect(&uds, 10000, Instant::now() + Duration::from_secs(10)).await.unwrap();
-    assert_eq!(client.hello().protocol, imp_guest::protocol::PROTOCOL_VERSION);
+    start_bridge(
+        uds.clone(),
+        agent.socket.clone(),
+        10000,
+        Bridge {
+            refuse_first: 0,
+            coalesce_ok_and_hello: true,
+        },
+    )
+    .await;
+    let mut client = host::connect(&uds, 10000, Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(
+        client.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
     client.exec(sh("via-vsock", "exit 9")).await.unwrap();
     assert_eq!(client.wait_exited("via-vsock").await.unwrap().code, Some(9));
 }
@@ -86,13 +105,29 @@ async fn connect_retries_until_the_guest_listens() {
     let seen2 = seen.clone();
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let c = start_bridge(uds2, agent_sock, 4242, Bridge { refuse_first: 3, coalesce_ok_and_hello: false }).await;
+        let c = start_bridge(
+            uds2,
+            agent_sock,
+            4242,
+            Bridge {
+                refuse_first: 3,
+                coalesce_ok_and_hello: false,
+            },
+        )
+        .await;
         *seen2.lock().unwrap() = Some(c);
     });
     let t0 = std::time::Instant::now();
-    let mut client = host::connect(&uds, 4242, Instant::now() + Duration::from_secs(10)).await.unwrap();
+    let mut client = host::connect(&uds, 4242, Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap();
     assert!(t0.elapsed() >= Duration::from_millis(300));
-    let attempts = seen.lock().unwrap().as_ref().unwrap().load(Ordering::SeqCst);
+    let attempts = seen
+        .lock()
+        .unwrap()
+        .as_ref()
+        .unwrap()
+        .load(Ordering::SeqCst);
     assert_eq!(attempts, 4, "three refused connections, then the good one");
     assert!(client.metrics().await.is_ok());
 }
@@ -101,9 +136,13 @@ async fn connect_retries_until_the_guest_listens() {
 async fn connect_gives_up_at_the_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let t0 = std::time::Instant::now();
-    let err = host::connect(&dir.path().join("absent.sock"), 10000, Instant::now() + Duration::from_millis(400))
-        .await
-        .unwrap_err();
+    let err = host::connect(
+        &dir.path().join("absent.sock"),
+        10000,
+        Instant::now() + Duration::from_millis(400),
+    )
+    .await
+    .unwrap_err();
     assert!(matches!(err, HostError::Timeout { .. }), "{err:?}");
     assert!(t0.elapsed() < Duration::from_secs(2));
 }
@@ -126,11 +165,20 @@ async fn fake_guest(path: &Path, first: Vec<u8>) {
 async fn incompatible_protocol_is_refused_without_retrying() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("g.sock");
-    let hello = GuestToHost::Hello(Hello { protocol: 99, agent_version: "9.0.0".into(), boot_id: "b".into() });
+    let hello = GuestToHost::Hello(Hello {
+        protocol: 99,
+        agent_version: "9.0.0".into(),
+        boot_id: "b".into(),
+    });
     fake_guest(&path, encode(&hello).unwrap()).await;
     let t0 = std::time::Instant::now();
-    let err = host::connect_unix(&path, Instant::now() + Duration::from_secs(10)).await.unwrap_err();
-    assert!(matches!(err, HostError::IncompatibleProtocol { guest: 99, .. }), "{err:?}");
+    let err = host::connect_unix(&path, Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, HostError::IncompatibleProtocol { guest: 99, .. }),
+        "{err:?}"
+    );
     assert!(t0.elapsed() < Duration::from_secs(2), "should not retry");
 }
 
@@ -138,10 +186,18 @@ async fn incompatible_protocol_is_refused_without_retrying() {
 async fn first_frame_must_be_hello() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("g.sock");
-    let started = GuestToHost::Started(imp_guest::protocol::Started { id: "x".into(), pid: 1 });
+    let started = GuestToHost::Started(imp_guest::protocol::Started {
+        id: "x".into(),
+        pid: 1,
+    });
     fake_guest(&path, encode(&started).unwrap()).await;
-    let err = host::connect_unix(&path, Instant::now() + Duration::from_secs(10)).await.unwrap_err();
-    assert!(matches!(err, HostError::NoHello(ref t) if t == "started"), "{err:?}");
+    let err = host::connect_unix(&path, Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, HostError::NoHello(ref t) if t == "started"),
+        "{err:?}"
+    );
 }
 
 #[tokio::test]
@@ -149,7 +205,9 @@ async fn bad_handshake_reply_is_retried_then_reported() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("v.sock");
     fake_guest(&path, b"NOPE\n".to_vec()).await;
-    let err = host::connect(&path, 10000, Instant::now() + Duration::from_millis(500)).await.unwrap_err();
+    let err = host::connect(&path, 10000, Instant::now() + Duration::from_millis(500))
+        .await
+        .unwrap_err();
     match err {
         HostError::Timeout { last, .. } => assert!(last.contains("NOPE"), "{last}"),
         other => panic!("{other:?}"),

@@ -39,7 +39,11 @@ fn namespaced(name: &str, unshare: &[&str]) -> Option<PathBuf> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("--- child stdout ---\n{stdout}\n--- child stderr ---\n{stderr}");
-    assert!(out.status.success(), "namespaced child failed: {:?}", out.status);
+    assert!(
+        out.status.success(),
+        "namespaced child failed: {:?}",
+        out.status
+    );
     // Guards against a filter that matched nothing (which would "pass" with 0 tests).
     assert!(stdout.contains(CHILD_OK), "child did not run the test body");
     None
@@ -51,7 +55,9 @@ fn fs_magic(path: &Path) -> i64 {
 
 #[test]
 fn api_filesystems_mount_idempotently() {
-    let Some(dir) = namespaced("api_filesystems_mount_idempotently", &["--mount"]) else { return };
+    let Some(dir) = namespaced("api_filesystems_mount_idempotently", &["--mount"]) else {
+        return;
+    };
     let root = dir.join("root");
     let mounted = mounts::mount_all(&root, mounts::EARLY).unwrap();
     assert_eq!(mounted.len(), mounts::EARLY.len());
@@ -63,19 +69,33 @@ fn api_filesystems_mount_idempotently() {
     assert!(mounts::mount_all(&root, mounts::EARLY).unwrap().is_empty());
 
     let late = mounts::mount_all(&root, mounts::LATE).unwrap();
-    let late: Vec<_> = late.iter().map(|p| p.strip_prefix(&root).unwrap().to_owned()).collect();
-    assert_eq!(late, [PathBuf::from("tmp"), "dev/pts".into(), "dev/shm".into()]);
+    let late: Vec<_> = late
+        .iter()
+        .map(|p| p.strip_prefix(&root).unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        late,
+        [PathBuf::from("tmp"), "dev/pts".into(), "dev/shm".into()]
+    );
     assert_eq!(fs_magic(&root.join("tmp")), libc::TMPFS_MAGIC);
-    assert_eq!(std::fs::metadata(root.join("tmp")).unwrap().permissions().mode() & 0o7777, 0o1777);
+    assert_eq!(
+        std::fs::metadata(root.join("tmp"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777,
+        0o1777
+    );
     assert!(root.join("dev/pts/ptmx").exists());
     println!("{CHILD_OK}");
 }
 
 #[test]
 fn overlay_root_switch_hostname_resolv_and_loopback() {
-    let Some(dir) =
-        namespaced("overlay_root_switch_hostname_resolv_and_loopback", &["--mount", "--uts", "--net"])
-    else {
+    let Some(dir) = namespaced(
+        "overlay_root_switch_hostname_resolv_and_loopback",
+        &["--mount", "--uts", "--net"],
+    ) else {
         return;
     };
     // The "base image": read-only lower layer.
@@ -83,25 +103,49 @@ fn overlay_root_switch_hostname_resolv_and_loopback() {
     std::fs::create_dir_all(lower.join("etc")).unwrap();
     std::fs::create_dir_all(lower.join("proc")).unwrap();
     std::fs::write(lower.join("marker"), "base").unwrap();
-    std::os::unix::fs::symlink("/run/systemd/resolve/stub-resolv.conf", lower.join("etc/resolv.conf")).unwrap();
+    std::os::unix::fs::symlink(
+        "/run/systemd/resolve/stub-resolv.conf",
+        lower.join("etc/resolv.conf"),
+    )
+    .unwrap();
 
     let scratch = dir.join("scratch");
-    let upper = root::Upper { source: "tmpfs".into(), fstype: "tmpfs".into() };
+    let upper = root::Upper {
+        source: "tmpfs".into(),
+        fstype: "tmpfs".into(),
+    };
     let newroot = root::assemble(&scratch, &root::Lower::Bind(lower.clone()), &upper).unwrap();
     assert_eq!(fs_magic(&newroot), libc::OVERLAYFS_SUPER_MAGIC);
-    assert_eq!(std::fs::read_to_string(newroot.join("marker")).unwrap(), "base");
+    assert_eq!(
+        std::fs::read_to_string(newroot.join("marker")).unwrap(),
+        "base"
+    );
     // The lower layer is mounted read-only: the base image can never be written through it.
     let err = std::fs::write(scratch.join("lower/x"), "x").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EROFS));
     // Writes land in the per-VM upper layer; the base stays pristine.
     std::fs::write(newroot.join("marker"), "changed").unwrap();
     std::fs::write(newroot.join("new"), "n").unwrap();
-    assert_eq!(std::fs::read_to_string(lower.join("marker")).unwrap(), "base");
+    assert_eq!(
+        std::fs::read_to_string(lower.join("marker")).unwrap(),
+        "base"
+    );
     assert!(!lower.join("new").exists());
-    assert_eq!(std::fs::read_to_string(scratch.join("rw/upper/new")).unwrap(), "n");
+    assert_eq!(
+        std::fs::read_to_string(scratch.join("rw/upper/new")).unwrap(),
+        "n"
+    );
 
-    system::write_resolv_conf(&newroot, &["192.0.2.53".parse().unwrap()], &["ci.example".into()]).unwrap();
-    assert!(std::fs::read_link(lower.join("etc/resolv.conf")).is_ok(), "base image was modified");
+    system::write_resolv_conf(
+        &newroot,
+        &["192.0.2.53".parse().unwrap()],
+        &["ci.example".into()],
+    )
+    .unwrap();
+    assert!(
+        std::fs::read_link(lower.join("etc/resolv.conf")).is_ok(),
+        "base image was modified"
+    );
 
     root::switch_root(&newroot, &["/proc"]).unwrap();
     assert_eq!(std::fs::read_to_string("/marker").unwrap(), "changed");
@@ -111,21 +155,30 @@ fn overlay_root_switch_hostname_resolv_and_loopback() {
         .lines()
         .filter(|l| l.split_whitespace().nth(4) == Some("/"))
         .filter_map(|l| l.split(" - ").nth(1)?.split_whitespace().next())
-        .last();
+        .next_back();
     assert_eq!(root_fs, Some("overlay"), "{mountinfo}");
 
     system::set_hostname("imp-vm-test").unwrap();
-    assert_eq!(nix::unistd::gethostname().unwrap().to_str(), Some("imp-vm-test"));
+    assert_eq!(
+        nix::unistd::gethostname().unwrap().to_str(),
+        Some("imp-vm-test")
+    );
 
     let resolv = std::fs::read_to_string("/etc/resolv.conf").unwrap();
-    assert!(resolv.contains("search ci.example\nnameserver 192.0.2.53\n"), "{resolv}");
+    assert!(
+        resolv.contains("search ci.example\nnameserver 192.0.2.53\n"),
+        "{resolv}"
+    );
 
     // A new network namespace starts with lo down: 127.0.0.1 is unusable until loopback_up.
     let loopback_works = || {
         let l = std::net::TcpListener::bind("127.0.0.1:0").ok()?;
         std::net::TcpStream::connect(l.local_addr().ok()?).ok()
     };
-    assert!(loopback_works().is_none(), "lo unexpectedly up in a fresh net namespace");
+    assert!(
+        loopback_works().is_none(),
+        "lo unexpectedly up in a fresh net namespace"
+    );
     system::loopback_up().unwrap();
     assert!(loopback_works().is_some());
     println!("{CHILD_OK}");
@@ -133,11 +186,19 @@ fn overlay_root_switch_hostname_resolv_and_loopback() {
 
 #[test]
 fn lower_from_device_is_mounted_read_only() {
-    let Some(dir) = namespaced("lower_from_device_is_mounted_read_only", &["--mount"]) else { return };
+    let Some(dir) = namespaced("lower_from_device_is_mounted_read_only", &["--mount"]) else {
+        return;
+    };
     // A "device" here is a tmpfs source; the Device path mounts it with MS_RDONLY.
     let scratch = dir.join("scratch");
-    let lower = root::Lower::Device { path: "tmpfs".into(), fstype: "tmpfs".into() };
-    let upper = root::Upper { source: "tmpfs".into(), fstype: "tmpfs".into() };
+    let lower = root::Lower::Device {
+        path: "tmpfs".into(),
+        fstype: "tmpfs".into(),
+    };
+    let upper = root::Upper {
+        source: "tmpfs".into(),
+        fstype: "tmpfs".into(),
+    };
     let newroot = root::assemble(&scratch, &lower, &upper).unwrap();
     let vfs = nix::sys::statvfs::statvfs(&scratch.join("lower")).unwrap();
     assert!(vfs.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY));
@@ -148,10 +209,18 @@ fn lower_from_device_is_mounted_read_only() {
 
 #[test]
 fn assemble_reports_which_mount_failed() {
-    let Some(dir) = namespaced("assemble_reports_which_mount_failed", &["--mount"]) else { return };
+    let Some(dir) = namespaced("assemble_reports_which_mount_failed", &["--mount"]) else {
+        return;
+    };
     let scratch = dir.join("scratch");
-    let lower = root::Lower::Device { path: "/dev/imp-no-such-disk".into(), fstype: "ext4".into() };
-    let upper = root::Upper { source: "tmpfs".into(), fstype: "tmpfs".into() };
+    let lower = root::Lower::Device {
+        path: "/dev/imp-no-such-disk".into(),
+        fstype: "ext4".into(),
+    };
+    let upper = root::Upper {
+        source: "tmpfs".into(),
+        fstype: "tmpfs".into(),
+    };
     let err = root::assemble(&scratch, &lower, &upper).unwrap_err();
     let msg = err.to_string();
     assert!(matches!(err, root::RootError::Mount { .. }), "{err:?}");

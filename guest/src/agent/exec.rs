@@ -149,7 +149,9 @@ impl ExecTable {
         let spawned = spawn(req);
         let (entry, child) = match spawned {
             Ok(child) => {
-                let output = req.stream_output.then(|| broadcast::channel(OUTPUT_BACKLOG).0);
+                let output = req
+                    .stream_output
+                    .then(|| broadcast::channel(OUTPUT_BACKLOG).0);
                 let entry = Arc::new(ExecEntry {
                     id: req.id.clone(),
                     pid: Some(child.id()),
@@ -182,7 +184,13 @@ impl ExecTable {
             let pipes = (child.stdout.take(), child.stderr.take());
             // std's Child is only a handle; dropping it neither waits nor kills.
             drop(child);
-            tokio::spawn(supervise(self.clone(), entry.clone(), rx, req.timeout_s, pipes));
+            tokio::spawn(supervise(
+                self.clone(),
+                entry.clone(),
+                rx,
+                req.timeout_s,
+                pipes,
+            ));
         }
         Ok(Started::New(entry))
     }
@@ -237,15 +245,24 @@ async fn supervise(
     entry: Arc<ExecEntry>,
     mut exit_rx: oneshot::Receiver<WaitStatus>,
     timeout_s: Option<u64>,
-    pipes: (Option<std::process::ChildStdout>, Option<std::process::ChildStderr>),
+    pipes: (
+        Option<std::process::ChildStdout>,
+        Option<std::process::ChildStderr>,
+    ),
 ) {
     let pid = entry.pid.unwrap_or_default() as i32;
     let mut pumps = Vec::new();
     if let Some(tx) = &entry.output {
-        if let Some(out) = pipes.0.and_then(|p| tokio::process::ChildStdout::from_std(p).ok()) {
+        if let Some(out) = pipes
+            .0
+            .and_then(|p| tokio::process::ChildStdout::from_std(p).ok())
+        {
             pumps.push(tokio::spawn(pump(out, OutputStream::Stdout, tx.clone())));
         }
-        if let Some(err) = pipes.1.and_then(|p| tokio::process::ChildStderr::from_std(p).ok()) {
+        if let Some(err) = pipes
+            .1
+            .and_then(|p| tokio::process::ChildStderr::from_std(p).ok())
+        {
             pumps.push(tokio::spawn(pump(err, OutputStream::Stderr, tx.clone())));
         }
     }
@@ -302,7 +319,10 @@ async fn pump<R: tokio::io::AsyncRead + Unpin>(
             Ok(0) | Err(_) => break,
             // No subscriber is fine: streaming is best effort, the pipe must still be drained.
             Ok(n) => {
-                let _ = tx.send(OutputChunk { stream, data: buf[..n].to_vec() });
+                let _ = tx.send(OutputChunk {
+                    stream,
+                    data: buf[..n].to_vec(),
+                });
             }
         }
     }
@@ -312,9 +332,14 @@ fn spawn(req: &Exec) -> Result<std::process::Child, ExecError> {
     let Some(argv0) = req.argv.first() else {
         return Err(ExecError::EmptyArgv);
     };
-    let path_var = req.env.get("PATH").map(|v| v.expose()).unwrap_or(DEFAULT_PATH);
-    let program = resolve_program(argv0, path_var)
-        .ok_or_else(|| ExecError::NotFound { program: argv0.clone() })?;
+    let path_var = req
+        .env
+        .get("PATH")
+        .map(|v| v.expose())
+        .unwrap_or(DEFAULT_PATH);
+    let program = resolve_program(argv0, path_var).ok_or_else(|| ExecError::NotFound {
+        program: argv0.clone(),
+    })?;
     let mut cmd = Command::new(&program);
     cmd.arg0(argv0)
         .args(&req.argv[1..])
@@ -330,14 +355,21 @@ fn spawn(req: &Exec) -> Result<std::process::Child, ExecError> {
     if let Some(uid) = req.uid {
         let gid = req
             .gid
-            .or_else(|| std::fs::read_to_string("/etc/passwd").ok().and_then(|p| primary_gid(&p, uid)))
+            .or_else(|| {
+                std::fs::read_to_string("/etc/passwd")
+                    .ok()
+                    .and_then(|p| primary_gid(&p, uid))
+            })
             .unwrap_or(uid);
         // std drops supplementary groups (setgroups(0)) when switching away from root.
         cmd.uid(uid).gid(gid);
     } else if let Some(gid) = req.gid {
         cmd.gid(gid);
     }
-    cmd.spawn().map_err(|source| ExecError::Spawn { program: argv0.clone(), source })
+    cmd.spawn().map_err(|source| ExecError::Spawn {
+        program: argv0.clone(),
+        source,
+    })
 }
 
 /// Resolve argv[0] like execvp, but against an explicit PATH (the child's, not ours).
@@ -365,8 +397,15 @@ fn is_executable(path: &Path) -> bool {
 pub fn primary_gid(passwd: &str, uid: u32) -> Option<u32> {
     passwd.lines().find_map(|line| {
         let mut fields = line.split(':');
-        let (_name, _pw, u, g) = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
-        (u.parse::<u32>().ok()? == uid).then(|| g.parse().ok()).flatten()
+        let (_name, _pw, u, g) = (
+            fields.next()?,
+            fields.next()?,
+            fields.next()?,
+            fields.next()?,
+        );
+        (u.parse::<u32>().ok()? == uid)
+            .then(|| g.parse().ok())
+            .flatten()
     })
 }
 
@@ -376,7 +415,8 @@ mod tests {
 
     #[test]
     fn primary_gid_from_passwd() {
-        let passwd = "root:x:0:0:root:/root:/bin/sh\nrunner:x:1001:121::/home/runner:/bin/bash\nbad line\n";
+        let passwd =
+            "root:x:0:0:root:/root:/bin/sh\nrunner:x:1001:121::/home/runner:/bin/bash\nbad line\n";
         assert_eq!(primary_gid(passwd, 1001), Some(121));
         assert_eq!(primary_gid(passwd, 0), Some(0));
         assert_eq!(primary_gid(passwd, 5), None);

@@ -7,7 +7,10 @@ use crate::protocol::GuestMetrics;
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
     #[error("read {path}: {source}")]
-    Read { path: &'static str, source: std::io::Error },
+    Read {
+        path: &'static str,
+        source: std::io::Error,
+    },
     #[error("/proc/meminfo has no {0} line")]
     MeminfoField(&'static str),
     #[error("/proc/uptime is malformed")]
@@ -17,18 +20,31 @@ pub enum MetricsError {
 }
 
 pub fn collect(root: &Path) -> Result<GuestMetrics, MetricsError> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo")
-        .map_err(|source| MetricsError::Read { path: "/proc/meminfo", source })?;
+    let meminfo =
+        std::fs::read_to_string("/proc/meminfo").map_err(|source| MetricsError::Read {
+            path: "/proc/meminfo",
+            source,
+        })?;
     let (memory_total_bytes, memory_used_bytes) = parse_meminfo(&meminfo)?;
-    let uptime = std::fs::read_to_string("/proc/uptime")
-        .map_err(|source| MetricsError::Read { path: "/proc/uptime", source })?;
+    let uptime = std::fs::read_to_string("/proc/uptime").map_err(|source| MetricsError::Read {
+        path: "/proc/uptime",
+        source,
+    })?;
     let uptime_seconds = parse_uptime(&uptime)?;
-    let vfs = nix::sys::statvfs::statvfs(root)
-        .map_err(|source| MetricsError::Statvfs { path: root.display().to_string(), source })?;
+    let vfs = nix::sys::statvfs::statvfs(root).map_err(|source| MetricsError::Statvfs {
+        path: root.display().to_string(),
+        source,
+    })?;
     let frsize = vfs.fragment_size() as u64;
     let disk_total_bytes = vfs.blocks() as u64 * frsize;
     let disk_used_bytes = (vfs.blocks() as u64).saturating_sub(vfs.blocks_free() as u64) * frsize;
-    Ok(GuestMetrics { memory_total_bytes, memory_used_bytes, disk_total_bytes, disk_used_bytes, uptime_seconds })
+    Ok(GuestMetrics {
+        memory_total_bytes,
+        memory_used_bytes,
+        disk_total_bytes,
+        disk_used_bytes,
+        uptime_seconds,
+    })
 }
 
 /// (total, used) bytes, used = MemTotal - MemAvailable. Kernels before 3.14 lack
@@ -53,7 +69,10 @@ pub fn parse_meminfo(text: &str) -> Result<(u64, u64), MetricsError> {
 }
 
 pub fn parse_uptime(text: &str) -> Result<f64, MetricsError> {
-    text.split_whitespace().next().and_then(|s| s.parse().ok()).ok_or(MetricsError::Uptime)
+    text.split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .ok_or(MetricsError::Uptime)
 }
 
 #[cfg(test)]
@@ -63,10 +82,16 @@ mod tests {
     #[test]
     fn meminfo_with_and_without_available() {
         let modern = "MemTotal:        2048000 kB\nMemFree:          100000 kB\nMemAvailable:    1024000 kB\n";
-        assert_eq!(parse_meminfo(modern).unwrap(), (2048000 * 1024, 1024000 * 1024));
+        assert_eq!(
+            parse_meminfo(modern).unwrap(),
+            (2048000 * 1024, 1024000 * 1024)
+        );
         let old = "MemTotal: 1000 kB\nMemFree: 100 kB\nBuffers: 50 kB\nCached: 250 kB\n";
         assert_eq!(parse_meminfo(old).unwrap(), (1000 * 1024, 600 * 1024));
-        assert!(matches!(parse_meminfo("MemFree: 1 kB\n"), Err(MetricsError::MeminfoField("MemTotal"))));
+        assert!(matches!(
+            parse_meminfo("MemFree: 1 kB\n"),
+            Err(MetricsError::MeminfoField("MemTotal"))
+        ));
         // A prefix must not match a longer field name.
         assert!(parse_meminfo("MemTotalX: 5 kB\nMemFree: 1 kB\n").is_err());
     }

@@ -23,7 +23,10 @@ use exec::{ExecEntry, ExecState, ExecTable};
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
     #[error("bind unix socket {path}: {source}")]
-    BindUnix { path: PathBuf, source: std::io::Error },
+    BindUnix {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("bind vsock port {port}: {source}")]
     BindVsock { port: u32, source: std::io::Error },
     #[error("install SIGCHLD handler: {0}")]
@@ -63,7 +66,11 @@ impl Agent {
     /// Create the agent and start its reaper. Call inside a tokio runtime, before anything
     /// can spawn children.
     pub fn start(config: AgentConfig) -> Result<Arc<Self>, AgentError> {
-        let agent = Arc::new(Agent { config, execs: ExecTable::new(), shutdown: watch::channel(None).0 });
+        let agent = Arc::new(Agent {
+            config,
+            execs: ExecTable::new(),
+            shutdown: watch::channel(None).0,
+        });
         let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())
             .map_err(AgentError::Signal)?;
         let execs = agent.execs.clone();
@@ -108,7 +115,10 @@ impl Agent {
 
     pub async fn wait_shutdown(&self) -> ShutdownReason {
         let mut rx = self.shutdown.subscribe();
-        let reason = rx.wait_for(|r| r.is_some()).await.expect("sender lives in self");
+        let reason = rx
+            .wait_for(|r| r.is_some())
+            .await
+            .expect("sender lives in self");
         reason.clone().expect("checked by wait_for")
     }
 
@@ -144,20 +154,34 @@ impl Agent {
         let writer = tokio::spawn(write_loop(self.clone(), FrameWriter::new(wr), rx));
         let mut watchers = JoinSet::new();
         let mut reader = FrameReader::new(rd);
-        let _ = tx.send(Outgoing::plain(GuestToHost::Hello(self.hello()))).await;
+        let _ = tx
+            .send(Outgoing::plain(GuestToHost::Hello(self.hello())))
+            .await;
         loop {
             let msg = match reader.read::<HostToGuest>().await {
                 Ok(Some(msg)) => msg,
                 Ok(None) => break,
                 Err(e) if e.is_recoverable() => {
                     tracing::warn!(error = %e, "rejected frame");
-                    let _ = tx.send(Outgoing::plain(error_msg(e.error_code(), e.to_string(), None))).await;
+                    let _ = tx
+                        .send(Outgoing::plain(error_msg(
+                            e.error_code(),
+                            e.to_string(),
+                            None,
+                        )))
+                        .await;
                     continue;
                 }
                 Err(e @ FrameError::TooLarge { .. }) => {
                     // The payload was not consumed, so framing is lost: answer, then close.
                     tracing::warn!(error = %e, "rejected frame, closing connection");
-                    let _ = tx.send(Outgoing::plain(error_msg(e.error_code(), e.to_string(), None))).await;
+                    let _ = tx
+                        .send(Outgoing::plain(error_msg(
+                            e.error_code(),
+                            e.to_string(),
+                            None,
+                        )))
+                        .await;
                     break;
                 }
                 Err(e) => {
@@ -169,7 +193,9 @@ impl Agent {
                 HostToGuest::Exec(req) => self.exec(req, &tx, &mut watchers).await,
                 HostToGuest::HttpProbe(req) => {
                     let result = probe::run(&req).await;
-                    let _ = tx.send(Outgoing::plain(GuestToHost::ProbeResult(result))).await;
+                    let _ = tx
+                        .send(Outgoing::plain(GuestToHost::ProbeResult(result)))
+                        .await;
                 }
                 HostToGuest::Metrics => {
                     let msg = match metrics::collect(&self.config.metrics_root) {
@@ -187,14 +213,25 @@ impl Agent {
         let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
     }
 
-    async fn exec(self: &Arc<Self>, req: Exec, tx: &mpsc::Sender<Outgoing>, watchers: &mut JoinSet<()>) {
+    async fn exec(
+        self: &Arc<Self>,
+        req: Exec,
+        tx: &mpsc::Sender<Outgoing>,
+        watchers: &mut JoinSet<()>,
+    ) {
         // Env keys only: values may be the JIT config.
         let env_keys: Vec<&str> = req.env.keys().map(String::as_str).collect();
         tracing::info!(exec_id = %req.id, argv = ?req.argv, ?env_keys, uid = ?req.uid, timeout_s = ?req.timeout_s, "exec requested");
         let started = match self.execs.start(&req) {
             Ok(s) => s,
             Err(e) => {
-                let _ = tx.send(Outgoing::plain(error_msg(ErrorCode::InvalidRequest, e.to_string(), Some(&req.id)))).await;
+                let _ = tx
+                    .send(Outgoing::plain(error_msg(
+                        ErrorCode::InvalidRequest,
+                        e.to_string(),
+                        Some(&req.id),
+                    )))
+                    .await;
                 return;
             }
         };
@@ -208,12 +245,23 @@ impl Agent {
         let output_rx = entry.subscribe_output();
         let state = entry.state();
         if let ExecState::SpawnFailed(message) = &state {
-            let _ = tx.send(Outgoing::plain(error_msg(ErrorCode::SpawnFailed, message.clone(), Some(&req.id)))).await;
+            let _ = tx
+                .send(Outgoing::plain(error_msg(
+                    ErrorCode::SpawnFailed,
+                    message.clone(),
+                    Some(&req.id),
+                )))
+                .await;
             return;
         }
         let pid = entry.pid.unwrap_or_default();
         // Started is the answer to this request, so it goes out before the next one is read.
-        let _ = tx.send(Outgoing::plain(GuestToHost::Started(Started { id: entry.id.clone(), pid }))).await;
+        let _ = tx
+            .send(Outgoing::plain(GuestToHost::Started(Started {
+                id: entry.id.clone(),
+                pid,
+            })))
+            .await;
         if new && entry.poweroff_on_exit {
             self.arm_unreported_exit_timer(entry.clone());
         }
@@ -226,9 +274,15 @@ impl Agent {
         let grace = self.config.report_grace;
         tokio::spawn(async move {
             let mut rx = entry.subscribe_state();
-            if rx.wait_for(|s| matches!(s, ExecState::Exited(_))).await.is_ok() {
+            if rx
+                .wait_for(|s| matches!(s, ExecState::Exited(_)))
+                .await
+                .is_ok()
+            {
                 tokio::time::sleep(grace).await;
-                agent.request_shutdown(ShutdownReason::WorkloadExitUnreported { id: entry.id.clone() });
+                agent.request_shutdown(ShutdownReason::WorkloadExitUnreported {
+                    id: entry.id.clone(),
+                });
             }
         });
     }
@@ -251,7 +305,10 @@ async fn watch_exec(
                 }
             }
             let _ = tx
-                .send(Outgoing { msg: GuestToHost::Exited(exited), poweroff_after: entry.poweroff_on_exit })
+                .send(Outgoing {
+                    msg: GuestToHost::Exited(exited),
+                    poweroff_after: entry.poweroff_on_exit,
+                })
                 .await;
             return;
         }
@@ -268,7 +325,9 @@ async fn watch_exec(
 async fn recv_output(
     rx: &mut Option<tokio::sync::broadcast::Receiver<exec::OutputChunk>>,
 ) -> Option<exec::OutputChunk> {
-    let Some(r) = rx.as_mut() else { return std::future::pending().await };
+    let Some(r) = rx.as_mut() else {
+        return std::future::pending().await;
+    };
     loop {
         match r.recv().await {
             Ok(chunk) => return Some(chunk),
@@ -290,7 +349,11 @@ fn output_msg(id: &str, chunk: exec::OutputChunk) -> GuestToHost {
 }
 
 fn error_msg(code: ErrorCode, message: String, id: Option<&str>) -> GuestToHost {
-    GuestToHost::Error(ErrorMsg { code, message, id: id.map(str::to_owned) })
+    GuestToHost::Error(ErrorMsg {
+        code,
+        message,
+        id: id.map(str::to_owned),
+    })
 }
 
 struct Outgoing {
@@ -301,7 +364,10 @@ struct Outgoing {
 
 impl Outgoing {
     fn plain(msg: GuestToHost) -> Self {
-        Self { msg, poweroff_after: false }
+        Self {
+            msg,
+            poweroff_after: false,
+        }
     }
 }
 
@@ -318,7 +384,9 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         if out.poweroff_after
             && let GuestToHost::Exited(exited) = &out.msg
         {
-            agent.request_shutdown(ShutdownReason::WorkloadExitReported { id: exited.id.clone() });
+            agent.request_shutdown(ShutdownReason::WorkloadExitReported {
+                id: exited.id.clone(),
+            });
         }
     }
     let _ = writer.shutdown().await;
@@ -336,7 +404,10 @@ impl Listener {
         let _ = std::fs::remove_file(path);
         tokio::net::UnixListener::bind(path)
             .map(Listener::Unix)
-            .map_err(|source| AgentError::BindUnix { path: path.to_owned(), source })
+            .map_err(|source| AgentError::BindUnix {
+                path: path.to_owned(),
+                source,
+            })
     }
 
     pub fn bind_vsock(port: u32) -> Result<Self, AgentError> {

@@ -15,18 +15,26 @@ const MAX_STATUS_LINE: usize = 8 * 1024;
 
 pub async fn run(req: &HttpProbe) -> ProbeResult {
     if !valid_path(&req.path) {
-        return failure("invalid probe path: must start with '/' and contain no spaces or control characters");
+        return failure(
+            "invalid probe path: must start with '/' and contain no spaces or control characters",
+        );
     }
     let timeout = Duration::from_millis(req.timeout_ms).min(MAX_PROBE_TIMEOUT);
     match tokio::time::timeout(timeout, get_status(req.port, &req.path)).await {
-        Ok(Ok(status)) => ProbeResult { status: Some(status), error: None },
+        Ok(Ok(status)) => ProbeResult {
+            status: Some(status),
+            error: None,
+        },
         Ok(Err(e)) => failure(e),
         Err(_) => failure(format!("timed out after {} ms", timeout.as_millis())),
     }
 }
 
 fn failure(msg: impl Into<String>) -> ProbeResult {
-    ProbeResult { status: None, error: Some(msg.into()) }
+    ProbeResult {
+        status: None,
+        error: Some(msg.into()),
+    }
 }
 
 fn valid_path(path: &str) -> bool {
@@ -40,7 +48,10 @@ async fn get_status(port: u16, path: &str) -> Result<u16, String> {
     let request = format!(
         "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUser-Agent: imp-guest-probe\r\nConnection: close\r\n\r\n"
     );
-    stream.write_all(request.as_bytes()).await.map_err(|e| format!("send request: {e}"))?;
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .map_err(|e| format!("send request: {e}"))?;
     let mut buf = Vec::with_capacity(256);
     let mut chunk = [0u8; 512];
     loop {
@@ -50,7 +61,10 @@ async fn get_status(port: u16, path: &str) -> Result<u16, String> {
         if buf.len() > MAX_STATUS_LINE {
             return Err("status line too long".into());
         }
-        let n = stream.read(&mut chunk).await.map_err(|e| format!("read response: {e}"))?;
+        let n = stream
+            .read(&mut chunk)
+            .await
+            .map_err(|e| format!("read response: {e}"))?;
         if n == 0 {
             return Err("connection closed before a status line".into());
         }

@@ -57,7 +57,11 @@ pub struct BootConfig {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CmdlineError {
     #[error("{key}={value:?}: {reason}")]
-    InvalidValue { key: String, value: String, reason: &'static str },
+    InvalidValue {
+        key: String,
+        value: String,
+        reason: &'static str,
+    },
     #[error("{key} needs a value ({key}=...)")]
     MissingValue { key: String },
     #[error("unterminated quote in the kernel command line")]
@@ -114,23 +118,34 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
     let mut lower_fstype = "ext4".to_owned();
 
     for word in split(cmdline)? {
-        let Some(key) = word.split('=').next().filter(|k| k.starts_with("imp.")) else { continue };
+        let Some(key) = word.split('=').next().filter(|k| k.starts_with("imp.")) else {
+            continue;
+        };
         let key = key.to_owned();
         let value = match word.split_once('=') {
             Some((_, v)) => v.to_owned(),
             None => return Err(CmdlineError::MissingValue { key }),
         };
-        let invalid = |reason| CmdlineError::InvalidValue { key: key.clone(), value: value.clone(), reason };
+        let invalid = |reason| CmdlineError::InvalidValue {
+            key: key.clone(),
+            value: value.clone(),
+            reason,
+        };
         match key.as_str() {
             "imp.hostname" => {
                 if !valid_hostname(&value) {
-                    return Err(invalid("not a valid hostname (1-64 of a-z, A-Z, 0-9, '-', '.')"));
+                    return Err(invalid(
+                        "not a valid hostname (1-64 of a-z, A-Z, 0-9, '-', '.')",
+                    ));
                 }
                 cfg.hostname = Some(value.clone());
             }
             "imp.dns" => {
                 for part in value.split(',').filter(|p| !p.is_empty()) {
-                    cfg.dns.push(part.parse().map_err(|_| invalid("not an IP address list"))?);
+                    cfg.dns.push(
+                        part.parse()
+                            .map_err(|_| invalid("not an IP address list"))?,
+                    );
                 }
             }
             "imp.dns_search" => {
@@ -141,15 +156,33 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
                     cfg.dns_search.push(part.to_owned());
                 }
             }
-            "imp.overlay" => overlay_dev = Some(device(&value).ok_or_else(|| invalid("must be an absolute device path"))?),
-            "imp.overlay_fstype" => overlay_fstype = fstype(&value).ok_or_else(|| invalid("not a filesystem type"))?,
-            "imp.lower" => lower_dev = Some(device(&value).ok_or_else(|| invalid("must be an absolute device path"))?),
-            "imp.lower_fstype" => lower_fstype = fstype(&value).ok_or_else(|| invalid("not a filesystem type"))?,
+            "imp.overlay" => {
+                overlay_dev =
+                    Some(device(&value).ok_or_else(|| invalid("must be an absolute device path"))?)
+            }
+            "imp.overlay_fstype" => {
+                overlay_fstype = fstype(&value).ok_or_else(|| invalid("not a filesystem type"))?
+            }
+            "imp.lower" => {
+                lower_dev =
+                    Some(device(&value).ok_or_else(|| invalid("must be an absolute device path"))?)
+            }
+            "imp.lower_fstype" => {
+                lower_fstype = fstype(&value).ok_or_else(|| invalid("not a filesystem type"))?
+            }
             "imp.vsock_port" => {
-                cfg.vsock_port = value.parse().ok().filter(|p| *p > 0).ok_or_else(|| invalid("not a port number"))?
+                cfg.vsock_port = value
+                    .parse()
+                    .ok()
+                    .filter(|p| *p > 0)
+                    .ok_or_else(|| invalid("not a port number"))?
             }
             "imp.report_grace_s" => {
-                cfg.report_grace = Duration::from_secs(value.parse().map_err(|_| invalid("not a number of seconds"))?)
+                cfg.report_grace = Duration::from_secs(
+                    value
+                        .parse()
+                        .map_err(|_| invalid("not a number of seconds"))?,
+                )
             }
             "imp.halt" => {
                 cfg.halt = match value.as_str() {
@@ -162,9 +195,16 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
         }
     }
     if lower_dev.is_some() && overlay_dev.is_none() {
-        return Err(CmdlineError::MissingValue { key: "imp.overlay".into() });
+        return Err(CmdlineError::MissingValue {
+            key: "imp.overlay".into(),
+        });
     }
-    cfg.overlay = overlay_dev.map(|upper| OverlayConfig { lower: lower_dev, lower_fstype, upper, upper_fstype: overlay_fstype });
+    cfg.overlay = overlay_dev.map(|upper| OverlayConfig {
+        lower: lower_dev,
+        lower_fstype,
+        upper,
+        upper_fstype: overlay_fstype,
+    });
     Ok(cfg)
 }
 
@@ -172,7 +212,8 @@ pub fn valid_hostname(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 64
         && !s.starts_with(['-', '.'])
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
 }
 
 fn device(s: &str) -> Option<PathBuf> {
@@ -180,7 +221,8 @@ fn device(s: &str) -> Option<PathBuf> {
 }
 
 fn fstype(s: &str) -> Option<String> {
-    (!s.is_empty() && s.len() <= 32 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')).then(|| s.to_owned())
+    (!s.is_empty() && s.len() <= 32 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        .then(|| s.to_owned())
 }
 
 #[cfg(test)]
@@ -226,7 +268,10 @@ mod tests {
 
     #[test]
     fn quotes_and_initramfs_lower() {
-        let c = parse(r#"imp.lower="/dev/vda" imp.overlay=/dev/vdb imp.overlay_fstype=xfs imp.future=1"#).unwrap();
+        let c = parse(
+            r#"imp.lower="/dev/vda" imp.overlay=/dev/vdb imp.overlay_fstype=xfs imp.future=1"#,
+        )
+        .unwrap();
         let o = c.overlay.unwrap();
         assert_eq!(o.lower, Some(PathBuf::from("/dev/vda")));
         assert_eq!(o.upper_fstype, "xfs");
@@ -239,14 +284,39 @@ mod tests {
     #[test]
     fn invalid_values_are_precise() {
         let err = |s: &str| parse(s).unwrap_err();
-        assert!(matches!(err("imp.dns=8.8.8.8,nope"), CmdlineError::InvalidValue { key, .. } if key == "imp.dns"));
-        assert!(matches!(err("imp.hostname=bad_name"), CmdlineError::InvalidValue { .. }));
-        assert!(matches!(err("imp.hostname=-x"), CmdlineError::InvalidValue { .. }));
-        assert!(matches!(err(&format!("imp.hostname={}", "a".repeat(65))), CmdlineError::InvalidValue { .. }));
-        assert!(matches!(err("imp.overlay=vdb"), CmdlineError::InvalidValue { .. }));
-        assert!(matches!(err("imp.vsock_port=0"), CmdlineError::InvalidValue { .. }));
-        assert!(matches!(err("imp.halt=explode"), CmdlineError::InvalidValue { .. }));
-        assert!(matches!(err("imp.hostname"), CmdlineError::MissingValue { .. }));
-        assert!(matches!(err("imp.lower=/dev/vda"), CmdlineError::MissingValue { key } if key == "imp.overlay"));
+        assert!(
+            matches!(err("imp.dns=8.8.8.8,nope"), CmdlineError::InvalidValue { key, .. } if key == "imp.dns")
+        );
+        assert!(matches!(
+            err("imp.hostname=bad_name"),
+            CmdlineError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("imp.hostname=-x"),
+            CmdlineError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err(&format!("imp.hostname={}", "a".repeat(65))),
+            CmdlineError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("imp.overlay=vdb"),
+            CmdlineError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("imp.vsock_port=0"),
+            CmdlineError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("imp.halt=explode"),
+            CmdlineError::InvalidValue { .. }
+        ));
+        assert!(matches!(
+            err("imp.hostname"),
+            CmdlineError::MissingValue { .. }
+        ));
+        assert!(
+            matches!(err("imp.lower=/dev/vda"), CmdlineError::MissingValue { key } if key == "imp.overlay")
+        );
     }
 }

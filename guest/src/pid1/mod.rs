@@ -17,8 +17,8 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::agent::{Agent, AgentConfig, AgentError, Listener, ShutdownReason};
 use crate::agent::exec::ExecTable;
+use crate::agent::{Agent, AgentConfig, AgentError, Listener, ShutdownReason};
 use cmdline::{BootConfig, CmdlineError, HaltAction};
 
 /// Time between SIGTERM and SIGKILL for everything left at shutdown.
@@ -65,7 +65,10 @@ where
 
 /// Run as PID 1. Never returns: ends in power-off (or reboot, see `imp.halt`).
 pub fn run() -> ! {
-    marker("start", format_args!("imp-guest {}", env!("CARGO_PKG_VERSION")));
+    marker(
+        "start",
+        format_args!("imp-guest {}", env!("CARGO_PKG_VERSION")),
+    );
     let mut halt = HaltAction::PowerOff;
     match boot_and_serve(&mut halt) {
         Ok(reason) => marker("shutdown", format_args!("reason={reason:?}")),
@@ -87,8 +90,12 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
     }
     if let Some(ov) = &cfg.overlay {
         stage("overlay-root", || -> Result<(), Pid1Error> {
-            let upper = root::Upper { source: ov.upper.clone(), fstype: ov.upper_fstype.clone() };
-            let newroot = root::assemble(Path::new("/run/imp"), &root::Lower::from_config(ov), &upper)?;
+            let upper = root::Upper {
+                source: ov.upper.clone(),
+                fstype: ov.upper_fstype.clone(),
+            };
+            let newroot =
+                root::assemble(Path::new("/run/imp"), &root::Lower::from_config(ov), &upper)?;
             root::switch_root(&newroot, &["/proc", "/sys", "/dev"])?;
             Ok(())
         })?;
@@ -99,7 +106,9 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
         stage("hostname", || system::set_hostname(name))?;
     }
     if !cfg.dns.is_empty() {
-        stage("resolv-conf", || system::write_resolv_conf(root, &cfg.dns, &cfg.dns_search))?;
+        stage("resolv-conf", || {
+            system::write_resolv_conf(root, &cfg.dns, &cfg.dns_search)
+        })?;
     }
     // Ctrl-Alt-Del (Firecracker's SendCtrlAltDel) becomes SIGINT to PID 1 instead of an
     // immediate reboot, so it goes through the orderly shutdown below.
@@ -120,7 +129,10 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
             metrics_root: root.to_owned(),
         })?;
         let listener = stage("agent-listen", || Listener::bind_vsock(cfg.vsock_port))?;
-        marker("ready", format_args!("agent on vsock port {}", cfg.vsock_port));
+        marker(
+            "ready",
+            format_args!("agent on vsock port {}", cfg.vsock_port),
+        );
         let reason = serve_until_signal(&agent, listener).await;
         terminate_everything(agent.execs()).await;
         Ok(reason)
@@ -128,9 +140,15 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
 }
 
 /// Serve until the agent asks to stop or SIGTERM/SIGINT arrives.
-pub async fn serve_until_signal(agent: &std::sync::Arc<Agent>, listener: Listener) -> ShutdownReason {
+pub async fn serve_until_signal(
+    agent: &std::sync::Arc<Agent>,
+    listener: Listener,
+) -> ShutdownReason {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install SIGTERM/SIGINT handlers; serving without them");
         return agent.serve(listener).await;
     };

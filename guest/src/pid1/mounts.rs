@@ -9,9 +9,16 @@ use nix::mount::{MsFlags, mount};
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
     #[error("create mount point {path}: {source}")]
-    MountPoint { path: PathBuf, source: std::io::Error },
+    MountPoint {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("mount {fstype} on {target}: {source}")]
-    Mount { fstype: String, target: PathBuf, source: nix::Error },
+    Mount {
+        fstype: String,
+        target: PathBuf,
+        source: nix::Error,
+    },
 }
 
 /// One filesystem to mount at `target` (relative to the root given to [`mount_all`]).
@@ -28,16 +35,52 @@ const NOSUID_NODEV: MsFlags = MsFlags::MS_NOSUID.union(MsFlags::MS_NODEV);
 
 /// Needed before anything else: /proc for the command line, /dev for the drives.
 pub const EARLY: &[Spec] = &[
-    Spec { source: "proc", target: "proc", fstype: "proc", flags: NOSUID_NODEV.union(MsFlags::MS_NOEXEC), data: None },
-    Spec { source: "sysfs", target: "sys", fstype: "sysfs", flags: NOSUID_NODEV.union(MsFlags::MS_NOEXEC), data: None },
-    Spec { source: "devtmpfs", target: "dev", fstype: "devtmpfs", flags: MsFlags::MS_NOSUID, data: Some("mode=0755") },
-    Spec { source: "tmpfs", target: "run", fstype: "tmpfs", flags: NOSUID_NODEV, data: Some("mode=0755") },
+    Spec {
+        source: "proc",
+        target: "proc",
+        fstype: "proc",
+        flags: NOSUID_NODEV.union(MsFlags::MS_NOEXEC),
+        data: None,
+    },
+    Spec {
+        source: "sysfs",
+        target: "sys",
+        fstype: "sysfs",
+        flags: NOSUID_NODEV.union(MsFlags::MS_NOEXEC),
+        data: None,
+    },
+    Spec {
+        source: "devtmpfs",
+        target: "dev",
+        fstype: "devtmpfs",
+        flags: MsFlags::MS_NOSUID,
+        data: Some("mode=0755"),
+    },
+    Spec {
+        source: "tmpfs",
+        target: "run",
+        fstype: "tmpfs",
+        flags: NOSUID_NODEV,
+        data: Some("mode=0755"),
+    },
 ];
 
 /// Mounted in the final root (after the overlay switch, /run is mounted afresh there).
 pub const LATE: &[Spec] = &[
-    Spec { source: "tmpfs", target: "run", fstype: "tmpfs", flags: NOSUID_NODEV, data: Some("mode=0755") },
-    Spec { source: "tmpfs", target: "tmp", fstype: "tmpfs", flags: NOSUID_NODEV, data: Some("mode=1777") },
+    Spec {
+        source: "tmpfs",
+        target: "run",
+        fstype: "tmpfs",
+        flags: NOSUID_NODEV,
+        data: Some("mode=0755"),
+    },
+    Spec {
+        source: "tmpfs",
+        target: "tmp",
+        fstype: "tmpfs",
+        flags: NOSUID_NODEV,
+        data: Some("mode=1777"),
+    },
     Spec {
         source: "devpts",
         target: "dev/pts",
@@ -45,7 +88,13 @@ pub const LATE: &[Spec] = &[
         flags: MsFlags::MS_NOSUID.union(MsFlags::MS_NOEXEC),
         data: Some("newinstance,ptmxmode=0666,mode=0620"),
     },
-    Spec { source: "tmpfs", target: "dev/shm", fstype: "tmpfs", flags: NOSUID_NODEV, data: Some("mode=1777") },
+    Spec {
+        source: "tmpfs",
+        target: "dev/shm",
+        fstype: "tmpfs",
+        flags: NOSUID_NODEV,
+        data: Some("mode=1777"),
+    },
 ];
 
 /// Mount each spec under `root`, skipping targets that already are mount points (the kernel
@@ -56,13 +105,25 @@ pub fn mount_all(root: &Path, specs: &[Spec]) -> Result<Vec<PathBuf>, MountError
         let target = root.join(spec.target);
         if let Err(source) = std::fs::create_dir_all(&target) {
             // A read-only root without the directory cannot get the mount; say so precisely.
-            return Err(MountError::MountPoint { path: target, source });
+            return Err(MountError::MountPoint {
+                path: target,
+                source,
+            });
         }
         if is_mountpoint(&target) {
             continue;
         }
-        mount(Some(spec.source), &target, Some(spec.fstype), spec.flags, spec.data).map_err(|source| {
-            MountError::Mount { fstype: spec.fstype.to_owned(), target: target.clone(), source }
+        mount(
+            Some(spec.source),
+            &target,
+            Some(spec.fstype),
+            spec.flags,
+            spec.data,
+        )
+        .map_err(|source| MountError::Mount {
+            fstype: spec.fstype.to_owned(),
+            target: target.clone(),
+            source,
         })?;
         mounted.push(target);
     }

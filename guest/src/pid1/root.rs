@@ -13,11 +13,22 @@ use crate::pid1::cmdline::OverlayConfig;
 #[derive(Debug, thiserror::Error)]
 pub enum RootError {
     #[error("create {path}: {source}")]
-    Dir { path: PathBuf, source: std::io::Error },
+    Dir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("mount {what} on {target}: {source}")]
-    Mount { what: String, target: PathBuf, source: nix::Error },
+    Mount {
+        what: String,
+        target: PathBuf,
+        source: nix::Error,
+    },
     #[error("switch root to {newroot}: {step}: {source}")]
-    Switch { newroot: PathBuf, step: &'static str, source: nix::Error },
+    Switch {
+        newroot: PathBuf,
+        step: &'static str,
+        source: nix::Error,
+    },
 }
 
 /// Where the lower layer comes from.
@@ -40,19 +51,29 @@ pub struct Upper {
 impl Lower {
     pub fn from_config(cfg: &OverlayConfig) -> Self {
         match &cfg.lower {
-            Some(dev) => Lower::Device { path: dev.clone(), fstype: cfg.lower_fstype.clone() },
+            Some(dev) => Lower::Device {
+                path: dev.clone(),
+                fstype: cfg.lower_fstype.clone(),
+            },
             None => Lower::Bind(PathBuf::from("/")),
         }
     }
 }
 
 fn mkdir(path: &Path) -> Result<(), RootError> {
-    std::fs::create_dir_all(path).map_err(|source| RootError::Dir { path: path.to_owned(), source })
+    std::fs::create_dir_all(path).map_err(|source| RootError::Dir {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 fn mount_err(what: &str, target: &Path) -> impl FnOnce(nix::Error) -> RootError {
     let (what, target) = (what.to_owned(), target.to_owned());
-    move |source| RootError::Mount { what, target, source }
+    move |source| RootError::Mount {
+        what,
+        target,
+        source,
+    }
 }
 
 /// Mount the layers under `scratch` (a writable directory, /run/imp in the VM) and the overlay
@@ -66,8 +87,14 @@ pub fn assemble(scratch: &Path, lower: &Lower, upper: &Upper) -> Result<PathBuf,
     }
     match lower {
         Lower::Bind(src) => {
-            mount(Some(src.as_path()), &lower_dir, None::<&str>, MsFlags::MS_BIND, None::<&str>)
-                .map_err(mount_err("bind of the base root", &lower_dir))?;
+            mount(
+                Some(src.as_path()),
+                &lower_dir,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .map_err(mount_err("bind of the base root", &lower_dir))?;
             // A bind mount ignores MS_RDONLY at creation; it takes a remount.
             mount(
                 None::<&str>,
@@ -79,12 +106,30 @@ pub fn assemble(scratch: &Path, lower: &Lower, upper: &Upper) -> Result<PathBuf,
             .map_err(mount_err("read-only remount of the base root", &lower_dir))?;
         }
         Lower::Device { path, fstype } => {
-            mount(Some(path.as_path()), &lower_dir, Some(fstype.as_str()), MsFlags::MS_RDONLY, None::<&str>)
-                .map_err(mount_err(&format!("base drive {}", path.display()), &lower_dir))?;
+            mount(
+                Some(path.as_path()),
+                &lower_dir,
+                Some(fstype.as_str()),
+                MsFlags::MS_RDONLY,
+                None::<&str>,
+            )
+            .map_err(mount_err(
+                &format!("base drive {}", path.display()),
+                &lower_dir,
+            ))?;
         }
     }
-    mount(Some(upper.source.as_path()), &rw_dir, Some(upper.fstype.as_str()), MsFlags::empty(), None::<&str>)
-        .map_err(mount_err(&format!("writable drive {}", upper.source.display()), &rw_dir))?;
+    mount(
+        Some(upper.source.as_path()),
+        &rw_dir,
+        Some(upper.fstype.as_str()),
+        MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(mount_err(
+        &format!("writable drive {}", upper.source.display()),
+        &rw_dir,
+    ))?;
     let upper_dir = rw_dir.join("upper");
     let work_dir = rw_dir.join("work");
     mkdir(&upper_dir)?;
@@ -95,8 +140,14 @@ pub fn assemble(scratch: &Path, lower: &Lower, upper: &Upper) -> Result<PathBuf,
         upper_dir.display(),
         work_dir.display()
     );
-    mount(Some("overlay"), &newroot, Some("overlay"), MsFlags::empty(), Some(opts.as_str()))
-        .map_err(mount_err("overlay", &newroot))?;
+    mount(
+        Some("overlay"),
+        &newroot,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(opts.as_str()),
+    )
+    .map_err(mount_err("overlay", &newroot))?;
     Ok(newroot)
 }
 
@@ -108,12 +159,25 @@ pub fn switch_root(newroot: &Path, carry: &[&str]) -> Result<(), RootError> {
         let rel = m.trim_start_matches('/');
         let dest = newroot.join(rel);
         mkdir(&dest)?;
-        mount(Some(*m), &dest, None::<&str>, MsFlags::MS_MOVE, None::<&str>)
-            .map_err(mount_err(&format!("move of {m}"), &dest))?;
+        mount(
+            Some(*m),
+            &dest,
+            None::<&str>,
+            MsFlags::MS_MOVE,
+            None::<&str>,
+        )
+        .map_err(mount_err(&format!("move of {m}"), &dest))?;
     }
-    let err = |step| move |source| RootError::Switch { newroot: newroot.to_owned(), step, source };
+    let err = |step| {
+        move |source| RootError::Switch {
+            newroot: newroot.to_owned(),
+            step,
+            source,
+        }
+    };
     chdir(newroot).map_err(err("chdir"))?;
-    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>).map_err(err("move to /"))?;
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .map_err(err("move to /"))?;
     chroot(".").map_err(err("chroot"))?;
     chdir("/").map_err(err("chdir /"))?;
     Ok(())

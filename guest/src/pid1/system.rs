@@ -9,13 +9,22 @@ pub enum SystemError {
     #[error("sethostname({name}): {source}")]
     Hostname { name: String, source: nix::Error },
     #[error("write {path}: {source}")]
-    ResolvConf { path: PathBuf, source: std::io::Error },
+    ResolvConf {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("bring up lo: {step}: {source}")]
-    Loopback { step: &'static str, source: std::io::Error },
+    Loopback {
+        step: &'static str,
+        source: std::io::Error,
+    },
 }
 
 pub fn set_hostname(name: &str) -> Result<(), SystemError> {
-    nix::unistd::sethostname(name).map_err(|source| SystemError::Hostname { name: name.to_owned(), source })
+    nix::unistd::sethostname(name).map_err(|source| SystemError::Hostname {
+        name: name.to_owned(),
+        source,
+    })
 }
 
 /// resolv.conf contents for the given nameservers and search domains.
@@ -32,9 +41,16 @@ pub fn render_resolv_conf(dns: &[IpAddr], search: &[String]) -> String {
 
 /// Write `<root>/etc/resolv.conf`, replacing a symlink (images often point it at
 /// systemd-resolved, which does not run here) rather than writing through it.
-pub fn write_resolv_conf(root: &Path, dns: &[IpAddr], search: &[String]) -> Result<(), SystemError> {
+pub fn write_resolv_conf(
+    root: &Path,
+    dns: &[IpAddr],
+    search: &[String],
+) -> Result<(), SystemError> {
     let path = root.join("etc/resolv.conf");
-    let err = |source| SystemError::ResolvConf { path: path.clone(), source };
+    let err = |source| SystemError::ResolvConf {
+        path: path.clone(),
+        source,
+    };
     std::fs::create_dir_all(root.join("etc")).map_err(err)?;
     if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
         std::fs::remove_file(&path).map_err(err)?;
@@ -93,7 +109,15 @@ mod tests {
         write_resolv_conf(dir.path(), &["192.0.2.53".parse().unwrap()], &[]).unwrap();
         let written = std::fs::read_to_string(dir.path().join("etc/resolv.conf")).unwrap();
         assert!(written.contains("nameserver 192.0.2.53"));
-        assert!(!std::fs::symlink_metadata(dir.path().join("etc/resolv.conf")).unwrap().file_type().is_symlink());
-        assert_eq!(std::fs::read_to_string(&target).unwrap(), "nameserver 127.0.0.53\n");
+        assert!(
+            !std::fs::symlink_metadata(dir.path().join("etc/resolv.conf"))
+                .unwrap()
+                .file_type()
+                .is_symlink()
+        );
+        assert_eq!(
+            std::fs::read_to_string(&target).unwrap(),
+            "nameserver 127.0.0.53\n"
+        );
     }
 }

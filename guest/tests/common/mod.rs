@@ -39,7 +39,12 @@ impl AgentProc {
             .stderr(log_file)
             .spawn()
             .unwrap();
-        Self { child: Some(child), dir, socket, log }
+        Self {
+            child: Some(child),
+            dir,
+            socket,
+            log,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -47,7 +52,9 @@ impl AgentProc {
     }
 
     pub async fn connect(&self) -> HostClient {
-        host::connect_unix(&self.socket, Instant::now() + Duration::from_secs(10)).await.unwrap()
+        host::connect_unix(&self.socket, Instant::now() + Duration::from_secs(10))
+            .await
+            .unwrap()
     }
 
     /// Wait up to `timeout` for the agent to exit on its own.
@@ -68,7 +75,10 @@ impl AgentProc {
     /// SIGTERM, wait, and return everything the agent wrote to stdout/stderr.
     pub fn stop(&mut self) -> String {
         if let Some(child) = self.child.as_mut() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::SIGTERM);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::SIGTERM,
+            );
             if self.wait_exit(Duration::from_secs(10)).is_none() {
                 let _ = self.child.as_mut().unwrap().kill();
                 let _ = self.child.as_mut().unwrap().wait();
@@ -113,9 +123,15 @@ pub async fn run(client: &mut HostClient, mut req: Exec) -> (Vec<u8>, Vec<u8>, E
     client.exec(req).await.unwrap();
     let (mut out, mut err) = (Vec::new(), Vec::new());
     loop {
-        match tokio::time::timeout(Duration::from_secs(30), client.recv()).await.unwrap().unwrap() {
+        match tokio::time::timeout(Duration::from_secs(30), client.recv())
+            .await
+            .unwrap()
+            .unwrap()
+        {
             GuestToHost::Output(o) if o.id == id => {
-                let data = base64::engine::general_purpose::STANDARD.decode(&o.data_b64).unwrap();
+                let data = base64::engine::general_purpose::STANDARD
+                    .decode(&o.data_b64)
+                    .unwrap();
                 match o.stream {
                     imp_guest::protocol::OutputStream::Stdout => out.extend(data),
                     imp_guest::protocol::OutputStream::Stderr => err.extend(data),
@@ -135,12 +151,18 @@ pub fn is_root() -> bool {
 pub fn zombie_children(pid: u32) -> Vec<u32> {
     let mut zombies = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(Path::new("/proc").join(child.to_string()).join("stat")) else {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) =
+            std::fs::read_to_string(Path::new("/proc").join(child.to_string()).join("stat"))
+        else {
             continue;
         };
         // comm may contain spaces; fields after the last ')' are fixed.
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { continue };
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
         let fields: Vec<&str> = rest.split_whitespace().collect();
         if fields.len() > 1 && fields[0] == "Z" && fields[1] == pid.to_string() {
             zombies.push(child);
