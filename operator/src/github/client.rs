@@ -1,0 +1,439 @@
+//! [`GithubApp`]: one GitHub App installation's client. Sends every call through octocrab's HTTP
+//! stack (octocrab's own retry disabled) with the request pipeline: installation token, timeout,
+//! classification, one re-authentication on 401, backoff for transient errors and rate limits.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use octocrab::Octocrab;
+use octocrab::service::middleware::retry::RetryConfig;
+use rand::Rng;
+
+use super::app_auth::{AccessTokenResponse, CachedToken, TokenCache, mint_app_jwt};
+use super::credentials::AppCredentials;
+use super::errors::{CallContext, GithubError, Operation, classify, rate_limit_remaining};
+use super::governor::MintGovernor;
+use super::metrics::{AppLabels, ErrorLabels, GithubMetrics, RequestLabels};
+use super::retry::RetryPolicy;
+use super::secret::InstallationToken;
+
+/// Client configuration.
+#[derive(Debug, Clone)]
+pub struct GithubConfig {
+    /// REST API base, e.g. `https://api.github.com` (GHES: `https://HOST/api/v3`).
+    pub api_base_url: String,
+    /// Deadline of one HTTP exchange.
+    pub request_timeout: Duration,
+    pub retry: RetryPolicy,
+    /// Re-mint installation tokens this long before they expire (at least 5 minutes).
+    pub token_refresh_margin: Duration,
+    /// Mint governor rate (JIT configs per minute per App).
+    pub jit_mints_per_minute: u32,
+    /// Mint governor burst.
+    pub jit_mint_burst: u32,
+}
+
+impl Default for GithubConfig {
+    fn default() -> Self {
+        GithubConfig {
+            api_base_url: "https://api.github.com".into(),
+            request_timeout: Duration::from_secs(30),
+            retry: RetryPolicy::default(),
+            token_refresh_margin: Duration::from_secs(5 * 60),
+            jit_mints_per_minute: 150,
+            jit_mint_burst: 20,
+        }
+    }
+}
+
+/// A raw answer GitHub gave.
+#[derive(Debug)]
+pub(crate) struct ApiResponse {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+pub(crate) struct Inner {
+    pub creds: AppCredentials,
+    pub config: GithubConfig,
+    http: Octocrab,
+    tokens: TokenCache,
+    pub governor: MintGovernor,
+    pub metrics: GithubMetrics,
+    /// (org, group name or "" for the default group) -> id.
+    pub groups: Mutex<HashMap<(String, String), u64>>,
+}
+
+/// A GitHub App installation client. Cheap to clone; clones share the token cache and governor.
+#[derive(Clone)]
+pub struct GithubApp {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for GithubApp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GithubApp")
+            .field("app_id", &self.inner.creds.app_id())
+            .field("installation_id", &self.inner.creds.installation_id())
+            .field("api", &self.inner.config.api_base_url)
+            .finish()
+    }
+}
+
+impl GithubApp {
+    /// A client for `creds` with fresh metrics.
+    pub fn new(creds: AppCredentials, config: GithubConfig) -> Result<Self, GithubError> {
+        Self::with_metrics(creds, config, GithubMetrics::default())
+    }
+
+    /// A client that reports into shared `metrics`.
+    pub fn with_metrics(
+        creds: AppCredentials,
+        config: GithubConfig,
+        metrics: GithubMetrics,
+    ) -> Result<Self, GithubError> {
+        let http = Octocrab::builder()
+            .base_uri(config.api_base_url.as_str())
+            .map_err(|_| {
+                GithubError::InvalidRequest(format!(
+                    "invalid API base URL `{}`",
+                    config.api_base_url
+                ))
+            })?
+            .add_retry_config(RetryConfig::None)
+            .set_connect_timeout(Some(config.request_timeout))
+            .set_read_timeout(Some(config.request_timeout))
+            .build()
+            .map_err(|e| GithubError::InvalidRequest(format!("building the HTTP client: {e}")))?;
+        let governor = MintGovernor::new(config.jit_mints_per_minute, config.jit_mint_burst);
+        Ok(GithubApp {
+            inner: Arc::new(Inner {
+                creds,
+                config,
+                http,
+                tokens: TokenCache::default(),
+                governor,
+                metrics,
+                groups: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    pub fn app_id(&self) -> u64 {
+        self.inner.creds.app_id()
+    }
+
+    pub fn installation_id(&self) -> u64 {
+        self.inner.creds.installation_id()
+    }
+
+    pub fn metrics(&self) -> &GithubMetrics {
+        &self.inner.metrics
+    }
+
+    fn app_labels(&self) -> AppLabels {
+        AppLabels {
+            app_id: self.app_id().to_string(),
+        }
+    }
+
+    /// A valid installation token (cached; exchanged when missing or within the refresh margin).
+    pub async fn installation_token(&self) -> Result<InstallationToken, GithubError> {
+        let margin = self.inner.config.token_refresh_margin;
+        self.inner
+            .tokens
+            .get(self.installation_id(), margin, || self.exchange_token())
+            .await
+    }
+
+    async fn exchange_token(&self) -> Result<CachedToken, GithubError> {
+        let installation_id = self.installation_id();
+        let ctx = CallContext {
+            operation: Operation::TokenExchange,
+            target: format!("installation {installation_id}"),
+            permission: "(App JWT)",
+            installation_id,
+        };
+        let path = format!("/app/installations/{installation_id}/access_tokens");
+        let mut retry = 0;
+        loop {
+            let jwt = mint_app_jwt(&self.inner.creds, chrono::Utc::now().timestamp())?;
+            let result = self
+                .send_once(
+                    Operation::TokenExchange,
+                    Method::POST,
+                    &path,
+                    None,
+                    jwt.expose(),
+                )
+                .await;
+            let err = match result {
+                Ok(r) if r.status == StatusCode::CREATED || r.status == StatusCode::OK => {
+                    self.inner
+                        .metrics
+                        .token_exchanges
+                        .get_or_create(&self.app_labels())
+                        .inc();
+                    tracing::info!(
+                        app_id = self.app_id(),
+                        installation_id,
+                        "exchanged App JWT for an installation token"
+                    );
+                    return AccessTokenResponse::parse(&r.body);
+                }
+                Ok(r) => classify(
+                    &ctx,
+                    r.status,
+                    &r.headers,
+                    &r.body,
+                    chrono::Utc::now().timestamp(),
+                ),
+                Err(e) => e,
+            };
+            match self
+                .inner
+                .config
+                .retry
+                .delay_for(&err, retry, rand::rng().random())
+            {
+                Some(wait) => {
+                    tracing::warn!(operation = %Operation::TokenExchange, error = %err, ?wait, retry, "retrying GitHub call");
+                    tokio::time::sleep(wait).await;
+                    retry += 1;
+                }
+                None => return Err(self.record_error(err)),
+            }
+        }
+    }
+
+    fn record_error(&self, err: GithubError) -> GithubError {
+        let op = match &err {
+            GithubError::Unauthorized { operation, .. }
+            | GithubError::Forbidden { operation, .. }
+            | GithubError::NotFound { operation, .. }
+            | GithubError::Conflict { operation, .. }
+            | GithubError::Invalid { operation, .. }
+            | GithubError::RateLimited { operation, .. }
+            | GithubError::Server { operation, .. }
+            | GithubError::Timeout { operation, .. }
+            | GithubError::Transport { operation, .. }
+            | GithubError::UnexpectedStatus { operation, .. }
+            | GithubError::Decode { operation, .. } => operation.as_str(),
+            GithubError::RunnerBusy { .. } => Operation::DeleteRunner.as_str(),
+            _ => "client",
+        };
+        self.inner
+            .metrics
+            .errors
+            .get_or_create(&ErrorLabels {
+                operation: op.to_string(),
+                error: err.metric_label().to_string(),
+            })
+            .inc();
+        err
+    }
+
+    /// One HTTP exchange with bearer `auth`; no retries.
+    async fn send_once(
+        &self,
+        op: Operation,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+        auth: &str,
+    ) -> Result<ApiResponse, GithubError> {
+        let mut authz = HeaderValue::from_str(&format!("Bearer {auth}")).map_err(|_| {
+            GithubError::InvalidRequest("credential is not a valid header value".into())
+        })?;
+        authz.set_sensitive(true);
+        let mut req = Request::builder()
+            .method(method.clone())
+            .uri(path)
+            .header(http::header::AUTHORIZATION, authz)
+            .header(http::header::ACCEPT, "application/vnd.github+json")
+            .header("x-github-api-version", "2022-11-28")
+            .header(http::header::USER_AGENT, "imp-operator");
+        let body = match body {
+            Some(v) => {
+                req = req.header(http::header::CONTENT_TYPE, "application/json");
+                serde_json::to_string(v).map_err(|e| GithubError::InvalidRequest(e.to_string()))?
+            }
+            None => String::new(),
+        };
+        let req = req
+            .body(body)
+            .map_err(|e| GithubError::InvalidRequest(format!("{path}: {e}")))?;
+        let timeout = self.inner.config.request_timeout;
+        let exchange = async {
+            let resp = self
+                .inner
+                .http
+                .execute(req)
+                .await
+                .map_err(|e| GithubError::Transport {
+                    operation: op,
+                    message: transport_message(&e),
+                })?;
+            let (parts, body) = resp.into_parts();
+            let body = body.collect().await.map_err(|e| GithubError::Transport {
+                operation: op,
+                message: transport_message(&e),
+            })?;
+            Ok(ApiResponse {
+                status: parts.status,
+                headers: parts.headers,
+                body: body.to_bytes(),
+            })
+        };
+        let result =
+            tokio::time::timeout(timeout, exchange)
+                .await
+                .unwrap_or(Err(GithubError::Timeout {
+                    operation: op,
+                    after: timeout,
+                }));
+        let status = match &result {
+            Ok(r) => format!("{}xx", r.status.as_u16() / 100),
+            Err(_) => "error".to_string(),
+        };
+        self.inner
+            .metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                operation: op.as_str().to_string(),
+                status,
+            })
+            .inc();
+        match &result {
+            Ok(r) => {
+                if let Some(remaining) = rate_limit_remaining(&r.headers) {
+                    self.inner
+                        .metrics
+                        .rate_limit_remaining
+                        .get_or_create(&self.app_labels())
+                        .set(remaining);
+                }
+                tracing::debug!(operation = %op, %method, path, status = r.status.as_u16(), "GitHub call");
+            }
+            Err(e) => {
+                tracing::debug!(operation = %op, %method, path, error = %e, "GitHub call failed")
+            }
+        }
+        result
+    }
+
+    /// A call with the installation token and the full pipeline. Success statuses and those in
+    /// `accept` are returned; everything else becomes a classified error.
+    pub(crate) async fn call(
+        &self,
+        ctx: &CallContext,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+        accept: &[StatusCode],
+    ) -> Result<ApiResponse, GithubError> {
+        let mut retry = 0;
+        let mut reauthenticated = false;
+        loop {
+            let token = self.installation_token().await?;
+            let result = self
+                .send_once(ctx.operation, method.clone(), path, body, token.expose())
+                .await;
+            let err = match result {
+                Ok(r) if r.status.is_success() || accept.contains(&r.status) => return Ok(r),
+                Ok(r) => classify(
+                    ctx,
+                    r.status,
+                    &r.headers,
+                    &r.body,
+                    chrono::Utc::now().timestamp(),
+                ),
+                Err(e) => e,
+            };
+            if matches!(err, GithubError::Unauthorized { .. }) && !reauthenticated {
+                tracing::info!(operation = %ctx.operation, "installation token refused; re-minting once");
+                self.inner
+                    .tokens
+                    .invalidate(self.installation_id(), &token)
+                    .await;
+                reauthenticated = true;
+                continue;
+            }
+            match self
+                .inner
+                .config
+                .retry
+                .delay_for(&err, retry, rand::rng().random())
+            {
+                Some(wait) => {
+                    tracing::warn!(operation = %ctx.operation, error = %err, ?wait, retry, "retrying GitHub call");
+                    tokio::time::sleep(wait).await;
+                    retry += 1;
+                }
+                None => return Err(self.record_error(err)),
+            }
+        }
+    }
+
+    pub(crate) fn record(&self, err: GithubError) -> GithubError {
+        self.record_error(err)
+    }
+}
+
+/// A transport error's message, walking the source chain (no request data is in it).
+fn transport_message(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut msg = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}
+
+/// The path and query of a `Link: <...>; rel="next"` target, if any.
+pub(crate) fn next_link(headers: &HeaderMap) -> Option<String> {
+    let link = headers.get(http::header::LINK)?.to_str().ok()?;
+    link.split(',').find_map(|part| {
+        let (url, params) = part.split_once(';')?;
+        let is_next = params.split(';').any(|p| p.trim() == "rel=\"next\"");
+        if !is_next {
+            return None;
+        }
+        let url = url.trim().trim_start_matches('<').trim_end_matches('>');
+        let uri: http::Uri = url.parse().ok()?;
+        uri.path_and_query().map(|pq| pq.as_str().to_string())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_link_parsing() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            http::header::LINK,
+            HeaderValue::from_static(
+                "<https://api.github.com/orgs/o/actions/runners?per_page=2&page=3>; rel=\"next\", <https://api.github.com/orgs/o/actions/runners?per_page=2&page=9>; rel=\"last\"",
+            ),
+        );
+        assert_eq!(
+            next_link(&h).as_deref(),
+            Some("/orgs/o/actions/runners?per_page=2&page=3")
+        );
+        h.insert(
+            http::header::LINK,
+            HeaderValue::from_static("<https://api.github.com/x?page=1>; rel=\"prev\""),
+        );
+        assert_eq!(next_link(&h), None);
+        assert_eq!(next_link(&HeaderMap::new()), None);
+    }
+}

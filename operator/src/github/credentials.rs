@@ -1,0 +1,326 @@
+//! GitHub App credentials from a Kubernetes Secret.
+//!
+//! Keys (docs/github.md): `app-id` (decimal App id), `installation-id` (decimal installation id),
+//! `private-key` (the App's RSA private key, PEM, PKCS#1 `BEGIN RSA PRIVATE KEY` as GitHub
+//! downloads it, or PKCS#8 `BEGIN PRIVATE KEY`). Errors name the key, never its value.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use base64::Engine;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use octocrab::jsonwebtoken::{self, Algorithm, EncodingKey, Header};
+
+/// Secret key holding the App id.
+pub const KEY_APP_ID: &str = "app-id";
+/// Secret key holding the installation id.
+pub const KEY_INSTALLATION_ID: &str = "installation-id";
+/// Secret key holding the PEM private key.
+pub const KEY_PRIVATE_KEY: &str = "private-key";
+
+/// Why credentials could not be loaded. Never contains a key's value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CredentialsError {
+    #[error("GitHub App Secret is missing key `{key}`")]
+    MissingKey { key: &'static str },
+    #[error("GitHub App Secret key `{key}` is invalid: {reason}")]
+    InvalidKey {
+        key: &'static str,
+        reason: &'static str,
+    },
+}
+
+/// A GitHub App's identity: App id, installation id and signing key.
+#[derive(Clone)]
+pub struct AppCredentials {
+    app_id: u64,
+    installation_id: u64,
+    key: Arc<EncodingKey>,
+}
+
+impl std::fmt::Debug for AppCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppCredentials")
+            .field("app_id", &self.app_id)
+            .field("installation_id", &self.installation_id)
+            .field("private_key", &"[redacted]")
+            .finish()
+    }
+}
+
+impl AppCredentials {
+    /// From a Secret object (`data`, and `stringData` if present).
+    pub fn from_secret(secret: &Secret) -> Result<Self, CredentialsError> {
+        let mut data: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for (k, v) in secret.data.iter().flatten() {
+            data.insert(k.clone(), v.0.clone());
+        }
+        for (k, v) in secret.string_data.iter().flatten() {
+            data.insert(k.clone(), v.as_bytes().to_vec());
+        }
+        Self::from_bytes_map(&data)
+    }
+
+    /// From a Secret's `data`.
+    pub fn from_secret_data(data: &BTreeMap<String, ByteString>) -> Result<Self, CredentialsError> {
+        let data: BTreeMap<String, Vec<u8>> =
+            data.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
+        Self::from_bytes_map(&data)
+    }
+
+    /// From string values (a Secret's `stringData`, or test fixtures).
+    pub fn from_string_data(data: &BTreeMap<String, String>) -> Result<Self, CredentialsError> {
+        let data: BTreeMap<String, Vec<u8>> = data
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_bytes().to_vec()))
+            .collect();
+        Self::from_bytes_map(&data)
+    }
+
+    fn from_bytes_map(data: &BTreeMap<String, Vec<u8>>) -> Result<Self, CredentialsError> {
+        let get = |key: &'static str| {
+            data.get(key)
+                .filter(|v| !v.iter().all(u8::is_ascii_whitespace))
+                .ok_or(CredentialsError::MissingKey { key })
+        };
+        let app_id = parse_id(KEY_APP_ID, get(KEY_APP_ID)?)?;
+        let installation_id = parse_id(KEY_INSTALLATION_ID, get(KEY_INSTALLATION_ID)?)?;
+        Self::from_parts(app_id, installation_id, get(KEY_PRIVATE_KEY)?)
+    }
+
+    /// From already-parsed ids and the PEM bytes of the private key.
+    pub fn from_parts(
+        app_id: u64,
+        installation_id: u64,
+        pem: &[u8],
+    ) -> Result<Self, CredentialsError> {
+        let invalid = |reason| CredentialsError::InvalidKey {
+            key: KEY_PRIVATE_KEY,
+            reason,
+        };
+        let pkcs1 = rsa_pkcs1_der_from_pem(pem).map_err(invalid)?;
+        let key = EncodingKey::from_rsa_der(&pkcs1);
+        // Prove the key signs now, rather than on the first mint.
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::RS256),
+            &serde_json::json!({ "probe": true }),
+            &key,
+        )
+        .map_err(|_| invalid("not a usable RSA private key"))?;
+        Ok(AppCredentials {
+            app_id,
+            installation_id,
+            key: Arc::new(key),
+        })
+    }
+
+    pub fn app_id(&self) -> u64 {
+        self.app_id
+    }
+
+    pub fn installation_id(&self) -> u64 {
+        self.installation_id
+    }
+
+    pub(crate) fn encoding_key(&self) -> &EncodingKey {
+        &self.key
+    }
+}
+
+fn parse_id(key: &'static str, raw: &[u8]) -> Result<u64, CredentialsError> {
+    std::str::from_utf8(raw)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .filter(|id| *id > 0)
+        .ok_or(CredentialsError::InvalidKey {
+            key,
+            reason: "not a positive decimal integer",
+        })
+}
+
+/// The PKCS#1 `RSAPrivateKey` DER from a PKCS#1 or PKCS#8 PEM.
+fn rsa_pkcs1_der_from_pem(pem: &[u8]) -> Result<Vec<u8>, &'static str> {
+    const NOT_PEM: &str = "not a PEM private key";
+    let text = std::str::from_utf8(pem).map_err(|_| NOT_PEM)?;
+    let begin = text.find("-----BEGIN ").ok_or(NOT_PEM)?;
+    let rest = &text[begin + 11..];
+    let label_end = rest.find("-----").ok_or(NOT_PEM)?;
+    let label = &rest[..label_end];
+    let body_and_end = &rest[label_end + 5..];
+    let end_marker = format!("-----END {label}-----");
+    let end = body_and_end.find(&end_marker).ok_or(NOT_PEM)?;
+    let b64: String = body_and_end[..end]
+        .chars()
+        .filter(|c| !c.is_ascii_whitespace())
+        .collect();
+    let der = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|_| NOT_PEM)?;
+    match label {
+        "RSA PRIVATE KEY" => Ok(der),
+        "PRIVATE KEY" => pkcs8_rsa_inner(&der)
+            .map(<[u8]>::to_vec)
+            .ok_or("PKCS#8 key is not an RSA key"),
+        "ENCRYPTED PRIVATE KEY" => Err("encrypted keys are not supported"),
+        _ => Err("not an RSA private key (expected PKCS#1 or PKCS#8 PEM)"),
+    }
+}
+
+/// Reads one DER TLV: (tag, contents, rest).
+fn der_tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, rest) = input.split_first()?;
+    let (&first, mut rest) = rest.split_first()?;
+    let len = if first < 0x80 {
+        first as usize
+    } else {
+        let n = (first & 0x7f) as usize;
+        if n == 0 || n > 4 || rest.len() < n {
+            return None;
+        }
+        let len = rest[..n]
+            .iter()
+            .fold(0usize, |acc, b| (acc << 8) | *b as usize);
+        rest = &rest[n..];
+        len
+    };
+    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
+}
+
+/// PKCS#8 `PrivateKeyInfo { version, AlgorithmIdentifier { rsaEncryption, .. }, OCTET STRING }`.
+fn pkcs8_rsa_inner(pkcs8: &[u8]) -> Option<&[u8]> {
+    const RSA_ENCRYPTION: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01];
+    let (0x30, info, _) = der_tlv(pkcs8)? else {
+        return None;
+    };
+    let (0x02, _version, rest) = der_tlv(info)? else {
+        return None;
+    };
+    let (0x30, alg, rest) = der_tlv(rest)? else {
+        return None;
+    };
+    let (0x06, oid, _) = der_tlv(alg)? else {
+        return None;
+    };
+    if oid != RSA_ENCRYPTION {
+        return None;
+    }
+    let (0x04, key, _) = der_tlv(rest)? else {
+        return None;
+    };
+    Some(key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use imp_testkit::github::test_key;
+
+    fn data(app: &str, inst: &str, pem: &str) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (KEY_APP_ID.into(), app.into()),
+            (KEY_INSTALLATION_ID.into(), inst.into()),
+            (KEY_PRIVATE_KEY.into(), pem.into()),
+        ])
+    }
+
+    #[test]
+    fn loads_pkcs1_and_pkcs8() {
+        let key = test_key(0);
+        for pem in [key.pkcs1_pem(), key.pkcs8_pem()] {
+            let c = AppCredentials::from_string_data(&data("12\n", " 34 ", &pem)).unwrap();
+            assert_eq!((c.app_id(), c.installation_id()), (12, 34));
+            let dbg = format!("{c:?}");
+            assert!(
+                dbg.contains("[redacted]") && !dbg.contains("BEGIN"),
+                "{dbg}"
+            );
+        }
+    }
+
+    #[test]
+    fn loads_from_secret_object_data() {
+        let key = test_key(0);
+        let mut d = BTreeMap::new();
+        d.insert(KEY_APP_ID.to_string(), ByteString(b"1".to_vec()));
+        d.insert(KEY_INSTALLATION_ID.to_string(), ByteString(b"2".to_vec()));
+        d.insert(
+            KEY_PRIVATE_KEY.to_string(),
+            ByteString(key.pkcs1_pem().into_bytes()),
+        );
+        let secret = Secret {
+            data: Some(d.clone()),
+            ..Default::default()
+        };
+        assert_eq!(AppCredentials::from_secret(&secret).unwrap().app_id(), 1);
+        assert_eq!(
+            AppCredentials::from_secret_data(&d)
+                .unwrap()
+                .installation_id(),
+            2
+        );
+    }
+
+    #[test]
+    fn errors_name_the_key_never_the_value() {
+        let key = test_key(0);
+        let pem = key.pkcs1_pem();
+        let mut missing = data("1", "2", &pem);
+        missing.remove(KEY_PRIVATE_KEY);
+        assert_eq!(
+            AppCredentials::from_string_data(&missing).unwrap_err(),
+            CredentialsError::MissingKey {
+                key: KEY_PRIVATE_KEY
+            }
+        );
+        let mut empty = data("1", "2", &pem);
+        empty.insert(KEY_INSTALLATION_ID.into(), "  ".into());
+        assert_eq!(
+            AppCredentials::from_string_data(&empty).unwrap_err(),
+            CredentialsError::MissingKey {
+                key: KEY_INSTALLATION_ID
+            }
+        );
+        let err = AppCredentials::from_string_data(&data("secret-app-x", "2", &pem)).unwrap_err();
+        assert!(matches!(
+            err,
+            CredentialsError::InvalidKey {
+                key: KEY_APP_ID,
+                ..
+            }
+        ));
+        assert!(!err.to_string().contains("secret-app-x"));
+
+        // Corrupt PEM bodies: garbage, truncated, wrong type, a public key.
+        let b64_body: String = pem.lines().filter(|l| !l.starts_with("-----")).collect();
+        let truncated = format!(
+            "-----BEGIN RSA PRIVATE KEY-----\n{}\n-----END RSA PRIVATE KEY-----\n",
+            &b64_body[..200]
+        );
+        let cases = [
+            "hello".to_string(),
+            truncated,
+            "-----BEGIN EC PRIVATE KEY-----\nAAAA\n-----END EC PRIVATE KEY-----\n".to_string(),
+            "-----BEGIN PRIVATE KEY-----\nMAA=\n-----END PRIVATE KEY-----\n".to_string(),
+        ];
+        for bad in cases {
+            let err = AppCredentials::from_string_data(&data("1", "2", &bad)).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    CredentialsError::InvalidKey {
+                        key: KEY_PRIVATE_KEY,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+            let msg = err.to_string();
+            assert!(msg.contains("private-key"), "{msg}");
+            assert!(
+                !msg.contains("BEGIN") && !msg.contains(&b64_body[..40]),
+                "{msg}"
+            );
+        }
+    }
+}

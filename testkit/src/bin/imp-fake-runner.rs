@@ -1,0 +1,66 @@
+//! A fake GitHub Actions runner for the GitHub simulator, used inside guests in tests.
+//!
+//! Like `actions/runner run --jitconfig <config>`, it takes a one-time JIT config, connects,
+//! takes one queued job whose labels match, reports completion and exits 0. Imp delivers the
+//! config in the environment variable `ACTIONS_RUNNER_INPUT_JITCONFIG` (so it never appears in
+//! process listings); `--jitconfig <value>` is accepted for parity with actions/runner.
+//!
+//! Exit codes: 0 job completed; 2 usage (no JIT config); 1 any other failure.
+
+use std::time::Duration;
+
+use clap::Parser;
+use imp_testkit::github::runner_protocol::{FakeRunnerOptions, JITCONFIG_ENV, run_fake_runner};
+
+#[derive(Parser)]
+#[command(
+    name = "imp-fake-runner",
+    about = "Fake actions/runner for Imp's GitHub simulator"
+)]
+struct Args {
+    /// The JIT config (prefer the ACTIONS_RUNNER_INPUT_JITCONFIG env var).
+    #[arg(long)]
+    jitconfig: Option<String>,
+    /// Seconds to wait for a matching job before failing.
+    #[arg(long, env = "IMP_FAKE_RUNNER_JOB_WAIT_SECS", default_value_t = 60)]
+    job_wait_secs: u64,
+    /// Seconds the job "runs".
+    #[arg(long, env = "IMP_FAKE_RUNNER_JOB_SECS", default_value_t = 0)]
+    job_secs: u64,
+    /// Conclusion to report.
+    #[arg(long, env = "IMP_FAKE_RUNNER_CONCLUSION", default_value = "success")]
+    conclusion: String,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let args = Args::parse();
+    let config = match std::env::var(JITCONFIG_ENV)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .or(args.jitconfig)
+    {
+        Some(c) => c,
+        None => {
+            eprintln!("imp-fake-runner: no JIT config: set {JITCONFIG_ENV} (or pass --jitconfig)");
+            std::process::exit(2);
+        }
+    };
+    let opts = FakeRunnerOptions {
+        job_wait: Duration::from_secs(args.job_wait_secs),
+        job_duration: Duration::from_secs(args.job_secs),
+        conclusion: args.conclusion,
+    };
+    match run_fake_runner(&config, &opts).await {
+        Ok(job) => {
+            println!(
+                "imp-fake-runner: job {} completed ({})",
+                job.id, opts.conclusion
+            );
+        }
+        Err(e) => {
+            eprintln!("imp-fake-runner: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

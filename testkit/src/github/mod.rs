@@ -1,0 +1,515 @@
+//! A GitHub API simulator for tests: an axum server on 127.0.0.1 that follows GitHub's REST shapes,
+//! status codes and auth rules for the endpoints Imp uses (App JWT -> installation token, runner
+//! groups, generate-jitconfig, runners), keeps a runner registry and a job model, emits signed
+//! `workflow_job` webhooks, speaks a small runner protocol for the fake runner
+//! (`imp-fake-runner`), and injects faults on demand. See docs/github.md.
+
+pub mod http;
+pub mod jwt;
+pub mod keys;
+pub mod model;
+pub mod runner_protocol;
+mod server;
+pub mod webhooks;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::Utc;
+use tokio::sync::mpsc;
+
+pub use keys::{AppKey, test_key};
+pub use model::{
+    Delivery, Fault, FaultRule, JobSpec, JobStatus, SimJob, SimRunner, SimRunnerGroup, SimScope,
+    SimStats, WebhookFault,
+};
+pub use webhooks::{ReceivedHook, WebhookSink, sign_body, verify_signature};
+
+use model::{Model, RateWindow};
+use webhooks::HookEvent;
+
+/// The Secret keys Imp reads App credentials from (docs/github.md).
+pub const SECRET_KEY_APP_ID: &str = "app-id";
+pub const SECRET_KEY_INSTALLATION_ID: &str = "installation-id";
+pub const SECRET_KEY_PRIVATE_KEY: &str = "private-key";
+
+/// Which PEM form of the App key to hand out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyFormat {
+    /// `BEGIN RSA PRIVATE KEY` (what GitHub's "Generate a private key" downloads).
+    Pkcs1,
+    /// `BEGIN PRIVATE KEY`.
+    Pkcs8,
+}
+
+/// Simulator configuration.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// The organization login the App is installed on.
+    pub org: String,
+    /// Repositories (`owner/repo`) the installation can see.
+    pub repos: Vec<String>,
+    pub app_id: u64,
+    pub installation_id: u64,
+    /// Which cached test key (see [`test_key`]) is the App's key.
+    pub key_index: usize,
+    /// Installation token lifetime (GitHub: 1 hour).
+    pub token_ttl: Duration,
+    /// Primary rate limit per window (GitHub: 5000 per hour for installations).
+    pub rate_limit: u32,
+    pub rate_limit_window: Duration,
+    /// Organization runner groups besides "Default" (id 1), created with ids 2, 3, ...
+    pub runner_groups: Vec<String>,
+    /// Where webhooks go (also settable later).
+    pub webhook_url: Option<String>,
+    pub webhook_secret: String,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            org: "octo-org".into(),
+            repos: vec!["octo-org/octo-repo".into()],
+            app_id: 4242,
+            installation_id: 31337,
+            key_index: 0,
+            token_ttl: Duration::from_secs(3600),
+            rate_limit: 5000,
+            rate_limit_window: Duration::from_secs(3600),
+            runner_groups: Vec::new(),
+            webhook_url: None,
+            webhook_secret: "imp-sim-webhook-secret".into(),
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub config: SimConfig,
+    pub key: Arc<AppKey>,
+    pub base_url: String,
+    pub model: Mutex<Model>,
+    pub hooks: mpsc::UnboundedSender<HookEvent>,
+}
+
+impl Shared {
+    pub fn model(&self) -> MutexGuard<'_, Model> {
+        self.model.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a `workflow_job` webhook for the job's current state.
+    pub fn emit(&self, job: &SimJob, action: &str) {
+        let payload = webhooks::workflow_job_payload(
+            job,
+            action,
+            &self.config.org,
+            self.config.installation_id,
+        );
+        let _ = self.hooks.send(HookEvent {
+            action: action.into(),
+            job_id: job.id,
+            payload,
+        });
+    }
+
+    pub fn queue_job(&self, spec: JobSpec) -> SimJob {
+        let job = {
+            let mut m = self.model();
+            let id = m.next_job_id;
+            m.next_job_id += 1;
+            let job = SimJob {
+                id,
+                run_id: 2_202_229_000 + id,
+                repository: spec
+                    .repository
+                    .unwrap_or_else(|| self.config.repos.first().cloned().unwrap_or_default()),
+                name: spec.name.unwrap_or_else(|| "build".into()),
+                workflow_name: spec.workflow_name.unwrap_or_else(|| "CI".into()),
+                labels: spec.labels,
+                status: JobStatus::Queued,
+                conclusion: None,
+                runner_id: None,
+                runner_name: None,
+                runner_group_id: None,
+                runner_group_name: None,
+                created_at: Utc::now(),
+                started_at: None,
+                completed_at: None,
+                head_sha: "3484a3fb816e0859fd6e1cea078d76385ff50625".into(),
+                head_branch: "main".into(),
+            };
+            m.jobs.insert(id, job.clone());
+            job
+        };
+        self.emit(&job, "queued");
+        job
+    }
+}
+
+/// A running simulator. Dropping it stops the server.
+pub struct GithubSim {
+    shared: Arc<Shared>,
+    server: tokio::task::JoinHandle<()>,
+    worker: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for GithubSim {
+    fn drop(&mut self) {
+        self.server.abort();
+        self.worker.abort();
+    }
+}
+
+impl GithubSim {
+    /// Starts a simulator on 127.0.0.1 with an ephemeral port.
+    pub async fn start(config: SimConfig) -> anyhow::Result<GithubSim> {
+        Self::start_on(config, "127.0.0.1:0").await
+    }
+
+    /// Starts a simulator on the given address (the standalone `github-sim` binary uses this).
+    pub async fn start_on(config: SimConfig, addr: &str) -> anyhow::Result<GithubSim> {
+        let key = test_key(config.key_index);
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let base_url = format!("http://{}", listener.local_addr()?);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut groups = vec![SimRunnerGroup {
+            id: 1,
+            name: "Default".into(),
+            default: true,
+        }];
+        for (i, name) in config.runner_groups.iter().enumerate() {
+            groups.push(SimRunnerGroup {
+                id: i as u64 + 2,
+                name: name.clone(),
+                default: false,
+            });
+        }
+        let permissions = BTreeMap::from([
+            (
+                "organization_self_hosted_runners".to_string(),
+                "write".to_string(),
+            ),
+            ("administration".to_string(), "write".to_string()),
+            ("actions".to_string(), "read".to_string()),
+            ("metadata".to_string(), "read".to_string()),
+        ]);
+        let model = Model {
+            revoked: false,
+            permissions,
+            tokens: HashMap::new(),
+            rate: HashMap::<String, RateWindow>::new(),
+            groups,
+            runners: BTreeMap::new(),
+            next_runner_id: 1,
+            credentials: HashMap::new(),
+            sessions: HashMap::new(),
+            jobs: BTreeMap::new(),
+            next_job_id: 1_000_001,
+            faults: VecDeque::new(),
+            webhook_faults: VecDeque::new(),
+            webhook: config
+                .webhook_url
+                .clone()
+                .map(|u| (u, config.webhook_secret.clone())),
+            deliveries: Vec::new(),
+            stats: SimStats::default(),
+        };
+        let shared = Arc::new(Shared {
+            config,
+            key,
+            base_url,
+            model: Mutex::new(model),
+            hooks: tx,
+        });
+        let worker = tokio::spawn(webhooks::delivery_worker(shared.clone(), rx));
+        let router = server::router(shared.clone());
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        Ok(GithubSim {
+            shared,
+            server,
+            worker,
+        })
+    }
+
+    /// `http://127.0.0.1:<port>`: the REST API base (pass to `OctocrabBuilder::base_uri`).
+    pub fn base_url(&self) -> &str {
+        &self.shared.base_url
+    }
+
+    pub fn config(&self) -> &SimConfig {
+        &self.shared.config
+    }
+
+    pub fn app_id(&self) -> u64 {
+        self.shared.config.app_id
+    }
+
+    pub fn installation_id(&self) -> u64 {
+        self.shared.config.installation_id
+    }
+
+    pub fn org(&self) -> &str {
+        &self.shared.config.org
+    }
+
+    /// The App's private key.
+    pub fn app_key(&self) -> Arc<AppKey> {
+        self.shared.key.clone()
+    }
+
+    /// The App's private key as PEM.
+    pub fn private_key_pem(&self, format: KeyFormat) -> String {
+        match format {
+            KeyFormat::Pkcs1 => self.shared.key.pkcs1_pem(),
+            KeyFormat::Pkcs8 => self.shared.key.pkcs8_pem(),
+        }
+    }
+
+    /// The data of an App credentials Secret for this simulator (`app-id`, `installation-id`,
+    /// `private-key`).
+    pub fn secret_data(&self, format: KeyFormat) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (SECRET_KEY_APP_ID.to_string(), self.app_id().to_string()),
+            (
+                SECRET_KEY_INSTALLATION_ID.to_string(),
+                self.installation_id().to_string(),
+            ),
+            (
+                SECRET_KEY_PRIVATE_KEY.to_string(),
+                self.private_key_pem(format),
+            ),
+        ])
+    }
+
+    /// A client for the HTTP admin API (the same operations as the methods below).
+    pub fn admin(&self) -> AdminClient {
+        AdminClient::new(self.base_url())
+    }
+
+    /// Injects a REST fault.
+    pub fn inject(&self, rule: FaultRule) {
+        self.shared.model().faults.push_back(rule);
+    }
+
+    /// Removes all pending REST faults.
+    pub fn clear_faults(&self) {
+        self.shared.model().faults.clear();
+    }
+
+    /// Applies `fault` to the next `count` webhook deliveries.
+    pub fn inject_webhook_fault(&self, fault: WebhookFault, count: u32) {
+        self.shared.model().webhook_faults.push_back((fault, count));
+    }
+
+    /// Revokes the App installation: its tokens stop working and token exchange answers 404.
+    pub fn revoke_installation(&self) {
+        let mut m = self.shared.model();
+        m.revoked = true;
+        m.tokens.clear();
+    }
+
+    pub fn restore_installation(&self) {
+        self.shared.model().revoked = false;
+    }
+
+    /// Sets (or with `None` removes) an App permission, e.g. `organization_self_hosted_runners`.
+    pub fn set_permission(&self, name: &str, level: Option<&str>) {
+        let mut m = self.shared.model();
+        match level {
+            Some(l) => m.permissions.insert(name.to_string(), l.to_string()),
+            None => m.permissions.remove(name),
+        };
+    }
+
+    /// Expires every installation token now (the next use answers 401 Bad credentials).
+    pub fn expire_tokens(&self) {
+        let past = Utc::now() - chrono::Duration::seconds(1);
+        for exp in self.shared.model().tokens.values_mut() {
+            *exp = past;
+        }
+    }
+
+    /// Sets where webhooks go and the secret that signs them.
+    pub fn set_webhook(&self, url: &str, secret: &str) {
+        self.shared.model().webhook = Some((url.to_string(), secret.to_string()));
+    }
+
+    /// Queues a job with these labels; emits the `queued` webhook.
+    pub fn queue_job(&self, spec: JobSpec) -> SimJob {
+        self.shared.queue_job(spec)
+    }
+
+    pub fn job(&self, id: u64) -> Option<SimJob> {
+        self.shared.model().jobs.get(&id).cloned()
+    }
+
+    pub fn jobs(&self) -> Vec<SimJob> {
+        self.shared.model().jobs.values().cloned().collect()
+    }
+
+    pub fn runners(&self) -> Vec<SimRunner> {
+        self.shared.model().runners.values().cloned().collect()
+    }
+
+    pub fn stats(&self) -> SimStats {
+        self.shared.model().stats.clone()
+    }
+
+    pub fn deliveries(&self) -> Vec<Delivery> {
+        self.shared.model().deliveries.clone()
+    }
+
+    /// Remaining primary rate limit of the installation.
+    pub fn installation_rate_remaining(&self) -> u32 {
+        let key = format!("installation:{}", self.installation_id());
+        let m = self.shared.model();
+        m.rate
+            .get(&key)
+            .map(|w| w.remaining())
+            .unwrap_or(self.shared.config.rate_limit)
+    }
+
+    /// Waits until `pred` holds for the job (or `timeout`); returns the job's last state.
+    pub async fn wait_job(
+        &self,
+        id: u64,
+        timeout: Duration,
+        pred: impl Fn(&SimJob) -> bool,
+    ) -> Option<SimJob> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let job = self.job(id);
+            if job.as_ref().is_some_and(&pred) || tokio::time::Instant::now() >= deadline {
+                return job;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Client for the simulator's HTTP admin API (`/_admin/...`), for processes that don't hold the
+/// [`GithubSim`] handle (the smoke test, other test binaries).
+#[derive(Clone)]
+pub struct AdminClient {
+    base: String,
+    http: http::HttpClient,
+}
+
+impl AdminClient {
+    pub fn new(base_url: &str) -> Self {
+        AdminClient {
+            base: base_url.trim_end_matches('/').to_string(),
+            http: Default::default(),
+        }
+    }
+
+    async fn call(
+        &self,
+        method: ::http::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> anyhow::Result<serde_json::Value> {
+        let url = format!("{}{}", self.base, path);
+        let resp = self.http.json(method, &url, &[], body.as_ref()).await?;
+        anyhow::ensure!(
+            resp.status.is_success(),
+            "{path}: {} {}",
+            resp.status,
+            resp.json()
+        );
+        Ok(resp.json())
+    }
+
+    pub async fn inject(&self, rule: &FaultRule) -> anyhow::Result<()> {
+        self.call(
+            ::http::Method::POST,
+            "/_admin/faults",
+            Some(serde_json::to_value(rule)?),
+        )
+        .await
+        .map(drop)
+    }
+
+    pub async fn clear_faults(&self) -> anyhow::Result<()> {
+        self.call(::http::Method::DELETE, "/_admin/faults", None)
+            .await
+            .map(drop)
+    }
+
+    pub async fn inject_webhook_fault(
+        &self,
+        fault: WebhookFault,
+        count: u32,
+    ) -> anyhow::Result<()> {
+        let body = serde_json::json!({ "fault": fault, "count": count });
+        self.call(::http::Method::POST, "/_admin/webhook-faults", Some(body))
+            .await
+            .map(drop)
+    }
+
+    pub async fn set_webhook(&self, url: &str, secret: &str) -> anyhow::Result<()> {
+        let body = serde_json::json!({ "url": url, "secret": secret });
+        self.call(::http::Method::PUT, "/_admin/webhook", Some(body))
+            .await
+            .map(drop)
+    }
+
+    pub async fn queue_job(&self, spec: &JobSpec) -> anyhow::Result<SimJob> {
+        let v = self
+            .call(
+                ::http::Method::POST,
+                "/_admin/jobs",
+                Some(serde_json::to_value(spec)?),
+            )
+            .await?;
+        Ok(serde_json::from_value(v)?)
+    }
+
+    pub async fn job(&self, id: u64) -> anyhow::Result<SimJob> {
+        let v = self
+            .call(::http::Method::GET, &format!("/_admin/jobs/{id}"), None)
+            .await?;
+        Ok(serde_json::from_value(v)?)
+    }
+
+    pub async fn revoke_installation(&self) -> anyhow::Result<()> {
+        self.call(::http::Method::POST, "/_admin/installation/revoke", None)
+            .await
+            .map(drop)
+    }
+
+    pub async fn restore_installation(&self) -> anyhow::Result<()> {
+        self.call(::http::Method::POST, "/_admin/installation/restore", None)
+            .await
+            .map(drop)
+    }
+
+    pub async fn expire_tokens(&self) -> anyhow::Result<()> {
+        self.call(::http::Method::POST, "/_admin/tokens/expire", None)
+            .await
+            .map(drop)
+    }
+
+    pub async fn stats(&self) -> anyhow::Result<SimStats> {
+        let v = self
+            .call(::http::Method::GET, "/_admin/stats", None)
+            .await?;
+        Ok(serde_json::from_value(v)?)
+    }
+
+    pub async fn runners(&self) -> anyhow::Result<Vec<SimRunner>> {
+        let v = self
+            .call(::http::Method::GET, "/_admin/runners", None)
+            .await?;
+        Ok(serde_json::from_value(v)?)
+    }
+
+    pub async fn deliveries(&self) -> anyhow::Result<Vec<Delivery>> {
+        let v = self
+            .call(::http::Method::GET, "/_admin/deliveries", None)
+            .await?;
+        Ok(serde_json::from_value(v)?)
+    }
+}
