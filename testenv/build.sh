@@ -8,6 +8,14 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin="$here/bin"
 mkdir -p "$bin"
 
+# Versions stamped into the binaries: a go-module build has no git metadata, and clients such as helm
+# check the server's version (the chart's kubeVersion).
+k8s_version="$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$here/kube/go.mod")"
+helm_version="$(awk '$1 == "require" && $2 == "helm.sh/helm/v3" {print $3}' "$here/helm/go.mod")"
+k8s_minor="$(cut -d. -f2 <<<"$k8s_version")"
+kube_ldflags="-X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$k8s_minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$k8s_version -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$k8s_minor"
+helm_ldflags="-X helm.sh/helm/v3/internal/version.version=$helm_version -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$k8s_minor"
+
 # component -> "module-dir package"
 components=(
   "etcd etcd go.etcd.io/etcd/server/v3"
@@ -17,7 +25,15 @@ components=(
   "helm helm helm.sh/helm/v3/cmd/helm"
 )
 
-pin_of() { cat "$here/$1/go.mod" "$here/$1/go.sum" | sha256sum | cut -c1-16; }
+ldflags_of() {
+  case "$1" in
+    kube) echo "$kube_ldflags" ;;
+    helm) echo "$helm_ldflags" ;;
+    *) echo "" ;;
+  esac
+}
+
+pin_of() { { cat "$here/$1/go.mod" "$here/$1/go.sum"; ldflags_of "$1"; } | sha256sum | cut -c1-16; }
 
 for entry in "${components[@]}"; do
   read -r name dir pkg <<<"$entry"
@@ -29,7 +45,7 @@ for entry in "${components[@]}"; do
   fi
   echo "testenv: building $name from $pkg"
   start=$(date +%s)
-  (cd "$here/$dir" && CGO_ENABLED=0 go build -trimpath -ldflags='-s -w' -o "$bin/$name.tmp" "$pkg")
+  (cd "$here/$dir" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w $(ldflags_of "$dir")" -o "$bin/$name.tmp" "$pkg")
   mv "$bin/$name.tmp" "$bin/$name"
   echo "$pin" >"$stamp"
   echo "testenv: built $name in $(( $(date +%s) - start ))s"

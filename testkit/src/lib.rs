@@ -1,1 +1,10 @@
+//! Imp's test substrate (dev-only): a real Kubernetes control plane harness and simulators.
 
+pub mod certs;
+pub mod cluster;
+pub mod controlplane;
+pub mod github;
+pub mod paths;
+pub mod process;
+
+pub use cluster::TestEnv;

@@ -1,0 +1,84 @@
+//! ImpNetwork: subnet, gateway, NAT and DNS for the VMs attached to it.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+/// A routed subnet on each node's bridge; VMs get addresses from the built-in IPAM.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpNetwork",
+    namespaced,
+    shortname = "impnet",
+    category = "imp",
+    status = "ImpNetworkStatus",
+    doc = "Subnet, gateway, NAT and DNS for Imp microVMs.",
+    printcolumn(name = "Subnet", type_ = "string", json_path = ".spec.subnet"),
+    printcolumn(name = "NAT", type_ = "boolean", json_path = ".spec.nat.enabled"),
+    printcolumn(name = "Gateway", type_ = "string", json_path = ".spec.gateway", priority = 1),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[x_kube(validation = kube::core::Rule::new("!isCIDR(self.subnet) || !isIP(self.gateway) || cidr(self.subnet).containsIP(self.gateway)")
+    .message("gateway must lie inside subnet").field_path(".gateway"))]
+#[x_kube(validation = kube::core::Rule::new("!isCIDR(self.subnet) || !isIP(self.gateway) || ip(self.gateway).family() == cidr(self.subnet).ip().family()")
+    .message("gateway and subnet must be the same IP family").field_path(".gateway"))]
+#[serde(rename_all = "camelCase")]
+pub struct ImpNetworkSpec {
+    /// CIDR of the VM subnet, e.g. 10.44.0.0/24.
+    #[x_kube(validation = kube::core::Rule::new("isCIDR(self)").message("subnet must be a CIDR such as 10.44.0.0/24"))]
+    #[schemars(length(max = 64))]
+    pub subnet: String,
+    /// Address of the node-side bridge inside the subnet; VMs route through it.
+    #[x_kube(validation = kube::core::Rule::new("isIP(self)").message("gateway must be an IP address"))]
+    #[schemars(length(max = 64))]
+    pub gateway: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nat: Option<Nat>,
+    /// Resolvers written into the guest's resolv.conf.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = kube::core::Rule::new("self.all(s, isIP(s))").message("every dns entry must be an IP address"))]
+    #[schemars(length(max = 8), inner(length(max = 64)))]
+    pub dns: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ipam: Option<Ipam>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Nat {
+    /// Masquerade VM traffic leaving the node.
+    pub enabled: bool,
+    /// Host interface for egress; default: the interface of the node's default route.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 15))]
+    pub egress_interface: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Ipam {
+    #[serde(rename = "type", default)]
+    pub kind: IpamKind,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum IpamKind {
+    /// Addresses handed out per node by imp-runtime from the subnet.
+    #[default]
+    Builtin,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpNetworkStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Addresses currently allocated to VMs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}

@@ -1,0 +1,190 @@
+//! ImpVMRunnerPool: a pool of ephemeral runner VMs serving GitHub Actions jobs.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::{
+    api::core::v1::{LocalObjectReference, Toleration},
+    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+};
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::{ClassRef, KubeDuration, NetworkRef};
+
+/// Keeps enough idle runner VMs registered at GitHub for the jobs whose labels it serves.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVMRunnerPool",
+    namespaced,
+    shortname = "imprp",
+    category = "imp",
+    status = "ImpVMRunnerPoolStatus",
+    doc = "A pool of ephemeral GitHub Actions runner microVMs.",
+    printcolumn(name = "Desired", type_ = "integer", json_path = ".status.desired"),
+    printcolumn(name = "Idle", type_ = "integer", json_path = ".status.idle"),
+    printcolumn(name = "Busy", type_ = "integer", json_path = ".status.busy"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(name = "Booting", type_ = "integer", json_path = ".status.booting", priority = 1),
+    printcolumn(name = "Max", type_ = "integer", json_path = ".spec.scaling.maxRunners", priority = 1)
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMRunnerPoolSpec {
+    pub github: GithubRunnerSpec,
+    /// What every runner VM of the pool looks like.
+    pub template: RunnerVmTemplate,
+    pub scaling: Scaling,
+    /// Secret with the webhook HMAC secret for deliveries routed to this pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook_secret_ref: Option<SecretKeyRef>,
+}
+
+/// Where the runners register at GitHub and with which labels.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GithubRunnerSpec {
+    /// Organization or repository the runners register with (exactly one).
+    pub scope: GithubScope,
+    /// Secret with the GitHub App credentials (keys app-id, installation-id, private-key).
+    pub app_secret_ref: LocalObjectReference,
+    /// Runner group name (organization scope); the default group when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub runner_group: Option<String>,
+    /// Labels of every runner; a job is served when its labels are a subset of these.
+    #[schemars(length(min = 1, max = 64), inner(length(min = 1, max = 256)))]
+    pub labels: Vec<String>,
+    /// Runner work folder inside the guest (default `_work`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub work_folder: Option<String>,
+}
+
+/// Exactly one of `org` or `repo`. Enterprise scope is not offered: GitHub refuses App tokens there.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("has(self.org) != has(self.repo)").message("exactly one of scope.org or scope.repo must be set"))]
+pub struct GithubScope {
+    /// Organization login, e.g. `acme`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 39))]
+    pub org: Option<String>,
+    /// Repository as `owner/name`, e.g. `acme/app`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("self.matches('^[A-Za-z0-9-]+/[A-Za-z0-9._-]+$')").message("repo must be owner/name"))]
+    #[schemars(length(min = 3, max = 140))]
+    pub repo: Option<String>,
+}
+
+/// The parts of an ImpVM spec a runner VM takes from its pool. Lifecycle is always ephemeral and the
+/// runner config Secret is the pool's to set, so neither can be written here.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunnerVmTemplate {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<TemplateMetadata>,
+    pub spec: RunnerVmTemplateSpec,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TemplateMetadata {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunnerVmTemplateSpec {
+    pub class_ref: ClassRef,
+    /// Base OCI image of the runner's root filesystem.
+    #[schemars(length(min = 1, max = 512))]
+    pub image: String,
+    /// OCI image with the actions/runner layer, applied on top of `image`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub runner_image: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_ref: Option<NetworkRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+    /// Upper bound on one runner VM's life (a stuck job is cut off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) > duration('0s')").message("expireAfter must be positive"))]
+    pub expire_after: Option<KubeDuration>,
+}
+
+/// Pool size limits.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(validation = kube::core::Rule::new("!has(self.minIdle) || self.minIdle <= self.maxRunners").message("minIdle must not exceed maxRunners").field_path(".minIdle"))]
+pub struct Scaling {
+    /// Idle runners kept registered and waiting (default 0: scale from zero on demand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 10000))]
+    pub min_idle: Option<u32>,
+    /// Upper bound on runner VMs of the pool, busy or not.
+    #[schemars(range(min = 1, max = 10000))]
+    pub max_runners: u32,
+    /// Most runner VMs created in one reconcile pass (default 10).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub scale_up_step: Option<u32>,
+}
+
+/// Default number of runners created per reconcile pass.
+pub const DEFAULT_SCALE_UP_STEP: u32 = 10;
+
+impl Scaling {
+    pub fn min_idle(&self) -> u32 {
+        self.min_idle.unwrap_or(0)
+    }
+    pub fn scale_up_step(&self) -> u32 {
+        self.scale_up_step.unwrap_or(DEFAULT_SCALE_UP_STEP)
+    }
+}
+
+/// A key of a Secret in the pool's namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key inside the Secret (default `webhook-secret`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMRunnerPoolStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Runner VMs the pool wants right now.
+    #[serde(default)]
+    pub desired: u32,
+    /// Registered and waiting for a job.
+    #[serde(default)]
+    pub idle: u32,
+    /// Running a job.
+    #[serde(default)]
+    pub busy: u32,
+    /// Created but not yet registered and waiting (scheduling, booting, handoff).
+    #[serde(default)]
+    pub booting: u32,
+    /// All runner VMs of the pool.
+    #[serde(default)]
+    pub total: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_scale_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}

@@ -1,0 +1,264 @@
+//! ImpVM: one microVM, ephemeral (one CI job) or persistent (a service with a restart policy).
+
+use std::{collections::BTreeMap, time::Duration};
+
+use k8s_openapi::{
+    api::core::v1::{LocalObjectReference, Toleration},
+    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+};
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+use crate::{FieldError, KubeDuration, RestartPolicy};
+
+/// Idle time before a ScaleToZero VM is suspended, when `idleTimeout` is unset.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Smallest accepted `idleTimeout` (also enforced by the CRD schema).
+pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One Firecracker microVM, scheduled onto a node by the operator and run there by the node agent.
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[kube(
+    group = "imp.dev",
+    version = "v1alpha1",
+    kind = "ImpVM",
+    namespaced,
+    shortname = "impvm",
+    category = "imp",
+    status = "ImpVMStatus",
+    doc = "One Imp microVM.",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Node", type_ = "string", json_path = ".spec.nodeName"),
+    printcolumn(name = "IP", type_ = "string", json_path = ".status.ip"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
+    printcolumn(name = "Class", type_ = "string", json_path = ".spec.classRef.name", priority = 1),
+    printcolumn(name = "Lifecycle", type_ = "string", json_path = ".spec.lifecycle", priority = 1),
+    printcolumn(name = "Reason", type_ = "string", json_path = ".status.reason", priority = 1),
+    selectable = ".spec.nodeName"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMSpec {
+    /// The ImpVMClass giving size and behaviour.
+    pub class_ref: ClassRef,
+    /// OCI image of the root filesystem.
+    #[schemars(length(min = 1, max = 512))]
+    pub image: String,
+    /// OCI image layered on top of `image` (the runner layer of runner VMs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 512))]
+    pub runner_image: Option<String>,
+    /// Secrets in this namespace with registry credentials (kubernetes.io/dockerconfigjson).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// The ImpNetwork the VM attaches to; without it the VM has no network interface.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_ref: Option<NetworkRef>,
+    /// `ephemeral` VMs run one job and are deleted; `persistent` VMs are restarted per restartPolicy.
+    pub lifecycle: Lifecycle,
+    /// The node running the VM; set by the operator's scheduler unless set by the user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    /// Only nodes with all these labels are considered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<String, String>>,
+    /// Taints these tolerate do not keep the VM off a node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tolerations: Option<Vec<Toleration>>,
+    /// Restart behaviour of persistent VMs; inherited from the class when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart_policy: Option<RestartPolicy>,
+    /// Running (default), Suspended, or ScaleToZero (suspend after idleTimeout without traffic).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_state: Option<DesiredState>,
+    /// Idle time before a ScaleToZero VM is suspended; default 5m, at least 10s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) >= duration('10s')").message("idleTimeout must be at least 10s"))]
+    pub idle_timeout: Option<KubeDuration>,
+    /// The VM is deleted this long after it first reached Running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("duration(self) > duration('0s')").message("expireAfter must be positive"))]
+    pub expire_after: Option<KubeDuration>,
+    /// Secret (same namespace) holding the one-time JIT runner config; set by the runner pool controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub runner_config_secret: Option<String>,
+}
+
+impl ImpVMSpec {
+    /// `idleTimeout`, defaulted.
+    pub fn idle_timeout(&self) -> Result<Duration, FieldError> {
+        match &self.idle_timeout {
+            None => Ok(DEFAULT_IDLE_TIMEOUT),
+            Some(d) => d.parse().map_err(|e| FieldError::duration("spec.idleTimeout", e)),
+        }
+    }
+
+    /// `expireAfter`, if set.
+    pub fn expire_after(&self) -> Result<Option<Duration>, FieldError> {
+        self.expire_after
+            .as_ref()
+            .map(|d| d.parse().map_err(|e| FieldError::duration("spec.expireAfter", e)))
+            .transpose()
+    }
+
+    /// `desiredState`, defaulted.
+    pub fn desired_state(&self) -> DesiredState {
+        self.desired_state.unwrap_or_default()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct ClassRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct NetworkRef {
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum Lifecycle {
+    Ephemeral,
+    Persistent,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum DesiredState {
+    #[default]
+    Running,
+    Suspended,
+    ScaleToZero,
+}
+
+/// Where an ImpVM is in its life. Writers: see docs/architecture.md (operator vs agent).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum VmPhase {
+    Pending,
+    Scheduled,
+    Starting,
+    Running,
+    Succeeded,
+    Failed,
+    Terminating,
+    RetryExhausted,
+    /// Reserved for scale-to-zero.
+    Suspending,
+    /// Reserved for scale-to-zero.
+    Suspended,
+    /// Reserved for scale-to-zero.
+    Resuming,
+}
+
+impl VmPhase {
+    /// Succeeded and Failed are final for the VM's current run.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, VmPhase::Succeeded | VmPhase::Failed)
+    }
+}
+
+/// Observed state of an ImpVM.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ImpVMStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<VmPhase>,
+    /// Machine-readable reason of the current phase, e.g. NodeLost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Human-readable detail for `reason`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Guest address on the VM's ImpNetwork.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// When the scheduler bound the VM to a node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_time: Option<Time>,
+    /// When the node agent asked imp-runtime to start the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_start_time: Option<Time>,
+    /// When the guest agent first answered Hello (boot complete).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_complete_time: Option<Time>,
+    /// First time the VM reached Running; expireAfter counts from here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_running_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restarts: Option<RestartStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner: Option<RunnerStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest: Option<GuestStatus>,
+}
+
+/// Restart bookkeeping of a persistent VM.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RestartStatus {
+    /// Restarts spent from the current budget.
+    pub count: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_restart_time: Option<Time>,
+    /// Earliest time of the next restart (backoff).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_restart_time: Option<Time>,
+    /// When the budget ran out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exhausted_time: Option<Time>,
+}
+
+/// The one-time runner handoff of a runner VM (ARCHITECTURE §2, step 6).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunnerStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff: Option<HandoffState>,
+    /// Exec id used for the runner process (the guest's idempotency key).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exec_id: Option<String>,
+    /// GitHub runner id registered by the JIT config.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_id: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_time: Option<Time>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exited_time: Option<Time>,
+}
+
+/// Handoff states. `Sent` is recorded before the config leaves the host; `Sent` without `Started`
+/// after a lost connection is ambiguous and never replayed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum HandoffState {
+    Sent,
+    Started,
+    Exited,
+    Ambiguous,
+}
+
+/// Latest guest metrics reported by the node agent.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GuestStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_used_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_used_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sample_time: Option<Time>,
+}

@@ -1,0 +1,174 @@
+//! Every validation rule of the CRD schemas, exercised against the real API server: the valid base object
+//! is accepted, and each mutation is rejected with a message naming the offending field. Removing a rule
+//! (or a field's bound) from the types makes the matching case fail.
+
+use imp_api::{ImpNetwork, ImpVM, ImpVMClass, ImpVMRunnerPool};
+use imp_testkit::TestEnv;
+use kube::{
+    Api, Resource,
+    api::{ApiResource, DynamicObject, Patch, PatchParams, PostParams},
+};
+use serde_json::{Value, json};
+
+fn merge(base: &Value, patch: &Value) -> Value {
+    let mut out = base.clone();
+    json_patch_merge(&mut out, patch);
+    out
+}
+
+/// RFC 7386 merge patch (null removes).
+fn json_patch_merge(target: &mut Value, patch: &Value) {
+    if let (Some(t), Some(p)) = (target.as_object_mut(), patch.as_object()) {
+        for (k, v) in p {
+            if v.is_null() {
+                t.remove(k);
+            } else {
+                json_patch_merge(t.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+    } else {
+        *target = patch.clone();
+    }
+}
+
+async fn create<K: Resource<DynamicType = ()>>(env: &TestEnv, obj: &Value) -> Result<(), String> {
+    let ar = ApiResource::erase::<K>(&());
+    let api: Api<DynamicObject> = if obj["metadata"].get("namespace").is_some() {
+        Api::namespaced_with(env.client.clone(), &env.namespace, &ar)
+    } else {
+        Api::all_with(env.client.clone(), &ar)
+    };
+    let dynobj: DynamicObject = serde_json::from_value(obj.clone()).unwrap();
+    match api.create(&PostParams::default(), &dynobj).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) => Err(e.message),
+        Err(e) => panic!("unexpected client error: {e}"),
+    }
+}
+
+/// Runs each case: base+patch must be rejected with a message containing every `needles` entry.
+async fn check_cases<K: Resource<DynamicType = ()>>(env: &TestEnv, base: Value, cases: &[(&str, Value, &[&str])]) {
+    let name = |i: usize| format!("v{i}-{}", &env.namespace[env.namespace.len() - 8..]);
+    let mut ok = base.clone();
+    ok["metadata"]["name"] = json!(name(999));
+    create::<K>(env, &ok).await.unwrap_or_else(|e| panic!("base object must be accepted: {e}"));
+    let mut failures = Vec::new();
+    for (i, (what, patch, needles)) in cases.iter().enumerate() {
+        let mut obj = merge(&base, patch);
+        obj["metadata"]["name"] = json!(name(i));
+        match create::<K>(env, &obj).await {
+            Ok(()) => failures.push(format!("{what}: accepted")),
+            Err(msg) => {
+                for n in *needles {
+                    if !msg.contains(n) {
+                        failures.push(format!("{what}: message lacks {n:?}: {msg}"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "validation cases failed:\n{}", failures.join("\n"));
+}
+
+#[tokio::test]
+async fn vm_class_rules() {
+    let env = TestEnv::new("valcls").await;
+    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass", "metadata": {},
+        "spec": {"vcpu": 1, "memoryMiB": 512, "restartPolicy": {"mode": "reschedule", "onExhaustion": "fail",
+            "backoff": {"maxRetries": 3, "initialDelay": "10s", "maxDelay": "5m"}}}});
+    check_cases::<ImpVMClass>(&env, base, &[
+        ("vcpu 0", json!({"spec": {"vcpu": 0}}), &["spec.vcpu", "greater than or equal to 1"]),
+        ("memory 64", json!({"spec": {"memoryMiB": 64}}), &["spec.memoryMiB", "greater than or equal to 128"]),
+        ("no memory", json!({"spec": {"memoryMiB": null}}), &["spec.memoryMiB", "Required"]),
+        ("bad mode", json!({"spec": {"restartPolicy": {"mode": "sideways"}}}), &["spec.restartPolicy.mode", "Unsupported value"]),
+        ("bad onExhaustion", json!({"spec": {"restartPolicy": {"onExhaustion": "explode"}}}), &["spec.restartPolicy.onExhaustion", "Unsupported value"]),
+        ("cool-down without period", json!({"spec": {"restartPolicy": {"onExhaustion": "cool-down"}}}), &["spec.restartPolicy.coolDownPeriod", "coolDownPeriod is required"]),
+        ("initialDelay > maxDelay", json!({"spec": {"restartPolicy": {"backoff": {"initialDelay": "10m"}}}}), &["spec.restartPolicy.backoff.initialDelay", "initialDelay must not exceed maxDelay"]),
+        ("zero initialDelay", json!({"spec": {"restartPolicy": {"backoff": {"initialDelay": "0s"}}}}), &["spec.restartPolicy.backoff.initialDelay", "initialDelay must be positive"]),
+        ("zero maxDelay", json!({"spec": {"restartPolicy": {"backoff": {"initialDelay": null, "maxDelay": "0s"}}}}), &["spec.restartPolicy.backoff.maxDelay", "maxDelay must be positive"]),
+        ("maxRetries 0", json!({"spec": {"restartPolicy": {"backoff": {"maxRetries": 0}}}}), &["spec.restartPolicy.backoff.maxRetries", "greater than or equal to 1"]),
+        ("not a duration", json!({"spec": {"restartPolicy": {"backoff": {"initialDelay": "ten seconds"}}}}), &["spec.restartPolicy.backoff.initialDelay", "should match"]),
+        ("probe path", json!({"spec": {"probes": {"readinessProbe": {"http": {"path": "readyz", "port": 8080}}}}}), &["spec.probes.readinessProbe.http.path", "path must start with /"]),
+    ]).await;
+}
+
+#[tokio::test]
+async fn network_rules() {
+    let env = TestEnv::new("valnet").await;
+    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork", "metadata": {"namespace": env.namespace},
+        "spec": {"subnet": "10.44.0.0/24", "gateway": "10.44.0.1", "nat": {"enabled": true}, "dns": ["1.1.1.1"]}});
+    check_cases::<ImpNetwork>(&env, base, &[
+        ("subnet not a CIDR", json!({"spec": {"subnet": "10.44.0.0"}}), &["spec.subnet", "subnet must be a CIDR"]),
+        ("subnet garbage", json!({"spec": {"subnet": "ten-dot"}}), &["spec.subnet", "subnet must be a CIDR"]),
+        ("gateway outside", json!({"spec": {"gateway": "10.45.0.1"}}), &["spec.gateway", "gateway must lie inside subnet"]),
+        ("gateway not an IP", json!({"spec": {"gateway": "gw"}}), &["spec.gateway", "gateway must be an IP address"]),
+        ("gateway other family", json!({"spec": {"gateway": "fd00::1"}}), &["spec.gateway", "same IP family"]),
+        ("dns not an IP", json!({"spec": {"dns": ["one.one.one.one"]}}), &["spec.dns", "every dns entry must be an IP address"]),
+    ]).await;
+}
+
+#[tokio::test]
+async fn vm_rules() {
+    let env = TestEnv::new("valvm").await;
+    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"namespace": env.namespace},
+        "spec": {"classRef": {"name": "web-small"}, "image": "ghcr.io/example/web:1.0", "lifecycle": "persistent",
+                 "desiredState": "ScaleToZero", "idleTimeout": "10s", "expireAfter": "1h"}});
+    check_cases::<ImpVM>(&env, base, &[
+        ("idleTimeout 5s", json!({"spec": {"idleTimeout": "5s"}}), &["spec.idleTimeout", "idleTimeout must be at least 10s"]),
+        ("idleTimeout 9.9s", json!({"spec": {"idleTimeout": "9.9s"}}), &["spec.idleTimeout", "at least 10s"]),
+        ("idleTimeout days", json!({"spec": {"idleTimeout": "1d"}}), &["spec.idleTimeout", "should match"]),
+        ("expireAfter 0s", json!({"spec": {"expireAfter": "0s"}}), &["spec.expireAfter", "expireAfter must be positive"]),
+        ("bad lifecycle", json!({"spec": {"lifecycle": "forever"}}), &["spec.lifecycle", "Unsupported value"]),
+        ("no lifecycle", json!({"spec": {"lifecycle": null}}), &["spec.lifecycle", "Required"]),
+        ("bad desiredState", json!({"spec": {"desiredState": "Sleeping"}}), &["spec.desiredState", "Unsupported value"]),
+        ("no classRef", json!({"spec": {"classRef": null}}), &["spec.classRef", "Required"]),
+        ("empty image", json!({"spec": {"image": ""}}), &["spec.image"]),
+        ("restart initialDelay > maxDelay", json!({"spec": {"restartPolicy": {"backoff": {"initialDelay": "1h", "maxDelay": "1m"}}}}), &["spec.restartPolicy.backoff.initialDelay", "initialDelay must not exceed maxDelay"]),
+    ]).await;
+}
+
+#[tokio::test]
+async fn runner_pool_rules() {
+    let env = TestEnv::new("valpool").await;
+    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMRunnerPool", "metadata": {"namespace": env.namespace},
+        "spec": {"github": {"scope": {"org": "acme"}, "appSecretRef": {"name": "gh-app"}, "labels": ["self-hosted", "imp"]},
+                 "template": {"spec": {"classRef": {"name": "runner"}, "image": "ghcr.io/example/runner-base:1"}},
+                 "scaling": {"minIdle": 1, "maxRunners": 5, "scaleUpStep": 2}}});
+    check_cases::<ImpVMRunnerPool>(&env, base, &[
+        ("org and repo", json!({"spec": {"github": {"scope": {"org": "acme", "repo": "acme/app"}}}}), &["spec.github.scope", "exactly one of scope.org or scope.repo"]),
+        ("neither org nor repo", json!({"spec": {"github": {"scope": {"org": null}}}}), &["spec.github.scope", "exactly one of scope.org or scope.repo"]),
+        ("repo not owner/name", json!({"spec": {"github": {"scope": {"org": null, "repo": "app"}}}}), &["spec.github.scope.repo", "repo must be owner/name"]),
+        ("no labels", json!({"spec": {"github": {"labels": []}}}), &["spec.github.labels"]),
+        ("maxRunners 0", json!({"spec": {"scaling": {"maxRunners": 0, "minIdle": 0}}}), &["spec.scaling.maxRunners", "greater than or equal to 1"]),
+        ("minIdle > maxRunners", json!({"spec": {"scaling": {"minIdle": 6}}}), &["spec.scaling.minIdle", "minIdle must not exceed maxRunners"]),
+        ("scaleUpStep 0", json!({"spec": {"scaling": {"scaleUpStep": 0}}}), &["spec.scaling.scaleUpStep", "greater than or equal to 1"]),
+        ("no app secret", json!({"spec": {"github": {"appSecretRef": null}}}), &["spec.github.appSecretRef", "Required"]),
+        ("template expireAfter 0s", json!({"spec": {"template": {"spec": {"expireAfter": "0s"}}}}), &["spec.template.spec.expireAfter", "expireAfter must be positive"]),
+    ]).await;
+}
+
+#[tokio::test]
+async fn status_subresource_ignores_spec_and_main_resource_ignores_status() {
+    let env = TestEnv::new("status").await;
+    let api: Api<ImpVM> = env.api();
+    let vm: ImpVM = serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+        "metadata": {"name": "st"}, "spec": {"classRef": {"name": "c"}, "image": "img:1", "lifecycle": "ephemeral"}})).unwrap();
+    api.create(&PostParams::default(), &vm).await.unwrap();
+
+    // Through /status: the spec change is dropped, the status lands.
+    let patch = json!({"spec": {"image": "evil:2", "nodeName": "n1"}, "status": {"phase": "Running", "ip": "10.0.0.2"}});
+    api.patch_status("st", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    let got = api.get("st").await.unwrap();
+    assert_eq!(got.spec.image, "img:1");
+    assert_eq!(got.spec.node_name, None);
+    let status = got.status.unwrap();
+    assert_eq!(status.phase, Some(imp_api::VmPhase::Running));
+    assert_eq!(status.ip.as_deref(), Some("10.0.0.2"));
+
+    // Through the main resource: the status change is dropped, the spec lands.
+    let patch = json!({"spec": {"nodeName": "n2"}, "status": {"phase": "Failed"}});
+    api.patch("st", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    let got = api.get("st").await.unwrap();
+    assert_eq!(got.spec.node_name.as_deref(), Some("n2"));
+    assert_eq!(got.status.unwrap().phase, Some(imp_api::VmPhase::Running));
+}

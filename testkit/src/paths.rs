@@ -1,0 +1,32 @@
+//! Where the workspace keeps things tests need: testenv binaries, the chart, reference files.
+
+use std::path::PathBuf;
+
+/// Root of the Imp workspace (the directory holding the top Cargo.toml).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("testkit lives one level below the workspace root").to_path_buf()
+}
+
+/// Directory with etcd, kube-apiserver, kube-controller-manager, kubectl and helm.
+/// `IMP_TESTENV_BIN` overrides the default `testenv/bin`.
+pub fn testenv_bin_dir() -> PathBuf {
+    std::env::var_os("IMP_TESTENV_BIN").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("testenv/bin"))
+}
+
+/// Path of one testenv binary.
+pub fn testenv_bin(name: &str) -> PathBuf {
+    testenv_bin_dir().join(name)
+}
+
+/// The shared reference directory (`../shared/reference` beside the checkout); `IMP_SHARED_REFERENCE`
+/// overrides it.
+pub fn shared_reference_dir() -> PathBuf {
+    std::env::var_os("IMP_SHARED_REFERENCE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("../shared/reference"))
+}
+
+/// The Helm chart.
+pub fn chart_dir() -> PathBuf {
+    workspace_root().join("helm/imp")
+}
