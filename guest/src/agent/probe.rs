@@ -42,7 +42,9 @@ fn valid_path(path: &str) -> bool {
 }
 
 async fn get_status(port: u16, path: &str) -> Result<u16, String> {
-    let mut stream = TcpStream::connect(("127.0.0.1", port))
+    // A SocketAddr, not ("127.0.0.1", port): no resolver code (getaddrinfo) in the static binary.
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut stream = TcpStream::connect(addr)
         .await
         .map_err(|e| format!("connect 127.0.0.1:{port}: {e}"))?;
     let request = format!(
