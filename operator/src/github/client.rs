@@ -195,12 +195,8 @@ impl GithubApp {
                 ),
                 Err(e) => e,
             };
-            match self
-                .inner
-                .config
-                .retry
-                .delay_for(&err, retry, rand::rng().random())
-            {
+            let jitter: f64 = rand::rng().random();
+            match self.inner.config.retry.delay_for(&err, retry, jitter) {
                 Some(wait) => {
                     tracing::warn!(operation = %Operation::TokenExchange, error = %err, ?wait, retry, "retrying GitHub call");
                     tokio::time::sleep(wait).await;
@@ -364,12 +360,8 @@ impl GithubApp {
                 reauthenticated = true;
                 continue;
             }
-            match self
-                .inner
-                .config
-                .retry
-                .delay_for(&err, retry, rand::rng().random())
-            {
+            let jitter: f64 = rand::rng().random();
+            match self.inner.config.retry.delay_for(&err, retry, jitter) {
                 Some(wait) => {
                     tracing::warn!(operation = %ctx.operation, error = %err, ?wait, retry, "retrying GitHub call");
                     tokio::time::sleep(wait).await;
@@ -415,6 +407,22 @@ pub(crate) fn next_link(headers: &HeaderMap) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Callers spawn these futures on a multi-threaded runtime.
+    #[allow(dead_code)]
+    fn futures_are_send(
+        app: GithubApp,
+        scope: super::super::RunnerScope,
+        req: super::super::JitRequest,
+    ) {
+        fn send<T: Send>(_: T) {}
+        send(app.installation_token());
+        send(app.generate_jit_config(&req));
+        send(app.list_runners(&scope));
+        send(app.get_runner(&scope, 1));
+        send(app.delete_runner(&scope, 1));
+        send(app.runner_group_id(&scope, None));
+    }
 
     #[test]
     fn next_link_parsing() {

@@ -513,3 +513,47 @@ impl AdminClient {
         Ok(serde_json::from_value(v)?)
     }
 }
+
+/// Path of the `imp-fake-runner` binary: `$IMP_FAKE_RUNNER_BIN`, else built once per process with
+/// `cargo build -p imp-testkit --bin imp-fake-runner` (a no-op when fresh) into the target dir the
+/// running test lives in.
+pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
+    static BUILT: std::sync::OnceLock<Result<std::path::PathBuf, String>> =
+        std::sync::OnceLock::new();
+    if let Some(p) = std::env::var_os("IMP_FAKE_RUNNER_BIN") {
+        return Ok(p.into());
+    }
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            // <target>/<profile>/deps/<test binary>
+            let profile_dir = exe
+                .parent()
+                .and_then(|d| d.parent())
+                .ok_or("unexpected test binary location")?
+                .to_path_buf();
+            let target_dir = profile_dir.parent().ok_or("unexpected target layout")?;
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let mut cmd = std::process::Command::new(cargo);
+            cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+                .args([
+                    "build",
+                    "-q",
+                    "-p",
+                    "imp-testkit",
+                    "--bin",
+                    "imp-fake-runner",
+                ])
+                .env("CARGO_TARGET_DIR", target_dir);
+            if profile_dir.file_name().is_some_and(|n| n == "release") {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().map_err(|e| format!("running cargo: {e}"))?;
+            if !status.success() {
+                return Err(format!("cargo build of imp-fake-runner failed: {status}"));
+            }
+            Ok(profile_dir.join("imp-fake-runner"))
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!(e))
+}
