@@ -44,7 +44,27 @@ pub enum Pid1Error {
 
 /// One console marker line. Never pass anything derived from Exec env here.
 pub fn marker(stage: &str, detail: impl Display) {
-    println!("IMP-GUEST stage={stage} {detail}");
+    use std::io::Write;
+    // Not println!: it panics when stdout is closed, and a panicking PID 1 panics the kernel.
+    let _ = writeln!(std::io::stdout(), "IMP-GUEST stage={stage} {detail}");
+}
+
+/// The kernel opens /dev/console as PID 1's stdio only if the node exists in the initial root;
+/// a minimal base image may lack it. Once devtmpfs is mounted, attach whatever is missing.
+fn ensure_console() {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GETFD on small integer fds only queries them.
+    let missing: Vec<i32> = (0..=2).filter(|fd| unsafe { libc::fcntl(*fd, libc::F_GETFD) } < 0).collect();
+    if missing.is_empty() {
+        return;
+    }
+    let Ok(console) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/console") else {
+        return;
+    };
+    for fd in missing {
+        // SAFETY: dup2 onto a closed standard fd; `console` stays open until the end of scope.
+        unsafe { libc::dup2(console.as_raw_fd(), fd) };
+    }
 }
 
 fn stage<T, E>(name: &str, f: impl FnOnce() -> Result<T, E>) -> Result<T, Pid1Error>
@@ -79,7 +99,9 @@ pub fn run() -> ! {
 
 fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
     let root = Path::new("/");
-    stage("mount-early", || mounts::mount_all(root, mounts::EARLY))?;
+    let early = mounts::mount_all(root, mounts::EARLY);
+    ensure_console();
+    stage("mount-early", || early)?;
     let cfg: BootConfig = stage("cmdline", || {
         let text = std::fs::read_to_string("/proc/cmdline").map_err(Pid1Error::ReadCmdline)?;
         cmdline::parse(&text).map_err(Pid1Error::from)
