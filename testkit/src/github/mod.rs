@@ -10,6 +10,8 @@ pub mod keys;
 pub mod model;
 pub mod runner_protocol;
 mod server;
+#[cfg(test)]
+mod sim_tests;
 pub mod webhooks;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};

@@ -1,0 +1,74 @@
+//! Runs Imp's GitHub API simulator standalone (for the local smoke test and manual poking).
+//!
+//! Prints the base URL on stdout, optionally writes an App credentials Secret's files
+//! (`app-id`, `installation-id`, `private-key`) into `--secret-dir`, and serves until killed.
+//! The admin API (`/_admin/...`) and runner protocol (`/_runner/...`) are on the same port.
+
+use std::time::Duration;
+
+use clap::Parser;
+use imp_testkit::github::{GithubSim, KeyFormat, SimConfig};
+
+#[derive(Parser)]
+#[command(name = "github-sim", about = "Imp's GitHub API simulator")]
+struct Args {
+    /// Listen address (loopback only).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    #[arg(long, default_value = "octo-org")]
+    org: String,
+    /// Repositories (`owner/repo`), repeatable.
+    #[arg(long = "repo", default_value = "octo-org/octo-repo")]
+    repos: Vec<String>,
+    #[arg(long, default_value_t = 4242)]
+    app_id: u64,
+    #[arg(long, default_value_t = 31337)]
+    installation_id: u64,
+    /// Where workflow_job webhooks go.
+    #[arg(long)]
+    webhook_url: Option<String>,
+    #[arg(long, default_value = "imp-sim-webhook-secret")]
+    webhook_secret: String,
+    /// Installation token lifetime in seconds.
+    #[arg(long, default_value_t = 3600)]
+    token_ttl_secs: u64,
+    /// Write `app-id`, `installation-id`, `private-key` (PKCS#1 PEM) files here.
+    #[arg(long)]
+    secret_dir: Option<std::path::PathBuf>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let ip: std::net::SocketAddr = args.listen.parse()?;
+    anyhow::ensure!(
+        ip.ip().is_loopback(),
+        "the simulator listens on loopback only"
+    );
+    let config = SimConfig {
+        org: args.org,
+        repos: args.repos,
+        app_id: args.app_id,
+        installation_id: args.installation_id,
+        token_ttl: Duration::from_secs(args.token_ttl_secs),
+        webhook_url: args.webhook_url,
+        webhook_secret: args.webhook_secret,
+        ..SimConfig::default()
+    };
+    let sim = GithubSim::start_on(config, &args.listen).await?;
+    if let Some(dir) = args.secret_dir {
+        std::fs::create_dir_all(&dir)?;
+        for (k, v) in sim.secret_data(KeyFormat::Pkcs1) {
+            let path = dir.join(k);
+            std::fs::write(&path, v)?;
+            #[cfg(unix)]
+            {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+            }
+        }
+    }
+    println!("{}", sim.base_url());
+    tokio::signal::ctrl_c().await?;
+    Ok(())
+}
