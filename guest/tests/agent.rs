@@ -457,18 +457,21 @@ async fn poweroff_on_exit_after_the_exit_was_reported() {
 #[tokio::test]
 async fn poweroff_on_exit_without_a_host_waits_for_the_grace_period() {
     let mut agent = AgentProc::start_with(&["--report-grace-s", "1"]);
+    let t0 = std::time::Instant::now();
     {
         let mut client = agent.connect().await;
-        let mut req = sh("runner", "exit 0");
+        let mut req = sh("runner", "sleep 0.5");
         req.poweroff_on_exit = true;
         client.exec(req).await.unwrap();
-        // Drop before reading Exited. (The agent may still manage to write it: then it is
-        // reported, which also ends the VM.)
+        // Gone long before the exit: nobody can be told.
     }
     let status = agent
         .wait_exit(Duration::from_secs(10))
         .expect("agent did not power off");
     assert!(status.success());
+    assert!(t0.elapsed() >= Duration::from_millis(1400), "{:?}", t0.elapsed());
+    let log = agent.stop();
+    assert!(log.contains("WorkloadExitUnreported"), "{log}");
 }
 
 #[tokio::test]
