@@ -16,9 +16,24 @@ use crate::RestartPolicy;
     category = "imp",
     doc = "Size and behaviour of an Imp microVM.",
     printcolumn(name = "VCPU", type_ = "integer", json_path = ".spec.vcpu"),
-    printcolumn(name = "Memory", type_ = "integer", json_path = ".spec.memoryMiB", description = "memory in MiB"),
-    printcolumn(name = "Disk", type_ = "integer", json_path = ".spec.diskGiB", description = "writable disk in GiB", priority = 1),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Memory",
+        type_ = "integer",
+        json_path = ".spec.memoryMiB",
+        description = "memory in MiB"
+    ),
+    printcolumn(
+        name = "Disk",
+        type_ = "integer",
+        json_path = ".spec.diskGiB",
+        description = "writable disk in GiB",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ImpVMClassSpec {

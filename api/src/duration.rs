@@ -96,8 +96,15 @@ pub fn parse_duration(value: &str) -> Result<Duration, DurationError> {
             i += 1;
         }
         let number = &value[start..i];
-        if number.is_empty() || number.starts_with('.') || number.ends_with('.') || number.matches('.').count() > 1 {
-            return Err(DurationError::MissingNumber { value: value.to_owned(), at: start });
+        if number.is_empty()
+            || number.starts_with('.')
+            || number.ends_with('.')
+            || number.matches('.').count() > 1
+        {
+            return Err(DurationError::MissingNumber {
+                value: value.to_owned(),
+                at: start,
+            });
         }
         let unit_start = i;
         while i < bytes.len() && !(bytes[i].is_ascii_digit() || bytes[i] == b'.') {
@@ -105,16 +112,28 @@ pub fn parse_duration(value: &str) -> Result<Duration, DurationError> {
         }
         let unit = &value[unit_start..i];
         let unit_nanos: u128 = match unit {
-            "" => return Err(DurationError::MissingUnit { value: value.to_owned(), number: number.to_owned() }),
+            "" => {
+                return Err(DurationError::MissingUnit {
+                    value: value.to_owned(),
+                    number: number.to_owned(),
+                });
+            }
             "ns" => 1,
             "us" | "µs" | "μs" => 1_000,
             "ms" => 1_000_000,
             "s" => 1_000_000_000,
             "m" => 60 * 1_000_000_000,
             "h" => 3_600 * 1_000_000_000,
-            other => return Err(DurationError::UnknownUnit { value: value.to_owned(), unit: other.to_owned() }),
+            other => {
+                return Err(DurationError::UnknownUnit {
+                    value: value.to_owned(),
+                    unit: other.to_owned(),
+                });
+            }
         };
-        let overflow = || DurationError::Overflow { value: value.to_owned() };
+        let overflow = || DurationError::Overflow {
+            value: value.to_owned(),
+        };
         let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
         let whole: u128 = whole.parse().map_err(|_| overflow())?;
         let mut nanos = whole.checked_mul(unit_nanos).ok_or_else(overflow)?;
@@ -123,11 +142,15 @@ pub fn parse_duration(value: &str) -> Result<Duration, DurationError> {
             let frac = &frac[..frac.len().min(18)];
             let scale = 10u128.pow(frac.len() as u32);
             let frac_value: u128 = frac.parse().map_err(|_| overflow())?;
-            nanos = nanos.checked_add(frac_value * unit_nanos / scale).ok_or_else(overflow)?;
+            nanos = nanos
+                .checked_add(frac_value * unit_nanos / scale)
+                .ok_or_else(overflow)?;
         }
         total_nanos = total_nanos.checked_add(nanos).ok_or_else(overflow)?;
     }
-    let secs = u64::try_from(total_nanos / 1_000_000_000).map_err(|_| DurationError::Overflow { value: value.to_owned() })?;
+    let secs = u64::try_from(total_nanos / 1_000_000_000).map_err(|_| DurationError::Overflow {
+        value: value.to_owned(),
+    })?;
     Ok(Duration::new(secs, (total_nanos % 1_000_000_000) as u32))
 }
 
@@ -162,19 +185,42 @@ mod tests {
     #[test]
     fn rejects_bad_input_with_precise_errors() {
         assert_eq!(parse_duration(""), Err(DurationError::Empty));
-        assert!(matches!(parse_duration("10"), Err(DurationError::MissingUnit { .. })));
-        assert!(matches!(parse_duration("10d"), Err(DurationError::UnknownUnit { unit, .. }) if unit == "d"));
-        assert!(matches!(parse_duration("s"), Err(DurationError::MissingNumber { at: 0, .. })));
-        assert!(matches!(parse_duration("-5s"), Err(DurationError::MissingNumber { .. })));
-        assert!(matches!(parse_duration(".5s"), Err(DurationError::MissingNumber { .. })));
-        assert!(matches!(parse_duration("1.2.3s"), Err(DurationError::MissingNumber { .. })));
-        assert!(matches!(parse_duration("99999999999999999999999h"), Err(DurationError::Overflow { .. })));
+        assert!(matches!(
+            parse_duration("10"),
+            Err(DurationError::MissingUnit { .. })
+        ));
+        assert!(
+            matches!(parse_duration("10d"), Err(DurationError::UnknownUnit { unit, .. }) if unit == "d")
+        );
+        assert!(matches!(
+            parse_duration("s"),
+            Err(DurationError::MissingNumber { at: 0, .. })
+        ));
+        assert!(matches!(
+            parse_duration("-5s"),
+            Err(DurationError::MissingNumber { .. })
+        ));
+        assert!(matches!(
+            parse_duration(".5s"),
+            Err(DurationError::MissingNumber { .. })
+        ));
+        assert!(matches!(
+            parse_duration("1.2.3s"),
+            Err(DurationError::MissingNumber { .. })
+        ));
+        assert!(matches!(
+            parse_duration("99999999999999999999999h"),
+            Err(DurationError::Overflow { .. })
+        ));
     }
 
     #[test]
     fn error_messages_name_the_value_and_the_fix() {
         let err = parse_duration("10d").unwrap_err().to_string();
-        assert!(err.contains("\"10d\"") && err.contains("use ns, us, ms, s, m or h"), "{err}");
+        assert!(
+            err.contains("\"10d\"") && err.contains("use ns, us, ms, s, m or h"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -202,13 +248,18 @@ mod tests {
 
     /// Tiny matcher for DURATION_PATTERN so the test does not need a regex crate.
     fn pattern_matches(s: &str) -> bool {
-        assert_eq!(DURATION_PATTERN, r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$");
+        assert_eq!(
+            DURATION_PATTERN,
+            r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"
+        );
         let mut rest = s;
         if rest.is_empty() {
             return false;
         }
         while !rest.is_empty() {
-            let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+            let digits = rest
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(rest.len());
             if digits == 0 {
                 return false;
             }
@@ -220,7 +271,9 @@ mod tests {
                 }
                 rest = &r[frac..];
             }
-            let unit = ["ns", "us", "µs", "ms", "s", "m", "h"].into_iter().find(|u| rest.starts_with(u));
+            let unit = ["ns", "us", "µs", "ms", "s", "m", "h"]
+                .into_iter()
+                .find(|u| rest.starts_with(u));
             match unit {
                 Some(u) => rest = &rest[u.len()..],
                 None => return false,

@@ -32,7 +32,10 @@ pub struct FieldError {
 
 impl FieldError {
     pub fn duration(field: impl Into<String>, err: DurationError) -> Self {
-        Self { field: field.into(), reason: err.to_string() }
+        Self {
+            field: field.into(),
+            reason: err.to_string(),
+        }
     }
 }
 

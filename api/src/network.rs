@@ -17,8 +17,17 @@ use serde::{Deserialize, Serialize};
     doc = "Subnet, gateway, NAT and DNS for Imp microVMs.",
     printcolumn(name = "Subnet", type_ = "string", json_path = ".spec.subnet"),
     printcolumn(name = "NAT", type_ = "boolean", json_path = ".spec.nat.enabled"),
-    printcolumn(name = "Gateway", type_ = "string", json_path = ".spec.gateway", priority = 1),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn(
+        name = "Gateway",
+        type_ = "string",
+        json_path = ".spec.gateway",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
 )]
 #[x_kube(validation = kube::core::Rule::new("!isCIDR(self.subnet) || !isIP(self.gateway) || cidr(self.subnet).containsIP(self.gateway)")
     .message("gateway must lie inside subnet").field_path(".gateway"))]
@@ -63,7 +72,9 @@ pub struct Ipam {
     pub kind: IpamKind,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum IpamKind {
     /// Addresses handed out per node by imp-runtime from the subnet.

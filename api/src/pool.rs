@@ -25,9 +25,23 @@ use crate::{ClassRef, KubeDuration, NetworkRef};
     printcolumn(name = "Desired", type_ = "integer", json_path = ".status.desired"),
     printcolumn(name = "Idle", type_ = "integer", json_path = ".status.idle"),
     printcolumn(name = "Busy", type_ = "integer", json_path = ".status.busy"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
-    printcolumn(name = "Booting", type_ = "integer", json_path = ".status.booting", priority = 1),
-    printcolumn(name = "Max", type_ = "integer", json_path = ".spec.scaling.maxRunners", priority = 1)
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Booting",
+        type_ = "integer",
+        json_path = ".status.booting",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Max",
+        type_ = "integer",
+        json_path = ".spec.scaling.maxRunners",
+        priority = 1
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct ImpVMRunnerPoolSpec {

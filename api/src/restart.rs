@@ -34,7 +34,9 @@ pub struct RestartPolicy {
     pub cool_down_period: Option<KubeDuration>,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum RestartMode {
     #[default]
@@ -42,7 +44,9 @@ pub enum RestartMode {
     InPlace,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum OnExhaustion {
     /// Stay failed (phase RetryExhausted) until the object is changed or deleted.
@@ -86,20 +90,32 @@ impl RestartPolicy {
     /// Fills defaults and parses durations; `field` is the path of this policy for error messages.
     pub fn resolve(&self, field: &str) -> Result<ResolvedRestartPolicy, FieldError> {
         let backoff = self.backoff.clone().unwrap_or_default();
-        let dur = |v: &Option<KubeDuration>, name: &str, default: Duration| -> Result<Duration, FieldError> {
+        let dur = |v: &Option<KubeDuration>,
+                   name: &str,
+                   default: Duration|
+         -> Result<Duration, FieldError> {
             match v {
                 None => Ok(default),
-                Some(d) => d.parse().map_err(|e| FieldError::duration(format!("{field}.backoff.{name}"), e)),
+                Some(d) => d
+                    .parse()
+                    .map_err(|e| FieldError::duration(format!("{field}.backoff.{name}"), e)),
             }
         };
         let cool_down_period = match &self.cool_down_period {
             None => None,
-            Some(d) => Some(d.parse().map_err(|e| FieldError::duration(format!("{field}.coolDownPeriod"), e))?),
+            Some(d) => Some(
+                d.parse()
+                    .map_err(|e| FieldError::duration(format!("{field}.coolDownPeriod"), e))?,
+            ),
         };
         Ok(ResolvedRestartPolicy {
             mode: self.mode.unwrap_or_default(),
             max_retries: backoff.max_retries.unwrap_or(DEFAULT_MAX_RETRIES),
-            initial_delay: dur(&backoff.initial_delay, "initialDelay", DEFAULT_INITIAL_DELAY)?,
+            initial_delay: dur(
+                &backoff.initial_delay,
+                "initialDelay",
+                DEFAULT_INITIAL_DELAY,
+            )?,
             max_delay: dur(&backoff.max_delay, "maxDelay", DEFAULT_MAX_DELAY)?,
             on_exhaustion: self.on_exhaustion.unwrap_or_default(),
             cool_down_period,

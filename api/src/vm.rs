@@ -30,10 +30,29 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
     printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
     printcolumn(name = "Node", type_ = "string", json_path = ".spec.nodeName"),
     printcolumn(name = "IP", type_ = "string", json_path = ".status.ip"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp"),
-    printcolumn(name = "Class", type_ = "string", json_path = ".spec.classRef.name", priority = 1),
-    printcolumn(name = "Lifecycle", type_ = "string", json_path = ".spec.lifecycle", priority = 1),
-    printcolumn(name = "Reason", type_ = "string", json_path = ".status.reason", priority = 1),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Class",
+        type_ = "string",
+        json_path = ".spec.classRef.name",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Lifecycle",
+        type_ = "string",
+        json_path = ".spec.lifecycle",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Reason",
+        type_ = "string",
+        json_path = ".status.reason",
+        priority = 1
+    ),
     selectable = ".spec.nodeName"
 )]
 #[serde(rename_all = "camelCase")]
@@ -89,7 +108,9 @@ impl ImpVMSpec {
     pub fn idle_timeout(&self) -> Result<Duration, FieldError> {
         match &self.idle_timeout {
             None => Ok(DEFAULT_IDLE_TIMEOUT),
-            Some(d) => d.parse().map_err(|e| FieldError::duration("spec.idleTimeout", e)),
+            Some(d) => d
+                .parse()
+                .map_err(|e| FieldError::duration("spec.idleTimeout", e)),
         }
     }
 
@@ -97,7 +118,10 @@ impl ImpVMSpec {
     pub fn expire_after(&self) -> Result<Option<Duration>, FieldError> {
         self.expire_after
             .as_ref()
-            .map(|d| d.parse().map_err(|e| FieldError::duration("spec.expireAfter", e)))
+            .map(|d| {
+                d.parse()
+                    .map_err(|e| FieldError::duration("spec.expireAfter", e))
+            })
             .transpose()
     }
 
@@ -126,7 +150,9 @@ pub enum Lifecycle {
     Persistent,
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 pub enum DesiredState {
     #[default]
     Running,

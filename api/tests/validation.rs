@@ -47,11 +47,17 @@ async fn create<K: Resource<DynamicType = ()>>(env: &TestEnv, obj: &Value) -> Re
 }
 
 /// Runs each case: base+patch must be rejected with a message containing every `needles` entry.
-async fn check_cases<K: Resource<DynamicType = ()>>(env: &TestEnv, base: Value, cases: &[(&str, Value, &[&str])]) {
+async fn check_cases<K: Resource<DynamicType = ()>>(
+    env: &TestEnv,
+    base: Value,
+    cases: &[(&str, Value, &[&str])],
+) {
     let name = |i: usize| format!("v{i}-{}", &env.namespace[env.namespace.len() - 8..]);
     let mut ok = base.clone();
     ok["metadata"]["name"] = json!(name(999));
-    create::<K>(env, &ok).await.unwrap_or_else(|e| panic!("base object must be accepted: {e}"));
+    create::<K>(env, &ok)
+        .await
+        .unwrap_or_else(|e| panic!("base object must be accepted: {e}"));
     let mut failures = Vec::new();
     for (i, (what, patch, needles)) in cases.iter().enumerate() {
         let mut obj = merge(&base, patch);
@@ -67,7 +73,11 @@ async fn check_cases<K: Resource<DynamicType = ()>>(env: &TestEnv, base: Value, 
             }
         }
     }
-    assert!(failures.is_empty(), "validation cases failed:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "validation cases failed:\n{}",
+        failures.join("\n")
+    );
 }
 
 #[tokio::test]
@@ -97,14 +107,43 @@ async fn network_rules() {
     let env = TestEnv::new("valnet").await;
     let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork", "metadata": {"namespace": env.namespace},
         "spec": {"subnet": "10.44.0.0/24", "gateway": "10.44.0.1", "nat": {"enabled": true}, "dns": ["1.1.1.1"]}});
-    check_cases::<ImpNetwork>(&env, base, &[
-        ("subnet not a CIDR", json!({"spec": {"subnet": "10.44.0.0"}}), &["spec.subnet", "subnet must be a CIDR"]),
-        ("subnet garbage", json!({"spec": {"subnet": "ten-dot"}}), &["spec.subnet", "subnet must be a CIDR"]),
-        ("gateway outside", json!({"spec": {"gateway": "10.45.0.1"}}), &["spec.gateway", "gateway must lie inside subnet"]),
-        ("gateway not an IP", json!({"spec": {"gateway": "gw"}}), &["spec.gateway", "gateway must be an IP address"]),
-        ("gateway other family", json!({"spec": {"gateway": "fd00::1"}}), &["spec.gateway", "same IP family"]),
-        ("dns not an IP", json!({"spec": {"dns": ["one.one.one.one"]}}), &["spec.dns", "every dns entry must be an IP address"]),
-    ]).await;
+    check_cases::<ImpNetwork>(
+        &env,
+        base,
+        &[
+            (
+                "subnet not a CIDR",
+                json!({"spec": {"subnet": "10.44.0.0"}}),
+                &["spec.subnet", "subnet must be a CIDR"],
+            ),
+            (
+                "subnet garbage",
+                json!({"spec": {"subnet": "ten-dot"}}),
+                &["spec.subnet", "subnet must be a CIDR"],
+            ),
+            (
+                "gateway outside",
+                json!({"spec": {"gateway": "10.45.0.1"}}),
+                &["spec.gateway", "gateway must lie inside subnet"],
+            ),
+            (
+                "gateway not an IP",
+                json!({"spec": {"gateway": "gw"}}),
+                &["spec.gateway", "gateway must be an IP address"],
+            ),
+            (
+                "gateway other family",
+                json!({"spec": {"gateway": "fd00::1"}}),
+                &["spec.gateway", "same IP family"],
+            ),
+            (
+                "dns not an IP",
+                json!({"spec": {"dns": ["one.one.one.one"]}}),
+                &["spec.dns", "every dns entry must be an IP address"],
+            ),
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -134,17 +173,67 @@ async fn runner_pool_rules() {
         "spec": {"github": {"scope": {"org": "acme"}, "appSecretRef": {"name": "gh-app"}, "labels": ["self-hosted", "imp"]},
                  "template": {"spec": {"classRef": {"name": "runner"}, "image": "ghcr.io/example/runner-base:1"}},
                  "scaling": {"minIdle": 1, "maxRunners": 5, "scaleUpStep": 2}}});
-    check_cases::<ImpVMRunnerPool>(&env, base, &[
-        ("org and repo", json!({"spec": {"github": {"scope": {"org": "acme", "repo": "acme/app"}}}}), &["spec.github.scope", "exactly one of scope.org or scope.repo"]),
-        ("neither org nor repo", json!({"spec": {"github": {"scope": {"org": null}}}}), &["spec.github.scope", "exactly one of scope.org or scope.repo"]),
-        ("repo not owner/name", json!({"spec": {"github": {"scope": {"org": null, "repo": "app"}}}}), &["spec.github.scope.repo", "repo must be owner/name"]),
-        ("no labels", json!({"spec": {"github": {"labels": []}}}), &["spec.github.labels"]),
-        ("maxRunners 0", json!({"spec": {"scaling": {"maxRunners": 0, "minIdle": 0}}}), &["spec.scaling.maxRunners", "greater than or equal to 1"]),
-        ("minIdle > maxRunners", json!({"spec": {"scaling": {"minIdle": 6}}}), &["spec.scaling.minIdle", "minIdle must not exceed maxRunners"]),
-        ("scaleUpStep 0", json!({"spec": {"scaling": {"scaleUpStep": 0}}}), &["spec.scaling.scaleUpStep", "greater than or equal to 1"]),
-        ("no app secret", json!({"spec": {"github": {"appSecretRef": null}}}), &["spec.github.appSecretRef", "Required"]),
-        ("template expireAfter 0s", json!({"spec": {"template": {"spec": {"expireAfter": "0s"}}}}), &["spec.template.spec.expireAfter", "expireAfter must be positive"]),
-    ]).await;
+    check_cases::<ImpVMRunnerPool>(
+        &env,
+        base,
+        &[
+            (
+                "org and repo",
+                json!({"spec": {"github": {"scope": {"org": "acme", "repo": "acme/app"}}}}),
+                &[
+                    "spec.github.scope",
+                    "exactly one of scope.org or scope.repo",
+                ],
+            ),
+            (
+                "neither org nor repo",
+                json!({"spec": {"github": {"scope": {"org": null}}}}),
+                &[
+                    "spec.github.scope",
+                    "exactly one of scope.org or scope.repo",
+                ],
+            ),
+            (
+                "repo not owner/name",
+                json!({"spec": {"github": {"scope": {"org": null, "repo": "app"}}}}),
+                &["spec.github.scope.repo", "repo must be owner/name"],
+            ),
+            (
+                "no labels",
+                json!({"spec": {"github": {"labels": []}}}),
+                &["spec.github.labels"],
+            ),
+            (
+                "maxRunners 0",
+                json!({"spec": {"scaling": {"maxRunners": 0, "minIdle": 0}}}),
+                &["spec.scaling.maxRunners", "greater than or equal to 1"],
+            ),
+            (
+                "minIdle > maxRunners",
+                json!({"spec": {"scaling": {"minIdle": 6}}}),
+                &["spec.scaling.minIdle", "minIdle must not exceed maxRunners"],
+            ),
+            (
+                "scaleUpStep 0",
+                json!({"spec": {"scaling": {"scaleUpStep": 0}}}),
+                &["spec.scaling.scaleUpStep", "greater than or equal to 1"],
+            ),
+            (
+                "no app secret",
+                json!({"spec": {"github": {"appSecretRef": null}}}),
+                &["spec.github.appSecretRef", "Required"],
+            ),
+            (
+                "template expireAfter 0s",
+                json!({"spec": {"template": {"spec": {"expireAfter": "0s"}}}}),
+                &[
+                    "spec.template.spec.expireAfter",
+                    "expireAfter must be positive",
+                ],
+            ),
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -157,7 +246,9 @@ async fn status_subresource_ignores_spec_and_main_resource_ignores_status() {
 
     // Through /status: the spec change is dropped, the status lands.
     let patch = json!({"spec": {"image": "evil:2", "nodeName": "n1"}, "status": {"phase": "Running", "ip": "10.0.0.2"}});
-    api.patch_status("st", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    api.patch_status("st", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
     let got = api.get("st").await.unwrap();
     assert_eq!(got.spec.image, "img:1");
     assert_eq!(got.spec.node_name, None);
@@ -167,7 +258,9 @@ async fn status_subresource_ignores_spec_and_main_resource_ignores_status() {
 
     // Through the main resource: the status change is dropped, the spec lands.
     let patch = json!({"spec": {"nodeName": "n2"}, "status": {"phase": "Failed"}});
-    api.patch("st", &PatchParams::default(), &Patch::Merge(&patch)).await.unwrap();
+    api.patch("st", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
     let got = api.get("st").await.unwrap();
     assert_eq!(got.spec.node_name.as_deref(), Some("n2"));
     assert_eq!(got.status.unwrap().phase, Some(imp_api::VmPhase::Running));

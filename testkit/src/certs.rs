@@ -2,8 +2,8 @@
 //! service-account signing key. Generated fresh for every control plane, never written outside its dir.
 
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
-    KeyUsagePurpose,
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose,
 };
 
 /// PEM-encoded material.
@@ -21,15 +21,27 @@ impl ControlPlaneCerts {
     pub fn generate() -> Result<Self, rcgen::Error> {
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
-        ca_params.distinguished_name.push(DnType::CommonName, "imp-testenv-ca");
+        ca_params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "imp-testenv-ca");
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
 
         let serving_key = KeyPair::generate()?;
-        let mut serving = CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
-        serving.distinguished_name.push(DnType::CommonName, "kube-apiserver");
+        let mut serving =
+            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
+        serving
+            .distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
         serving.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        serving.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        serving.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         let serving_cert = serving.signed_by(&serving_key, &ca)?;
 
         let sa_key = KeyPair::generate()?;

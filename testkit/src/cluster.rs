@@ -36,18 +36,35 @@ fn shared() -> &'static Shared {
     let result = SHARED.get_or_init(|| {
         // Start-up runs on its own thread and runtime: callers are inside tokio runtimes of their own.
         std::thread::spawn(|| {
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().map_err(|e| e.to_string())?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
             rt.block_on(async {
                 if let Some(path) = std::env::var_os("IMP_TESTENV_KUBECONFIG") {
                     let kubeconfig = PathBuf::from(path);
-                    let config = config_from_kubeconfig(&kubeconfig).await.map_err(|e| e.to_string())?;
+                    let config = config_from_kubeconfig(&kubeconfig)
+                        .await
+                        .map_err(|e| e.to_string())?;
                     let client = Client::try_from(config).map_err(|e| e.to_string())?;
-                    install_crds(&client, imp_api::crds().into_iter().map(|(_, c)| c).collect()).await.map_err(|e| e.to_string())?;
-                    return Ok(Shared { kubeconfig, _control_plane: None });
+                    install_crds(
+                        &client,
+                        imp_api::crds().into_iter().map(|(_, c)| c).collect(),
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                    return Ok(Shared {
+                        kubeconfig,
+                        _control_plane: None,
+                    });
                 }
                 let opts = ControlPlaneOptions::in_temp_dir().map_err(|e| e.to_string())?;
                 let cp = ControlPlane::start(opts).await.map_err(|e| e.to_string())?;
-                Ok(Shared { kubeconfig: cp.kubeconfig_path().to_path_buf(), _control_plane: Some(cp) })
+                Ok(Shared {
+                    kubeconfig: cp.kubeconfig_path().to_path_buf(),
+                    _control_plane: Some(cp),
+                })
             })
         })
         .join()
@@ -75,20 +92,36 @@ impl TestEnv {
     /// Creates namespace `imp-<prefix>-<random>`.
     pub async fn new(prefix: &str) -> Self {
         let kubeconfig = shared_kubeconfig().to_path_buf();
-        let config = config_from_kubeconfig(&kubeconfig).await.expect("load test kubeconfig");
+        let config = config_from_kubeconfig(&kubeconfig)
+            .await
+            .expect("load test kubeconfig");
         let client = Client::try_from(config).expect("build test client");
-        let namespace = format!("imp-{}-{}", prefix, &uuid::Uuid::new_v4().simple().to_string()[..8]);
+        let namespace = format!(
+            "imp-{}-{}",
+            prefix,
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
         let mut ns = Namespace::default();
         ns.metadata.name = Some(namespace.clone());
         ns.metadata.labels = Some([(TEST_NAMESPACE_LABEL.to_owned(), "true".to_owned())].into());
-        Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await.expect("create test namespace");
-        Self { client, namespace, kubeconfig }
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .expect("create test namespace");
+        Self {
+            client,
+            namespace,
+            kubeconfig,
+        }
     }
 
     /// A namespaced API in this test's namespace.
     pub fn api<K>(&self) -> Api<K>
     where
-        K: Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+        K: Resource<Scope = kube::core::NamespaceResourceScope, DynamicType = ()>
+            + Clone
+            + DeserializeOwned
+            + std::fmt::Debug,
     {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
@@ -101,7 +134,9 @@ impl TestEnv {
     /// `kubectl` from testenv, pointed at the test control plane and namespace.
     pub fn kubectl(&self) -> Command {
         let mut cmd = Command::new(paths::testenv_bin("kubectl"));
-        cmd.env("KUBECONFIG", &self.kubeconfig).arg("--namespace").arg(&self.namespace);
+        cmd.env("KUBECONFIG", &self.kubeconfig)
+            .arg("--namespace")
+            .arg(&self.namespace);
         cmd
     }
 
@@ -124,11 +159,22 @@ impl Drop for TestEnv {
         let kubeconfig = self.kubeconfig.clone();
         let namespace = self.namespace.clone();
         let done = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
             rt.block_on(async {
-                let Ok(config) = config_from_kubeconfig(&kubeconfig).await else { return };
-                let Ok(client) = Client::try_from(config) else { return };
-                let _ = Api::<Namespace>::all(client).delete(&namespace, &DeleteParams::background()).await;
+                let Ok(config) = config_from_kubeconfig(&kubeconfig).await else {
+                    return;
+                };
+                let Ok(client) = Client::try_from(config) else {
+                    return;
+                };
+                let _ = Api::<Namespace>::all(client)
+                    .delete(&namespace, &DeleteParams::background())
+                    .await;
             });
         });
         let _ = done.join();

@@ -26,18 +26,34 @@ use crate::{
 /// What can go wrong bringing up a control plane.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlPlaneError {
-    #[error("{name} not found at {path}: build the test control plane with `make testenv` (runs testenv/build.sh)")]
+    #[error(
+        "{name} not found at {path}: build the test control plane with `make testenv` (runs testenv/build.sh)"
+    )]
     BinaryMissing { name: String, path: PathBuf },
     #[error("cannot start {name}: {source}")]
-    Spawn { name: String, source: std::io::Error },
+    Spawn {
+        name: String,
+        source: std::io::Error,
+    },
     #[error("{name} exited during start-up ({status}); last log lines:\n{log_tail}")]
-    Exited { name: String, status: String, log_tail: String },
+    Exited {
+        name: String,
+        status: String,
+        log_tail: String,
+    },
     #[error("{name} not ready after {after:?}; last log lines:\n{log_tail}")]
-    NotReady { name: String, after: Duration, log_tail: String },
+    NotReady {
+        name: String,
+        after: Duration,
+        log_tail: String,
+    },
     #[error("cannot generate certificates: {0}")]
     Certs(#[from] rcgen::Error),
     #[error("{context}: {source}")]
-    Io { context: String, source: std::io::Error },
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
     #[error("kubeconfig: {0}")]
     Kubeconfig(#[from] kube::config::KubeconfigError),
     #[error("cannot build a client: {0}")]
@@ -65,13 +81,25 @@ pub struct ControlPlaneOptions {
     /// Install Imp's CRDs (from the Rust types) before the controller manager starts, so the garbage
     /// collector watches them from its first discovery.
     pub install_imp_crds: bool,
+    /// Where etcd, kube-apiserver and kube-controller-manager are (default: [`paths::testenv_bin_dir`]).
+    pub bin_dir: PathBuf,
 }
 
 impl ControlPlaneOptions {
     /// A fresh directory under the system temp dir.
     pub fn in_temp_dir() -> Result<Self, ControlPlaneError> {
-        let dir = std::env::temp_dir().join(format!("imp-testenv-{}-{}", std::process::id(), uuid::Uuid::new_v4().simple()));
-        Ok(Self { dir, cleanup: true, controller_manager: true, install_imp_crds: true })
+        let dir = std::env::temp_dir().join(format!(
+            "imp-testenv-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        Ok(Self {
+            dir,
+            cleanup: true,
+            controller_manager: true,
+            install_imp_crds: true,
+            bin_dir: paths::testenv_bin_dir(),
+        })
     }
 }
 
@@ -92,13 +120,18 @@ impl ControlPlane {
     /// Starts etcd, kube-apiserver and (optionally) kube-controller-manager; returns once the API server
     /// answers /readyz and the CRDs are established.
     pub async fn start(opts: ControlPlaneOptions) -> Result<Self, ControlPlaneError> {
+        let bin = |name: &str| opts.bin_dir.join(name);
         for name in ["etcd", "kube-apiserver", "kube-controller-manager"] {
-            let path = paths::testenv_bin(name);
+            let path = bin(name);
             if !path.is_file() {
-                return Err(ControlPlaneError::BinaryMissing { name: name.to_owned(), path });
+                return Err(ControlPlaneError::BinaryMissing {
+                    name: name.to_owned(),
+                    path,
+                });
             }
         }
-        std::fs::create_dir_all(&opts.dir).map_err(io_err(format!("create {}", opts.dir.display())))?;
+        std::fs::create_dir_all(&opts.dir)
+            .map_err(io_err(format!("create {}", opts.dir.display())))?;
         if opts.cleanup {
             remove_at_exit(&opts.dir);
         }
@@ -113,7 +146,11 @@ impl ControlPlane {
 
         let [etcd_client, etcd_peer, apiserver_port, kcm_port] = free_ports::<4>()?;
         let certs = ControlPlaneCerts::generate()?;
-        let token = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
+        let token = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
         let write = |name: &str, content: &str| -> Result<PathBuf, ControlPlaneError> {
             let path = dir.join(name);
             std::fs::write(&path, content).map_err(io_err(format!("write {}", path.display())))?;
@@ -124,51 +161,83 @@ impl ControlPlane {
         let serving_key = write("apiserver.key", &certs.serving_key_pem)?;
         let sa_key = write("sa.key", &certs.service_account_key_pem)?;
         let sa_pub = write("sa.pub", &certs.service_account_pub_pem)?;
-        let tokens = write("tokens.csv", &format!("{token},imp-admin,imp-admin,\"system:masters\"\n"))?;
+        let tokens = write(
+            "tokens.csv",
+            &format!("{token},imp-admin,imp-admin,\"system:masters\"\n"),
+        )?;
         cp.server = format!("https://127.0.0.1:{apiserver_port}");
-        write("kubeconfig", &kubeconfig_yaml(&cp.server, &certs.ca_cert_pem, &token))?;
+        write(
+            "kubeconfig",
+            &kubeconfig_yaml(&cp.server, &certs.ca_cert_pem, &token),
+        )?;
 
         // etcd: fsync off, it is throwaway state.
         let etcd_url = format!("http://127.0.0.1:{etcd_client}");
         let peer_url = format!("http://127.0.0.1:{etcd_peer}");
-        let mut etcd = Command::new(paths::testenv_bin("etcd"));
+        let mut etcd = Command::new(bin("etcd"));
         etcd.args(["--name", "imp-testenv", "--data-dir"])
             .arg(dir.join("etcd"))
-            .args(["--listen-client-urls", &etcd_url, "--advertise-client-urls", &etcd_url])
-            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args([
+                "--listen-client-urls",
+                &etcd_url,
+                "--advertise-client-urls",
+                &etcd_url,
+            ])
+            .args([
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+            ])
             .args(["--initial-cluster", &format!("imp-testenv={peer_url}")])
             .args(["--unsafe-no-fsync", "--log-level", "warn"]);
         cp.spawn("etcd", etcd)?;
         cp.wait_tcp("etcd", etcd_client).await?;
 
-        let mut apiserver = Command::new(paths::testenv_bin("kube-apiserver"));
+        let mut apiserver = Command::new(bin("kube-apiserver"));
         apiserver
             .args(["--etcd-servers", &etcd_url])
-            .args(["--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1"])
+            .args([
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+            ])
             .args(["--secure-port", &apiserver_port.to_string()])
             .arg(format!("--tls-cert-file={}", serving_cert.display()))
             .arg(format!("--tls-private-key-file={}", serving_key.display()))
             .arg(format!("--client-ca-file={}", ca.display()))
             .arg(format!("--token-auth-file={}", tokens.display()))
             .arg(format!("--service-account-key-file={}", sa_pub.display()))
-            .arg(format!("--service-account-signing-key-file={}", sa_key.display()))
+            .arg(format!(
+                "--service-account-signing-key-file={}",
+                sa_key.display()
+            ))
             .args(["--service-account-issuer", "https://imp-testenv.invalid"])
             .args(["--service-cluster-ip-range", "10.96.0.0/24"])
             .args(["--authorization-mode", "RBAC"])
             // As on real clusters: the runtime DaemonSet is privileged.
             .arg("--allow-privileged=true")
-            .args(["--enable-priority-and-fairness=false", "--profiling=false", "--v=1"]);
+            .args([
+                "--enable-priority-and-fairness=false",
+                "--profiling=false",
+                "--v=1",
+            ]);
         cp.spawn("kube-apiserver", apiserver)?;
         cp.wait_ready().await?;
 
         if opts.install_imp_crds {
             let client = cp.client().await?;
-            install_crds(&client, imp_api::crds().into_iter().map(|(_, crd)| crd).collect()).await?;
+            install_crds(
+                &client,
+                imp_api::crds().into_iter().map(|(_, crd)| crd).collect(),
+            )
+            .await?;
         }
 
         if opts.controller_manager {
             let kubeconfig = cp.kubeconfig_path.display().to_string();
-            let mut kcm = Command::new(paths::testenv_bin("kube-controller-manager"));
+            let mut kcm = Command::new(bin("kube-controller-manager"));
             kcm.arg(format!("--kubeconfig={kubeconfig}"))
                 .arg(format!("--authentication-kubeconfig={kubeconfig}"))
                 .arg(format!("--authorization-kubeconfig={kubeconfig}"))
@@ -216,29 +285,53 @@ impl ControlPlane {
 
     fn spawn(&mut self, name: &str, cmd: Command) -> Result<(), ControlPlaneError> {
         let log = self.dir.join(format!("{name}.log"));
-        let process = ManagedProcess::spawn(name, cmd, &log).map_err(|source| ControlPlaneError::Spawn { name: name.to_owned(), source })?;
+        let process =
+            ManagedProcess::spawn(name, cmd, &log).map_err(|source| ControlPlaneError::Spawn {
+                name: name.to_owned(),
+                source,
+            })?;
         self.processes.push(process);
         Ok(())
     }
 
     fn check_alive(&mut self, name: &str) -> Result<(), ControlPlaneError> {
-        let process = self.processes.iter_mut().find(|p| p.name == name).expect("process was spawned");
+        let process = self
+            .processes
+            .iter_mut()
+            .find(|p| p.name == name)
+            .expect("process was spawned");
         if let Ok(Some(status)) = process.try_exit_status() {
-            return Err(ControlPlaneError::Exited { name: name.to_owned(), status: status.to_string(), log_tail: process.log_tail(30) });
+            return Err(ControlPlaneError::Exited {
+                name: name.to_owned(),
+                status: status.to_string(),
+                log_tail: process.log_tail(30),
+            });
         }
         Ok(())
     }
 
     fn not_ready(&self, name: &str) -> ControlPlaneError {
-        let tail = self.processes.iter().find(|p| p.name == name).map(|p| p.log_tail(30)).unwrap_or_default();
-        ControlPlaneError::NotReady { name: name.to_owned(), after: READY_TIMEOUT, log_tail: tail }
+        let tail = self
+            .processes
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.log_tail(30))
+            .unwrap_or_default();
+        ControlPlaneError::NotReady {
+            name: name.to_owned(),
+            after: READY_TIMEOUT,
+            log_tail: tail,
+        }
     }
 
     async fn wait_tcp(&mut self, name: &str, port: u16) -> Result<(), ControlPlaneError> {
         let start = Instant::now();
         loop {
             self.check_alive(name)?;
-            if tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
                 return Ok(());
             }
             if start.elapsed() > READY_TIMEOUT {
@@ -253,7 +346,9 @@ impl ControlPlane {
         let start = Instant::now();
         loop {
             self.check_alive("kube-apiserver")?;
-            let req = http::Request::get("/readyz").body(Vec::new()).expect("static request");
+            let req = http::Request::get("/readyz")
+                .body(Vec::new())
+                .expect("static request");
             if let Ok(body) = client.request_text(req).await
                 && body.trim() == "ok"
             {
@@ -285,21 +380,33 @@ pub async fn config_from_kubeconfig(path: &Path) -> Result<Config, ControlPlaneE
 }
 
 /// Server-side applies CRDs and waits until each is Established.
-pub async fn install_crds(client: &Client, crds: Vec<CustomResourceDefinition>) -> Result<(), ControlPlaneError> {
+pub async fn install_crds(
+    client: &Client,
+    crds: Vec<CustomResourceDefinition>,
+) -> Result<(), ControlPlaneError> {
     let api: Api<CustomResourceDefinition> = Api::all(client.clone());
     let params = PatchParams::apply("imp-testkit").force();
     for crd in &crds {
         let name = crd.metadata.name.clone().unwrap_or_default();
         api.patch(&name, &params, &Patch::Apply(crd))
             .await
-            .map_err(|source| ControlPlaneError::CrdInstall { name: name.clone(), source })?;
+            .map_err(|source| ControlPlaneError::CrdInstall {
+                name: name.clone(),
+                source,
+            })?;
     }
     let timeout = Duration::from_secs(30);
     for crd in &crds {
         let name = crd.metadata.name.clone().unwrap_or_default();
         let start = Instant::now();
         loop {
-            let current = api.get(&name).await.map_err(|source| ControlPlaneError::CrdInstall { name: name.clone(), source })?;
+            let current = api
+                .get(&name)
+                .await
+                .map_err(|source| ControlPlaneError::CrdInstall {
+                    name: name.clone(),
+                    source,
+                })?;
             let established = current
                 .status
                 .and_then(|s| s.conditions)
@@ -310,7 +417,10 @@ pub async fn install_crds(client: &Client, crds: Vec<CustomResourceDefinition>) 
                 break;
             }
             if start.elapsed() > timeout {
-                return Err(ControlPlaneError::CrdNotEstablished { name, after: timeout });
+                return Err(ControlPlaneError::CrdNotEstablished {
+                    name,
+                    after: timeout,
+                });
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -4,13 +4,18 @@ use std::path::PathBuf;
 
 /// Root of the Imp workspace (the directory holding the top Cargo.toml).
 pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("testkit lives one level below the workspace root").to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("testkit lives one level below the workspace root")
+        .to_path_buf()
 }
 
 /// Directory with etcd, kube-apiserver, kube-controller-manager, kubectl and helm.
 /// `IMP_TESTENV_BIN` overrides the default `testenv/bin`.
 pub fn testenv_bin_dir() -> PathBuf {
-    std::env::var_os("IMP_TESTENV_BIN").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("testenv/bin"))
+    std::env::var_os("IMP_TESTENV_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("testenv/bin"))
 }
 
 /// Path of one testenv binary.

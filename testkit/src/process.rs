@@ -44,7 +44,10 @@ fn spawner() -> mpsc::Sender<SpawnRequest> {
 }
 
 extern "C" fn stop_everything_at_exit() {
-    let pids: Vec<i32> = LIVE_PIDS.lock().map(|mut p| std::mem::take(&mut *p)).unwrap_or_default();
+    let pids: Vec<i32> = LIVE_PIDS
+        .lock()
+        .map(|mut p| std::mem::take(&mut *p))
+        .unwrap_or_default();
     for &pid in &pids {
         // SAFETY: pid is a child we spawned and have not reaped.
         unsafe { libc::kill(pid, libc::SIGTERM) };
@@ -75,7 +78,10 @@ extern "C" fn stop_everything_at_exit() {
 /// Removes `dir` when the test process exits normally.
 pub fn remove_at_exit(dir: &Path) {
     let _ = spawner(); // make sure the atexit hook is registered
-    CLEANUP_DIRS.lock().expect("cleanup lock").push(dir.to_path_buf());
+    CLEANUP_DIRS
+        .lock()
+        .expect("cleanup lock")
+        .push(dir.to_path_buf());
 }
 
 /// A running child whose output goes to a log file.
@@ -90,7 +96,9 @@ impl ManagedProcess {
     /// process dies.
     pub fn spawn(name: &str, mut cmd: Command, log_path: &Path) -> io::Result<Self> {
         let log = File::create(log_path)?;
-        cmd.stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log);
+        cmd.stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
         // SAFETY: prctl is async-signal-safe; it only sets this child's parent-death signal.
         unsafe {
             cmd.pre_exec(|| {
@@ -101,10 +109,18 @@ impl ManagedProcess {
             });
         }
         let (tx, rx) = mpsc::channel();
-        spawner().send((cmd, tx)).map_err(|_| io::Error::other("testkit spawner thread is gone"))?;
-        let child = rx.recv().map_err(|_| io::Error::other("testkit spawner thread is gone"))??;
+        spawner()
+            .send((cmd, tx))
+            .map_err(|_| io::Error::other("testkit spawner thread is gone"))?;
+        let child = rx
+            .recv()
+            .map_err(|_| io::Error::other("testkit spawner thread is gone"))??;
         LIVE_PIDS.lock().expect("pid lock").push(child.id() as i32);
-        Ok(Self { name: name.to_owned(), child, log_path: log_path.to_path_buf() })
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+            log_path: log_path.to_path_buf(),
+        })
     }
 
     pub fn pid(&self) -> u32 {

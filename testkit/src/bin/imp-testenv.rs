@@ -11,7 +11,9 @@ use imp_testkit::{
 };
 
 #[derive(Parser)]
-#[command(about = "Imp's test control plane: etcd + kube-apiserver + kube-controller-manager on 127.0.0.1")]
+#[command(
+    about = "Imp's test control plane: etcd + kube-apiserver + kube-controller-manager on 127.0.0.1"
+)]
 struct Args {
     #[command(subcommand)]
     command: Cmd,
@@ -37,7 +39,13 @@ async fn main() -> ExitCode {
     match Args::parse().command {
         Cmd::Check => {
             let mut ok = true;
-            for name in ["etcd", "kube-apiserver", "kube-controller-manager", "kubectl", "helm"] {
+            for name in [
+                "etcd",
+                "kube-apiserver",
+                "kube-controller-manager",
+                "kubectl",
+                "helm",
+            ] {
                 let path = paths::testenv_bin(name);
                 if path.is_file() {
                     println!("ok      {}", path.display());
@@ -46,10 +54,20 @@ async fn main() -> ExitCode {
                     ok = false;
                 }
             }
-            if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+            if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            }
         }
         Cmd::Up { dir, no_crds } => {
-            let opts = ControlPlaneOptions { dir, cleanup: false, controller_manager: true, install_imp_crds: !no_crds };
+            let opts = ControlPlaneOptions {
+                dir,
+                cleanup: false,
+                controller_manager: true,
+                install_imp_crds: !no_crds,
+                bin_dir: paths::testenv_bin_dir(),
+            };
             let cp = match ControlPlane::start(opts).await {
                 Ok(cp) => cp,
                 Err(e) => {
@@ -58,8 +76,14 @@ async fn main() -> ExitCode {
                 }
             };
             println!("KUBECONFIG={}", cp.kubeconfig_path().display());
-            eprintln!("imp-testenv: API server at {}; logs in {}; Ctrl-C stops it", cp.server(), cp.dir().display());
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+            eprintln!(
+                "imp-testenv: API server at {}; logs in {}; Ctrl-C stops it",
+                cp.server(),
+                cp.dir().display()
+            );
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("SIGTERM handler");
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => {},
                 _ = term.recv() => {},

@@ -1,0 +1,41 @@
+# Imp's two entry points: `make smoke` (the local smoke run) and `make test` (everything CI runs).
+SHELL := /bin/bash
+CARGO ?= cargo
+
+.PHONY: test testenv lint unit crds crds-check guest-static chart-lint smoke clean-testenv
+
+## The whole suite: builds the test control plane if needed, lints, runs every test.
+test: testenv lint unit guest-static chart-lint
+
+## etcd, kube-apiserver, kube-controller-manager, kubectl and helm from their Go modules (incremental).
+testenv:
+	testenv/build.sh
+
+## Formatting and clippy (warnings are errors).
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+## Unit and integration tests; integration tests start their own control plane on 127.0.0.1.
+unit: testenv
+	$(CARGO) test --workspace --locked --no-fail-fast
+
+## Regenerate helm/imp/crds from the Rust types.
+crds:
+	$(CARGO) run -p imp-api --bin crdgen
+
+## The guest agent must build fully static (it is injected into images that may have no libc).
+guest-static:
+	guest/check-static.sh
+
+## helm lint with defaults and with every seed values file.
+chart-lint: testenv
+	testenv/bin/helm lint --strict helm/imp
+	for f in ../shared/reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f "$$f" || exit 1; done
+
+## The local smoke run: the runner lifecycle against the simulators and a real API server.
+smoke: testenv
+	smoke/imp-smoke.sh --local
+
+clean-testenv:
+	rm -rf testenv/bin
