@@ -8,12 +8,15 @@ use std::time::Duration;
 
 use github_common::*;
 use imp_operator::github::{
-    DEFAULT_RUNNER_GROUP_ID, ErrorClass, GithubError, JitRequest, RunnerScope, runner_name,
+    DEFAULT_RUNNER_GROUP_ID, ErrorClass, GithubConfig, GithubError, JitRequest, RunnerScope,
+    runner_name,
 };
 use imp_testkit::github::runner_protocol::{
     FakeRunnerOptions, JITCONFIG_ENV, JitConfigPayload, run_fake_runner,
 };
-use imp_testkit::github::{JobSpec, JobStatus, WebhookSink, fake_runner_binary, verify_signature};
+use imp_testkit::github::{
+    Fault, FaultRule, JobSpec, JobStatus, WebhookSink, fake_runner_binary, verify_signature,
+};
 
 #[tokio::test]
 async fn org_jit_config_carries_name_labels_group_and_work_folder() {
@@ -193,6 +196,44 @@ async fn a_stale_registration_with_the_same_name_is_replaced() {
     assert_ne!(first.runner_id, second.runner_id);
     let ids: Vec<u64> = sim.runners().iter().map(|r| r.id).collect();
     assert_eq!(ids, vec![second.runner_id]);
+}
+
+#[tokio::test]
+async fn a_lost_mint_answer_is_recovered_by_replacing_the_registration() {
+    let sim = sim().await;
+    let app = app_with(
+        &sim,
+        GithubConfig {
+            request_timeout: Duration::from_millis(300),
+            ..config(&sim)
+        },
+    );
+    app.installation_token().await.unwrap();
+    // GitHub registers the runner but the answer never arrives in time.
+    sim.inject(
+        FaultRule::next(1, Fault::DelayAnswer { millis: 1500 }).on_path("generate-jitconfig"),
+    );
+    let minted = app
+        .generate_jit_config(&jit(org(&sim), "lost-answer"))
+        .await
+        .unwrap();
+    let runners = sim.runners();
+    assert_eq!(runners.len(), 1, "the orphan was deleted");
+    assert_eq!(runners[0].id, minted.runner_id);
+    assert_eq!(sim.stats().jit_configs_issued, 2);
+    assert_eq!(sim.stats().runners_deleted, 1);
+    // The config we hold works.
+    let job = sim.queue_job(JobSpec {
+        labels: vec!["imp".into()],
+        ..Default::default()
+    });
+    run_fake_runner(
+        minted.encoded_jit_config.expose(),
+        &FakeRunnerOptions::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(sim.job(job.id).unwrap().status, JobStatus::Completed);
 }
 
 #[tokio::test]

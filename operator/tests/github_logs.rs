@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use github_common::*;
-use imp_operator::github::{AppCredentials, GithubApp, mint_app_jwt, runner_name};
+use imp_operator::github::{AppCredentials, GithubApp, PrivateKeyPem, mint_app_jwt, runner_name};
 use imp_testkit::github::runner_protocol::{FakeRunnerOptions, run_fake_runner};
 use imp_testkit::github::{Fault, FaultRule, JobSpec, KeyFormat, WebhookSink, test_key};
 use tracing_subscriber::fmt::MakeWriter;
@@ -92,12 +92,10 @@ async fn no_secret_reaches_the_logs() {
     sim.expire_tokens();
     app.list_runners(&scope).await.unwrap();
     secrets.push(app.installation_token().await.unwrap().expose().to_string());
-    let wrong = AppCredentials::from_parts(
-        sim.app_id(),
-        sim.installation_id(),
-        test_key(1).pkcs1_pem().as_bytes(),
-    )
-    .unwrap();
+    let wrong_pem = PrivateKeyPem::new(test_key(1).pkcs1_pem());
+    tracing::debug!(?wrong_pem, %wrong_pem, "a PEM, redacted");
+    let wrong =
+        AppCredentials::from_private_key(sim.app_id(), sim.installation_id(), &wrong_pem).unwrap();
     let err = GithubApp::new(wrong, config(&sim))
         .unwrap()
         .installation_token()
@@ -125,7 +123,8 @@ async fn no_secret_reaches_the_logs() {
     for s in &secrets {
         assert!(!logs.contains(s.as_str()), "a secret leaked into the logs");
     }
-    for pem in [&pem1, &pem8, &bad] {
+    let wrong_text = test_key(1).pkcs1_pem();
+    for pem in [&pem1, &pem8, &bad, &wrong_text] {
         for line in pem.lines().filter(|l| !l.starts_with("-----")) {
             assert!(!logs.contains(line), "a private key line leaked");
         }

@@ -12,6 +12,8 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use octocrab::jsonwebtoken::{self, Algorithm, EncodingKey, Header};
 
+use super::secret::PrivateKeyPem;
+
 /// Secret key holding the App id.
 pub const KEY_APP_ID: &str = "app-id";
 /// Secret key holding the installation id.
@@ -113,6 +115,15 @@ impl AppCredentials {
             installation_id,
             key: Arc::new(key),
         })
+    }
+
+    /// From ids and a PEM held in its redacted wrapper.
+    pub fn from_private_key(
+        app_id: u64,
+        installation_id: u64,
+        pem: &PrivateKeyPem,
+    ) -> Result<Self, CredentialsError> {
+        Self::from_parts(app_id, installation_id, pem.expose().as_bytes())
     }
 
     pub fn app_id(&self) -> u64 {

@@ -165,6 +165,9 @@ pub enum Fault {
     SecondaryRateLimit { retry_after_secs: Option<u64> },
     /// Delay the call, then serve it normally.
     Delay { millis: u64 },
+    /// Serve the call, then hold the answer back: a client that times out meanwhile loses an
+    /// answer whose effect (e.g. a registered runner) already happened.
+    DelayAnswer { millis: u64 },
 }
 
 /// Webhook delivery faults.

@@ -160,6 +160,7 @@ async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
     let mut early: Option<Response> = None;
     match fault {
         Some(Fault::Delay { millis }) => tokio::time::sleep(Duration::from_millis(millis)).await,
+        Some(Fault::DelayAnswer { .. }) => {}
         Some(Fault::ServerError { status }) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
             early = Some(ApiError::new(status, "Server Error").into_response());
@@ -211,7 +212,13 @@ async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
             };
             ApiError::new(StatusCode::FORBIDDEN, msg).into_response()
         }
-        None => next.run(req).await,
+        None => {
+            let resp = next.run(req).await;
+            if let Some(Fault::DelayAnswer { millis }) = fault {
+                tokio::time::sleep(Duration::from_millis(millis)).await;
+            }
+            resp
+        }
     };
     let h = resp.headers_mut();
     let mut set = |k: &'static str, v: String| {
