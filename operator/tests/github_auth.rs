@@ -229,3 +229,44 @@ async fn futures_join(
     }
     out
 }
+
+fn secret_of(
+    data: &std::collections::BTreeMap<String, String>,
+) -> k8s_openapi::api::core::v1::Secret {
+    k8s_openapi::api::core::v1::Secret {
+        data: Some(
+            data.iter()
+                .map(|(k, v)| (k.clone(), k8s_openapi::ByteString(v.clone().into_bytes())))
+                .collect(),
+        ),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn pools_sharing_an_app_secret_share_one_client_until_it_rotates() {
+    let sim = sim().await;
+    let apps = imp_operator::github::GithubApps::new(
+        config(&sim),
+        imp_operator::github::GithubMetrics::default(),
+    );
+    let secret = secret_of(&sim.secret_data(KeyFormat::Pkcs1));
+    let a = apps.for_secret(&secret).unwrap();
+    a.list_runners(&org(&sim)).await.unwrap();
+    let b = apps.for_secret(&secret.clone()).unwrap();
+    b.list_runners(&org(&sim)).await.unwrap();
+    assert_eq!(sim.stats().token_exchanges, 1, "one token cache for both");
+    assert_eq!(apps.len(), 1);
+    // Rotation (same App, key now PKCS#8): a fresh client replaces the old one.
+    let rotated = secret_of(&sim.secret_data(KeyFormat::Pkcs8));
+    let c = apps.for_secret(&rotated).unwrap();
+    c.list_runners(&org(&sim)).await.unwrap();
+    assert_eq!(sim.stats().token_exchanges, 2);
+    assert_eq!(apps.len(), 1);
+    // A broken Secret is an error naming the key, and caches nothing.
+    let mut broken = sim.secret_data(KeyFormat::Pkcs1);
+    broken.remove(KEY_PRIVATE_KEY);
+    let err = apps.for_secret(&secret_of(&broken)).unwrap_err();
+    assert!(err.to_string().contains("private-key"), "{err}");
+    assert_eq!(apps.len(), 1);
+}

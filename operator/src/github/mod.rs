@@ -22,6 +22,7 @@
 //! ```
 
 pub mod app_auth;
+pub mod apps;
 pub mod client;
 pub mod credentials;
 pub mod errors;
@@ -35,6 +36,7 @@ pub mod scope;
 pub mod secret;
 
 pub use app_auth::{AppClaims, mint_app_jwt};
+pub use apps::GithubApps;
 pub use client::{GithubApp, GithubConfig};
 pub use credentials::{
     AppCredentials, CredentialsError, KEY_APP_ID, KEY_INSTALLATION_ID, KEY_PRIVATE_KEY,
