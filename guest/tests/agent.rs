@@ -469,7 +469,11 @@ async fn poweroff_on_exit_without_a_host_waits_for_the_grace_period() {
         .wait_exit(Duration::from_secs(10))
         .expect("agent did not power off");
     assert!(status.success());
-    assert!(t0.elapsed() >= Duration::from_millis(1400), "{:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1400),
+        "{:?}",
+        t0.elapsed()
+    );
     let log = agent.stop();
     assert!(log.contains("WorkloadExitUnreported"), "{log}");
 }

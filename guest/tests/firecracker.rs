@@ -23,7 +23,10 @@ fn mkfs(image: &Path, size_mib: u64, content: Option<&Path>) {
     if let Some(dir) = content {
         cmd.arg("-d").arg(dir);
     }
-    assert!(cmd.arg(image).status().unwrap().success(), "mkfs.ext4 failed");
+    assert!(
+        cmd.arg(image).status().unwrap().success(),
+        "mkfs.ext4 failed"
+    );
 }
 
 struct Vm(std::process::Child);
@@ -37,7 +40,10 @@ impl Drop for Vm {
 
 #[tokio::test]
 async fn boots_as_pid1_in_real_firecracker() {
-    let (Ok(fc), Ok(kernel)) = (std::env::var("IMP_FIRECRACKER_BIN"), std::env::var("IMP_KERNEL")) else {
+    let (Ok(fc), Ok(kernel)) = (
+        std::env::var("IMP_FIRECRACKER_BIN"),
+        std::env::var("IMP_KERNEL"),
+    ) else {
         println!(
             "skipped the real Firecracker path: IMP_FIRECRACKER_BIN and IMP_KERNEL are not set \
              (PID 1 pieces are covered by tests/pid1.rs, the agent by tests/agent.rs)"
@@ -45,7 +51,8 @@ async fn boots_as_pid1_in_real_firecracker() {
         return;
     };
     let guest_bin = PathBuf::from(
-        std::env::var("IMP_GUEST_STATIC_BIN").expect("set IMP_GUEST_STATIC_BIN to the binary built by guest/check-static.sh"),
+        std::env::var("IMP_GUEST_STATIC_BIN")
+            .expect("set IMP_GUEST_STATIC_BIN to the binary built by guest/check-static.sh"),
     );
     let dir = tempfile::tempdir().unwrap();
 
@@ -89,22 +96,39 @@ async fn boots_as_pid1_in_real_firecracker() {
         .unwrap());
 
     let console_text = || std::fs::read_to_string(&console).unwrap_or_default();
-    let mut client = match host::connect(&uds, 10000, Instant::now() + Duration::from_secs(60)).await {
-        Ok(c) => c,
-        Err(e) => panic!("no Hello from the guest: {e}\n--- console ---\n{}", console_text()),
-    };
-    assert_eq!(client.hello().protocol, imp_guest::protocol::PROTOCOL_VERSION);
+    let mut client =
+        match host::connect(&uds, 10000, Instant::now() + Duration::from_secs(60)).await {
+            Ok(c) => c,
+            Err(e) => panic!(
+                "no Hello from the guest: {e}\n--- console ---\n{}",
+                console_text()
+            ),
+        };
+    assert_eq!(
+        client.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
 
     let m = client.metrics().await.unwrap();
     assert!(m.memory_total_bytes > 100 * 1024 * 1024 && m.disk_total_bytes > 0);
     // lo is up (connection refused, not unreachable) and the probe reports it.
-    let r = client.probe(HttpProbe { path: "/".into(), port: 1, timeout_ms: 1000 }).await.unwrap();
+    let r = client
+        .probe(HttpProbe {
+            path: "/".into(),
+            port: 1,
+            timeout_ms: 1000,
+        })
+        .await
+        .unwrap();
     assert_eq!(r.status, None);
     assert!(r.error.unwrap().contains("refused"));
 
     // Not PID 1 and no subcommand: imp-guest exits 2. Env carries a secret.
     let mut req = common::exec("not-pid1", &["/sbin/imp-guest"]);
-    req.env.insert("ACTIONS_RUNNER_INPUT_JITCONFIG".into(), Redacted::new(SECRET));
+    req.env.insert(
+        "ACTIONS_RUNNER_INPUT_JITCONFIG".into(),
+        Redacted::new(SECRET),
+    );
     client.exec(req).await.unwrap();
     assert_eq!(client.wait_exited("not-pid1").await.unwrap().code, Some(2));
 
@@ -115,13 +139,27 @@ async fn boots_as_pid1_in_real_firecracker() {
     assert_eq!(client.wait_exited("runner").await.unwrap().code, Some(0));
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while vm.0.try_wait().unwrap().is_none() {
-        assert!(std::time::Instant::now() < deadline, "VM did not end\n{}", console_text());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "VM did not end\n{}",
+            console_text()
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 
     let text = console_text();
-    for stage in ["mount-early ok", "cmdline ok", "overlay-root ok", "hostname ok", "resolv-conf ok", "ready"] {
-        assert!(text.contains(&format!("IMP-GUEST stage={stage}")), "missing {stage}:\n{text}");
+    for stage in [
+        "mount-early ok",
+        "cmdline ok",
+        "overlay-root ok",
+        "hostname ok",
+        "resolv-conf ok",
+        "ready",
+    ] {
+        assert!(
+            text.contains(&format!("IMP-GUEST stage={stage}")),
+            "missing {stage}:\n{text}"
+        );
     }
     assert!(!text.contains(SECRET), "secret on the serial console");
 }

@@ -12,7 +12,10 @@ fuzz_target!(|data: &[u8]| {
     decode_all::<HostToGuest>(data, split, |msg| {
         let bytes = encode(msg).expect("a decoded message re-encodes");
         let mut dec = FrameDecoder::with_buffered(bytes);
-        assert_eq!(dec.decode_next::<HostToGuest>().unwrap().as_ref(), Some(msg));
+        assert_eq!(
+            dec.decode_next::<HostToGuest>().unwrap().as_ref(),
+            Some(msg)
+        );
     });
     // Guest messages carry floats, whose text form need not round-trip bit for bit; require
     // only that they re-encode and decode again.

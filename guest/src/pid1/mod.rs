@@ -54,11 +54,17 @@ pub fn marker(stage: &str, detail: impl Display) {
 fn ensure_console() {
     use std::os::fd::AsRawFd;
     // SAFETY: F_GETFD on small integer fds only queries them.
-    let missing: Vec<i32> = (0..=2).filter(|fd| unsafe { libc::fcntl(*fd, libc::F_GETFD) } < 0).collect();
+    let missing: Vec<i32> = (0..=2)
+        .filter(|fd| unsafe { libc::fcntl(*fd, libc::F_GETFD) } < 0)
+        .collect();
     if missing.is_empty() {
         return;
     }
-    let Ok(console) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/console") else {
+    let Ok(console) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/console")
+    else {
         return;
     };
     for fd in missing {

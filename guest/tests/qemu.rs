@@ -1,0 +1,372 @@
+//! A real VM without Firecracker: QEMU boots a distribution kernel with a test initrd that loads
+//! the virtio/overlay/vsock modules and execs imp-guest as PID 1 on an overlay of two ext4
+//! drives; vhost-device-vsock gives the host the same hybrid-vsock socket Firecracker does, so
+//! the host client, the protocol, exec, probes, metrics and power-off run for real.
+//!
+//! Runs when IMP_GUEST_STATIC_BIN (from guest/check-static.sh) is set and qemu-system-x86_64,
+//! vhost-device-vsock, a static /bin/busybox and a kernel (IMP_QEMU_KERNEL, else the first
+//! /boot/vmlinuz-*) with its /lib/modules are present. Otherwise it says what it skipped.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use imp_guest::host;
+use imp_guest::protocol::{HttpProbe, Redacted};
+use tokio::time::Instant;
+
+const MODULES: &[&str] = &[
+    "virtio_ring",
+    "virtio",
+    "virtio_pci_modern_dev",
+    "virtio_pci_legacy_dev",
+    "virtio_pci",
+    "virtio_blk",
+    "overlay",
+    "vsock",
+    "vmw_vsock_virtio_transport_common",
+    "vmw_vsock_virtio_transport",
+];
+const SECRET: &str = "jit-qemu-4f0c-do-not-print";
+
+struct Kill(Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+fn is_static(bin: &Path) -> bool {
+    Command::new("readelf")
+        .arg("-d")
+        .arg(bin)
+        .output()
+        .is_ok_and(|o| {
+            o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("(NEEDED)")
+        })
+}
+
+struct Setup {
+    guest_bin: PathBuf,
+    qemu: PathBuf,
+    vhost: PathBuf,
+    kernel: PathBuf,
+    modules: Vec<PathBuf>,
+}
+
+fn detect() -> Result<Setup, String> {
+    let guest_bin = PathBuf::from(
+        std::env::var("IMP_GUEST_STATIC_BIN").map_err(|_| "IMP_GUEST_STATIC_BIN is not set")?,
+    );
+    let qemu = which("qemu-system-x86_64").ok_or("qemu-system-x86_64 not in PATH")?;
+    let vhost = which("vhost-device-vsock").ok_or("vhost-device-vsock not in PATH")?;
+    if !is_static(Path::new("/bin/busybox")) {
+        return Err("no static /bin/busybox (Debian: busybox-static)".into());
+    }
+    let kernel = match std::env::var("IMP_QEMU_KERNEL") {
+        Ok(k) => PathBuf::from(k),
+        Err(_) => std::fs::read_dir("/boot")
+            .map_err(|e| format!("/boot: {e}"))?
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
+            })
+            .min()
+            .ok_or("no /boot/vmlinuz-*")?,
+    };
+    let version = kernel
+        .file_name()
+        .and_then(|n| n.to_str()?.strip_prefix("vmlinuz-"))
+        .ok_or("kernel file name is not vmlinuz-<version>")?
+        .to_owned();
+    let mut modules = Vec::new();
+    for m in MODULES {
+        let out = Command::new("modinfo")
+            .args(["-k", &version, "-F", "filename", m])
+            .output()
+            .map_err(|e| format!("modinfo: {e}"))?;
+        let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        if !out.status.success() || !path.ends_with(".ko") {
+            return Err(format!(
+                "module {m} for {version} not found (or compressed/built in: {path:?})"
+            ));
+        }
+        modules.push(PathBuf::from(path));
+    }
+    Ok(Setup {
+        guest_bin,
+        qemu,
+        vhost,
+        kernel,
+        modules,
+    })
+}
+
+fn sh(cmd: &str) {
+    assert!(
+        Command::new("sh")
+            .arg("-c")
+            .arg(cmd)
+            .status()
+            .unwrap()
+            .success(),
+        "{cmd}"
+    );
+}
+
+fn build_images(s: &Setup, dir: &Path) {
+    let initrd = dir.join("initrd");
+    std::fs::create_dir_all(initrd.join("lib/mods")).unwrap();
+    std::fs::create_dir_all(initrd.join("bin")).unwrap();
+    std::fs::create_dir_all(initrd.join("sbin")).unwrap();
+    std::fs::copy("/bin/busybox", initrd.join("bin/busybox")).unwrap();
+    std::fs::copy(&s.guest_bin, initrd.join("sbin/imp-guest")).unwrap();
+    for m in &s.modules {
+        std::fs::copy(m, initrd.join("lib/mods").join(m.file_name().unwrap())).unwrap();
+    }
+    let init = format!(
+        "#!/bin/busybox sh\nfor m in {}; do /bin/busybox insmod /lib/mods/$m.ko; done\nexec /sbin/imp-guest\n",
+        MODULES.join(" ")
+    );
+    std::fs::write(initrd.join("init"), init).unwrap();
+    sh(&format!(
+        "chmod +x {0}/init && cd {0} && find . | cpio -o -H newc --quiet > {1}/initrd.cpio",
+        initrd.display(),
+        dir.display()
+    ));
+
+    let base = dir.join("base");
+    for d in ["sbin", "bin", "proc", "sys", "dev", "run", "tmp", "etc"] {
+        std::fs::create_dir_all(base.join(d)).unwrap();
+    }
+    std::fs::copy(&s.guest_bin, base.join("sbin/imp-guest")).unwrap();
+    std::fs::copy("/bin/busybox", base.join("bin/busybox")).unwrap();
+    std::os::unix::fs::symlink("busybox", base.join("bin/sh")).unwrap();
+    std::fs::write(
+        base.join("etc/passwd"),
+        "root:x:0:0::/:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n",
+    )
+    .unwrap();
+    std::fs::write(base.join("etc/marker"), "pristine\n").unwrap();
+    for (img, content) in [("base.ext4", Some(&base)), ("rw.ext4", None)] {
+        let path = dir.join(img);
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(64 << 20)
+            .unwrap();
+        let d = content
+            .map(|c| format!("-d {}", c.display()))
+            .unwrap_or_default();
+        sh(&format!("mkfs.ext4 -q -F {d} {}", path.display()));
+    }
+}
+
+#[tokio::test]
+async fn pid1_and_agent_in_a_real_vm() {
+    let s = match detect() {
+        Ok(s) => s,
+        Err(why) => {
+            println!("skipped the QEMU real-VM path: {why}");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    build_images(&s, dir.path());
+    let vhost_sock = dir.path().join("vhost.sock");
+    let uds = dir.path().join("vm.vsock");
+    let _vhost = Kill(
+        Command::new(&s.vhost)
+            .args(["--guest-cid", "3", "--socket"])
+            .arg(&vhost_sock)
+            .arg("--uds-path")
+            .arg(&uds)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("vhost.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    for _ in 0..100 {
+        if vhost_sock.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let console = dir.path().join("console.log");
+    let append = "console=ttyS0 panic=-1 imp.lower=/dev/vda imp.overlay=/dev/vdb imp.hostname=imp-qemu \
+                  imp.dns=192.0.2.53 imp.report_grace_s=60";
+    let mut vm = Kill(
+        Command::new(&s.qemu)
+            .args([
+                "-accel",
+                "tcg",
+                "-m",
+                "512",
+                "-display",
+                "none",
+                "-no-reboot",
+                "-nodefaults",
+            ])
+            .args([
+                "-object",
+                "memory-backend-memfd,id=mem0,size=512M,share=on",
+                "-machine",
+                "pc,memory-backend=mem0",
+            ])
+            .arg("-kernel")
+            .arg(&s.kernel)
+            .arg("-initrd")
+            .arg(dir.path().join("initrd.cpio"))
+            .args(["-append", append])
+            .arg("-drive")
+            .arg(format!(
+                "file={},format=raw,if=virtio,readonly=on",
+                dir.path().join("base.ext4").display()
+            ))
+            .arg("-drive")
+            .arg(format!(
+                "file={},format=raw,if=virtio",
+                dir.path().join("rw.ext4").display()
+            ))
+            .arg("-chardev")
+            .arg(format!("socket,id=vs0,path={}", vhost_sock.display()))
+            .args(["-device", "vhost-user-vsock-pci,chardev=vs0"])
+            .arg("-serial")
+            .arg(format!("file:{}", console.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("qemu.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let console_text = || std::fs::read_to_string(&console).unwrap_or_default();
+
+    let mut client =
+        match host::connect(&uds, 10000, Instant::now() + Duration::from_secs(120)).await {
+            Ok(c) => c,
+            Err(e) => panic!(
+                "no Hello: {e}\n--- console ---\n{}\n--- qemu ---\n{}",
+                console_text(),
+                std::fs::read_to_string(dir.path().join("qemu.log")).unwrap_or_default()
+            ),
+        };
+    assert_eq!(
+        client.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
+
+    // Exact env, hostname and resolv.conf from the command line, the overlay root.
+    let mut req = common::exec("env", &["/bin/busybox", "env"]);
+    req.env.insert(
+        "ACTIONS_RUNNER_INPUT_JITCONFIG".into(),
+        Redacted::new(SECRET),
+    );
+    let (out, _, e) = common::run(&mut client, req).await;
+    assert_eq!(e.code, Some(0));
+    let mut lines: Vec<String> = String::from_utf8(out)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        [
+            format!("ACTIONS_RUNNER_INPUT_JITCONFIG={SECRET}"),
+            "PATH=/usr/bin:/bin".to_owned()
+        ]
+    );
+
+    let script = "busybox hostname; busybox cat /etc/resolv.conf; busybox cat /etc/marker; \
+                  echo changed > /etc/marker; busybox grep ' / ' /proc/mounts";
+    let (out, _, e) = common::run(&mut client, common::sh("sys", script)).await;
+    assert_eq!(e.code, Some(0));
+    let out = String::from_utf8(out).unwrap();
+    assert!(out.starts_with("imp-qemu\n"), "{out}");
+    assert!(out.contains("nameserver 192.0.2.53"), "{out}");
+    assert!(out.contains("pristine"), "{out}");
+    assert!(out.contains("overlay / overlay"), "{out}");
+
+    // uid switch, timeout, duplicate id inside the VM.
+    let mut req = common::sh("uid", "busybox id -u");
+    req.uid = Some(65534);
+    let (out, _, _) = common::run(&mut client, req).await;
+    assert_eq!(String::from_utf8(out).unwrap().trim(), "65534");
+    let mut req = common::exec("sleep", &["/bin/busybox", "sleep", "60"]);
+    req.timeout_s = Some(1);
+    let pid = client.exec(req.clone()).await.unwrap().pid;
+    let e = client.wait_exited("sleep").await.unwrap();
+    assert_eq!((e.signal, e.timed_out), (Some(9), true));
+    assert_eq!(client.exec(req).await.unwrap().pid, pid);
+
+    let m = client.metrics().await.unwrap();
+    assert!(m.memory_total_bytes > 256 << 20, "{m:?}");
+    assert!(
+        m.disk_total_bytes > 0 && m.disk_used_bytes <= m.disk_total_bytes,
+        "{m:?}"
+    );
+    let r = client
+        .probe(HttpProbe {
+            path: "/".into(),
+            port: 1,
+            timeout_ms: 2000,
+        })
+        .await
+        .unwrap();
+    assert!(
+        r.error.as_deref().unwrap_or_default().contains("refused"),
+        "{r:?}"
+    );
+
+    // The workload ends, its exit is reported, the VM powers off.
+    let mut req = common::sh("runner", "exit 3");
+    req.poweroff_on_exit = true;
+    client.exec(req).await.unwrap();
+    assert_eq!(client.wait_exited("runner").await.unwrap().code, Some(3));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while vm.0.try_wait().unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "VM did not power off\n{}",
+            console_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let text = console_text();
+    println!("--- console (markers) ---");
+    for line in text.lines().filter(|l| l.contains("IMP-GUEST")) {
+        println!("{line}");
+    }
+    for stage in [
+        "overlay-root ok",
+        "hostname ok",
+        "resolv-conf ok",
+        "ready",
+        "shutdown reason=WorkloadExitReported",
+    ] {
+        assert!(
+            text.contains(&format!("IMP-GUEST stage={stage}")),
+            "missing {stage}:\n{text}"
+        );
+    }
+    assert!(!text.contains(SECRET), "secret on the serial console");
+    // The base image was never written.
+    sh(&format!(
+        "debugfs -R 'cat /etc/marker' {} 2>/dev/null | grep -qx pristine",
+        dir.path().join("base.ext4").display()
+    ));
+}
