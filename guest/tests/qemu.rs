@@ -175,94 +175,143 @@ fn build_images(s: &Setup, dir: &Path) {
     }
 }
 
-#[tokio::test]
-async fn pid1_and_agent_in_a_real_vm() {
-    let s = match detect() {
-        Ok(s) => s,
-        Err(why) => {
-            println!("skipped the QEMU real-VM path: {why}");
-            return;
-        }
-    };
-    let dir = tempfile::tempdir().unwrap();
-    build_images(&s, dir.path());
-    let vhost_sock = dir.path().join("vhost.sock");
-    let uds = dir.path().join("vm.vsock");
-    let _vhost = Kill(
-        Command::new(&s.vhost)
-            .args(["--guest-cid", "3", "--socket"])
-            .arg(&vhost_sock)
-            .arg("--uds-path")
-            .arg(&uds)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("vhost.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    );
-    for _ in 0..100 {
-        if vhost_sock.exists() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let console = dir.path().join("console.log");
-    let append = "console=ttyS0 panic=-1 imp.lower=/dev/vda imp.overlay=/dev/vdb imp.hostname=imp-qemu \
-                  imp.dns=192.0.2.53 imp.report_grace_s=60";
-    let mut vm = Kill(
-        Command::new(&s.qemu)
-            .args([
-                "-accel",
-                "tcg",
-                "-m",
-                "512",
-                "-display",
-                "none",
-                "-no-reboot",
-                "-nodefaults",
-            ])
-            .args([
-                "-object",
-                "memory-backend-memfd,id=mem0,size=512M,share=on",
-                "-machine",
-                "pc,memory-backend=mem0",
-            ])
-            .arg("-kernel")
-            .arg(&s.kernel)
-            .arg("-initrd")
-            .arg(dir.path().join("initrd.cpio"))
-            .args(["-append", append])
-            .arg("-drive")
-            .arg(format!(
-                "file={},format=raw,if=virtio,readonly=on",
-                dir.path().join("base.ext4").display()
-            ))
-            .arg("-drive")
-            .arg(format!(
-                "file={},format=raw,if=virtio",
-                dir.path().join("rw.ext4").display()
-            ))
-            .arg("-chardev")
-            .arg(format!("socket,id=vs0,path={}", vhost_sock.display()))
-            .args(["-device", "vhost-user-vsock-pci,chardev=vs0"])
-            .arg("-serial")
-            .arg(format!("file:{}", console.display()))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("qemu.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    );
-    let console_text = || std::fs::read_to_string(&console).unwrap_or_default();
+/// One booted VM: the vhost-user vsock device, QEMU, and the paths the test needs.
+struct Vm {
+    dir: tempfile::TempDir,
+    uds: PathBuf,
+    console: PathBuf,
+    // Field order = drop order: QEMU before its vsock device.
+    qemu: Kill,
+    _vhost: Kill,
+}
 
-    let mut client =
-        match host::connect(&uds, 10000, Instant::now() + Duration::from_secs(120)).await {
+impl Vm {
+    fn boot(s: &Setup, extra_append: &str) -> Vm {
+        let dir = tempfile::tempdir().unwrap();
+        build_images(s, dir.path());
+        let vhost_sock = dir.path().join("vhost.sock");
+        let uds = dir.path().join("vm.vsock");
+        let vhost = Kill(
+            Command::new(&s.vhost)
+                .args(["--guest-cid", "3", "--socket"])
+                .arg(&vhost_sock)
+                .arg("--uds-path")
+                .arg(&uds)
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.path().join("vhost.log")).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        for _ in 0..100 {
+            if vhost_sock.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let console = dir.path().join("console.log");
+        let append = format!(
+            "console=ttyS0 panic=-1 imp.lower=/dev/vda imp.overlay=/dev/vdb imp.hostname=imp-qemu \
+             imp.dns=192.0.2.53 imp.report_grace_s=60 {extra_append}"
+        );
+        // TCG: works without /dev/kvm (CI containers), a few seconds per boot.
+        let qemu = Kill(
+            Command::new(&s.qemu)
+                .args(["-accel", "tcg", "-m", "512", "-display", "none"])
+                .args(["-no-reboot", "-nodefaults"])
+                // vhost-user needs guest memory the device process can map.
+                .args(["-object", "memory-backend-memfd,id=mem0,size=512M,share=on"])
+                .args(["-machine", "pc,memory-backend=mem0"])
+                .arg("-kernel")
+                .arg(&s.kernel)
+                .arg("-initrd")
+                .arg(dir.path().join("initrd.cpio"))
+                .arg("-append")
+                .arg(append)
+                .arg("-drive")
+                .arg(format!(
+                    "file={},format=raw,if=virtio,readonly=on",
+                    dir.path().join("base.ext4").display()
+                ))
+                .arg("-drive")
+                .arg(format!(
+                    "file={},format=raw,if=virtio",
+                    dir.path().join("rw.ext4").display()
+                ))
+                .arg("-chardev")
+                .arg(format!("socket,id=vs0,path={}", vhost_sock.display()))
+                .args(["-device", "vhost-user-vsock-pci,chardev=vs0"])
+                .arg("-serial")
+                .arg(format!("file:{}", console.display()))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(dir.path().join("qemu.log")).unwrap())
+                .spawn()
+                .unwrap(),
+        );
+        Vm {
+            dir,
+            uds,
+            console,
+            qemu,
+            _vhost: vhost,
+        }
+    }
+
+    fn console_text(&self) -> String {
+        std::fs::read_to_string(&self.console).unwrap_or_default()
+    }
+
+    async fn connect(&self) -> host::HostClient {
+        match host::connect(&self.uds, 10000, Instant::now() + Duration::from_secs(120)).await {
             Ok(c) => c,
             Err(e) => panic!(
                 "no Hello: {e}\n--- console ---\n{}\n--- qemu ---\n{}",
-                console_text(),
-                std::fs::read_to_string(dir.path().join("qemu.log")).unwrap_or_default()
+                self.console_text(),
+                std::fs::read_to_string(self.dir.path().join("qemu.log")).unwrap_or_default()
             ),
-        };
+        }
+    }
+
+    /// Wait for the VM to end by itself (power-off or reboot with -no-reboot).
+    fn wait_end(&mut self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while self.qemu.0.try_wait().unwrap().is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "VM did not end\n{}",
+                self.console_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn print_markers(&self) {
+        println!("--- console (markers) ---");
+        for line in self
+            .console_text()
+            .lines()
+            .filter(|l| l.contains("IMP-GUEST"))
+        {
+            println!("{line}");
+        }
+    }
+}
+
+fn setup_or_skip() -> Option<Setup> {
+    match detect() {
+        Ok(s) => Some(s),
+        Err(why) => {
+            println!("skipped the QEMU real-VM path: {why}");
+            None
+        }
+    }
+}
+
+#[tokio::test]
+async fn pid1_and_agent_in_a_real_vm() {
+    let Some(s) = setup_or_skip() else { return };
+    let mut vm = Vm::boot(&s, "");
+    let mut client = vm.connect().await;
     assert_eq!(
         client.hello().protocol,
         imp_guest::protocol::PROTOCOL_VERSION
@@ -336,21 +385,10 @@ async fn pid1_and_agent_in_a_real_vm() {
     req.poweroff_on_exit = true;
     client.exec(req).await.unwrap();
     assert_eq!(client.wait_exited("runner").await.unwrap().code, Some(3));
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while vm.0.try_wait().unwrap().is_none() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "VM did not power off\n{}",
-            console_text()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    vm.wait_end();
 
-    let text = console_text();
-    println!("--- console (markers) ---");
-    for line in text.lines().filter(|l| l.contains("IMP-GUEST")) {
-        println!("{line}");
-    }
+    vm.print_markers();
+    let text = vm.console_text();
     for stage in [
         "overlay-root ok",
         "hostname ok",
@@ -367,6 +405,54 @@ async fn pid1_and_agent_in_a_real_vm() {
     // The base image was never written.
     sh(&format!(
         "debugfs -R 'cat /etc/marker' {} 2>/dev/null | grep -qx pristine",
-        dir.path().join("base.ext4").display()
+        vm.dir.path().join("base.ext4").display()
     ));
+}
+
+#[tokio::test]
+async fn pid1_reaps_orphans_and_shuts_down_on_sigterm() {
+    let Some(s) = setup_or_skip() else { return };
+    let mut vm = Vm::boot(&s, "imp.halt=reboot");
+    let mut client = vm.connect().await;
+    // The shell exits at once; its background child is orphaned to PID 1, which must reap it.
+    let (_, _, e) = common::run(
+        &mut client,
+        common::sh("orphan", "busybox sleep 0.3 & exit 0"),
+    )
+    .await;
+    assert_eq!(e.code, Some(0));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Field 3 of /proc/<pid>/stat is the state; count zombies.
+    let (out, _, e) = common::run(
+        &mut client,
+        common::sh(
+            "zombies",
+            "busybox cat /proc/[0-9]*/stat | busybox awk '$3 == \"Z\"' | busybox wc -l",
+        ),
+    )
+    .await;
+    assert_eq!(e.code, Some(0));
+    assert_eq!(String::from_utf8(out).unwrap().trim(), "0");
+
+    // A long-running process, then SIGTERM to PID 1: orderly shutdown, reboot(RB_AUTOBOOT).
+    client
+        .exec(common::exec("long", &["/bin/busybox", "sleep", "600"]))
+        .await
+        .unwrap();
+    client
+        .exec(common::exec(
+            "term",
+            &["/bin/busybox", "kill", "-TERM", "1"],
+        ))
+        .await
+        .unwrap();
+    vm.wait_end();
+    vm.print_markers();
+    let text = vm.console_text();
+    for stage in ["shutdown reason=Signal(15)", "poweroff RB_AUTOBOOT"] {
+        assert!(
+            text.contains(&format!("IMP-GUEST stage={stage}")),
+            "missing {stage}:\n{text}"
+        );
+    }
 }

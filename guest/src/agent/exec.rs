@@ -87,17 +87,17 @@ impl ExecEntry {
 
 /// Result of [`ExecTable::start`].
 #[derive(Debug)]
-pub enum Started {
+pub enum StartOutcome {
     /// A process was spawned for this request.
     New(Arc<ExecEntry>),
     /// The id was seen before: nothing was spawned.
     Existing(Arc<ExecEntry>),
 }
 
-impl Started {
+impl StartOutcome {
     pub fn entry(&self) -> &Arc<ExecEntry> {
         match self {
-            Started::New(e) | Started::Existing(e) => e,
+            StartOutcome::New(e) | StartOutcome::Existing(e) => e,
         }
     }
 }
@@ -136,13 +136,13 @@ impl ExecTable {
     /// Start `req` unless its id is known. Must be called inside a tokio runtime.
     /// `Err` only for requests that are refused outright (empty id); spawn failures are
     /// recorded in the entry.
-    pub fn start(&self, req: &Exec) -> Result<Started, ExecError> {
+    pub fn start(&self, req: &Exec) -> Result<StartOutcome, ExecError> {
         if req.id.is_empty() {
             return Err(ExecError::EmptyId);
         }
         let mut inner = self.lock();
         if let Some(entry) = inner.by_id.get(&req.id) {
-            return Ok(Started::Existing(entry.clone()));
+            return Ok(StartOutcome::Existing(entry.clone()));
         }
         // Spawn with the lock held: the reaper takes it too, so a child that exits at once
         // cannot be reaped before its waiter is registered.
@@ -192,7 +192,7 @@ impl ExecTable {
                 pipes,
             ));
         }
-        Ok(Started::New(entry))
+        Ok(StartOutcome::New(entry))
     }
 
     /// Collect every exited child. Statuses of children the table did not start (orphans

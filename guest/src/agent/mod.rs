@@ -235,7 +235,7 @@ impl Agent {
                 return;
             }
         };
-        let new = matches!(started, exec::Started::New(_));
+        let new = matches!(started, exec::StartOutcome::New(_));
         let entry = started.entry().clone();
         if !new {
             tracing::info!(exec_id = %req.id, "exec id seen before, reporting recorded state");

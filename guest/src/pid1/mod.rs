@@ -95,6 +95,12 @@ pub fn run() -> ! {
         "start",
         format_args!("imp-guest {}", env!("CARGO_PKG_VERSION")),
     );
+    // A panic in PID 1 ends in a kernel panic; leave the reason on the console first.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        marker("panic", info);
+        default_hook(info);
+    }));
     let mut halt = HaltAction::PowerOff;
     match boot_and_serve(&mut halt) {
         Ok(reason) => marker("shutdown", format_args!("reason={reason:?}")),
