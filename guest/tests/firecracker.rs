@@ -46,7 +46,7 @@ async fn boots_as_pid1_in_real_firecracker() {
     ) else {
         println!(
             "skipped the real Firecracker path: IMP_FIRECRACKER_BIN and IMP_KERNEL are not set \
-             (PID 1 pieces are covered by tests/pid1.rs, the agent by tests/agent.rs)"
+             (tests/qemu.rs boots the same PID 1 + agent in QEMU with hybrid vsock; tests/pid1.rs and tests/agent.rs cover the pieces)"
         );
         return;
     };

@@ -5,7 +5,8 @@
 //!
 //! Runs when IMP_GUEST_STATIC_BIN (from guest/check-static.sh) is set and qemu-system-x86_64,
 //! vhost-device-vsock, a static /bin/busybox and a kernel (IMP_QEMU_KERNEL, else the first
-//! /boot/vmlinuz-*) with its /lib/modules are present. Otherwise it says what it skipped.
+//! /boot/vmlinuz-*) with its /lib/modules are present. Otherwise it says what it skipped
+//! (or fails, under IMP_REQUIRE_QEMU=1). guest/vm-test.sh sets all of this up.
 
 mod common;
 
@@ -300,6 +301,10 @@ impl Vm {
 fn setup_or_skip() -> Option<Setup> {
     match detect() {
         Ok(s) => Some(s),
+        // guest/vm-test.sh sets this: there a missing piece is a failure, not a skip.
+        Err(why) if std::env::var("IMP_REQUIRE_QEMU").as_deref() == Ok("1") => {
+            panic!("IMP_REQUIRE_QEMU=1 but the QEMU path cannot run: {why}")
+        }
         Err(why) => {
             println!("skipped the QEMU real-VM path: {why}");
             None
