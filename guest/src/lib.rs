@@ -4,5 +4,6 @@
 pub mod agent;
 pub mod frame;
 pub mod host;
+pub mod hybrid;
 pub mod pid1;
 pub mod protocol;

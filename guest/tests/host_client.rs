@@ -213,3 +213,27 @@ async fn bad_handshake_reply_is_retried_then_reported() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test]
+async fn library_bridge_routes_ports_and_refuses_unknown_ones() {
+    let agent = AgentProc::start();
+    let uds = uds(&agent);
+    let listener = UnixListener::bind(&uds).unwrap();
+    let routes = std::collections::HashMap::from([(10000, agent.socket.clone())]);
+    tokio::spawn(imp_guest::hybrid::serve_bridge(listener, routes));
+
+    let mut client = host::connect(&uds, 10000, Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap();
+    client.exec(sh("bridged", "exit 6")).await.unwrap();
+    assert_eq!(client.wait_exited("bridged").await.unwrap().code, Some(6));
+
+    // Nothing listens on 10001: closed after CONNECT, retried until the deadline.
+    let err = host::connect(&uds, 10001, Instant::now() + Duration::from_millis(400))
+        .await
+        .unwrap_err();
+    match err {
+        HostError::Timeout { last, .. } => assert!(last.contains("closed"), "{last}"),
+        other => panic!("{other:?}"),
+    }
+}
