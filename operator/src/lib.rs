@@ -1,2 +1,6 @@
 
 pub mod github;
+pub mod error;
+pub mod metrics;
+pub mod scheduler;
+pub mod vm;

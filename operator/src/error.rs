@@ -1,0 +1,73 @@
+//! The one error type of the operator's controllers. Variants say what failed; `metric_label` gives each a
+//! stable label for `imp_operator_reconcile_errors_total`.
+
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A request to the Kubernetes API failed (other than a write conflict).
+    #[error("Kubernetes API request failed: {0}")]
+    Kube(#[source] kube::Error),
+
+    /// A write raced with another writer (resourceVersion precondition failed); the newer object is re-read.
+    #[error("write conflict on {0}: the object changed since it was read")]
+    Conflict(String),
+
+    /// An object lacks a field the API server always sets (name, namespace, uid, creationTimestamp).
+    #[error("object is missing {0}")]
+    MissingObjectKey(&'static str),
+
+    /// A status or patch body could not be serialised.
+    #[error("serialising a patch failed: {0}")]
+    Serialization(#[source] serde_json::Error),
+}
+
+impl Error {
+    /// A short, stable label for metrics.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube_api",
+            Error::Conflict(_) => "conflict",
+            Error::MissingObjectKey(_) => "missing_object_key",
+            Error::Serialization(_) => "serialization",
+        }
+    }
+
+    /// Maps a kube error, singling out 409 Conflict (an expected race, retried at once).
+    pub fn from_kube(what: &str, e: kube::Error) -> Self {
+        match &e {
+            kube::Error::Api(s) if s.code == 409 => Error::Conflict(what.to_owned()),
+            _ => Error::Kube(e),
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conflicts_are_told_apart_from_other_api_errors() {
+        let status = |code| {
+            kube::Error::Api(
+                kube::core::Status::failure("x", "y")
+                    .with_code(code)
+                    .boxed(),
+            )
+        };
+        assert_eq!(
+            Error::from_kube("impvm a/b", status(409)).metric_label(),
+            "conflict"
+        );
+        assert_eq!(
+            Error::from_kube("impvm a/b", status(500)).metric_label(),
+            "kube_api"
+        );
+        assert_eq!(
+            Error::MissingObjectKey(".metadata.uid").metric_label(),
+            "missing_object_key"
+        );
+    }
+}

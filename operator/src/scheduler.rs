@@ -1,0 +1,903 @@
+//! The ImpVM scheduler: a pure function from (what the VM needs, a snapshot of nodes, the VMs already on
+//! them) to a node name or the reason every node was rejected. No I/O; the controller builds the snapshot
+//! from its watch caches (see [`NodeInfo::from_node`]).
+//!
+//! Filters, in order (the first failing one is the node's rejection reason): `imp/enabled=true`, Ready,
+//! not cordoned, no Memory/Disk/PID pressure, fresh agent heartbeat, nodeSelector, taints tolerated
+//! (NoSchedule and NoExecute; PreferNoSchedule is ignored), known capacity, enough free vCPU and memory.
+//! Among the nodes that pass, best fit: the least memory left after placement, then the least CPU left,
+//! then the node name, so equal inputs always give the same answer.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+};
+
+use imp_api::names::LABEL_NODE_ENABLED;
+use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
+
+/// Node annotation with which the agent may publish the vCPUs it offers to VMs (overrides allocatable cpu).
+pub const ANNOTATION_CAPACITY_VCPU: &str = "imp.dev/capacity-vcpu";
+/// Node annotation with which the agent may publish the MiB it offers to VMs (overrides allocatable memory).
+pub const ANNOTATION_CAPACITY_MEMORY_MIB: &str = "imp.dev/capacity-memory-mib";
+
+/// What one VM needs from a node.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct VmRequest {
+    pub vcpu: u32,
+    pub memory_mib: u64,
+    pub node_selector: BTreeMap<String, String>,
+    pub tolerations: Vec<Toleration>,
+}
+
+impl VmRequest {
+    fn millicpu(&self) -> u64 {
+        u64::from(self.vcpu) * 1000
+    }
+}
+
+/// Freshness of a node agent's heartbeat Lease.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heartbeat {
+    Fresh,
+    Stale,
+    Missing,
+}
+
+/// CPU (millicores) and memory (MiB) offered to VMs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Capacity {
+    pub millicpu: u64,
+    pub memory_mib: u64,
+}
+
+/// The scheduler's view of one node.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeInfo {
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub ready: bool,
+    pub unschedulable: bool,
+    /// Condition types among MemoryPressure, DiskPressure, PIDPressure whose status is True.
+    pub pressures: Vec<String>,
+    pub taints: Vec<Taint>,
+    pub heartbeat: Heartbeat,
+    /// None when neither the agent's annotations nor the node's allocatable say how much there is.
+    pub capacity: Option<Capacity>,
+}
+
+/// A VM that occupies capacity on a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resident {
+    pub node: String,
+    pub vcpu: u32,
+    pub memory_mib: u64,
+}
+
+/// Why one node cannot take the VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rejection {
+    NotEnabled,
+    NotReady,
+    Cordoned,
+    Pressure(String),
+    AgentHeartbeatStale,
+    AgentHeartbeatMissing,
+    SelectorMismatch {
+        key: String,
+    },
+    UntoleratedTaint {
+        key: String,
+        effect: String,
+    },
+    UnknownCapacity,
+    InsufficientCpu {
+        requested_millicpu: u64,
+        free_millicpu: u64,
+    },
+    InsufficientMemory {
+        requested_mib: u64,
+        free_mib: u64,
+    },
+}
+
+impl Rejection {
+    /// Short category used when summarising many nodes ("2 insufficient memory").
+    fn category(&self) -> String {
+        match self {
+            Rejection::NotEnabled => format!("not labelled {LABEL_NODE_ENABLED}=true"),
+            Rejection::NotReady => "not Ready".into(),
+            Rejection::Cordoned => "cordoned".into(),
+            Rejection::Pressure(p) => format!("under {p}"),
+            Rejection::AgentHeartbeatStale => "agent heartbeat stale".into(),
+            Rejection::AgentHeartbeatMissing => "no agent heartbeat".into(),
+            Rejection::SelectorMismatch { key } => format!("nodeSelector {key} not matched"),
+            Rejection::UntoleratedTaint { key, effect } => {
+                format!("untolerated taint {key}:{effect}")
+            }
+            Rejection::UnknownCapacity => "capacity unknown".into(),
+            Rejection::InsufficientCpu { .. } => "insufficient cpu".into(),
+            Rejection::InsufficientMemory { .. } => "insufficient memory".into(),
+        }
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Rejection::InsufficientCpu {
+                requested_millicpu,
+                free_millicpu,
+            } => {
+                write!(
+                    f,
+                    "insufficient cpu: requested {requested_millicpu}m, free {free_millicpu}m"
+                )
+            }
+            Rejection::InsufficientMemory {
+                requested_mib,
+                free_mib,
+            } => {
+                write!(
+                    f,
+                    "insufficient memory: requested {requested_mib}Mi, free {free_mib}Mi"
+                )
+            }
+            other => f.write_str(&other.category()),
+        }
+    }
+}
+
+/// No node can take the VM; `rejections` says why, per node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unschedulable {
+    pub rejections: BTreeMap<String, Rejection>,
+}
+
+impl fmt::Display for Unschedulable {
+    /// `0/3 nodes are available: 2 insufficient memory, 1 not Ready`, like kube-scheduler, so it can be acted on.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.rejections.is_empty() {
+            return write!(
+                f,
+                "0/0 nodes are available: no node is labelled {LABEL_NODE_ENABLED}=true"
+            );
+        }
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for r in self.rejections.values() {
+            *counts.entry(r.category()).or_default() += 1;
+        }
+        let mut counts: Vec<_> = counts.into_iter().collect();
+        counts.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let parts: Vec<String> = counts
+            .into_iter()
+            .map(|(c, n)| format!("{n} {c}"))
+            .collect();
+        write!(
+            f,
+            "0/{} nodes are available: {}",
+            self.rejections.len(),
+            parts.join(", ")
+        )
+    }
+}
+
+/// Picks the node for `vm`, or says why none fits.
+pub fn schedule(
+    vm: &VmRequest,
+    nodes: &[NodeInfo],
+    residents: &[Resident],
+) -> Result<String, Unschedulable> {
+    let mut used: HashMap<&str, Capacity> = HashMap::new();
+    for r in residents {
+        let u = used.entry(r.node.as_str()).or_default();
+        u.millicpu += u64::from(r.vcpu) * 1000;
+        u.memory_mib += r.memory_mib;
+    }
+    let mut rejections = BTreeMap::new();
+    // (memory left, cpu left, name): smallest wins.
+    let mut best: Option<(u64, u64, &str)> = None;
+    for node in nodes {
+        match fit(
+            vm,
+            node,
+            used.get(node.name.as_str()).copied().unwrap_or_default(),
+        ) {
+            Err(r) => {
+                rejections.insert(node.name.clone(), r);
+            }
+            Ok(left) => {
+                let key = (left.memory_mib, left.millicpu, node.name.as_str());
+                if best.is_none_or(|b| key < b) {
+                    best = Some(key);
+                }
+            }
+        }
+    }
+    match best {
+        Some((_, _, name)) => Ok(name.to_owned()),
+        None => Err(Unschedulable { rejections }),
+    }
+}
+
+/// Capacity left on `node` after placing `vm`, or why it cannot be placed.
+fn fit(vm: &VmRequest, node: &NodeInfo, used: Capacity) -> Result<Capacity, Rejection> {
+    if node.labels.get(LABEL_NODE_ENABLED).map(String::as_str) != Some("true") {
+        return Err(Rejection::NotEnabled);
+    }
+    if !node.ready {
+        return Err(Rejection::NotReady);
+    }
+    if node.unschedulable {
+        return Err(Rejection::Cordoned);
+    }
+    if let Some(p) = node.pressures.first() {
+        return Err(Rejection::Pressure(p.clone()));
+    }
+    match node.heartbeat {
+        Heartbeat::Fresh => {}
+        Heartbeat::Stale => return Err(Rejection::AgentHeartbeatStale),
+        Heartbeat::Missing => return Err(Rejection::AgentHeartbeatMissing),
+    }
+    for (key, value) in &vm.node_selector {
+        if node.labels.get(key) != Some(value) {
+            return Err(Rejection::SelectorMismatch { key: key.clone() });
+        }
+    }
+    for taint in &node.taints {
+        let blocking = matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute");
+        if blocking && !vm.tolerations.iter().any(|t| tolerates(t, taint)) {
+            return Err(Rejection::UntoleratedTaint {
+                key: taint.key.clone(),
+                effect: taint.effect.clone(),
+            });
+        }
+    }
+    let cap = node.capacity.ok_or(Rejection::UnknownCapacity)?;
+    let free_cpu = cap.millicpu.saturating_sub(used.millicpu);
+    let free_mem = cap.memory_mib.saturating_sub(used.memory_mib);
+    if vm.millicpu() > free_cpu {
+        return Err(Rejection::InsufficientCpu {
+            requested_millicpu: vm.millicpu(),
+            free_millicpu: free_cpu,
+        });
+    }
+    if vm.memory_mib > free_mem {
+        return Err(Rejection::InsufficientMemory {
+            requested_mib: vm.memory_mib,
+            free_mib: free_mem,
+        });
+    }
+    Ok(Capacity {
+        millicpu: free_cpu - vm.millicpu(),
+        memory_mib: free_mem - vm.memory_mib,
+    })
+}
+
+/// Kubernetes toleration semantics: empty key with Exists matches every taint; empty effect matches every effect.
+pub fn tolerates(t: &Toleration, taint: &Taint) -> bool {
+    if let Some(effect) = t.effect.as_deref().filter(|e| !e.is_empty())
+        && effect != taint.effect
+    {
+        return false;
+    }
+    let key = t.key.as_deref().unwrap_or("");
+    match t.operator.as_deref().unwrap_or("Equal") {
+        "Exists" => key.is_empty() || key == taint.key,
+        "Equal" => {
+            !key.is_empty()
+                && key == taint.key
+                && t.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
+        }
+        _ => false,
+    }
+}
+
+impl NodeInfo {
+    /// The scheduler's view of a Node object; `heartbeat` comes from the agent's Lease.
+    pub fn from_node(node: &Node, heartbeat: Heartbeat) -> Self {
+        let spec = node.spec.as_ref();
+        let status = node.status.as_ref();
+        let conditions = status
+            .and_then(|s| s.conditions.as_deref())
+            .unwrap_or_default();
+        let ready = conditions
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let pressures = conditions
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c.type_.as_str(),
+                    "MemoryPressure" | "DiskPressure" | "PIDPressure"
+                ) && c.status == "True"
+            })
+            .map(|c| c.type_.clone())
+            .collect();
+        NodeInfo {
+            name: node.metadata.name.clone().unwrap_or_default(),
+            labels: node.metadata.labels.clone().unwrap_or_default(),
+            ready,
+            unschedulable: spec.and_then(|s| s.unschedulable).unwrap_or(false),
+            pressures,
+            taints: spec.and_then(|s| s.taints.clone()).unwrap_or_default(),
+            heartbeat,
+            capacity: node_capacity(node),
+        }
+    }
+}
+
+/// Capacity for VMs: the agent's annotations if present (each independently), else the node's allocatable.
+pub fn node_capacity(node: &Node) -> Option<Capacity> {
+    let annotations = node.metadata.annotations.as_ref();
+    let annotated = |key: &str| {
+        annotations
+            .and_then(|a| a.get(key))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let allocatable = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+    let millicpu = annotated(ANNOTATION_CAPACITY_VCPU)
+        .map(|v| v * 1000)
+        .or_else(|| {
+            allocatable
+                .and_then(|a| a.get("cpu"))
+                .and_then(|q| parse_cpu_millis(&q.0))
+        })?;
+    let memory_mib = annotated(ANNOTATION_CAPACITY_MEMORY_MIB).or_else(|| {
+        allocatable
+            .and_then(|a| a.get("memory"))
+            .and_then(|q| parse_bytes(&q.0))
+            .map(|b| b / (1024 * 1024))
+    })?;
+    Some(Capacity {
+        millicpu,
+        memory_mib,
+    })
+}
+
+/// A CPU quantity ("4", "3500m", "1.5") in millicores.
+pub fn parse_cpu_millis(q: &str) -> Option<u64> {
+    if let Some(m) = q.strip_suffix('m') {
+        return m.parse().ok();
+    }
+    let (whole, frac) = q.split_once('.').unwrap_or((q, ""));
+    let whole: u64 = whole.parse().ok()?;
+    let frac_millis = if frac.is_empty() {
+        0
+    } else {
+        let digits: String = frac.chars().chain("000".chars()).take(3).collect();
+        digits.parse::<u64>().ok()?
+    };
+    whole.checked_mul(1000)?.checked_add(frac_millis)
+}
+
+/// A memory quantity ("16Gi", "512Mi", "1G", "1048576", "1e9") in bytes.
+pub fn parse_bytes(q: &str) -> Option<u64> {
+    const SUFFIXES: [(&str, u64); 12] = [
+        ("Ki", 1 << 10),
+        ("Mi", 1 << 20),
+        ("Gi", 1 << 30),
+        ("Ti", 1 << 40),
+        ("Pi", 1 << 50),
+        ("Ei", 1 << 60),
+        ("k", 1_000),
+        ("M", 1_000_000),
+        ("G", 1_000_000_000),
+        ("T", 1_000_000_000_000),
+        ("P", 1_000_000_000_000_000),
+        ("E", 1_000_000_000_000_000_000),
+    ];
+    for (suffix, mult) in SUFFIXES {
+        if let Some(n) = q.strip_suffix(suffix) {
+            return n.parse::<u64>().ok()?.checked_mul(mult);
+        }
+    }
+    if let Some((m, e)) = q.split_once(['e', 'E']) {
+        return m
+            .parse::<u64>()
+            .ok()?
+            .checked_mul(10u64.checked_pow(e.parse().ok()?)?);
+    }
+    q.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::{
+        api::core::v1::{NodeCondition, NodeSpec, NodeStatus},
+        apimachinery::pkg::api::resource::Quantity,
+    };
+
+    fn node(name: &str, vcpu: u64, mem: u64) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            labels: [(LABEL_NODE_ENABLED.to_owned(), "true".to_owned())].into(),
+            ready: true,
+            unschedulable: false,
+            pressures: vec![],
+            taints: vec![],
+            heartbeat: Heartbeat::Fresh,
+            capacity: Some(Capacity {
+                millicpu: vcpu * 1000,
+                memory_mib: mem,
+            }),
+        }
+    }
+
+    fn req(vcpu: u32, mem: u64) -> VmRequest {
+        VmRequest {
+            vcpu,
+            memory_mib: mem,
+            ..Default::default()
+        }
+    }
+
+    fn resident(node: &str, vcpu: u32, mem: u64) -> Resident {
+        Resident {
+            node: node.into(),
+            vcpu,
+            memory_mib: mem,
+        }
+    }
+
+    fn taint(key: &str, value: Option<&str>, effect: &str) -> Taint {
+        Taint {
+            key: key.into(),
+            value: value.map(Into::into),
+            effect: effect.into(),
+            time_added: None,
+        }
+    }
+
+    fn toleration(
+        key: Option<&str>,
+        op: Option<&str>,
+        value: Option<&str>,
+        effect: Option<&str>,
+    ) -> Toleration {
+        Toleration {
+            key: key.map(Into::into),
+            operator: op.map(Into::into),
+            value: value.map(Into::into),
+            effect: effect.map(Into::into),
+            toleration_seconds: None,
+        }
+    }
+
+    fn rejection(r: Result<String, Unschedulable>, node: &str) -> Rejection {
+        r.unwrap_err().rejections.get(node).cloned().unwrap()
+    }
+
+    #[test]
+    fn picks_the_only_fitting_node() {
+        let nodes = [node("a", 2, 1024), node("b", 8, 8192)];
+        assert_eq!(schedule(&req(4, 2048), &nodes, &[]).unwrap(), "b");
+    }
+
+    #[test]
+    fn best_fit_prefers_least_memory_left_then_cpu_then_name() {
+        let nodes = [
+            node("big", 16, 16384),
+            node("small", 4, 4096),
+            node("mid", 8, 8192),
+        ];
+        assert_eq!(schedule(&req(2, 2048), &nodes, &[]).unwrap(), "small");
+        // Same memory left: less CPU left wins.
+        let nodes = [node("x", 16, 4096), node("y", 4, 4096)];
+        assert_eq!(schedule(&req(2, 1024), &nodes, &[]).unwrap(), "y");
+        // Full tie: the name decides, whatever the input order.
+        let nodes = [
+            node("n2", 4, 4096),
+            node("n1", 4, 4096),
+            node("n3", 4, 4096),
+        ];
+        assert_eq!(schedule(&req(1, 512), &nodes, &[]).unwrap(), "n1");
+        let mut reversed = nodes.clone();
+        reversed.reverse();
+        assert_eq!(schedule(&req(1, 512), &reversed, &[]).unwrap(), "n1");
+    }
+
+    #[test]
+    fn residents_consume_capacity() {
+        let nodes = [node("a", 4, 4096), node("b", 4, 8192)];
+        // Without residents `a` fits best; with `a` nearly full, `b`.
+        assert_eq!(schedule(&req(1, 2048), &nodes, &[]).unwrap(), "a");
+        let residents = [resident("a", 1, 3072)];
+        assert_eq!(schedule(&req(1, 2048), &nodes, &residents).unwrap(), "b");
+        // Residents on other nodes do not count against `a`.
+        assert_eq!(
+            schedule(&req(1, 2048), &nodes, &[resident("zzz", 4, 99999)]).unwrap(),
+            "a"
+        );
+    }
+
+    #[test]
+    fn exact_fit_is_allowed_and_one_more_is_not() {
+        let nodes = [node("a", 2, 2048)];
+        assert_eq!(
+            schedule(&req(1, 1024), &nodes, &[resident("a", 1, 1024)]).unwrap(),
+            "a"
+        );
+        let r = rejection(
+            schedule(&req(1, 1025), &nodes, &[resident("a", 1, 1024)]),
+            "a",
+        );
+        assert_eq!(
+            r,
+            Rejection::InsufficientMemory {
+                requested_mib: 1025,
+                free_mib: 1024
+            }
+        );
+        let r = rejection(
+            schedule(&req(2, 512), &nodes, &[resident("a", 1, 1024)]),
+            "a",
+        );
+        assert_eq!(
+            r,
+            Rejection::InsufficientCpu {
+                requested_millicpu: 2000,
+                free_millicpu: 1000
+            }
+        );
+    }
+
+    #[test]
+    fn overcommitted_node_reports_zero_free() {
+        let nodes = [node("a", 1, 1024)];
+        let r = rejection(
+            schedule(&req(1, 128), &nodes, &[resident("a", 2, 2048)]),
+            "a",
+        );
+        assert_eq!(
+            r,
+            Rejection::InsufficientCpu {
+                requested_millicpu: 1000,
+                free_millicpu: 0
+            }
+        );
+    }
+
+    #[test]
+    fn each_filter_rejects_with_its_reason() {
+        let base = node("a", 8, 8192);
+        let cases: Vec<(NodeInfo, Rejection)> = vec![
+            (
+                {
+                    let mut n = base.clone();
+                    n.labels.clear();
+                    n
+                },
+                Rejection::NotEnabled,
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.labels.insert(LABEL_NODE_ENABLED.into(), "false".into());
+                    n
+                },
+                Rejection::NotEnabled,
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.ready = false;
+                    n
+                },
+                Rejection::NotReady,
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.unschedulable = true;
+                    n
+                },
+                Rejection::Cordoned,
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.pressures = vec!["DiskPressure".into()];
+                    n
+                },
+                Rejection::Pressure("DiskPressure".into()),
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.heartbeat = Heartbeat::Stale;
+                    n
+                },
+                Rejection::AgentHeartbeatStale,
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.heartbeat = Heartbeat::Missing;
+                    n
+                },
+                Rejection::AgentHeartbeatMissing,
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.capacity = None;
+                    n
+                },
+                Rejection::UnknownCapacity,
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.taints = vec![taint("gpu", Some("yes"), "NoSchedule")];
+                    n
+                },
+                Rejection::UntoleratedTaint {
+                    key: "gpu".into(),
+                    effect: "NoSchedule".into(),
+                },
+            ),
+            (
+                {
+                    let mut n = base.clone();
+                    n.taints = vec![taint("drain", None, "NoExecute")];
+                    n
+                },
+                Rejection::UntoleratedTaint {
+                    key: "drain".into(),
+                    effect: "NoExecute".into(),
+                },
+            ),
+        ];
+        for (n, want) in cases {
+            assert_eq!(
+                rejection(schedule(&req(1, 512), std::slice::from_ref(&n), &[]), "a"),
+                want,
+                "{n:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn health_filters_come_before_capacity() {
+        // A NotReady node that is also full reports NotReady: the more fundamental problem.
+        let mut n = node("a", 1, 512);
+        n.ready = false;
+        assert_eq!(
+            rejection(schedule(&req(4, 4096), &[n], &[]), "a"),
+            Rejection::NotReady
+        );
+    }
+
+    #[test]
+    fn prefer_no_schedule_taints_do_not_block() {
+        let mut n = node("a", 8, 8192);
+        n.taints = vec![taint("soft", None, "PreferNoSchedule")];
+        assert_eq!(schedule(&req(1, 512), &[n], &[]).unwrap(), "a");
+    }
+
+    #[test]
+    fn node_selector_must_match_every_label() {
+        let mut n = node("a", 8, 8192);
+        n.labels.insert("zone".into(), "z1".into());
+        n.labels.insert("arch".into(), "amd64".into());
+        let mut r = req(1, 512);
+        r.node_selector = [("zone".to_owned(), "z1".to_owned())].into();
+        assert!(schedule(&r, std::slice::from_ref(&n), &[]).is_ok());
+        r.node_selector.insert("arch".into(), "arm64".into());
+        assert_eq!(
+            rejection(schedule(&r, &[n], &[]), "a"),
+            Rejection::SelectorMismatch { key: "arch".into() }
+        );
+    }
+
+    #[test]
+    fn toleration_semantics() {
+        let t = taint("gpu", Some("yes"), "NoSchedule");
+        assert!(tolerates(
+            &toleration(Some("gpu"), None, Some("yes"), None),
+            &t
+        ));
+        assert!(tolerates(
+            &toleration(Some("gpu"), Some("Equal"), Some("yes"), Some("NoSchedule")),
+            &t
+        ));
+        assert!(!tolerates(
+            &toleration(Some("gpu"), Some("Equal"), Some("no"), None),
+            &t
+        ));
+        assert!(!tolerates(
+            &toleration(Some("gpu"), Some("Equal"), Some("yes"), Some("NoExecute")),
+            &t
+        ));
+        assert!(tolerates(
+            &toleration(Some("gpu"), Some("Exists"), None, None),
+            &t
+        ));
+        assert!(!tolerates(
+            &toleration(Some("cpu"), Some("Exists"), None, None),
+            &t
+        ));
+        // Empty key + Exists tolerates everything.
+        assert!(tolerates(&toleration(None, Some("Exists"), None, None), &t));
+        // Empty key with Equal tolerates nothing.
+        assert!(!tolerates(&toleration(None, Some("Equal"), None, None), &t));
+        assert!(!tolerates(
+            &toleration(Some("gpu"), Some("Bogus"), Some("yes"), None),
+            &t
+        ));
+        let no_value = taint("dedicated", None, "NoSchedule");
+        assert!(tolerates(
+            &toleration(Some("dedicated"), None, None, None),
+            &no_value
+        ));
+    }
+
+    #[test]
+    fn tolerated_taint_lets_the_vm_in() {
+        let mut n = node("a", 8, 8192);
+        n.taints = vec![taint("imp/dedicated", Some("ci"), "NoSchedule")];
+        let mut r = req(1, 512);
+        r.tolerations = vec![toleration(
+            Some("imp/dedicated"),
+            None,
+            Some("ci"),
+            Some("NoSchedule"),
+        )];
+        assert_eq!(schedule(&r, &[n], &[]).unwrap(), "a");
+    }
+
+    #[test]
+    fn unschedulable_summary_counts_reasons() {
+        let mut not_ready = node("a", 8, 8192);
+        not_ready.ready = false;
+        let nodes = [not_ready, node("b", 1, 1024), node("c", 1, 1024)];
+        let err = schedule(&req(1, 2048), &nodes, &[]).unwrap_err();
+        assert_eq!(err.rejections.len(), 3);
+        assert_eq!(
+            err.to_string(),
+            "0/3 nodes are available: 2 insufficient memory, 1 not Ready"
+        );
+        let none = schedule(&req(1, 1), &[], &[]).unwrap_err();
+        assert_eq!(
+            none.to_string(),
+            "0/0 nodes are available: no node is labelled imp/enabled=true"
+        );
+        assert_eq!(
+            Rejection::InsufficientMemory {
+                requested_mib: 2048,
+                free_mib: 1024
+            }
+            .to_string(),
+            "insufficient memory: requested 2048Mi, free 1024Mi"
+        );
+    }
+
+    #[test]
+    fn quantities_parse() {
+        assert_eq!(parse_cpu_millis("4"), Some(4000));
+        assert_eq!(parse_cpu_millis("3500m"), Some(3500));
+        assert_eq!(parse_cpu_millis("1.5"), Some(1500));
+        assert_eq!(parse_cpu_millis("0.1234"), Some(123));
+        assert_eq!(parse_cpu_millis("x"), None);
+        assert_eq!(parse_bytes("16Gi"), Some(16 << 30));
+        assert_eq!(parse_bytes("512Mi"), Some(512 << 20));
+        assert_eq!(parse_bytes("1G"), Some(1_000_000_000));
+        assert_eq!(parse_bytes("1048576"), Some(1 << 20));
+        assert_eq!(parse_bytes("1e9"), Some(1_000_000_000));
+        assert_eq!(parse_bytes("129k"), Some(129_000));
+        assert_eq!(parse_bytes("lots"), None);
+    }
+
+    fn k8s_node(
+        annotations: &[(&str, &str)],
+        allocatable: &[(&str, &str)],
+        conditions: &[(&str, &str)],
+    ) -> Node {
+        let mut n = Node::default();
+        n.metadata.name = Some("n".into());
+        n.metadata.labels = Some([(LABEL_NODE_ENABLED.to_owned(), "true".to_owned())].into());
+        n.metadata.annotations = Some(
+            annotations
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        n.spec = Some(NodeSpec {
+            unschedulable: Some(true),
+            ..Default::default()
+        });
+        n.status = Some(NodeStatus {
+            allocatable: Some(
+                allocatable
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), Quantity((*v).to_owned())))
+                    .collect(),
+            ),
+            conditions: Some(
+                conditions
+                    .iter()
+                    .map(|(t, s)| NodeCondition {
+                        type_: (*t).into(),
+                        status: (*s).into(),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        });
+        n
+    }
+
+    #[test]
+    fn node_info_reads_conditions_cordon_and_capacity() {
+        let n = k8s_node(
+            &[],
+            &[("cpu", "3500m"), ("memory", "8Gi")],
+            &[
+                ("Ready", "True"),
+                ("MemoryPressure", "True"),
+                ("DiskPressure", "False"),
+            ],
+        );
+        let info = NodeInfo::from_node(&n, Heartbeat::Fresh);
+        assert!(info.ready && info.unschedulable);
+        assert_eq!(info.pressures, vec!["MemoryPressure".to_owned()]);
+        assert_eq!(
+            info.capacity,
+            Some(Capacity {
+                millicpu: 3500,
+                memory_mib: 8192
+            })
+        );
+        let not_ready = k8s_node(&[], &[], &[("Ready", "Unknown")]);
+        let info = NodeInfo::from_node(&not_ready, Heartbeat::Missing);
+        assert!(!info.ready);
+        assert_eq!(info.capacity, None);
+    }
+
+    #[test]
+    fn agent_annotations_override_allocatable_independently() {
+        let n = k8s_node(
+            &[(ANNOTATION_CAPACITY_VCPU, "6")],
+            &[("cpu", "8"), ("memory", "4Gi")],
+            &[],
+        );
+        assert_eq!(
+            node_capacity(&n),
+            Some(Capacity {
+                millicpu: 6000,
+                memory_mib: 4096
+            })
+        );
+        let n = k8s_node(
+            &[
+                (ANNOTATION_CAPACITY_VCPU, "2"),
+                (ANNOTATION_CAPACITY_MEMORY_MIB, "1000"),
+            ],
+            &[],
+            &[],
+        );
+        assert_eq!(
+            node_capacity(&n),
+            Some(Capacity {
+                millicpu: 2000,
+                memory_mib: 1000
+            })
+        );
+        // A garbled annotation falls back to allocatable rather than inventing a number.
+        let n = k8s_node(
+            &[(ANNOTATION_CAPACITY_MEMORY_MIB, "lots")],
+            &[("cpu", "2"), ("memory", "2Gi")],
+            &[],
+        );
+        assert_eq!(
+            node_capacity(&n),
+            Some(Capacity {
+                millicpu: 2000,
+                memory_mib: 2048
+            })
+        );
+    }
+}

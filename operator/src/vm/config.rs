@@ -1,0 +1,98 @@
+//! Configuration of the ImpVM controller. Every time-based behaviour is here so tests can shrink it.
+
+use std::time::Duration;
+
+/// Grace periods, timeouts and retry intervals. `Default` gives production values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Timing {
+    /// A node NotReady this long is lost (kube-controller-manager's default node-monitor grace is 40s).
+    pub node_not_ready_grace: Duration,
+    /// An agent Lease not renewed for this long means the agent (or its node) is gone.
+    pub heartbeat_stale_after: Duration,
+    /// With the node lost, a deleting VM's finalizer is forced this long after deletion began.
+    pub finalizer_timeout: Duration,
+    /// How often an unschedulable VM is tried again (besides Node and Lease changes).
+    pub unschedulable_retry: Duration,
+    /// Upper bound between two reconciles of any VM, so no timer is ever missed for good.
+    pub resync: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Timing {
+            node_not_ready_grace: Duration::from_secs(40),
+            heartbeat_stale_after: Duration::from_secs(40),
+            finalizer_timeout: Duration::from_secs(300),
+            unschedulable_retry: Duration::from_secs(15),
+            resync: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Where the controller looks and how it behaves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmControllerConfig {
+    /// Namespace whose ImpVMs are managed; None manages every namespace.
+    pub vm_namespace: Option<String>,
+    /// Namespace holding the agents' heartbeat Leases (`imp-node-<node>`): the operator's namespace.
+    pub lease_namespace: String,
+    /// Extra label selector ANDed with `imp/enabled=true` when listing nodes (e.g. one pool of nodes).
+    pub node_selector: Option<String>,
+    /// Reporting controller name on Events.
+    pub reporter: String,
+    pub timing: Timing,
+}
+
+impl VmControllerConfig {
+    pub fn new(lease_namespace: impl Into<String>) -> Self {
+        VmControllerConfig {
+            vm_namespace: None,
+            lease_namespace: lease_namespace.into(),
+            node_selector: None,
+            reporter: imp_api::names::MANAGER_OPERATOR.to_owned(),
+            timing: Timing::default(),
+        }
+    }
+
+    /// The label selector used to watch nodes.
+    pub fn node_label_selector(&self) -> String {
+        let enabled = format!("{}=true", imp_api::names::LABEL_NODE_ENABLED);
+        match self.node_selector.as_deref().filter(|s| !s.is_empty()) {
+            Some(extra) => format!("{enabled},{extra}"),
+            None => enabled,
+        }
+    }
+}
+
+/// Name of the heartbeat Lease the agent on `node` renews.
+pub fn lease_name(node: &str) -> String {
+    format!("imp-node-{node}")
+}
+
+/// The node a heartbeat Lease belongs to, if it follows the naming convention.
+pub fn lease_node(lease_name: &str) -> Option<&str> {
+    lease_name
+        .strip_prefix("imp-node-")
+        .filter(|n| !n.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_names_round_trip() {
+        assert_eq!(lease_name("worker-1"), "imp-node-worker-1");
+        assert_eq!(lease_node("imp-node-worker-1"), Some("worker-1"));
+        assert_eq!(lease_node("imp-node-"), None);
+        assert_eq!(lease_node("kube-node-lease"), None);
+    }
+
+    #[test]
+    fn node_selector_adds_to_the_enabled_label() {
+        let mut c = VmControllerConfig::new("imp-system");
+        assert_eq!(c.node_label_selector(), "imp/enabled=true");
+        c.node_selector = Some("pool=ci".into());
+        assert_eq!(c.node_label_selector(), "imp/enabled=true,pool=ci");
+    }
+}

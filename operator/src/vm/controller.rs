@@ -1,0 +1,554 @@
+//! The ImpVM controller: watches ImpVMs, and Nodes, agent Leases and ImpVMClasses mapped to the VMs they
+//! affect; for each VM asks [`decide`] what to do and does it.
+//!
+//! Every write carries the resourceVersion the decision was based on, so a concurrent write by the agent
+//! (or another pass) fails with 409 instead of being overwritten; the newer object is then decided again.
+//! The finalizer is handled here rather than with `kube::runtime::finalizer`, whose cleanup removes the
+//! finalizer as soon as it returns Ok: our cleanup has to wait, across many passes, for the agent.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use futures::{StreamExt, TryStreamExt};
+use imp_api::{
+    ImpVM, ImpVMClass, VmPhase,
+    names::{ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP},
+};
+use k8s_openapi::{
+    api::{coordination::v1::Lease, core::v1::Node},
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client, Resource, ResourceExt,
+    api::{DeleteParams, Patch, PatchParams, PostParams},
+    runtime::{
+        Controller, WatchStreamExt,
+        controller::Action,
+        events::{Event, EventType, Recorder, Reporter},
+        reflector::{self, ObjectRef, Store},
+        watcher,
+    },
+};
+use serde_json::json;
+use tokio::sync::Mutex;
+use tracing::{debug, info, warn};
+
+use super::{
+    config::{VmControllerConfig, lease_name, lease_node},
+    decide::{self, Counted, Input, Note, Plan},
+    health::{self, NodeHealth},
+};
+use crate::{
+    error::{Error, Result},
+    metrics::{ModeLabels, NodeLabels, ReasonLabels, ResultLabels, VmMetrics},
+    scheduler::{self, NodeInfo, Resident, VmRequest},
+};
+
+/// Label value for this controller in operator-wide metrics.
+const CONTROLLER: &str = "impvm";
+/// How long a binding we wrote is counted even if the VM cache has not shown it yet.
+const ASSUME_FOR: Duration = Duration::from_secs(60);
+
+/// A binding written by this process, counted against the node until the cache reflects it.
+struct Assumed {
+    node: String,
+    vcpu: u32,
+    memory_mib: u64,
+    at: Instant,
+}
+
+/// Shared state of the ImpVM controller.
+pub struct Context {
+    client: Client,
+    config: VmControllerConfig,
+    metrics: VmMetrics,
+    recorder: Recorder,
+    vms: Store<ImpVM>,
+    nodes: Store<Node>,
+    leases: Store<Lease>,
+    classes: Store<ImpVMClass>,
+    /// Held across choose-and-bind so two VMs cannot both take the last free slot of a node.
+    assumed: Mutex<HashMap<String, Assumed>>,
+    caches_ready: AtomicBool,
+}
+
+/// Runs the ImpVM controller until its watches end (or the task is dropped). `ready` turns true once every
+/// watch cache has been filled, which is also when the controller starts deciding.
+pub async fn run_vm_controller(
+    client: Client,
+    config: VmControllerConfig,
+    metrics: VmMetrics,
+    ready: Arc<AtomicBool>,
+) {
+    let vms_api: Api<ImpVM> = match &config.vm_namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let node_wc = match config.node_selector.as_deref().filter(|s| !s.is_empty()) {
+        Some(sel) => watcher::Config::default().labels(sel),
+        None => watcher::Config::default(),
+    };
+    let (nodes, node_writer) = reflector::store::<Node>();
+    let node_events = reflector::reflector(
+        node_writer,
+        watcher(Api::<Node>::all(client.clone()), node_wc),
+    )
+    .default_backoff()
+    .touched_objects();
+    let (leases, lease_writer) = reflector::store::<Lease>();
+    let heartbeat_gauge = metrics.agent_heartbeat.clone();
+    let lease_events = reflector::reflector(
+        lease_writer,
+        watcher(
+            Api::<Lease>::namespaced(client.clone(), &config.lease_namespace),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .touched_objects()
+    .inspect_ok(move |lease: &Lease| {
+        if let (Some(node), Some(t)) = (lease_node(&lease.name_any()), health::lease_renewed(lease))
+        {
+            heartbeat_gauge
+                .get_or_create(&NodeLabels {
+                    node: node.to_owned(),
+                })
+                .set(t.as_millisecond() as f64 / 1000.0);
+        }
+    });
+    let (classes, class_writer) = reflector::store::<ImpVMClass>();
+    let class_events = reflector::reflector(
+        class_writer,
+        watcher(
+            Api::<ImpVMClass>::all(client.clone()),
+            watcher::Config::default(),
+        ),
+    )
+    .default_backoff()
+    .touched_objects();
+
+    let controller = Controller::new(vms_api, watcher::Config::default());
+    let vms = controller.store();
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: config.reporter.clone(),
+            instance: None,
+        },
+    );
+    let ctx = Arc::new(Context {
+        client,
+        config,
+        metrics,
+        recorder,
+        vms: vms.clone(),
+        nodes: nodes.clone(),
+        leases: leases.clone(),
+        classes: classes.clone(),
+        assumed: Mutex::new(HashMap::new()),
+        caches_ready: AtomicBool::new(false),
+    });
+
+    {
+        // Deciding on half-filled caches would mistake a not-yet-listed node for a deleted one.
+        let ctx = ctx.clone();
+        let (vms, nodes, leases, classes) =
+            (vms.clone(), nodes.clone(), leases.clone(), classes.clone());
+        tokio::spawn(async move {
+            let _ = tokio::join!(
+                vms.wait_until_ready(),
+                nodes.wait_until_ready(),
+                leases.wait_until_ready(),
+                classes.wait_until_ready()
+            );
+            ctx.caches_ready.store(true, Ordering::SeqCst);
+            ready.store(true, Ordering::SeqCst);
+            info!("ImpVM controller caches filled; reconciling");
+        });
+    }
+
+    let (vms_n, vms_l, vms_c) = (vms.clone(), vms.clone(), vms.clone());
+    controller
+        .watches_stream(node_events, move |node: Node| {
+            // Its VMs (health), and every unbound VM (capacity may have appeared).
+            let name = node.name_any();
+            refs(&vms_n, |vm| {
+                vm.spec.node_name.as_deref().is_none_or(|n| n == name)
+            })
+        })
+        .watches_stream(lease_events, move |lease: Lease| {
+            let name = lease.name_any();
+            let node = lease_node(&name).map(str::to_owned);
+            refs(&vms_l, |vm| node.is_some() && vm.spec.node_name == node)
+        })
+        .watches_stream(class_events, move |class: ImpVMClass| {
+            let name = class.name_any();
+            refs(&vms_c, |vm| vm.spec.class_ref.name == name)
+        })
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            match res {
+                Ok((obj, _)) => debug!(vm = %obj, "reconciled"),
+                Err(e) => debug!(error = %e, "reconcile failed"),
+            }
+        })
+        .await;
+}
+
+fn refs(store: &Store<ImpVM>, pred: impl Fn(&ImpVM) -> bool) -> Vec<ObjectRef<ImpVM>> {
+    store
+        .state()
+        .iter()
+        .filter(|vm| pred(vm))
+        .map(|vm| ObjectRef::from_obj(vm.as_ref()))
+        .collect()
+}
+
+fn error_policy(vm: Arc<ImpVM>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics.reconcile_failed(CONTROLLER, err);
+    match err {
+        // The newer object is already on its way through the watch; look again soon regardless.
+        Error::Conflict(_) => Action::requeue(Duration::from_millis(200)),
+        _ => {
+            warn!(vm = %vm.name_any(), namespace = vm.namespace().unwrap_or_default(), error = %err, "reconcile failed");
+            Action::requeue(Duration::from_secs(5))
+        }
+    }
+}
+
+async fn reconcile(vm: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Action> {
+    if !ctx.caches_ready.load(Ordering::SeqCst) {
+        return Ok(Action::requeue(Duration::from_millis(200)));
+    }
+    let started = Instant::now();
+    let result = ctx.reconcile(&vm).await;
+    ctx.metrics
+        .reconcile_duration
+        .get_or_create(&crate::metrics::ControllerLabels {
+            controller: CONTROLLER.to_owned(),
+        })
+        .observe(started.elapsed().as_secs_f64());
+    result
+}
+
+impl Context {
+    fn api(&self, vm: &ImpVM) -> Result<Api<ImpVM>> {
+        let ns = vm
+            .namespace()
+            .ok_or(Error::MissingObjectKey(".metadata.namespace"))?;
+        Ok(Api::namespaced(self.client.clone(), &ns))
+    }
+
+    fn lease(&self, node: &str) -> Option<Arc<Lease>> {
+        self.leases
+            .get(&ObjectRef::new(&lease_name(node)).within(&self.config.lease_namespace))
+    }
+
+    fn node_health(&self, node: &str, now: Timestamp) -> NodeHealth {
+        let t = &self.config.timing;
+        health::node_health(
+            node,
+            self.nodes.get(&ObjectRef::new(node)).as_deref(),
+            self.lease(node).as_deref(),
+            t.node_not_ready_grace,
+            t.heartbeat_stale_after,
+            now,
+        )
+    }
+
+    async fn reconcile(&self, vm: &ImpVM) -> Result<Action> {
+        let now = Timestamp::now();
+        let class = self.classes.get(&ObjectRef::new(&vm.spec.class_ref.name));
+        let node_health = match vm.spec.node_name.as_deref().filter(|n| !n.is_empty()) {
+            Some(node) => self.node_health(node, now),
+            None => NodeHealth::Healthy { recheck_at: None },
+        };
+        let plan = decide::decide(&Input {
+            vm,
+            class: class.as_deref().map(|c| &c.spec),
+            node: &node_health,
+            timing: &self.config.timing,
+            now,
+        });
+        self.execute(vm, plan, now).await
+    }
+
+    async fn execute(&self, vm: &ImpVM, plan: Plan, now: Timestamp) -> Result<Action> {
+        let api = self.api(vm)?;
+        let name = vm.name_any();
+        let what = format!("impvm {}/{}", vm.namespace().unwrap_or_default(), name);
+        let rv = vm
+            .resource_version()
+            .ok_or(Error::MissingObjectKey(".metadata.resourceVersion"))?;
+        let resync = Action::requeue(self.config.timing.resync);
+
+        if plan.add_finalizer || plan.remove_finalizer {
+            let mut finalizers: Vec<String> = vm
+                .finalizers()
+                .iter()
+                .filter(|f| *f != FINALIZER_VM_CLEANUP)
+                .cloned()
+                .collect();
+            if plan.add_finalizer {
+                finalizers.push(FINALIZER_VM_CLEANUP.to_owned());
+            }
+            let patch = json!({"metadata": {"resourceVersion": rv, "finalizers": finalizers}});
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|e| Error::from_kube(&what, e))?;
+            if plan.remove_finalizer {
+                info!(vm = %what, "finalizer removed");
+            }
+            self.report(vm, &plan.notes, &plan.counted).await;
+            return Ok(resync);
+        }
+
+        if let Some(request) = &plan.schedule {
+            return self.schedule(&api, vm, request, now).await;
+        }
+
+        let mut current = vm.clone();
+        if plan.clear_node {
+            let patch = json!({"metadata": {"resourceVersion": rv}, "spec": {"nodeName": null}});
+            current = api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|e| Error::from_kube(&what, e))?;
+        }
+        if let Some(status) = plan.status.clone() {
+            let phase = status.phase;
+            self.write_status(&api, current, status).await?;
+            if phase != vm.status.as_ref().and_then(|s| s.phase) {
+                info!(vm = %what, from = ?vm.status.as_ref().and_then(|s| s.phase), to = ?phase, "phase changed");
+            }
+        }
+        if plan.remove_reset_annotation {
+            let patch = json!({"metadata": {"annotations": {ANNOTATION_RESET_RESTARTS: null}}});
+            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|e| Error::from_kube(&what, e))?;
+        }
+        if plan.delete {
+            match api.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => info!(vm = %what, "deleted"),
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => return Err(Error::from_kube(&what, e)),
+            }
+        }
+        self.report(vm, &plan.notes, &plan.counted).await;
+        let requeue = plan.requeue_after.map_or(self.config.timing.resync, |d| {
+            d.min(self.config.timing.resync)
+        });
+        // A timer that is due now still needs a moment for our own write to come back through the watch.
+        Ok(Action::requeue(requeue.max(Duration::from_millis(50))))
+    }
+
+    /// Replaces the status, with `current`'s resourceVersion as precondition.
+    async fn write_status(
+        &self,
+        api: &Api<ImpVM>,
+        mut current: ImpVM,
+        status: imp_api::ImpVMStatus,
+    ) -> Result<ImpVM> {
+        let name = current.name_any();
+        current.status = Some(status);
+        api.replace_status(&name, &PostParams::default(), &current)
+            .await
+            .map_err(|e| Error::from_kube(&format!("impvm {}/status", name), e))
+    }
+
+    /// VMs occupying capacity on nodes: bound and not stopped, plus our recent bindings the cache lags behind.
+    fn residents(&self, except_uid: &str, assumed: &mut HashMap<String, Assumed>) -> Vec<Resident> {
+        let size = |class: &str| {
+            self.classes
+                .get(&ObjectRef::new(class))
+                .map(|c| (c.spec.vcpu, u64::from(c.spec.memory_mib)))
+        };
+        let mut out = Vec::new();
+        let mut seen_bound = HashMap::new();
+        for vm in self.vms.state() {
+            let uid = vm.uid().unwrap_or_default();
+            let Some(node) = vm.spec.node_name.as_deref().filter(|n| !n.is_empty()) else {
+                continue;
+            };
+            seen_bound.insert(uid.clone(), node.to_owned());
+            let stopped = matches!(
+                vm.status.as_ref().and_then(|s| s.phase),
+                Some(VmPhase::Succeeded | VmPhase::Failed | VmPhase::RetryExhausted)
+            );
+            if uid == except_uid || stopped {
+                continue;
+            }
+            if let Some((vcpu, memory_mib)) = size(&vm.spec.class_ref.name) {
+                out.push(Resident {
+                    node: node.to_owned(),
+                    vcpu,
+                    memory_mib,
+                });
+            }
+        }
+        assumed
+            .retain(|uid, a| seen_bound.get(uid) != Some(&a.node) && a.at.elapsed() < ASSUME_FOR);
+        for (uid, a) in assumed.iter() {
+            if uid != except_uid {
+                out.push(Resident {
+                    node: a.node.clone(),
+                    vcpu: a.vcpu,
+                    memory_mib: a.memory_mib,
+                });
+            }
+        }
+        out
+    }
+
+    async fn schedule(
+        &self,
+        api: &Api<ImpVM>,
+        vm: &ImpVM,
+        request: &VmRequest,
+        now: Timestamp,
+    ) -> Result<Action> {
+        let name = vm.name_any();
+        let what = format!("impvm {}/{}", vm.namespace().unwrap_or_default(), name);
+        let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
+        let rv = vm
+            .resource_version()
+            .ok_or(Error::MissingObjectKey(".metadata.resourceVersion"))?;
+        let stale_after = self.config.timing.heartbeat_stale_after;
+
+        let mut assumed = self.assumed.lock().await;
+        let nodes: Vec<NodeInfo> = self
+            .nodes
+            .state()
+            .iter()
+            .map(|n| {
+                NodeInfo::from_node(
+                    n,
+                    health::heartbeat(self.lease(&n.name_any()).as_deref(), stale_after, now),
+                )
+            })
+            .collect();
+        let residents = self.residents(&uid, &mut assumed);
+        match scheduler::schedule(request, &nodes, &residents) {
+            Ok(node) => {
+                let patch =
+                    json!({"metadata": {"resourceVersion": rv}, "spec": {"nodeName": node}});
+                let patched = api
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(|e| Error::from_kube(&what, e))?;
+                assumed.insert(
+                    uid,
+                    Assumed {
+                        node: node.clone(),
+                        vcpu: request.vcpu,
+                        memory_mib: request.memory_mib,
+                        at: Instant::now(),
+                    },
+                );
+                drop(assumed);
+                self.attempt("scheduled");
+                let (status, note, latency) = decide::bound(&patched, &node, now);
+                if let Some(l) = latency {
+                    self.metrics.scheduling_latency.observe(l.as_secs_f64());
+                }
+                info!(vm = %what, node = %node, latency = ?latency, "scheduled");
+                // If this write is lost, the next pass finds nodeName set and phase Pending and finishes it.
+                self.write_status(api, patched, status).await?;
+                self.report(vm, &[note], &[]).await;
+                Ok(Action::requeue(self.config.timing.resync))
+            }
+            Err(why) => {
+                drop(assumed);
+                self.attempt("unschedulable");
+                let (status, note) = decide::unschedulable(vm, &why, now);
+                if Some(&status) != vm.status.as_ref() {
+                    self.write_status(api, vm.clone(), status).await?;
+                }
+                if let Some(note) = note {
+                    info!(vm = %what, reason = %why, "unschedulable");
+                    self.report(vm, &[note], &[]).await;
+                }
+                Ok(Action::requeue(self.config.timing.unschedulable_retry))
+            }
+        }
+    }
+
+    fn attempt(&self, result: &str) {
+        self.metrics
+            .scheduling_attempts
+            .get_or_create(&ResultLabels {
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Publishes Events and counts outcomes. Event failures are logged, not fatal: the state is in status.
+    async fn report(&self, vm: &ImpVM, notes: &[Note], counted: &[Counted]) {
+        for note in notes {
+            let ev = Event {
+                type_: if note.warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: note.reason.to_owned(),
+                note: Some(truncate(&note.message, 1000)),
+                action: note.reason.to_owned(),
+                secondary: None,
+            };
+            if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
+                warn!(vm = %vm.name_any(), reason = note.reason, error = %e, "publishing Event failed");
+            }
+        }
+        let m = &self.metrics;
+        for c in counted {
+            match c {
+                Counted::NodeLost(r) => m
+                    .node_lost
+                    .get_or_create(&ReasonLabels {
+                        reason: (*r).to_owned(),
+                    })
+                    .inc(),
+                Counted::Restart(mode) => {
+                    let mode = match mode {
+                        imp_api::RestartMode::InPlace => "in-place",
+                        imp_api::RestartMode::Reschedule => "reschedule",
+                    };
+                    m.restarts
+                        .get_or_create(&ModeLabels {
+                            mode: mode.to_owned(),
+                        })
+                        .inc()
+                }
+                Counted::RetryExhausted => m.retry_exhausted.inc(),
+                Counted::BudgetReset(r) => m
+                    .budget_resets
+                    .get_or_create(&ReasonLabels {
+                        reason: (*r).to_owned(),
+                    })
+                    .inc(),
+                Counted::Expired => m.expired.inc(),
+                Counted::FinalizerForced => m.finalizer_forced.inc(),
+                Counted::SpecInvalid => m.spec_invalid.inc(),
+            };
+        }
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}

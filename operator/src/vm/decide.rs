@@ -1,0 +1,1441 @@
+//! The ImpVM state machine as a pure function: observed VM, its class, the health of its node and the
+//! time in; a [`Plan`] of writes, Events and a requeue out. The controller executes plans; nothing here
+//! does I/O, so every transition is unit-tested below.
+//!
+//! One pass makes one step; the write it causes triggers the next pass. The operator writes phases
+//! Pending, Scheduled, Terminating, Failed (NodeLost, SpecInvalid) and RetryExhausted, conditions
+//! Scheduled and NodeHealthy, spec.nodeName and status.restarts; the agent writes the rest
+//! (docs/vm-lifecycle.md).
+
+use std::time::Duration;
+
+use imp_api::{
+    ImpVM, ImpVMClassSpec, ImpVMStatus, Lifecycle, OnExhaustion, ResolvedRestartPolicy,
+    RestartMode, RestartPolicy, VmPhase,
+    names::{ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP, condition, reason},
+};
+use k8s_openapi::{
+    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+    jiff::Timestamp,
+};
+use kube::ResourceExt;
+
+use super::{
+    config::Timing,
+    health::{self, NodeHealth, add, until},
+};
+use crate::scheduler::{Unschedulable, VmRequest};
+
+/// Reasons the operator uses beyond those in `imp_api::names::reason`.
+pub mod extra_reason {
+    /// Scheduled=True: a node was chosen (or spec.nodeName was set by the user).
+    pub const NODE_ASSIGNED: &str = "NodeAssigned";
+    /// Scheduled=False after a restart that cleared the node binding.
+    pub const RESCHEDULING: &str = "Rescheduling";
+    /// Event: a persistent VM waits before its next restart.
+    pub const BACK_OFF: &str = "BackOff";
+    /// Event: a persistent VM restarts.
+    pub const RESTARTING: &str = "Restarting";
+    /// Event: the restart budget was reset (cool-down elapsed or manual reset).
+    pub const RESTART_BUDGET_RESET: &str = "RestartBudgetReset";
+    pub const COOL_DOWN_ELAPSED: &str = "CoolDownElapsed";
+    pub const MANUAL_RESET: &str = "ManualReset";
+    /// Event: deletion is waiting for the node agent's teardown.
+    pub const TERMINATING: &str = "Terminating";
+    /// Event: the agent confirmed teardown; the finalizer is removed.
+    pub const TORN_DOWN: &str = "TornDown";
+    /// Event (Warning): the finalizer was removed without a teardown record.
+    pub const FINALIZER_FORCED: &str = "FinalizerForced";
+    /// Event (Warning): no node fits.
+    pub const FAILED_SCHEDULING: &str = "FailedScheduling";
+    /// Event: bound to a node.
+    pub const SCHEDULED: &str = "Scheduled";
+}
+use extra_reason as xr;
+
+/// An Event to publish about the VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Note {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl Note {
+    fn normal(reason: &'static str, message: impl Into<String>) -> Self {
+        Note {
+            warning: false,
+            reason,
+            message: message.into(),
+        }
+    }
+    fn warning(reason: &'static str, message: impl Into<String>) -> Self {
+        Note {
+            warning: true,
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// What the controller counts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Counted {
+    NodeLost(&'static str),
+    Restart(RestartMode),
+    RetryExhausted,
+    BudgetReset(&'static str),
+    Expired,
+    FinalizerForced,
+    SpecInvalid,
+}
+
+/// What one reconcile pass should do, in the order the controller applies it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    pub add_finalizer: bool,
+    /// Run the scheduler with this request, then apply [`bound`] or [`unschedulable`].
+    pub schedule: Option<VmRequest>,
+    /// Clear spec.nodeName (reschedule) before writing status.
+    pub clear_node: bool,
+    /// The full new status, when it differs from the observed one.
+    pub status: Option<ImpVMStatus>,
+    pub remove_reset_annotation: bool,
+    pub delete: bool,
+    pub remove_finalizer: bool,
+    pub notes: Vec<Note>,
+    pub counted: Vec<Counted>,
+    pub requeue_after: Option<Duration>,
+}
+
+impl Plan {
+    fn requeue_within(&mut self, d: Duration) {
+        self.requeue_after = Some(self.requeue_after.map_or(d, |r| r.min(d)));
+    }
+    fn set_status(&mut self, observed: &ImpVMStatus, new: ImpVMStatus) {
+        if &new != observed {
+            self.status = Some(new);
+        }
+    }
+}
+
+/// Everything a decision depends on.
+pub struct Input<'a> {
+    pub vm: &'a ImpVM,
+    /// None when the class named by classRef does not exist.
+    pub class: Option<&'a ImpVMClassSpec>,
+    /// Health of the node in spec.nodeName (ignored when unbound).
+    pub node: &'a NodeHealth,
+    pub timing: &'a Timing,
+    pub now: Timestamp,
+}
+
+/// Delay before restart number `n + 1` (n restarts already spent): min(initialDelay * 2^n, maxDelay).
+pub fn backoff_delay(policy: &ResolvedRestartPolicy, n: u32) -> Duration {
+    let factor = 2u32.checked_pow(n).unwrap_or(u32::MAX);
+    policy
+        .initial_delay
+        .checked_mul(factor)
+        .unwrap_or(Duration::MAX)
+        .min(policy.max_delay)
+}
+
+/// The VM's restart policy, inherited from the class when the VM sets none.
+pub fn restart_policy(
+    vm: &ImpVM,
+    class: Option<&ImpVMClassSpec>,
+) -> Result<ResolvedRestartPolicy, String> {
+    match (
+        &vm.spec.restart_policy,
+        class.and_then(|c| c.restart_policy.as_ref()),
+    ) {
+        (Some(p), _) => p.resolve("spec.restartPolicy").map_err(|e| e.to_string()),
+        (None, Some(p)) => p
+            .resolve("ImpVMClass spec.restartPolicy")
+            .map_err(|e| e.to_string()),
+        (None, None) => RestartPolicy::default()
+            .resolve("spec.restartPolicy")
+            .map_err(|e| e.to_string()),
+    }
+}
+
+pub fn request(vm: &ImpVM, class: &ImpVMClassSpec) -> VmRequest {
+    VmRequest {
+        vcpu: class.vcpu,
+        memory_mib: u64::from(class.memory_mib),
+        node_selector: vm.spec.node_selector.clone().unwrap_or_default(),
+        tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
+    }
+}
+
+pub fn find_condition<'a>(status: &'a ImpVMStatus, type_: &str) -> Option<&'a Condition> {
+    status.conditions.iter().find(|c| c.type_ == type_)
+}
+
+/// Sets a condition, keeping lastTransitionTime when the status does not change.
+pub fn set_condition(
+    status: &mut ImpVMStatus,
+    type_: &str,
+    value: &str,
+    reason: &str,
+    message: impl Into<String>,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    let message = message.into();
+    let existing = status.conditions.iter_mut().find(|c| c.type_ == type_);
+    match existing {
+        Some(c) => {
+            if c.status != value {
+                c.last_transition_time = Time(now);
+                c.status = value.to_owned();
+            }
+            c.reason = reason.to_owned();
+            c.message = message;
+            c.observed_generation = generation;
+        }
+        None => status.conditions.push(Condition {
+            type_: type_.to_owned(),
+            status: value.to_owned(),
+            reason: reason.to_owned(),
+            message,
+            observed_generation: generation,
+            last_transition_time: Time(now),
+        }),
+    }
+}
+
+fn remove_condition(status: &mut ImpVMStatus, type_: &str) {
+    status.conditions.retain(|c| c.type_ != type_);
+}
+
+fn has_finalizer(vm: &ImpVM) -> bool {
+    vm.finalizers().iter().any(|f| f == FINALIZER_VM_CLEANUP)
+}
+
+/// One reconcile step.
+pub fn decide(i: &Input<'_>) -> Plan {
+    let vm = i.vm;
+    let observed = vm.status.clone().unwrap_or_default();
+    let mut plan = Plan::default();
+
+    if vm.metadata.deletion_timestamp.is_some() {
+        return cleanup(i, observed);
+    }
+    if !has_finalizer(vm) {
+        plan.add_finalizer = true;
+        return plan;
+    }
+
+    let policy = restart_policy(vm, i.class);
+    let expire_after = vm.spec.expire_after().map_err(|e| e.to_string());
+    let invalid = match (&policy, &expire_after) {
+        (Err(e), _) | (_, Err(e)) => Some(e.clone()),
+        _ => None,
+    };
+    if let Some(message) = invalid {
+        return spec_invalid(&observed, message);
+    }
+    let (Ok(policy), Ok(expire_after)) = (policy, expire_after) else {
+        unreachable!("checked above")
+    };
+
+    // expireAfter counts from the first Running, whatever the phase is now.
+    if let (Some(expire), Some(first)) = (expire_after, observed.first_running_time.as_ref()) {
+        let at = add(first.0, expire);
+        if i.now >= at {
+            let mut status = observed.clone();
+            status.reason = Some(reason::EXPIRED.to_owned());
+            status.message = Some(format!(
+                "expireAfter {expire:?} elapsed since first Running at {}",
+                first.0
+            ));
+            plan.set_status(&observed, status);
+            plan.delete = true;
+            plan.notes.push(Note::normal(
+                reason::EXPIRED,
+                format!(
+                    "deleting: expireAfter {expire:?} elapsed since first Running at {}",
+                    first.0
+                ),
+            ));
+            plan.counted.push(Counted::Expired);
+            return plan;
+        }
+        plan.requeue_within(until(i.now, at));
+    }
+
+    let persistent = vm.spec.lifecycle == Lifecycle::Persistent;
+    if persistent && vm.annotations().contains_key(ANNOTATION_RESET_RESTARTS) {
+        return manual_reset(i, observed, &policy, plan);
+    }
+
+    let bound = vm.spec.node_name.as_deref().filter(|n| !n.is_empty());
+    let phase = observed.phase;
+    match phase {
+        Some(VmPhase::RetryExhausted) => exhausted(i, observed, &policy, plan),
+        Some(VmPhase::Succeeded | VmPhase::Failed) if phase_is_spec_invalid(&observed) => {
+            // The class may have appeared since: try again from Pending.
+            schedule_or_invalid(i, observed, plan)
+        }
+        Some(VmPhase::Succeeded | VmPhase::Failed) if persistent => {
+            stopped(i, observed, &policy, plan)
+        }
+        Some(VmPhase::Succeeded | VmPhase::Failed) => plan, // ephemeral: its pool deletes it
+        Some(VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming) => plan, // reserved, not driven yet
+        Some(VmPhase::Terminating) => plan, // only without deletionTimestamp after a restore; nothing to do
+        None
+        | Some(VmPhase::Pending | VmPhase::Scheduled | VmPhase::Starting | VmPhase::Running) => {
+            match bound {
+                None => schedule_or_invalid(i, observed, plan),
+                Some(node) => active_on_node(i, observed, node, plan),
+            }
+        }
+    }
+}
+
+fn phase_is_spec_invalid(s: &ImpVMStatus) -> bool {
+    s.phase == Some(VmPhase::Failed) && s.reason.as_deref() == Some(reason::SPEC_INVALID)
+}
+
+fn spec_invalid(observed: &ImpVMStatus, message: String) -> Plan {
+    let mut plan = Plan::default();
+    let mut status = observed.clone();
+    status.phase = Some(VmPhase::Failed);
+    status.reason = Some(reason::SPEC_INVALID.to_owned());
+    status.message = Some(message.clone());
+    if !phase_is_spec_invalid(observed) || observed.message.as_deref() != Some(&message) {
+        plan.notes
+            .push(Note::warning(reason::SPEC_INVALID, message));
+        plan.counted.push(Counted::SpecInvalid);
+    }
+    plan.set_status(observed, status);
+    plan
+}
+
+fn schedule_or_invalid(i: &Input<'_>, observed: ImpVMStatus, mut plan: Plan) -> Plan {
+    let Some(class) = i.class else {
+        let name = &i.vm.spec.class_ref.name;
+        let message = format!("spec.classRef: ImpVMClass {name:?} does not exist");
+        let mut p = spec_invalid(&observed, message.clone());
+        let mut status = p.status.take().unwrap_or_else(|| observed.clone());
+        set_condition(
+            &mut status,
+            condition::SCHEDULED,
+            "False",
+            reason::CLASS_NOT_FOUND,
+            message,
+            i.vm.metadata.generation,
+            i.now,
+        );
+        p.set_status(&observed, status);
+        p.requeue_after = plan.requeue_after;
+        return p;
+    };
+    plan.schedule = Some(request(i.vm, class));
+    plan
+}
+
+/// Status after binding the VM to `node`; also the scheduling latency to record (first binding only).
+pub fn bound(vm: &ImpVM, node: &str, now: Timestamp) -> (ImpVMStatus, Note, Option<Duration>) {
+    let mut status = vm.status.clone().unwrap_or_default();
+    let latency = match (&status.restarts, &vm.metadata.creation_timestamp) {
+        (None, Some(created)) => Some(until(created.0, now)),
+        _ => None,
+    };
+    status.phase = Some(VmPhase::Scheduled);
+    status.reason = None;
+    status.message = None;
+    status.scheduled_time = Some(Time(now));
+    set_condition(
+        &mut status,
+        condition::SCHEDULED,
+        "True",
+        xr::NODE_ASSIGNED,
+        format!("bound to node {node}"),
+        vm.metadata.generation,
+        now,
+    );
+    (
+        status,
+        Note::normal(xr::SCHEDULED, format!("bound to node {node}")),
+        latency,
+    )
+}
+
+/// Status of a VM no node can take; the Event only when the reasons change, so retries do not spam.
+pub fn unschedulable(
+    vm: &ImpVM,
+    why: &Unschedulable,
+    now: Timestamp,
+) -> (ImpVMStatus, Option<Note>) {
+    let observed = vm.status.clone().unwrap_or_default();
+    let message = why.to_string();
+    let mut status = observed.clone();
+    status.phase = Some(VmPhase::Pending);
+    status.reason = Some(reason::UNSCHEDULABLE.to_owned());
+    status.message = Some(message.clone());
+    set_condition(
+        &mut status,
+        condition::SCHEDULED,
+        "False",
+        reason::UNSCHEDULABLE,
+        message.clone(),
+        vm.metadata.generation,
+        now,
+    );
+    let changed = observed.reason.as_deref() != Some(reason::UNSCHEDULABLE)
+        || observed.message.as_deref() != Some(&message);
+    (
+        status,
+        changed.then(|| Note::warning(xr::FAILED_SCHEDULING, message)),
+    )
+}
+
+/// A VM bound to `node` and not stopped: watch the node.
+fn active_on_node(i: &Input<'_>, observed: ImpVMStatus, node: &str, mut plan: Plan) -> Plan {
+    let generation = i.vm.metadata.generation;
+    let mut status = observed.clone();
+    match i.node {
+        NodeHealth::Lost {
+            reason: why,
+            message,
+        } => {
+            set_condition(
+                &mut status,
+                condition::NODE_HEALTHY,
+                "False",
+                why,
+                message.clone(),
+                generation,
+                i.now,
+            );
+            status.phase = Some(VmPhase::Failed);
+            status.reason = Some(reason::NODE_LOST.to_owned());
+            status.message = Some(format!("{why}: {message}"));
+            plan.notes.push(Note::warning(
+                reason::NODE_LOST,
+                format!("{why}: {message}"),
+            ));
+            plan.counted.push(Counted::NodeLost(why));
+            plan.set_status(&observed, status);
+            return plan;
+        }
+        NodeHealth::Degraded {
+            reason: why,
+            message,
+            lost_at,
+        } => {
+            set_condition(
+                &mut status,
+                condition::NODE_HEALTHY,
+                "Unknown",
+                why,
+                message.clone(),
+                generation,
+                i.now,
+            );
+            plan.requeue_within(until(i.now, *lost_at));
+        }
+        NodeHealth::Healthy { recheck_at } => {
+            set_condition(
+                &mut status,
+                condition::NODE_HEALTHY,
+                "True",
+                health::reason::NODE_READY,
+                format!("node {node} Ready, agent heartbeat fresh"),
+                generation,
+                i.now,
+            );
+            if let Some(t) = recheck_at {
+                plan.requeue_within(until(i.now, *t));
+            }
+        }
+    }
+    if matches!(observed.phase, None | Some(VmPhase::Pending)) {
+        // spec.nodeName set by the user, or the status half of our own binding did not land.
+        let (s, note, _) = bound(
+            &ImpVM {
+                status: Some(status),
+                ..i.vm.clone()
+            },
+            node,
+            i.now,
+        );
+        status = s;
+        plan.notes.push(note);
+    }
+    plan.set_status(&observed, status);
+    plan
+}
+
+/// A persistent VM that stopped (agent reported Succeeded/Failed, or the operator failed it on node loss).
+fn stopped(
+    i: &Input<'_>,
+    observed: ImpVMStatus,
+    policy: &ResolvedRestartPolicy,
+    mut plan: Plan,
+) -> Plan {
+    let restarts = observed.restarts.clone().unwrap_or_default();
+    let last = describe_stop(&observed);
+    if restarts.count >= policy.max_retries {
+        let mut status = observed.clone();
+        let mut r = restarts.clone();
+        r.exhausted_time = Some(Time(i.now));
+        r.next_restart_time = None;
+        status.restarts = Some(r);
+        status.phase = Some(VmPhase::RetryExhausted);
+        status.reason = Some(reason::RETRY_EXHAUSTED.to_owned());
+        let then = match policy.on_exhaustion {
+            OnExhaustion::Fail => {
+                "onExhaustion fail: stays down until changed or deleted".to_owned()
+            }
+            OnExhaustion::CoolDown => {
+                let p = policy.cool_down_period.unwrap_or_default();
+                plan.requeue_within(p);
+                format!("onExhaustion cool-down: budget resets at {}", add(i.now, p))
+            }
+            OnExhaustion::ManualReset => format!(
+                "onExhaustion manual-reset: annotate {ANNOTATION_RESET_RESTARTS} to restart"
+            ),
+        };
+        let message = format!(
+            "{} of {} restarts spent; last stop: {last}; {then}",
+            restarts.count, policy.max_retries
+        );
+        status.message = Some(message.clone());
+        plan.notes
+            .push(Note::warning(reason::RETRY_EXHAUSTED, message));
+        plan.counted.push(Counted::RetryExhausted);
+        plan.set_status(&observed, status);
+        return plan;
+    }
+    match restarts.next_restart_time.as_ref().map(|t| t.0) {
+        None => {
+            let delay = backoff_delay(policy, restarts.count);
+            let mut status = observed.clone();
+            let mut r = restarts.clone();
+            r.next_restart_time = Some(Time(add(i.now, delay)));
+            status.restarts = Some(r);
+            plan.notes.push(Note::normal(
+                xr::BACK_OFF,
+                format!(
+                    "{last}; restart {} of {} in {delay:?}",
+                    restarts.count + 1,
+                    policy.max_retries
+                ),
+            ));
+            plan.set_status(&observed, status);
+            plan.requeue_within(delay);
+            plan
+        }
+        Some(at) if i.now < at => {
+            plan.requeue_within(until(i.now, at));
+            plan
+        }
+        Some(_) => {
+            let base = observed.clone();
+            restart(i, &observed, base, policy, restarts.count + 1, plan)
+        }
+    }
+}
+
+fn describe_stop(s: &ImpVMStatus) -> String {
+    let phase = match s.phase {
+        Some(VmPhase::Succeeded) => "Succeeded",
+        _ => "Failed",
+    };
+    match (&s.reason, &s.message) {
+        (Some(r), Some(m)) => format!("{phase} ({r}: {m})"),
+        (Some(r), None) => format!("{phase} ({r})"),
+        _ => phase.to_owned(),
+    }
+}
+
+/// Starts run `count` of the budget: back to Pending on a fresh node, or Scheduled on the same one.
+/// `base` is the status to build on (the observed one, or one with its budget just reset).
+fn restart(
+    i: &Input<'_>,
+    observed: &ImpVMStatus,
+    base: ImpVMStatus,
+    policy: &ResolvedRestartPolicy,
+    count: u32,
+    mut plan: Plan,
+) -> Plan {
+    let generation = i.vm.metadata.generation;
+    let node = i.vm.spec.node_name.as_deref().filter(|n| !n.is_empty());
+    // In-place needs the node: a lost or deleted node means rescheduling whatever the policy says.
+    let mode = match (policy.mode, node) {
+        (RestartMode::InPlace, Some(_)) if i.node.is_healthy() => RestartMode::InPlace,
+        _ => RestartMode::Reschedule,
+    };
+    let last = describe_stop(observed);
+    let mut status = base;
+    let mut r = status.restarts.clone().unwrap_or_default();
+    r.count = count;
+    r.last_restart_time = Some(Time(i.now));
+    r.next_restart_time = None;
+    r.exhausted_time = None;
+    status.restarts = Some(r);
+    status.reason = None;
+    status.message = None;
+    match mode {
+        RestartMode::InPlace => {
+            let node = node.unwrap_or_default();
+            status.phase = Some(VmPhase::Scheduled);
+            status.scheduled_time = Some(Time(i.now));
+            set_condition(
+                &mut status,
+                condition::SCHEDULED,
+                "True",
+                xr::NODE_ASSIGNED,
+                format!("restarting in place on node {node}"),
+                generation,
+                i.now,
+            );
+        }
+        RestartMode::Reschedule => {
+            plan.clear_node = node.is_some();
+            status.phase = Some(VmPhase::Pending);
+            status.scheduled_time = None;
+            remove_condition(&mut status, condition::NODE_HEALTHY);
+            set_condition(
+                &mut status,
+                condition::SCHEDULED,
+                "False",
+                xr::RESCHEDULING,
+                "restart: waiting for the scheduler to pick a node",
+                generation,
+                i.now,
+            );
+        }
+    }
+    let mode_name = match mode {
+        RestartMode::InPlace => "in place",
+        RestartMode::Reschedule => "on a newly chosen node",
+    };
+    let budget = if count == 0 {
+        "budget reset".to_owned()
+    } else {
+        format!("restart {count} of {}", policy.max_retries)
+    };
+    plan.notes.push(Note::normal(
+        xr::RESTARTING,
+        format!("{budget}, {mode_name}, after {last}"),
+    ));
+    plan.counted.push(Counted::Restart(mode));
+    plan.set_status(observed, status);
+    plan
+}
+
+fn reset_budget(
+    i: &Input<'_>,
+    observed: ImpVMStatus,
+    policy: &ResolvedRestartPolicy,
+    why: &'static str,
+    mut plan: Plan,
+) -> Plan {
+    let spent = observed.restarts.as_ref().map_or(0, |r| r.count);
+    plan.notes.push(Note::normal(
+        xr::RESTART_BUDGET_RESET,
+        format!("{why}: {spent} spent restarts forgiven"),
+    ));
+    plan.counted.push(Counted::BudgetReset(why));
+    let mut cleared = observed.clone();
+    if let Some(r) = cleared.restarts.as_mut() {
+        r.count = 0;
+        r.exhausted_time = None;
+        r.next_restart_time = None;
+    }
+    if observed.phase == Some(VmPhase::RetryExhausted) {
+        // The reset itself restarts the VM; it does not spend from the new budget.
+        return restart(i, &observed, cleared, policy, 0, plan);
+    }
+    plan.set_status(&observed, cleared);
+    plan
+}
+
+fn exhausted(
+    i: &Input<'_>,
+    observed: ImpVMStatus,
+    policy: &ResolvedRestartPolicy,
+    mut plan: Plan,
+) -> Plan {
+    if policy.on_exhaustion != OnExhaustion::CoolDown {
+        return plan;
+    }
+    let Some(period) = policy.cool_down_period else {
+        return plan;
+    };
+    let since = observed
+        .restarts
+        .as_ref()
+        .and_then(|r| r.exhausted_time.as_ref())
+        .map(|t| t.0)
+        .unwrap_or(i.now);
+    let at = add(since, period);
+    if i.now >= at {
+        return reset_budget(i, observed, policy, xr::COOL_DOWN_ELAPSED, plan);
+    }
+    plan.requeue_within(until(i.now, at));
+    plan
+}
+
+fn manual_reset(
+    i: &Input<'_>,
+    observed: ImpVMStatus,
+    policy: &ResolvedRestartPolicy,
+    mut plan: Plan,
+) -> Plan {
+    plan.remove_reset_annotation = true;
+    let spent = observed
+        .restarts
+        .as_ref()
+        .is_some_and(|r| r.count > 0 || r.exhausted_time.is_some());
+    if !spent {
+        return plan;
+    }
+    reset_budget(i, observed, policy, xr::MANUAL_RESET, plan)
+}
+
+/// Deletion: Terminating until the agent reports TornDown; forced after the timeout if the node is lost.
+fn cleanup(i: &Input<'_>, observed: ImpVMStatus) -> Plan {
+    let mut plan = Plan::default();
+    if !has_finalizer(i.vm) {
+        return plan;
+    }
+    let Some(node) = i.vm.spec.node_name.as_deref().filter(|n| !n.is_empty()) else {
+        // Never bound: nothing exists on any host.
+        plan.remove_finalizer = true;
+        return plan;
+    };
+    if find_condition(&observed, condition::TORN_DOWN).is_some_and(|c| c.status == "True") {
+        plan.remove_finalizer = true;
+        plan.notes.push(Note::normal(
+            xr::TORN_DOWN,
+            format!("node {node} released the VM's resources"),
+        ));
+        return plan;
+    }
+    if observed.phase != Some(VmPhase::Terminating) {
+        let mut status = observed.clone();
+        status.phase = Some(VmPhase::Terminating);
+        plan.notes.push(Note::normal(
+            xr::TERMINATING,
+            format!("waiting for the imp agent on node {node} to tear the VM down"),
+        ));
+        plan.set_status(&observed, status);
+    }
+    let since =
+        i.vm.metadata
+            .deletion_timestamp
+            .as_ref()
+            .map(|t| t.0)
+            .unwrap_or(i.now);
+    let deadline = add(since, i.timing.finalizer_timeout);
+    match i.node {
+        NodeHealth::Lost {
+            reason: why,
+            message,
+        } if i.now >= deadline => {
+            plan.status = None;
+            plan.remove_finalizer = true;
+            plan.notes.push(Note::warning(
+                xr::FINALIZER_FORCED,
+                format!(
+                    "removed {FINALIZER_VM_CLEANUP} without a teardown record after {:?}: {why}: {message}; \
+                     check the host for a leftover Firecracker process, TAP device and disk",
+                    i.timing.finalizer_timeout
+                ),
+            ));
+            plan.counted.push(Counted::FinalizerForced);
+        }
+        NodeHealth::Lost { .. } => plan.requeue_within(until(i.now, deadline)),
+        NodeHealth::Degraded { lost_at, .. } => {
+            plan.requeue_within(until(i.now, (*lost_at).max(deadline)))
+        }
+        NodeHealth::Healthy { recheck_at } => {
+            plan.requeue_within(i.timing.resync);
+            if let Some(t) = recheck_at {
+                plan.requeue_within(until(i.now, *t));
+            }
+        }
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scheduler::Rejection;
+    use serde_json::json;
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn timing() -> Timing {
+        Timing {
+            node_not_ready_grace: Duration::from_secs(40),
+            heartbeat_stale_after: Duration::from_secs(40),
+            finalizer_timeout: Duration::from_secs(300),
+            unschedulable_retry: Duration::from_secs(15),
+            resync: Duration::from_secs(600),
+        }
+    }
+
+    fn class() -> ImpVMClassSpec {
+        serde_json::from_value(json!({"vcpu": 2, "memoryMiB": 1024})).unwrap()
+    }
+
+    fn vm(lifecycle: &str, extra_spec: serde_json::Value) -> ImpVM {
+        let mut spec =
+            json!({"classRef": {"name": "small"}, "image": "img:1", "lifecycle": lifecycle});
+        spec.as_object_mut()
+            .unwrap()
+            .extend(extra_spec.as_object().unwrap().clone());
+        let mut v: ImpVM = serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
+            "metadata": {"name": "vm", "namespace": "ns", "uid": "u1", "generation": 1,
+                         "creationTimestamp": t(0).to_string(), "finalizers": [FINALIZER_VM_CLEANUP]},
+            "spec": spec}))
+        .unwrap();
+        v.status = Some(ImpVMStatus::default());
+        v
+    }
+
+    fn bound_vm(lifecycle: &str, phase: VmPhase, extra_spec: serde_json::Value) -> ImpVM {
+        let mut v = vm(lifecycle, extra_spec);
+        v.spec.node_name = Some("n1".into());
+        v.status.as_mut().unwrap().phase = Some(phase);
+        v
+    }
+
+    fn persistent(policy: serde_json::Value, phase: VmPhase) -> ImpVM {
+        bound_vm("persistent", phase, json!({"restartPolicy": policy}))
+    }
+
+    const HEALTHY: NodeHealth = NodeHealth::Healthy { recheck_at: None };
+
+    fn lost() -> NodeHealth {
+        NodeHealth::Lost {
+            reason: health::reason::NODE_DELETED,
+            message: "node n1 no longer exists".into(),
+        }
+    }
+
+    fn run(vm: &ImpVM, node: &NodeHealth, now: i64) -> Plan {
+        let c = class();
+        decide(&Input {
+            vm,
+            class: Some(&c),
+            node,
+            timing: &timing(),
+            now: t(now),
+        })
+    }
+
+    fn status(p: &Plan) -> &ImpVMStatus {
+        p.status.as_ref().expect("plan writes status")
+    }
+
+    fn cond<'a>(s: &'a ImpVMStatus, type_: &str) -> &'a Condition {
+        find_condition(s, type_).unwrap_or_else(|| panic!("no {type_} condition in {s:?}"))
+    }
+
+    /// Applies a plan's status (and node clearing) to a VM, as the controller would.
+    fn apply(mut vm: ImpVM, p: &Plan) -> ImpVM {
+        if let Some(s) = &p.status {
+            vm.status = Some(s.clone());
+        }
+        if p.clear_node {
+            vm.spec.node_name = None;
+        }
+        vm
+    }
+
+    fn policy(v: serde_json::Value) -> ResolvedRestartPolicy {
+        serde_json::from_value::<RestartPolicy>(v)
+            .unwrap()
+            .resolve("p")
+            .unwrap()
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let p = policy(json!({"backoff": {"initialDelay": "10s", "maxDelay": "60s"}}));
+        let delays: Vec<u64> = (0..6).map(|n| backoff_delay(&p, n).as_secs()).collect();
+        assert_eq!(delays, [10, 20, 40, 60, 60, 60]);
+        // No overflow for absurd counts.
+        assert_eq!(backoff_delay(&p, 40).as_secs(), 60);
+        assert_eq!(backoff_delay(&p, u32::MAX).as_secs(), 60);
+        let sub = policy(json!({"backoff": {"initialDelay": "250ms", "maxDelay": "1s"}}));
+        assert_eq!(backoff_delay(&sub, 1), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn new_vm_gets_the_finalizer_first() {
+        let mut v = vm("ephemeral", json!({}));
+        v.metadata.finalizers = None;
+        let p = run(&v, &HEALTHY, 1);
+        assert_eq!(
+            p,
+            Plan {
+                add_finalizer: true,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn unbound_vm_asks_for_scheduling_with_class_size_and_constraints() {
+        let v = vm(
+            "ephemeral",
+            json!({"nodeSelector": {"zone": "a"},
+            "tolerations": [{"key": "k", "operator": "Exists"}]}),
+        );
+        let p = run(&v, &HEALTHY, 1);
+        let r = p.schedule.expect("schedule");
+        assert_eq!((r.vcpu, r.memory_mib), (2, 1024));
+        assert_eq!(r.node_selector.get("zone").map(String::as_str), Some("a"));
+        assert_eq!(r.tolerations.len(), 1);
+        assert!(p.status.is_none());
+    }
+
+    #[test]
+    fn missing_class_fails_spec_invalid_once_and_recovers_when_it_appears() {
+        let v = vm("ephemeral", json!({}));
+        let p = decide(&Input {
+            vm: &v,
+            class: None,
+            node: &HEALTHY,
+            timing: &timing(),
+            now: t(1),
+        });
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Failed));
+        assert_eq!(s.reason.as_deref(), Some(reason::SPEC_INVALID));
+        assert!(
+            s.message
+                .as_deref()
+                .unwrap()
+                .contains("ImpVMClass \"small\" does not exist")
+        );
+        assert_eq!(
+            cond(s, condition::SCHEDULED).reason,
+            reason::CLASS_NOT_FOUND
+        );
+        assert_eq!(p.notes.len(), 1);
+        assert_eq!(p.counted, vec![Counted::SpecInvalid]);
+        // Seen again: nothing new to write or say.
+        let v = apply(v, &p);
+        let again = decide(&Input {
+            vm: &v,
+            class: None,
+            node: &HEALTHY,
+            timing: &timing(),
+            now: t(5),
+        });
+        assert!(
+            again.status.is_none() && again.notes.is_empty(),
+            "{again:?}"
+        );
+        // The class appears: scheduling resumes.
+        assert!(run(&v, &HEALTHY, 9).schedule.is_some());
+    }
+
+    #[test]
+    fn bad_duration_is_spec_invalid() {
+        let mut v = vm("ephemeral", json!({}));
+        v.spec.expire_after = Some(serde_json::from_value(json!("10x")).unwrap());
+        let p = run(&v, &HEALTHY, 1);
+        assert_eq!(status(&p).reason.as_deref(), Some(reason::SPEC_INVALID));
+        assert!(
+            status(&p)
+                .message
+                .as_deref()
+                .unwrap()
+                .contains("spec.expireAfter")
+        );
+    }
+
+    #[test]
+    fn binding_sets_scheduled_and_measures_latency_only_the_first_time() {
+        let v = vm("ephemeral", json!({}));
+        let (s, note, latency) = bound(&v, "n1", t(3));
+        assert_eq!(s.phase, Some(VmPhase::Scheduled));
+        assert_eq!(s.scheduled_time, Some(Time(t(3))));
+        let c = cond(&s, condition::SCHEDULED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", xr::NODE_ASSIGNED)
+        );
+        assert_eq!(note.reason, xr::SCHEDULED);
+        assert_eq!(latency, Some(Duration::from_secs(3)));
+        let mut restarted = v.clone();
+        restarted.status.as_mut().unwrap().restarts = Some(imp_api::RestartStatus {
+            count: 1,
+            ..Default::default()
+        });
+        assert_eq!(bound(&restarted, "n1", t(9)).2, None);
+    }
+
+    #[test]
+    fn unschedulable_is_pending_with_the_reasons_and_warns_only_on_change() {
+        let v = vm("ephemeral", json!({}));
+        let why = Unschedulable {
+            rejections: [("n1".to_owned(), Rejection::Cordoned)].into(),
+        };
+        let (s, note) = unschedulable(&v, &why, t(1));
+        assert_eq!(s.phase, Some(VmPhase::Pending));
+        assert_eq!(s.reason.as_deref(), Some(reason::UNSCHEDULABLE));
+        assert_eq!(
+            s.message.as_deref(),
+            Some("0/1 nodes are available: 1 cordoned")
+        );
+        assert_eq!(cond(&s, condition::SCHEDULED).status, "False");
+        assert_eq!(note.unwrap().reason, xr::FAILED_SCHEDULING);
+        let v = ImpVM {
+            status: Some(s),
+            ..v
+        };
+        let (s2, note) = unschedulable(&v, &why, t(20));
+        assert!(note.is_none());
+        // lastTransitionTime kept while the condition stays False.
+        assert_eq!(
+            cond(&s2, condition::SCHEDULED).last_transition_time,
+            Time(t(1))
+        );
+        let other = Unschedulable {
+            rejections: [("n1".to_owned(), Rejection::NotReady)].into(),
+        };
+        assert!(unschedulable(&v, &other, t(21)).1.is_some());
+    }
+
+    #[test]
+    fn user_bound_vm_is_marked_scheduled_and_node_healthy() {
+        let mut v = vm("ephemeral", json!({}));
+        v.spec.node_name = Some("n1".into());
+        let p = run(
+            &v,
+            &NodeHealth::Healthy {
+                recheck_at: Some(t(30)),
+            },
+            10,
+        );
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Scheduled));
+        assert_eq!(cond(s, condition::NODE_HEALTHY).status, "True");
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(20)));
+        assert!(p.schedule.is_none());
+    }
+
+    #[test]
+    fn running_vm_on_healthy_node_is_left_alone_once_node_healthy_is_recorded() {
+        let v = bound_vm("ephemeral", VmPhase::Running, json!({}));
+        let p = run(&v, &HEALTHY, 1);
+        let v = apply(v, &p);
+        let p = run(&v, &HEALTHY, 2);
+        assert!(p.status.is_none() && p.notes.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn degraded_node_waits_for_the_grace_period() {
+        let v = bound_vm("ephemeral", VmPhase::Running, json!({}));
+        let h = NodeHealth::Degraded {
+            reason: health::reason::NODE_NOT_READY,
+            message: "x".into(),
+            lost_at: t(40),
+        };
+        let p = run(&v, &h, 10);
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Running));
+        assert_eq!(cond(s, condition::NODE_HEALTHY).status, "Unknown");
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(30)));
+    }
+
+    #[test]
+    fn node_loss_fails_ephemeral_vms_with_node_lost() {
+        for phase in [VmPhase::Scheduled, VmPhase::Starting, VmPhase::Running] {
+            let v = bound_vm("ephemeral", phase, json!({}));
+            let p = run(&v, &lost(), 100);
+            let s = status(&p);
+            assert_eq!(s.phase, Some(VmPhase::Failed));
+            assert_eq!(s.reason.as_deref(), Some(reason::NODE_LOST));
+            assert!(
+                s.message
+                    .as_deref()
+                    .unwrap()
+                    .starts_with("NodeDeleted: node n1 no longer exists")
+            );
+            let c = cond(s, condition::NODE_HEALTHY);
+            assert_eq!(
+                (c.status.as_str(), c.reason.as_str()),
+                ("False", health::reason::NODE_DELETED)
+            );
+            assert_eq!(
+                p.counted,
+                vec![Counted::NodeLost(health::reason::NODE_DELETED)]
+            );
+            assert!(p.notes[0].warning);
+            // Failed ephemeral VMs are the pool's to delete: no further action.
+            let after = run(&apply(v, &p), &lost(), 200);
+            assert_eq!(after, Plan::default());
+        }
+    }
+
+    #[test]
+    fn node_loss_of_a_persistent_vm_reschedules_even_in_place() {
+        let v = persistent(
+            json!({"mode": "in-place", "backoff": {"initialDelay": "5s", "maxRetries": 3}}),
+            VmPhase::Running,
+        );
+        let p = run(&v, &lost(), 100);
+        assert_eq!(status(&p).phase, Some(VmPhase::Failed));
+        let v = apply(v, &p);
+        // Backoff starts.
+        let p = run(&v, &lost(), 100);
+        assert_eq!(
+            status(&p).restarts.as_ref().unwrap().next_restart_time,
+            Some(Time(t(105)))
+        );
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(5)));
+        let v = apply(v, &p);
+        let p = run(&v, &lost(), 105);
+        assert!(p.clear_node);
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Pending));
+        assert!(find_condition(s, condition::NODE_HEALTHY).is_none());
+        assert_eq!(p.counted, vec![Counted::Restart(RestartMode::Reschedule)]);
+    }
+
+    #[test]
+    fn persistent_stop_backs_off_then_restarts_in_place() {
+        let v = persistent(
+            json!({"mode": "in-place", "backoff": {"initialDelay": "10s", "maxDelay": "15s", "maxRetries": 3}}),
+            VmPhase::Failed,
+        );
+        // First stop: wait initialDelay.
+        let p = run(&v, &HEALTHY, 0);
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(10)));
+        assert_eq!(p.notes[0].reason, xr::BACK_OFF);
+        let v = apply(v, &p);
+        // Early passes only wait.
+        let p = run(&v, &HEALTHY, 4);
+        assert!(p.status.is_none());
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(6)));
+        // Due: Scheduled again on the same node.
+        let p = run(&v, &HEALTHY, 10);
+        assert!(!p.clear_node);
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Scheduled));
+        let r = s.restarts.as_ref().unwrap();
+        assert_eq!(
+            (
+                r.count,
+                r.next_restart_time.clone(),
+                r.last_restart_time.clone()
+            ),
+            (1, None, Some(Time(t(10))))
+        );
+        assert_eq!(p.counted, vec![Counted::Restart(RestartMode::InPlace)]);
+        // It runs and stops again: the second delay doubles, capped at maxDelay.
+        let mut v = apply(v, &p);
+        v.status.as_mut().unwrap().phase = Some(VmPhase::Succeeded);
+        let p = run(&v, &HEALTHY, 20);
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(15)));
+    }
+
+    #[test]
+    fn in_place_restart_reschedules_when_the_node_is_unhealthy() {
+        let v = persistent(json!({"mode": "in-place"}), VmPhase::Failed);
+        let mut v = apply(v.clone(), &run(&v, &HEALTHY, 0));
+        v.status
+            .as_mut()
+            .unwrap()
+            .restarts
+            .as_mut()
+            .unwrap()
+            .next_restart_time = Some(Time(t(1)));
+        let degraded = NodeHealth::Degraded {
+            reason: health::reason::NODE_NOT_READY,
+            message: "x".into(),
+            lost_at: t(99),
+        };
+        let p = run(&v, &degraded, 2);
+        assert!(p.clear_node);
+        assert_eq!(status(&p).phase, Some(VmPhase::Pending));
+    }
+
+    #[test]
+    fn reschedule_mode_clears_the_node() {
+        let v = persistent(
+            json!({"backoff": {"initialDelay": "1s"}}),
+            VmPhase::Succeeded,
+        );
+        let v = apply(v.clone(), &run(&v, &HEALTHY, 0));
+        let p = run(&v, &HEALTHY, 1);
+        assert!(p.clear_node);
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Pending));
+        assert_eq!(s.scheduled_time, None);
+        assert_eq!(cond(s, condition::SCHEDULED).reason, xr::RESCHEDULING);
+        // The next pass (node cleared, Pending) asks the scheduler.
+        assert!(run(&apply(v, &p), &HEALTHY, 2).schedule.is_some());
+    }
+
+    /// Drives a persistent VM through stops until the budget is spent; returns the exhausted VM.
+    fn exhaust(policy_json: serde_json::Value, max: u32) -> (ImpVM, i64) {
+        let mut v = persistent(policy_json, VmPhase::Failed);
+        v.status.as_mut().unwrap().reason = Some(reason::RUNNER_EXITED_NON_ZERO.into());
+        let mut now = 0;
+        for n in 0..max {
+            let p = run(&v, &HEALTHY, now);
+            v = apply(v, &p);
+            now += 1000; // past any backoff
+            let p = run(&v, &HEALTHY, now);
+            assert_eq!(status(&p).restarts.as_ref().unwrap().count, n + 1);
+            v = apply(v, &p);
+            // Rescheduled (if the mode cleared it) onto n1 again, ran, and failed again.
+            v.spec.node_name = Some("n1".into());
+            v.status.as_mut().unwrap().phase = Some(VmPhase::Failed);
+            v.status.as_mut().unwrap().reason = Some(reason::RUNNER_EXITED_NON_ZERO.into());
+        }
+        let p = run(&v, &HEALTHY, now);
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::RetryExhausted), "{s:?}");
+        assert_eq!(s.reason.as_deref(), Some(reason::RETRY_EXHAUSTED));
+        assert!(
+            s.message
+                .as_deref()
+                .unwrap()
+                .contains(&format!("{max} of {max} restarts spent")),
+            "{s:?}"
+        );
+        assert!(
+            s.message
+                .as_deref()
+                .unwrap()
+                .contains(reason::RUNNER_EXITED_NON_ZERO)
+        );
+        assert_eq!(p.counted, vec![Counted::RetryExhausted]);
+        (apply(v, &p), now)
+    }
+
+    #[test]
+    fn exhaustion_with_fail_stays_down() {
+        let (v, now) = exhaust(
+            json!({"mode": "in-place", "backoff": {"initialDelay": "1s", "maxRetries": 2}}),
+            2,
+        );
+        assert_eq!(run(&v, &HEALTHY, now + 100_000), Plan::default());
+    }
+
+    #[test]
+    fn zero_retries_exhaust_on_the_first_stop() {
+        exhaust(
+            json!({"backoff": {"maxRetries": 0}, "onExhaustion": "manual-reset"}),
+            0,
+        );
+    }
+
+    #[test]
+    fn cool_down_resets_the_budget_and_restarts() {
+        let (v, now) = exhaust(
+            json!({"mode": "in-place", "backoff": {"initialDelay": "1s", "maxRetries": 1}, "onExhaustion": "cool-down", "coolDownPeriod": "30s"}),
+            1,
+        );
+        let p = run(&v, &HEALTHY, now + 10);
+        assert!(p.status.is_none());
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(20)));
+        let p = run(&v, &HEALTHY, now + 30);
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Scheduled));
+        let r = s.restarts.as_ref().unwrap();
+        assert_eq!((r.count, r.exhausted_time.clone()), (0, None));
+        assert_eq!(
+            p.counted,
+            vec![
+                Counted::BudgetReset(xr::COOL_DOWN_ELAPSED),
+                Counted::Restart(RestartMode::InPlace)
+            ]
+        );
+        assert_eq!(
+            p.notes.iter().map(|n| n.reason).collect::<Vec<_>>(),
+            [xr::RESTART_BUDGET_RESET, xr::RESTARTING]
+        );
+    }
+
+    #[test]
+    fn manual_reset_needs_the_annotation_and_consumes_it() {
+        let (mut v, now) = exhaust(
+            json!({"backoff": {"initialDelay": "1s", "maxRetries": 1}, "onExhaustion": "manual-reset"}),
+            1,
+        );
+        assert_eq!(run(&v, &HEALTHY, now + 10_000), Plan::default());
+        v.metadata.annotations =
+            Some([(ANNOTATION_RESET_RESTARTS.to_owned(), "now".to_owned())].into());
+        let p = run(&v, &HEALTHY, now + 10_001);
+        assert!(p.remove_reset_annotation);
+        assert!(p.clear_node, "reschedule mode");
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Pending));
+        assert_eq!(s.restarts.as_ref().unwrap().count, 0);
+        assert!(p.counted.contains(&Counted::BudgetReset(xr::MANUAL_RESET)));
+    }
+
+    #[test]
+    fn reset_annotation_on_a_fresh_vm_is_just_removed() {
+        let mut v = persistent(json!({}), VmPhase::Running);
+        v.metadata.annotations =
+            Some([(ANNOTATION_RESET_RESTARTS.to_owned(), "x".to_owned())].into());
+        let p = run(&v, &HEALTHY, 1);
+        assert_eq!(
+            p,
+            Plan {
+                remove_reset_annotation: true,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn class_restart_policy_is_inherited_and_vm_policy_wins() {
+        let mut c = class();
+        c.restart_policy = Some(
+            serde_json::from_value(json!({"mode": "in-place", "backoff": {"maxRetries": 9}}))
+                .unwrap(),
+        );
+        let v = vm("persistent", json!({}));
+        let p = restart_policy(&v, Some(&c)).unwrap();
+        assert_eq!((p.mode, p.max_retries), (RestartMode::InPlace, 9));
+        let own = vm(
+            "persistent",
+            json!({"restartPolicy": {"backoff": {"maxRetries": 2}}}),
+        );
+        let p = restart_policy(&own, Some(&c)).unwrap();
+        assert_eq!((p.mode, p.max_retries), (RestartMode::Reschedule, 2));
+        assert_eq!(
+            restart_policy(&v, None).unwrap().max_retries,
+            imp_api::DEFAULT_MAX_RETRIES
+        );
+    }
+
+    #[test]
+    fn ephemeral_stops_are_not_restarted() {
+        let v = bound_vm(
+            "ephemeral",
+            VmPhase::Failed,
+            json!({"restartPolicy": {"mode": "in-place"}}),
+        );
+        assert_eq!(run(&v, &HEALTHY, 1), Plan::default());
+    }
+
+    #[test]
+    fn expiry_counts_from_first_running_and_deletes() {
+        let mut v = bound_vm("ephemeral", VmPhase::Running, json!({"expireAfter": "1m"}));
+        v.status.as_mut().unwrap().first_running_time = Some(Time(t(100)));
+        let p = run(&v, &HEALTHY, 130);
+        assert!(!p.delete);
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(30)));
+        let p = run(&v, &HEALTHY, 160);
+        assert!(p.delete);
+        assert_eq!(status(&p).reason.as_deref(), Some(reason::EXPIRED));
+        assert_eq!(p.notes[0].reason, reason::EXPIRED);
+        assert_eq!(p.counted, vec![Counted::Expired]);
+        // Not running yet: no clock.
+        let mut fresh = bound_vm("ephemeral", VmPhase::Starting, json!({"expireAfter": "1m"}));
+        fresh.status.as_mut().unwrap().first_running_time = None;
+        assert!(!run(&fresh, &HEALTHY, 100_000).delete);
+    }
+
+    fn deleting(mut v: ImpVM, at: i64) -> ImpVM {
+        v.metadata.deletion_timestamp = Some(Time(t(at)));
+        v
+    }
+
+    #[test]
+    fn deletion_of_an_unbound_vm_releases_at_once() {
+        let v = deleting(vm("ephemeral", json!({})), 0);
+        assert_eq!(
+            run(&v, &HEALTHY, 0),
+            Plan {
+                remove_finalizer: true,
+                ..Default::default()
+            }
+        );
+    }
+
+    #[test]
+    fn deletion_waits_for_torn_down_from_the_agent() {
+        let v = deleting(bound_vm("ephemeral", VmPhase::Running, json!({})), 0);
+        let p = run(&v, &HEALTHY, 1);
+        assert!(!p.remove_finalizer);
+        assert_eq!(status(&p).phase, Some(VmPhase::Terminating));
+        assert_eq!(p.notes[0].reason, xr::TERMINATING);
+        let mut v = apply(v, &p);
+        // Still waiting: no rewrite, no new event.
+        let p = run(&v, &HEALTHY, 2);
+        assert!(p.status.is_none() && p.notes.is_empty() && !p.remove_finalizer);
+        // The agent records teardown.
+        set_condition(
+            v.status.as_mut().unwrap(),
+            condition::TORN_DOWN,
+            "True",
+            "TeardownComplete",
+            "",
+            None,
+            t(3),
+        );
+        let p = run(&v, &HEALTHY, 3);
+        assert!(p.remove_finalizer);
+        assert_eq!(p.notes[0].reason, xr::TORN_DOWN);
+    }
+
+    #[test]
+    fn finalizer_is_forced_only_after_the_timeout_and_only_when_the_node_is_lost() {
+        let v = deleting(bound_vm("ephemeral", VmPhase::Running, json!({})), 0);
+        let v = apply(v.clone(), &run(&v, &lost(), 0));
+        let p = run(&v, &lost(), 299);
+        assert!(!p.remove_finalizer);
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(1)));
+        let p = run(&v, &lost(), 300);
+        assert!(p.remove_finalizer);
+        assert_eq!(p.counted, vec![Counted::FinalizerForced]);
+        let note = &p.notes[0];
+        assert!(
+            note.warning
+                && note.reason == xr::FINALIZER_FORCED
+                && note.message.contains("NodeDeleted"),
+            "{note:?}"
+        );
+        // A healthy node never gets its VM's finalizer forced.
+        let p = run(&v, &HEALTHY, 100_000);
+        assert!(!p.remove_finalizer);
+    }
+
+    #[test]
+    fn deletion_without_our_finalizer_does_nothing() {
+        let mut v = deleting(bound_vm("ephemeral", VmPhase::Running, json!({})), 0);
+        v.metadata.finalizers = Some(vec!["other/finalizer".into()]);
+        assert_eq!(run(&v, &lost(), 100_000), Plan::default());
+    }
+
+    #[test]
+    fn set_condition_keeps_transition_time_when_status_is_unchanged() {
+        let mut s = ImpVMStatus::default();
+        set_condition(&mut s, "X", "True", "A", "m1", Some(1), t(1));
+        set_condition(&mut s, "X", "True", "B", "m2", Some(2), t(2));
+        let c = cond(&s, "X");
+        assert_eq!(
+            (
+                c.reason.as_str(),
+                c.message.as_str(),
+                c.last_transition_time.clone()
+            ),
+            ("B", "m2", Time(t(1)))
+        );
+        set_condition(&mut s, "X", "False", "C", "m3", Some(2), t(3));
+        assert_eq!(cond(&s, "X").last_transition_time, Time(t(3)));
+        assert_eq!(s.conditions.len(), 1);
+    }
+}
