@@ -56,7 +56,9 @@ impl HostError {
     }
 }
 
-/// A connected, greeted guest agent.
+/// A connected, greeted guest agent. Requests on one client are sequential (`&mut self`); for
+/// concurrent work (e.g. waiting for an exit while probing) open another connection: the agent
+/// serves any number, all sharing one exec table.
 #[derive(Debug)]
 pub struct HostClient {
     reader: FrameReader<OwnedReadHalf>,

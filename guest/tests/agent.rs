@@ -126,6 +126,26 @@ async fn exit_codes_and_signals_reported() {
 }
 
 #[tokio::test]
+async fn output_streams_are_separate_and_complete() {
+    let agent = AgentProc::start();
+    let mut client = agent.connect().await;
+    let (out, err, e) = run(
+        &mut client,
+        sh("streams", "echo to-out; echo to-err >&2; exit 1"),
+    )
+    .await;
+    assert_eq!(
+        (out.as_slice(), err.as_slice(), e.code),
+        (&b"to-out\n"[..], &b"to-err\n"[..], Some(1))
+    );
+    // Larger than a pipe buffer and many chunks, all delivered in order before Exited.
+    let (out, _, e) = run(&mut client, sh("big", "seq 1 50000")).await;
+    assert_eq!(e.code, Some(0));
+    let want: String = (1..=50000).map(|i| format!("{i}\n")).collect();
+    assert_eq!(String::from_utf8(out).unwrap(), want);
+}
+
+#[tokio::test]
 async fn timeout_kills_the_process_group() {
     let agent = AgentProc::start();
     let mut client = agent.connect().await;
