@@ -158,6 +158,8 @@ impl Agent {
             .send(Outgoing::plain(GuestToHost::Hello(self.hello())))
             .await;
         loop {
+            // Drop finished watchers so a long-lived connection does not accumulate them.
+            while watchers.try_join_next().is_some() {}
             let msg = match reader.read::<HostToGuest>().await {
                 Ok(Some(msg)) => msg,
                 Ok(None) => break,
