@@ -270,6 +270,8 @@ async fn supervise(
     let status = match timeout_s {
         Some(secs) => {
             tokio::select! {
+                // An exit that is already there wins over a timeout firing at the same moment.
+                biased;
                 status = &mut exit_rx => status,
                 _ = tokio::time::sleep(Duration::from_secs(secs)) => {
                     tracing::warn!(exec_id = %entry.id, timeout_s = secs, "exec timed out, killing its process group");
@@ -302,7 +304,9 @@ async fn supervise(
         id: entry.id.clone(),
         code,
         signal,
-        timed_out: entry.timed_out.load(Ordering::SeqCst),
+        // Only if our SIGKILL is what ended it: a process that exited on its own just as the
+        // timer fired (still unreaped when we signalled) did not time out.
+        timed_out: entry.timed_out.load(Ordering::SeqCst) && signal == Some(libc::SIGKILL),
     };
     tracing::info!(exec_id = %entry.id, pid, ?code, ?signal, timed_out = exited.timed_out, "exec exited");
     entry.state.send_replace(ExecState::Exited(exited));
