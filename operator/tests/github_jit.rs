@@ -445,3 +445,68 @@ async fn the_fake_runner_binary_takes_its_config_from_the_environment() {
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "a JIT config is one-time");
 }
+
+#[tokio::test]
+async fn the_queued_job_sweep_finds_jobs_whose_webhook_was_lost() {
+    let sim =
+        sim_with(|c| c.repos = vec!["octo-org/octo-repo".into(), "octo-org/other".into()]).await;
+    sim.inject_webhook_fault(imp_testkit::github::WebhookFault::Drop, 10);
+    let app = app(&sim);
+    let a = sim.queue_job(JobSpec {
+        labels: vec!["imp".into(), "large".into()],
+        ..Default::default()
+    });
+    let b = sim.queue_job(JobSpec {
+        labels: vec!["imp".into(), "gpu".into()],
+        repository: Some("octo-org/other".into()),
+        ..Default::default()
+    });
+    let c = sim.queue_job(JobSpec {
+        labels: vec!["imp".into()],
+        ..Default::default()
+    });
+    // c is taken by a runner: no longer queued.
+    let minted = app
+        .generate_jit_config(&jit(org(&sim), "sweeper"))
+        .await
+        .unwrap();
+    let cfg = minted.encoded_jit_config.expose().to_string();
+    let opts = FakeRunnerOptions {
+        job_duration: Duration::from_secs(3),
+        ..Default::default()
+    };
+    let runner = tokio::spawn(async move { run_fake_runner(&cfg, &opts).await });
+    sim.wait_job(c.id, Duration::from_secs(5), |j| {
+        j.status == JobStatus::InProgress
+    })
+    .await
+    .unwrap();
+    let repos = app.list_installation_repositories().await.unwrap();
+    assert_eq!(
+        repos,
+        vec![
+            "octo-org/octo-repo".to_string(),
+            "octo-org/other".to_string()
+        ]
+    );
+    let mut found = Vec::new();
+    for full in &repos {
+        let (owner, repo) = full.split_once('/').unwrap();
+        found.extend(app.list_queued_jobs(owner, repo).await.unwrap());
+    }
+    let ids: Vec<u64> = found.iter().map(|j| j.id).collect();
+    assert_eq!(ids, vec![a.id, b.id]);
+    assert_eq!(
+        found[0].labels,
+        vec!["imp".to_string(), "large".to_string()]
+    );
+    assert_eq!(found[0].status, "queued");
+    // Without the actions permission the sweep is forbidden, naming it.
+    sim.set_permission("actions", None);
+    let err = app
+        .list_queued_jobs("octo-org", "octo-repo")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("actions=read"), "{err}");
+    runner.await.unwrap().unwrap();
+}

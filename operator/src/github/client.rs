@@ -375,6 +375,41 @@ impl GithubApp {
     pub(crate) fn record(&self, err: GithubError) -> GithubError {
         self.record_error(err)
     }
+
+    /// GETs `first_path` and every following page (`Link: rel="next"`, at most `max_pages`),
+    /// collecting the array under `key`.
+    pub(crate) async fn get_all_pages<T: serde::de::DeserializeOwned>(
+        &self,
+        ctx: &CallContext,
+        first_path: String,
+        key: &str,
+        max_pages: usize,
+    ) -> Result<Vec<T>, GithubError> {
+        let mut path = first_path;
+        let mut all = Vec::new();
+        for _ in 0..max_pages {
+            let resp = self.call(ctx, Method::GET, &path, None, &[]).await?;
+            let decode = |message: String| {
+                self.record(GithubError::Decode {
+                    operation: ctx.operation,
+                    message,
+                })
+            };
+            let mut page: serde_json::Value =
+                serde_json::from_slice(&resp.body).map_err(|e| decode(e.to_string()))?;
+            let items = page
+                .get_mut(key)
+                .map(serde_json::Value::take)
+                .ok_or_else(|| decode(format!("no `{key}` in the answer")))?;
+            let items: Vec<T> = serde_json::from_value(items).map_err(|e| decode(e.to_string()))?;
+            all.extend(items);
+            match next_link(&resp.headers) {
+                Some(next) => path = next,
+                None => break,
+            }
+        }
+        Ok(all)
+    }
 }
 
 /// A transport error's message, walking the source chain (no request data is in it).

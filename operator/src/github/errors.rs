@@ -16,6 +16,9 @@ pub enum Operation {
     GetRunner,
     ListRunners,
     DeleteRunner,
+    ListRepositories,
+    ListWorkflowRuns,
+    ListWorkflowJobs,
 }
 
 impl Operation {
@@ -27,6 +30,9 @@ impl Operation {
             Operation::GetRunner => "get_runner",
             Operation::ListRunners => "list_runners",
             Operation::DeleteRunner => "delete_runner",
+            Operation::ListRepositories => "list_repositories",
+            Operation::ListWorkflowRuns => "list_workflow_runs",
+            Operation::ListWorkflowJobs => "list_workflow_jobs",
         }
     }
 }

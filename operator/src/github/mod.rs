@@ -28,6 +28,7 @@ pub mod credentials;
 pub mod errors;
 pub mod governor;
 pub mod jit;
+pub mod jobs;
 pub mod metrics;
 pub mod retry;
 pub mod runner_groups;
@@ -44,6 +45,7 @@ pub use credentials::{
 pub use errors::{ErrorClass, GithubError, Operation, RateLimitKind};
 pub use governor::{MintGovernor, TokenBucket};
 pub use jit::{JitRequest, JitRunner, runner_name};
+pub use jobs::WorkflowJob;
 pub use metrics::GithubMetrics;
 pub use retry::RetryPolicy;
 pub use runner_groups::{DEFAULT_RUNNER_GROUP_ID, RunnerGroup};

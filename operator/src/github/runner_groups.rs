@@ -1,9 +1,8 @@
 //! Runner groups resolved by name (paginated, cached); the default group when no name is given.
 
-use http::Method;
 use serde::Deserialize;
 
-use super::client::{GithubApp, next_link};
+use super::client::GithubApp;
 use super::errors::{GithubError, Operation};
 use super::scope::RunnerScope;
 
@@ -16,11 +15,6 @@ pub struct RunnerGroup {
     pub name: String,
     #[serde(default)]
     pub default: bool,
-}
-
-#[derive(Deserialize)]
-struct RunnerGroupPage {
-    runner_groups: Vec<RunnerGroup>,
 }
 
 /// Upper bound on pages followed (100 per page).
@@ -85,22 +79,8 @@ impl GithubApp {
         scope: &RunnerScope,
     ) -> Result<Vec<RunnerGroup>, GithubError> {
         let ctx = scope.context(Operation::ListRunnerGroups, self.installation_id(), false);
-        let mut path = format!("{}/runner-groups?per_page=100", scope.actions_path()?);
-        let mut all = Vec::new();
-        for _ in 0..MAX_PAGES {
-            let resp = self.call(&ctx, Method::GET, &path, None, &[]).await?;
-            let page: RunnerGroupPage = serde_json::from_slice(&resp.body).map_err(|e| {
-                self.record(GithubError::Decode {
-                    operation: Operation::ListRunnerGroups,
-                    message: e.to_string(),
-                })
-            })?;
-            all.extend(page.runner_groups);
-            match next_link(&resp.headers) {
-                Some(next) => path = next,
-                None => break,
-            }
-        }
-        Ok(all)
+        let path = format!("{}/runner-groups?per_page=100", scope.actions_path()?);
+        self.get_all_pages(&ctx, path, "runner_groups", MAX_PAGES)
+            .await
     }
 }

@@ -3,7 +3,7 @@
 use http::{Method, StatusCode};
 use serde::{Deserialize, Serialize};
 
-use super::client::{GithubApp, next_link};
+use super::client::GithubApp;
 use super::errors::{GithubError, Operation};
 use super::scope::RunnerScope;
 
@@ -39,11 +39,6 @@ pub struct RunnerLabel {
     /// `read-only` or `custom`.
     #[serde(rename = "type", default)]
     pub kind: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct RunnerPage {
-    runners: Vec<Runner>,
 }
 
 /// What a delete did.
@@ -82,23 +77,8 @@ impl GithubApp {
     /// Every runner registered in `scope` (all pages).
     pub async fn list_runners(&self, scope: &RunnerScope) -> Result<Vec<Runner>, GithubError> {
         let ctx = scope.context(Operation::ListRunners, self.installation_id(), false);
-        let mut path = format!("{}/runners?per_page=100", scope.actions_path()?);
-        let mut all = Vec::new();
-        for _ in 0..MAX_PAGES {
-            let resp = self.call(&ctx, Method::GET, &path, None, &[]).await?;
-            let page: RunnerPage = serde_json::from_slice(&resp.body).map_err(|e| {
-                self.record(GithubError::Decode {
-                    operation: Operation::ListRunners,
-                    message: e.to_string(),
-                })
-            })?;
-            all.extend(page.runners);
-            match next_link(&resp.headers) {
-                Some(next) => path = next,
-                None => break,
-            }
-        }
-        Ok(all)
+        let path = format!("{}/runners?per_page=100", scope.actions_path()?);
+        self.get_all_pages(&ctx, path, "runners", MAX_PAGES).await
     }
 
     /// Deregisters a runner. 404 is success ([`DeleteOutcome::AlreadyGone`]); a runner running a

@@ -98,6 +98,12 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             "/repos/{owner}/{repo}/actions/runners/{id}",
             get(repo_get_runner).delete(repo_delete_runner),
         )
+        .route("/installation/repositories", get(installation_repositories))
+        .route("/repos/{owner}/{repo}/actions/runs", get(repo_runs))
+        .route(
+            "/repos/{owner}/{repo}/actions/runs/{run_id}/jobs",
+            get(run_jobs),
+        )
         .fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn_with_state(shared.clone(), api_layer));
     let runner = Router::new()
@@ -654,6 +660,150 @@ fn delete_runner(shared: &Shared, scope: SimScope, id: u64) -> ApiResult {
         }
         _ => Err(ApiError::not_found()),
     }
+}
+
+// ---- workflow runs and jobs (the operator's queued-job sweep) ----
+
+async fn installation_repositories(
+    State(shared): S,
+    Query(q): Query<PageQuery>,
+    headers: HeaderMap,
+) -> ApiResult {
+    require_token(&shared, &headers)?;
+    let repos: Vec<Value> = shared
+        .config
+        .repos
+        .iter()
+        .enumerate()
+        .map(|(i, full)| {
+            let (owner, name) = full.split_once('/').unwrap_or((full.as_str(), ""));
+            json!({
+                "id": 186_853_002u64 + i as u64,
+                "name": name,
+                "full_name": full,
+                "private": true,
+                "owner": { "login": owner, "type": "Organization" },
+                "html_url": format!("https://github.com/{full}"),
+            })
+        })
+        .collect();
+    let total = repos.len();
+    let (page, link) = paginate(&shared, "/installation/repositories", &q, repos);
+    let mut resp = json_response(
+        StatusCode::OK,
+        json!({ "total_count": total, "repository_selection": "all", "repositories": page }),
+    );
+    if let Some(l) = link.and_then(|l| HeaderValue::from_str(&l).ok()) {
+        resp.headers_mut().insert(http::header::LINK, l);
+    }
+    Ok(resp)
+}
+
+#[derive(Deserialize)]
+struct RunsQuery {
+    status: Option<String>,
+    per_page: Option<usize>,
+    page: Option<usize>,
+}
+
+fn job_status_str(s: JobStatus) -> &'static str {
+    match s {
+        JobStatus::Queued => "queued",
+        JobStatus::InProgress => "in_progress",
+        JobStatus::Completed => "completed",
+    }
+}
+
+async fn repo_runs(
+    State(shared): S,
+    Path((owner, repo)): Path<(String, String)>,
+    Query(q): Query<RunsQuery>,
+    headers: HeaderMap,
+) -> ApiResult {
+    require_token(&shared, &headers)?;
+    require_permission(&shared, "actions", false)?;
+    let Ok(SimScope::Repository(full)) = check_repo(&shared, &owner, &repo) else {
+        return Err(ApiError::not_found());
+    };
+    let api = format!("https://api.github.com/repos/{full}/actions/runs");
+    let runs: Vec<Value> = shared
+        .model()
+        .jobs
+        .values()
+        .filter(|j| j.repository.eq_ignore_ascii_case(&full))
+        .filter(|j| {
+            q.status
+                .as_deref()
+                .is_none_or(|s| s == job_status_str(j.status))
+        })
+        .map(|j| {
+            json!({
+                "id": j.run_id,
+                "name": j.workflow_name,
+                "node_id": format!("WFR_{}", j.run_id),
+                "head_branch": j.head_branch,
+                "head_sha": j.head_sha,
+                "run_number": j.run_id % 10_000,
+                "run_attempt": 1,
+                "event": "push",
+                "status": job_status_str(j.status),
+                "conclusion": j.conclusion,
+                "workflow_id": 161_335,
+                "url": format!("{api}/{}", j.run_id),
+                "html_url": format!("https://github.com/{full}/actions/runs/{}", j.run_id),
+                "jobs_url": format!("{api}/{}/jobs", j.run_id),
+                "created_at": j.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                "updated_at": j.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            })
+        })
+        .collect();
+    let total = runs.len();
+    let pq = PageQuery {
+        per_page: q.per_page,
+        page: q.page,
+    };
+    let (page, link) = paginate(
+        &shared,
+        &format!("/repos/{owner}/{repo}/actions/runs"),
+        &pq,
+        runs,
+    );
+    Ok(paged_response("workflow_runs", total, page, link))
+}
+
+async fn run_jobs(
+    State(shared): S,
+    Path((owner, repo, run_id)): Path<(String, String, u64)>,
+    Query(q): Query<PageQuery>,
+    headers: HeaderMap,
+) -> ApiResult {
+    require_token(&shared, &headers)?;
+    require_permission(&shared, "actions", false)?;
+    let Ok(SimScope::Repository(full)) = check_repo(&shared, &owner, &repo) else {
+        return Err(ApiError::not_found());
+    };
+    let jobs: Vec<Value> = shared
+        .model()
+        .jobs
+        .values()
+        .filter(|j| j.run_id == run_id && j.repository.eq_ignore_ascii_case(&full))
+        .map(|j| {
+            super::webhooks::workflow_job_payload(
+                j,
+                "",
+                &shared.config.org,
+                shared.config.installation_id,
+            )["workflow_job"]
+                .take()
+        })
+        .collect();
+    if jobs.is_empty() {
+        return Err(ApiError::not_found());
+    }
+    let total = jobs.len();
+    let path = format!("/repos/{owner}/{repo}/actions/runs/{run_id}/jobs");
+    let (page, link) = paginate(&shared, &path, &q, jobs);
+    Ok(paged_response("jobs", total, page, link))
 }
 
 // ---- runner protocol ----
