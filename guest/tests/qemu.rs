@@ -129,7 +129,17 @@ fn sh(cmd: &str) {
     );
 }
 
-fn build_images(s: &Setup, dir: &Path) {
+/// How the base drive becomes the lower layer.
+#[derive(Clone, Copy)]
+enum Root {
+    /// imp-guest runs from the initramfs and mounts the base drive itself (`imp.lower=`).
+    FromInitramfs,
+    /// The initrd mounts the base drive read-only and switch_roots into it, as the kernel does
+    /// with `root=/dev/vda ro` (the Firecracker layout); imp-guest overlays the current root.
+    KernelMounted,
+}
+
+fn build_images(s: &Setup, dir: &Path, root: Root) {
     let initrd = dir.join("initrd");
     std::fs::create_dir_all(initrd.join("lib/mods")).unwrap();
     std::fs::create_dir_all(initrd.join("bin")).unwrap();
@@ -139,8 +149,16 @@ fn build_images(s: &Setup, dir: &Path) {
     for m in &s.modules {
         std::fs::copy(m, initrd.join("lib/mods").join(m.file_name().unwrap())).unwrap();
     }
+    let handoff = match root {
+        Root::FromInitramfs => "exec /sbin/imp-guest",
+        Root::KernelMounted => {
+            "bb=/bin/busybox; $bb mkdir -p /dev /newroot; $bb mount -t devtmpfs devtmpfs /dev\n\
+             $bb mount -t ext4 -o ro /dev/vda /newroot; $bb umount /dev\n\
+             exec $bb switch_root /newroot /sbin/imp-guest"
+        }
+    };
     let init = format!(
-        "#!/bin/busybox sh\nfor m in {}; do /bin/busybox insmod /lib/mods/$m.ko; done\nexec /sbin/imp-guest\n",
+        "#!/bin/busybox sh\nfor m in {}; do /bin/busybox insmod /lib/mods/$m.ko; done\n{handoff}\n",
         MODULES.join(" ")
     );
     std::fs::write(initrd.join("init"), init).unwrap();
@@ -187,9 +205,9 @@ struct Vm {
 }
 
 impl Vm {
-    fn boot(s: &Setup, extra_append: &str) -> Vm {
+    fn boot(s: &Setup, root: Root, extra_append: &str) -> Vm {
         let dir = tempfile::tempdir().unwrap();
-        build_images(s, dir.path());
+        build_images(s, dir.path(), root);
         let vhost_sock = dir.path().join("vhost.sock");
         let uds = dir.path().join("vm.vsock");
         let vhost = Kill(
@@ -211,8 +229,12 @@ impl Vm {
         }
         let console = dir.path().join("console.log");
         let append = format!(
-            "console=ttyS0 panic=-1 imp.lower=/dev/vda imp.overlay=/dev/vdb imp.hostname=imp-qemu \
-             imp.dns=192.0.2.53 imp.report_grace_s=60 {extra_append}"
+            "console=ttyS0 panic=-1 imp.overlay=/dev/vdb imp.hostname=imp-qemu \
+             imp.dns=192.0.2.53 imp.report_grace_s=60 {lower} {extra_append}",
+            lower = match root {
+                Root::FromInitramfs => "imp.lower=/dev/vda",
+                Root::KernelMounted => "",
+            }
         );
         // TCG: works without /dev/kvm (CI containers), a few seconds per boot.
         let qemu = Kill(
@@ -315,7 +337,7 @@ fn setup_or_skip() -> Option<Setup> {
 #[tokio::test]
 async fn pid1_and_agent_in_a_real_vm() {
     let Some(s) = setup_or_skip() else { return };
-    let mut vm = Vm::boot(&s, "");
+    let mut vm = Vm::boot(&s, Root::FromInitramfs, "");
     let mut client = vm.connect().await;
     assert_eq!(
         client.hello().protocol,
@@ -417,7 +439,7 @@ async fn pid1_and_agent_in_a_real_vm() {
 #[tokio::test]
 async fn pid1_reaps_orphans_and_shuts_down_on_sigterm() {
     let Some(s) = setup_or_skip() else { return };
-    let mut vm = Vm::boot(&s, "imp.halt=reboot");
+    let mut vm = Vm::boot(&s, Root::FromInitramfs, "imp.halt=reboot");
     let mut client = vm.connect().await;
     // The shell exits at once; its background child is orphaned to PID 1, which must reap it.
     let (_, _, e) = common::run(
@@ -460,4 +482,31 @@ async fn pid1_reaps_orphans_and_shuts_down_on_sigterm() {
             "missing {stage}:\n{text}"
         );
     }
+}
+
+#[tokio::test]
+async fn overlay_over_the_kernel_mounted_root_and_host_shutdown() {
+    let Some(s) = setup_or_skip() else { return };
+    let mut vm = Vm::boot(&s, Root::KernelMounted, "");
+    let mut client = vm.connect().await;
+    let script = "busybox grep ' / ' /proc/mounts; busybox cat /etc/marker; \
+                  echo changed > /etc/marker; busybox cat /etc/marker";
+    let (out, _, e) = common::run(&mut client, common::sh("root", script)).await;
+    assert_eq!(e.code, Some(0));
+    let out = String::from_utf8(out).unwrap();
+    assert!(out.contains("overlay / overlay"), "{out}");
+    assert!(out.ends_with("pristine\nchanged\n"), "{out}");
+    // Shutdown from the host: no answer, the VM powers off.
+    client.shutdown().await.unwrap();
+    vm.wait_end();
+    vm.print_markers();
+    let text = vm.console_text();
+    assert!(
+        text.contains("IMP-GUEST stage=shutdown reason=HostRequested"),
+        "{text}"
+    );
+    sh(&format!(
+        "debugfs -R 'cat /etc/marker' {} 2>/dev/null | grep -qx pristine",
+        vm.dir.path().join("base.ext4").display()
+    ));
 }
