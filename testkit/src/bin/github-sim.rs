@@ -32,6 +32,9 @@ struct Args {
     /// Installation token lifetime in seconds.
     #[arg(long, default_value_t = 3600)]
     token_ttl_secs: u64,
+    /// URL written into JIT configs for runners (default: the listen URL).
+    #[arg(long)]
+    runner_url: Option<String>,
     /// Write `app-id`, `installation-id`, `private-key` (PKCS#1 PEM) files here.
     #[arg(long)]
     secret_dir: Option<std::path::PathBuf>,
@@ -53,6 +56,7 @@ async fn main() -> anyhow::Result<()> {
         token_ttl: Duration::from_secs(args.token_ttl_secs),
         webhook_url: args.webhook_url,
         webhook_secret: args.webhook_secret,
+        runner_url: args.runner_url,
         ..SimConfig::default()
     };
     let sim = GithubSim::start_on(config, &args.listen).await?;

@@ -30,6 +30,9 @@ struct Args {
     /// Conclusion to report.
     #[arg(long, env = "IMP_FAKE_RUNNER_CONCLUSION", default_value = "success")]
     conclusion: String,
+    /// Simulator URL to use instead of the one in the JIT config.
+    #[arg(long, env = "IMP_FAKE_RUNNER_URL")]
+    url: Option<String>,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -50,6 +53,7 @@ async fn main() {
         job_wait: Duration::from_secs(args.job_wait_secs),
         job_duration: Duration::from_secs(args.job_secs),
         conclusion: args.conclusion,
+        url_override: args.url,
     };
     match run_fake_runner(&config, &opts).await {
         Ok(job) => {

@@ -66,6 +66,10 @@ pub struct SimConfig {
     /// Where webhooks go (also settable later).
     pub webhook_url: Option<String>,
     pub webhook_secret: String,
+    /// The simulator URL written into JIT configs for runners (default: `base_url()`). Set it
+    /// when runners reach the simulator through another address (e.g. from a guest VM over the
+    /// bridge, with the simulator started by [`GithubSim::start_on`] on that address).
+    pub runner_url: Option<String>,
 }
 
 impl Default for SimConfig {
@@ -82,6 +86,7 @@ impl Default for SimConfig {
             runner_groups: Vec::new(),
             webhook_url: None,
             webhook_secret: "imp-sim-webhook-secret".into(),
+            runner_url: None,
         }
     }
 }

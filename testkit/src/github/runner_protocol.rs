@@ -21,6 +21,8 @@ use super::model::SimJob;
 
 /// The env var Imp delivers the JIT config in (never argv).
 pub const JITCONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
+/// Optional override of the simulator URL found in the JIT config.
+pub const URL_OVERRIDE_ENV: &str = "IMP_FAKE_RUNNER_URL";
 
 /// What the simulator's `encoded_jit_config` decodes to.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -58,6 +60,8 @@ pub struct FakeRunnerOptions {
     pub job_duration: Duration,
     /// The conclusion reported.
     pub conclusion: String,
+    /// Talk to this simulator URL instead of the one in the JIT config.
+    pub url_override: Option<String>,
 }
 
 impl Default for FakeRunnerOptions {
@@ -66,6 +70,7 @@ impl Default for FakeRunnerOptions {
             job_wait: Duration::from_secs(60),
             job_duration: Duration::ZERO,
             conclusion: "success".into(),
+            url_override: None,
         }
     }
 }
@@ -73,7 +78,10 @@ impl Default for FakeRunnerOptions {
 /// Runs one fake runner like `actions/runner --jitconfig`: connect, take one matching job, report
 /// completion. Returns the job it ran.
 pub async fn run_fake_runner(encoded: &str, opts: &FakeRunnerOptions) -> anyhow::Result<SimJob> {
-    let cfg = JitConfigPayload::decode(encoded)?;
+    let mut cfg = JitConfigPayload::decode(encoded)?;
+    if let Some(url) = &opts.url_override {
+        cfg.url = url.trim_end_matches('/').to_string();
+    }
     let http = HttpClient::new(Duration::from_secs(10));
     let resp = http
         .json(

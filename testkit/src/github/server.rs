@@ -533,7 +533,11 @@ fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
     m.runners.insert(id, runner);
     m.stats.jit_configs_issued += 1;
     let encoded = JitConfigPayload {
-        url: shared.base_url.clone(),
+        url: shared
+            .config
+            .runner_url
+            .clone()
+            .unwrap_or_else(|| shared.base_url.clone()),
         runner_id: id,
         runner_name: name,
         labels,

@@ -374,3 +374,41 @@ async fn the_primary_limit_answers_403_with_remaining_zero() {
             .contains("API rate limit exceeded for installation ID")
     );
 }
+
+#[tokio::test]
+async fn jit_configs_advertise_the_runner_url_and_the_runner_can_override_it() {
+    use super::JobSpec;
+    use super::runner_protocol::{FakeRunnerOptions, run_fake_runner};
+    // Nothing listens on the discard port of loopback: a runner following the config fails.
+    let sim = sim_with(|c| c.runner_url = Some("http://127.0.0.1:9".into())).await;
+    let t = token(&sim).await;
+    let body = json!({"name": "r", "runner_group_id": 1, "labels": ["imp"]});
+    let r = req(
+        &sim,
+        Method::POST,
+        "/orgs/octo-org/actions/runners/generate-jitconfig",
+        Some(&t),
+        Some(body),
+    )
+    .await;
+    let encoded = r.json()["encoded_jit_config"].as_str().unwrap().to_string();
+    assert_eq!(
+        JitConfigPayload::decode(&encoded).unwrap().url,
+        "http://127.0.0.1:9"
+    );
+    let job = sim.queue_job(JobSpec {
+        labels: vec!["imp".into()],
+        ..Default::default()
+    });
+    assert!(
+        run_fake_runner(&encoded, &FakeRunnerOptions::default())
+            .await
+            .is_err()
+    );
+    let opts = FakeRunnerOptions {
+        url_override: Some(sim.base_url().to_string()),
+        ..Default::default()
+    };
+    let ran = run_fake_runner(&encoded, &opts).await.unwrap();
+    assert_eq!(ran.id, job.id);
+}
