@@ -32,6 +32,7 @@ async fn two_hundred_concurrent_mints_make_exactly_one_token_exchange() {
     let sim = sim().await;
     let app = app(&sim);
     let scope = org(&sim);
+    let start = std::time::Instant::now();
     let mut tasks = Vec::new();
     for i in 0..200 {
         let app = app.clone();
@@ -46,6 +47,11 @@ async fn two_hundred_concurrent_mints_make_exactly_one_token_exchange() {
     }
     assert_eq!(ids.len(), 200);
     let stats = sim.stats();
+    println!(
+        "200 concurrent mints: {} token exchange(s) in {:?}",
+        stats.token_exchanges,
+        start.elapsed()
+    );
     assert_eq!(stats.token_exchanges, 1, "single-flight token exchange");
     assert_eq!(stats.jit_configs_issued, 200);
     assert_eq!(sim.runners().len(), 200);

@@ -64,7 +64,7 @@ async fn too_many_requests_honours_retry_after() {
         .unwrap();
     let waited = t.elapsed();
     assert!(waited >= Duration::from_secs(1), "waited {waited:?}");
-    assert!(waited < Duration::from_secs(3), "waited {waited:?}");
+    assert!(waited < Duration::from_secs(5), "waited {waited:?}");
 }
 
 #[tokio::test]

@@ -153,12 +153,14 @@ async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
                 format!("installation:{}", shared.config.installation_id)
             }
             Some(t) if t.matches('.').count() == 2 => format!("app:{}", shared.config.app_id),
-            _ => "anonymous".to_string(),
+            // Unknown credentials answer 401 without spending a quota.
+            Some(_) => "unauthenticated".to_string(),
+            None => "anonymous".to_string(),
         }
     };
     let now = Utc::now().timestamp();
     let window_secs = shared.config.rate_limit_window.as_secs().max(1) as i64;
-    let limit = if principal == "anonymous" {
+    let limit = if principal == "anonymous" || principal == "unauthenticated" {
         60
     } else {
         shared.config.rate_limit
@@ -202,7 +204,7 @@ async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
             w.reset_at = now + window_secs;
         }
         let charged = early.is_none() && w.remaining() > 0;
-        if charged {
+        if charged && principal != "unauthenticated" {
             w.used += 1;
         }
         (w.clone(), charged)
