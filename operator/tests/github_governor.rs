@@ -84,7 +84,7 @@ async fn the_default_governor_is_150_per_minute_with_a_burst_of_20() {
     times.sort();
     // 20 immediately, then one every 400 ms.
     assert!(
-        times[19] < Duration::from_millis(350),
+        times[19] < Duration::from_millis(1000),
         "burst of 20: {:?}",
         times[19]
     );
@@ -94,7 +94,7 @@ async fn the_default_governor_is_150_per_minute_with_a_burst_of_20() {
         times[22]
     );
     assert!(
-        times[22] < Duration::from_secs(3),
+        times[22] < Duration::from_secs(5),
         "23rd at {:?}",
         times[22]
     );
