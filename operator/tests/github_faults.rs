@@ -163,17 +163,17 @@ async fn a_slow_answer_times_out_and_is_retried() {
     let app = app_with(
         &sim,
         GithubConfig {
-            request_timeout: Duration::from_millis(300),
+            request_timeout: Duration::from_millis(800),
             ..config(&sim)
         },
     );
     app.installation_token().await.unwrap();
-    sim.inject(FaultRule::next(1, Fault::Delay { millis: 1500 }).on_path("/runners"));
+    sim.inject(FaultRule::next(1, Fault::Delay { millis: 2500 }).on_path("/runners"));
     let t = Instant::now();
     app.list_runners(&org(&sim)).await.unwrap();
-    assert!(t.elapsed() >= Duration::from_millis(300));
+    assert!(t.elapsed() >= Duration::from_millis(800));
     // Every attempt slow: a transient timeout error.
-    sim.inject(FaultRule::next(4, Fault::Delay { millis: 1000 }).on_path("/runners"));
+    sim.inject(FaultRule::next(4, Fault::Delay { millis: 1500 }).on_path("/runners"));
     let err = app.list_runners(&org(&sim)).await.unwrap_err();
     assert!(matches!(err, GithubError::Timeout { .. }), "{err:?}");
     assert_eq!(err.class(), ErrorClass::Transient);

@@ -204,14 +204,14 @@ async fn a_lost_mint_answer_is_recovered_by_replacing_the_registration() {
     let app = app_with(
         &sim,
         GithubConfig {
-            request_timeout: Duration::from_millis(300),
+            request_timeout: Duration::from_millis(800),
             ..config(&sim)
         },
     );
     app.installation_token().await.unwrap();
     // GitHub registers the runner but the answer never arrives in time.
     sim.inject(
-        FaultRule::next(1, Fault::DelayAnswer { millis: 1500 }).on_path("generate-jitconfig"),
+        FaultRule::next(1, Fault::DelayAnswer { millis: 2500 }).on_path("generate-jitconfig"),
     );
     let minted = app
         .generate_jit_config(&jit(org(&sim), "lost-answer"))
