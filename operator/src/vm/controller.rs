@@ -78,8 +78,9 @@ pub struct Context {
     caches_ready: AtomicBool,
 }
 
-/// Runs the ImpVM controller until its watches end (or the task is dropped). `ready` turns true once every
-/// watch cache has been filled, which is also when the controller starts deciding.
+/// Runs the ImpVM controller until its watches end (or the task is dropped). `ready` turns true once the
+/// Node, Lease and ImpVMClass caches are filled, which is also when the controller starts deciding (the
+/// runtime holds reconciles until the ImpVM cache is filled too).
 pub async fn run_vm_controller(
     client: Client,
     config: VmControllerConfig,
@@ -158,14 +159,24 @@ pub async fn run_vm_controller(
     {
         // Deciding on half-filled caches would mistake a not-yet-listed node for a deleted one.
         let ctx = ctx.clone();
-        let (vms, nodes, leases, classes) =
-            (vms.clone(), nodes.clone(), leases.clone(), classes.clone());
+        let (nodes, leases, classes) = (nodes.clone(), leases.clone(), classes.clone());
         tokio::spawn(async move {
+            // Not the ImpVM store: the applier already waits on it, and a store wakes only one waiter
+            // (kube-runtime 5's DelayedInit is a oneshot), so a second waiter could stall one of the two.
             let _ = tokio::join!(
-                vms.wait_until_ready(),
-                nodes.wait_until_ready(),
-                leases.wait_until_ready(),
-                classes.wait_until_ready()
+                async { (nodes.wait_until_ready().await, debug!("Node cache filled")) },
+                async {
+                    (
+                        leases.wait_until_ready().await,
+                        debug!("Lease cache filled"),
+                    )
+                },
+                async {
+                    (
+                        classes.wait_until_ready().await,
+                        debug!("ImpVMClass cache filled"),
+                    )
+                },
             );
             ctx.caches_ready.store(true, Ordering::SeqCst);
             ready.store(true, Ordering::SeqCst);

@@ -213,6 +213,16 @@ fn has_finalizer(vm: &ImpVM) -> bool {
     vm.finalizers().iter().any(|f| f == FINALIZER_VM_CLEANUP)
 }
 
+/// `now + d`, rounded up to a whole second. Status times are stored with second resolution, so a
+/// deadline rounded down could fire up to a second early; rounded up it never fires before `d`.
+pub fn deadline(now: Timestamp, d: Duration) -> Timestamp {
+    let t = add(now, d);
+    if t.subsec_nanosecond() == 0 {
+        return t;
+    }
+    Timestamp::from_second(t.as_second()).map_or(t, |s| add(s, Duration::from_secs(1)))
+}
+
 /// One reconcile step.
 pub fn decide(i: &Input<'_>) -> Plan {
     let vm = i.vm;
@@ -491,9 +501,15 @@ fn stopped(
                 "onExhaustion fail: stays down until changed or deleted".to_owned()
             }
             OnExhaustion::CoolDown => {
-                let p = policy.cool_down_period.unwrap_or_default();
-                plan.requeue_within(p);
-                format!("onExhaustion cool-down: budget resets at {}", add(i.now, p))
+                let at = deadline(i.now, policy.cool_down_period.unwrap_or_default());
+                // The reset is the next restart: recorded where the agent and kubectl can see it.
+                status
+                    .restarts
+                    .as_mut()
+                    .expect("set above")
+                    .next_restart_time = Some(Time(at));
+                plan.requeue_within(until(i.now, at));
+                format!("onExhaustion cool-down: budget resets at {at}")
             }
             OnExhaustion::ManualReset => format!(
                 "onExhaustion manual-reset: annotate {ANNOTATION_RESET_RESTARTS} to restart"
@@ -515,7 +531,8 @@ fn stopped(
             let delay = backoff_delay(policy, restarts.count);
             let mut status = observed.clone();
             let mut r = restarts.clone();
-            r.next_restart_time = Some(Time(add(i.now, delay)));
+            let at = deadline(i.now, delay);
+            r.next_restart_time = Some(Time(at));
             status.restarts = Some(r);
             plan.notes.push(Note::normal(
                 xr::BACK_OFF,
@@ -526,7 +543,7 @@ fn stopped(
                 ),
             ));
             plan.set_status(&observed, status);
-            plan.requeue_within(delay);
+            plan.requeue_within(until(i.now, at));
             plan
         }
         Some(at) if i.now < at => {
@@ -667,13 +684,17 @@ fn exhausted(
     let Some(period) = policy.cool_down_period else {
         return plan;
     };
-    let since = observed
-        .restarts
-        .as_ref()
-        .and_then(|r| r.exhausted_time.as_ref())
-        .map(|t| t.0)
-        .unwrap_or(i.now);
-    let at = add(since, period);
+    let restarts = observed.restarts.as_ref();
+    let at = match restarts.and_then(|r| r.next_restart_time.as_ref()) {
+        Some(t) => t.0,
+        None => {
+            let since = restarts
+                .and_then(|r| r.exhausted_time.as_ref())
+                .map(|t| t.0)
+                .unwrap_or(i.now);
+            deadline(since, period)
+        }
+    };
     if i.now >= at {
         return reset_budget(i, observed, policy, xr::COOL_DOWN_ELAPSED, plan);
     }
@@ -870,6 +891,29 @@ mod tests {
         assert_eq!(backoff_delay(&p, u32::MAX).as_secs(), 60);
         let sub = policy(json!({"backoff": {"initialDelay": "250ms", "maxDelay": "1s"}}));
         assert_eq!(backoff_delay(&sub, 1), Duration::from_millis(500));
+    }
+
+    #[test]
+    fn deadlines_round_up_to_whole_seconds() {
+        let now = Timestamp::from_millisecond(1_800_000_000_250).unwrap();
+        assert_eq!(deadline(now, Duration::from_secs(1)), t(2));
+        assert_eq!(deadline(t(0), Duration::from_secs(1)), t(1));
+        assert_eq!(deadline(t(0), Duration::from_millis(1)), t(1));
+        // A sub-second now still waits the full backoff.
+        let v = persistent(json!({"backoff": {"initialDelay": "1s"}}), VmPhase::Failed);
+        let c = class();
+        let p = decide(&Input {
+            vm: &v,
+            class: Some(&c),
+            node: &HEALTHY,
+            timing: &timing(),
+            now,
+        });
+        assert_eq!(
+            status(&p).restarts.as_ref().unwrap().next_restart_time,
+            Some(Time(t(2)))
+        );
+        assert_eq!(p.requeue_after, Some(Duration::from_millis(1750)));
     }
 
     #[test]

@@ -1,0 +1,570 @@
+//! Shared harness of the ImpVM controller tests: a controller scoped to the test's namespace and to Nodes
+//! labelled for this test, Node/Lease/ImpVMClass fixtures, and helpers that play the node agent by writing
+//! ImpVM status exactly as the agent does (read-modify-write with the resourceVersion as precondition).
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use imp_api::{ImpVM, ImpVMClass, ImpVMStatus, VmPhase, names::LABEL_NODE_ENABLED};
+use imp_operator::{
+    metrics::{VmMetrics, encode},
+    vm::{Timing, VmControllerConfig, lease_name, run_vm_controller},
+};
+use imp_testkit::{TestEnv, controlplane::config_from_kubeconfig};
+use k8s_openapi::{
+    api::{
+        coordination::v1::{Lease, LeaseSpec},
+        core::v1::Node,
+        events::v1::Event,
+    },
+    apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time},
+    jiff::Timestamp,
+};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{DeleteParams, ListParams, Patch, PatchParams, PostParams},
+};
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+/// Label on the Nodes of one test; its controller only sees those.
+pub const TEST_NODE_LABEL: &str = "imp.dev/test-node";
+
+/// Short timings so every timed transition happens within a few seconds.
+pub fn fast_timing() -> Timing {
+    Timing {
+        node_not_ready_grace: Duration::from_secs(2),
+        heartbeat_stale_after: Duration::from_secs(2),
+        finalizer_timeout: Duration::from_secs(2),
+        unschedulable_retry: Duration::from_millis(500),
+        resync: Duration::from_secs(5),
+    }
+}
+
+pub struct Harness {
+    pub env: TestEnv,
+    pub client: Client,
+    pub ns: String,
+    pub metrics: VmMetrics,
+    registry: Registry,
+    controller: JoinHandle<()>,
+    heartbeats: Vec<(String, JoinHandle<()>)>,
+    classes: Vec<String>,
+}
+
+impl Harness {
+    pub async fn start(prefix: &str) -> Self {
+        Self::start_with(prefix, fast_timing()).await
+    }
+
+    pub async fn start_with(prefix: &str, timing: Timing) -> Self {
+        // IMP_LOG=imp_operator=debug shows the controller's decisions in test output.
+        if let Ok(filter) = std::env::var("IMP_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_test_writer()
+                .try_init();
+        }
+        let env = TestEnv::new(prefix).await;
+        let client = env.client.clone();
+        let ns = env.namespace.clone();
+        let mut config = VmControllerConfig::new(ns.clone());
+        config.vm_namespace = Some(ns.clone());
+        config.node_selector = Some(format!("{TEST_NODE_LABEL}={ns}"));
+        config.timing = timing;
+        let metrics = VmMetrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let ready = Arc::new(AtomicBool::new(false));
+        let controller = tokio::spawn(run_vm_controller(
+            client.clone(),
+            config,
+            metrics.clone(),
+            ready.clone(),
+        ));
+        let started = Instant::now();
+        while !ready.load(Ordering::SeqCst) {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "controller caches never filled"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Harness {
+            env,
+            client,
+            ns,
+            metrics,
+            registry,
+            controller,
+            heartbeats: vec![],
+            classes: vec![],
+        }
+    }
+
+    pub fn vms(&self) -> Api<ImpVM> {
+        self.env.api()
+    }
+
+    pub fn nodes(&self) -> Api<Node> {
+        Api::all(self.client.clone())
+    }
+
+    pub fn leases(&self) -> Api<Lease> {
+        self.env.api()
+    }
+
+    pub fn metrics_text(&self) -> String {
+        encode(&self.registry).unwrap()
+    }
+
+    /// A cluster-wide unique name for this test's cluster-scoped objects.
+    pub fn unique(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.ns)
+    }
+
+    /// A Ready node with `vcpu` CPUs and `memory_mib` allocatable, labelled for this test, with a heartbeat.
+    pub async fn add_node(&mut self, suffix: &str, vcpu: u32, memory_mib: u64) -> String {
+        self.add_node_with(suffix, vcpu, memory_mib, json!({}), json!({}))
+            .await
+    }
+
+    /// Like [`add_node`], with extra labels and spec fields (taints, unschedulable).
+    pub async fn add_node_with(
+        &mut self,
+        suffix: &str,
+        vcpu: u32,
+        memory_mib: u64,
+        labels: Value,
+        spec: Value,
+    ) -> String {
+        let name = self.unique(suffix);
+        let mut all_labels = json!({LABEL_NODE_ENABLED: "true", TEST_NODE_LABEL: self.ns});
+        all_labels
+            .as_object_mut()
+            .unwrap()
+            .extend(labels.as_object().unwrap().clone());
+        let node: Node = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": all_labels},
+            "spec": spec,
+        }))
+        .unwrap();
+        let created = self
+            .nodes()
+            .create(&PostParams::default(), &node)
+            .await
+            .unwrap();
+        // The API server taints new nodes not-ready; the node lifecycle controller (absent here) lifts the
+        // taint once the node reports Ready, so the test does that.
+        let taints: Vec<Value> = created
+            .spec
+            .and_then(|s| s.taints)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|t| t.key != "node.kubernetes.io/not-ready")
+            .map(|t| serde_json::to_value(t).unwrap())
+            .collect();
+        let patch = json!({"spec": {"taints": taints}});
+        self.nodes()
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        let status = json!({"status": {
+            "allocatable": {"cpu": vcpu.to_string(), "memory": format!("{memory_mib}Mi")},
+            "capacity": {"cpu": vcpu.to_string(), "memory": format!("{memory_mib}Mi")},
+            "conditions": [
+                node_condition("Ready", "True"),
+                node_condition("MemoryPressure", "False"),
+                node_condition("DiskPressure", "False"),
+                node_condition("PIDPressure", "False"),
+            ],
+        }});
+        self.nodes()
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .unwrap();
+        self.start_heartbeat(&name).await;
+        name
+    }
+
+    /// Sets one node condition (Ready, MemoryPressure, ...), transition time now.
+    pub async fn set_node_condition(&self, node: &str, type_: &str, status: &str) {
+        let mut current = self.nodes().get_status(node).await.unwrap();
+        let conditions = current
+            .status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap();
+        conditions.retain(|c| c.type_ != type_);
+        conditions.push(serde_json::from_value(node_condition(type_, status)).unwrap());
+        self.nodes()
+            .replace_status(node, &PostParams::default(), &current)
+            .await
+            .unwrap();
+    }
+
+    /// Creates the agent's heartbeat Lease and renews it every 300 ms (the agent's job) until stopped.
+    pub async fn start_heartbeat(&mut self, node: &str) {
+        let lease: Lease = Lease {
+            metadata: kube::api::ObjectMeta {
+                name: Some(lease_name(node)),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(node.to_owned()),
+                lease_duration_seconds: Some(2),
+                renew_time: Some(MicroTime(Timestamp::now())),
+                ..Default::default()
+            }),
+        };
+        let leases = self.leases();
+        match leases.create(&PostParams::default(), &lease).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("create lease: {e}"),
+        }
+        let name = lease_name(node);
+        let task = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let patch = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+                let _ = leases
+                    .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await;
+            }
+        });
+        self.heartbeats.push((node.to_owned(), task));
+    }
+
+    /// The agent on `node` stops renewing its Lease.
+    pub fn stop_heartbeat(&mut self, node: &str) {
+        for (n, task) in &self.heartbeats {
+            if n == node {
+                task.abort();
+            }
+        }
+        self.heartbeats.retain(|(n, _)| n != node);
+    }
+
+    /// A cluster-scoped ImpVMClass unique to this test; returns its name.
+    pub async fn add_class(
+        &mut self,
+        suffix: &str,
+        vcpu: u32,
+        memory_mib: u32,
+        restart_policy: Option<Value>,
+    ) -> String {
+        let name = self.unique(suffix);
+        let mut spec = json!({"vcpu": vcpu, "memoryMiB": memory_mib});
+        if let Some(p) = restart_policy {
+            spec["restartPolicy"] = p;
+        }
+        let class: ImpVMClass = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass", "metadata": {"name": name}, "spec": spec,
+        }))
+        .unwrap();
+        Api::<ImpVMClass>::all(self.client.clone())
+            .create(&PostParams::default(), &class)
+            .await
+            .unwrap();
+        self.classes.push(name.clone());
+        name
+    }
+
+    pub async fn create_vm(
+        &self,
+        name: &str,
+        class: &str,
+        lifecycle: &str,
+        extra_spec: Value,
+    ) -> ImpVM {
+        let mut spec = json!({"classRef": {"name": class}, "image": "ghcr.io/imp/runner:1", "lifecycle": lifecycle});
+        spec.as_object_mut()
+            .unwrap()
+            .extend(extra_spec.as_object().unwrap().clone());
+        let vm: ImpVM = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"name": name}, "spec": spec,
+        }))
+        .unwrap();
+        self.vms()
+            .create(&PostParams::default(), &vm)
+            .await
+            .unwrap()
+    }
+
+    /// Polls until `pred` holds for the VM; panics with the last seen object after `within`.
+    pub async fn wait_vm(
+        &self,
+        name: &str,
+        what: &str,
+        within: Duration,
+        pred: impl Fn(&ImpVM) -> bool,
+    ) -> ImpVM {
+        let started = Instant::now();
+        loop {
+            let vm = self.vms().get(name).await.unwrap();
+            if pred(&vm) {
+                return vm;
+            }
+            if started.elapsed() > within {
+                panic!(
+                    "{name}: not {what} after {within:?}; last seen: {:#?}",
+                    vm.status
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn wait_phase(&self, name: &str, phase: VmPhase, within: Duration) -> ImpVM {
+        self.wait_vm(name, &format!("{phase:?}"), within, |vm| {
+            phase_of(vm) == Some(phase)
+        })
+        .await
+    }
+
+    pub async fn wait_gone(&self, name: &str, within: Duration) -> Duration {
+        let started = Instant::now();
+        loop {
+            match self.vms().get_opt(name).await.unwrap() {
+                None => return started.elapsed(),
+                Some(vm) if started.elapsed() > within => {
+                    panic!("{name} still present after {within:?}: {:#?}", vm.status)
+                }
+                Some(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    /// Plays the agent: read-modify-write of the status, retried on conflict like the agent does.
+    pub async fn agent_status(&self, name: &str, f: impl Fn(&mut ImpVMStatus)) -> ImpVM {
+        for _ in 0..50 {
+            let mut vm = self.vms().get(name).await.unwrap();
+            let status = vm.status.get_or_insert_with(Default::default);
+            f(status);
+            match self
+                .vms()
+                .replace_status(name, &PostParams::default(), &vm)
+                .await
+            {
+                Ok(vm) => return vm,
+                Err(kube::Error::Api(s)) if s.code == 409 => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => panic!("agent status write: {e}"),
+            }
+        }
+        panic!("agent status write kept conflicting");
+    }
+
+    /// The agent boots the VM: Starting, then Running with firstRunningTime and Ready.
+    pub async fn agent_run(&self, name: &str) -> ImpVM {
+        self.agent_status(name, |s| {
+            s.phase = Some(VmPhase::Starting);
+            s.boot_start_time = Some(Time(Timestamp::now()));
+        })
+        .await;
+        self.agent_status(name, |s| {
+            let now = Timestamp::now();
+            s.phase = Some(VmPhase::Running);
+            s.boot_complete_time = Some(Time(now));
+            s.first_running_time.get_or_insert(Time(now));
+            s.ip = Some("10.64.0.2".into());
+            set_condition(s, "Ready", "True", "ProbeSucceeded");
+        })
+        .await
+    }
+
+    /// The VM process exits: the agent reports the phase with a reason.
+    pub async fn agent_stop(&self, name: &str, phase: VmPhase, reason: &str) -> ImpVM {
+        self.agent_status(name, |s| {
+            s.phase = Some(phase);
+            s.reason = Some(reason.to_owned());
+            s.message = Some("runner exited with code 1".into());
+            set_condition(s, "Ready", "False", "VmStopped");
+        })
+        .await
+    }
+
+    /// The agent finished teardown (process, TAP, IP, disk released).
+    pub async fn agent_torn_down(&self, name: &str) -> ImpVM {
+        self.agent_status(name, |s| {
+            set_condition(s, "TornDown", "True", "TeardownComplete")
+        })
+        .await
+    }
+
+    /// (reason, note) of the Events about one VM, oldest first.
+    pub async fn events(&self, vm: &str) -> Vec<(String, String)> {
+        let events: Api<Event> = self.env.api();
+        let mut list: Vec<Event> = events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(vm))
+            .collect();
+        list.sort_by_key(|e| e.event_time.as_ref().map(|t| t.0));
+        list.into_iter()
+            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
+    }
+
+    /// Waits until an Event with `reason` about `vm` exists; returns its note.
+    pub async fn wait_event(&self, vm: &str, reason: &str, within: Duration) -> String {
+        let started = Instant::now();
+        loop {
+            let events = self.events(vm).await;
+            if let Some((_, note)) = events.iter().find(|(r, _)| r == reason) {
+                return note.clone();
+            }
+            if started.elapsed() > within {
+                panic!("no {reason} Event for {vm} after {within:?}; events: {events:#?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Histogram (count, sum) of the scheduling latency this test's controller recorded.
+    pub fn scheduling_latency(&self) -> (u64, f64) {
+        let text = self.metrics_text();
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+                .map(|v| v.trim().parse::<f64>().unwrap())
+                .unwrap_or(0.0)
+        };
+        (
+            value("imp_vm_scheduling_latency_seconds_count") as u64,
+            value("imp_vm_scheduling_latency_seconds_sum"),
+        )
+    }
+
+    /// Stops the controller and removes what the test created outside its namespace.
+    pub async fn finish(mut self) {
+        self.controller.abort();
+        for (_, task) in self.heartbeats.drain(..) {
+            task.abort();
+        }
+        cleanup(&self.client, &self.ns, &self.classes).await;
+        self.classes.clear();
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        // Reached without finish() when a test panicked: still clean up cluster-scoped objects.
+        self.controller.abort();
+        for (_, task) in self.heartbeats.drain(..) {
+            task.abort();
+        }
+        let (kubeconfig, ns, classes) = (
+            self.env.kubeconfig_path().to_path_buf(),
+            self.ns.clone(),
+            std::mem::take(&mut self.classes),
+        );
+        let _ = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let Ok(config) = config_from_kubeconfig(&kubeconfig).await else {
+                    return;
+                };
+                let Ok(client) = Client::try_from(config) else {
+                    return;
+                };
+                cleanup(&client, &ns, &classes).await;
+            });
+        })
+        .join();
+    }
+}
+
+async fn cleanup(client: &Client, ns: &str, classes: &[String]) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let _ = nodes
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels(&format!("{TEST_NODE_LABEL}={ns}")),
+        )
+        .await;
+    let class_api: Api<ImpVMClass> = Api::all(client.clone());
+    for c in classes {
+        let _ = class_api.delete(c, &DeleteParams::default()).await;
+    }
+    // With the controller gone nobody would release the finalizers, and the namespace could never go.
+    let vms: Api<ImpVM> = Api::namespaced(client.clone(), ns);
+    if let Ok(list) = vms.list(&ListParams::default()).await {
+        for vm in list {
+            let patch = json!({"metadata": {"finalizers": null}});
+            let _ = vms
+                .patch(
+                    &vm.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await;
+        }
+    }
+}
+
+fn node_condition(type_: &str, status: &str) -> Value {
+    let now = Timestamp::now().to_string();
+    json!({"type": type_, "status": status, "reason": "Test", "message": "set by test",
+           "lastHeartbeatTime": now, "lastTransitionTime": now})
+}
+
+pub fn phase_of(vm: &ImpVM) -> Option<VmPhase> {
+    vm.status.as_ref().and_then(|s| s.phase)
+}
+
+pub fn condition<'a>(vm: &'a ImpVM, type_: &str) -> Option<&'a Condition> {
+    vm.status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+}
+
+/// (status, reason) of a condition, for compact asserts.
+pub fn cond(vm: &ImpVM, type_: &str) -> Option<(String, String)> {
+    condition(vm, type_).map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+pub fn set_condition(s: &mut ImpVMStatus, type_: &str, status: &str, reason: &str) {
+    s.conditions.retain(|c| c.type_ != type_);
+    s.conditions.push(Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.to_owned(),
+        message: String::new(),
+        observed_generation: None,
+        last_transition_time: Time(Timestamp::now()),
+    });
+}
+
+pub fn node_of(vm: &ImpVM) -> Option<&str> {
+    vm.spec.node_name.as_deref()
+}
+
+/// Runs `f` and returns its result with the time it took.
+pub async fn timed<T>(f: impl Future<Output = T>) -> (T, Duration) {
+    let started = Instant::now();
+    let out = f.await;
+    (out, started.elapsed())
+}

@@ -1,0 +1,240 @@
+//! Scheduling on a real API server: best fit, unschedulable reasons, capacity shared between VMs and freed
+//! by the teardown handshake, taints, and class resolution.
+
+mod vm_common;
+
+use std::time::Duration;
+
+use imp_api::{VmPhase, names::FINALIZER_VM_CLEANUP};
+use kube::{ResourceExt, api::DeleteParams};
+use serde_json::json;
+use vm_common::*;
+
+const WAIT: Duration = Duration::from_secs(15);
+
+#[tokio::test(flavor = "multi_thread")]
+async fn binds_to_the_best_fit_node_and_kubectl_shows_phase_and_node() {
+    let mut h = Harness::start("vmsched").await;
+    let big = h.add_node("big", 8, 16384).await;
+    let small = h.add_node("small", 2, 2048).await;
+    let class = h.add_class("small", 1, 1024, None).await;
+    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+
+    let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(
+        node_of(&vm),
+        Some(small.as_str()),
+        "best fit leaves the least memory free (big: {big})"
+    );
+    assert!(vm.finalizers().iter().any(|f| f == FINALIZER_VM_CLEANUP));
+    assert_eq!(
+        cond(&vm, "Scheduled"),
+        Some(("True".into(), "NodeAssigned".into()))
+    );
+    assert!(vm.status.as_ref().unwrap().scheduled_time.is_some());
+    let vm = h
+        .wait_vm("vm1", "NodeHealthy=True", WAIT, |vm| {
+            cond(vm, "NodeHealthy").is_some_and(|c| c.0 == "True")
+        })
+        .await;
+    assert_eq!(cond(&vm, "NodeHealthy").unwrap().1, "NodeReady");
+    let note = h.wait_event("vm1", "Scheduled", WAIT).await;
+    assert!(note.contains(&small), "{note}");
+
+    let (count, sum) = h.scheduling_latency();
+    assert_eq!(count, 1);
+    eprintln!("imp_vm_scheduling_latency_seconds: creation -> Scheduled took {sum:.3}s");
+    assert!(sum < 10.0, "{sum}");
+
+    let out = h
+        .env
+        .kubectl()
+        .args(["get", "impvm", "vm1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let header = text.lines().next().unwrap();
+    assert!(
+        header.contains("PHASE") && header.contains("NODE"),
+        "{text}"
+    );
+    let row = text.lines().nth(1).unwrap();
+    assert!(row.contains("Scheduled") && row.contains(&small), "{text}");
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unschedulable_vm_waits_pending_with_reasons_then_binds_when_a_node_fits() {
+    let mut h = Harness::start("vmunsched").await;
+    let cordoned = h
+        .add_node_with(
+            "cordoned",
+            4,
+            4096,
+            json!({}),
+            json!({"unschedulable": true}),
+        )
+        .await;
+    let pressured = h.add_node("pressured", 4, 4096).await;
+    h.set_node_condition(&pressured, "MemoryPressure", "True")
+        .await;
+    h.add_node("tiny", 4, 512).await;
+    let class = h.add_class("c", 1, 1024, None).await;
+    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+
+    let vm = h
+        .wait_vm("vm1", "Unschedulable", WAIT, |vm| {
+            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Unschedulable")
+        })
+        .await;
+    assert_eq!(phase_of(&vm), Some(VmPhase::Pending));
+    let message = vm.status.as_ref().unwrap().message.clone().unwrap();
+    for part in [
+        "0/3 nodes are available",
+        "1 cordoned",
+        "1 under MemoryPressure",
+        "1 insufficient memory",
+    ] {
+        assert!(message.contains(part), "{part:?} not in {message:?}");
+    }
+    assert_eq!(
+        cond(&vm, "Scheduled"),
+        Some(("False".into(), "Unschedulable".into()))
+    );
+    let note = h.wait_event("vm1", "FailedScheduling", WAIT).await;
+    assert_eq!(note, message);
+
+    // Uncordoning fixes it: the Node watch (or the retry) binds the VM there.
+    h.nodes()
+        .patch(
+            &cordoned,
+            &Default::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"unschedulable": false}})),
+        )
+        .await
+        .unwrap();
+    let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&vm), Some(cordoned.as_str()));
+    assert_eq!(vm.status.as_ref().unwrap().reason, None);
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn capacity_is_shared_between_vms_and_freed_by_teardown() {
+    let mut h = Harness::start("vmcap").await;
+    let node = h.add_node("n", 2, 8192).await;
+    let class = h.add_class("one-cpu", 1, 1024, None).await;
+    // Created together: the scheduler must not place all three on a node with room for two.
+    for name in ["a", "b", "c"] {
+        h.create_vm(name, &class, "ephemeral", json!({})).await;
+    }
+    let mut bound = vec![];
+    let mut waiting = vec![];
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        bound.clear();
+        waiting.clear();
+        for name in ["a", "b", "c"] {
+            let vm = h.vms().get(name).await.unwrap();
+            match phase_of(&vm) {
+                Some(VmPhase::Scheduled) => bound.push(name),
+                Some(VmPhase::Pending)
+                    if vm.status.as_ref().unwrap().reason.as_deref() == Some("Unschedulable") =>
+                {
+                    waiting.push(name)
+                }
+                _ => {}
+            }
+        }
+        if bound.len() + waiting.len() == 3 || std::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        (bound.len(), waiting.len()),
+        (2, 1),
+        "bound {bound:?}, waiting {waiting:?}"
+    );
+    let pending = waiting[0];
+    let vm = h.vms().get(pending).await.unwrap();
+    let message = vm.status.unwrap().message.unwrap();
+    assert!(message.contains("1 insufficient cpu"), "{message}");
+
+    // Deleting a bound VM frees its share only after the agent's teardown record.
+    let victim = bound[0];
+    h.vms()
+        .delete(victim, &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_phase(victim, VmPhase::Terminating, WAIT).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        phase_of(&h.vms().get(pending).await.unwrap()),
+        Some(VmPhase::Pending),
+        "capacity reused before teardown"
+    );
+    h.agent_torn_down(victim).await;
+    h.wait_gone(victim, WAIT).await;
+    let vm = h.wait_phase(pending, VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&vm), Some(node.as_str()));
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn taints_keep_vms_off_unless_tolerated() {
+    let mut h = Harness::start("vmtaint").await;
+    // The tainted node is the better fit, so only the taint can keep a VM off it.
+    let tainted = h
+        .add_node_with("tainted", 2, 2048, json!({}), json!({"taints": [{"key": "imp.dev/dedicated", "value": "gpu", "effect": "NoSchedule"}]}))
+        .await;
+    let plain = h.add_node("plain", 8, 16384).await;
+    let class = h.add_class("c", 1, 1024, None).await;
+    h.create_vm("plain-vm", &class, "ephemeral", json!({}))
+        .await;
+    h.create_vm(
+        "tolerant-vm",
+        &class,
+        "ephemeral",
+        json!({"tolerations": [{"key": "imp.dev/dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]}),
+    )
+    .await;
+    let vm = h.wait_phase("plain-vm", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&vm), Some(plain.as_str()));
+    let vm = h.wait_phase("tolerant-vm", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&vm), Some(tainted.as_str()));
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn missing_class_fails_spec_invalid_and_recovers_when_created() {
+    let mut h = Harness::start("vmclass").await;
+    h.add_node("n", 4, 4096).await;
+    let missing = h.unique("later");
+    h.create_vm("vm1", &missing, "ephemeral", json!({})).await;
+    let vm = h.wait_phase("vm1", VmPhase::Failed, WAIT).await;
+    let status = vm.status.clone().unwrap();
+    assert_eq!(status.reason.as_deref(), Some("SpecInvalid"));
+    assert!(
+        status
+            .message
+            .unwrap()
+            .contains(&format!("ImpVMClass {missing:?} does not exist"))
+    );
+    assert_eq!(
+        cond(&vm, "Scheduled"),
+        Some(("False".into(), "ClassNotFound".into()))
+    );
+    h.wait_event("vm1", "SpecInvalid", WAIT).await;
+
+    // Creating the class: the class watch brings the VM back through scheduling.
+    let created = h.add_class("later", 1, 1024, None).await;
+    assert_eq!(created, missing);
+    h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    h.finish().await;
+}
