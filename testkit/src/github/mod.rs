@@ -521,9 +521,9 @@ impl AdminClient {
     }
 }
 
-/// Path of the `imp-fake-runner` binary: `$IMP_FAKE_RUNNER_BIN`, else built once per process with
-/// `cargo build -p imp-testkit --bin imp-fake-runner` (a no-op when fresh) into the target dir the
-/// running test lives in.
+/// Path of the `imp-fake-runner` binary: `$IMP_FAKE_RUNNER_BIN`; else the one beside the running
+/// test when it is newer than every testkit source; else built once per process with
+/// `cargo build -p imp-testkit --bin imp-fake-runner` into the target dir the test lives in.
 pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
     static BUILT: std::sync::OnceLock<Result<std::path::PathBuf, String>> =
         std::sync::OnceLock::new();
@@ -539,10 +539,18 @@ pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
                 .and_then(|d| d.parent())
                 .ok_or("unexpected test binary location")?
                 .to_path_buf();
+            let bin = profile_dir.join("imp-fake-runner");
+            let manifest_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+            let newest_source = newest_mtime(&manifest_dir.join("src"))
+                .max(newest_mtime(&manifest_dir.join("Cargo.toml")));
+            let built_at = std::fs::metadata(&bin).and_then(|m| m.modified()).ok();
+            if built_at.is_some_and(|b| Some(b) >= newest_source) {
+                return Ok(bin);
+            }
             let target_dir = profile_dir.parent().ok_or("unexpected target layout")?;
             let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
             let mut cmd = std::process::Command::new(cargo);
-            cmd.current_dir(env!("CARGO_MANIFEST_DIR"))
+            cmd.current_dir(manifest_dir)
                 .args([
                     "build",
                     "-q",
@@ -559,8 +567,23 @@ pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
             if !status.success() {
                 return Err(format!("cargo build of imp-fake-runner failed: {status}"));
             }
-            Ok(profile_dir.join("imp-fake-runner"))
+            Ok(bin)
         })
         .clone()
         .map_err(|e| anyhow::anyhow!(e))
+}
+
+/// The newest modification time under `path` (a file or a directory tree).
+fn newest_mtime(path: &std::path::Path) -> Option<std::time::SystemTime> {
+    let meta = std::fs::metadata(path).ok()?;
+    let own = meta.modified().ok();
+    if !meta.is_dir() {
+        return own;
+    }
+    std::fs::read_dir(path)
+        .ok()?
+        .flatten()
+        .filter_map(|e| newest_mtime(&e.path()))
+        .chain(own)
+        .max()
 }
