@@ -307,7 +307,11 @@ impl GithubApp {
             .inc();
         match &result {
             Ok(r) => {
-                if let Some(remaining) = rate_limit_remaining(&r.headers) {
+                // The token exchange reports the App's own (JWT) quota; the gauge tracks the
+                // installation's, which every other call spends.
+                if let Some(remaining) = rate_limit_remaining(&r.headers)
+                    && op != Operation::TokenExchange
+                {
                     self.inner
                         .metrics
                         .rate_limit_remaining

@@ -29,7 +29,8 @@ pub struct ErrorLabels {
 /// The client's metrics. Clone shares the underlying series.
 #[derive(Clone)]
 pub struct GithubMetrics {
-    /// `imp_github_rate_limit_remaining{app_id}`: last `x-ratelimit-remaining` seen.
+    /// `imp_github_rate_limit_remaining{app_id}`: last `x-ratelimit-remaining` seen on an
+    /// installation-token call.
     pub rate_limit_remaining: Family<AppLabels, Gauge>,
     /// `imp_github_requests_total{operation,status}`.
     pub requests: Family<RequestLabels, Counter>,
