@@ -35,6 +35,12 @@ struct Args {
     /// Log filter (tracing env-filter syntax).
     #[arg(long, env = "IMP_LOG", default_value = "info")]
     log: String,
+    /// Manage ImpVMs in this namespace only (default: every namespace).
+    #[arg(long, env = "IMP_WATCH_NAMESPACE")]
+    watch_namespace: Option<String>,
+    /// Extra label selector for the nodes Imp may use, ANDed with imp/enabled=true (e.g. `pool=ci`).
+    #[arg(long, env = "IMP_NODE_SELECTOR")]
+    node_selector: Option<String>,
     /// Log as JSON lines instead of human-readable text.
     #[arg(long, env = "IMP_LOG_JSON", default_value_t = false)]
     log_json: bool,
@@ -131,7 +137,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     let listener = tokio::net::TcpListener::bind(args.http_addr).await?;
     info!(addr = %args.http_addr, namespace = %args.namespace, "imp-operator starting");
-    let config = VmControllerConfig::new(args.namespace.clone());
+    let mut config = VmControllerConfig::new(args.namespace.clone());
+    config.vm_namespace = args.watch_namespace.clone().filter(|n| !n.is_empty());
+    config.node_selector = args.node_selector.clone().filter(|s| !s.is_empty());
     let controller = run_vm_controller(client, config, vm_metrics, ready);
     let server = axum::serve(listener, router(state)).with_graceful_shutdown(shutdown_signal());
     tokio::select! {

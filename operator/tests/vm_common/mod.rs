@@ -56,7 +56,7 @@ pub struct Harness {
     pub ns: String,
     pub metrics: VmMetrics,
     registry: Registry,
-    controller: JoinHandle<()>,
+    controller: Option<JoinHandle<()>>,
     heartbeats: Vec<(String, JoinHandle<()>)>,
     classes: Vec<String>,
 }
@@ -100,12 +100,30 @@ impl Harness {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         Harness {
+            controller: Some(controller),
             env,
             client,
             ns,
             metrics,
             registry,
-            controller,
+            heartbeats: vec![],
+            classes: vec![],
+        }
+    }
+
+    /// Fixtures without an in-process controller (a test that runs the operator binary instead).
+    pub async fn without_controller(prefix: &str) -> Self {
+        let env = TestEnv::new(prefix).await;
+        let metrics = VmMetrics::default();
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        Harness {
+            controller: None,
+            client: env.client.clone(),
+            ns: env.namespace.clone(),
+            env,
+            metrics,
+            registry,
             heartbeats: vec![],
             classes: vec![],
         }
@@ -455,7 +473,9 @@ impl Harness {
 
     /// Stops the controller and removes what the test created outside its namespace.
     pub async fn finish(mut self) {
-        self.controller.abort();
+        if let Some(c) = &self.controller {
+            c.abort();
+        }
         for (_, task) in self.heartbeats.drain(..) {
             task.abort();
         }
@@ -467,7 +487,9 @@ impl Harness {
 impl Drop for Harness {
     fn drop(&mut self) {
         // Reached without finish() when a test panicked: still clean up cluster-scoped objects.
-        self.controller.abort();
+        if let Some(c) = &self.controller {
+            c.abort();
+        }
         for (_, task) in self.heartbeats.drain(..) {
             task.abort();
         }
