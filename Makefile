@@ -2,10 +2,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test testenv lint unit crds crds-check guest-static chart-lint smoke clean-testenv
+.PHONY: test testenv lint unit crds guest-static guest-vm chart-lint smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
-test: testenv lint unit guest-static chart-lint
+test: testenv lint unit guest-static guest-vm chart-lint
 
 ## etcd, kube-apiserver, kube-controller-manager, kubectl and helm from their Go modules (incremental).
 testenv:
@@ -27,6 +27,12 @@ crds:
 ## The guest agent must build fully static (it is injected into images that may have no libc).
 guest-static:
 	guest/check-static.sh
+
+## imp-guest booted for real under QEMU (software emulation) with a Firecracker-style hybrid vsock, and
+## under real Firecracker when IMP_FIRECRACKER_BIN and IMP_KERNEL are set. IMP_INSTALL_DEPS=1 installs
+## qemu, a Debian cloud kernel, busybox-static, cpio and vhost-device-vsock first.
+guest-vm:
+	guest/vm-test.sh
 
 ## helm lint with defaults and with every seed values file.
 chart-lint: testenv

@@ -4,6 +4,10 @@
 //! Validation lives in the generated CRD schemas (OpenAPI + CEL), so the API server rejects bad objects
 //! with a message naming the field; the typed accessors here only fill defaults and parse.
 
+// kube-derive's repeated `printcolumn(name = .., type_ = ..)` arguments look like duplicated attributes to
+// clippy; they are separate columns.
+#![allow(clippy::duplicated_attributes)]
+
 mod class;
 mod duration;
 pub mod names;
