@@ -16,10 +16,6 @@ pub enum Error {
     /// An object lacks a field the API server always sets (name, namespace, uid, creationTimestamp).
     #[error("object is missing {0}")]
     MissingObjectKey(&'static str),
-
-    /// A status or patch body could not be serialised.
-    #[error("serialising a patch failed: {0}")]
-    Serialization(#[source] serde_json::Error),
 }
 
 impl Error {
@@ -29,7 +25,6 @@ impl Error {
             Error::Kube(_) => "kube_api",
             Error::Conflict(_) => "conflict",
             Error::MissingObjectKey(_) => "missing_object_key",
-            Error::Serialization(_) => "serialization",
         }
     }
 

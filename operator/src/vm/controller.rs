@@ -310,9 +310,15 @@ impl Context {
                 finalizers.push(FINALIZER_VM_CLEANUP.to_owned());
             }
             let patch = json!({"metadata": {"resourceVersion": rv, "finalizers": finalizers}});
-            api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            match api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
-                .map_err(|e| Error::from_kube(&what, e))?;
+            {
+                Ok(_) => {}
+                // Already gone: nothing left to hold or release.
+                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Action::await_change()),
+                Err(e) => return Err(Error::from_kube(&what, e)),
+            }
             if plan.remove_finalizer {
                 info!(vm = %what, "finalizer removed");
             }
