@@ -5,7 +5,6 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 use std::{
-    future::Future,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -582,11 +581,4 @@ pub fn set_condition(s: &mut ImpVMStatus, type_: &str, status: &str, reason: &st
 
 pub fn node_of(vm: &ImpVM) -> Option<&str> {
     vm.spec.node_name.as_deref()
-}
-
-/// Runs `f` and returns its result with the time it took.
-pub async fn timed<T>(f: impl Future<Output = T>) -> (T, Duration) {
-    let started = Instant::now();
-    let out = f.await;
-    (out, started.elapsed())
 }
