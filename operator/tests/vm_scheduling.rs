@@ -238,3 +238,31 @@ async fn missing_class_fails_spec_invalid_and_recovers_when_created() {
     h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
     h.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn agent_published_capacity_overrides_allocatable() {
+    let mut h = Harness::start("vmcapann").await;
+    let node = h.add_node("n", 1, 1024).await;
+    let class = h.add_class("big", 2, 2048, None).await;
+    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    let vm = h
+        .wait_vm("vm1", "Unschedulable", WAIT, |vm| {
+            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Unschedulable")
+        })
+        .await;
+    let message = vm.status.unwrap().message.unwrap();
+    assert!(message.contains("1 insufficient cpu"), "{message}");
+
+    // The agent publishes what it really offers to VMs: the annotations win over allocatable.
+    let patch = json!({"metadata": {"annotations": {
+        imp_operator::scheduler::ANNOTATION_CAPACITY_VCPU: "4",
+        imp_operator::scheduler::ANNOTATION_CAPACITY_MEMORY_MIB: "4096",
+    }}});
+    h.nodes()
+        .patch(&node, &Default::default(), &kube::api::Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&vm), Some(node.as_str()));
+    h.finish().await;
+}
