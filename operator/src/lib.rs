@@ -4,3 +4,5 @@ pub mod error;
 pub mod metrics;
 pub mod scheduler;
 pub mod vm;
+pub mod runnerpool;
+pub mod webhook;

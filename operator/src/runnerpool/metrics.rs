@@ -1,0 +1,167 @@
+//! Prometheus metrics of the runner pools and the webhook receiver (listed in docs/metrics.md).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::metrics::{ReasonLabels, ResultLabels};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolStateLabels {
+    /// `namespace/name`.
+    pub pool: String,
+    /// `desired`, `idle`, `busy`, `booting`, `total`.
+    pub state: String,
+}
+
+/// Runner pool metrics. Clones share the series.
+#[derive(Clone)]
+pub struct PoolMetrics {
+    /// `imp_runner_pool_runners{pool,state}`.
+    pub runners: Family<PoolStateLabels, Gauge>,
+    /// `imp_runner_jit_mint_duration_seconds`: successful mints, as the pool saw them.
+    pub jit_mint_duration: Histogram,
+    /// `imp_runner_jit_mint_errors_total{reason}`.
+    pub jit_mint_errors: Family<ReasonLabels, Counter>,
+    /// `imp_webhook_deliveries_total{result}`.
+    pub webhook_deliveries: Family<ResultLabels, Counter>,
+    /// `imp_runner_job_pickup_latency_seconds`: queued job learnt -> a runner Started for it.
+    pub job_pickup_latency: Histogram,
+    /// `imp_runner_deregistrations_total{result}`: `deleted`, `already_gone`, `busy`, `error`.
+    pub deregistrations: Family<ResultLabels, Counter>,
+}
+
+impl Default for PoolMetrics {
+    fn default() -> Self {
+        PoolMetrics {
+            runners: Family::default(),
+            jit_mint_duration: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
+            jit_mint_errors: Family::default(),
+            webhook_deliveries: Family::default(),
+            // 0.25 s .. ~34 min: cold boots take seconds, a saturated pool minutes.
+            job_pickup_latency: Histogram::new(exponential_buckets(0.25, 2.0, 14)),
+            deregistrations: Family::default(),
+        }
+    }
+}
+
+impl PoolMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "imp_runner_pool_runners",
+            "Runner VMs of each pool by state (desired, idle, busy, booting, total)",
+            self.runners.clone(),
+        );
+        registry.register(
+            "imp_runner_jit_mint_duration_seconds",
+            "Latency of successful JIT runner config mints by the pool controller",
+            self.jit_mint_duration.clone(),
+        );
+        registry.register(
+            "imp_runner_jit_mint_errors",
+            "Failed JIT runner config mints, by GitHub error",
+            self.jit_mint_errors.clone(),
+        );
+        registry.register(
+            "imp_webhook_deliveries",
+            "GitHub webhook deliveries by result",
+            self.webhook_deliveries.clone(),
+        );
+        registry.register(
+            "imp_runner_job_pickup_latency_seconds",
+            "Time from learning of a queued job to a runner of its pool reaching Started",
+            self.job_pickup_latency.clone(),
+        );
+        registry.register(
+            "imp_runner_deregistrations",
+            "GitHub runner deregistrations by result",
+            self.deregistrations.clone(),
+        );
+    }
+
+    pub fn delivery(&self, result: &str) {
+        self.webhook_deliveries
+            .get_or_create(&ResultLabels {
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn deregistration(&self, result: &str) {
+        self.deregistrations
+            .get_or_create(&ResultLabels {
+                result: result.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn set_pool(&self, pool: &str, state: &str, value: u32) {
+        self.runners
+            .get_or_create(&PoolStateLabels {
+                pool: pool.to_owned(),
+                state: state.to_owned(),
+            })
+            .set(i64::from(value));
+    }
+
+    pub fn remove_pool(&self, pool: &str) {
+        for state in super::STATES {
+            self.runners.remove(&PoolStateLabels {
+                pool: pool.to_owned(),
+                state: state.to_owned(),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exported_under_documented_names() {
+        let m = PoolMetrics::default();
+        let mut registry = Registry::default();
+        m.register(&mut registry);
+        m.set_pool("ns/p", "idle", 3);
+        m.delivery("accepted");
+        m.deregistration("deleted");
+        m.jit_mint_errors
+            .get_or_create(&ReasonLabels {
+                reason: "server_error".into(),
+            })
+            .inc();
+        m.jit_mint_duration.observe(0.1);
+        m.job_pickup_latency.observe(2.0);
+        let text = crate::metrics::encode(&registry).unwrap();
+        for want in [
+            "imp_runner_pool_runners{pool=\"ns/p\",state=\"idle\"} 3",
+            "imp_webhook_deliveries_total{result=\"accepted\"} 1",
+            "imp_runner_jit_mint_errors_total{reason=\"server_error\"} 1",
+            "imp_runner_jit_mint_duration_seconds_count 1",
+            "imp_runner_job_pickup_latency_seconds_count 1",
+            "imp_runner_deregistrations_total{result=\"deleted\"} 1",
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        let docs = include_str!("../../../docs/metrics.md");
+        for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+            let family = line.split_whitespace().next().unwrap();
+            let documented = if line.ends_with(" counter") {
+                format!("{family}_total")
+            } else {
+                family.to_owned()
+            };
+            assert!(
+                docs.contains(&format!("`{documented}`")),
+                "{documented} is not in docs/metrics.md"
+            );
+        }
+        m.remove_pool("ns/p");
+        let text = crate::metrics::encode(&registry).unwrap();
+        assert!(!text.contains("pool=\"ns/p\""));
+    }
+}

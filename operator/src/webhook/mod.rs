@@ -1,0 +1,309 @@
+//! The GitHub webhook receiver: `POST /webhooks/github`. A delivery is accepted only with an
+//! `X-Hub-Signature-256` made with the global webhook secret or a pool's own; a bad signature answers
+//! 401 and changes nothing. `X-GitHub-Delivery` ids are de-duplicated. `workflow_job` deliveries update
+//! the pools' demand (queued jobs are routed to the pool whose labels contain all of the job's) and wake
+//! the pool controller. Outcomes are counted in `imp_webhook_deliveries_total{result}`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::{
+    Router,
+    body::Bytes,
+    extract::{DefaultBodyLimit, State},
+    http::{HeaderMap, StatusCode},
+    routing::post,
+};
+use hmac::{Hmac, Mac};
+use serde::Deserialize;
+use sha2::Sha256;
+use tracing::{debug, info, warn};
+
+use crate::runnerpool::{
+    PoolShared,
+    demand::{JobState, JobUpdate},
+};
+
+/// Path the receiver is mounted at.
+pub const WEBHOOK_PATH: &str = "/webhooks/github";
+/// GitHub caps payloads at 25 MB; workflow_job bodies are a few KB.
+const MAX_BODY: usize = 1024 * 1024;
+
+/// A router with the receiver, to merge into the operator's HTTP server.
+pub fn webhook_router(shared: Arc<PoolShared>) -> Router {
+    Router::new()
+        .route(WEBHOOK_PATH, post(receive))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(shared)
+}
+
+/// Checks `sha256=<hex>` against the HMAC-SHA256 of `body` in constant time.
+pub fn signature_valid(secret: &[u8], body: &[u8], header: &str) -> bool {
+    let Some(sig) = header
+        .strip_prefix("sha256=")
+        .and_then(|h| hex::decode(h.trim()).ok())
+    else {
+        return false;
+    };
+    let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(secret) else {
+        return false;
+    };
+    mac.update(body);
+    mac.verify_slice(&sig).is_ok()
+}
+
+#[derive(Deserialize)]
+struct Payload {
+    action: String,
+    workflow_job: WorkflowJob,
+    repository: Repository,
+}
+
+#[derive(Deserialize)]
+struct WorkflowJob {
+    id: u64,
+    #[serde(default)]
+    labels: Vec<String>,
+    #[serde(default)]
+    runner_name: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Repository {
+    full_name: String,
+}
+
+/// What became of a delivery (the `result` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryResult {
+    Accepted,
+    Duplicate,
+    BadSignature,
+    Unrouted,
+    Ignored,
+    Malformed,
+}
+
+impl DeliveryResult {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeliveryResult::Accepted => "accepted",
+            DeliveryResult::Duplicate => "duplicate",
+            DeliveryResult::BadSignature => "bad_signature",
+            DeliveryResult::Unrouted => "unrouted",
+            DeliveryResult::Ignored => "ignored",
+            DeliveryResult::Malformed => "malformed",
+        }
+    }
+
+    fn status(self) -> StatusCode {
+        match self {
+            DeliveryResult::BadSignature => StatusCode::UNAUTHORIZED,
+            DeliveryResult::Malformed => StatusCode::BAD_REQUEST,
+            // Unrouted and ignored deliveries are fine from GitHub's side: no redelivery wanted.
+            _ => StatusCode::OK,
+        }
+    }
+}
+
+fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+async fn receive(
+    State(shared): State<Arc<PoolShared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, &'static str) {
+    let result = handle(&shared, &headers, &body);
+    shared.metrics.delivery(result.as_str());
+    (result.status(), result.as_str())
+}
+
+/// Processes one delivery; pure apart from the shared demand and notifications.
+pub fn handle(shared: &PoolShared, headers: &HeaderMap, body: &[u8]) -> DeliveryResult {
+    let delivery = header(headers, "x-github-delivery").unwrap_or_default();
+    let Some(signature) = header(headers, "x-hub-signature-256") else {
+        warn!(delivery, "webhook without X-Hub-Signature-256 refused");
+        return DeliveryResult::BadSignature;
+    };
+    let secrets = shared.demand().candidate_secrets();
+    let Some(signed_with) = secrets
+        .into_iter()
+        .find(|s| signature_valid(s, body, signature))
+    else {
+        warn!(delivery, "webhook with a bad signature refused");
+        return DeliveryResult::BadSignature;
+    };
+    let event = header(headers, "x-github-event").unwrap_or_default();
+    if delivery.is_empty() {
+        return DeliveryResult::Malformed;
+    }
+    if event != "workflow_job" {
+        debug!(delivery, event, "webhook event ignored");
+        return DeliveryResult::Ignored;
+    }
+    let payload: Payload = match serde_json::from_slice(body) {
+        Ok(p) => p,
+        Err(e) => {
+            warn!(delivery, error = %e, "malformed workflow_job webhook");
+            return DeliveryResult::Malformed;
+        }
+    };
+    let Some(state) = JobState::parse(&payload.action) else {
+        debug!(delivery, action = %payload.action, "workflow_job action ignored");
+        return DeliveryResult::Ignored;
+    };
+    let now = Instant::now();
+    let mut d = shared.demand();
+    if !d.first_delivery(delivery, now) {
+        debug!(delivery, "duplicate delivery");
+        return DeliveryResult::Duplicate;
+    }
+    let known_pool = d.job(payload.workflow_job.id).and_then(|j| j.pool.clone());
+    let update = JobUpdate {
+        id: payload.workflow_job.id,
+        state,
+        repository: payload.repository.full_name,
+        labels: payload.workflow_job.labels,
+        runner_name: payload.workflow_job.runner_name,
+    };
+    let job_id = update.id;
+    let changed = d.observe(update, Some(&signed_with), now);
+    let pool = d.job(job_id).and_then(|j| j.pool.clone()).or(known_pool);
+    drop(d);
+    match pool {
+        Some(pool) => {
+            info!(delivery, job_id, action = %payload.action, pool = %pool, "workflow_job accepted");
+            if let Some(p) = changed {
+                shared.notify(p);
+            }
+            DeliveryResult::Accepted
+        }
+        None => {
+            debug!(delivery, job_id, action = %payload.action, "workflow_job matches no pool");
+            DeliveryResult::Unrouted
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::github::{GithubApps, GithubConfig, GithubMetrics, RunnerScope};
+    use crate::runnerpool::{
+        PoolMetrics,
+        demand::{PoolKey, PoolRoute},
+    };
+    use axum::http::HeaderValue;
+    use hmac::Mac;
+
+    fn sign(secret: &[u8], body: &[u8]) -> String {
+        let mut mac = Hmac::<Sha256>::new_from_slice(secret).unwrap();
+        mac.update(body);
+        format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+    }
+
+    fn shared() -> Arc<PoolShared> {
+        let s = PoolShared::new(
+            Arc::new(GithubApps::new(
+                GithubConfig::default(),
+                GithubMetrics::default(),
+            )),
+            PoolMetrics::default(),
+        );
+        s.demand().upsert_pool(
+            PoolKey::new("ns", "p"),
+            PoolRoute {
+                labels: vec!["self-hosted".into(), "imp".into()],
+                scope: RunnerScope::org("acme"),
+                webhook_secret: Some(b"pool-secret".to_vec()),
+            },
+        );
+        s
+    }
+
+    fn body(action: &str, id: u64, labels: &[&str], runner: Option<&str>) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "action": action,
+            "workflow_job": {"id": id, "labels": labels, "runner_name": runner, "status": action},
+            "repository": {"full_name": "acme/app"},
+        }))
+        .unwrap()
+    }
+
+    fn headers(delivery: &str, event: &str, sig: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert("x-github-delivery", HeaderValue::from_str(delivery).unwrap());
+        h.insert("x-github-event", HeaderValue::from_str(event).unwrap());
+        h.insert("x-hub-signature-256", HeaderValue::from_str(sig).unwrap());
+        h
+    }
+
+    #[test]
+    fn github_signature_test_vector() {
+        // GitHub's documented example.
+        let sig = "sha256=757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17";
+        assert!(signature_valid(
+            b"It's a Secret to Everybody",
+            b"Hello, World!",
+            sig
+        ));
+        assert!(!signature_valid(b"wrong", b"Hello, World!", sig));
+        assert!(!signature_valid(
+            b"It's a Secret to Everybody",
+            b"Hello, World!",
+            "sha1=757107"
+        ));
+        assert!(!signature_valid(b"s", b"x", "sha256=zz"));
+    }
+
+    #[test]
+    fn deliveries_are_verified_deduplicated_and_routed() {
+        let s = shared();
+        let key = PoolKey::new("ns", "p");
+        let b = body("queued", 1, &["imp"], None);
+        // Forged: signed with another secret.
+        let r = handle(&s, &headers("d1", "workflow_job", &sign(b"nope", &b)), &b);
+        assert_eq!(r, DeliveryResult::BadSignature);
+        assert_eq!(s.demand().pool_demand(&key).queued, 0);
+        // A forged delivery does not burn its id.
+        let good = headers("d1", "workflow_job", &sign(b"pool-secret", &b));
+        assert_eq!(handle(&s, &good, &b), DeliveryResult::Accepted);
+        assert_eq!(handle(&s, &good, &b), DeliveryResult::Duplicate);
+        assert_eq!(s.demand().pool_demand(&key).queued, 1);
+
+        let b2 = body("in_progress", 1, &["imp"], Some("p-abc"));
+        let h2 = headers("d2", "workflow_job", &sign(b"pool-secret", &b2));
+        assert_eq!(handle(&s, &h2, &b2), DeliveryResult::Accepted);
+        let pd = s.demand().pool_demand(&key);
+        assert_eq!(pd.queued, 0);
+        assert!(pd.busy_runners.contains("p-abc"));
+
+        let b3 = body("queued", 2, &["gpu"], None);
+        let h3 = headers("d3", "workflow_job", &sign(b"pool-secret", &b3));
+        assert_eq!(handle(&s, &h3, &b3), DeliveryResult::Unrouted);
+
+        let ping = br#"{"zen":"hi"}"#;
+        let h4 = headers("d4", "ping", &sign(b"pool-secret", ping));
+        assert_eq!(handle(&s, &h4, ping), DeliveryResult::Ignored);
+
+        let junk = b"{not json";
+        let h5 = headers("d5", "workflow_job", &sign(b"pool-secret", junk));
+        assert_eq!(handle(&s, &h5, junk), DeliveryResult::Malformed);
+
+        let mut unsigned = headers("d6", "workflow_job", "x");
+        unsigned.remove("x-hub-signature-256");
+        assert_eq!(handle(&s, &unsigned, &b), DeliveryResult::BadSignature);
+    }
+
+    #[test]
+    fn the_global_secret_does_not_reach_pools_with_their_own() {
+        let s = shared();
+        s.demand().set_global_secret(Some(b"global".to_vec()));
+        let b = body("queued", 9, &["imp"], None);
+        let h = headers("g1", "workflow_job", &sign(b"global", &b));
+        // Signature fine, but the only matching pool has its own secret.
+        assert_eq!(handle(&s, &h, &b), DeliveryResult::Unrouted);
+    }
+}
