@@ -42,6 +42,12 @@ pub struct NodeLabels {
     pub node: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// VmPhase, or `Unknown` before the first status write.
+    pub phase: String,
+}
+
 /// Metrics of the ImpVM controller.
 #[derive(Clone)]
 pub struct VmMetrics {
@@ -65,6 +71,10 @@ pub struct VmMetrics {
     pub spec_invalid: Counter,
     /// `imp_node_agent_heartbeat_timestamp_seconds{node}`: last renewTime of the node agent's Lease.
     pub agent_heartbeat: Family<NodeLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// `imp_vms{phase}`: ImpVMs by phase (refreshed from the watch cache).
+    pub vms_by_phase: Family<PhaseLabels, Gauge>,
+    /// `imp_node_vm_backlog{node}`: VMs bound to the node but not yet Running (Scheduled or Starting).
+    pub node_backlog: Family<NodeLabels, Gauge>,
     /// `imp_operator_reconcile_duration_seconds{controller}`.
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
     /// `imp_operator_reconcile_errors_total{controller,error}`.
@@ -85,6 +95,8 @@ impl Default for VmMetrics {
             finalizer_forced: Counter::default(),
             spec_invalid: Counter::default(),
             agent_heartbeat: Family::default(),
+            vms_by_phase: Family::default(),
+            node_backlog: Family::default(),
             reconcile_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.001, 2.0, 14))
             }),
@@ -145,6 +157,12 @@ impl VmMetrics {
             "Unix time of the last renewal of each node agent's heartbeat Lease",
             self.agent_heartbeat.clone(),
         );
+        registry.register("imp_vms", "ImpVMs by phase", self.vms_by_phase.clone());
+        registry.register(
+            "imp_node_vm_backlog",
+            "ImpVMs bound to the node but not yet Running (Scheduled or Starting)",
+            self.node_backlog.clone(),
+        );
         registry.register(
             "imp_operator_reconcile_duration_seconds",
             "Duration of one reconcile pass",
@@ -198,7 +216,39 @@ mod tests {
             "impvm",
             &crate::error::Error::MissingObjectKey(".metadata.name"),
         );
+        // Families without a series are not encoded: give every family one so none escapes the check.
+        let reason = ReasonLabels { reason: "r".into() };
+        metrics.node_lost.get_or_create(&reason).inc();
+        metrics.budget_resets.get_or_create(&reason).inc();
+        metrics
+            .restarts
+            .get_or_create(&ModeLabels {
+                mode: "in-place".into(),
+            })
+            .inc();
+        metrics
+            .vms_by_phase
+            .get_or_create(&PhaseLabels {
+                phase: "Running".into(),
+            })
+            .set(1);
+        metrics
+            .node_backlog
+            .get_or_create(&NodeLabels { node: "n1".into() })
+            .set(1);
+        let controller = ControllerLabels {
+            controller: "impvm".into(),
+        };
+        metrics
+            .reconcile_duration
+            .get_or_create(&controller)
+            .observe(0.01);
         let text = encode(&registry).unwrap();
+        let families = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
+        assert_eq!(
+            families, 14,
+            "a family was added: give it a series above\n{text}"
+        );
         let docs = include_str!("../../docs/metrics.md");
         for name in [
             "imp_vm_scheduling_latency_seconds_count 1",

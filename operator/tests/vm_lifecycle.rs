@@ -20,8 +20,18 @@ async fn ephemeral_vm_runs_to_success_and_deletion_waits_for_teardown() {
     h.create_vm("vm1", &class, "ephemeral", json!({})).await;
     h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
 
+    // Bound but not running: the node's backlog.
+    h.wait_metric(&format!("imp_node_vm_backlog{{node=\"{node}\"}} 1"), WAIT)
+        .await;
+    h.wait_metric("imp_vms{phase=\"Scheduled\"} 1", WAIT).await;
+
     // The agent's phases are left alone by the operator.
     h.agent_run("vm1").await;
+    h.wait_metric("imp_vms{phase=\"Running\"} 1", WAIT).await;
+    assert!(
+        !h.metrics_text().contains("imp_node_vm_backlog{"),
+        "backlog series left behind"
+    );
     let vm = h
         .wait_vm("vm1", "Running with NodeHealthy", WAIT, |vm| {
             phase_of(vm) == Some(VmPhase::Running)

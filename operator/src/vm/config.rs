@@ -15,6 +15,8 @@ pub struct Timing {
     pub unschedulable_retry: Duration,
     /// Upper bound between two reconciles of any VM, so no timer is ever missed for good.
     pub resync: Duration,
+    /// How often the per-phase and per-node backlog gauges are recomputed from the cache.
+    pub gauge_refresh: Duration,
 }
 
 impl Default for Timing {
@@ -25,6 +27,7 @@ impl Default for Timing {
             finalizer_timeout: Duration::from_secs(300),
             unschedulable_retry: Duration::from_secs(15),
             resync: Duration::from_secs(300),
+            gauge_refresh: Duration::from_secs(10),
         }
     }
 }

@@ -7,7 +7,7 @@
 //! finalizer as soon as it returns Ok: our cleanup has to wait, across many passes, for the agent.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -46,7 +46,7 @@ use super::{
 };
 use crate::{
     error::{Error, Result},
-    metrics::{ModeLabels, NodeLabels, ReasonLabels, ResultLabels, VmMetrics},
+    metrics::{ModeLabels, NodeLabels, PhaseLabels, ReasonLabels, ResultLabels, VmMetrics},
     scheduler::{self, NodeInfo, Resident, VmRequest},
 };
 
@@ -184,6 +184,8 @@ pub async fn run_vm_controller(
         });
     }
 
+    let _gauges = AbortOnDrop(tokio::spawn(refresh_gauges(ctx.clone())));
+
     let (vms_n, vms_l, vms_c) = (vms.clone(), vms.clone(), vms.clone());
     controller
         .watches_stream(node_events, move |node: Node| {
@@ -210,6 +212,68 @@ pub async fn run_vm_controller(
             }
         })
         .await;
+}
+
+/// Aborts a background task when the controller future ends or is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// VMs per phase, and per node the VMs bound to it that are not running yet (Scheduled or Starting).
+fn gauge_counts(vms: &[Arc<ImpVM>]) -> (BTreeMap<String, i64>, BTreeMap<String, i64>) {
+    let mut phases = BTreeMap::new();
+    let mut backlog = BTreeMap::new();
+    for vm in vms {
+        let phase = vm.status.as_ref().and_then(|s| s.phase);
+        let label = phase.map_or_else(|| "Unknown".to_owned(), |p| format!("{p:?}"));
+        *phases.entry(label).or_insert(0) += 1;
+        if let (Some(node), Some(VmPhase::Scheduled | VmPhase::Starting)) =
+            (vm.spec.node_name.as_deref(), phase)
+        {
+            *backlog.entry(node.to_owned()).or_insert(0) += 1;
+        }
+    }
+    (phases, backlog)
+}
+
+/// Recomputes the gauges from the cache; series whose count dropped to nothing are removed.
+async fn refresh_gauges(ctx: Arc<Context>) {
+    let (mut last_phases, mut last_backlog) = (BTreeMap::new(), BTreeMap::new());
+    loop {
+        tokio::time::sleep(ctx.config.timing.gauge_refresh).await;
+        if !ctx.caches_ready.load(Ordering::SeqCst) {
+            continue;
+        }
+        let (phases, backlog) = gauge_counts(&ctx.vms.state());
+        let m = &ctx.metrics;
+        for gone in last_phases.keys().filter(|k| !phases.contains_key(*k)) {
+            m.vms_by_phase.remove(&PhaseLabels {
+                phase: String::clone(gone),
+            });
+        }
+        for (phase, n) in &phases {
+            m.vms_by_phase
+                .get_or_create(&PhaseLabels {
+                    phase: phase.clone(),
+                })
+                .set(*n);
+        }
+        for gone in last_backlog.keys().filter(|k| !backlog.contains_key(*k)) {
+            m.node_backlog.remove(&NodeLabels {
+                node: String::clone(gone),
+            });
+        }
+        for (node, n) in &backlog {
+            m.node_backlog
+                .get_or_create(&NodeLabels { node: node.clone() })
+                .set(*n);
+        }
+        (last_phases, last_backlog) = (phases, backlog);
+    }
 }
 
 fn refs(store: &Store<ImpVM>, pred: impl Fn(&ImpVM) -> bool) -> Vec<ObjectRef<ImpVM>> {
@@ -568,4 +632,57 @@ fn truncate(s: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn vm(node: Option<&str>, phase: Option<&str>) -> Arc<ImpVM> {
+        let mut v = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"name": "x"},
+            "spec": {"classRef": {"name": "c"}, "image": "i", "lifecycle": "ephemeral", "nodeName": node}});
+        if let Some(p) = phase {
+            v["status"] = json!({"phase": p});
+        }
+        Arc::new(serde_json::from_value(v).unwrap())
+    }
+
+    #[test]
+    fn gauges_count_phases_and_the_per_node_backlog() {
+        let vms = [
+            vm(None, None),
+            vm(None, Some("Pending")),
+            vm(Some("a"), Some("Scheduled")),
+            vm(Some("a"), Some("Starting")),
+            vm(Some("a"), Some("Running")),
+            vm(Some("b"), Some("Scheduled")),
+            vm(Some("b"), Some("Failed")),
+        ];
+        let (phases, backlog) = gauge_counts(&vms);
+        let phases: Vec<_> = phases.into_iter().collect();
+        assert_eq!(
+            phases,
+            [
+                ("Failed", 1),
+                ("Pending", 1),
+                ("Running", 1),
+                ("Scheduled", 2),
+                ("Starting", 1),
+                ("Unknown", 1)
+            ]
+            .map(|(p, n)| (p.to_owned(), n))
+        );
+        assert_eq!(
+            backlog.into_iter().collect::<Vec<_>>(),
+            [("a".to_owned(), 2), ("b".to_owned(), 1)]
+        );
+    }
+
+    #[test]
+    fn long_event_notes_are_cut_on_a_char_boundary() {
+        assert_eq!(truncate("short", 10), "short");
+        let cut = truncate(&"é".repeat(10), 5);
+        assert_eq!(cut, "éé…");
+    }
 }

@@ -802,6 +802,7 @@ mod tests {
             finalizer_timeout: Duration::from_secs(300),
             unschedulable_retry: Duration::from_secs(15),
             resync: Duration::from_secs(600),
+            gauge_refresh: Duration::from_secs(10),
         }
     }
 

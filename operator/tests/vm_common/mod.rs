@@ -46,6 +46,7 @@ pub fn fast_timing() -> Timing {
         finalizer_timeout: Duration::from_secs(2),
         unschedulable_retry: Duration::from_millis(500),
         resync: Duration::from_secs(5),
+        gauge_refresh: Duration::from_millis(200),
     }
 }
 
@@ -452,6 +453,21 @@ impl Harness {
                 panic!("no {reason} Event for {vm} after {within:?}; events: {events:#?}");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until the controller's metrics contain `line`.
+    pub async fn wait_metric(&self, line: &str, within: Duration) {
+        let started = Instant::now();
+        loop {
+            let text = self.metrics_text();
+            if text.lines().any(|l| l == line) {
+                return;
+            }
+            if started.elapsed() > within {
+                panic!("{line:?} not in metrics after {within:?}:\n{text}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
