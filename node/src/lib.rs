@@ -1,1 +1,12 @@
-//! Imp's node half: imp-runtime and imp-agent (see src/bin). The library part is empty until they are built.
+//! Imp's node half. This library is imp-runtime (the host-level half: Firecracker processes,
+//! TAP devices, SQLite inventory, the node-local socket API); imp-agent lives in src/bin.
+//! docs/runtime.md describes the API, the inventory and the reattach rules.
+
+pub mod client;
+pub mod firecracker;
+pub mod inventory;
+pub mod metrics;
+pub mod procfs;
+pub mod runtime;
+pub mod server;
+pub mod tap;

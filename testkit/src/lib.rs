@@ -3,6 +3,7 @@
 pub mod certs;
 pub mod cluster;
 pub mod controlplane;
+pub mod firecracker;
 pub mod github;
 pub mod paths;
 pub mod process;

@@ -1,10 +1,12 @@
-//! imp-runtime: the host-level half of a node (Firecracker processes, TAP/bridge/NAT, rootfs cache,
-//! SQLite inventory) behind a Unix-socket HTTP API. Flags and environment are final; the runtime itself is
-//! not built yet, so the binary validates its configuration and refuses to start.
+//! imp-runtime: the host-level half of a node (Firecracker processes, TAP devices, SQLite
+//! inventory) behind a Unix-socket HTTP API (docs/runtime.md). Stopping or killing it leaves the
+//! VMs running; the next start reattaches to them.
 
-use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::Parser;
+use imp_node::runtime::{Config, Runtime};
+use imp_node::server;
 
 #[derive(Parser, Debug)]
 #[command(name = "imp-runtime", version, about = "Imp node runtime")]
@@ -38,15 +40,86 @@ struct Args {
     /// TCP address for Prometheus scraping (the socket serves /metrics too).
     #[arg(long, env = "IMP_METRICS_ADDR", default_value = "0.0.0.0:9091")]
     metrics_addr: SocketAddr,
+    /// Spawn to guest-agent Hello budget per VM.
+    #[arg(long, env = "IMP_BOOT_TIMEOUT_SECS", default_value_t = 30.0)]
+    boot_timeout_secs: f64,
+    /// How long a VM gets to stop after SendCtrlAltDel before SIGKILL.
+    #[arg(long, env = "IMP_STOP_TIMEOUT_SECS", default_value_t = 10.0)]
+    stop_timeout_secs: f64,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    eprintln!(
-        "imp-runtime: configuration accepted (socket {}, state dir {}), but the runtime (Firecracker driver, \
-         inventory, API) is not built yet; refusing to start",
-        args.socket.display(),
-        args.state_dir.display()
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = format!("{e:#}"), "imp-runtime failed");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let positive = |s: f64, name: &str| {
+        anyhow::ensure!(s.is_finite() && s > 0.0, "{name} must be positive");
+        Ok(Duration::from_secs_f64(s))
+    };
+    let cfg = Config {
+        state_dir: args.state_dir.clone(),
+        kernel: args.kernel,
+        initrd: args.initrd,
+        firecracker_bin: args.firecracker_bin,
+        boot_timeout: positive(args.boot_timeout_secs, "--boot-timeout-secs")?,
+        stop_timeout: positive(args.stop_timeout_secs, "--stop-timeout-secs")?,
+    };
+    // The rootfs cache is another issue; the budget is accepted so the DaemonSet's env is stable.
+    let _ = args.rootfs_cache_bytes;
+    let runtime = Runtime::start(cfg).await.context("start the runtime")?;
+    let listener =
+        server::bind(&args.socket).with_context(|| format!("bind {}", args.socket.display()))?;
+    let metrics_listener = tokio::net::TcpListener::bind(args.metrics_addr)
+        .await
+        .with_context(|| format!("bind metrics address {}", args.metrics_addr))?;
+    tracing::info!(
+        socket = %args.socket.display(),
+        state_dir = %args.state_dir.display(),
+        metrics = %metrics_listener.local_addr()?,
+        "imp-runtime serving"
     );
-    ExitCode::FAILURE
+    let metrics_app = axum::Router::new()
+        .route("/metrics", axum::routing::get(server::metrics))
+        .with_state(runtime.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(metrics_listener, metrics_app).await {
+            tracing::error!(error = %e, "metrics listener failed");
+        }
+    });
+    axum::serve(listener, server::router(runtime))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serve the API")?;
+    // VMs keep running: they are reattached at the next start.
+    tracing::info!("imp-runtime stopped; VMs left running");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
 }

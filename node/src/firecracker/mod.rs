@@ -1,0 +1,322 @@
+//! Firecracker driver: spawn a Firecracker process (own session, so it outlives the runtime),
+//! configure it through its API (api.rs mirrors firecracker-api.yaml), start it and wait for
+//! the guest agent's Hello over the hybrid vsock; stop, pause/resume and snapshots.
+
+pub mod api;
+pub mod client;
+
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use imp_guest::protocol::{AGENT_VSOCK_PORT, Hello};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::time::Instant;
+
+use crate::procfs;
+use api::{ActionType, BootSource, Drive, MachineConfiguration, NetworkInterface, Vsock};
+pub use client::{ApiClientError, FirecrackerClient};
+
+/// How long a fresh Firecracker may take to answer on its API socket.
+const API_READY_TIMEOUT: Duration = Duration::from_secs(5);
+const POLL: Duration = Duration::from_millis(25);
+/// Bytes of a log kept in failure reasons.
+const TAIL_BYTES: u64 = 2048;
+const PANIC_MARKER: &str = "Kernel panic";
+
+/// Why a VM did not come up (or could not be driven). `reason()` is the stable label used in
+/// the runtime API, inventory and metrics.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    #[error("kernel image {0} does not exist")]
+    KernelMissing(PathBuf),
+    #[error("Firecracker failed to start: {message}; stderr: {stderr}")]
+    FirecrackerStartFailed { message: String, stderr: String },
+    #[error("guest kernel panicked; serial log tail: {serial_tail}")]
+    GuestPanicked { serial_tail: String },
+    #[error(
+        "Firecracker exited during boot (exit without a panic); serial log tail: {serial_tail}"
+    )]
+    GuestExited { serial_tail: String },
+    #[error("guest agent did not say Hello in time: {detail}; serial log tail: {serial_tail}")]
+    GuestAgentTimeout { detail: String, serial_tail: String },
+    #[error("guest agent refused the connection: {0}")]
+    GuestProtocol(String),
+    #[error(transparent)]
+    Api(#[from] ApiClientError),
+}
+
+impl DriverError {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DriverError::KernelMissing(_) => "KernelMissing",
+            DriverError::FirecrackerStartFailed { .. } => "FirecrackerStartFailed",
+            DriverError::GuestPanicked { .. } => "GuestPanicked",
+            DriverError::GuestExited { .. } => "GuestExited",
+            DriverError::GuestAgentTimeout { .. } => "GuestAgentTimeout",
+            DriverError::GuestProtocol(_) => "GuestProtocolError",
+            DriverError::Api(_) => "FirecrackerApiError",
+        }
+    }
+}
+
+/// Files of one Firecracker process.
+#[derive(Debug, Clone)]
+pub struct VmmFiles {
+    pub api_sock: PathBuf,
+    pub vsock: PathBuf,
+    /// Firecracker writes the guest serial console to its stdout.
+    pub serial_log: PathBuf,
+    pub stderr_log: PathBuf,
+}
+
+/// Everything Firecracker is told before InstanceStart.
+#[derive(Debug, Clone)]
+pub struct BootPlan {
+    pub machine: MachineConfiguration,
+    pub boot_source: BootSource,
+    pub drives: Vec<Drive>,
+    pub network: Vec<NetworkInterface>,
+    pub vsock: Vsock,
+}
+
+/// One Firecracker process, identified by pid and start time.
+#[derive(Debug, Clone)]
+pub struct Vmm {
+    pub pid: i32,
+    pub start_time: u64,
+    pub files: VmmFiles,
+    pub client: FirecrackerClient,
+}
+
+/// Spawn `firecracker --api-sock <sock> --id <id>` in its own session: no controlling terminal,
+/// no parent-death signal, so killing the runtime never takes the VM with it. A task reaps it
+/// if it exits while this runtime is its parent.
+pub fn spawn(bin: &Path, id: &str, files: &VmmFiles) -> Result<Vmm, DriverError> {
+    let start_failed = |message: String| DriverError::FirecrackerStartFailed {
+        message,
+        stderr: String::new(),
+    };
+    let open = |p: &Path| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .map_err(|e| start_failed(format!("open {}: {e}", p.display())))
+    };
+    let mut cmd = std::process::Command::new(bin);
+    cmd.arg("--api-sock")
+        .arg(&files.api_sock)
+        .arg("--id")
+        .arg(id)
+        .stdin(Stdio::null())
+        .stdout(open(&files.serial_log)?)
+        .stderr(open(&files.stderr_log)?);
+    // SAFETY: setsid is async-signal-safe and touches only the child.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::unistd::setsid().map_err(std::io::Error::from)?;
+            Ok(())
+        });
+    }
+    let mut child = tokio::process::Command::from(cmd)
+        .kill_on_drop(false)
+        .spawn()
+        .map_err(|e| start_failed(format!("spawn {}: {e}", bin.display())))?;
+    let pid = child.id().expect("a just-spawned child has a pid") as i32;
+    tokio::spawn(async move {
+        let _ = child.wait().await;
+    });
+    // A process that has already exited has no start time: that is a start failure too.
+    let start_time =
+        procfs::start_time(pid).ok_or_else(|| DriverError::FirecrackerStartFailed {
+            message: "exited immediately".into(),
+            stderr: tail(&files.stderr_log),
+        })?;
+    Ok(Vmm {
+        pid,
+        start_time,
+        files: files.clone(),
+        client: FirecrackerClient::new(&files.api_sock),
+    })
+}
+
+impl Vmm {
+    pub fn is_alive(&self) -> bool {
+        procfs::is_alive(self.pid, self.start_time)
+    }
+
+    fn start_failed(&self, message: String) -> DriverError {
+        DriverError::FirecrackerStartFailed {
+            message,
+            stderr: tail(&self.files.stderr_log),
+        }
+    }
+
+    /// Wait until the API socket answers GET /, or fail with Firecracker's stderr.
+    pub async fn wait_api_ready(&self) -> Result<(), DriverError> {
+        let deadline = Instant::now() + API_READY_TIMEOUT;
+        loop {
+            if !self.is_alive() {
+                return Err(self.start_failed("exited before its API socket answered".into()));
+            }
+            if self.files.api_sock.exists() && self.client.describe_instance().await.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(self.start_failed(format!(
+                    "API socket {} did not answer within {API_READY_TIMEOUT:?}",
+                    self.files.api_sock.display()
+                )));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Configure every pre-boot resource.
+    pub async fn configure(&self, plan: &BootPlan) -> Result<(), DriverError> {
+        let r = async {
+            self.client.put_machine_config(&plan.machine).await?;
+            self.client.put_boot_source(&plan.boot_source).await?;
+            for d in &plan.drives {
+                self.client.put_drive(d).await?;
+            }
+            for n in &plan.network {
+                self.client.put_network_interface(n).await?;
+            }
+            self.client.put_vsock(&plan.vsock).await
+        }
+        .await;
+        r.map_err(|e| self.start_failed(e.to_string()))
+    }
+
+    pub async fn instance_start(&self) -> Result<(), DriverError> {
+        self.client
+            .action(ActionType::InstanceStart)
+            .await
+            .map_err(|e| self.start_failed(e.to_string()))
+    }
+
+    /// Wait for the guest agent's Hello through the hybrid vsock until `deadline`, watching the
+    /// process and the serial console so a dead or panicked guest fails at once.
+    pub async fn wait_for_hello(&self, deadline: Instant) -> Result<Hello, DriverError> {
+        let connect = imp_guest::host::connect(&self.files.vsock, AGENT_VSOCK_PORT, deadline);
+        let watch = async {
+            loop {
+                tokio::time::sleep(POLL * 4).await;
+                let serial = tail(&self.files.serial_log);
+                if serial.contains(PANIC_MARKER) {
+                    return DriverError::GuestPanicked {
+                        serial_tail: serial,
+                    };
+                }
+                if !self.is_alive() {
+                    return DriverError::GuestExited {
+                        serial_tail: serial,
+                    };
+                }
+            }
+        };
+        tokio::select! {
+            r = connect => match r {
+                Ok(client) => Ok(client.hello().clone()),
+                Err(imp_guest::host::HostError::Timeout { last, .. }) => {
+                    Err(DriverError::GuestAgentTimeout { detail: last, serial_tail: tail(&self.files.serial_log) })
+                }
+                Err(e) => Err(DriverError::GuestProtocol(e.to_string())),
+            },
+            e = watch => Err(e),
+        }
+    }
+
+    /// Ask the guest to reboot (SendCtrlAltDel: Firecracker exits when the guest resets), then
+    /// SIGKILL after `timeout`. Returns once the process is gone.
+    pub async fn stop(&self, timeout: Duration) {
+        if !self.is_alive() {
+            return;
+        }
+        if let Err(e) = self.client.action(ActionType::SendCtrlAltDel).await {
+            tracing::debug!(pid = self.pid, error = %e, "SendCtrlAltDel failed; killing");
+        } else if self.wait_gone(timeout).await {
+            return;
+        }
+        self.kill().await;
+    }
+
+    /// SIGKILL, only if pid and start time still name our process; returns once it is gone.
+    pub async fn kill(&self) {
+        if self.is_alive() {
+            let _ = kill(Pid::from_raw(self.pid), Signal::SIGKILL);
+        }
+        self.wait_gone(Duration::from_secs(10)).await;
+    }
+
+    async fn wait_gone(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while self.is_alive() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        true
+    }
+
+    pub async fn pause(&self) -> Result<(), ApiClientError> {
+        self.client.set_vm_state(api::VmState::Paused).await
+    }
+
+    pub async fn resume(&self) -> Result<(), ApiClientError> {
+        self.client.set_vm_state(api::VmState::Resumed).await
+    }
+
+    /// Full snapshot of a paused VM.
+    pub async fn snapshot_create(
+        &self,
+        snapshot_path: &Path,
+        mem_file_path: &Path,
+    ) -> Result<(), ApiClientError> {
+        self.client
+            .create_snapshot(&api::SnapshotCreateParams {
+                snapshot_path: snapshot_path.display().to_string(),
+                mem_file_path: mem_file_path.display().to_string(),
+                snapshot_type: Some(api::SnapshotType::Full),
+            })
+            .await
+    }
+
+    /// Load a snapshot into a fresh (unconfigured) Firecracker, optionally resuming it.
+    pub async fn snapshot_load(
+        &self,
+        snapshot_path: &Path,
+        mem_file_path: &Path,
+        resume: bool,
+    ) -> Result<(), ApiClientError> {
+        self.client
+            .load_snapshot(&api::SnapshotLoadParams {
+                snapshot_path: snapshot_path.display().to_string(),
+                mem_file_path: Some(mem_file_path.display().to_string()),
+                track_dirty_pages: None,
+                resume_vm: Some(resume),
+                vsock_override: Some(api::VsockOverride {
+                    uds_path: self.files.vsock.display().to_string(),
+                }),
+            })
+            .await
+    }
+}
+
+/// The last bytes of a log file, lossily decoded ("" when it does not exist).
+pub fn tail(path: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)));
+    let mut buf = Vec::new();
+    let _ = f.read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).trim().to_string()
+}

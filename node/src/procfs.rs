@@ -1,0 +1,106 @@
+//! What /proc says about a process: identity (pid + start time, so a recycled pid is never
+//! mistaken for a VM) and command line (so the runtime only ever signals its own Firecrackers).
+
+use std::path::{Path, PathBuf};
+
+/// Start time of `pid` in clock ticks since boot (field 22 of /proc/<pid>/stat), and whether it
+/// is a zombie. None when the process does not exist.
+fn stat(pid: i32) -> Option<(u64, char)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // comm (field 2) may hold spaces and parentheses: fields resume after the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state); field 22 is index 19.
+    let state = fields.first()?.chars().next()?;
+    let start = fields.get(19)?.parse().ok()?;
+    Some((start, state))
+}
+
+pub fn start_time(pid: i32) -> Option<u64> {
+    stat(pid).map(|(s, _)| s)
+}
+
+/// The process `pid` that started at `start_time` still runs (a zombie does not).
+pub fn is_alive(pid: i32, start_time: u64) -> bool {
+    matches!(stat(pid), Some((s, state)) if s == start_time && state != 'Z' && state != 'X')
+}
+
+pub fn cmdline(pid: i32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Every pid in /proc.
+pub fn pids() -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The `--api-sock` argument of a Firecracker command line, if any.
+pub fn api_sock_arg(cmdline: &[String]) -> Option<PathBuf> {
+    let i = cmdline.iter().position(|a| a == "--api-sock")?;
+    cmdline.get(i + 1).map(PathBuf::from)
+}
+
+/// Processes whose `--api-sock` lies under `dir`: the Firecrackers a runtime with that state dir
+/// spawned (and no one else's), with their start times.
+pub fn firecrackers_under(dir: &Path) -> Vec<(i32, u64, PathBuf)> {
+    let me = std::process::id() as i32;
+    pids()
+        .into_iter()
+        .filter(|&pid| pid != me)
+        .filter_map(|pid| {
+            let sock = api_sock_arg(&cmdline(pid))?;
+            if !sock.starts_with(dir) {
+                return None;
+            }
+            let (start, state) = stat(pid)?;
+            (state != 'Z').then_some((pid, start, sock))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_process_identity() {
+        let me = std::process::id() as i32;
+        let start = start_time(me).expect("own stat");
+        assert!(is_alive(me, start));
+        assert!(
+            !is_alive(me, start + 1),
+            "another start time is another process"
+        );
+        assert!(!cmdline(me).is_empty());
+    }
+
+    #[test]
+    fn api_sock_argument() {
+        let args: Vec<String> = [
+            "firecracker",
+            "--id",
+            "a",
+            "--api-sock",
+            "/s/vms/a/api.sock",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(
+            api_sock_arg(&args),
+            Some(PathBuf::from("/s/vms/a/api.sock"))
+        );
+        assert_eq!(api_sock_arg(&args[..4]), None);
+    }
+}

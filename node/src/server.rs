@@ -1,0 +1,207 @@
+//! The node-local HTTP/JSON API of imp-runtime (ARCHITECTURE §4), served on a Unix socket.
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path as UrlPath, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+
+use crate::runtime::{Ensured, Runtime, RuntimeError, VmSpec, VmStatus};
+
+/// Body of every error answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// Stable reason, e.g. `InvalidSpec`, `SpecConflict`, `KernelMissing`, `GuestAgentTimeout`.
+    pub error: String,
+    pub message: String,
+}
+
+/// Body of `GET /v1/vms/{uid}/vsock`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VsockInfo {
+    pub path: std::path::PathBuf,
+    pub guest_agent_port: u32,
+}
+
+/// Body of `POST /v1/vms/{uid}/snapshot` (optional).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRequest {
+    /// Resume the VM after the snapshot (default true).
+    #[serde(default)]
+    pub resume: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmList {
+    pub vms: Vec<VmStatus>,
+}
+
+struct ApiError(StatusCode, ErrorBody);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(self.1)).into_response()
+    }
+}
+
+impl From<RuntimeError> for ApiError {
+    fn from(e: RuntimeError) -> Self {
+        let status = match &e {
+            RuntimeError::InvalidUid(_) | RuntimeError::InvalidSpec(_) => StatusCode::BAD_REQUEST,
+            RuntimeError::NotFound(_) => StatusCode::NOT_FOUND,
+            RuntimeError::SpecConflict(_)
+            | RuntimeError::NotRunning { .. }
+            | RuntimeError::NoNetwork(_) => StatusCode::CONFLICT,
+            // The VM could not be started on this host: the agent reads `error` for the reason.
+            RuntimeError::Boot { .. }
+            | RuntimeError::Failed { .. }
+            | RuntimeError::NetworkSetupFailed { .. }
+            | RuntimeError::DiskSetupFailed { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            RuntimeError::LinkStats { .. }
+            | RuntimeError::Snapshot { .. }
+            | RuntimeError::Inventory(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError(
+            status,
+            ErrorBody {
+                error: e.reason().to_string(),
+                message: e.to_string(),
+            },
+        )
+    }
+}
+
+fn bad_json(rej: JsonRejection) -> ApiError {
+    ApiError(
+        StatusCode::BAD_REQUEST,
+        ErrorBody {
+            error: "InvalidBody".into(),
+            message: rej.body_text(),
+        },
+    )
+}
+
+type Rt = State<Arc<Runtime>>;
+
+async fn put_vm(
+    State(rt): Rt,
+    UrlPath(uid): UrlPath<String>,
+    body: Result<Json<VmSpec>, JsonRejection>,
+) -> Result<(StatusCode, Json<VmStatus>), ApiError> {
+    let Json(spec) = body.map_err(bad_json)?;
+    let (ensured, status) = rt.ensure_running(&uid, spec).await?;
+    let code = match ensured {
+        Ensured::Created => StatusCode::CREATED,
+        Ensured::Existing => StatusCode::OK,
+    };
+    Ok((code, Json(status)))
+}
+
+async fn get_vm(State(rt): Rt, UrlPath(uid): UrlPath<String>) -> Result<Json<VmStatus>, ApiError> {
+    Ok(Json(rt.inspect(&uid).await?))
+}
+
+async fn list_vms(State(rt): Rt) -> Result<Json<VmList>, ApiError> {
+    Ok(Json(VmList {
+        vms: rt.list().await?,
+    }))
+}
+
+async fn delete_vm(State(rt): Rt, UrlPath(uid): UrlPath<String>) -> Result<StatusCode, ApiError> {
+    rt.delete(&uid).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn linkstats(
+    State(rt): Rt,
+    UrlPath(uid): UrlPath<String>,
+) -> Result<Json<crate::tap::LinkStats>, ApiError> {
+    Ok(Json(rt.linkstats(&uid).await?))
+}
+
+async fn vsock(State(rt): Rt, UrlPath(uid): UrlPath<String>) -> Result<Json<VsockInfo>, ApiError> {
+    Ok(Json(VsockInfo {
+        path: rt.vsock_path(&uid).await?,
+        guest_agent_port: imp_guest::protocol::AGENT_VSOCK_PORT,
+    }))
+}
+
+async fn snapshot(
+    State(rt): Rt,
+    UrlPath(uid): UrlPath<String>,
+    body: Option<Json<SnapshotRequest>>,
+) -> Result<Json<crate::runtime::SnapshotInfo>, ApiError> {
+    let resume = body.and_then(|Json(b)| b.resume).unwrap_or(true);
+    Ok(Json(rt.snapshot(&uid, resume).await?))
+}
+
+async fn healthz() -> &'static str {
+    "ok"
+}
+
+async fn readyz(State(rt): Rt) -> (StatusCode, Json<crate::runtime::Readiness>) {
+    let r = rt.readiness();
+    let code = if r.ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(r))
+}
+
+pub async fn metrics(State(rt): Rt) -> impl IntoResponse {
+    rt.readiness();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        rt.metrics.encode(),
+    )
+}
+
+async fn not_found() -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        ErrorBody {
+            error: "NoSuchRoute".into(),
+            message: "no such route; the API is under /v1".into(),
+        },
+    )
+}
+
+pub fn router(rt: Arc<Runtime>) -> Router {
+    Router::new()
+        .route("/v1/vms", get(list_vms))
+        .route("/v1/vms/{uid}", get(get_vm).put(put_vm).delete(delete_vm))
+        .route("/v1/vms/{uid}/linkstats", get(linkstats))
+        .route("/v1/vms/{uid}/vsock", get(vsock))
+        .route("/v1/vms/{uid}/snapshot", post(snapshot))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(rt)
+}
+
+/// Bind the API socket (replacing a stale one left by a crash), mode 0660.
+pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let listener = tokio::net::UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    Ok(listener)
+}

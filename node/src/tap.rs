@@ -1,0 +1,145 @@
+//! The VM's TAP device: created with iproute2 before Firecracker opens it, deleted on teardown,
+//! and its cumulative byte counters (Runtime.LinkStats) from sysfs.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+
+/// Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
+const IFNAME_MAX: usize = 15;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TapError {
+    #[error("TAP name {0:?} is not a valid interface name")]
+    BadName(String),
+    #[error("`ip {args}` failed: {message}")]
+    Ip { args: String, message: String },
+    #[error("read {path}: {source}")]
+    Stats {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Cumulative counters of the host side of a TAP: rx = bytes the guest sent, tx = bytes sent to
+/// the guest (the host's view, as in /sys/class/net/<tap>/statistics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkStats {
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+}
+
+/// A stable, host-unique TAP name for a VM: several runtimes (or test runs) may share a host, so
+/// the name hashes the state dir and uid (FNV-1a, 44 bits) rather than counting.
+pub fn tap_name(state_dir: &std::path::Path, uid: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in state_dir
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .chain([0u8].iter())
+        .chain(uid.as_bytes())
+    {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("imp{:011x}", h & 0xfff_ffff_ffff)
+}
+
+fn check(name: &str) -> Result<(), TapError> {
+    let ok = !name.is_empty()
+        && name.len() <= IFNAME_MAX
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(TapError::BadName(name.into()))
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), TapError> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| TapError::Ip {
+            args: args.join(" "),
+            message: e.to_string(),
+        })?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(TapError::Ip {
+            args: args.join(" "),
+            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        })
+    }
+}
+
+pub fn exists(name: &str) -> bool {
+    PathBuf::from("/sys/class/net").join(name).exists()
+}
+
+/// Create the TAP (idempotent: an existing one from an interrupted attempt is reused) and set it up.
+pub fn create(name: &str) -> Result<(), TapError> {
+    check(name)?;
+    if !exists(name) {
+        ip(&["tuntap", "add", "dev", name, "mode", "tap"])?;
+    }
+    ip(&["link", "set", "dev", name, "up"])
+}
+
+/// Delete the TAP; absent is fine.
+pub fn delete(name: &str) -> Result<(), TapError> {
+    check(name)?;
+    if !exists(name) {
+        return Ok(());
+    }
+    ip(&["link", "del", "dev", name])
+}
+
+pub fn stats(name: &str) -> Result<LinkStats, TapError> {
+    check(name)?;
+    let read = |counter: &str| {
+        let path = PathBuf::from("/sys/class/net")
+            .join(name)
+            .join("statistics")
+            .join(counter);
+        std::fs::read_to_string(&path)
+            .map_err(|source| TapError::Stats {
+                path: path.clone(),
+                source,
+            })
+            .and_then(|s| {
+                s.trim().parse().map_err(|_| TapError::Stats {
+                    path,
+                    source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not a number"),
+                })
+            })
+    };
+    Ok(LinkStats {
+        rx_bytes: read("rx_bytes")?,
+        tx_bytes: read("tx_bytes")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_fit_ifnamsiz_and_differ_by_state_dir() {
+        let a = tap_name(
+            "/var/lib/imp".as_ref(),
+            "0b7c2f7e-8d7e-4a57-9e6f-2f8e8c1a9b10",
+        );
+        let b = tap_name("/tmp/x".as_ref(), "0b7c2f7e-8d7e-4a57-9e6f-2f8e8c1a9b10");
+        assert_eq!(a.len(), IFNAME_MAX);
+        assert_ne!(a, b);
+        assert!(check(&a).is_ok());
+        assert!(check("a/b").is_err());
+        assert!(check("much-too-long-name").is_err());
+    }
+}

@@ -1,0 +1,86 @@
+//! imp-firecracker-sim: a stand-in for the `firecracker` binary on hosts without KVM (see
+//! imp_testkit::firecracker). Same flags as Firecracker for what Imp uses.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use imp_testkit::firecracker::sim::{self, Knobs, Options};
+
+#[derive(Parser, Debug)]
+#[command(name = "firecracker", about = "Firecracker simulator for Imp's tests")]
+struct Args {
+    /// Path to the API Unix socket.
+    #[arg(long)]
+    api_sock: Option<PathBuf>,
+    /// MicroVM id.
+    #[arg(long, default_value = "anonymous-instance")]
+    id: String,
+    /// Full VM configuration to boot from at startup.
+    #[arg(long)]
+    config_file: Option<PathBuf>,
+    /// Serve no API (requires --config-file).
+    #[arg(long)]
+    no_api: bool,
+    /// imp-guest binary run as the guest agent.
+    #[arg(long, env = "IMP_GUEST_BIN")]
+    guest_bin: PathBuf,
+    #[arg(long)]
+    boot_delay_ms: Option<u64>,
+    #[arg(long)]
+    crash_at_start: bool,
+    #[arg(long)]
+    hang: bool,
+    #[arg(long)]
+    panic_text: Option<String>,
+    #[arg(long)]
+    ignore_ctrl_alt_del: bool,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if args.no_api && args.config_file.is_none() {
+        eprintln!("Error: --no-api requires --config-file");
+        return ExitCode::FAILURE;
+    }
+    if !args.no_api && args.api_sock.is_none() {
+        eprintln!("Error: --api-sock is required unless --no-api is given");
+        return ExitCode::FAILURE;
+    }
+    // Per-VM knobs from IMP_SIM_BEHAVIOUR, then flags on top.
+    let mut knobs = match Knobs::from_env(&args.id) {
+        Ok(k) => k.unwrap_or_default(),
+        Err(e) => {
+            eprintln!("Error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(d) = args.boot_delay_ms {
+        knobs.boot_delay_ms = d;
+    }
+    knobs.crash_at_start |= args.crash_at_start;
+    knobs.hang |= args.hang;
+    knobs.ignore_ctrl_alt_del |= args.ignore_ctrl_alt_del;
+    if args.panic_text.is_some() {
+        knobs.panic_text = args.panic_text;
+    }
+    let opts = Options {
+        id: args.id,
+        api_sock: (!args.no_api).then_some(args.api_sock).flatten(),
+        config_file: args.config_file,
+        knobs,
+        guest_bin: args.guest_bin,
+    };
+    // current_thread: the guest agent is spawned from this thread (see sim::spawn_agent).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match rt.block_on(sim::run(opts)) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

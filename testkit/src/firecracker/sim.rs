@@ -1,0 +1,661 @@
+//! The Firecracker simulator: Firecracker's command line and API (validated per spec.rs), a
+//! serial console on stdout, and on InstanceStart imp-guest as a host process behind the
+//! hybrid-vsock bridge on `uds_path`, so imp-runtime drives it exactly like a real VM.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Write as _;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+
+use super::spec::{self, check_body};
+
+const APP_NAME: &str = "Firecracker";
+const VMM_VERSION: &str = "1.17.0-imp-sim";
+const AGENT_PORT: u32 = 10000;
+
+/// Behaviour knobs. Read from flags, or per VM id from the JSON file named by
+/// `IMP_SIM_BEHAVIOUR` (`{"<id>": {...}, "*": {...}}`), so one runtime can host VMs that boot,
+/// hang, crash and panic.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Knobs {
+    /// Delay between InstanceStart and the guest agent listening.
+    pub boot_delay_ms: u64,
+    /// Exit with an error on stderr before creating the API socket.
+    pub crash_at_start: bool,
+    /// Never start the guest agent (the vsock bridge closes every connection).
+    pub hang: bool,
+    /// After the boot delay, write this to the serial console and exit (guest panic, reboot=k).
+    pub panic_text: Option<String>,
+    /// Ignore SendCtrlAltDel (a guest that does not shut down).
+    pub ignore_ctrl_alt_del: bool,
+}
+
+impl Knobs {
+    /// Knobs for VM `id` from the `IMP_SIM_BEHAVIOUR` file, if any.
+    pub fn from_env(id: &str) -> Result<Option<Knobs>, String> {
+        let Some(path) = std::env::var_os("IMP_SIM_BEHAVIOUR") else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("read {}: {e}", Path::new(&path).display()))?;
+        let mut all: HashMap<String, Knobs> =
+            serde_json::from_str(&text).map_err(|e| format!("IMP_SIM_BEHAVIOUR: {e}"))?;
+        Ok(all.remove(id).or_else(|| all.remove("*")))
+    }
+}
+
+/// What the simulator process should do after the API loop (the binary calls exit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Guest reset (SendCtrlAltDel or panic with reboot=k): Firecracker exits 0.
+    GuestReset,
+}
+
+pub struct Options {
+    pub id: String,
+    pub api_sock: Option<PathBuf>,
+    pub config_file: Option<PathBuf>,
+    pub knobs: Knobs,
+    pub guest_bin: PathBuf,
+}
+
+struct Tap {
+    file: File,
+    mac: [u8; 6],
+}
+
+#[derive(Default)]
+struct Vm {
+    started: bool,
+    paused: bool,
+    machine: Option<Value>,
+    boot_source: Option<Map<String, Value>>,
+    drives: BTreeMap<String, Map<String, Value>>,
+    nets: BTreeMap<String, Map<String, Value>>,
+    taps: Vec<Tap>,
+    vsock: Option<Map<String, Value>>,
+    vsock_listener: Option<std::os::unix::net::UnixListener>,
+    agent: Option<Child>,
+}
+
+struct Sim {
+    id: String,
+    knobs: Knobs,
+    guest_bin: PathBuf,
+    vm: Mutex<Vm>,
+    exit: mpsc::UnboundedSender<Exit>,
+}
+
+type Fault = (StatusCode, String);
+
+fn fault(msg: impl Into<String>) -> Fault {
+    (StatusCode::BAD_REQUEST, msg.into())
+}
+
+/// A line on the serial console (the simulator's stdout, as with Firecracker).
+pub fn serial(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+const PRE_BOOT_ONLY: &str = "The requested operation is not supported after starting the microVM.";
+
+impl Sim {
+    fn put(
+        &self,
+        route: &str,
+        param: Option<String>,
+        body: Map<String, Value>,
+    ) -> Result<StatusCode, Fault> {
+        let mut vm = self.vm.lock().expect("vm lock");
+        let pre_boot = |vm: &Vm| {
+            if vm.started {
+                Err(fault(PRE_BOOT_ONLY))
+            } else {
+                Ok(())
+            }
+        };
+        match route {
+            "/machine-config" => {
+                pre_boot(&vm)?;
+                let vcpu = body["vcpu_count"]
+                    .as_u64()
+                    .ok_or_else(|| fault("vcpu_count must be an integer"))?;
+                if vcpu == 0 || vcpu > 32 || (vcpu > 1 && vcpu % 2 == 1) {
+                    return Err(fault(format!(
+                        "Invalid vCPU number {vcpu}: must be 1 or an even number up to 32"
+                    )));
+                }
+                body["mem_size_mib"]
+                    .as_u64()
+                    .filter(|&m| m > 0)
+                    .ok_or_else(|| fault("mem_size_mib must be a positive integer"))?;
+                vm.machine = Some(Value::Object(body));
+            }
+            "/boot-source" => {
+                pre_boot(&vm)?;
+                let kernel = str_field(&body, "kernel_image_path")?;
+                File::open(&kernel)
+                    .map_err(|e| fault(format!("The kernel file cannot be opened: {e}")))?;
+                if let Some(initrd) = body.get("initrd_path") {
+                    let initrd = initrd
+                        .as_str()
+                        .ok_or_else(|| fault("initrd_path must be a string"))?;
+                    File::open(initrd)
+                        .map_err(|e| fault(format!("The initrd file cannot be opened: {e}")))?;
+                }
+                vm.boot_source = Some(body);
+            }
+            "/drives/{drive_id}" => {
+                pre_boot(&vm)?;
+                let id = str_field(&body, "drive_id")?;
+                if Some(&id) != param.as_ref() {
+                    return Err(fault(
+                        "The id from the path does not match the id from the body!",
+                    ));
+                }
+                let path = str_field(&body, "path_on_host")?;
+                let ro = body
+                    .get("is_read_only")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(!ro)
+                    .open(&path)
+                    .map_err(|e| fault(format!("Unable to open block device {path}: {e}")))?;
+                let root = body["is_root_device"]
+                    .as_bool()
+                    .ok_or_else(|| fault("is_root_device must be a boolean"))?;
+                if root
+                    && vm
+                        .drives
+                        .iter()
+                        .any(|(k, d)| *k != id && d["is_root_device"] == json!(true))
+                {
+                    return Err(fault("A root block device already exists!"));
+                }
+                vm.drives.insert(id, body);
+            }
+            "/network-interfaces/{iface_id}" => {
+                pre_boot(&vm)?;
+                let id = str_field(&body, "iface_id")?;
+                if Some(&id) != param.as_ref() {
+                    return Err(fault(
+                        "The id from the path does not match the id from the body!",
+                    ));
+                }
+                let dev = str_field(&body, "host_dev_name")?;
+                let mac = match body.get("guest_mac") {
+                    Some(m) => parse_mac(m.as_str().unwrap_or(""))
+                        .ok_or_else(|| fault(format!("Invalid MAC address {m}")))?,
+                    None => [0x06, 0, 0, 0, 0, 1],
+                };
+                let file = open_tap(&dev)
+                    .map_err(|e| fault(format!("Open tap device failed: {dev}: {e}")))?;
+                vm.taps.push(Tap { file, mac });
+                vm.nets.insert(id, body);
+            }
+            "/vsock" => {
+                pre_boot(&vm)?;
+                let cid = body["guest_cid"]
+                    .as_u64()
+                    .ok_or_else(|| fault("guest_cid must be an integer"))?;
+                if cid < 3 {
+                    return Err(fault(format!(
+                        "Invalid guest CID {cid}: must be at least 3"
+                    )));
+                }
+                let uds = str_field(&body, "uds_path")?;
+                // Firecracker binds uds_path when the device is configured.
+                let listener = std::os::unix::net::UnixListener::bind(&uds).map_err(|e| {
+                    fault(format!(
+                        "Cannot create backend for vsock device: {uds}: {e}"
+                    ))
+                })?;
+                vm.vsock_listener = Some(listener);
+                vm.vsock = Some(body);
+            }
+            "/actions" => {
+                let action = str_field(&body, "action_type")?;
+                match action.as_str() {
+                    "InstanceStart" => {
+                        pre_boot(&vm)?;
+                        self.start(&mut vm)?;
+                    }
+                    "SendCtrlAltDel" => {
+                        if !vm.started {
+                            return Err(fault(
+                                "The requested operation is not supported before starting the microVM.",
+                            ));
+                        }
+                        if !self.knobs.ignore_ctrl_alt_del {
+                            serial("reboot: Restarting system");
+                            let _ = self.exit.send(Exit::GuestReset);
+                        }
+                    }
+                    "FlushMetrics" => return Err(fault("The metrics system is not initialized.")),
+                    other => return Err(fault(format!("unknown variant `{other}`"))),
+                }
+            }
+            "/vm" => {
+                if !vm.started {
+                    return Err(fault(
+                        "The requested operation is not supported before starting the microVM.",
+                    ));
+                }
+                let state = str_field(&body, "state")?;
+                let signal = match state.as_str() {
+                    "Paused" => libc::SIGSTOP,
+                    "Resumed" => libc::SIGCONT,
+                    other => {
+                        return Err(fault(format!(
+                            "unknown variant `{other}`, expected `Paused` or `Resumed`"
+                        )));
+                    }
+                };
+                // A paused VM runs no guest code: stop the agent process.
+                if let Some(agent) = &vm.agent {
+                    // SAFETY: signalling our own child.
+                    unsafe { libc::kill(agent.id() as i32, signal) };
+                }
+                vm.paused = state == "Paused";
+            }
+            "/snapshot/create" => {
+                if !vm.paused {
+                    return Err(fault("Cannot create snapshot: the microVM is not paused."));
+                }
+                let snap = str_field(&body, "snapshot_path")?;
+                let mem = str_field(&body, "mem_file_path")?;
+                let state = json!({
+                    "machine-config": vm.machine, "boot-source": vm.boot_source,
+                    "drives": vm.drives, "network-interfaces": vm.nets, "vsock": vm.vsock,
+                });
+                std::fs::write(&snap, serde_json::to_vec(&state).expect("json"))
+                    .map_err(|e| fault(format!("Cannot write snapshot {snap}: {e}")))?;
+                let mib = vm
+                    .machine
+                    .as_ref()
+                    .and_then(|m| m["mem_size_mib"].as_u64())
+                    .unwrap_or(128);
+                File::create(&mem)
+                    .and_then(|f| f.set_len(mib << 20))
+                    .map_err(|e| fault(format!("Cannot write memory file {mem}: {e}")))?;
+            }
+            "/snapshot/load" => {
+                if vm.started
+                    || vm.boot_source.is_some()
+                    || vm.machine.is_some()
+                    || !vm.drives.is_empty()
+                {
+                    return Err(fault(
+                        "Loading a microVM snapshot not allowed after configuring boot-specific resources.",
+                    ));
+                }
+                let snap = str_field(&body, "snapshot_path")?;
+                let mem = str_field(&body, "mem_file_path")?;
+                File::open(&mem)
+                    .map_err(|e| fault(format!("Cannot open memory file {mem}: {e}")))?;
+                let state: Value = std::fs::read(&snap)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice(&b).ok())
+                    .ok_or_else(|| fault(format!("Cannot load snapshot {snap}")))?;
+                vm.machine = state.get("machine-config").cloned();
+                vm.boot_source = state["boot-source"].as_object().cloned();
+                let mut vsock = state["vsock"].as_object().cloned().unwrap_or_default();
+                if let Some(uds) = body
+                    .get("vsock_override")
+                    .and_then(|o| o["uds_path"].as_str())
+                {
+                    vsock.insert("uds_path".into(), json!(uds));
+                }
+                let uds = str_field(&vsock, "uds_path")?;
+                vm.vsock_listener =
+                    Some(std::os::unix::net::UnixListener::bind(&uds).map_err(|e| {
+                        fault(format!("Cannot create backend for vsock device: {e}"))
+                    })?);
+                vm.vsock = Some(vsock);
+                self.start(&mut vm)?;
+                if body.get("resume_vm").and_then(Value::as_bool) != Some(true) {
+                    if let Some(agent) = &vm.agent {
+                        // SAFETY: signalling our own child.
+                        unsafe { libc::kill(agent.id() as i32, libc::SIGSTOP) };
+                    }
+                    vm.paused = true;
+                }
+            }
+            _ => unreachable!("route table and dispatcher agree"),
+        }
+        Ok(StatusCode::NO_CONTENT)
+    }
+
+    /// InstanceStart: serial boot banner, a gratuitous ARP out of every TAP, the vsock bridge,
+    /// and (after the boot delay) the guest agent, unless a knob says hang or panic.
+    fn start(&self, vm: &mut Vm) -> Result<(), Fault> {
+        let boot = vm
+            .boot_source
+            .clone()
+            .ok_or_else(|| fault("Cannot start microvm without kernel configuration."))?;
+        let Some(listener) = vm.vsock_listener.take() else {
+            return Err(fault(
+                "The simulator needs a vsock device to reach the guest agent.",
+            ));
+        };
+        let uds = str_field(
+            vm.vsock.as_ref().expect("listener implies config"),
+            "uds_path",
+        )?;
+        vm.started = true;
+        serial(&format!(
+            "[    0.000000] Linux version 6.1.0-imp-sim ({APP_NAME} simulator, id {})",
+            self.id
+        ));
+        serial(&format!(
+            "[    0.000000] Command line: {}",
+            boot.get("boot_args").and_then(Value::as_str).unwrap_or("")
+        ));
+        for tap in &mut vm.taps {
+            let _ = tap.file.write_all(&gratuitous_arp(tap.mac));
+        }
+        let agent_sock = PathBuf::from(format!("{uds}.agent"));
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| fault(e.to_string()))?;
+        let listener =
+            tokio::net::UnixListener::from_std(listener).map_err(|e| fault(e.to_string()))?;
+        tokio::spawn(imp_guest::hybrid::serve_bridge(
+            listener,
+            HashMap::from([(AGENT_PORT, agent_sock.clone())]),
+        ));
+        let knobs = self.knobs.clone();
+        if knobs.hang {
+            serial("[    0.100000] imp-sim: hanging (no guest agent)");
+            return Ok(());
+        }
+        if knobs.boot_delay_ms > 0 || knobs.panic_text.is_some() {
+            // The agent is spawned later by the boot task.
+            return Ok(());
+        }
+        vm.agent = Some(
+            spawn_agent(&self.guest_bin, &agent_sock)
+                .map_err(|e| fault(format!("start imp-guest: {e}")))?,
+        );
+        Ok(())
+    }
+}
+
+fn str_field(body: &Map<String, Value>, key: &str) -> Result<String, Fault> {
+    body.get(key)
+        .and_then(Value::as_str)
+        .map(String::from)
+        .ok_or_else(|| fault(format!("{key} must be a string")))
+}
+
+fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let parts: Vec<u8> = s
+        .split(':')
+        .map(|p| u8::from_str_radix(p, 16).ok())
+        .collect::<Option<_>>()?;
+    parts.try_into().ok()
+}
+
+/// An Ethernet frame with an ARP announcement from the guest: 42 bytes on the host's rx counter.
+fn gratuitous_arp(mac: [u8; 6]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(42);
+    f.extend_from_slice(&[0xff; 6]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0x00, 6, 4, 0, 1]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[10, 0, 0, 2]);
+    f.extend_from_slice(&[0; 6]);
+    f.extend_from_slice(&[10, 0, 0, 2]);
+    f
+}
+
+/// Attach to an existing TAP as Firecracker does (TUNSETIFF, IFF_TAP | IFF_NO_PI).
+fn open_tap(name: &str) -> std::io::Result<File> {
+    const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "bad interface name",
+        ));
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")?;
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; libc::IFNAMSIZ],
+        flags: libc::c_short,
+        _pad: [u8; 22],
+    }
+    let mut req = IfReq {
+        name: [0; libc::IFNAMSIZ],
+        flags: (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short,
+        _pad: [0; 22],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: TUNSETIFF reads an ifreq we own for the duration of the call.
+    let r = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&file), TUNSETIFF, &mut req) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// Run imp-guest in host-process mode, its output on the serial console, and killed with the
+/// simulator (a guest never outlives its VMM). Must be called from the main thread (the
+/// parent-death signal follows the spawning thread).
+fn spawn_agent(guest_bin: &Path, sock: &Path) -> std::io::Result<Child> {
+    let mut cmd = Command::new(guest_bin);
+    cmd.arg("agent")
+        .arg("--listen-unix")
+        .arg(sock)
+        .stdin(Stdio::null());
+    // SAFETY: prctl is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    serial("[    0.200000] imp-guest: agent started");
+    Ok(child)
+}
+
+async fn handle(State(sim): State<Arc<Sim>>, req: Request) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let Some((route, param)) = spec::match_route(method.as_str(), &path) else {
+        return err_response(fault(format!(
+            "Invalid request method and/or path: {method} {path}"
+        )));
+    };
+    let body: Bytes = match axum::body::to_bytes(req.into_body(), 1 << 20).await {
+        Ok(b) => b,
+        Err(e) => return err_response(fault(format!("Invalid request body: {e}"))),
+    };
+    if method == Method::GET {
+        let vm = sim.vm.lock().expect("vm lock");
+        return match route.path {
+            "/" => {
+                let state = match (vm.started, vm.paused) {
+                    (false, _) => "Not started",
+                    (true, false) => "Running",
+                    (true, true) => "Paused",
+                };
+                axum::Json(json!({"app_name": APP_NAME, "id": sim.id, "state": state, "vmm_version": VMM_VERSION})).into_response()
+            }
+            _ => axum::Json(
+                vm.machine
+                    .clone()
+                    .unwrap_or_else(|| json!({"vcpu_count": 1, "mem_size_mib": 128, "smt": false})),
+            )
+            .into_response(),
+        };
+    }
+    let def = spec::definition(route.body.expect("non-GET routes take a body"));
+    let map = match check_body(def, &body) {
+        Ok(m) => m,
+        Err(e) => return err_response(fault(e)),
+    };
+    let was_started = sim.vm.lock().expect("vm lock").started;
+    match sim.put(route.path, param, map) {
+        Ok(code) => {
+            let now_started = sim.vm.lock().expect("vm lock").started;
+            if !was_started && now_started {
+                boot_task(sim.clone());
+            }
+            code.into_response()
+        }
+        Err(f) => err_response(f),
+    }
+}
+
+/// Delayed boot: after the boot delay, either panic (serial text, then exit like reboot=k) or
+/// start the agent. The agent is spawned from the main thread (the exit channel's consumer).
+fn boot_task(sim: Arc<Sim>) {
+    if sim.knobs.hang || (sim.knobs.boot_delay_ms == 0 && sim.knobs.panic_text.is_none()) {
+        return;
+    }
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(sim.knobs.boot_delay_ms)).await;
+        if let Some(text) = &sim.knobs.panic_text {
+            for line in text.lines() {
+                serial(line);
+            }
+            let _ = sim.exit.send(Exit::GuestReset);
+            return;
+        }
+        let uds = sim
+            .vm
+            .lock()
+            .expect("vm lock")
+            .vsock
+            .as_ref()
+            .and_then(|v| v["uds_path"].as_str().map(String::from));
+        if let Some(uds) = uds {
+            match spawn_agent(&sim.guest_bin, Path::new(&format!("{uds}.agent"))) {
+                Ok(child) => sim.vm.lock().expect("vm lock").agent = Some(child),
+                Err(e) => serial(&format!("imp-sim: cannot start imp-guest: {e}")),
+            }
+        }
+    });
+}
+
+fn err_response((code, msg): Fault) -> Response {
+    (code, axum::Json(json!({ "fault_message": msg }))).into_response()
+}
+
+/// Apply a `--config-file` (Firecracker's full VM configuration JSON) and start the VM.
+fn apply_config_file(sim: &Sim, path: &Path) -> Result<(), String> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("read {}: {e}", path.display()))?;
+    let cfg: Map<String, Value> =
+        serde_json::from_str(&text).map_err(|e| format!("config file: {e}"))?;
+    let put = |route: &str, def: &str, param: Option<String>, v: &Value| -> Result<(), String> {
+        let map = check_body(spec::definition(def), v.to_string().as_bytes())?;
+        sim.put(route, param, map).map(|_| ()).map_err(|(_, m)| m)
+    };
+    if let Some(m) = cfg.get("machine-config") {
+        put("/machine-config", "MachineConfiguration", None, m)?;
+    }
+    put(
+        "/boot-source",
+        "BootSource",
+        None,
+        cfg.get("boot-source")
+            .ok_or("config file has no boot-source")?,
+    )?;
+    for d in cfg
+        .get("drives")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        put(
+            "/drives/{drive_id}",
+            "Drive",
+            d["drive_id"].as_str().map(String::from),
+            d,
+        )?;
+    }
+    for n in cfg
+        .get("network-interfaces")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        put(
+            "/network-interfaces/{iface_id}",
+            "NetworkInterface",
+            n["iface_id"].as_str().map(String::from),
+            n,
+        )?;
+    }
+    if let Some(v) = cfg.get("vsock") {
+        put("/vsock", "Vsock", None, v)?;
+    }
+    put(
+        "/actions",
+        "InstanceActionInfo",
+        None,
+        &json!({"action_type": "InstanceStart"}),
+    )
+}
+
+/// Run the simulator until the guest resets (Ok) or a setup error (Err, for stderr and exit 1).
+/// Call inside a current-thread tokio runtime (see `spawn_agent`).
+pub async fn run(opts: Options) -> Result<Exit, String> {
+    if opts.knobs.crash_at_start {
+        return Err("simulated crash at start (knob crash_at_start)".into());
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let sim = Arc::new(Sim {
+        id: opts.id,
+        knobs: opts.knobs,
+        guest_bin: opts.guest_bin,
+        vm: Mutex::new(Vm::default()),
+        exit: tx,
+    });
+    if let Some(cfg) = &opts.config_file {
+        apply_config_file(&sim, cfg)?;
+        boot_task(sim.clone());
+    }
+    if let Some(sock) = &opts.api_sock {
+        let listener = tokio::net::UnixListener::bind(sock)
+            .map_err(|e| format!("bind API socket {}: {e}", sock.display()))?;
+        let app = axum::Router::new().fallback(handle).with_state(sim.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
+    let exit = rx.recv().await.expect("the sender lives in `sim`");
+    if let Some(mut agent) = sim.vm.lock().expect("vm lock").agent.take() {
+        let _ = agent.kill();
+        let _ = agent.wait();
+    }
+    if let Some(sock) = &opts.api_sock {
+        let _ = std::fs::remove_file(sock);
+    }
+    Ok(exit)
+}

@@ -1,0 +1,280 @@
+//! The simulator's API in-process: validation, pre-boot-only resources, state, pause and
+//! snapshot. (Booting a guest agent is covered by imp-node's runtime tests.)
+
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+
+use super::sim::{self, Knobs, Options};
+
+async fn call(sock: &Path, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let stream = tokio::net::UnixStream::connect(sock)
+        .await
+        .expect("connect");
+    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "localhost")
+        .body(Full::new(Bytes::from(
+            body.map(|b| b.to_string()).unwrap_or_default(),
+        )))
+        .unwrap();
+    let resp = tx.send_request(req).await.unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+async fn start_sim(dir: &Path, knobs: Knobs) -> PathBuf {
+    let sock = dir.join("api.sock");
+    let opts = Options {
+        id: "vm-1".into(),
+        api_sock: Some(sock.clone()),
+        config_file: None,
+        knobs,
+        guest_bin: PathBuf::from("/nonexistent/imp-guest"),
+    };
+    tokio::spawn(sim::run(opts));
+    for _ in 0..200 {
+        if sock.exists() {
+            return sock;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    panic!("simulator API socket did not appear");
+}
+
+fn fault(v: &Value) -> &str {
+    v["fault_message"]
+        .as_str()
+        .expect("400 bodies carry fault_message")
+}
+
+#[tokio::test]
+async fn api_validates_like_firecracker_and_enforces_pre_boot_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("vmlinux");
+    let disk = dir.path().join("rootfs.ext4");
+    std::fs::write(&kernel, b"kernel").unwrap();
+    std::fs::write(&disk, b"disk").unwrap();
+    // hang: no guest agent is needed for API behaviour.
+    let sock = start_sim(
+        dir.path(),
+        Knobs {
+            hang: true,
+            ..Knobs::default()
+        },
+    )
+    .await;
+
+    let (s, v) = call(&sock, "GET", "/", None).await;
+    assert_eq!(
+        (s, v["state"].as_str(), v["id"].as_str()),
+        (200, Some("Not started"), Some("vm-1"))
+    );
+
+    let (s, v) = call(
+        &sock,
+        "PUT",
+        "/boot-source",
+        Some(json!({"boot_args": "x"})),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert!(fault(&v).contains("kernel_image_path"), "{v}");
+    let (s, v) = call(
+        &sock,
+        "PUT",
+        "/boot-source",
+        Some(json!({"kernel_image_path": "/nonexistent"})),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert!(fault(&v).contains("kernel"), "{v}");
+    let (s, v) = call(
+        &sock,
+        "PUT",
+        "/boot-source",
+        Some(json!({"kernel_image_path": kernel, "bogus": 1})),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert!(fault(&v).contains("bogus"), "{v}");
+    let (s, v) = call(&sock, "PUT", "/nope", Some(json!({}))).await;
+    assert_eq!(s, 400);
+    assert!(
+        fault(&v).contains("Invalid request method and/or path"),
+        "{v}"
+    );
+    let (s, _) = call(&sock, "DELETE", "/vsock", None).await;
+    assert_eq!(s, 400);
+
+    let (s, v) = call(
+        &sock,
+        "PUT",
+        "/actions",
+        Some(json!({"action_type": "InstanceStart"})),
+    )
+    .await;
+    assert_eq!(s, 400, "no boot source yet: {v}");
+
+    let (s, v) = call(
+        &sock,
+        "PUT",
+        "/machine-config",
+        Some(json!({"vcpu_count": 3, "mem_size_mib": 128})),
+    )
+    .await;
+    assert_eq!(s, 400, "odd vcpu count: {v}");
+    let (s, _) = call(
+        &sock,
+        "PUT",
+        "/machine-config",
+        Some(json!({"vcpu_count": 2, "mem_size_mib": 256})),
+    )
+    .await;
+    assert_eq!(s, 204);
+    let (s, v) = call(&sock, "GET", "/machine-config", None).await;
+    assert_eq!((s, v["mem_size_mib"].as_u64()), (200, Some(256)));
+    let (s, _) = call(
+        &sock,
+        "PUT",
+        "/boot-source",
+        Some(json!({"kernel_image_path": kernel, "boot_args": "console=ttyS0"})),
+    )
+    .await;
+    assert_eq!(s, 204);
+    let drive = json!({"drive_id": "rootfs", "is_root_device": true, "is_read_only": true, "path_on_host": disk});
+    let (s, v) = call(&sock, "PUT", "/drives/other", Some(drive.clone())).await;
+    assert_eq!(s, 400);
+    assert!(fault(&v).contains("does not match"), "{v}");
+    let (s, _) = call(&sock, "PUT", "/drives/rootfs", Some(drive)).await;
+    assert_eq!(s, 204);
+    let second_root = json!({"drive_id": "b", "is_root_device": true, "path_on_host": disk});
+    assert_eq!(
+        call(&sock, "PUT", "/drives/b", Some(second_root)).await.0,
+        400
+    );
+    let (s, _) = call(
+        &sock,
+        "PUT",
+        "/vsock",
+        Some(json!({"guest_cid": 2, "uds_path": dir.path().join("v.sock")})),
+    )
+    .await;
+    assert_eq!(s, 400, "CID 2 is the host");
+    let (s, _) = call(
+        &sock,
+        "PUT",
+        "/vsock",
+        Some(json!({"guest_cid": 3, "uds_path": dir.path().join("v.sock")})),
+    )
+    .await;
+    assert_eq!(s, 204);
+    assert!(
+        dir.path().join("v.sock").exists(),
+        "uds_path is bound when configured"
+    );
+
+    assert_eq!(
+        call(&sock, "PATCH", "/vm", Some(json!({"state": "Paused"})))
+            .await
+            .0,
+        400,
+        "not started"
+    );
+    let (s, _) = call(
+        &sock,
+        "PUT",
+        "/actions",
+        Some(json!({"action_type": "InstanceStart"})),
+    )
+    .await;
+    assert_eq!(s, 204);
+    assert_eq!(call(&sock, "GET", "/", None).await.1["state"], "Running");
+    let (s, v) = call(
+        &sock,
+        "PUT",
+        "/boot-source",
+        Some(json!({"kernel_image_path": kernel})),
+    )
+    .await;
+    assert_eq!(s, 400);
+    assert!(fault(&v).contains("not supported after starting"), "{v}");
+    assert_eq!(
+        call(
+            &sock,
+            "PUT",
+            "/actions",
+            Some(json!({"action_type": "InstanceStart"}))
+        )
+        .await
+        .0,
+        400
+    );
+
+    let snap = dir.path().join("snap");
+    let mem = dir.path().join("mem");
+    let create = json!({"snapshot_path": snap, "mem_file_path": mem});
+    assert_eq!(
+        call(&sock, "PUT", "/snapshot/create", Some(create.clone()))
+            .await
+            .0,
+        400,
+        "must be paused"
+    );
+    assert_eq!(
+        call(&sock, "PATCH", "/vm", Some(json!({"state": "Paused"})))
+            .await
+            .0,
+        204
+    );
+    assert_eq!(call(&sock, "GET", "/", None).await.1["state"], "Paused");
+    assert_eq!(
+        call(&sock, "PUT", "/snapshot/create", Some(create)).await.0,
+        204
+    );
+    assert_eq!(std::fs::metadata(&mem).unwrap().len(), 256 << 20);
+    let saved: Value = serde_json::from_slice(&std::fs::read(&snap).unwrap()).unwrap();
+    assert_eq!(saved["machine-config"]["vcpu_count"], 2);
+    assert_eq!(
+        call(&sock, "PATCH", "/vm", Some(json!({"state": "Resumed"})))
+            .await
+            .0,
+        204
+    );
+    assert_eq!(
+        call(&sock, "PATCH", "/vm", Some(json!({"state": "Sleeping"})))
+            .await
+            .0,
+        400
+    );
+}
+
+#[tokio::test]
+async fn crash_at_start_never_binds_the_api_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let opts = Options {
+        id: "vm-2".into(),
+        api_sock: Some(dir.path().join("api.sock")),
+        config_file: None,
+        knobs: Knobs {
+            crash_at_start: true,
+            ..Knobs::default()
+        },
+        guest_bin: PathBuf::from("/nonexistent"),
+    };
+    let err = sim::run(opts).await.unwrap_err();
+    assert!(err.contains("crash"), "{err}");
+    assert!(!dir.path().join("api.sock").exists());
+}
