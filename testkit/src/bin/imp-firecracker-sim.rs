@@ -35,6 +35,8 @@ struct Args {
     panic_text: Option<String>,
     #[arg(long)]
     ignore_ctrl_alt_del: bool,
+    #[arg(long)]
+    api_delay_ms: Option<u64>,
 }
 
 fn main() -> ExitCode {
@@ -57,6 +59,9 @@ fn main() -> ExitCode {
     };
     if let Some(d) = args.boot_delay_ms {
         knobs.boot_delay_ms = d;
+    }
+    if let Some(d) = args.api_delay_ms {
+        knobs.api_delay_ms = d;
     }
     knobs.crash_at_start |= args.crash_at_start;
     knobs.hang |= args.hang;

@@ -41,6 +41,8 @@ pub struct Knobs {
     pub panic_text: Option<String>,
     /// Ignore SendCtrlAltDel (a guest that does not shut down).
     pub ignore_ctrl_alt_del: bool,
+    /// Delay before the API socket is bound (a slow VMM start).
+    pub api_delay_ms: u64,
 }
 
 impl Knobs {
@@ -642,6 +644,7 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
         boot_task(sim.clone());
     }
     if let Some(sock) = &opts.api_sock {
+        tokio::time::sleep(Duration::from_millis(sim.knobs.api_delay_ms)).await;
         let listener = tokio::net::UnixListener::bind(sock)
             .map_err(|e| format!("bind API socket {}: {e}", sock.display()))?;
         let app = axum::Router::new().fallback(handle).with_state(sim.clone());

@@ -1,0 +1,278 @@
+//! Test harness: an imp-runtime process (the real binary) on a temp state dir, driving either
+//! testkit's Firecracker simulator or, when IMP_FIRECRACKER_BIN, IMP_KERNEL and IMP_ROOTFS are
+//! set, real Firecracker.
+#![allow(dead_code)] // each test binary uses part of the harness
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use imp_node::client::RuntimeClient;
+use imp_node::runtime::{NetworkSpec, VmSpec};
+use imp_testkit::firecracker::Knobs;
+
+#[derive(Debug, Clone)]
+pub enum Backend {
+    Simulator {
+        simulator: PathBuf,
+        guest: PathBuf,
+    },
+    Real {
+        firecracker: PathBuf,
+        kernel: PathBuf,
+        rootfs: PathBuf,
+    },
+}
+
+impl Backend {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backend::Simulator { .. } => "simulator",
+            Backend::Real { .. } => "real Firecracker",
+        }
+    }
+
+    pub fn is_simulator(&self) -> bool {
+        matches!(self, Backend::Simulator { .. })
+    }
+}
+
+pub fn simulator() -> Backend {
+    let b = imp_testkit::firecracker::binaries();
+    Backend::Simulator {
+        simulator: b.simulator.clone(),
+        guest: b.guest.clone(),
+    }
+}
+
+/// The simulator, plus real Firecracker when configured (else a printed skip notice).
+pub fn backends(test: &str) -> Vec<Backend> {
+    let mut out = vec![simulator()];
+    match (
+        std::env::var_os("IMP_FIRECRACKER_BIN"),
+        std::env::var_os("IMP_KERNEL"),
+        std::env::var_os("IMP_ROOTFS"),
+    ) {
+        (Some(f), Some(k), Some(r)) => out.push(Backend::Real {
+            firecracker: f.into(),
+            kernel: k.into(),
+            rootfs: r.into(),
+        }),
+        _ => eprintln!(
+            "{test}: SKIPPED the real-Firecracker run: set IMP_FIRECRACKER_BIN, IMP_KERNEL and IMP_ROOTFS to run it"
+        ),
+    }
+    out
+}
+
+pub fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+pub struct Harness {
+    pub backend: Backend,
+    pub dir: tempfile::TempDir,
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    pub kernel: PathBuf,
+    pub base_disk: PathBuf,
+    behaviour: HashMap<String, Knobs>,
+    pub boot_timeout_secs: f64,
+    runtime: Option<Child>,
+    pub client: RuntimeClient,
+    starts: u32,
+}
+
+impl Harness {
+    pub fn new(backend: Backend) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("imprt")
+            .tempdir()
+            .expect("tempdir");
+        let state_dir = dir.path().join("state");
+        let socket = dir.path().join("runtime.sock");
+        let (kernel, base_disk) = match &backend {
+            Backend::Simulator { .. } => {
+                let k = dir.path().join("vmlinux");
+                let d = dir.path().join("rootfs.ext4");
+                std::fs::write(&k, b"simulated kernel").unwrap();
+                std::fs::File::create(&d)
+                    .unwrap()
+                    .set_len(64 << 20)
+                    .unwrap();
+                (k, d)
+            }
+            Backend::Real { kernel, rootfs, .. } => (kernel.clone(), rootfs.clone()),
+        };
+        let h = Self {
+            client: RuntimeClient::new(&socket),
+            backend,
+            state_dir,
+            socket,
+            kernel,
+            base_disk,
+            behaviour: HashMap::new(),
+            boot_timeout_secs: 20.0,
+            runtime: None,
+            dir,
+            starts: 0,
+        };
+        h.write_behaviour();
+        h
+    }
+
+    /// Simulator knobs for VM `uid` (read by the simulator when the VM's process starts).
+    pub fn knobs(&mut self, uid: &str, knobs: Knobs) {
+        self.behaviour.insert(uid.to_string(), knobs);
+        self.write_behaviour();
+    }
+
+    fn write_behaviour(&self) {
+        let path = self.dir.path().join("behaviour.json");
+        std::fs::write(&path, serde_json::to_vec(&self.behaviour).unwrap()).unwrap();
+    }
+
+    pub fn spec(&self, network: bool) -> VmSpec {
+        VmSpec {
+            vcpu: 1,
+            memory_mib: 128,
+            base_disk: self.base_disk.clone(),
+            writable_disk_bytes: Some(256 << 20),
+            kernel: None,
+            initrd: None,
+            extra_boot_args: None,
+            network: network.then_some(NetworkSpec { guest_mac: None }),
+        }
+    }
+
+    /// Start imp-runtime and wait until its socket answers /healthz.
+    pub async fn start_runtime(&mut self) {
+        assert!(self.runtime.is_none(), "runtime already running");
+        self.starts += 1;
+        let log =
+            std::fs::File::create(self.dir.path().join(format!("runtime-{}.log", self.starts)))
+                .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp-runtime"));
+        cmd.env("IMP_RUNTIME_SOCKET", &self.socket)
+            .env("IMP_STATE_DIR", &self.state_dir)
+            .env("IMP_KERNEL", &self.kernel)
+            .env("IMP_METRICS_ADDR", "127.0.0.1:0")
+            .env("IMP_BOOT_TIMEOUT_SECS", self.boot_timeout_secs.to_string())
+            .env("IMP_STOP_TIMEOUT_SECS", "2")
+            .env("IMP_SIM_BEHAVIOUR", self.dir.path().join("behaviour.json"))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        match &self.backend {
+            Backend::Simulator { simulator, guest } => {
+                cmd.env("IMP_FIRECRACKER_BIN", simulator)
+                    .env("IMP_GUEST_BIN", guest);
+            }
+            Backend::Real { firecracker, .. } => {
+                cmd.env("IMP_FIRECRACKER_BIN", firecracker);
+            }
+        }
+        self.runtime = Some(cmd.spawn().expect("spawn imp-runtime"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok((s, _)) = self
+                .client
+                .request(http::Method::GET, "/healthz", None)
+                .await
+                && s.is_success()
+            {
+                return;
+            }
+            if let Some(status) = self.runtime.as_mut().unwrap().try_wait().unwrap() {
+                panic!("imp-runtime exited with {status}: {}", self.runtime_log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "imp-runtime did not become healthy: {}",
+                self.runtime_log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn runtime_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("runtime-{}.log", self.starts)))
+            .unwrap_or_default()
+    }
+
+    pub fn runtime_pid(&self) -> Option<u32> {
+        self.runtime.as_ref().map(|c| c.id())
+    }
+
+    /// kill -9 the runtime (VMs must survive it).
+    pub fn kill9_runtime(&mut self) {
+        let mut child = self.runtime.take().expect("runtime running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    pub fn vms_dir(&self) -> PathBuf {
+        self.state_dir.join("vms")
+    }
+
+    /// Firecracker (or simulator) processes of this harness's state dir.
+    pub fn vmm_processes(&self) -> Vec<(i32, u64, PathBuf)> {
+        imp_node::procfs::firecrackers_under(&self.vms_dir())
+    }
+
+    pub async fn metrics(&self) -> String {
+        let (_, body) = self
+            .client
+            .request(http::Method::GET, "/metrics", None)
+            .await
+            .unwrap();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    pub fn tap_for(&self, uid: &str) -> String {
+        imp_node::tap::tap_name(&self.state_dir, uid)
+    }
+}
+
+/// Whether the process `pid` with start time `start` runs.
+pub fn alive(pid: i32, start: u64) -> bool {
+    imp_node::procfs::is_alive(pid, start)
+}
+
+pub async fn wait_until<F: FnMut() -> bool>(what: &str, timeout: Duration, mut f: F) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+impl Drop for Harness {
+    /// Leave nothing behind even when a test fails: runtime, VMM processes (they are in their
+    /// own sessions, so nothing else would stop them), TAPs.
+    fn drop(&mut self) {
+        if let Some(mut c) = self.runtime.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for (pid, _, _) in self.vmm_processes() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        if let Ok(entries) = std::fs::read_dir(self.vms_dir()) {
+            for e in entries.flatten() {
+                if let Some(uid) = e.file_name().to_str() {
+                    let _ = imp_node::tap::delete(&self.tap_for(uid));
+                }
+            }
+        }
+    }
+}
+
+pub fn exists(p: &Path) -> bool {
+    p.exists()
+}
