@@ -126,6 +126,14 @@ impl RuntimeClient {
             .1)
     }
 
+    pub async fn list(&self) -> Result<Vec<VmStatus>, ClientError> {
+        Ok(self
+            .json::<crate::server::VmList>(Method::GET, "/v1/vms", None)
+            .await?
+            .1
+            .vms)
+    }
+
     pub async fn delete(&self, uid: &str) -> Result<(), ClientError> {
         let (status, bytes) = self
             .request(Method::DELETE, &format!("/v1/vms/{uid}"), None)
