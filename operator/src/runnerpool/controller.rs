@@ -97,8 +97,6 @@ struct PoolMemory {
     mint_failures: u32,
     backoff_until: Option<Instant>,
     creds: Creds,
-    /// VM uids already credited for pickup latency.
-    credited: HashSet<String>,
     /// App and scope, for the sweep.
     github: Option<(GithubApp, RunnerScope)>,
 }
@@ -176,7 +174,11 @@ async fn reconcile(pool: Arc<ImpVMRunnerPool>, ctx: Arc<Ctx>) -> Result<Action> 
     if pool.metadata.deletion_timestamp.is_some() {
         return ctx.cleanup(&pool, &key).await;
     }
-    if !pool.finalizers().iter().any(|f| f == FINALIZER_POOL_CLEANUP) {
+    if !pool
+        .finalizers()
+        .iter()
+        .any(|f| f == FINALIZER_POOL_CLEANUP)
+    {
         let mut finalizers = pool.finalizers().to_vec();
         finalizers.push(FINALIZER_POOL_CLEANUP.to_owned());
         let patch = json!({"metadata": {"finalizers": finalizers, "resourceVersion": pool.resource_version()}});
@@ -248,15 +250,21 @@ impl Ctx {
                 });
             }
         };
-        self.shared.apps.for_secret(&secret).map_err(|e| Creds::Invalid {
-            reason: "CredentialsInvalid",
-            message: e.to_string(),
-        })
+        self.shared
+            .apps
+            .for_secret(&secret)
+            .map_err(|e| Creds::Invalid {
+                reason: "CredentialsInvalid",
+                message: e.to_string(),
+            })
     }
 
     async fn webhook_secret(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Option<Vec<u8>> {
         let r = pool.spec.webhook_secret_ref.as_ref()?;
-        let k = r.key.as_deref().unwrap_or(super::DEFAULT_WEBHOOK_SECRET_KEY);
+        let k = r
+            .key
+            .as_deref()
+            .unwrap_or(super::DEFAULT_WEBHOOK_SECRET_KEY);
         let found = match self.secrets(key).get_opt(&r.name).await {
             Ok(s) => s
                 .and_then(|s| s.data)
@@ -277,7 +285,9 @@ impl Ctx {
     }
 
     async fn list_vms(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Vec<ImpVM>> {
-        let uid = pool.uid().ok_or(PoolError::MissingObjectKey(".metadata.uid"))?;
+        let uid = pool
+            .uid()
+            .ok_or(PoolError::MissingObjectKey(".metadata.uid"))?;
         let lp = ListParams::default().labels(&format!("{LABEL_RUNNER_POOL}={}", key.name));
         let list = self
             .vms(key)
@@ -326,19 +336,19 @@ impl Ctx {
         let now = Instant::now();
         let wall = Timestamp::now();
         let mut observed = Vec::with_capacity(vms.len());
-        let mut newly_started = Vec::new();
+        let mut started_runners = Vec::new();
         for vm in &vms {
             let ann = vm.annotations();
             let name = ann.get(ANNOTATION_RUNNER_NAME).map(String::as_str);
             let state = classify(vm, name, &demand.busy_runners);
-            if matches!(state, RunnerState::Idle | RunnerState::Busy)
+            if let Some(name) = name
                 && let Some(t) = vm
                     .status
                     .as_ref()
                     .and_then(|s| s.runner.as_ref())
                     .and_then(|r| r.started_time.as_ref())
             {
-                newly_started.push((vm.uid().unwrap_or_default(), t.0));
+                started_runners.push((name.to_owned(), t.0));
             }
             observed.push(ObservedVm {
                 name: vm.name_any(),
@@ -350,11 +360,13 @@ impl Ctx {
                     .unwrap_or_default(),
             });
         }
-        self.credit_pickups(key, newly_started, now, wall);
+        self.credit_pickups(key, started_runners, now, wall);
 
         let (mint_block, creds) = self.memory(key, |m| {
             let block = match (&m.creds, &app, m.backoff_until) {
-                (Creds::Invalid { .. }, _, _) | (_, Err(_), _) => Some(MintBlock::CredentialsInvalid),
+                (Creds::Invalid { .. }, _, _) | (_, Err(_), _) => {
+                    Some(MintBlock::CredentialsInvalid)
+                }
                 (_, _, Some(t)) if t > now => Some(MintBlock::Backoff),
                 _ => None,
             };
@@ -395,11 +407,11 @@ impl Ctx {
         let mut mint_failed = false;
         if let (Some(app), Some(scope)) = (app.as_ref(), scope.as_ref()) {
             for name in &p.mint {
-                if let Some(vm) = by_name.get(name.as_str()) {
-                    if self.mint(pool, key, app, scope, vm).await.is_err() {
-                        mint_failed = true;
-                        break;
-                    }
+                if let Some(vm) = by_name.get(name.as_str())
+                    && self.mint(pool, key, app, scope, vm).await.is_err()
+                {
+                    mint_failed = true;
+                    break;
                 }
             }
             if !mint_failed && p.create > 0 {
@@ -414,14 +426,32 @@ impl Ctx {
         }
         if created > 0 {
             info!(pool = %key, created, desired = p.desired, "scaled up");
-            self.event(pool, false, "ScaledUp", format!("Created {created} runner VM(s); desired {}", p.desired)).await;
+            self.event(
+                pool,
+                false,
+                "ScaledUp",
+                format!("Created {created} runner VM(s); desired {}", p.desired),
+            )
+            .await;
         }
         if retired > 0 {
             info!(pool = %key, retired, desired = p.desired, "scaled down");
-            self.event(pool, false, "ScaledDown", format!("Retired {retired} idle runner(s); desired {}", p.desired)).await;
+            self.event(
+                pool,
+                false,
+                "ScaledDown",
+                format!("Retired {retired} idle runner(s); desired {}", p.desired),
+            )
+            .await;
         }
         if cleaned > 0 {
-            self.event(pool, false, "RunnersCleanedUp", format!("Deleted {cleaned} finished runner VM(s)")).await;
+            self.event(
+                pool,
+                false,
+                "RunnersCleanedUp",
+                format!("Deleted {cleaned} finished runner VM(s)"),
+            )
+            .await;
         }
 
         let creds_now = self.memory(key, |m| m.creds.clone());
@@ -431,7 +461,17 @@ impl Ctx {
             self.event(pool, true, reason, message.clone()).await;
         }
         let scaled = created + retired + cleaned > 0;
-        self.write_status(pool, key, &p, created, retired, scaled, &creds_now, mint_failed).await?;
+        self.write_status(
+            pool,
+            key,
+            &p,
+            created,
+            retired,
+            scaled,
+            &creds_now,
+            mint_failed,
+        )
+        .await?;
 
         let backoff = self.memory(key, |m| m.backoff_until);
         let mut next = timing.resync;
@@ -441,25 +481,33 @@ impl Ctx {
         if let Some(t) = backoff.filter(|t| *t > Instant::now()) {
             next = next.min(t - Instant::now() + Duration::from_millis(10));
         }
-        if p.limited == Some(Limit::ScaleUpStep) || (created > 0 && p.desired > p.counts.live() + created) {
+        if p.limited == Some(Limit::ScaleUpStep)
+            || (created > 0 && p.desired > p.counts.live() + created)
+        {
             next = next.min(timing.scaling_requeue);
         }
         Ok(Action::requeue(next))
     }
 
-    /// Pickup latency: each runner newly seen Started serves the oldest waiting queued job.
-    fn credit_pickups(&self, key: &PoolKey, started: Vec<(String, Timestamp)>, now: Instant, wall: Timestamp) {
-        let fresh: Vec<(String, Timestamp)> = self.memory(key, |m| {
-            started
-                .into_iter()
-                .filter(|(uid, _)| m.credited.insert(uid.clone()))
-                .collect()
-        });
-        for (_, t) in fresh {
-            let ago = wall.duration_since(t).unsigned_abs();
-            let at = now.checked_sub(ago).unwrap_or(now);
-            if let Some(latency) = self.shared.demand().credit_pickup(key, at) {
-                self.shared.metrics.job_pickup_latency.observe(latency.as_secs_f64());
+    /// Pickup latency of every job whose runner is known and Started: from learning of the job to that
+    /// runner's Started (zero when a warm runner was already waiting).
+    fn credit_pickups(
+        &self,
+        key: &PoolKey,
+        started: Vec<(String, Timestamp)>,
+        now: Instant,
+        wall: Timestamp,
+    ) {
+        let mut d = self.shared.demand();
+        for (runner, t) in started {
+            if let Some(learnt) = d.take_pickup(key, &runner) {
+                let ago = wall.duration_since(t).unsigned_abs();
+                let at = now.checked_sub(ago).unwrap_or(now);
+                let latency = at.saturating_duration_since(learnt);
+                self.shared
+                    .metrics
+                    .job_pickup_latency
+                    .observe(latency.as_secs_f64());
             }
         }
     }
@@ -478,7 +526,9 @@ impl Ctx {
             };
             match app.delete_runner(scope, id).await {
                 Ok(DeleteOutcome::Deleted) => self.shared.metrics.deregistration("deleted"),
-                Ok(DeleteOutcome::AlreadyGone) => self.shared.metrics.deregistration("already_gone"),
+                Ok(DeleteOutcome::AlreadyGone) => {
+                    self.shared.metrics.deregistration("already_gone")
+                }
                 Err(e) if e.class() == ErrorClass::Busy => {
                     self.shared.metrics.deregistration("busy");
                     debug!(pool = %key, vm = %r.name, runner_id = id, "runner busy; kept");
@@ -491,7 +541,11 @@ impl Ctx {
                 }
             }
         }
-        match self.vms(key).delete(&r.name, &DeleteParams::background()).await {
+        match self
+            .vms(key)
+            .delete(&r.name, &DeleteParams::background())
+            .await
+        {
             Ok(_) => {
                 info!(pool = %key, vm = %r.name, runner_id = ?r.runner_id, "runner VM deleted");
                 Removed::Done
@@ -504,7 +558,13 @@ impl Ctx {
         }
     }
 
-    async fn deregister_only(&self, key: &PoolKey, app: &GithubApp, scope: &RunnerScope, r: &Removal) {
+    async fn deregister_only(
+        &self,
+        key: &PoolKey,
+        app: &GithubApp,
+        scope: &RunnerScope,
+        r: &Removal,
+    ) {
         if let Some(id) = r.runner_id
             && let Err(e) = app.delete_runner(scope, id).await
         {
@@ -554,7 +614,10 @@ impl Ctx {
             Ok(Some(existing)) => {
                 if owned_by(&existing, &uid) {
                     let ann = existing.annotations();
-                    let (id, name) = (ann.get(ANNOTATION_RUNNER_ID).cloned(), ann.get(ANNOTATION_RUNNER_NAME).cloned());
+                    let (id, name) = (
+                        ann.get(ANNOTATION_RUNNER_ID).cloned(),
+                        ann.get(ANNOTATION_RUNNER_NAME).cloned(),
+                    );
                     info!(pool = %key, vm = %vm_name, "adopting the JIT Secret this VM already owns");
                     return self
                         .attach(key, &vm_name, &secret_name, id.as_deref(), name.as_deref())
@@ -562,7 +625,10 @@ impl Ctx {
                         .map_err(|_| ());
                 }
                 self.event(pool, true, "SecretConflict", format!("Secret {secret_name} exists and is not owned by VM {vm_name}; deleting the VM")).await;
-                let _ = self.vms(key).delete(&vm_name, &DeleteParams::background()).await;
+                let _ = self
+                    .vms(key)
+                    .delete(&vm_name, &DeleteParams::background())
+                    .await;
                 return Err(());
             }
             Ok(None) => {}
@@ -574,8 +640,17 @@ impl Ctx {
         if vm.annotations().contains_key(ANNOTATION_RUNNER_ID) {
             // Minted before and its Secret is gone: never mint twice for one VM. Replace the VM.
             let id = vm.annotations()[ANNOTATION_RUNNER_ID].parse().ok();
-            self.event(pool, true, "JitConfigLost", format!("VM {vm_name} was minted but its JIT Secret is gone; replacing the VM")).await;
-            let r = Removal { name: vm_name, runner_id: id };
+            self.event(
+                pool,
+                true,
+                "JitConfigLost",
+                format!("VM {vm_name} was minted but its JIT Secret is gone; replacing the VM"),
+            )
+            .await;
+            let r = Removal {
+                name: vm_name,
+                runner_id: id,
+            };
             self.remove(key, Some(app), Some(scope), &r).await;
             return Err(());
         }
@@ -587,7 +662,12 @@ impl Ctx {
             runner_name: runner.clone(),
             labels: pool.spec.github.labels.clone(),
             runner_group: pool.spec.github.runner_group.clone(),
-            work_folder: pool.spec.github.work_folder.clone().unwrap_or_else(|| "_work".into()),
+            work_folder: pool
+                .spec
+                .github
+                .work_folder
+                .clone()
+                .unwrap_or_else(|| "_work".into()),
         };
         let minted = match app.generate_jit_config(&req).await {
             Ok(m) => m,
@@ -596,7 +676,10 @@ impl Ctx {
                 return Err(());
             }
         };
-        self.shared.metrics.jit_mint_duration.observe(started.elapsed().as_secs_f64());
+        self.shared
+            .metrics
+            .jit_mint_duration
+            .observe(started.elapsed().as_secs_f64());
         self.memory(key, |m| {
             m.mint_failures = 0;
             m.backoff_until = None;
@@ -613,7 +696,10 @@ impl Ctx {
                 ])),
                 annotations: Some(BTreeMap::from([
                     (ANNOTATION_RUNNER_ID.to_owned(), runner_id.clone()),
-                    (ANNOTATION_RUNNER_NAME.to_owned(), minted.runner_name.clone()),
+                    (
+                        ANNOTATION_RUNNER_NAME.to_owned(),
+                        minted.runner_name.clone(),
+                    ),
                 ])),
                 owner_references: Some(vec![OwnerReference {
                     api_version: "imp.dev/v1alpha1".into(),
@@ -637,7 +723,10 @@ impl Ctx {
             Err(kube::Error::Api(s)) if s.code == 409 => {
                 // Written meanwhile by someone else. Reuse it only if this VM owns it; either way
                 // the registration just minted is surplus.
-                let r = Removal { name: vm_name.clone(), runner_id: Some(minted.runner_id) };
+                let r = Removal {
+                    name: vm_name.clone(),
+                    runner_id: Some(minted.runner_id),
+                };
                 if let Ok(Some(existing)) = secrets.get_opt(&secret_name).await
                     && owned_by(&existing, &uid)
                 {
@@ -663,12 +752,21 @@ impl Ctx {
         };
         if !stored {
             // The minted registration has no home: deregister it and replace the VM.
-            let r = Removal { name: vm_name, runner_id: Some(minted.runner_id) };
+            let r = Removal {
+                name: vm_name,
+                runner_id: Some(minted.runner_id),
+            };
             self.remove(key, Some(app), Some(scope), &r).await;
             return Err(());
         }
         match self
-            .attach(key, &vm_name, &secret_name, Some(&runner_id), Some(&minted.runner_name))
+            .attach(
+                key,
+                &vm_name,
+                &secret_name,
+                Some(&runner_id),
+                Some(&minted.runner_name),
+            )
             .await
         {
             Ok(()) => {
@@ -721,9 +819,19 @@ impl Ctx {
         let wait = self.memory(key, |m| {
             m.mint_failures += 1;
             let factor = 2u32.saturating_pow(m.mint_failures.saturating_sub(1).min(16));
-            let wait = timing.mint_backoff.saturating_mul(factor).min(timing.mint_backoff_max);
+            let wait = timing
+                .mint_backoff
+                .saturating_mul(factor)
+                .min(timing.mint_backoff_max);
             m.backoff_until = Some(Instant::now() + wait);
-            if matches!(e.metric_label(), "credentials" | "unauthorized" | "forbidden" | "enterprise_scope_unsupported" | "runner_group_not_found") {
+            if matches!(
+                e.metric_label(),
+                "credentials"
+                    | "unauthorized"
+                    | "forbidden"
+                    | "enterprise_scope_unsupported"
+                    | "runner_group_not_found"
+            ) {
                 m.creds = Creds::Invalid {
                     reason: "CredentialsInvalid",
                     message: e.to_string(),
@@ -786,7 +894,11 @@ impl Ctx {
             }
         };
         let (cv, cr, cm) = match creds {
-            Creds::Valid => (Some(true), "Minted", "A JIT runner config was minted with the App credentials".to_owned()),
+            Creds::Valid => (
+                Some(true),
+                "Minted",
+                "A JIT runner config was minted with the App credentials".to_owned(),
+            ),
             Creds::Unknown => (None, "NotYetUsed", "No JIT config minted yet".to_owned()),
             Creds::Invalid { reason, message } => (Some(false), *reason, message.clone()),
         };
@@ -797,14 +909,26 @@ impl Ctx {
             cond(
                 condition::READY,
                 Some(ready),
-                if ready { "RunnersAvailable" } else { "RunnersPending" },
+                if ready {
+                    "RunnersAvailable"
+                } else {
+                    "RunnersPending"
+                },
                 format!("{} idle + {} busy of {} desired", c.idle, c.busy, p.desired),
             ),
             cond(
                 condition::AT_CAPACITY,
                 Some(p.at_capacity),
-                if p.at_capacity { "MaxRunnersReached" } else { "BelowMaxRunners" },
-                format!("{} of maxRunners {}", c.live(), pool.spec.scaling.max_runners),
+                if p.at_capacity {
+                    "MaxRunnersReached"
+                } else {
+                    "BelowMaxRunners"
+                },
+                format!(
+                    "{} of maxRunners {}",
+                    c.live(),
+                    pool.spec.scaling.max_runners
+                ),
             ),
             cond(
                 condition::SCALING_LIMITED,
@@ -823,7 +947,11 @@ impl Ctx {
             busy: c.busy,
             booting,
             total,
-            last_scale_time: if scaled { Some(now) } else { old.last_scale_time.clone() },
+            last_scale_time: if scaled {
+                Some(now)
+            } else {
+                old.last_scale_time.clone()
+            },
             conditions,
         };
         let m = &self.shared.metrics;
@@ -850,7 +978,11 @@ impl Ctx {
 
     /// The pool is being deleted: deregister every runner and delete every VM, then let it go.
     async fn cleanup(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Action> {
-        if !pool.finalizers().iter().any(|f| f == FINALIZER_POOL_CLEANUP) {
+        if !pool
+            .finalizers()
+            .iter()
+            .any(|f| f == FINALIZER_POOL_CLEANUP)
+        {
             self.forget(key);
             return Ok(Action::await_change());
         }
@@ -861,8 +993,15 @@ impl Ctx {
             .iter()
             .map(|vm| ObservedVm {
                 name: vm.name_any(),
-                state: if vm.metadata.deletion_timestamp.is_some() { RunnerState::Deleting } else { RunnerState::Booting },
-                runner_id: vm.annotations().get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
+                state: if vm.metadata.deletion_timestamp.is_some() {
+                    RunnerState::Deleting
+                } else {
+                    RunnerState::Booting
+                },
+                runner_id: vm
+                    .annotations()
+                    .get(ANNOTATION_RUNNER_ID)
+                    .and_then(|v| v.parse().ok()),
                 created: 0,
             })
             .collect();
@@ -892,7 +1031,10 @@ impl Ctx {
         if pending > 0 {
             self.event(pool, true, "CleanupTimedOut", format!("{pending} runner(s) could not be deregistered within {:?}; their VMs are deleted, the registrations may remain at GitHub", self.config.timing.deletion_timeout)).await;
             for r in &p.cleanup {
-                let _ = self.vms(key).delete(&r.name, &DeleteParams::background()).await;
+                let _ = self
+                    .vms(key)
+                    .delete(&r.name, &DeleteParams::background())
+                    .await;
             }
         }
         let finalizers: Vec<String> = pool
@@ -919,7 +1061,10 @@ impl Ctx {
     fn forget(&self, key: &PoolKey) {
         self.shared.demand().remove_pool(key);
         self.shared.metrics.remove_pool(&key.to_string());
-        self.memory.lock().unwrap_or_else(|e| e.into_inner()).remove(key);
+        self.memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
     }
 }
 
@@ -993,6 +1138,9 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM, PoolError> {
     Ok(vm)
 }
 
+/// One App's sweep: its client, the organizations and the repositories its pools serve.
+type AppSweep = (GithubApp, HashSet<String>, HashSet<String>);
+
 /// Periodically lists queued jobs through the REST API (per App, once per repository), so jobs whose
 /// webhooks were lost raise demand within one interval; also expires old jobs and refreshes the global
 /// webhook secret.
@@ -1024,7 +1172,9 @@ impl Ctx {
                 }
                 self.shared.demand().set_global_secret(v);
             }
-            Err(e) => warn!(secret = %sel.name, error = %e, "reading the global webhook secret failed"),
+            Err(e) => {
+                warn!(secret = %sel.name, error = %e, "reading the global webhook secret failed")
+            }
         }
     }
 
@@ -1035,7 +1185,7 @@ impl Ctx {
             m.values().filter_map(|p| p.github.clone()).collect()
         };
         // (app id, installation id) -> (client, orgs, repos)
-        let mut by_app: BTreeMap<(u64, u64), (GithubApp, HashSet<String>, HashSet<String>)> = BTreeMap::new();
+        let mut by_app: BTreeMap<(u64, u64), AppSweep> = BTreeMap::new();
         for (app, scope) in apps {
             let e = by_app
                 .entry((app.app_id(), app.installation_id()))
@@ -1067,7 +1217,9 @@ impl Ctx {
             let mut listed = Vec::new();
             let mut queued = Vec::new();
             for repo in repos {
-                let Some((owner, name)) = repo.split_once('/') else { continue };
+                let Some((owner, name)) = repo.split_once('/') else {
+                    continue;
+                };
                 match app.list_queued_jobs(owner, name).await {
                     Ok(jobs) => {
                         queued.extend(jobs.into_iter().map(|j| JobUpdate {
@@ -1079,7 +1231,9 @@ impl Ctx {
                         }));
                         listed.push(repo);
                     }
-                    Err(e) => warn!(repository = %repo, error = %e, "sweep: listing queued jobs failed"),
+                    Err(e) => {
+                        warn!(repository = %repo, error = %e, "sweep: listing queued jobs failed")
+                    }
                 }
             }
             let changed = {

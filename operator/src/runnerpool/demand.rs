@@ -385,16 +385,17 @@ impl Demand {
         d
     }
 
-    /// Credits a runner that just reached Started to the oldest queued job of the pool not yet
-    /// credited; returns how long that job waited (the pickup latency).
-    pub fn credit_pickup(&mut self, key: &PoolKey, started: Instant) -> Option<Duration> {
-        let job = self
-            .jobs
-            .values_mut()
-            .filter(|j| j.pool.as_ref() == Some(key) && !j.picked_up && j.state == JobState::Queued)
-            .min_by_key(|j| (j.learnt_at, j.id))?;
+    /// The job a runner of the pool took (in progress or done), the first time it is asked: its pickup
+    /// latency is then measured from when the job was learnt to when that runner reached Started.
+    pub fn take_pickup(&mut self, key: &PoolKey, runner_name: &str) -> Option<Instant> {
+        let job = self.jobs.values_mut().find(|j| {
+            j.pool.as_ref() == Some(key)
+                && !j.picked_up
+                && j.state != JobState::Queued
+                && j.runner_name.as_deref() == Some(runner_name)
+        })?;
         job.picked_up = true;
-        Some(started.saturating_duration_since(job.learnt_at))
+        Some(job.learnt_at)
     }
 
     /// Routing entries of every pool (the sweep groups them by App).
@@ -469,7 +470,10 @@ mod tests {
     #[test]
     fn the_most_specific_pool_wins_and_secrets_restrict_routing() {
         let mut d = Demand::default();
-        d.upsert_pool(key("wide"), route(&["self-hosted", "imp", "linux", "x64"], None));
+        d.upsert_pool(
+            key("wide"),
+            route(&["self-hosted", "imp", "linux", "x64"], None),
+        );
         d.upsert_pool(key("narrow"), route(&["self-hosted", "imp"], Some("n")));
         d.set_global_secret(Some(b"g".to_vec()));
         let job = s(&["self-hosted", "imp"]);
@@ -561,7 +565,11 @@ mod tests {
         d.observe(queued(1, &["imp"]), None, t0);
         let started = t0 + Duration::from_millis(10);
         // Job 3 arrives by webhook while the sweep is listing: it must survive.
-        d.observe(queued(3, &["imp"]), None, started + Duration::from_millis(1));
+        d.observe(
+            queued(3, &["imp"]),
+            None,
+            started + Duration::from_millis(1),
+        );
         let changed = d.observe_sweep(
             &s(&["acme/app"]),
             vec![queued(2, &["imp"])],
@@ -587,16 +595,19 @@ mod tests {
     }
 
     #[test]
-    fn pickups_credit_the_oldest_waiting_job_once() {
+    fn a_pickup_is_taken_once_per_job_from_its_runner() {
         let mut d = Demand::default();
         d.upsert_pool(key("p"), route(&["imp"], None));
         let t0 = Instant::now();
         d.observe(queued(1, &["imp"]), None, t0);
-        d.observe(queued(2, &["imp"]), None, t0 + Duration::from_secs(1));
-        let t = t0 + Duration::from_secs(5);
-        assert_eq!(d.credit_pickup(&key("p"), t), Some(Duration::from_secs(5)));
-        assert_eq!(d.credit_pickup(&key("p"), t), Some(Duration::from_secs(4)));
-        assert_eq!(d.credit_pickup(&key("p"), t), None);
+        assert_eq!(d.take_pickup(&key("p"), "p-a"), None, "still queued");
+        let mut started = queued(1, &["imp"]);
+        started.state = JobState::InProgress;
+        started.runner_name = Some("p-a".into());
+        d.observe(started, None, t0 + Duration::from_secs(3));
+        assert_eq!(d.take_pickup(&key("p"), "p-b"), None);
+        assert_eq!(d.take_pickup(&key("p"), "p-a"), Some(t0));
+        assert_eq!(d.take_pickup(&key("p"), "p-a"), None);
     }
 
     #[test]

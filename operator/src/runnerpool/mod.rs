@@ -116,7 +116,11 @@ impl PoolShared {
         Self::with_limits(apps, metrics, DemandLimits::default())
     }
 
-    pub fn with_limits(apps: Arc<GithubApps>, metrics: PoolMetrics, limits: DemandLimits) -> Arc<Self> {
+    pub fn with_limits(
+        apps: Arc<GithubApps>,
+        metrics: PoolMetrics,
+        limits: DemandLimits,
+    ) -> Arc<Self> {
         Arc::new(PoolShared {
             demand: Mutex::new(Demand::new(limits)),
             metrics,
@@ -131,7 +135,12 @@ impl PoolShared {
 
     /// Asks the controller to reconcile a pool (its demand changed).
     pub fn notify(&self, key: PoolKey) {
-        if let Some(tx) = self.notify.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(tx) = self
+            .notify
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
             let _ = tx.send(key);
         }
     }

@@ -275,7 +275,10 @@ mod tests {
         assert!(p.retire.iter().all(|r| r.runner_id.is_some()));
         assert_eq!(p.create, 0);
         let p = run(&[Busy, Booting, Booting], scaling(0, 10, 10), 0);
-        assert!(p.retire.is_empty(), "booting and busy VMs are never retired");
+        assert!(
+            p.retire.is_empty(),
+            "booting and busy VMs are never retired"
+        );
     }
 
     #[test]

@@ -234,7 +234,10 @@ mod tests {
 
     fn headers(delivery: &str, event: &str, sig: &str) -> HeaderMap {
         let mut h = HeaderMap::new();
-        h.insert("x-github-delivery", HeaderValue::from_str(delivery).unwrap());
+        h.insert(
+            "x-github-delivery",
+            HeaderValue::from_str(delivery).unwrap(),
+        );
         h.insert("x-github-event", HeaderValue::from_str(event).unwrap());
         h.insert("x-hub-signature-256", HeaderValue::from_str(sig).unwrap());
         h

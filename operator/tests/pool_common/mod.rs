@@ -1,0 +1,460 @@
+//! Shared harness of the runner-pool tests: a GitHub simulator whose webhooks go to an in-process webhook
+//! server, the pool controller scoped to the test's namespace, fixtures, and a fake node agent that plays
+//! the node side by writing ImpVM status (and optionally runs the simulator's fake runner with the VM's
+//! JIT config, so jobs really go in_progress and complete at the simulator).
+
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::{
+    collections::BTreeMap,
+    io::Write,
+    sync::{Arc, Mutex, OnceLock},
+    time::{Duration, Instant},
+};
+
+use imp_api::{
+    HandoffState, ImpVM, ImpVMRunnerPool, ImpVMStatus, RunnerStatus, VmPhase,
+    names::{
+        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_RUNNER_POOL, SECRET_KEY_JITCONFIG,
+    },
+};
+use imp_operator::{
+    github::{GithubApps, GithubConfig, GithubMetrics, RetryPolicy},
+    metrics::encode,
+    runnerpool::{
+        PoolControllerConfig, PoolMetrics, PoolShared, PoolTiming, run_runnerpool_controller,
+    },
+    webhook::webhook_router,
+};
+use imp_testkit::{
+    TestEnv,
+    github::{
+        GithubSim, KeyFormat, SimConfig,
+        runner_protocol::{FakeRunnerOptions, run_fake_runner},
+    },
+};
+use k8s_openapi::{
+    api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp,
+};
+use kube::{
+    Api, Client, ResourceExt,
+    api::{ListParams, Patch, PatchParams, PostParams},
+};
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+pub const WEBHOOK_SECRET: &str = "pool-test-webhook-secret";
+pub const APP_SECRET: &str = "github-app";
+pub const LABELS: [&str; 3] = ["self-hosted", "imp", "linux"];
+
+/// Everything the controller logs, across all tests of the binary (the secrets test scans it).
+pub fn captured_logs() -> String {
+    String::from_utf8_lossy(&LOGS.lock().unwrap()).into_owned()
+}
+
+static LOGS: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+struct Capture;
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        LOGS.lock().unwrap().extend_from_slice(buf);
+        if std::env::var_os("IMP_LOG").is_some() {
+            let _ = std::io::stderr().write_all(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn init_logging() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        // Everything at debug and above from the operator, including the GitHub client.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("imp_operator=trace,imp_testkit=info")
+            .with_writer(|| Capture)
+            .with_ansi(false)
+            .try_init();
+    });
+}
+
+/// Fast production-shaped timings.
+pub fn fast_timing() -> PoolTiming {
+    PoolTiming {
+        sweep_interval: Duration::from_secs(60),
+        mint_backoff: Duration::from_millis(500),
+        mint_backoff_max: Duration::from_secs(2),
+        scaling_requeue: Duration::from_millis(100),
+        retry: Duration::from_millis(500),
+        resync: Duration::from_secs(5),
+        debounce: Duration::from_millis(50),
+        deletion_timeout: Duration::from_secs(30),
+    }
+}
+
+pub fn github_config(sim: &GithubSim) -> GithubConfig {
+    GithubConfig {
+        api_base_url: sim.base_url().to_string(),
+        request_timeout: Duration::from_secs(5),
+        retry: RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(100),
+            max_rate_limit_wait: Duration::from_secs(2),
+        },
+        jit_mints_per_minute: 1_000_000,
+        jit_mint_burst: 100_000,
+        ..GithubConfig::default()
+    }
+}
+
+pub struct PoolHarness {
+    pub env: TestEnv,
+    pub client: Client,
+    pub ns: String,
+    pub sim: GithubSim,
+    pub shared: Arc<PoolShared>,
+    pub webhook_url: String,
+    registry: Registry,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl PoolHarness {
+    pub async fn start(prefix: &str) -> Self {
+        Self::start_with(prefix, fast_timing()).await
+    }
+
+    pub async fn start_with(prefix: &str, timing: PoolTiming) -> Self {
+        init_logging();
+        let env = TestEnv::new(prefix).await;
+        let client = env.client.clone();
+        let ns = env.namespace.clone();
+        let sim = GithubSim::start(SimConfig::default())
+            .await
+            .expect("simulator starts");
+        let gh_metrics = GithubMetrics::default();
+        let metrics = PoolMetrics::default();
+        let mut registry = Registry::default();
+        gh_metrics.register(&mut registry);
+        metrics.register(&mut registry);
+        let apps = Arc::new(GithubApps::new(github_config(&sim), gh_metrics));
+        let shared = PoolShared::new(apps, metrics);
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let webhook_url = format!("http://{}/webhooks/github", listener.local_addr().unwrap());
+        let router = webhook_router(shared.clone());
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        sim.set_webhook(&webhook_url, WEBHOOK_SECRET);
+
+        let mut config = PoolControllerConfig::new();
+        config.namespace = Some(ns.clone());
+        config.timing = timing;
+        let controller = tokio::spawn(run_runnerpool_controller(
+            client.clone(),
+            config,
+            shared.clone(),
+        ));
+        let h = PoolHarness {
+            env,
+            client,
+            ns,
+            sim,
+            shared,
+            webhook_url,
+            registry,
+            tasks: vec![server, controller],
+        };
+        h.create_secret(APP_SECRET, h.sim.secret_data(KeyFormat::Pkcs1))
+            .await;
+        h.create_secret(
+            "webhook",
+            BTreeMap::from([("webhook-secret".to_string(), WEBHOOK_SECRET.to_string())]),
+        )
+        .await;
+        h
+    }
+
+    pub fn pools(&self) -> Api<ImpVMRunnerPool> {
+        self.env.api()
+    }
+    pub fn vms(&self) -> Api<ImpVM> {
+        self.env.api()
+    }
+    pub fn secrets(&self) -> Api<Secret> {
+        self.env.api()
+    }
+
+    pub fn metrics_text(&self) -> String {
+        encode(&self.registry).unwrap()
+    }
+
+    /// The value of one sample line (`name{labels}`), 0 if absent.
+    pub fn metric(&self, sample: &str) -> f64 {
+        self.metrics_text()
+            .lines()
+            .find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+
+    pub async fn create_secret(&self, name: &str, data: BTreeMap<String, String>) {
+        let mut s = Secret::default();
+        s.metadata.name = Some(name.to_owned());
+        s.string_data = Some(data);
+        self.secrets()
+            .create(&PostParams::default(), &s)
+            .await
+            .unwrap();
+    }
+
+    /// A pool with the test labels, org scope, the test webhook secret, and `scaling`.
+    pub async fn create_pool(&self, name: &str, scaling: Value) -> ImpVMRunnerPool {
+        let pool: ImpVMRunnerPool = serde_json::from_value(json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMRunnerPool",
+            "metadata": {"name": name},
+            "spec": {
+                "github": {"scope": {"org": self.sim.org()}, "appSecretRef": {"name": APP_SECRET}, "labels": LABELS},
+                "template": {"spec": {"classRef": {"name": "runner"}, "image": "ghcr.io/imp/runner:1"}},
+                "scaling": scaling,
+                "webhookSecretRef": {"name": "webhook"},
+            }
+        }))
+        .unwrap();
+        self.pools()
+            .create(&PostParams::default(), &pool)
+            .await
+            .unwrap()
+    }
+
+    pub async fn patch_scaling(&self, pool: &str, scaling: Value) {
+        let patch = json!({"spec": {"scaling": scaling}});
+        self.pools()
+            .patch(pool, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    /// The pool's runner VMs not being deleted.
+    pub async fn runner_vms(&self, pool: &str) -> Vec<ImpVM> {
+        self.vms()
+            .list(&ListParams::default().labels(&format!("{LABEL_RUNNER_POOL}={pool}")))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|v| v.metadata.deletion_timestamp.is_none())
+            .collect()
+    }
+
+    /// Polls `f` every 100 ms until it returns Some; panics with `what` after `within`.
+    pub async fn wait<T, F, Fut>(&self, what: &str, within: Duration, mut f: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Option<T>>,
+    {
+        let start = Instant::now();
+        loop {
+            if let Some(v) = f().await {
+                return v;
+            }
+            assert!(
+                start.elapsed() < within,
+                "timed out after {within:?} waiting for {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until the pool has exactly `n` runner VMs, all minted.
+    pub async fn wait_minted(&self, pool: &str, n: usize, within: Duration) -> Vec<ImpVM> {
+        self.wait(
+            &format!("{n} minted runner VMs of {pool}"),
+            within,
+            || async {
+                let vms = self.runner_vms(pool).await;
+                (vms.len() == n && vms.iter().all(|v| v.spec.runner_config_secret.is_some()))
+                    .then_some(vms)
+            },
+        )
+        .await
+    }
+
+    pub async fn pool_status(&self, pool: &str) -> imp_api::ImpVMRunnerPoolStatus {
+        self.pools()
+            .get_status(pool)
+            .await
+            .unwrap()
+            .status
+            .unwrap_or_default()
+    }
+
+    /// Event (reason, note) pairs about `pool`.
+    pub async fn events(&self, pool: &str) -> Vec<(String, String)> {
+        let events: Api<k8s_openapi::api::events::v1::Event> = self.env.api();
+        events
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pool))
+            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
+    }
+
+    /// Writes VM status as the agent does after the handoff: Running, runner Started.
+    pub async fn agent_started(&self, vm: &ImpVM) {
+        let ann = vm.annotations();
+        let status = ImpVMStatus {
+            phase: Some(VmPhase::Running),
+            runner: Some(RunnerStatus {
+                handoff: Some(HandoffState::Started),
+                runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
+                runner_name: ann.get(ANNOTATION_RUNNER_NAME).cloned(),
+                started_time: Some(Time(Timestamp::now())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        self.vms()
+            .patch_status(
+                &vm.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"status": status})),
+            )
+            .await
+            .unwrap();
+    }
+
+    /// The runner exited: phase Succeeded, handoff Exited.
+    pub async fn agent_exited(&self, vm: &str) {
+        let patch = json!({"status": {"phase": "Succeeded",
+            "runner": {"handoff": "Exited", "exitCode": 0, "exitedTime": Time(Timestamp::now())}}});
+        let _ = self
+            .vms()
+            .patch_status(vm, &PatchParams::default(), &Patch::Merge(&patch))
+            .await;
+    }
+
+    /// Plays the node agents of the namespace: every minted VM gets its Secret read, status Started, the
+    /// Secret deleted; with `run_jobs`, the simulator's fake runner runs with the config and takes one job
+    /// (`job_time` long), after which the VM is marked Succeeded.
+    pub fn start_agent(&mut self, run_jobs: bool, job_time: Duration) {
+        let vms = self.vms();
+        let secrets = self.secrets();
+        let this = AgentCtx {
+            vms: vms.clone(),
+            secrets,
+        };
+        let task = tokio::spawn(async move {
+            let mut handled = std::collections::HashSet::new();
+            loop {
+                if let Ok(list) = vms.list(&ListParams::default()).await {
+                    for vm in list.items {
+                        let Some(secret) = vm.spec.runner_config_secret.clone() else {
+                            continue;
+                        };
+                        let uid = vm.uid().unwrap_or_default();
+                        if vm.metadata.deletion_timestamp.is_some() || !handled.insert(uid) {
+                            continue;
+                        }
+                        let this = this.clone();
+                        tokio::spawn(async move {
+                            this.handoff(vm, &secret, run_jobs, job_time).await;
+                        });
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        self.tasks.push(task);
+    }
+}
+
+#[derive(Clone)]
+struct AgentCtx {
+    vms: Api<ImpVM>,
+    secrets: Api<Secret>,
+}
+
+impl AgentCtx {
+    async fn handoff(&self, vm: ImpVM, secret: &str, run_jobs: bool, job_time: Duration) {
+        let Ok(Some(s)) = self.secrets.get_opt(secret).await else {
+            return;
+        };
+        let Some(config) = s
+            .data
+            .and_then(|mut d| d.remove(SECRET_KEY_JITCONFIG))
+            .map(|b| String::from_utf8_lossy(&b.0).into_owned())
+        else {
+            return;
+        };
+        let ann = vm.annotations();
+        let status = ImpVMStatus {
+            phase: Some(VmPhase::Running),
+            runner: Some(RunnerStatus {
+                handoff: Some(HandoffState::Started),
+                runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
+                runner_name: ann.get(ANNOTATION_RUNNER_NAME).cloned(),
+                started_time: Some(Time(Timestamp::now())),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let name = vm.name_any();
+        if self
+            .vms
+            .patch_status(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"status": status})),
+            )
+            .await
+            .is_err()
+        {
+            return;
+        }
+        let _ = self.secrets.delete(secret, &Default::default()).await;
+        if !run_jobs {
+            return;
+        }
+        let opts = FakeRunnerOptions {
+            job_wait: Duration::from_secs(120),
+            job_duration: job_time,
+            ..FakeRunnerOptions::default()
+        };
+        if run_fake_runner(&config, &opts).await.is_ok() {
+            let patch = json!({"status": {"phase": "Succeeded",
+                "runner": {"handoff": "Exited", "exitCode": 0, "exitedTime": Time(Timestamp::now())}}});
+            let _ = self
+                .vms
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await;
+        }
+    }
+}
+
+impl Drop for PoolHarness {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+pub fn labels() -> Vec<String> {
+    LABELS.iter().map(|s| s.to_string()).collect()
+}
+
+/// A job with a subset of the pool's labels.
+pub fn job() -> imp_testkit::github::JobSpec {
+    imp_testkit::github::JobSpec {
+        labels: vec!["self-hosted".into(), "imp".into()],
+        ..Default::default()
+    }
+}

@@ -1,0 +1,266 @@
+//! Runner pool scaling on the real API server with the GitHub simulator: scale from zero on a webhook
+//! through a whole job, minIdle, maxRunners, scale-down (deregister first; a busy runner is kept) and pool
+//! deletion.
+
+mod pool_common;
+
+use std::time::Duration;
+
+use imp_api::names::{ANNOTATION_RUNNER_ID, LABEL_SECRET_KIND, SECRET_KIND_JIT, condition};
+use imp_testkit::github::{
+    JobStatus, WebhookFault,
+    runner_protocol::{FakeRunnerOptions, run_fake_runner},
+};
+use k8s_openapi::api::core::v1::Secret;
+use kube::{
+    Api, ResourceExt,
+    api::{DeleteParams, ListParams},
+};
+use pool_common::*;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn cond(s: &imp_api::ImpVMRunnerPoolStatus, t: &str) -> (String, String) {
+    s.conditions
+        .iter()
+        .find(|c| c.type_ == t)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+        .unwrap_or_default()
+}
+
+fn runner_ids(vms: &[imp_api::ImpVM]) -> Vec<u64> {
+    let mut ids: Vec<u64> = vms
+        .iter()
+        .map(|v| v.annotations()[ANNOTATION_RUNNER_ID].parse().unwrap())
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scales_from_zero_on_a_webhook_runs_the_job_and_cleans_up() {
+    // The sweep is slow here: only the webhook can bring the runner up in time.
+    let mut h = PoolHarness::start("pool-zero").await;
+    h.start_agent(true, Duration::from_millis(1500));
+    h.create_pool("zero", json!({"maxRunners": 5})).await;
+    h.wait("pool status", WAIT, || async {
+        let s = h.pool_status("zero").await;
+        (s.observed_generation == Some(1)).then_some(())
+    })
+    .await;
+    assert!(h.runner_vms("zero").await.is_empty());
+
+    let job = h.sim.queue_job(job());
+    let vm = h.wait_minted("zero", 1, WAIT).await.remove(0);
+    // The runner takes the job: the pool counts it busy (from the in_progress webhook).
+    h.wait("a busy runner", WAIT, || async {
+        (h.pool_status("zero").await.busy == 1).then_some(())
+    })
+    .await;
+    let done = h
+        .sim
+        .wait_job(job.id, WAIT, |j| j.status == JobStatus::Completed)
+        .await
+        .unwrap();
+    assert_eq!(done.status, JobStatus::Completed);
+    assert_eq!(
+        done.runner_name.as_deref(),
+        vm.annotations()
+            .get(imp_api::names::ANNOTATION_RUNNER_NAME)
+            .map(String::as_str)
+    );
+    // The finished VM is deleted and nothing replaces it (minIdle 0, no demand).
+    h.wait("the finished VM to go", WAIT, || async {
+        h.runner_vms("zero").await.is_empty().then_some(())
+    })
+    .await;
+    let s = h
+        .wait("status back at zero", WAIT, || async {
+            let s = h.pool_status("zero").await;
+            (s.total == 0 && s.desired == 0).then_some(s)
+        })
+        .await;
+    assert!(s.last_scale_time.is_some());
+    assert!(h.sim.runners().is_empty(), "{:?}", h.sim.runners());
+    assert!(h.metric("imp_runner_job_pickup_latency_seconds_count") >= 1.0);
+    assert_eq!(
+        h.metric("imp_webhook_deliveries_total{result=\"accepted\"}"),
+        3.0
+    );
+    let reasons: Vec<String> = h.events("zero").await.into_iter().map(|e| e.0).collect();
+    assert!(reasons.contains(&"ScaledUp".to_string()), "{reasons:?}");
+    assert!(
+        reasons.contains(&"RunnersCleanedUp".to_string()),
+        "{reasons:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keeps_min_idle_and_respects_max_runners() {
+    let mut h = PoolHarness::start("pool-idle").await;
+    h.start_agent(false, Duration::ZERO);
+    h.create_pool("idle", json!({"minIdle": 2, "maxRunners": 3}))
+        .await;
+    h.wait_minted("idle", 2, WAIT).await;
+    let s = h
+        .wait("two idle runners", WAIT, || async {
+            let s = h.pool_status("idle").await;
+            (s.idle == 2).then_some(s)
+        })
+        .await;
+    assert_eq!((s.desired, s.busy, s.total), (2, 0, 2));
+    assert_eq!(cond(&s, condition::READY).0, "True");
+    assert_eq!(cond(&s, condition::AT_CAPACITY).0, "False");
+    assert_eq!(cond(&s, condition::CREDENTIALS_VALID).0, "True");
+
+    // Five queued jobs nobody runs: the pool grows to maxRunners and no further.
+    for _ in 0..5 {
+        h.sim.queue_job(job());
+    }
+    h.wait_minted("idle", 3, WAIT).await;
+    let s = h
+        .wait("at capacity", WAIT, || async {
+            let s = h.pool_status("idle").await;
+            (cond(&s, condition::AT_CAPACITY).0 == "True").then_some(s)
+        })
+        .await;
+    assert_eq!(s.desired, 3);
+    assert_eq!(
+        cond(&s, condition::SCALING_LIMITED),
+        ("True".into(), "MaxRunners".into())
+    );
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(h.runner_vms("idle").await.len(), 3);
+    }
+    let gauge = format!(
+        "imp_runner_pool_runners{{pool=\"{}/idle\",state=\"desired\"}}",
+        h.ns
+    );
+    assert_eq!(h.metric(&gauge), 3.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scale_down_deregisters_idle_runners_before_deleting_them() {
+    let mut h = PoolHarness::start("pool-down").await;
+    h.start_agent(false, Duration::ZERO);
+    h.create_pool("down", json!({"minIdle": 3, "maxRunners": 5}))
+        .await;
+    let vms = h.wait_minted("down", 3, WAIT).await;
+    h.wait("three idle", WAIT, || async {
+        (h.pool_status("down").await.idle == 3).then_some(())
+    })
+    .await;
+    let before = runner_ids(&vms);
+    let registered: Vec<u64> = h.sim.runners().iter().map(|r| r.id).collect();
+    assert!(before.iter().all(|id| registered.contains(id)));
+
+    h.patch_scaling("down", json!({"minIdle": 1, "maxRunners": 5}))
+        .await;
+    let left = h
+        .wait("one runner left", WAIT, || async {
+            let v = h.runner_vms("down").await;
+            (v.len() == 1).then_some(v)
+        })
+        .await;
+    let kept = runner_ids(&left)[0];
+    let registered: Vec<u64> = h.sim.runners().iter().map(|r| r.id).collect();
+    for id in &before {
+        assert_eq!(
+            registered.contains(id),
+            *id == kept,
+            "runner {id}: {registered:?}"
+        );
+    }
+    assert_eq!(
+        h.metric("imp_runner_deregistrations_total{result=\"deleted\"}"),
+        2.0
+    );
+    let reasons: Vec<String> = h.events("down").await.into_iter().map(|e| e.0).collect();
+    assert!(reasons.contains(&"ScaledDown".to_string()), "{reasons:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_github_reports_busy_is_kept_on_scale_down() {
+    // No agent: the test plays it, keeping the JIT config to run the fake runner itself.
+    let h = PoolHarness::start("pool-busy").await;
+    h.create_pool("busy", json!({"minIdle": 1, "maxRunners": 2}))
+        .await;
+    let vm = h.wait_minted("busy", 1, WAIT).await.remove(0);
+    let secret: Secret = h
+        .secrets()
+        .get(vm.spec.runner_config_secret.as_deref().unwrap())
+        .await
+        .unwrap();
+    let config = String::from_utf8(secret.data.unwrap()["jitconfig"].0.clone()).unwrap();
+    h.agent_started(&vm).await;
+    // The operator never hears of the job (both webhooks lost, sweep slow): it believes the runner idle.
+    h.sim.inject_webhook_fault(WebhookFault::Drop, 2);
+    let job = h.sim.queue_job(job());
+    let runner = tokio::spawn(async move {
+        run_fake_runner(
+            &config,
+            &FakeRunnerOptions {
+                job_duration: Duration::from_secs(4),
+                ..FakeRunnerOptions::default()
+            },
+        )
+        .await
+    });
+    h.sim
+        .wait_job(job.id, WAIT, |j| j.status == JobStatus::InProgress)
+        .await
+        .unwrap();
+    h.patch_scaling("busy", json!({"minIdle": 0, "maxRunners": 2}))
+        .await;
+    h.wait("a busy refusal", WAIT, || async {
+        (h.metric("imp_runner_deregistrations_total{result=\"busy\"}") >= 1.0).then_some(())
+    })
+    .await;
+    assert_eq!(
+        h.runner_vms("busy").await.len(),
+        1,
+        "the busy runner's VM is kept"
+    );
+    // The job ends; the runner exits; the agent records it; the VM goes.
+    runner.await.unwrap().unwrap();
+    h.agent_exited(&vm.name_any()).await;
+    h.wait("the VM to go", WAIT, || async {
+        h.runner_vms("busy").await.is_empty().then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn deleting_the_pool_removes_vms_secrets_and_runners() {
+    let h = PoolHarness::start("pool-del").await;
+    h.create_pool("gone", json!({"minIdle": 3, "maxRunners": 3}))
+        .await;
+    h.wait_minted("gone", 3, WAIT).await;
+    let jit = ListParams::default().labels(&format!("{LABEL_SECRET_KIND}={SECRET_KIND_JIT}"));
+    assert_eq!(h.secrets().list(&jit).await.unwrap().items.len(), 3);
+    assert_eq!(h.sim.runners().len(), 3);
+
+    h.pools()
+        .delete("gone", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait("the pool to go", WAIT, || async {
+        h.pools()
+            .get_opt("gone")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert!(h.sim.runners().is_empty(), "{:?}", h.sim.runners());
+    let vms: Api<imp_api::ImpVM> = h.vms();
+    h.wait("VMs and Secrets to go", Duration::from_secs(60), || async {
+        let v = vms.list(&ListParams::default()).await.unwrap().items.len();
+        let s = h.secrets().list(&jit).await.unwrap().items.len();
+        (v == 0 && s == 0).then_some(())
+    })
+    .await;
+}
