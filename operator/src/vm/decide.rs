@@ -284,8 +284,11 @@ pub fn decide(i: &Input<'_>) -> Plan {
     let phase = observed.phase;
     match phase {
         Some(VmPhase::RetryExhausted) => exhausted(i, observed, &policy, plan),
-        Some(VmPhase::Succeeded | VmPhase::Failed) if phase_is_spec_invalid(&observed) => {
-            // The class may have appeared since: try again from Pending.
+        Some(VmPhase::Succeeded | VmPhase::Failed)
+            if phase_is_spec_invalid(&observed) && bound.is_none() =>
+        {
+            // The class may have appeared since: try again from Pending. (A bound VM is never
+            // rescheduled from here; it is handled as any stopped VM below.)
             schedule_or_invalid(i, observed, plan)
         }
         Some(VmPhase::Succeeded | VmPhase::Failed) if persistent => {
@@ -986,6 +989,14 @@ mod tests {
         );
         // The class appears: scheduling resumes.
         assert!(run(&v, &HEALTHY, 9).schedule.is_some());
+    }
+
+    #[test]
+    fn a_bound_spec_invalid_vm_is_not_rescheduled_from_under_its_node() {
+        let mut v = bound_vm("ephemeral", VmPhase::Failed, json!({}));
+        v.status.as_mut().unwrap().reason = Some(reason::SPEC_INVALID.into());
+        let p = run(&v, &HEALTHY, 1);
+        assert!(p.schedule.is_none(), "{p:?}");
     }
 
     #[test]
