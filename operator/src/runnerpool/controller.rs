@@ -107,6 +107,9 @@ struct Ctx {
     shared: Arc<PoolShared>,
     recorder: Recorder,
     memory: Mutex<HashMap<PoolKey, PoolMemory>>,
+    /// Wakes the sweep when a pool's App becomes known (first pass after start or a fix), so demand
+    /// lost while the operator was down is rebuilt at once rather than one interval later.
+    sweep_now: tokio::sync::Notify,
 }
 
 /// Runs the pool controller and the queued-job sweep until the watches end (or the task is dropped).
@@ -141,6 +144,7 @@ pub async fn run_runnerpool_controller(
         shared,
         recorder,
         memory: Mutex::new(HashMap::new()),
+        sweep_now: tokio::sync::Notify::new(),
         config,
     });
     let sweep = sweep_loop(ctx.clone());
@@ -311,12 +315,19 @@ impl Ctx {
         let app = self.app(pool, key).await;
         let scope = scope_of(pool);
         match &app {
-            Ok(a) => self.memory(key, |m| {
-                m.github = scope.clone().map(|s| (a.clone(), s));
-                if matches!(m.creds, Creds::Invalid { .. }) {
-                    m.creds = Creds::Unknown;
+            Ok(a) => {
+                let first = self.memory(key, |m| {
+                    let first = m.github.is_none();
+                    m.github = scope.clone().map(|s| (a.clone(), s));
+                    if matches!(m.creds, Creds::Invalid { .. }) {
+                        m.creds = Creds::Unknown;
+                    }
+                    first && m.github.is_some()
+                });
+                if first {
+                    self.sweep_now.notify_one();
                 }
-            }),
+            }
             Err(c) => self.memory(key, |m| {
                 m.github = None;
                 m.creds = c.clone();
@@ -1148,7 +1159,10 @@ async fn sweep_loop(ctx: Arc<Ctx>) {
     let mut tick = tokio::time::interval(ctx.config.timing.sweep_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = ctx.sweep_now.notified() => {}
+        }
         ctx.refresh_global_secret().await;
         ctx.sweep_once().await;
     }

@@ -296,6 +296,11 @@ impl Demand {
             return job.pool.clone();
         }
         let pool = self.route(&u.repository, &u.labels, signed_with);
+        if pool.is_none() && signed_with.is_some() {
+            // A delivery no pool accepts is not kept: a later pool must not inherit a job whose
+            // delivery it would have refused. The sweep finds such jobs once a pool serves them.
+            return None;
+        }
         self.jobs.insert(
             u.id,
             Job {
@@ -482,6 +487,11 @@ mod tests {
         // Signed with the global secret: only pools without their own secret.
         assert_eq!(d.route("acme/app", &job, Some(b"g")), Some(key("wide")));
         assert_eq!(d.route("acme/app", &job, Some(b"zzz")), None);
+        // A delivery no pool accepts is not kept for later pools.
+        let mut u = queued(5, &["self-hosted", "imp"]);
+        u.labels = job.clone();
+        assert_eq!(d.observe(u, Some(b"zzz"), Instant::now()), None);
+        assert!(d.job(5).is_none());
         assert_eq!(d.route("acme/app", &s(&["gpu"]), None), None);
         assert_eq!(d.route("else/app", &job, None), None);
         let mut secrets = d.candidate_secrets();
