@@ -21,8 +21,11 @@ pub use client::{ApiClientError, FirecrackerClient};
 
 /// How long a fresh Firecracker may take to answer on its API socket.
 const API_READY_TIMEOUT: Duration = Duration::from_secs(5);
-const POLL: Duration = Duration::from_millis(25);
+// Short: API readiness of a fresh process is on every VM start's critical path.
+const POLL: Duration = Duration::from_millis(5);
 /// Bytes of a log kept in failure reasons.
+/// How often the boot wait looks at the process and the serial console.
+const WATCH: Duration = Duration::from_millis(100);
 const TAIL_BYTES: u64 = 2048;
 const PANIC_MARKER: &str = "Kernel panic";
 
@@ -205,7 +208,7 @@ impl Vmm {
         let connect = imp_guest::host::connect(&self.files.vsock, AGENT_VSOCK_PORT, deadline);
         let watch = async {
             loop {
-                tokio::time::sleep(POLL * 4).await;
+                tokio::time::sleep(WATCH).await;
                 let serial = tail(&self.files.serial_log);
                 if serial.contains(PANIC_MARKER) {
                     return DriverError::GuestPanicked {
