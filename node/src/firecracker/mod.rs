@@ -47,8 +47,6 @@ pub enum DriverError {
     GuestAgentTimeout { detail: String, serial_tail: String },
     #[error("guest agent refused the connection: {0}")]
     GuestProtocol(String),
-    #[error(transparent)]
-    Api(#[from] ApiClientError),
 }
 
 impl DriverError {
@@ -60,7 +58,6 @@ impl DriverError {
             DriverError::GuestExited { .. } => "GuestExited",
             DriverError::GuestAgentTimeout { .. } => "GuestAgentTimeout",
             DriverError::GuestProtocol(_) => "GuestProtocolError",
-            DriverError::Api(_) => "FirecrackerApiError",
         }
     }
 }
