@@ -1,6 +1,6 @@
 //! Pool scale-up benchmark: one pool goes from 0 to N runner VMs (default 500) over 10 fake nodes on the
-//! real API server (testenv), with the GitHub simulator. The operator (ImpVM controller + pool controller
-//! + webhook receiver) runs in a child process so its peak RSS is its own; this process plays the node
+//! real API server (testenv), with the GitHub simulator. The operator (ImpVM controller, pool controller
+//! and webhook receiver) runs in a child process so its peak RSS is its own; this process plays the node
 //! agents (heartbeat Leases; every bound, minted VM is marked Running with handoff Started).
 //!
 //! `cargo bench -p imp-operator --bench pool_bench [--profile dev] -- [N]`

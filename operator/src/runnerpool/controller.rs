@@ -196,6 +196,14 @@ async fn reconcile(pool: Arc<ImpVMRunnerPool>, ctx: Arc<Ctx>) -> Result<Action> 
     ctx.apply(&pool, &key).await
 }
 
+/// What one pass changed (status is the observation at the start of the pass plus these).
+#[derive(Clone, Copy)]
+struct Done {
+    created: u32,
+    retired: u32,
+    cleaned: u32,
+}
+
 /// What happened to one removal.
 enum Removed {
     Done,
@@ -471,18 +479,13 @@ impl Ctx {
         {
             self.event(pool, true, reason, message.clone()).await;
         }
-        let scaled = created + retired + cleaned > 0;
-        self.write_status(
-            pool,
-            key,
-            &p,
+        let done = Done {
             created,
             retired,
-            scaled,
-            &creds_now,
-            mint_failed,
-        )
-        .await?;
+            cleaned,
+        };
+        self.write_status(pool, key, &p, &done, &creds_now, mint_failed)
+            .await?;
 
         let backoff = self.memory(key, |m| m.backoff_until);
         let mut next = timing.resync;
@@ -865,25 +868,28 @@ impl Ctx {
         .await;
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn write_status(
         &self,
         pool: &ImpVMRunnerPool,
         key: &PoolKey,
         p: &Plan,
-        created: u32,
-        retired: u32,
-        scaled: bool,
+        done: &Done,
         creds: &Creds,
         mint_failed: bool,
     ) -> Result<()> {
         let c = &p.counts;
+        let Done {
+            created,
+            retired,
+            cleaned,
+        } = *done;
+        let scaled = created + retired + cleaned > 0;
         let old = pool.status.clone().unwrap_or_default();
         let now = Time(Timestamp::now());
         let gen_ = pool.metadata.generation;
         let idle = c.idle.saturating_sub(retired);
         let booting = c.booting + c.unminted + created;
-        let total = c.total() + created - retired.min(c.total());
+        let total = (c.total() + created).saturating_sub(retired + cleaned);
         let cond = |type_: &str, ok: Option<bool>, reason: &str, message: String| {
             let status = match ok {
                 Some(true) => "True",
