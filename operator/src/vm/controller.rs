@@ -570,24 +570,9 @@ impl Context {
             .inc();
     }
 
-    /// Publishes Events and counts outcomes. Event failures are logged, not fatal: the state is in status.
+    /// Counts outcomes and publishes Events. Event failures are logged, not fatal: the state is in status.
     async fn report(&self, vm: &ImpVM, notes: &[Note], counted: &[Counted]) {
-        for note in notes {
-            let ev = Event {
-                type_: if note.warning {
-                    EventType::Warning
-                } else {
-                    EventType::Normal
-                },
-                reason: note.reason.to_owned(),
-                note: Some(truncate(&note.message, 1000)),
-                action: note.reason.to_owned(),
-                secondary: None,
-            };
-            if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
-                warn!(vm = %vm.name_any(), reason = note.reason, error = %e, "publishing Event failed");
-            }
-        }
+        // Count first: whoever sees the Event can rely on the metric already being there.
         let m = &self.metrics;
         for c in counted {
             match c {
@@ -619,6 +604,22 @@ impl Context {
                 Counted::FinalizerForced => m.finalizer_forced.inc(),
                 Counted::SpecInvalid => m.spec_invalid.inc(),
             };
+        }
+        for note in notes {
+            let ev = Event {
+                type_: if note.warning {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason: note.reason.to_owned(),
+                note: Some(truncate(&note.message, 1000)),
+                action: note.reason.to_owned(),
+                secondary: None,
+            };
+            if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
+                warn!(vm = %vm.name_any(), reason = note.reason, error = %e, "publishing Event failed");
+            }
         }
     }
 }
