@@ -47,6 +47,10 @@ async fn create_inspect_linkstats_vsock_snapshot_delete() {
 
         let got = h.client.inspect(uid).await.unwrap();
         assert_eq!(got, st);
+        // The per-VM writable drive is a sparse ext4 image (superblock magic 0xEF53 at 1080).
+        let img = std::fs::read(h.vms_dir().join(uid).join("writable.img")).unwrap();
+        assert_eq!(img.len() as u64, 256 << 20);
+        assert_eq!(&img[1080..1082], &[0x53, 0xEF]);
 
         if network {
             let tap = st.tap.clone().expect("tap recorded");

@@ -278,3 +278,61 @@ async fn crash_at_start_never_binds_the_api_socket() {
     assert!(err.contains("crash"), "{err}");
     assert!(!dir.path().join("api.sock").exists());
 }
+
+/// `--no-api --config-file`: boots from Firecracker's full-configuration JSON; the guest agent
+/// answers Hello through the hybrid vsock, and dies with the simulator.
+#[tokio::test]
+async fn config_file_boot_without_api_reaches_the_guest_agent() {
+    let bins = super::binaries();
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("vmlinux");
+    let disk = dir.path().join("rootfs.ext4");
+    std::fs::write(&kernel, b"kernel").unwrap();
+    std::fs::write(&disk, b"disk").unwrap();
+    let uds = dir.path().join("v.sock");
+    let config = json!({
+        "boot-source": {"kernel_image_path": kernel, "boot_args": "console=ttyS0"},
+        "drives": [{"drive_id": "rootfs", "is_root_device": true, "is_read_only": true, "path_on_host": disk}],
+        "machine-config": {"vcpu_count": 1, "mem_size_mib": 128},
+        "vsock": {"guest_cid": 3, "uds_path": uds},
+    });
+    let cfg = dir.path().join("config.json");
+    std::fs::write(&cfg, config.to_string()).unwrap();
+    let serial = dir.path().join("serial.log");
+    let mut child = std::process::Command::new(&bins.simulator)
+        .args(["--no-api", "--id", "cfg-vm", "--config-file"])
+        .arg(&cfg)
+        .env("IMP_GUEST_BIN", &bins.guest)
+        .env_remove("IMP_SIM_BEHAVIOUR")
+        .stdout(std::fs::File::create(&serial).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(15);
+    let guest = imp_guest::host::connect(&uds, 10000, deadline).await;
+    let log = std::fs::read_to_string(&serial).unwrap_or_default();
+    let guest = guest.unwrap_or_else(|e| panic!("{e}; serial: {log}"));
+    assert_eq!(
+        guest.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
+    assert!(log.contains("Command line: console=ttyS0"), "{log}");
+    assert!(!dir.path().join("api.sock").exists());
+    let agent_sock = PathBuf::from(format!("{}.agent", uds.display()));
+    assert!(agent_sock.exists());
+    drop(guest);
+
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The agent has the simulator as its VMM: it goes with it (parent-death signal).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        if tokio::net::UnixStream::connect(&agent_sock).await.is_err() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "guest agent outlived the simulator"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
