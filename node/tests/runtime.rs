@@ -93,6 +93,30 @@ async fn create_inspect_linkstats_vsock_snapshot_delete() {
 
         let m = h.metrics().await;
         assert!(m.contains("imp_vm_boot_latency_seconds_count 1"), "{m}");
+        // The same registry on IMP_METRICS_ADDR (TCP), whose bound port the log names.
+        let log = h.runtime_log();
+        let addr = log
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("metrics="))
+            .unwrap_or_else(|| panic!("no metrics address in the log: {log}"));
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut text = String::new();
+        tcp.read_to_string(&mut text).await.unwrap();
+        assert!(
+            text.starts_with("HTTP/1.0 200")
+                && text.contains("imp_vm_boot_latency_seconds_count 1"),
+            "{text}"
+        );
+        // The API socket is group-accessible only (0660).
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&h.socket).unwrap().permissions().mode() & 0o777,
+            0o660
+        );
         assert!(m.contains("imp_runtime_vms{state=\"Running\"} 1"), "{m}");
         let (code, body) = h
             .client
