@@ -287,6 +287,13 @@ async fn boot_failures_carry_precise_reasons_and_release_everything() {
             ..Knobs::default()
         },
     );
+    h.knobs(
+        "resets",
+        Knobs {
+            panic_text: Some("reboot: Restarting system".into()),
+            ..Knobs::default()
+        },
+    );
     h.start_runtime().await;
 
     let mut missing_kernel = h.spec(false);
@@ -312,6 +319,12 @@ async fn boot_failures_carry_precise_reasons_and_release_everything() {
             "Kernel panic - not syncing",
         ),
         ("hang", h.spec(network), "GuestAgentTimeout", "hanging"),
+        (
+            "resets",
+            h.spec(network),
+            "GuestExited",
+            "Restarting system",
+        ),
     ];
     for (uid, spec, reason, detail) in cases {
         let t0 = std::time::Instant::now();
@@ -352,6 +365,7 @@ async fn boot_failures_carry_precise_reasons_and_release_everything() {
         "KernelMissing",
         "FirecrackerStartFailed",
         "GuestPanicked",
+        "GuestExited",
         "GuestAgentTimeout",
     ] {
         assert!(
@@ -361,8 +375,8 @@ async fn boot_failures_carry_precise_reasons_and_release_everything() {
             "{reason}: {m}"
         );
     }
-    assert!(m.contains("imp_runtime_vms{state=\"Failed\"} 4"), "{m}");
-    for uid in ["nokernel", "crash", "panic", "hang"] {
+    assert!(m.contains("imp_runtime_vms{state=\"Failed\"} 5"), "{m}");
+    for uid in ["nokernel", "crash", "panic", "hang", "resets"] {
         h.client.delete(uid).await.unwrap();
     }
     assert_eq!(std::fs::read_dir(h.vms_dir()).unwrap().count(), 0);
@@ -404,5 +418,53 @@ async fn delete_kills_a_guest_that_ignores_ctrl_alt_del() {
                 "a guest that resets stops without the kill: {took:?}"
             );
         }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_powers_off_is_reported_exited() {
+    for backend in backends("a_guest_that_powers_off_is_reported_exited") {
+        let mut h = Harness::new(backend);
+        h.start_runtime().await;
+        let st = h
+            .client
+            .ensure_running("off", &h.spec(false))
+            .await
+            .unwrap()
+            .1;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut guest = imp_guest::host::connect(
+            &st.vsock_path,
+            imp_guest::protocol::AGENT_VSOCK_PORT,
+            deadline,
+        )
+        .await
+        .unwrap();
+        guest.shutdown().await.unwrap();
+        let t0 = std::time::Instant::now();
+        loop {
+            if h.client.inspect("off").await.unwrap().state == VmState::Exited {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "VM not reported Exited after poweroff"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            h.client.linkstats("off").await.unwrap_err().reason(),
+            Some("NotRunning")
+        );
+        // PUT does not resurrect an exited (ephemeral) VM.
+        let (code, again) = h
+            .client
+            .ensure_running("off", &h.spec(false))
+            .await
+            .unwrap();
+        assert_eq!((code, again.state), (StatusCode::OK, VmState::Exited));
+        assert!(h.vmm_processes().is_empty());
+        h.client.delete("off").await.unwrap();
+        assert!(!h.vms_dir().join("off").exists());
     }
 }

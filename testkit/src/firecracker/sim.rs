@@ -652,6 +652,26 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
             let _ = axum::serve(listener, app).await;
         });
     }
+    // The guest powering off (the agent exits, e.g. after Shutdown or a poweroff_on_exit
+    // runner) resets the VM with imp.halt=reboot: Firecracker exits, so does the simulator.
+    let watcher = sim.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let exited = watcher
+                .vm
+                .lock()
+                .expect("vm lock")
+                .agent
+                .as_mut()
+                .is_some_and(|a| matches!(a.try_wait(), Ok(Some(_))));
+            if exited {
+                serial("reboot: Restarting system");
+                let _ = watcher.exit.send(Exit::GuestReset);
+                return;
+            }
+        }
+    });
     let exit = rx.recv().await.expect("the sender lives in `sim`");
     if let Some(mut agent) = sim.vm.lock().expect("vm lock").agent.take() {
         let _ = agent.kill();
