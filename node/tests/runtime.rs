@@ -468,3 +468,35 @@ async fn a_guest_that_powers_off_is_reported_exited() {
         assert!(!h.vms_dir().join("off").exists());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_puts_of_one_uid_start_one_vm() {
+    let mut h = Harness::new(simulator());
+    h.knobs(
+        "racy",
+        Knobs {
+            boot_delay_ms: 300,
+            ..Knobs::default()
+        },
+    );
+    h.start_runtime().await;
+    let spec = h.spec(false);
+    let puts: Vec<_> = (0..8)
+        .map(|_| {
+            let (c, s) = (h.client.clone(), spec.clone());
+            tokio::spawn(async move { c.ensure_running("racy", &s).await.unwrap() })
+        })
+        .collect();
+    let mut created = 0;
+    let mut pids = std::collections::BTreeSet::new();
+    for p in puts {
+        let (code, st) = p.await.unwrap();
+        created += usize::from(code == StatusCode::CREATED);
+        assert_eq!(st.state, VmState::Running);
+        pids.insert(st.pid.unwrap());
+    }
+    assert_eq!(created, 1, "exactly one PUT creates");
+    assert_eq!(pids.len(), 1, "all PUTs see the same process");
+    assert_eq!(h.vmm_processes().len(), 1);
+    h.client.delete("racy").await.unwrap();
+}
