@@ -142,6 +142,11 @@ pub enum RuntimeError {
         uid: String,
         source: firecracker::ApiClientError,
     },
+    #[error("state directory {path}: {source}")]
+    StateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Inventory(#[from] InventoryError),
 }
@@ -163,6 +168,7 @@ impl RuntimeError {
             RuntimeError::LinkStats { .. } => "LinkStatsUnavailable",
             RuntimeError::Snapshot { .. } => "SnapshotFailed",
             RuntimeError::Inventory(_) => "InventoryError",
+            RuntimeError::StateDir { .. } => "StateDirUnusable",
         }
     }
 }
@@ -259,9 +265,9 @@ impl Runtime {
     /// Open the inventory and reconcile it with the host (see `recover`).
     pub async fn start(cfg: Config) -> Result<Arc<Self>, RuntimeError> {
         let vms_dir = cfg.state_dir.join("vms");
-        std::fs::create_dir_all(&vms_dir).map_err(|e| RuntimeError::DiskSetupFailed {
-            uid: String::new(),
-            message: format!("create {}: {e}", vms_dir.display()),
+        std::fs::create_dir_all(&vms_dir).map_err(|source| RuntimeError::StateDir {
+            path: vms_dir.clone(),
+            source,
         })?;
         let inventory = Inventory::open(&cfg.state_dir).await?;
         let rt = Arc::new(Self {

@@ -66,7 +66,8 @@ impl From<RuntimeError> for ApiError {
             | RuntimeError::DiskSetupFailed { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::LinkStats { .. }
             | RuntimeError::Snapshot { .. }
-            | RuntimeError::Inventory(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            | RuntimeError::Inventory(_)
+            | RuntimeError::StateDir { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(
             status,
