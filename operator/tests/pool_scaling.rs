@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use imp_api::names::{ANNOTATION_RUNNER_ID, LABEL_SECRET_KIND, SECRET_KIND_JIT, condition};
 use imp_testkit::github::{
-    JobStatus, WebhookFault,
+    Fault, FaultRule, JobStatus, WebhookFault,
     runner_protocol::{FakeRunnerOptions, run_fake_runner},
 };
 use k8s_openapi::api::core::v1::Secret;
@@ -263,4 +263,50 @@ async fn deleting_the_pool_removes_vms_secrets_and_runners() {
         (v == 0 && s == 0).then_some(())
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_operator_rebuilds_demand_and_never_mints_twice() {
+    let mut h = PoolHarness::start("pool-restart").await;
+    h.start_agent(false, Duration::ZERO);
+    h.create_pool("rs", json!({"maxRunners": 5})).await;
+    // Two queued jobs nobody runs: two idle runners wait for them.
+    h.sim.queue_job(job());
+    h.sim.queue_job(job());
+    let before = h.wait_minted("rs", 2, WAIT).await;
+    h.wait("two idle", WAIT, || async {
+        (h.pool_status("rs").await.idle == 2).then_some(())
+    })
+    .await;
+    let mut names: Vec<String> = before.iter().map(|v| v.name_any()).collect();
+    names.sort();
+    let ids = runner_ids(&before);
+
+    // Lost in a restart: the queued jobs, the deliveries, everything in memory. The first sweep after
+    // it is slow, so the restarted controller has passes without knowing the demand.
+    h.sim.inject(
+        FaultRule::next(1, Fault::Delay { millis: 3000 }).on_path("installation/repositories"),
+    );
+    h.restart_operator().await;
+    // Until the sweep has rebuilt the demand nothing is retired; afterwards desired is 2 again.
+    h.wait("demand rebuilt by the sweep", WAIT, || async {
+        let s = h.pool_status("rs").await;
+        (h.metric(&format!(
+            "imp_runner_pool_runners{{pool=\"{}/rs\",state=\"desired\"}}",
+            h.ns
+        )) == 2.0
+            && s.desired == 2)
+            .then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = h.runner_vms("rs").await;
+    let mut after_names: Vec<String> = after.iter().map(|v| v.name_any()).collect();
+    after_names.sort();
+    assert_eq!(after_names, names, "the same runners survive the restart");
+    assert_eq!(runner_ids(&after), ids, "no VM was minted again");
+    let mut registered: Vec<u64> = h.sim.runners().iter().map(|r| r.id).collect();
+    registered.sort();
+    assert_eq!(registered, ids, "no new registration at GitHub");
+    assert_eq!(h.metric("imp_runner_jit_mint_duration_seconds_count"), 0.0);
 }

@@ -99,6 +99,8 @@ struct PoolMemory {
     creds: Creds,
     /// App and scope, for the sweep.
     github: Option<(GithubApp, RunnerScope)>,
+    /// A sweep covered this pool since the operator started (its demand is known).
+    swept: bool,
 }
 
 struct Ctx {
@@ -381,6 +383,7 @@ impl Ctx {
         }
         self.credit_pickups(key, started_runners, now, wall);
 
+        let demand_known = self.memory(key, |m| m.swept);
         let (mint_block, creds) = self.memory(key, |m| {
             let block = match (&m.creds, &app, m.backoff_until) {
                 (Creds::Invalid { .. }, _, _) | (_, Err(_), _) => {
@@ -402,6 +405,7 @@ impl Ctx {
             queued: demand.queued,
             mint_block,
             deleting: false,
+            demand_known,
         });
         debug!(pool = %key, ?p.counts, desired = p.desired, create = p.create, retire = p.retire.len(), cleanup = p.cleanup.len(), "plan");
 
@@ -1028,6 +1032,7 @@ impl Ctx {
             queued: 0,
             mint_block: None,
             deleting: true,
+            demand_known: true,
         });
         let mut pending = 0;
         for r in &p.cleanup {
@@ -1155,8 +1160,8 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM, PoolError> {
     Ok(vm)
 }
 
-/// One App's sweep: its client, the organizations and the repositories its pools serve.
-type AppSweep = (GithubApp, HashSet<String>, HashSet<String>);
+/// One App's sweep: its client, the organizations and the repositories its pools serve, the pools.
+type AppSweep = (GithubApp, HashSet<String>, HashSet<String>, Vec<PoolKey>);
 
 /// Periodically lists queued jobs through the REST API (per App, once per repository), so jobs whose
 /// webhooks were lost raise demand within one interval; also expires old jobs and refreshes the global
@@ -1200,16 +1205,19 @@ impl Ctx {
 
     /// One sweep over every App the pools use.
     pub(crate) async fn sweep_once(&self) {
-        let apps: Vec<(GithubApp, RunnerScope)> = {
+        let pools: Vec<(PoolKey, GithubApp, RunnerScope)> = {
             let m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
-            m.values().filter_map(|p| p.github.clone()).collect()
+            m.iter()
+                .filter_map(|(k, p)| p.github.clone().map(|(a, s)| (k.clone(), a, s)))
+                .collect()
         };
-        // (app id, installation id) -> (client, orgs, repos)
+        // (app id, installation id) -> (client, orgs, repos, pools)
         let mut by_app: BTreeMap<(u64, u64), AppSweep> = BTreeMap::new();
-        for (app, scope) in apps {
+        for (key, app, scope) in pools {
             let e = by_app
                 .entry((app.app_id(), app.installation_id()))
-                .or_insert_with(|| (app.clone(), HashSet::new(), HashSet::new()));
+                .or_insert_with(|| (app.clone(), HashSet::new(), HashSet::new(), Vec::new()));
+            e.3.push(key);
             match scope {
                 RunnerScope::Organization { org } => {
                     e.1.insert(org.to_ascii_lowercase());
@@ -1220,7 +1228,7 @@ impl Ctx {
                 RunnerScope::Enterprise { .. } => {}
             }
         }
-        for (_, (app, orgs, mut repos)) in by_app {
+        for (_, (app, orgs, mut repos, keys)) in by_app {
             let started = Instant::now();
             if !orgs.is_empty() {
                 match app.list_installation_repositories().await {
@@ -1236,6 +1244,7 @@ impl Ctx {
             }
             let mut listed = Vec::new();
             let mut queued = Vec::new();
+            let mut complete = true;
             for repo in repos {
                 let Some((owner, name)) = repo.split_once('/') else {
                     continue;
@@ -1252,6 +1261,7 @@ impl Ctx {
                         listed.push(repo);
                     }
                     Err(e) => {
+                        complete = false;
                         warn!(repository = %repo, error = %e, "sweep: listing queued jobs failed")
                     }
                 }
@@ -1265,6 +1275,14 @@ impl Ctx {
             for key in changed {
                 debug!(pool = %key, "sweep changed demand");
                 self.shared.notify(key);
+            }
+            if complete {
+                for key in keys {
+                    if !self.memory(&key, |m| std::mem::replace(&mut m.swept, true)) {
+                        // Its demand is known now: surplus may be retired.
+                        self.shared.notify(key);
+                    }
+                }
             }
         }
     }

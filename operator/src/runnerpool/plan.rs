@@ -35,6 +35,9 @@ pub struct Observed<'a> {
     pub mint_block: Option<MintBlock>,
     /// The pool is being deleted: tear everything down.
     pub deleting: bool,
+    /// The demand is known: a sweep covered the pool since the operator started. Until then queued
+    /// jobs may be missing from `queued`, so nothing is retired (growth and cleanup go on).
+    pub demand_known: bool,
 }
 
 /// A VM to delete, deregistering its runner at GitHub first when it has one.
@@ -148,7 +151,7 @@ pub fn plan(o: &Observed) -> Plan {
         .collect();
     unminted.sort_by(|a, b| (a.created, &a.name).cmp(&(b.created, &b.name)));
 
-    if live > p.desired {
+    if live > p.desired && o.demand_known {
         // Cheapest first: VMs without a runner, then the newest idle runners. Booting and busy stay.
         let surplus = (live - p.desired) as usize;
         let mut idle: Vec<&ObservedVm> = o
@@ -227,6 +230,7 @@ mod tests {
             queued,
             mint_block: None,
             deleting: false,
+            demand_known: true,
         })
     }
 
@@ -282,6 +286,23 @@ mod tests {
     }
 
     #[test]
+    fn nothing_is_retired_before_the_demand_is_known() {
+        let v = vms(&[Idle, Idle, Idle]);
+        let sc = scaling(0, 10, 10);
+        let mut o = Observed {
+            vms: &v,
+            scaling: &sc,
+            queued: 0,
+            mint_block: None,
+            deleting: false,
+            demand_known: false,
+        };
+        assert!(plan(&o).retire.is_empty());
+        o.demand_known = true;
+        assert_eq!(plan(&o).retire.len(), 3);
+    }
+
+    #[test]
     fn unminted_surplus_goes_first_and_unminted_vms_are_minted_otherwise() {
         let p = run(&[Idle, Unminted], scaling(0, 10, 10), 0);
         let names: Vec<&str> = p.retire.iter().map(|r| r.name.as_str()).collect();
@@ -325,6 +346,7 @@ mod tests {
                 queued: 0,
                 mint_block: Some(block),
                 deleting: false,
+                demand_known: true,
             });
             assert_eq!(p.create, 0);
             assert!(p.mint.is_empty());
@@ -344,6 +366,7 @@ mod tests {
             queued: 4,
             mint_block: None,
             deleting: true,
+            demand_known: true,
         });
         assert_eq!(p.cleanup.len(), 5);
         assert_eq!((p.create, p.desired), (0, 0));

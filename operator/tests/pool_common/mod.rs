@@ -121,6 +121,9 @@ pub struct PoolHarness {
     pub webhook_url: String,
     registry: Registry,
     tasks: Vec<JoinHandle<()>>,
+    /// The in-process "operator": webhook server and pool controller.
+    operator: Vec<JoinHandle<()>>,
+    timing: PoolTiming,
 }
 
 impl PoolHarness {
@@ -136,40 +139,25 @@ impl PoolHarness {
         let sim = GithubSim::start(SimConfig::default())
             .await
             .expect("simulator starts");
-        let gh_metrics = GithubMetrics::default();
-        let metrics = PoolMetrics::default();
-        let mut registry = Registry::default();
-        gh_metrics.register(&mut registry);
-        metrics.register(&mut registry);
-        let apps = Arc::new(GithubApps::new(github_config(&sim), gh_metrics));
-        let shared = PoolShared::new(apps, metrics);
-
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let webhook_url = format!("http://{}/webhooks/github", listener.local_addr().unwrap());
-        let router = webhook_router(shared.clone());
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, router).await;
-        });
-        sim.set_webhook(&webhook_url, WEBHOOK_SECRET);
-
-        let mut config = PoolControllerConfig::new();
-        config.namespace = Some(ns.clone());
-        config.timing = timing;
-        let controller = tokio::spawn(run_runnerpool_controller(
-            client.clone(),
-            config,
-            shared.clone(),
-        ));
-        let h = PoolHarness {
+        let mut h = PoolHarness {
             env,
             client,
             ns,
             sim,
-            shared,
-            webhook_url,
-            registry,
-            tasks: vec![server, controller],
+            shared: PoolShared::new(
+                Arc::new(GithubApps::new(
+                    GithubConfig::default(),
+                    GithubMetrics::default(),
+                )),
+                PoolMetrics::default(),
+            ),
+            webhook_url: String::new(),
+            registry: Registry::default(),
+            tasks: vec![],
+            operator: vec![],
+            timing,
         };
+        h.start_operator().await;
         h.create_secret(APP_SECRET, h.sim.secret_data(KeyFormat::Pkcs1))
             .await;
         h.create_secret(
@@ -178,6 +166,46 @@ impl PoolHarness {
         )
         .await;
         h
+    }
+
+    /// Starts the operator side with fresh in-memory state: metrics, demand, webhook server, controller.
+    async fn start_operator(&mut self) {
+        let gh_metrics = GithubMetrics::default();
+        let metrics = PoolMetrics::default();
+        let mut registry = Registry::default();
+        gh_metrics.register(&mut registry);
+        metrics.register(&mut registry);
+        let apps = Arc::new(GithubApps::new(github_config(&self.sim), gh_metrics));
+        let shared = PoolShared::new(apps, metrics);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let webhook_url = format!("http://{}/webhooks/github", listener.local_addr().unwrap());
+        let router = webhook_router(shared.clone());
+        let server = tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        self.sim.set_webhook(&webhook_url, WEBHOOK_SECRET);
+        let mut config = PoolControllerConfig::new();
+        config.namespace = Some(self.ns.clone());
+        config.timing = self.timing.clone();
+        let controller = tokio::spawn(run_runnerpool_controller(
+            self.client.clone(),
+            config,
+            shared.clone(),
+        ));
+        self.shared = shared;
+        self.webhook_url = webhook_url;
+        self.registry = registry;
+        self.operator = vec![server, controller];
+    }
+
+    /// Stops the operator and starts a new one: all in-memory state (demand, deliveries, backoff,
+    /// metrics) is lost, as in a restart of the operator process.
+    pub async fn restart_operator(&mut self) {
+        for t in self.operator.drain(..) {
+            t.abort();
+            let _ = t.await;
+        }
+        self.start_operator().await;
     }
 
     pub fn pools(&self) -> Api<ImpVMRunnerPool> {
@@ -441,7 +469,7 @@ impl AgentCtx {
 
 impl Drop for PoolHarness {
     fn drop(&mut self) {
-        for t in &self.tasks {
+        for t in self.tasks.iter().chain(&self.operator) {
             t.abort();
         }
     }
