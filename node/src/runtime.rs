@@ -17,8 +17,9 @@ use crate::tap::{self, LinkStats, TapError};
 
 /// Guest CID of every VM: each Firecracker has its own vsock device, so CIDs need not differ.
 const GUEST_CID: u32 = 3;
+/// Firecracker itself appends `root=/dev/vda ro` for the read-only root drive.
 const DEFAULT_BOOT_ARGS: &str =
-    "console=ttyS0 reboot=k panic=1 pci=off root=/dev/vda ro init=/sbin/imp-guest imp.halt=reboot";
+    "console=ttyS0 reboot=k panic=1 pci=off init=/sbin/imp-guest imp.halt=reboot";
 const MAX_UID_LEN: usize = 63;
 
 #[derive(Debug, Clone)]

@@ -52,18 +52,53 @@ pub fn backends(test: &str) -> Vec<Backend> {
     match (
         std::env::var_os("IMP_FIRECRACKER_BIN"),
         std::env::var_os("IMP_KERNEL"),
-        std::env::var_os("IMP_ROOTFS"),
     ) {
-        (Some(f), Some(k), Some(r)) => out.push(Backend::Real {
+        (Some(f), Some(k)) => out.push(Backend::Real {
             firecracker: f.into(),
             kernel: k.into(),
-            rootfs: r.into(),
+            rootfs: real_rootfs(),
         }),
         _ => eprintln!(
-            "{test}: SKIPPED the real-Firecracker run: set IMP_FIRECRACKER_BIN, IMP_KERNEL and IMP_ROOTFS to run it"
+            "{test}: SKIPPED the real-Firecracker run: IMP_FIRECRACKER_BIN and IMP_KERNEL are not set"
         ),
     }
     out
+}
+
+/// The base drive for real Firecracker: IMP_ROOTFS, or an ext4 image holding only the static
+/// imp-guest (IMP_GUEST_STATIC_BIN, from guest/check-static.sh) and its mount points.
+fn real_rootfs() -> PathBuf {
+    if let Some(r) = std::env::var_os("IMP_ROOTFS") {
+        return r.into();
+    }
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let guest = std::env::var_os("IMP_GUEST_STATIC_BIN")
+                .expect("real Firecracker runs need IMP_ROOTFS or IMP_GUEST_STATIC_BIN");
+            let dir = tempfile::tempdir().unwrap().keep();
+            imp_testkit::process::remove_at_exit(&dir);
+            let tree = dir.join("tree");
+            for d in ["sbin", "proc", "sys", "dev", "run", "tmp", "etc"] {
+                std::fs::create_dir_all(tree.join(d)).unwrap();
+            }
+            std::fs::copy(guest, tree.join("sbin/imp-guest")).unwrap();
+            let image = dir.join("base.ext4");
+            std::fs::File::create(&image)
+                .unwrap()
+                .set_len(64 << 20)
+                .unwrap();
+            let ok = Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-d"])
+                .arg(&tree)
+                .arg(&image)
+                .status()
+                .unwrap()
+                .success();
+            assert!(ok, "mkfs.ext4 of the real-Firecracker base image failed");
+            image
+        })
+        .clone()
 }
 
 pub fn is_root() -> bool {
