@@ -98,3 +98,54 @@ impl Metrics {
             .inc();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_is_exported_and_documented() {
+        let m = Metrics::new();
+        m.boot_latency.observe(0.2);
+        m.ready.set(1);
+        m.vms
+            .get_or_create(&StateLabel {
+                state: "Running".into(),
+            })
+            .set(3);
+        m.start_failures
+            .get_or_create(&ReasonLabel {
+                reason: "KernelMissing".into(),
+            })
+            .inc();
+        m.recovered("reattached");
+        let text = m.encode();
+        for want in [
+            "imp_vm_boot_latency_seconds_count 1",
+            "imp_runtime_ready 1",
+            "imp_runtime_vms{state=\"Running\"} 3",
+            "imp_vm_start_failures_total{reason=\"KernelMissing\"} 1",
+            "imp_runtime_recovered_vms_total{outcome=\"reattached\"} 1",
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        let docs = include_str!("../../docs/metrics.md");
+        let families: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .collect();
+        assert_eq!(families.len(), 5, "{text}");
+        for line in families {
+            let family = line.split_whitespace().next().unwrap();
+            let documented = if line.ends_with(" counter") {
+                format!("{family}_total")
+            } else {
+                family.to_owned()
+            };
+            assert!(
+                docs.contains(&format!("`{documented}`")),
+                "{documented} is not in docs/metrics.md"
+            );
+        }
+    }
+}
