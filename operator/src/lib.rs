@@ -1,8 +1,7 @@
-
-pub mod github;
 pub mod error;
+pub mod github;
 pub mod metrics;
+pub mod runnerpool;
 pub mod scheduler;
 pub mod vm;
-pub mod runnerpool;
 pub mod webhook;

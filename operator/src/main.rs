@@ -1,6 +1,6 @@
-//! imp-operator: the cluster-level coordinator. Runs the ImpVM controller (scheduling and lifecycle) and an
-//! HTTP server with /metrics, /healthz and /readyz. The runner-pool controller and the GitHub webhook
-//! receiver are added by their own modules.
+//! imp-operator: the cluster-level coordinator. Runs the ImpVM controller (scheduling and lifecycle), the
+//! runner-pool controller with its queued-job sweep, and an HTTP server with /metrics, /healthz, /readyz and
+//! the GitHub webhook receiver (POST /webhooks/github).
 
 use std::{
     net::SocketAddr,
@@ -14,8 +14,13 @@ use std::{
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
 use clap::Parser;
 use imp_operator::{
+    github::{GithubApps, GithubConfig, GithubMetrics},
     metrics::{VmMetrics, encode},
+    runnerpool::{
+        PoolControllerConfig, PoolMetrics, PoolShared, SecretKeySelector, run_runnerpool_controller,
+    },
     vm::{VmControllerConfig, run_vm_controller},
+    webhook::webhook_router,
 };
 use prometheus_client::registry::Registry;
 use tracing::{error, info};
@@ -41,6 +46,16 @@ struct Args {
     /// Extra label selector for the nodes Imp may use, ANDed with imp/enabled=true (e.g. `pool=ci`).
     #[arg(long, env = "IMP_NODE_SELECTOR")]
     node_selector: Option<String>,
+    /// GitHub REST API base (GitHub Enterprise Server: `https://HOST/api/v3`).
+    #[arg(
+        long,
+        env = "IMP_GITHUB_API_URL",
+        default_value = "https://api.github.com"
+    )]
+    github_api_url: String,
+    /// JIT runner configs minted per minute per GitHub App (GitHub's own limits apply above this).
+    #[arg(long, env = "IMP_JIT_MINTS_PER_MINUTE", default_value_t = 150, value_parser = clap::value_parser!(u32).range(1..))]
+    jit_mints_per_minute: u32,
     /// Log as JSON lines instead of human-readable text.
     #[arg(long, env = "IMP_LOG_JSON", default_value_t = false)]
     log_json: bool,
@@ -127,8 +142,12 @@ fn main() -> ExitCode {
 async fn run(args: Args) -> anyhow::Result<()> {
     let client = kube::Client::try_default().await?;
     let vm_metrics = VmMetrics::default();
+    let github_metrics = GithubMetrics::default();
+    let pool_metrics = PoolMetrics::default();
     let mut registry = Registry::default();
     vm_metrics.register(&mut registry);
+    github_metrics.register(&mut registry);
+    pool_metrics.register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
     let state = HttpState {
         registry: Arc::new(registry),
@@ -140,11 +159,32 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut config = VmControllerConfig::new(args.namespace.clone());
     config.vm_namespace = args.watch_namespace.clone().filter(|n| !n.is_empty());
     config.node_selector = args.node_selector.clone().filter(|s| !s.is_empty());
-    let controller = run_vm_controller(client, config, vm_metrics, ready);
-    let server = axum::serve(listener, router(state)).with_graceful_shutdown(shutdown_signal());
+    let github = GithubConfig {
+        api_base_url: args.github_api_url.clone(),
+        jit_mints_per_minute: args.jit_mints_per_minute,
+        ..GithubConfig::default()
+    };
+    let shared = PoolShared::new(
+        Arc::new(GithubApps::new(github, github_metrics)),
+        pool_metrics,
+    );
+    let mut pool_config = PoolControllerConfig::new();
+    pool_config.namespace = config.vm_namespace.clone();
+    if !args.webhook_secret_name.is_empty() {
+        pool_config.global_webhook_secret = Some(SecretKeySelector {
+            namespace: args.namespace.clone(),
+            name: args.webhook_secret_name.clone(),
+            key: "webhook-secret".into(),
+        });
+    }
+    let app = router(state).merge(webhook_router(shared.clone()));
+    let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
+    let pools = run_runnerpool_controller(client, pool_config, shared);
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal());
     tokio::select! {
         r = server => r?,
-        () = controller => anyhow::bail!("the ImpVM controller stopped"),
+        () = vms => anyhow::bail!("the ImpVM controller stopped"),
+        () = pools => anyhow::bail!("the runner pool controller stopped"),
     }
     info!("imp-operator shut down");
     Ok(())
