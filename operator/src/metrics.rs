@@ -192,6 +192,25 @@ pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
     Ok(out)
 }
 
+/// Test helper: every metric family in an OpenMetrics exposition is listed in docs/metrics.md
+/// (counters under their `_total` sample name).
+#[cfg(test)]
+pub(crate) fn assert_every_family_documented(text: &str) {
+    let docs = include_str!("../../docs/metrics.md");
+    for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let family = line.split_whitespace().next().unwrap();
+        let documented = if line.ends_with(" counter") {
+            format!("{family}_total")
+        } else {
+            family.to_owned()
+        };
+        assert!(
+            docs.contains(&format!("`{documented}`")),
+            "{documented} is not in docs/metrics.md"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,7 +268,6 @@ mod tests {
             families, 14,
             "a family was added: give it a series above\n{text}"
         );
-        let docs = include_str!("../../docs/metrics.md");
         for name in [
             "imp_vm_scheduling_latency_seconds_count 1",
             "imp_vm_scheduling_attempts_total{result=\"scheduled\"} 1",
@@ -258,18 +276,6 @@ mod tests {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
-        // Every exported family is documented.
-        for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
-            let family = line.split_whitespace().next().unwrap();
-            let documented = if line.ends_with(" counter") {
-                format!("{family}_total")
-            } else {
-                family.to_owned()
-            };
-            assert!(
-                docs.contains(&format!("`{documented}`")),
-                "{documented} is not in docs/metrics.md"
-            );
-        }
+        assert_every_family_documented(&text);
     }
 }

@@ -155,28 +155,39 @@ impl TestEnv {
 
 impl Drop for TestEnv {
     fn drop(&mut self) {
-        // The test's runtime may already be shutting down: delete from a runtime of our own.
-        let kubeconfig = self.kubeconfig.clone();
         let namespace = self.namespace.clone();
-        let done = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
+        with_fresh_client(&self.kubeconfig, move |client| async move {
+            let _ = Api::<Namespace>::all(client)
+                .delete(&namespace, &DeleteParams::background())
+                .await;
+        });
+    }
+}
+
+/// Runs `f` with a new client on a thread and runtime of its own and waits for it. For cleanup in
+/// `Drop`: the test's runtime may already be shutting down, and a client is bound to its runtime.
+pub fn with_fresh_client<F, Fut>(kubeconfig: &Path, f: F)
+where
+    F: FnOnce(Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
+    let kubeconfig = kubeconfig.to_path_buf();
+    let done = std::thread::spawn(move || {
+        let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        rt.block_on(async {
+            let Ok(config) = config_from_kubeconfig(&kubeconfig).await else {
                 return;
             };
-            rt.block_on(async {
-                let Ok(config) = config_from_kubeconfig(&kubeconfig).await else {
-                    return;
-                };
-                let Ok(client) = Client::try_from(config) else {
-                    return;
-                };
-                let _ = Api::<Namespace>::all(client)
-                    .delete(&namespace, &DeleteParams::background())
-                    .await;
-            });
+            let Ok(client) = Client::try_from(config) else {
+                return;
+            };
+            f(client).await;
         });
-        let _ = done.join();
-    }
+    });
+    let _ = done.join();
 }

@@ -147,19 +147,7 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }
-        let docs = include_str!("../../../docs/metrics.md");
-        for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
-            let family = line.split_whitespace().next().unwrap();
-            let documented = if line.ends_with(" counter") {
-                format!("{family}_total")
-            } else {
-                family.to_owned()
-            };
-            assert!(
-                docs.contains(&format!("`{documented}`")),
-                "{documented} is not in docs/metrics.md"
-            );
-        }
+        crate::metrics::assert_every_family_documented(&text);
         m.remove_pool("ns/p");
         let text = crate::metrics::encode(&registry).unwrap();
         assert!(!text.contains("pool=\"ns/p\""));

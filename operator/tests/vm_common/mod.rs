@@ -17,7 +17,7 @@ use imp_operator::{
     metrics::{VmMetrics, encode},
     vm::{Timing, VmControllerConfig, lease_name, run_vm_controller},
 };
-use imp_testkit::{TestEnv, controlplane::config_from_kubeconfig};
+use imp_testkit::{TestEnv, cluster::with_fresh_client};
 use k8s_openapi::{
     api::{
         coordination::v1::{Lease, LeaseSpec},
@@ -513,24 +513,9 @@ impl Drop for Harness {
             self.ns.clone(),
             std::mem::take(&mut self.classes),
         );
-        let _ = std::thread::spawn(move || {
-            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            else {
-                return;
-            };
-            rt.block_on(async {
-                let Ok(config) = config_from_kubeconfig(&kubeconfig).await else {
-                    return;
-                };
-                let Ok(client) = Client::try_from(config) else {
-                    return;
-                };
-                cleanup(&client, &ns, &classes).await;
-            });
-        })
-        .join();
+        with_fresh_client(&kubeconfig, move |client| async move {
+            cleanup(&client, &ns, &classes).await;
+        });
     }
 }
 

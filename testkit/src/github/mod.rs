@@ -532,58 +532,12 @@ pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
     }
     BUILT
         .get_or_init(|| {
-            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-            // <target>/<profile>/deps/<test binary>
-            let profile_dir = exe
-                .parent()
-                .and_then(|d| d.parent())
-                .ok_or("unexpected test binary location")?
-                .to_path_buf();
-            let bin = profile_dir.join("imp-fake-runner");
-            let manifest_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-            let newest_source = newest_mtime(&manifest_dir.join("src"))
-                .max(newest_mtime(&manifest_dir.join("Cargo.toml")));
-            let built_at = std::fs::metadata(&bin).and_then(|m| m.modified()).ok();
-            if built_at.is_some_and(|b| Some(b) >= newest_source) {
-                return Ok(bin);
-            }
-            let target_dir = profile_dir.parent().ok_or("unexpected target layout")?;
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let mut cmd = std::process::Command::new(cargo);
-            cmd.current_dir(manifest_dir)
-                .args([
-                    "build",
-                    "-q",
-                    "-p",
-                    "imp-testkit",
-                    "--bin",
-                    "imp-fake-runner",
-                ])
-                .env("CARGO_TARGET_DIR", target_dir);
-            if profile_dir.file_name().is_some_and(|n| n == "release") {
-                cmd.arg("--release");
-            }
-            let status = cmd.status().map_err(|e| format!("running cargo: {e}"))?;
-            if !status.success() {
-                return Err(format!("cargo build of imp-fake-runner failed: {status}"));
-            }
-            Ok(bin)
+            crate::bins::ensure_built(
+                &[("imp-testkit", "imp-fake-runner")],
+                &["testkit/src", "testkit/Cargo.toml"],
+            )
+            .map(|mut paths| paths.remove(0))
         })
         .clone()
         .map_err(|e| anyhow::anyhow!(e))
-}
-
-/// The newest modification time under `path` (a file or a directory tree).
-fn newest_mtime(path: &std::path::Path) -> Option<std::time::SystemTime> {
-    let meta = std::fs::metadata(path).ok()?;
-    let own = meta.modified().ok();
-    if !meta.is_dir() {
-        return own;
-    }
-    std::fs::read_dir(path)
-        .ok()?
-        .flatten()
-        .filter_map(|e| newest_mtime(&e.path()))
-        .chain(own)
-        .max()
 }
