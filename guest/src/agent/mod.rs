@@ -163,8 +163,10 @@ impl Agent {
             let msg = match reader.read::<HostToGuest>().await {
                 Ok(Some(msg)) => msg,
                 Ok(None) => break,
-                Err(e) if e.is_recoverable() => {
-                    tracing::warn!(error = %e, "rejected frame");
+                Err(e) if e.is_recoverable() || matches!(e, FrameError::TooLarge { .. }) => {
+                    // An oversize payload was not consumed, so framing is lost: answer, then close.
+                    let close = !e.is_recoverable();
+                    tracing::warn!(error = %e, close, "rejected frame");
                     let _ = tx
                         .send(Outgoing::plain(error_msg(
                             e.error_code(),
@@ -172,19 +174,10 @@ impl Agent {
                             None,
                         )))
                         .await;
+                    if close {
+                        break;
+                    }
                     continue;
-                }
-                Err(e @ FrameError::TooLarge { .. }) => {
-                    // The payload was not consumed, so framing is lost: answer, then close.
-                    tracing::warn!(error = %e, "rejected frame, closing connection");
-                    let _ = tx
-                        .send(Outgoing::plain(error_msg(
-                            e.error_code(),
-                            e.to_string(),
-                            None,
-                        )))
-                        .await;
-                    break;
                 }
                 Err(e) => {
                     tracing::info!(error = %e, "connection ended");

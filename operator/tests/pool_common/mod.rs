@@ -337,18 +337,7 @@ impl PoolHarness {
 
     /// Writes VM status as the agent does after the handoff: Running, runner Started.
     pub async fn agent_started(&self, vm: &ImpVM) {
-        let ann = vm.annotations();
-        let status = ImpVMStatus {
-            phase: Some(VmPhase::Running),
-            runner: Some(RunnerStatus {
-                handoff: Some(HandoffState::Started),
-                runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
-                runner_name: ann.get(ANNOTATION_RUNNER_NAME).cloned(),
-                started_time: Some(Time(Timestamp::now())),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
+        let status = started_status(vm);
         self.vms()
             .patch_status(
                 &vm.name_any(),
@@ -404,6 +393,23 @@ impl PoolHarness {
     }
 }
 
+/// The status an agent writes after the handoff: Running, runner Started with the id and name from the
+/// VM's annotations.
+fn started_status(vm: &ImpVM) -> ImpVMStatus {
+    let ann = vm.annotations();
+    ImpVMStatus {
+        phase: Some(VmPhase::Running),
+        runner: Some(RunnerStatus {
+            handoff: Some(HandoffState::Started),
+            runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
+            runner_name: ann.get(ANNOTATION_RUNNER_NAME).cloned(),
+            started_time: Some(Time(Timestamp::now())),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 #[derive(Clone)]
 struct AgentCtx {
     vms: Api<ImpVM>,
@@ -422,18 +428,7 @@ impl AgentCtx {
         else {
             return;
         };
-        let ann = vm.annotations();
-        let status = ImpVMStatus {
-            phase: Some(VmPhase::Running),
-            runner: Some(RunnerStatus {
-                handoff: Some(HandoffState::Started),
-                runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
-                runner_name: ann.get(ANNOTATION_RUNNER_NAME).cloned(),
-                started_time: Some(Time(Timestamp::now())),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
+        let status = started_status(&vm);
         let name = vm.name_any();
         if self
             .vms
