@@ -59,7 +59,7 @@ fn shared() -> &'static Shared {
                         _control_plane: None,
                     });
                 }
-                let opts = ControlPlaneOptions::in_temp_dir().map_err(|e| e.to_string())?;
+                let opts = ControlPlaneOptions::in_temp_dir();
                 let cp = ControlPlane::start(opts).await.map_err(|e| e.to_string())?;
                 Ok(Shared {
                     kubeconfig: cp.kubeconfig_path().to_path_buf(),

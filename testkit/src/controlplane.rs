@@ -3,7 +3,6 @@
 //! certificates and service-account keys, and a kubeconfig for an admin token.
 
 use std::{
-    fmt::Write as _,
     net::TcpListener,
     path::{Path, PathBuf},
     process::Command,
@@ -87,19 +86,19 @@ pub struct ControlPlaneOptions {
 
 impl ControlPlaneOptions {
     /// A fresh directory under the system temp dir.
-    pub fn in_temp_dir() -> Result<Self, ControlPlaneError> {
+    pub fn in_temp_dir() -> Self {
         let dir = std::env::temp_dir().join(format!(
             "imp-testenv-{}-{}",
             std::process::id(),
             uuid::Uuid::new_v4().simple()
         ));
-        Ok(Self {
+        Self {
             dir,
             cleanup: true,
             controller_manager: true,
             install_imp_crds: true,
             bin_dir: paths::testenv_bin_dir(),
-        })
+        }
     }
 }
 
@@ -444,12 +443,9 @@ fn free_ports<const N: usize>() -> Result<[u16; N], ControlPlaneError> {
 fn kubeconfig_yaml(server: &str, ca_pem: &str, token: &str) -> String {
     use base64::Engine as _;
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
-    let mut y = String::new();
-    let _ = write!(
-        y,
+    format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: imp-testenv\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\n\
          users:\n- name: imp-admin\n  user:\n    token: {token}\ncontexts:\n- name: imp-testenv\n  context:\n    cluster: imp-testenv\n    user: imp-admin\n\
          current-context: imp-testenv\n"
-    );
-    y
+    )
 }

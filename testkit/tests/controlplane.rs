@@ -111,7 +111,7 @@ fn alive(pid: u32) -> bool {
 #[tokio::test]
 async fn teardown_stops_exactly_what_it_started() {
     let mut bystander = Command::new("sleep").arg("120").spawn().unwrap();
-    let mut opts = ControlPlaneOptions::in_temp_dir().unwrap();
+    let mut opts = ControlPlaneOptions::in_temp_dir();
     opts.controller_manager = false;
     let dir = opts.dir.clone();
     let cp = ControlPlane::start(opts).await.unwrap();
@@ -140,7 +140,7 @@ async fn teardown_stops_exactly_what_it_started() {
 
 #[tokio::test]
 async fn missing_binary_names_it_and_says_how_to_build() {
-    let mut opts = ControlPlaneOptions::in_temp_dir().unwrap();
+    let mut opts = ControlPlaneOptions::in_temp_dir();
     opts.bin_dir = opts.dir.join("no-such-bin");
     let err = ControlPlane::start(opts)
         .await
