@@ -7,6 +7,7 @@ pub mod firecracker;
 pub mod inventory;
 pub mod metrics;
 pub mod procfs;
+pub mod rootfs;
 pub mod runtime;
 pub mod server;
 pub mod tap;
