@@ -4,8 +4,10 @@
 //! the per-VM writable drive in O(1) (`writable`). docs/rootfs.md describes the whole pipeline.
 
 pub mod auth;
+pub mod ext4;
 pub mod flatten;
 pub mod pull;
+pub mod writable;
 
 use serde::{Deserialize, Serialize};
 
