@@ -121,6 +121,11 @@ impl Inventory {
         Ok(Self { pool })
     }
 
+    /// The database, shared with the rootfs cache index (same file, same migrations).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
     pub async fn close(&self) {
         self.pool.close().await;
     }

@@ -4,6 +4,7 @@
 //! the per-VM writable drive in O(1) (`writable`). docs/rootfs.md describes the whole pipeline.
 
 pub mod auth;
+pub mod cache;
 pub mod ext4;
 pub mod flatten;
 pub mod pull;
