@@ -29,6 +29,69 @@ pub struct Metrics {
     pub vms: Family<StateLabel, Gauge>,
     pub start_failures: Family<ReasonLabel, Counter>,
     pub recovered: Family<OutcomeLabel, Counter>,
+    pub rootfs: RootfsMetrics,
+}
+
+/// The rootfs cache (node/src/rootfs): shared by the runtime and its image store.
+#[derive(Clone, Default)]
+pub struct RootfsMetrics {
+    pub hits: Counter,
+    pub misses: Counter,
+    pub build_duration: Histogram,
+    pub build_failures: Family<ReasonLabel, Counter>,
+    pub cache_bytes: Gauge,
+    pub cache_images: Gauge,
+    pub evictions: Counter,
+}
+
+impl RootfsMetrics {
+    fn new() -> Self {
+        Self {
+            // 0.25 s .. ~17 min: a cached-layer rebuild is seconds, a cold multi-GiB pull minutes.
+            build_duration: Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.25, 2.0, 13),
+            ),
+            ..Self::default()
+        }
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "imp_rootfs_cache_hits",
+            "VM starts whose base image was already in the rootfs cache",
+            self.hits.clone(),
+        );
+        registry.register(
+            "imp_rootfs_cache_misses",
+            "VM starts that had to build their base image (pull, flatten, mkfs)",
+            self.misses.clone(),
+        );
+        registry.register(
+            "imp_rootfs_build_duration_seconds",
+            "Successful base image builds, from resolve to the renamed ext4 file",
+            self.build_duration.clone(),
+        );
+        registry.register(
+            "imp_rootfs_build_failures",
+            "Base image builds that failed, by reason",
+            self.build_failures.clone(),
+        );
+        registry.register(
+            "imp_rootfs_cache_bytes",
+            "Bytes of base images in the rootfs cache",
+            self.cache_bytes.clone(),
+        );
+        registry.register(
+            "imp_rootfs_cache_images",
+            "Base images in the rootfs cache",
+            self.cache_images.clone(),
+        );
+        registry.register(
+            "imp_rootfs_cache_evictions",
+            "Unreferenced base images deleted to keep the cache under its size budget",
+            self.evictions.clone(),
+        );
+    }
 }
 
 impl Default for Metrics {
@@ -73,8 +136,11 @@ impl Metrics {
             "Inventory records handled at startup, by outcome (reattached, cleaned, exited, orphan_killed)",
             recovered.clone(),
         );
+        let rootfs = RootfsMetrics::new();
+        rootfs.register(&mut registry);
         Self {
             registry,
+            rootfs,
             boot_latency,
             ready,
             vms,
@@ -119,6 +185,18 @@ mod tests {
             })
             .inc();
         m.recovered("reattached");
+        m.rootfs.hits.inc();
+        m.rootfs.misses.inc();
+        m.rootfs.build_duration.observe(3.0);
+        m.rootfs
+            .build_failures
+            .get_or_create(&ReasonLabel {
+                reason: "RootfsRejected".into(),
+            })
+            .inc();
+        m.rootfs.cache_bytes.set(1 << 20);
+        m.rootfs.cache_images.set(1);
+        m.rootfs.evictions.inc();
         let text = m.encode();
         for want in [
             "imp_vm_boot_latency_seconds_count 1",
@@ -126,6 +204,13 @@ mod tests {
             "imp_runtime_vms{state=\"Running\"} 3",
             "imp_vm_start_failures_total{reason=\"KernelMissing\"} 1",
             "imp_runtime_recovered_vms_total{outcome=\"reattached\"} 1",
+            "imp_rootfs_cache_hits_total 1",
+            "imp_rootfs_cache_misses_total 1",
+            "imp_rootfs_build_duration_seconds_count 1",
+            "imp_rootfs_build_failures_total{reason=\"RootfsRejected\"} 1",
+            "imp_rootfs_cache_bytes 1048576",
+            "imp_rootfs_cache_images 1",
+            "imp_rootfs_cache_evictions_total 1",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }
@@ -134,7 +219,7 @@ mod tests {
             .lines()
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .collect();
-        assert_eq!(families.len(), 5, "{text}");
+        assert_eq!(families.len(), 12, "{text}");
         for line in families {
             let family = line.split_whitespace().next().unwrap();
             let documented = if line.ends_with(" counter") {
