@@ -33,7 +33,7 @@ pub struct Metrics {
 }
 
 /// The rootfs cache (node/src/rootfs): shared by the runtime and its image store.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct RootfsMetrics {
     pub hits: Counter,
     pub misses: Counter,
@@ -51,7 +51,12 @@ impl RootfsMetrics {
             build_duration: Histogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.25, 2.0, 13),
             ),
-            ..Self::default()
+            hits: Counter::default(),
+            misses: Counter::default(),
+            build_failures: Family::default(),
+            cache_bytes: Gauge::default(),
+            cache_images: Gauge::default(),
+            evictions: Counter::default(),
         }
     }
 
