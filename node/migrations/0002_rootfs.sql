@@ -10,6 +10,7 @@ CREATE TABLE rootfs_images (
     runner_ref    TEXT,
     layers_json   TEXT NOT NULL,
     build_seconds REAL NOT NULL,
+    -- Milliseconds since the epoch.
     created_at    INTEGER NOT NULL,
     last_used_at  INTEGER NOT NULL
 );

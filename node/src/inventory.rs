@@ -174,6 +174,17 @@ impl Inventory {
         Ok(())
     }
 
+    /// The base image the rootfs cache handed out (for image-built VMs, known after insert).
+    pub async fn set_base_disk(&self, uid: &str, path: &Path) -> Result<(), InventoryError> {
+        sqlx::query("UPDATE vms SET base_disk = ?, updated_at = ? WHERE uid = ?")
+            .bind(path_str(path))
+            .bind(now())
+            .bind(uid)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     pub async fn set_state(&self, uid: &str, state: VmState) -> Result<(), InventoryError> {
         sqlx::query("UPDATE vms SET state = ?, updated_at = ? WHERE uid = ?")
             .bind(state.as_str())

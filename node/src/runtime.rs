@@ -13,6 +13,8 @@ use crate::firecracker::{self, BootPlan, DriverError, Vmm, VmmFiles, api};
 use crate::inventory::{Inventory, InventoryError, VmRecord, VmState};
 use crate::metrics::{Metrics, ReasonLabel, StateLabel};
 use crate::procfs;
+use crate::rootfs::store::{ImageSpec, RootfsError, RootfsStore, StoreConfig};
+use crate::rootfs::writable::{WritableDrives, WritableError};
 use crate::tap::{self, LinkStats, TapError};
 
 /// Guest CID of every VM: each Firecracker has its own vsock device, so CIDs need not differ.
@@ -30,6 +32,9 @@ pub struct Config {
     pub firecracker_bin: PathBuf,
     pub boot_timeout: Duration,
     pub stop_timeout: Duration,
+    /// The rootfs cache (images built from OCI references); its `dir` is usually
+    /// `<state_dir>/rootfs`.
+    pub rootfs: StoreConfig,
 }
 
 /// Body of `PUT /v1/vms/{uid}`: the resolved spec (class, image, network already looked up by
@@ -39,8 +44,12 @@ pub struct Config {
 pub struct VmSpec {
     pub vcpu: u32,
     pub memory_mib: u64,
-    /// Read-only root drive (the cached image), an existing file.
-    pub base_disk: PathBuf,
+    /// Read-only root drive given as an existing file; exactly one of this and `image`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_disk: Option<PathBuf>,
+    /// Read-only root drive built from OCI images by the rootfs cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<ImageSpec>,
     /// Size of the per-VM writable drive, a sparse file the runtime creates (none when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writable_disk_bytes: Option<u64>,
@@ -136,6 +145,10 @@ pub enum RuntimeError {
     NetworkSetupFailed { uid: String, source: TapError },
     #[error("disk setup for VM {uid}: {message}")]
     DiskSetupFailed { uid: String, message: String },
+    #[error("writable drive for VM {uid}: {source}")]
+    WritableDrive { uid: String, source: WritableError },
+    #[error("root filesystem for VM {uid}: {source}")]
+    Rootfs { uid: String, source: RootfsError },
     #[error("link stats of VM {uid}: {source}")]
     LinkStats { uid: String, source: TapError },
     #[error("snapshot of VM {uid}: {source}")]
@@ -148,6 +161,10 @@ pub enum RuntimeError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("open the rootfs cache: {0}")]
+    RootfsStore(RootfsError),
+    #[error("writable-drive templates: {0}")]
+    WritableTemplates(WritableError),
     #[error(transparent)]
     Inventory(#[from] InventoryError),
 }
@@ -165,11 +182,16 @@ impl RuntimeError {
             RuntimeError::NoNetwork(_) => "NoNetwork",
             RuntimeError::Boot { source, .. } => source.reason(),
             RuntimeError::NetworkSetupFailed { .. } => "NetworkSetupFailed",
-            RuntimeError::DiskSetupFailed { .. } => "DiskSetupFailed",
+            RuntimeError::DiskSetupFailed { .. } | RuntimeError::WritableDrive { .. } => {
+                "DiskSetupFailed"
+            }
+            RuntimeError::Rootfs { source, .. } => source.reason(),
             RuntimeError::LinkStats { .. } => "LinkStatsUnavailable",
             RuntimeError::Snapshot { .. } => "SnapshotFailed",
             RuntimeError::Inventory(_) => "InventoryError",
-            RuntimeError::StateDir { .. } => "StateDirUnusable",
+            RuntimeError::StateDir { .. }
+            | RuntimeError::RootfsStore(_)
+            | RuntimeError::WritableTemplates(_) => "StateDirUnusable",
         }
     }
 }
@@ -199,6 +221,8 @@ pub struct Runtime {
     cfg: Config,
     vms_dir: PathBuf,
     inventory: Inventory,
+    rootfs: RootfsStore,
+    writable: WritableDrives,
     pub metrics: Metrics,
     /// One lock per uid: operations on a VM are serialised, different VMs run concurrently.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -225,11 +249,25 @@ fn validate(spec: &VmSpec) -> Result<(), RuntimeError> {
     if spec.memory_mib < 16 {
         return bad(format!("memory_mib {} is below 16", spec.memory_mib));
     }
-    if !spec.base_disk.is_absolute() || !spec.base_disk.is_file() {
-        return bad(format!(
-            "base_disk {} is not an existing file (absolute path)",
-            spec.base_disk.display()
-        ));
+    match (&spec.base_disk, &spec.image) {
+        (Some(disk), None) => {
+            if !disk.is_absolute() || !disk.is_file() {
+                return bad(format!(
+                    "base_disk {} is not an existing file (absolute path)",
+                    disk.display()
+                ));
+            }
+        }
+        (None, Some(image)) => {
+            for (field, reference) in [("image.base", Some(&image.base)), ("image.runner", image.runner.as_ref())] {
+                if let Some(r) = reference
+                    && let Err(e) = r.parse::<oci_client::Reference>()
+                {
+                    return bad(format!("{field} {r:?} is not an image reference: {e}"));
+                }
+            }
+        }
+        _ => return bad("exactly one of base_disk and image is required".into()),
     }
     if spec.writable_disk_bytes == Some(0) {
         return bad("writable_disk_bytes must be positive".into());
@@ -271,11 +309,23 @@ impl Runtime {
             source,
         })?;
         let inventory = Inventory::open(&cfg.state_dir).await?;
+        let metrics = Metrics::new();
+        let rootfs = RootfsStore::open(
+            cfg.rootfs.clone(),
+            inventory.pool().clone(),
+            metrics.rootfs.clone(),
+        )
+        .await
+        .map_err(RuntimeError::RootfsStore)?;
+        let writable = WritableDrives::new(&cfg.state_dir.join("writable-templates"))
+            .map_err(RuntimeError::WritableTemplates)?;
         let rt = Arc::new(Self {
             cfg,
             vms_dir,
             inventory,
-            metrics: Metrics::new(),
+            rootfs,
+            writable,
+            metrics,
             locks: Mutex::new(HashMap::new()),
         });
         rt.recover().await?;
@@ -415,19 +465,39 @@ impl Runtime {
                 }
             }
         }
+        // Image references of VMs that were cleaned up above, or whose start crashed between
+        // taking the reference and writing anything else.
+        let holders: Vec<String> = self
+            .inventory
+            .list()
+            .await?
+            .into_iter()
+            .filter(|r| r.state != VmState::Failed)
+            .map(|r| r.uid)
+            .collect();
+        self.rootfs
+            .retain_vms(&holders)
+            .await
+            .map_err(RuntimeError::RootfsStore)?;
         self.refresh_state_gauge().await;
         Ok(())
     }
 
-    /// TAP and the per-VM writable disk: what a VM holds on the host besides its process.
+    /// TAP, the per-VM writable disk and the base image reference: what a VM holds on the host
+    /// besides its process.
     async fn release_host_resources(&self, r: &VmRecord) {
         if let Some(t) = &r.tap
             && let Err(e) = tap::delete(t)
         {
             tracing::warn!(uid = %r.uid, tap = %t, error = %e, "TAP delete failed");
         }
-        if let Some(d) = &r.writable_disk {
-            let _ = std::fs::remove_file(d);
+        if let Some(d) = &r.writable_disk
+            && let Err(e) = WritableDrives::remove(d)
+        {
+            tracing::warn!(uid = %r.uid, error = %e, "writable drive delete failed");
+        }
+        if let Err(e) = self.rootfs.release(&r.uid).await {
+            tracing::warn!(uid = %r.uid, error = %e, "releasing the base image reference failed");
         }
         let _ = std::fs::remove_file(&r.api_socket);
         let _ = std::fs::remove_file(&r.vsock_path);
@@ -477,7 +547,12 @@ impl Runtime {
             return Err(RuntimeError::InvalidUid(uid.into()));
         }
         validate(&spec)?;
-        let spec_json = serde_json::to_string(&spec).expect("spec serialises");
+        // Stored and compared without pull credentials: they are used for this request only.
+        let stored = VmSpec {
+            image: spec.image.as_ref().map(ImageSpec::without_credentials),
+            ..spec.clone()
+        };
+        let spec_json = serde_json::to_string(&stored).expect("spec serialises");
         let lock = self.lock(uid);
         let _guard = lock.lock().await;
         if let Some(r) = self.observe(uid).await? {
@@ -520,7 +595,8 @@ impl Runtime {
             vsock_path: dir.join("vsock.sock"),
             serial_log: dir.join("serial.log"),
             tap: tap.clone(),
-            base_disk: spec.base_disk.clone(),
+            // Known once the rootfs cache hands out the image (bring_up records it).
+            base_disk: spec.base_disk.clone().unwrap_or_default(),
             writable_disk: spec.writable_disk_bytes.map(|_| dir.join("writable.img")),
             failure_reason: None,
             failure_message: None,
@@ -594,13 +670,35 @@ impl Runtime {
         };
         std::fs::create_dir_all(&rec.dir)
             .map_err(|e| disk_err(format!("create {}: {e}", rec.dir.display())))?;
+        if let Some(image) = &spec.image {
+            let acquired = self.rootfs.acquire(&uid, image).await.map_err(|source| {
+                (
+                    RuntimeError::Rootfs {
+                        uid: uid.clone(),
+                        source,
+                    },
+                    None,
+                )
+            })?;
+            tracing::info!(uid, key = %acquired.key, hit = acquired.hit, offline = acquired.offline, "base image ready");
+            rec.base_disk = acquired.path;
+            self.inventory
+                .set_base_disk(&uid, &rec.base_disk)
+                .await
+                .map_err(|e| (e.into(), None))?;
+        }
         if let (Some(path), Some(bytes)) = (&rec.writable_disk, spec.writable_disk_bytes) {
-            // Sparse, and ext4 with lazy init: milliseconds whatever the size. The guest mounts
+            // A clone of an empty ext4 template: O(1) whatever the image size. The guest mounts
             // it as the overlay upper layer (imp.overlay), it does not format it.
-            std::fs::File::create(path)
-                .and_then(|f| f.set_len(bytes))
-                .map_err(|e| disk_err(format!("create {}: {e}", path.display())))?;
-            format_ext4(path).map_err(disk_err)?;
+            self.writable.create(path, bytes).map_err(|source| {
+                (
+                    RuntimeError::WritableDrive {
+                        uid: uid.clone(),
+                        source,
+                    },
+                    None,
+                )
+            })?;
         }
         if let Some(t) = &rec.tap {
             tap::create(t).map_err(|source| {
@@ -647,7 +745,7 @@ impl Runtime {
             partuuid: None,
             cache_type: None,
             is_read_only: Some(true),
-            path_on_host: Some(spec.base_disk.display().to_string()),
+            path_on_host: Some(rec.base_disk.display().to_string()),
             io_engine: None,
             socket: None,
         }];
@@ -795,23 +893,6 @@ impl Runtime {
         }
         created.map_err(err)?;
         Ok(info)
-    }
-}
-
-fn format_ext4(path: &Path) -> Result<(), String> {
-    let out = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1"])
-        .arg(path)
-        .output()
-        .map_err(|e| format!("run mkfs.ext4 (e2fsprogs): {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "mkfs.ext4 {}: {}",
-            path.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
     }
 }
 

@@ -5,6 +5,9 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::Parser;
+use imp_node::rootfs::flatten::Limits;
+use imp_node::rootfs::pull::PullConfig;
+use imp_node::rootfs::store::StoreConfig;
 use imp_node::runtime::{Config, Runtime};
 use imp_node::server;
 
@@ -34,9 +37,23 @@ struct Args {
         default_value = "/usr/local/bin/firecracker"
     )]
     firecracker_bin: PathBuf,
-    /// Byte budget of the rootfs cache.
+    /// Byte budget of the rootfs cache (unreferenced images are evicted, least recently used
+    /// first, above it).
     #[arg(long, env = "IMP_ROOTFS_CACHE_BYTES", default_value_t = 20 << 30)]
     rootfs_cache_bytes: u64,
+    /// Cap on the uncompressed size of one image's layers (stops decompression bombs).
+    #[arg(long, env = "IMP_ROOTFS_MAX_UNPACKED_BYTES", default_value_t = 16 << 30)]
+    rootfs_max_unpacked_bytes: u64,
+    /// The static imp-guest injected into every image at /sbin/imp-guest.
+    #[arg(
+        long,
+        env = "IMP_GUEST_BIN",
+        default_value = "/usr/local/lib/imp/imp-guest"
+    )]
+    guest_bin: PathBuf,
+    /// Registries (host:port) pulled over plain HTTP instead of HTTPS, comma-separated.
+    #[arg(long, env = "IMP_INSECURE_REGISTRIES", value_delimiter = ',')]
+    insecure_registries: Vec<String>,
     /// TCP address for Prometheus scraping (the socket serves /metrics too).
     #[arg(long, env = "IMP_METRICS_ADDR", default_value = "0.0.0.0:9091")]
     metrics_addr: SocketAddr,
@@ -83,9 +100,21 @@ async fn run(args: Args) -> anyhow::Result<()> {
         firecracker_bin: args.firecracker_bin,
         boot_timeout: positive(args.boot_timeout_secs, "--boot-timeout-secs")?,
         stop_timeout: positive(args.stop_timeout_secs, "--stop-timeout-secs")?,
+        rootfs: StoreConfig {
+            dir: args.state_dir.join("rootfs"),
+            guest_bin: args.guest_bin,
+            budget_bytes: args.rootfs_cache_bytes,
+            limits: Limits {
+                max_unpacked_bytes: args.rootfs_max_unpacked_bytes,
+                ..Limits::default()
+            },
+            pull: PullConfig {
+                insecure_registries: args.insecure_registries,
+                ..PullConfig::default()
+            },
+            parallel_fetches: 3,
+        },
     };
-    // The rootfs cache is another issue; the budget is accepted so the DaemonSet's env is stable.
-    let _ = args.rootfs_cache_bytes;
     let runtime = Runtime::start(cfg).await.context("start the runtime")?;
     let listener =
         server::bind(&args.socket).with_context(|| format!("bind {}", args.socket.display()))?;

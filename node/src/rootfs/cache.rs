@@ -70,10 +70,11 @@ pub fn plan_gc(entries: &[CacheEntry], budget_bytes: u64, busy: &HashSet<String>
     evict
 }
 
+/// Milliseconds since the epoch: LRU order must tell apart uses within one second.
 pub(crate) fn now() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
+        .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
 }
 

@@ -8,6 +8,7 @@ pub mod cache;
 pub mod ext4;
 pub mod flatten;
 pub mod pull;
+pub mod store;
 pub mod writable;
 
 use serde::{Deserialize, Serialize};

@@ -172,7 +172,8 @@ impl Harness {
         VmSpec {
             vcpu: 1,
             memory_mib: 128,
-            base_disk: self.base_disk.clone(),
+            base_disk: Some(self.base_disk.clone()),
+            image: None,
             writable_disk_bytes: Some(256 << 20),
             kernel: None,
             initrd: None,

@@ -1,0 +1,614 @@
+//! The image store: from an image request (base reference, optional runner layer image, pull
+//! credentials) to a cached read-only ext4 base image, with a reference per VM.
+//!
+//! acquire = resolve both references (manifest digests, layer descriptors) -> content key ->
+//! under a per-key lock (concurrent requests for one key build once): hit, or fetch every layer
+//! with digest and size verified, flatten them in order into a private work directory, inject
+//! the guest agent and the mount points, `mkfs.ext4 -d`, rename into `images/<key>.ext4`, index.
+//! release drops the VM's reference; garbage collection deletes unreferenced images, least
+//! recently used first, while the cache is over its byte budget.
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::auth::{AuthError, PullCredentials, RegistryAuth};
+use super::cache::{self, CacheEntry, CacheIndex, RECIPE};
+use super::ext4::{self, Ext4Error};
+use super::flatten::{FlattenError, Flattener, Limits};
+use super::pull::{LayerRef, PullConfig, PullError, Puller, ResolvedImage};
+use crate::metrics::{ReasonLabel, RootfsMetrics};
+
+/// Where the guest agent goes in every image (ARCHITECTURE §5: the kernel runs it as init).
+pub const GUEST_PATH: &str = "sbin/imp-guest";
+/// Mount points imp-guest needs in the root it switches into; images may lack them.
+const MOUNT_POINTS: [(&str, u32); 6] = [
+    ("proc", 0o555),
+    ("sys", 0o555),
+    ("dev", 0o755),
+    ("run", 0o755),
+    ("tmp", 0o1777),
+    ("etc", 0o755),
+];
+
+/// The `image` part of imp-runtime's `PUT /v1/vms/{uid}` body.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageSpec {
+    /// The base OCI image, e.g. `registry.example.com/ci/ubuntu:24.04` or a digest reference.
+    pub base: String,
+    /// An image whose layers go on top of the base (the pool template's `runnerImage`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner: Option<String>,
+    /// From the pool's image pull Secret. Used for this request only: never stored in the
+    /// inventory or the cache index, never logged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<PullCredentials>,
+}
+
+impl std::fmt::Debug for ImageSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageSpec")
+            .field("base", &self.base)
+            .field("runner", &self.runner)
+            .field("credentials", &self.credentials.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl ImageSpec {
+    /// The spec without credentials: what the inventory stores and compares.
+    pub fn without_credentials(&self) -> ImageSpec {
+        ImageSpec {
+            credentials: None,
+            ..self.clone()
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsError {
+    #[error("pull credentials for {registry}: {source}")]
+    Credentials { registry: String, source: AuthError },
+    #[error("image {reference}: {source}")]
+    Pull {
+        reference: String,
+        source: PullError,
+    },
+    #[error("image {reference}: {source}")]
+    Layer {
+        reference: String,
+        source: FlattenError,
+    },
+    #[error("image {reference}: {source}")]
+    Ext4 {
+        reference: String,
+        source: Ext4Error,
+    },
+    #[error("guest agent binary {path}: {source}")]
+    Guest {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("guest agent binary {path} changed while an image was being built; retry")]
+    GuestChanged { path: PathBuf },
+    #[error("rootfs work directory {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("rootfs cache index: {0}")]
+    Index(#[from] sqlx::Error),
+    #[error("image build task failed: {0}")]
+    Task(String),
+}
+
+impl RootfsError {
+    /// `RootfsPullFailed` (registry, network, credentials), `RootfsRejected` (the image broke an
+    /// integrity or safety rule) or `RootfsBuildFailed` (this host: disk, mkfs, index).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RootfsError::Credentials { .. } => "RootfsPullFailed",
+            RootfsError::Pull { source, .. } => source.reason(),
+            RootfsError::Layer { source, .. } => match source.reason() {
+                "LayerRejected" => "RootfsRejected",
+                _ => "RootfsBuildFailed",
+            },
+            RootfsError::Ext4 { .. }
+            | RootfsError::Guest { .. }
+            | RootfsError::GuestChanged { .. }
+            | RootfsError::Io { .. }
+            | RootfsError::Index(_)
+            | RootfsError::Task(_) => "RootfsBuildFailed",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// `images/` (built images) and `tmp/` (builds in progress) live here.
+    pub dir: PathBuf,
+    /// The static imp-guest injected at /sbin/imp-guest.
+    pub guest_bin: PathBuf,
+    pub budget_bytes: u64,
+    pub limits: Limits,
+    pub pull: PullConfig,
+    /// Layer downloads in flight per build.
+    pub parallel_fetches: usize,
+}
+
+/// What `acquire` handed out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Acquired {
+    pub key: String,
+    pub path: PathBuf,
+    /// Served from the cache (no build).
+    pub hit: bool,
+    /// Served from the cache because the registry could not be reached to resolve the tags.
+    pub offline: bool,
+}
+
+/// One layer to fetch: the image it belongs to (its registry and repository) and its credentials.
+struct Fetch<'a> {
+    image: &'a ResolvedImage,
+    layer: &'a LayerRef,
+    auth: &'a RegistryAuth,
+}
+
+pub struct RootfsStore {
+    cfg: StoreConfig,
+    index: CacheIndex,
+    puller: Puller,
+    metrics: RootfsMetrics,
+    /// Single flight: one lock per key; builds, hand-outs and evictions of a key serialise.
+    keys: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The guest binary's digest, memoised by (inode, size, mtime).
+    guest: Mutex<Option<((u64, u64, i64, i64), String)>>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RootfsError {
+    let path = path.to_path_buf();
+    move |source| RootfsError::Io { path, source }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
+}
+
+impl RootfsStore {
+    /// Open the store over the runtime's database: interrupted builds are deleted, index rows
+    /// whose file is gone are forgotten, image files without a row are deleted.
+    pub async fn open(
+        cfg: StoreConfig,
+        pool: sqlx::sqlite::SqlitePool,
+        metrics: RootfsMetrics,
+    ) -> Result<Self, RootfsError> {
+        let images = cfg.dir.join("images");
+        let tmp = cfg.dir.join("tmp");
+        std::fs::create_dir_all(&images).map_err(io_err(&images))?;
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+        // Flattened trees hold setuid files and devices owned by image uids: root only.
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700))
+            .map_err(io_err(&tmp))?;
+        let store = Self {
+            puller: Puller::new(cfg.pull.clone()),
+            cfg,
+            index: CacheIndex::new(pool),
+            metrics,
+            keys: Mutex::new(HashMap::new()),
+            guest: Mutex::new(None),
+        };
+        let entries = store.index.list().await?;
+        for e in &entries {
+            if !e.path.is_file() {
+                tracing::warn!(key = %e.key, path = %e.path.display(), "cached image file missing; forgetting it");
+                store.index.forget(&e.key).await?;
+            }
+        }
+        let known: HashSet<PathBuf> = entries.into_iter().map(|e| e.path).collect();
+        for f in std::fs::read_dir(&images).map_err(io_err(&images))?.flatten() {
+            if !known.contains(&f.path()) {
+                tracing::info!(path = %f.path().display(), "removing image file without an index row");
+                let _ = std::fs::remove_file(f.path());
+            }
+        }
+        store.refresh_gauges().await?;
+        Ok(store)
+    }
+
+    pub fn index(&self) -> &CacheIndex {
+        &self.index
+    }
+
+    fn key_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.keys
+            .lock()
+            .expect("key locks")
+            .entry(key.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    fn auth_for(&self, spec: &ImageSpec, image_registry: &str) -> Result<RegistryAuth, RootfsError> {
+        match &spec.credentials {
+            None => Ok(RegistryAuth::Anonymous),
+            Some(c) => c
+                .for_registry(image_registry)
+                .map_err(|source| RootfsError::Credentials {
+                    registry: image_registry.to_owned(),
+                    source,
+                }),
+        }
+    }
+
+    async fn resolve(
+        &self,
+        spec: &ImageSpec,
+        reference: &str,
+    ) -> Result<(ResolvedImage, RegistryAuth), RootfsError> {
+        let pull = |source| RootfsError::Pull {
+            reference: reference.to_owned(),
+            source,
+        };
+        let registry = super::pull::registry_of(reference).map_err(pull)?;
+        let auth = self.auth_for(spec, &registry)?;
+        let image = self.puller.resolve(reference, &auth).await.map_err(pull)?;
+        Ok((image, auth))
+    }
+
+    /// The guest binary's digest, rehashed only when the file changed.
+    fn guest_digest(&self) -> Result<String, RootfsError> {
+        let path = &self.cfg.guest_bin;
+        let md = std::fs::metadata(path).map_err(|source| RootfsError::Guest {
+            path: path.clone(),
+            source,
+        })?;
+        let sig = (md.ino(), md.size(), md.mtime(), md.mtime_nsec());
+        let mut memo = self.guest.lock().expect("guest memo");
+        if let Some((s, d)) = memo.as_ref()
+            && *s == sig
+        {
+            return Ok(d.clone());
+        }
+        let bytes = std::fs::read(path).map_err(|source| RootfsError::Guest {
+            path: path.clone(),
+            source,
+        })?;
+        let digest = sha256_hex(&bytes);
+        *memo = Some((sig, digest.clone()));
+        Ok(digest)
+    }
+
+    /// The base image for VM `vm_uid` (idempotent per VM): built once per content key.
+    pub async fn acquire(&self, vm_uid: &str, spec: &ImageSpec) -> Result<Acquired, RootfsError> {
+        let guest = self.guest_digest()?;
+        let resolved = async {
+            let base = self.resolve(spec, &spec.base).await?;
+            let runner = match &spec.runner {
+                Some(r) => Some(self.resolve(spec, r).await?),
+                None => None,
+            };
+            Ok::<_, RootfsError>((base, runner))
+        }
+        .await;
+        let (base, runner) = match resolved {
+            Ok(r) => r,
+            Err(e) if e.reason() == "RootfsPullFailed" => {
+                // The registry is down or unreachable: a VM may still start from an image
+                // built earlier from the same references and the same guest agent.
+                match self.offline_hit(vm_uid, spec, &guest).await? {
+                    Some(a) => {
+                        tracing::warn!(vm_uid, base = %spec.base, error = %e, "registry unreachable; using the cached image built from the same references");
+                        return Ok(a);
+                    }
+                    None => {
+                        self.count_failure(&e);
+                        return Err(e);
+                    }
+                }
+            }
+            Err(e) => {
+                self.count_failure(&e);
+                return Err(e);
+            }
+        };
+        let mut layers: Vec<&LayerRef> = base.0.layers.iter().collect();
+        if let Some((r, _)) = &runner {
+            layers.extend(r.layers.iter());
+        }
+        let digests: Vec<&str> = layers.iter().map(|l| l.digest.as_str()).collect();
+        let key = cache::cache_key(&digests, &guest, RECIPE);
+
+        let lock = self.key_lock(&key);
+        let _flight = lock.lock().await;
+        if let Some(e) = self.index.get(&key).await? {
+            if e.path.is_file() {
+                self.index.add_ref(vm_uid, &key).await?;
+                self.metrics.hits.inc();
+                return Ok(Acquired {
+                    key,
+                    path: e.path,
+                    hit: true,
+                    offline: false,
+                });
+            }
+            self.index.forget(&key).await?;
+        }
+        self.metrics.misses.inc();
+        let started = Instant::now();
+        let mut fetches: Vec<Fetch> = base
+            .0
+            .layers
+            .iter()
+            .map(|layer| Fetch {
+                image: &base.0,
+                layer,
+                auth: &base.1,
+            })
+            .collect();
+        if let Some((img, auth)) = &runner {
+            fetches.extend(img.layers.iter().map(|layer| Fetch {
+                image: img,
+                layer,
+                auth,
+            }));
+        }
+        let built = self.build(&key, &spec.base, &guest, fetches).await;
+        let (path, bytes) = match built {
+            Ok(b) => b,
+            Err(e) => {
+                self.count_failure(&e);
+                return Err(e);
+            }
+        };
+        let secs = started.elapsed().as_secs_f64();
+        self.metrics.build_duration.observe(secs);
+        let now = cache::now();
+        self.index
+            .insert(&CacheEntry {
+                key: key.clone(),
+                path: path.clone(),
+                bytes,
+                base_ref: spec.base.clone(),
+                runner_ref: spec.runner.clone(),
+                layers: digests.iter().map(|d| d.to_string()).collect(),
+                build_seconds: secs,
+                created_at: now,
+                last_used_at: now,
+            })
+            .await?;
+        self.index.add_ref(vm_uid, &key).await?;
+        tracing::info!(vm_uid, key = %key, base = %spec.base, runner = ?spec.runner, bytes, seconds = secs, "built base image");
+        drop(_flight);
+        self.gc().await?;
+        Ok(Acquired {
+            key,
+            path,
+            hit: false,
+            offline: false,
+        })
+    }
+
+    async fn offline_hit(
+        &self,
+        vm_uid: &str,
+        spec: &ImageSpec,
+        guest: &str,
+    ) -> Result<Option<Acquired>, RootfsError> {
+        let Some(e) = self
+            .index
+            .latest_for(&spec.base, spec.runner.as_deref())
+            .await?
+        else {
+            return Ok(None);
+        };
+        let layers: Vec<&str> = e.layers.iter().map(String::as_str).collect();
+        if cache::cache_key(&layers, guest, RECIPE) != e.key {
+            // Built with another guest agent or recipe: not what this runtime would build.
+            return Ok(None);
+        }
+        let lock = self.key_lock(&e.key);
+        let _flight = lock.lock().await;
+        if self.index.get(&e.key).await?.is_none() || !e.path.is_file() {
+            return Ok(None);
+        }
+        self.index.add_ref(vm_uid, &e.key).await?;
+        self.metrics.hits.inc();
+        Ok(Some(Acquired {
+            key: e.key,
+            path: e.path,
+            hit: true,
+            offline: true,
+        }))
+    }
+
+    fn count_failure(&self, e: &RootfsError) {
+        tracing::warn!(reason = e.reason(), error = %e, "base image build failed");
+        self.metrics
+            .build_failures
+            .get_or_create(&ReasonLabel {
+                reason: e.reason().into(),
+            })
+            .inc();
+    }
+
+    /// Fetch, flatten, inject, mkfs. The work directory is removed whatever happens.
+    async fn build(
+        &self,
+        key: &str,
+        reference: &str,
+        guest_digest: &str,
+        fetches: Vec<Fetch<'_>>,
+    ) -> Result<(PathBuf, u64), RootfsError> {
+        let work = self
+            .cfg
+            .dir
+            .join("tmp")
+            .join(format!("{key}.{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        let blobs = work.join("blobs");
+        std::fs::create_dir_all(&blobs).map_err(io_err(&blobs))?;
+        let result = self
+            .build_in(&work, key, reference, guest_digest, fetches)
+            .await;
+        if let Err(e) = std::fs::remove_dir_all(&work) {
+            tracing::warn!(path = %work.display(), error = %e, "could not remove a rootfs work directory");
+        }
+        result
+    }
+
+    async fn build_in(
+        &self,
+        work: &Path,
+        key: &str,
+        reference: &str,
+        guest_digest: &str,
+        fetches: Vec<Fetch<'_>>,
+    ) -> Result<(PathBuf, u64), RootfsError> {
+        let blobs = work.join("blobs");
+        // A layer shared by the base and the runner image is fetched once, applied twice.
+        let mut unique: Vec<&Fetch> = Vec::new();
+        for f in &fetches {
+            if !unique.iter().any(|u| u.layer.digest == f.layer.digest) {
+                unique.push(f);
+            }
+        }
+        let blob_path = |digest: &str| blobs.join(digest.replace(':', "-"));
+        futures::stream::iter(unique.into_iter().map(|f| {
+            let dest = blob_path(&f.layer.digest);
+            async move {
+                self.puller
+                    .fetch_layer(f.image, f.layer, f.auth, &dest)
+                    .await
+                    .map_err(|source| RootfsError::Pull {
+                        reference: f.image.reference.clone(),
+                        source,
+                    })
+            }
+        }))
+        .buffer_unordered(self.cfg.parallel_fetches.max(1))
+        .try_collect::<Vec<()>>()
+        .await?;
+
+        // The guest copy injected is hashed again: the key must describe these exact bytes.
+        let guest_copy = work.join("imp-guest");
+        std::fs::copy(&self.cfg.guest_bin, &guest_copy).map_err(|source| RootfsError::Guest {
+            path: self.cfg.guest_bin.clone(),
+            source,
+        })?;
+        let copied = std::fs::read(&guest_copy).map_err(io_err(&guest_copy))?;
+        if sha256_hex(&copied) != guest_digest {
+            return Err(RootfsError::GuestChanged {
+                path: self.cfg.guest_bin.clone(),
+            });
+        }
+
+        let layers: Vec<(String, PathBuf, super::Compression)> = fetches
+            .iter()
+            .map(|f| {
+                (
+                    f.layer.digest.clone(),
+                    blob_path(&f.layer.digest),
+                    f.layer.compression,
+                )
+            })
+            .collect();
+        let root = work.join("root");
+        let dest = self.cfg.dir.join("images").join(format!("{key}.ext4"));
+        let limits = self.cfg.limits;
+        let reference = reference.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let layer_err = |source| RootfsError::Layer {
+                reference: reference.clone(),
+                source,
+            };
+            std::fs::create_dir(&root).map_err(io_err(&root))?;
+            let mut flat = Flattener::new(&root, limits).map_err(layer_err)?;
+            for (digest, blob, compression) in &layers {
+                let file = std::fs::File::open(blob).map_err(io_err(blob))?;
+                flat.apply_layer(digest, std::io::BufReader::new(file), *compression)
+                    .map_err(layer_err)?;
+            }
+            for (dir, mode) in MOUNT_POINTS {
+                flat.ensure_dir(dir, mode).map_err(layer_err)?;
+            }
+            flat.inject_file(GUEST_PATH, &guest_copy, 0o755)
+                .map_err(layer_err)?;
+            ext4::build(&root, &dest).map_err(|source| RootfsError::Ext4 {
+                reference: reference.clone(),
+                source,
+            })?;
+            let bytes = std::fs::metadata(&dest).map_err(io_err(&dest))?.len();
+            Ok((dest, bytes))
+        })
+        .await
+        .map_err(|e| RootfsError::Task(e.to_string()))?
+    }
+
+    /// Drop VM `vm_uid`'s reference (idempotent), then collect garbage.
+    pub async fn release(&self, vm_uid: &str) -> Result<(), RootfsError> {
+        if self.index.remove_ref(vm_uid).await?.is_some() {
+            self.gc().await?;
+        }
+        Ok(())
+    }
+
+    /// Forget references of VMs the runtime no longer has (after a restart), then collect.
+    pub async fn retain_vms(&self, live_vms: &[String]) -> Result<(), RootfsError> {
+        let dropped = self.index.retain_refs(live_vms).await?;
+        if dropped > 0 {
+            tracing::info!(dropped, "dropped image references of VMs that no longer exist");
+        }
+        self.gc().await?;
+        Ok(())
+    }
+
+    /// Delete unreferenced images, least recently used first, until under budget. Keys whose
+    /// lock is held (a build or a hand-out in progress) are skipped.
+    pub async fn gc(&self) -> Result<Vec<String>, RootfsError> {
+        let entries = self.index.list().await?;
+        let busy: HashSet<String> = entries
+            .iter()
+            .filter(|e| self.key_lock(&e.key).try_lock().is_err())
+            .map(|e| e.key.clone())
+            .collect();
+        let mut evicted = Vec::new();
+        for key in cache::plan_gc(&entries, self.cfg.budget_bytes, &busy) {
+            let lock = self.key_lock(&key);
+            let Ok(_held) = lock.try_lock() else {
+                continue;
+            };
+            if !self.index.delete_unreferenced(&key).await? {
+                continue;
+            }
+            let path = self.cfg.dir.join("images").join(format!("{key}.ext4"));
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(path = %path.display(), error = %e, "could not delete an evicted image");
+            }
+            tracing::info!(key = %key, "evicted base image");
+            self.metrics.evictions.inc();
+            evicted.push(key);
+        }
+        self.refresh_gauges().await?;
+        Ok(evicted)
+    }
+
+    async fn refresh_gauges(&self) -> Result<(), RootfsError> {
+        let entries = self.index.list().await?;
+        let bytes: u64 = entries.iter().map(|e| e.bytes).sum();
+        self.metrics.cache_bytes.set(bytes as i64);
+        self.metrics.cache_images.set(entries.len() as i64);
+        Ok(())
+    }
+}

@@ -1,0 +1,376 @@
+//! The rootfs store end to end against a real registry (Debian's docker-registry on 127.0.0.1):
+//! images the tests build and push, built into ext4 with real mkfs.ext4, read back with debugfs.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use imp_node::inventory::Inventory;
+use imp_node::metrics::Metrics;
+use imp_node::rootfs::flatten::Limits;
+use imp_node::rootfs::pull::PullConfig;
+use imp_node::rootfs::store::{ImageSpec, RootfsStore, StoreConfig};
+use imp_testkit::oci::{LayerBlob, push_image};
+use imp_testkit::registry::{Registry, RegistryOptions};
+use imp_testkit::tarball::TarBuilder;
+
+const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    registry: Registry,
+    inventory: Inventory,
+    metrics: Metrics,
+}
+
+impl Fixture {
+    async fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("imp-guest"), b"\x7fELF pretend static guest v1").unwrap();
+        let registry = Registry::start(RegistryOptions::default()).await.unwrap();
+        let inventory = Inventory::open(dir.path()).await.unwrap();
+        Self {
+            dir,
+            registry,
+            inventory,
+            metrics: Metrics::new(),
+        }
+    }
+
+    fn config(&self, budget_bytes: u64) -> StoreConfig {
+        StoreConfig {
+            dir: self.dir.path().join("rootfs"),
+            guest_bin: self.dir.path().join("imp-guest"),
+            budget_bytes,
+            limits: Limits::default(),
+            pull: PullConfig {
+                insecure_registries: vec![self.registry.host()],
+                ..PullConfig::default()
+            },
+            parallel_fetches: 3,
+        }
+    }
+
+    async fn store(&self, budget_bytes: u64) -> RootfsStore {
+        RootfsStore::open(
+            self.config(budget_bytes),
+            self.inventory.pool().clone(),
+            self.metrics.rootfs.clone(),
+        )
+        .await
+        .unwrap()
+    }
+
+    async fn push(&self, repo_tag: &str, layers: Vec<Vec<u8>>) -> String {
+        let blobs: Vec<LayerBlob> = layers
+            .into_iter()
+            .map(|bytes| LayerBlob {
+                bytes,
+                media_type: GZIP.into(),
+            })
+            .collect();
+        push_image(&self.registry.host(), repo_tag, &blobs, None)
+            .await
+            .unwrap();
+        format!("{}/{repo_tag}", self.registry.host())
+    }
+
+    fn spec(&self, base: &str, runner: Option<&str>) -> ImageSpec {
+        ImageSpec {
+            base: base.into(),
+            runner: runner.map(Into::into),
+            credentials: None,
+        }
+    }
+
+    fn images(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(self.dir.path().join("rootfs/images"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+/// The ext4 image's tree as `path -> description`, read with debugfs's rdump into a temp dir.
+fn tree_of(image: &Path) -> BTreeMap<String, String> {
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new("debugfs")
+        .arg("-R")
+        .arg(format!("rdump / {}", out.path().display()))
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{status:?}");
+    let mut tree = BTreeMap::new();
+    walk(out.path(), out.path(), &mut tree);
+    tree
+}
+
+fn walk(root: &Path, dir: &Path, tree: &mut BTreeMap<String, String>) {
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let rel = p.strip_prefix(root).unwrap().display().to_string();
+        let md = std::fs::symlink_metadata(&p).unwrap();
+        if md.file_type().is_symlink() {
+            tree.insert(rel, format!("-> {}", std::fs::read_link(&p).unwrap().display()));
+        } else if md.is_dir() {
+            tree.insert(rel, "dir".into());
+            walk(root, &p, tree);
+        } else {
+            tree.insert(
+                rel,
+                String::from_utf8_lossy(&std::fs::read(&p).unwrap()).into_owned(),
+            );
+        }
+    }
+}
+
+fn base_layers() -> Vec<Vec<u8>> {
+    vec![
+        TarBuilder::new()
+            .dir("usr", 0o755)
+            .dir("usr/bin", 0o755)
+            .file("usr/bin/tool", b"tool v1", 0o755)
+            .symlink("bin", "usr/bin")
+            .dir("etc", 0o755)
+            .file("etc/os-release", b"ID=imp-test", 0o644)
+            .dir("opt", 0o755)
+            .dir("opt/d", 0o755)
+            .file("opt/d/a", b"a", 0o644)
+            .dir("opt/d/sub", 0o755)
+            .file("opt/d/sub/deep", b"deep", 0o644)
+            .file("var-gone", b"gone soon", 0o644)
+            .into_gzip(),
+        TarBuilder::new()
+            // The opaque marker after a same-layer child: the child stays, the lower ones go.
+            .file("opt/d/c", b"c from layer 2", 0o644)
+            .opaque("opt/d")
+            .whiteout("var-gone")
+            .file("usr/bin/tool", b"tool v2", 0o755)
+            .into_gzip(),
+    ]
+}
+
+#[tokio::test]
+async fn builds_base_and_runner_layers_with_whiteouts_and_the_guest_injected() {
+    let f = Fixture::new().await;
+    let base = f.push("imp/base:1", base_layers()).await;
+    let runner = f
+        .push(
+            "imp/runner:1",
+            vec![
+                TarBuilder::new()
+                    .dir("opt/actions-runner", 0o755)
+                    .file("opt/actions-runner/run.sh", b"#!/bin/sh\necho run\n", 0o755)
+                    .into_gzip(),
+            ],
+        )
+        .await;
+    let store = f.store(1 << 30).await;
+    let got = store
+        .acquire("vm-1", &f.spec(&base, Some(&runner)))
+        .await
+        .unwrap();
+    assert!(!got.hit && !got.offline);
+    assert_eq!(f.images(), vec![got.path.clone()]);
+    let fsck = Command::new("e2fsck")
+        .args(["-f", "-n"])
+        .arg(&got.path)
+        .output()
+        .unwrap();
+    assert!(fsck.status.success(), "{fsck:?}");
+
+    let tree = tree_of(&got.path);
+    let want: BTreeMap<String, String> = [
+        ("bin", "-> usr/bin"),
+        ("dev", "dir"),
+        ("etc", "dir"),
+        ("etc/os-release", "ID=imp-test"),
+        ("lost+found", "dir"),
+        ("opt", "dir"),
+        ("opt/actions-runner", "dir"),
+        ("opt/actions-runner/run.sh", "#!/bin/sh\necho run\n"),
+        ("opt/d", "dir"),
+        ("opt/d/c", "c from layer 2"),
+        ("proc", "dir"),
+        ("run", "dir"),
+        ("sbin", "dir"),
+        ("sbin/imp-guest", "\u{7f}ELF pretend static guest v1"),
+        ("sys", "dir"),
+        ("tmp", "dir"),
+        ("usr", "dir"),
+        ("usr/bin", "dir"),
+        ("usr/bin/tool", "tool v2"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    assert_eq!(tree, want);
+
+    // Everything the build made besides the image is gone.
+    assert_eq!(
+        std::fs::read_dir(f.dir.path().join("rootfs/tmp"))
+            .unwrap()
+            .count(),
+        0
+    );
+    let text = f.metrics.encode();
+    assert!(text.contains("imp_rootfs_cache_misses_total 1"), "{text}");
+    assert!(text.contains("imp_rootfs_build_duration_seconds_count 1"), "{text}");
+    assert!(text.contains("imp_rootfs_cache_images 1"), "{text}");
+}
+
+#[tokio::test]
+async fn concurrent_requests_for_one_image_build_it_once() {
+    let f = Fixture::new().await;
+    let base = f.push("imp/base:1", base_layers()).await;
+    let store = Arc::new(f.store(1 << 30).await);
+    let spec = f.spec(&base, None);
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            let spec = spec.clone();
+            tokio::spawn(async move { store.acquire(&format!("vm-{i}"), &spec).await.unwrap() })
+        })
+        .collect();
+    let mut got = Vec::new();
+    for t in tasks {
+        got.push(t.await.unwrap());
+    }
+    assert_eq!(got.iter().filter(|a| !a.hit).count(), 1, "{got:?}");
+    assert!(got.iter().all(|a| a.path == got[0].path));
+    assert_eq!(f.images().len(), 1);
+    let entry = store.index().get(&got[0].key).await.unwrap().unwrap();
+    assert_eq!(entry.refs, 8);
+    let text = f.metrics.encode();
+    assert!(text.contains("imp_rootfs_cache_misses_total 1"), "{text}");
+    assert!(text.contains("imp_rootfs_cache_hits_total 7"), "{text}");
+    // A retag of identical content is the same key: a hit, no build.
+    let again = f.push("imp/base:retagged", base_layers()).await;
+    let a = store.acquire("vm-9", &f.spec(&again, None)).await.unwrap();
+    assert!(a.hit && a.key == got[0].key);
+}
+
+#[tokio::test]
+async fn garbage_collection_evicts_unreferenced_least_recently_used_and_keeps_referenced() {
+    let f = Fixture::new().await;
+    let mut refs = Vec::new();
+    for i in 0..3 {
+        refs.push(
+            f.push(
+                &format!("imp/img{i}:1"),
+                vec![
+                    TarBuilder::new()
+                        .file(&format!("img{i}"), &vec![i as u8; 100_000], 0o644)
+                        .into_gzip(),
+                ],
+            )
+            .await,
+        );
+    }
+    // A budget smaller than one image: only references keep images.
+    let store = f.store(1).await;
+    let a = store.acquire("vm-a", &f.spec(&refs[0], None)).await.unwrap();
+    let b = store.acquire("vm-b", &f.spec(&refs[1], None)).await.unwrap();
+    assert_eq!(f.images().len(), 2, "referenced images are kept over budget");
+    store.release("vm-b").await.unwrap();
+    assert_eq!(f.images(), vec![a.path.clone()], "b evicted once released");
+    assert!(!b.path.exists());
+    store.release("vm-b").await.unwrap();
+
+    // Raise the budget to two images: LRU order decides.
+    let bytes = std::fs::metadata(&a.path).unwrap().len();
+    drop(store);
+    let store = f.store(2 * bytes).await;
+    let c = store.acquire("vm-c", &f.spec(&refs[2], None)).await.unwrap();
+    store.release("vm-c").await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    store.release("vm-a").await.unwrap();
+    assert_eq!(f.images().len(), 2);
+    let b2 = store.acquire("vm-b2", &f.spec(&refs[1], None)).await.unwrap();
+    // Three images, budget two: the least recently used unreferenced one (c, released before a)
+    // goes.
+    assert!(!c.path.exists() && a.path.exists() && b2.path.exists());
+    let text = f.metrics.encode();
+    assert!(text.contains("imp_rootfs_cache_evictions_total"), "{text}");
+}
+
+#[tokio::test]
+async fn a_hostile_layer_is_rejected_naming_layer_and_entry_and_leaves_nothing() {
+    let f = Fixture::new().await;
+    let victim = f.dir.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    let hostile = TarBuilder::new()
+        .file("ok", b"fine", 0o644)
+        .symlink("esc", "../../../../victim")
+        .file("esc/pwned", b"owned", 0o644)
+        .into_gzip();
+    let base = f.push("imp/hostile:1", vec![hostile]).await;
+    let store = f.store(1 << 30).await;
+    let err = store
+        .acquire("vm-h", &f.spec(&base, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "RootfsRejected", "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("esc/pwned") && msg.contains("sha256:"), "{msg}");
+    assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0);
+    assert!(f.images().is_empty());
+    assert_eq!(
+        std::fs::read_dir(f.dir.path().join("rootfs/tmp"))
+            .unwrap()
+            .count(),
+        0
+    );
+    assert!(store.index().list().await.unwrap().is_empty());
+    let text = f.metrics.encode();
+    assert!(
+        text.contains("imp_rootfs_build_failures_total{reason=\"RootfsRejected\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_registry_outage_serves_the_image_built_from_the_same_references() {
+    let mut f = Fixture::new().await;
+    let base = f.push("imp/base:1", base_layers()).await;
+    let never_built = format!("{}/imp/other:1", f.registry.host());
+    let store = f.store(1 << 30).await;
+    let first = store.acquire("vm-1", &f.spec(&base, None)).await.unwrap();
+    f.registry.stop();
+    let second = store.acquire("vm-2", &f.spec(&base, None)).await.unwrap();
+    assert!(second.hit && second.offline && second.path == first.path);
+    let err = store
+        .acquire("vm-3", &f.spec(&never_built, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), "RootfsPullFailed", "{err}");
+}
+
+#[tokio::test]
+async fn a_new_guest_agent_is_a_new_key_and_a_restart_reconciles_the_cache() {
+    let f = Fixture::new().await;
+    let base = f.push("imp/base:1", base_layers()).await;
+    let store = f.store(1 << 30).await;
+    let v1 = store.acquire("vm-1", &f.spec(&base, None)).await.unwrap();
+    std::fs::write(f.dir.path().join("imp-guest"), b"\x7fELF guest v2").unwrap();
+    let v2 = store.acquire("vm-2", &f.spec(&base, None)).await.unwrap();
+    assert!(!v2.hit && v2.key != v1.key);
+    assert_eq!(tree_of(&v2.path)["sbin/imp-guest"], "\u{7f}ELF guest v2");
+    drop(store);
+
+    // A crash left a build directory and a stray image file; the restart removes both, and
+    // references of VMs that no longer exist are dropped (then GC applies the budget).
+    let tmp = f.dir.path().join("rootfs/tmp/deadbeef.1");
+    std::fs::create_dir_all(tmp.join("root")).unwrap();
+    let stray = f.dir.path().join("rootfs/images/stray.ext4");
+    std::fs::write(&stray, b"half").unwrap();
+    let store = f.store(1).await;
+    assert!(!tmp.exists() && !stray.exists());
+    assert_eq!(f.images().len(), 2);
+    store.retain_vms(&["vm-2".to_string()]).await.unwrap();
+    assert_eq!(f.images(), vec![v2.path.clone()]);
+}
