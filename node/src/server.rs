@@ -63,11 +63,15 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::Boot { .. }
             | RuntimeError::Failed { .. }
             | RuntimeError::NetworkSetupFailed { .. }
-            | RuntimeError::DiskSetupFailed { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            | RuntimeError::DiskSetupFailed { .. }
+            | RuntimeError::WritableDrive { .. }
+            | RuntimeError::Rootfs { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::LinkStats { .. }
             | RuntimeError::Snapshot { .. }
             | RuntimeError::Inventory(_)
-            | RuntimeError::StateDir { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            | RuntimeError::StateDir { .. }
+            | RuntimeError::RootfsStore(_)
+            | RuntimeError::WritableTemplates(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(
             status,
