@@ -126,12 +126,12 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
     // Only with an initrd from images/initrd/build.sh; a no-op (and no marker) otherwise.
     match modules::load_listed(root, &text) {
         Ok(None) => {}
-        Ok(Some((loaded, present))) => marker(
+        Ok(Some(done)) => marker(
             "modules",
             format_args!(
                 "ok loaded={} already-present={}",
-                loaded.join(","),
-                present.join(",")
+                done.loaded.join(","),
+                done.present.join(",")
             ),
         ),
         Err(e) => {

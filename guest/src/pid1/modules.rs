@@ -154,12 +154,16 @@ pub fn load(path: &Path, params: &str) -> Result<bool, ModuleError> {
     }
 }
 
-/// Load every module of `root/LOAD_ORDER` in order. `None` when there is no list (nothing to
-/// do); otherwise the names loaded and the names that were already present.
-pub fn load_listed(
-    root: &Path,
-    cmdline_text: &str,
-) -> Result<Option<(Vec<String>, Vec<String>)>, ModuleError> {
+/// What [`load_listed`] did, by module name.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Loaded {
+    pub loaded: Vec<String>,
+    /// Already loaded or built in (EEXIST).
+    pub present: Vec<String>,
+}
+
+/// Load every module of `root/LOAD_ORDER` in order. `None` when there is no list (nothing to do).
+pub fn load_listed(root: &Path, cmdline_text: &str) -> Result<Option<Loaded>, ModuleError> {
     let list = root.join(LOAD_ORDER);
     let text = match std::fs::read_to_string(&list) {
         Ok(t) => t,
@@ -172,18 +176,18 @@ pub fn load_listed(
         reason,
     })?;
     let words = cmdline::split(cmdline_text).unwrap_or_default();
-    let (mut loaded, mut present) = (Vec::new(), Vec::new());
+    let mut done = Loaded::default();
     for e in entries {
         let name = e.name();
         let params = params_for(&name, &e.params, &words);
         let rel = e.path.strip_prefix("/").unwrap_or(&e.path);
         if load(&root.join(rel), &params)? {
-            loaded.push(name);
+            done.loaded.push(name);
         } else {
-            present.push(name);
+            done.present.push(name);
         }
     }
-    Ok(Some((loaded, present)))
+    Ok(Some(done))
 }
 
 #[cfg(test)]
