@@ -1,6 +1,8 @@
-//! A real VM without Firecracker: QEMU boots a distribution kernel with a test initrd that loads
-//! the virtio/overlay/vsock modules and execs imp-guest as PID 1 on an overlay of two ext4
-//! drives; vhost-device-vsock gives the host the same hybrid-vsock socket Firecracker does, so
+//! A real VM without Firecracker: QEMU boots a distribution kernel with an initrd that loads
+//! the virtio/overlay/vsock modules and runs imp-guest as PID 1 on an overlay of two ext4
+//! drives. The from-initramfs cases use the initrd images/initrd/build.sh makes (imp-guest is
+//! /init and loads the modules itself); the kernel-mounted case keeps a busybox script that
+//! mounts the base drive as root first. vhost-device-vsock gives the host the same hybrid-vsock socket Firecracker does, so
 //! the host client, the protocol, exec, probes, metrics and power-off run for real.
 //!
 //! Runs when IMP_GUEST_STATIC_BIN (from guest/check-static.sh) is set and qemu-system-x86_64,
@@ -64,6 +66,7 @@ struct Setup {
     qemu: PathBuf,
     vhost: PathBuf,
     kernel: PathBuf,
+    kernel_version: String,
     modules: Vec<PathBuf>,
 }
 
@@ -113,6 +116,7 @@ fn detect() -> Result<Setup, String> {
         qemu,
         vhost,
         kernel,
+        kernel_version: version,
         modules,
     })
 }
@@ -139,7 +143,26 @@ enum Root {
     KernelMounted,
 }
 
-fn build_images(s: &Setup, dir: &Path, root: Root) {
+/// images/initrd/build.sh: imp-guest as /init, modules and their load order, gzip.
+fn scripted_initrd(s: &Setup, out: &Path) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../images/initrd/build.sh");
+    let status = Command::new(&script)
+        .arg("--guest")
+        .arg(&s.guest_bin)
+        .arg("--out")
+        .arg(out)
+        .args(["--kernel-version", &s.kernel_version, "--gzip"])
+        .status()
+        .unwrap();
+    assert!(status.success(), "{} failed", script.display());
+    println!(
+        "scripted initrd: {} bytes",
+        std::fs::metadata(out).unwrap().len()
+    );
+}
+
+/// The busybox-script initrd for [`Root::KernelMounted`].
+fn busybox_initrd(s: &Setup, dir: &Path) {
     let initrd = dir.join("initrd");
     std::fs::create_dir_all(initrd.join("lib/mods")).unwrap();
     std::fs::create_dir_all(initrd.join("bin")).unwrap();
@@ -149,14 +172,9 @@ fn build_images(s: &Setup, dir: &Path, root: Root) {
     for m in &s.modules {
         std::fs::copy(m, initrd.join("lib/mods").join(m.file_name().unwrap())).unwrap();
     }
-    let handoff = match root {
-        Root::FromInitramfs => "exec /sbin/imp-guest",
-        Root::KernelMounted => {
-            "bb=/bin/busybox; $bb mkdir -p /dev /newroot; $bb mount -t devtmpfs devtmpfs /dev\n\
-             $bb mount -t ext4 -o ro /dev/vda /newroot; $bb umount /dev\n\
-             exec $bb switch_root /newroot /sbin/imp-guest"
-        }
-    };
+    let handoff = "bb=/bin/busybox; $bb mkdir -p /dev /newroot; $bb mount -t devtmpfs devtmpfs /dev\n\
+                   $bb mount -t ext4 -o ro /dev/vda /newroot; $bb umount /dev\n\
+                   exec $bb switch_root /newroot /sbin/imp-guest";
     let init = format!(
         "#!/bin/busybox sh\nfor m in {}; do /bin/busybox insmod /lib/mods/$m.ko; done\n{handoff}\n",
         MODULES.join(" ")
@@ -167,7 +185,13 @@ fn build_images(s: &Setup, dir: &Path, root: Root) {
         initrd.display(),
         dir.display()
     ));
+}
 
+fn build_images(s: &Setup, dir: &Path, root: Root) {
+    match root {
+        Root::FromInitramfs => scripted_initrd(s, &dir.join("initrd.cpio")),
+        Root::KernelMounted => busybox_initrd(s, dir),
+    }
     let base = dir.join("base");
     for d in ["sbin", "bin", "proc", "sys", "dev", "run", "tmp", "etc"] {
         std::fs::create_dir_all(base.join(d)).unwrap();
@@ -199,6 +223,7 @@ struct Vm {
     dir: tempfile::TempDir,
     uds: PathBuf,
     console: PathBuf,
+    started: std::time::Instant,
     // Field order = drop order: QEMU before its vsock device.
     qemu: Kill,
     _vhost: Kill,
@@ -208,6 +233,7 @@ impl Vm {
     fn boot(s: &Setup, root: Root, extra_append: &str) -> Vm {
         let dir = tempfile::tempdir().unwrap();
         build_images(s, dir.path(), root);
+        let started = std::time::Instant::now();
         let vhost_sock = dir.path().join("vhost.sock");
         let uds = dir.path().join("vm.vsock");
         let vhost = Kill(
@@ -272,6 +298,7 @@ impl Vm {
                 .unwrap(),
         );
         Vm {
+            started,
             dir,
             uds,
             console,
@@ -286,7 +313,13 @@ impl Vm {
 
     async fn connect(&self) -> host::HostClient {
         match host::connect(&self.uds, 10000, Instant::now() + Duration::from_secs(120)).await {
-            Ok(c) => c,
+            Ok(c) => {
+                println!(
+                    "Hello {:.1} s after QEMU started",
+                    self.started.elapsed().as_secs_f64()
+                );
+                c
+            }
             Err(e) => panic!(
                 "no Hello: {e}\n--- console ---\n{}\n--- qemu ---\n{}",
                 self.console_text(),
@@ -417,6 +450,7 @@ async fn pid1_and_agent_in_a_real_vm() {
     vm.print_markers();
     let text = vm.console_text();
     for stage in [
+        "modules ok loaded=",
         "overlay-root ok",
         "hostname ok",
         "resolv-conf ok",

@@ -6,6 +6,7 @@
 //! is useless; the host sees the VM stop without a Hello.
 
 pub mod cmdline;
+pub mod modules;
 pub mod mounts;
 pub mod root;
 pub mod system;
@@ -32,6 +33,10 @@ pub enum Pid1Error {
     ReadCmdline(std::io::Error),
     #[error("kernel command line: {0}")]
     Cmdline(#[from] CmdlineError),
+    #[error(transparent)]
+    Modules(#[from] modules::ModuleError),
+    #[error("{0} did not appear within {1:?} (is its driver loaded?)")]
+    NoDevice(std::path::PathBuf, Duration),
     #[error(transparent)]
     Root(#[from] root::RootError),
     #[error(transparent)]
@@ -114,16 +119,36 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
     let early = mounts::mount_all(root, mounts::EARLY);
     ensure_console();
     stage("mount-early", || early)?;
-    let cfg: BootConfig = stage("cmdline", || {
-        let text = std::fs::read_to_string("/proc/cmdline").map_err(Pid1Error::ReadCmdline)?;
-        cmdline::parse(&text).map_err(Pid1Error::from)
+    let text = std::fs::read_to_string("/proc/cmdline").map_err(|e| {
+        marker("cmdline", format_args!("FAILED: {e}"));
+        Pid1Error::ReadCmdline(e)
     })?;
+    // Only with an initrd from images/initrd/build.sh; a no-op (and no marker) otherwise.
+    match modules::load_listed(root, &text) {
+        Ok(None) => {}
+        Ok(Some(done)) => marker(
+            "modules",
+            format_args!(
+                "ok loaded={} already-present={}",
+                done.loaded.join(","),
+                done.present.join(",")
+            ),
+        ),
+        Err(e) => {
+            marker("modules", format_args!("FAILED: {e}"));
+            return Err(e.into());
+        }
+    }
+    let cfg: BootConfig = stage("cmdline", || cmdline::parse(&text))?;
     *halt = cfg.halt.clone();
     for key in &cfg.unknown_keys {
         marker("cmdline", format_args!("ignoring unknown key {key}"));
     }
     if let Some(ov) = &cfg.overlay {
         stage("overlay-root", || -> Result<(), Pid1Error> {
+            for dev in ov.lower.iter().chain([&ov.upper]) {
+                wait_for_device(dev, DEVICE_WAIT)?;
+            }
             let upper = root::Upper {
                 source: ov.upper.clone(),
                 fstype: ov.upper_fstype.clone(),
@@ -171,6 +196,25 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
         terminate_everything(agent.execs()).await;
         Ok(reason)
     })
+}
+
+/// How long the overlay stage waits for its drives to show up in devtmpfs.
+const DEVICE_WAIT: Duration = Duration::from_secs(10);
+
+/// Drivers loaded as modules may register their disks a moment after loading; wait for a
+/// /dev node rather than fail at once. Anything outside /dev (e.g. "tmpfs") is not waited for.
+fn wait_for_device(path: &Path, limit: Duration) -> Result<(), Pid1Error> {
+    if !path.starts_with("/dev") {
+        return Ok(());
+    }
+    let start = std::time::Instant::now();
+    while !path.exists() {
+        if start.elapsed() >= limit {
+            return Err(Pid1Error::NoDevice(path.to_owned(), limit));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// Serve until the agent asks to stop or SIGTERM/SIGINT arrives.

@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Build the runner layer as an OCI image layout: one gzip layer holding the GitHub Actions runner
+# under /opt/actions-runner (owner 1001:1001) and the wrapper /usr/local/bin/imp-runner, which
+# starts it with the JIT config Imp delivers in ACTIONS_RUNNER_INPUT_JITCONFIG. The layout is
+# what a pool template's `runnerImage` points at once pushed to a registry.
+#
+# Usage:
+#   images/runner/build.sh --runner-tarball actions-runner-linux-x64-<ver>.tar.gz --out DIR
+#                          [--tag TAG] [--push HOST:PORT/REPO:TAG]
+#   images/runner/build.sh --fake-runner PATH/imp-fake-runner --out DIR [...]   (tests)
+#
+#   --runner-tarball F  the actions/runner release tarball (you download it; it is not fetched)
+#   --fake-runner BIN   instead of the real runner: Imp's fake runner (cargo build -p imp-testkit
+#                       --bin imp-fake-runner) with the shared libraries ldd lists, behind a run.sh
+#   --out DIR           the OCI layout to write (replaced if it already holds one)
+#   --tag TAG           the ref name in index.json (default: latest)
+#   --push REF          then copy the layout to docker://REF with skopeo (plain HTTP allowed)
+#
+# Deterministic: sorted entries, mtime 0, numeric owners, gzip -n; two builds from the same
+# input give the same manifest digest, which is printed.
+# Needs: tar, gzip, sha256sum (coreutils); skopeo only for --push (Debian: skopeo).
+set -euo pipefail
+
+die() { echo "runner/build.sh: $*" >&2; exit 1; }
+need() { command -v "$1" >/dev/null || die "needs $1 (Debian package: $2)"; }
+
+tarball="" fake="" out="" tag=latest push=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --runner-tarball) tarball="${2:?--runner-tarball needs a file}"; shift 2 ;;
+        --fake-runner) fake="${2:?--fake-runner needs a binary}"; shift 2 ;;
+        --out) out="${2:?--out needs a directory}"; shift 2 ;;
+        --tag) tag="${2:?--tag needs a value}"; shift 2 ;;
+        --push) push="${2:?--push needs HOST:PORT/REPO:TAG}"; shift 2 ;;
+        -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument $1 (see --help)" ;;
+    esac
+done
+[ -n "$out" ] || die "--out DIR is required"
+if [ -n "$tarball" ] && [ -n "$fake" ]; then die "give --runner-tarball or --fake-runner, not both"; fi
+if [ -z "$tarball" ] && [ -z "$fake" ]; then
+    die "--runner-tarball actions-runner-linux-x64-<ver>.tar.gz is required (download it from github.com/actions/runner/releases), or --fake-runner for tests"
+fi
+[[ "$tag" =~ ^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$ ]] || die "--tag $tag is not a valid tag"
+need tar tar
+need gzip gzip
+need sha256sum coreutils
+[ -z "$push" ] || need skopeo skopeo
+
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+root="$work/root"
+runner="$root/opt/actions-runner"
+mkdir -p "$runner" "$root/usr/local/bin"
+
+if [ -n "$tarball" ]; then
+    [ -f "$tarball" ] || die "runner tarball $tarball not found"
+    tar -xzf "$tarball" -C "$runner" --no-same-owner ||
+        die "cannot unpack $tarball (expected actions-runner-linux-x64-<ver>.tar.gz)"
+    [ -f "$runner/run.sh" ] || die "$tarball has no run.sh at its top: not an actions/runner tarball"
+else
+    [ -x "$fake" ] || die "--fake-runner $fake is not an executable (cargo build -p imp-testkit --bin imp-fake-runner)"
+    need ldd libc-bin
+    need readelf binutils
+    mkdir -p "$runner/bin" "$runner/lib"
+    cp "$fake" "$runner/bin/imp-fake-runner"
+    interp="$(readelf -l "$fake" | sed -n 's/.*Requesting program interpreter: \(.*\)]/\1/p')"
+    if [ -n "$interp" ]; then
+        # Every library the binary loads travels with it, run through its own loader, so the
+        # layer does not depend on (or overwrite) the base image's libc.
+        ldd "$fake" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | while read -r lib; do
+            cp -L "$lib" "$runner/lib/"
+        done
+        cp -L "$interp" "$runner/lib/"
+        loader="${interp##*/}"
+        cat >"$runner/run.sh" <<EOF
+#!/bin/sh
+# Imp's fake runner in place of actions/runner (test image); its libraries travel with it.
+here="\$(cd "\$(dirname "\$0")" && pwd)"
+exec "\$here/lib/$loader" --library-path "\$here/lib" "\$here/bin/imp-fake-runner" "\$@"
+EOF
+    else
+        cat >"$runner/run.sh" <<'EOF'
+#!/bin/sh
+# Imp's fake runner (static) in place of actions/runner (test image).
+exec "$(cd "$(dirname "$0")" && pwd)/bin/imp-fake-runner" "$@"
+EOF
+    fi
+    chmod 0755 "$runner/run.sh"
+fi
+
+cat >"$root/usr/local/bin/imp-runner" <<'EOF'
+#!/bin/sh
+# Start the GitHub Actions runner with the one-time JIT config Imp delivers in the environment
+# variable ACTIONS_RUNNER_INPUT_JITCONFIG. The config is a credential: never print it.
+set -eu
+if [ -z "${ACTIONS_RUNNER_INPUT_JITCONFIG:-}" ]; then
+    echo "imp-runner: ACTIONS_RUNNER_INPUT_JITCONFIG is not set" >&2
+    exit 2
+fi
+cd "${IMP_RUNNER_DIR:-/opt/actions-runner}"
+exec ./run.sh --jitconfig "$ACTIONS_RUNNER_INPUT_JITCONFIG"
+EOF
+chmod 0755 "$root/usr/local/bin/imp-runner"
+
+# Normalised modes; no group/other write anywhere.
+chmod -R u+rwX,go+rX,go-w "$root"
+
+# Three archives concatenated so every entry is in sorted order with its own numeric owner.
+topts=(--format=gnu --sort=name --mtime=@0 --numeric-owner --no-recursion -C "$root")
+tar -cf "$work/layer.tar" "${topts[@]}" --owner=0 --group=0 opt
+(cd "$root" && find opt/actions-runner -print0 | LC_ALL=C sort -z) |
+    tar -cf "$work/runner.tar" "${topts[@]}" --owner=1001 --group=1001 --null -T -
+tar -cf "$work/usr.tar" "${topts[@]}" --owner=0 --group=0 \
+    usr usr/local usr/local/bin usr/local/bin/imp-runner
+tar -Af "$work/layer.tar" "$work/runner.tar"
+tar -Af "$work/layer.tar" "$work/usr.tar"
+
+blobs="$work/oci/blobs/sha256"
+mkdir -p "$blobs"
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+# Store a file as a blob; prints its digest (hex).
+put() { local d; d="$(sha "$1")"; cp "$1" "$blobs/$d"; echo "$d"; }
+
+diff_id="$(sha "$work/layer.tar")"
+gzip -n -9 -c "$work/layer.tar" >"$work/layer.tar.gz"
+layer="$(put "$work/layer.tar.gz")"
+layer_size="$(stat -c %s "$work/layer.tar.gz")"
+
+printf '%s' '{"architecture":"amd64","os":"linux",'\
+'"config":{"Entrypoint":["/usr/local/bin/imp-runner"],"WorkingDir":"/opt/actions-runner"},'\
+'"rootfs":{"type":"layers","diff_ids":["sha256:'"$diff_id"'"]}}' >"$work/config.json"
+config="$(put "$work/config.json")"
+config_size="$(stat -c %s "$work/config.json")"
+
+printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json",'\
+'"config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:'"$config"'","size":'"$config_size"'},'\
+'"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:'"$layer"'","size":'"$layer_size"'}]}' \
+    >"$work/manifest.json"
+manifest="$(put "$work/manifest.json")"
+manifest_size="$(stat -c %s "$work/manifest.json")"
+
+printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json",'\
+'"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:'"$manifest"'","size":'"$manifest_size"','\
+'"annotations":{"org.opencontainers.image.ref.name":"'"$tag"'"}}]}' >"$work/oci/index.json"
+printf '%s' '{"imageLayoutVersion":"1.0.0"}' >"$work/oci/oci-layout"
+
+if [ -e "$out" ]; then
+    if [ -f "$out/oci-layout" ] || [ -z "$(ls -A "$out")" ]; then
+        rm -rf "$out"
+    else
+        die "--out $out exists and is not an OCI layout; refusing to replace it"
+    fi
+fi
+mkdir -p "$(dirname "$out")"
+mv "$work/oci" "$out"
+
+echo "runner/build.sh: wrote $out (tag $tag): manifest sha256:$manifest, layer sha256:$layer ($layer_size bytes)"
+if [ -n "$push" ]; then
+    skopeo copy --quiet --dest-tls-verify=false "oci:$out:$tag" "docker://$push" ||
+        die "skopeo copy to docker://$push failed"
+    echo "runner/build.sh: pushed to $push"
+fi

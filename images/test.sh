@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Tests of the image builds that need no kernel build and no network:
+#   - images/kernel/check-fragment.sh against the installed kernel config, and build.sh --verify;
+#   - images/runner/build.sh, fake-runner variant: OCI layout valid (every blob digest checked
+#     with sha256sum, skopeo inspect when installed), deterministic (two builds, same manifest
+#     digest), layer contents, owners and sorted order, the bundled runner starts;
+#   - the real-runner variant from a synthetic actions/runner tarball, and the imp-runner wrapper
+#     passing the JIT config to run.sh without ever printing it;
+#   - with docker-registry installed (Debian: docker-registry): --push to a local registry.
+#   - with IMP_GUEST_STATIC_BIN set: images/initrd/build.sh is deterministic and lists its modules.
+# Usage: images/test.sh   (honours CARGO_TARGET_DIR; IMP_FAKE_RUNNER skips building the fake runner)
+set -euo pipefail
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+target_dir="${CARGO_TARGET_DIR:-$repo/target}"
+fail() { echo "images/test.sh: FAIL: $*" >&2; exit 1; }
+ok() { echo "images/test.sh: ok: $*"; }
+t="$(mktemp -d)"
+registry_pid=""
+cleanup() {
+    if [ -n "$registry_pid" ]; then kill "$registry_pid" 2>/dev/null || true; fi
+    rm -rf "$t"
+}
+trap cleanup EXIT
+
+# --- kernel ---------------------------------------------------------------------------------
+"$repo/images/kernel/check-fragment.sh"
+grep -E '^CONFIG_' "$repo/images/kernel/imp.config" >"$t/good.config"
+"$repo/images/kernel/build.sh" --verify "$t/good.config" >/dev/null || fail "verify rejects a config with every option"
+sed 's/^CONFIG_OVERLAY_FS=y$/CONFIG_OVERLAY_FS=m/' "$t/good.config" >"$t/bad.config"
+if "$repo/images/kernel/build.sh" --verify "$t/bad.config" 2>"$t/verify.err"; then fail "verify accepted OVERLAY_FS=m"; fi
+grep -q 'CONFIG_OVERLAY_FS=y (final: CONFIG_OVERLAY_FS=m)' "$t/verify.err" || fail "verify did not name the lost option: $(cat "$t/verify.err")"
+ok "kernel fragment"
+
+# --- runner layout helpers -------------------------------------------------------------------
+build="$repo/images/runner/build.sh"
+manifest_digest() { grep -o '"digest":"sha256:[0-9a-f]\{64\}"' "$1/index.json" | head -n1 | cut -d: -f3 | tr -d '"'; }
+layer_blob() {
+    local m
+    m="$(manifest_digest "$1")"
+    grep -o '"layers":\[{"mediaType":"[^"]*","digest":"sha256:[0-9a-f]\{64\}"' "$1/blobs/sha256/$m" | grep -o '[0-9a-f]\{64\}'
+}
+# Every blob's name is its sha256; every digest index.json, the manifest and config mention
+# exists with the size its descriptor gives.
+check_layout() {
+    local dir="$1" f d size m
+    [ "$(cat "$dir/oci-layout")" = '{"imageLayoutVersion":"1.0.0"}' ] || fail "$dir/oci-layout"
+    for f in "$dir"/blobs/sha256/*; do
+        [ "$(sha256sum "$f" | cut -d' ' -f1)" = "${f##*/}" ] || fail "blob $f does not match its digest"
+    done
+    m="$(manifest_digest "$dir")"
+    for f in "$dir/index.json" "$dir/blobs/sha256/$m"; do
+        grep -o '"digest":"sha256:[0-9a-f]\{64\}","size":[0-9]*' "$f" | while IFS= read -r desc; do
+            d="$(echo "$desc" | cut -d: -f3 | cut -d'"' -f1)"
+            size="${desc##*:}"
+            [ -f "$dir/blobs/sha256/$d" ] || fail "$f refers to missing blob $d"
+            [ "$(stat -c %s "$dir/blobs/sha256/$d")" = "$size" ] || fail "blob $d: size differs from its descriptor"
+        done
+    done
+    if command -v skopeo >/dev/null; then
+        skopeo inspect "oci:$dir:${2:-latest}" >"$t/inspect.json" || fail "skopeo inspect oci:$dir"
+        grep -q "\"Digest\": \"sha256:$m\"" "$t/inspect.json" || fail "skopeo reports another digest"
+    else
+        echo "images/test.sh: skopeo not installed (Debian: skopeo): checked the layout with sha256sum only"
+    fi
+}
+
+# --- fake-runner variant -----------------------------------------------------------------------
+fake="${IMP_FAKE_RUNNER:-}"
+if [ -z "$fake" ]; then
+    (cd "$repo" && cargo build -q -p imp-testkit --bin imp-fake-runner)
+    fake="$target_dir/debug/imp-fake-runner"
+fi
+# A debug build is ~150 MB; its symbols only slow gzip down.
+strip -o "$t/imp-fake-runner" "$fake"
+fake="$t/imp-fake-runner"
+"$build" --fake-runner "$fake" --out "$t/fake1" >/dev/null
+"$build" --fake-runner "$fake" --out "$t/fake2" >/dev/null
+check_layout "$t/fake1"
+[ "$(manifest_digest "$t/fake1")" = "$(manifest_digest "$t/fake2")" ] || fail "two builds gave different manifests"
+ok "fake-runner layout valid and deterministic (sha256:$(manifest_digest "$t/fake1"))"
+
+layer="$t/fake1/blobs/sha256/$(layer_blob "$t/fake1")"
+tar -tzf "$layer" >"$t/list"
+LC_ALL=C sort -c "$t/list" || fail "layer entries are not sorted"
+for p in opt/actions-runner/ opt/actions-runner/run.sh opt/actions-runner/bin/imp-fake-runner usr/local/bin/imp-runner; do
+    grep -qx "$p" "$t/list" || fail "layer lacks $p"
+done
+grep -q '^opt/actions-runner/lib/ld-linux' "$t/list" || fail "layer lacks the fake runner's loader"
+tar -tvzf "$layer" --numeric-owner >"$t/long"
+grep -q ' 1001/1001 .* opt/actions-runner/run.sh$' "$t/long" || fail "runner dir not owned by 1001:1001"
+grep -q '^-rwxr-xr-x 0/0 .* usr/local/bin/imp-runner$' "$t/long" || fail "wrapper is not 0755 root"
+if grep -qv ' 1970-01-01 00:00 ' "$t/long"; then fail "entries with mtime other than 0"; fi
+mkdir "$t/fakeroot"
+tar -xzf "$layer" -C "$t/fakeroot" --no-same-owner
+"$t/fakeroot/opt/actions-runner/run.sh" --help >"$t/help" || fail "the bundled fake runner does not start"
+grep -q -- '--jitconfig' "$t/help" || fail "unexpected fake runner help: $(cat "$t/help")"
+ok "fake-runner layer contents; bundled runner starts with its own libraries"
+
+# --- real-runner variant from a synthetic actions/runner tarball -------------------------------
+mkdir -p "$t/tarball/bin"
+cat >"$t/tarball/run.sh" <<'SH'
+#!/bin/sh
+printf '%s\n' "$@" >"$ARGS_FILE"
+echo "runner: listening for jobs"
+SH
+printf '#!/bin/sh\necho configured\n' >"$t/tarball/config.sh"
+echo listener >"$t/tarball/bin/Runner.Listener"
+chmod 0755 "$t/tarball/run.sh" "$t/tarball/config.sh"
+tar -czf "$t/actions-runner-linux-x64-0.0.0.tar.gz" -C "$t/tarball" .
+"$build" --runner-tarball "$t/actions-runner-linux-x64-0.0.0.tar.gz" --out "$t/real" --tag 0.0.0 >/dev/null
+check_layout "$t/real" 0.0.0
+layer="$t/real/blobs/sha256/$(layer_blob "$t/real")"
+tar -tzf "$layer" >"$t/list"
+for p in opt/actions-runner/run.sh opt/actions-runner/config.sh opt/actions-runner/bin/Runner.Listener usr/local/bin/imp-runner; do
+    grep -qx "$p" "$t/list" || fail "real layer lacks $p"
+done
+mkdir "$t/realroot"
+tar -xzf "$layer" -C "$t/realroot" --no-same-owner
+secret="jit-$(date +%s%N)-never-print"
+ACTIONS_RUNNER_INPUT_JITCONFIG="$secret" ARGS_FILE="$t/args" IMP_RUNNER_DIR="$t/realroot/opt/actions-runner" \
+    "$t/realroot/usr/local/bin/imp-runner" >"$t/out" 2>"$t/err" || fail "wrapper failed: $(cat "$t/err")"
+[ "$(cat "$t/args")" = "$(printf -- '--jitconfig\n%s' "$secret")" ] || fail "run.sh got: $(cat "$t/args")"
+if grep -qF "$secret" "$t/out" "$t/err"; then fail "the wrapper printed the JIT config"; fi
+grep -q 'listening for jobs' "$t/out" || fail "run.sh output lost"
+if env -u ACTIONS_RUNNER_INPUT_JITCONFIG IMP_RUNNER_DIR="$t/realroot/opt/actions-runner" \
+    "$t/realroot/usr/local/bin/imp-runner" 2>"$t/err"; then fail "wrapper ran without a JIT config"; fi
+grep -q 'ACTIONS_RUNNER_INPUT_JITCONFIG is not set' "$t/err" || fail "no clear message without a JIT config"
+ok "real-runner layout from a tarball; wrapper passes the JIT config without printing it"
+
+# Inputs the user must supply are named when missing.
+if "$build" --out "$t/x" 2>"$t/err"; then fail "built without a runner"; fi
+grep -q -- '--runner-tarball' "$t/err" || fail "missing-tarball message: $(cat "$t/err")"
+tar -czf "$t/empty.tar.gz" -C "$t/tarball/bin" .
+if "$build" --runner-tarball "$t/empty.tar.gz" --out "$t/x" 2>"$t/err"; then fail "accepted a tarball without run.sh"; fi
+grep -q 'no run.sh' "$t/err" || fail "bad-tarball message: $(cat "$t/err")"
+ok "clear errors for missing or wrong inputs"
+
+# --- push to a local registry -------------------------------------------------------------------
+if command -v docker-registry >/dev/null && command -v skopeo >/dev/null; then
+    port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+    cat >"$t/registry.yml" <<YML
+version: 0.1
+storage:
+  filesystem:
+    rootdirectory: $t/registry
+http:
+  addr: 127.0.0.1:$port
+YML
+    docker-registry serve "$t/registry.yml" >"$t/registry.log" 2>&1 &
+    registry_pid=$!
+    for _ in $(seq 50); do
+        if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
+        sleep 0.1
+    done
+    "$build" --fake-runner "$fake" --out "$t/push" --push "127.0.0.1:$port/imp/runner:test" >/dev/null
+    skopeo inspect --tls-verify=false "docker://127.0.0.1:$port/imp/runner:test" >"$t/remote.json"
+    grep -q "\"Digest\": \"sha256:$(manifest_digest "$t/push")\"" "$t/remote.json" || fail "pushed digest differs"
+    ok "pushed to a local registry with the same manifest digest"
+else
+    echo "images/test.sh: skipped the push test: needs docker-registry and skopeo (Debian packages)"
+fi
+
+# --- initrd (optional: needs the static imp-guest and an installed kernel) ---------------------
+if [ -n "${IMP_GUEST_STATIC_BIN:-}" ]; then
+    "$repo/images/initrd/build.sh" --guest "$IMP_GUEST_STATIC_BIN" --out "$t/i1" --gzip >/dev/null
+    "$repo/images/initrd/build.sh" --guest "$IMP_GUEST_STATIC_BIN" --out "$t/i2" --gzip >/dev/null
+    cmp -s "$t/i1" "$t/i2" || fail "two initrd builds differ"
+    zcat "$t/i1" | cpio -i --to-stdout --quiet lib/modules/imp/load-order >"$t/order"
+    grep -qx /lib/modules/imp/vmw_vsock_virtio_transport.ko "$t/order" || fail "load-order: $(cat "$t/order")"
+    ok "initrd deterministic ($(stat -c %s "$t/i1") bytes)"
+fi
+echo "images/test.sh: all passed"
