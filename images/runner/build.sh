@@ -92,14 +92,16 @@ fi
 cat >"$root/usr/local/bin/imp-runner" <<'EOF'
 #!/bin/sh
 # Start the GitHub Actions runner with the one-time JIT config Imp delivers in the environment
-# variable ACTIONS_RUNNER_INPUT_JITCONFIG. The config is a credential: never print it.
+# variable ACTIONS_RUNNER_INPUT_JITCONFIG. The runner reads ACTIONS_RUNNER_INPUT_<option> from its
+# environment (as actions-runner-controller runs it), so the config never appears in argv where
+# any process in the VM could read it. The config is a credential: never print it.
 set -eu
 if [ -z "${ACTIONS_RUNNER_INPUT_JITCONFIG:-}" ]; then
     echo "imp-runner: ACTIONS_RUNNER_INPUT_JITCONFIG is not set" >&2
     exit 2
 fi
 cd "${IMP_RUNNER_DIR:-/opt/actions-runner}"
-exec ./run.sh --jitconfig "$ACTIONS_RUNNER_INPUT_JITCONFIG"
+exec ./run.sh
 EOF
 chmod 0755 "$root/usr/local/bin/imp-runner"
 
