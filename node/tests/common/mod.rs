@@ -114,6 +114,8 @@ pub struct Harness {
     pub base_disk: PathBuf,
     behaviour: HashMap<String, Knobs>,
     pub boot_timeout_secs: f64,
+    /// More environment for imp-runtime (e.g. rootfs cache settings).
+    pub extra_env: Vec<(String, String)>,
     runtime: Option<Child>,
     pub client: RuntimeClient,
     starts: u32,
@@ -149,6 +151,7 @@ impl Harness {
             base_disk,
             behaviour: HashMap::new(),
             boot_timeout_secs: 20.0,
+            extra_env: Vec::new(),
             runtime: None,
             dir,
             starts: 0,
@@ -198,6 +201,7 @@ impl Harness {
             .env("IMP_STOP_TIMEOUT_SECS", "2")
             .env("IMP_SIM_BEHAVIOUR", self.dir.path().join("behaviour.json"))
             .env("RUST_LOG", "info")
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
