@@ -2,10 +2,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test testenv lint unit crds guest-static guest-vm chart-lint smoke clean-testenv
+.PHONY: test testenv lint unit crds guest-static guest-vm images chart-lint smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
-test: testenv lint unit guest-static guest-vm chart-lint
+test: testenv lint unit guest-static guest-vm images chart-lint
 
 ## etcd, kube-apiserver, kube-controller-manager, kubectl and helm from their Go modules (incremental).
 testenv:
@@ -33,6 +33,11 @@ guest-static:
 ## qemu, a Debian cloud kernel, busybox-static, cpio and vhost-device-vsock first.
 guest-vm:
 	guest/vm-test.sh
+
+## images/: the kernel config fragment against the installed kernel, the runner layer builds
+## (determinism, digests, the wrapper never printing the JIT config), the initrd's reproducibility.
+images: guest-static
+	IMP_GUEST_STATIC_BIN="$${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release/imp-guest" images/test.sh
 
 ## helm lint with defaults and with every seed values file.
 chart-lint: testenv
