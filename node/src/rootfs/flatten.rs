@@ -270,6 +270,7 @@ impl Flattener {
             .max_unpacked_bytes
             .saturating_sub(self.unpacked_bytes);
         let meter = Rc::new(Meter {
+            limit: self.limits.max_unpacked_bytes,
             budget,
             consumed: Cell::new(0),
             failure: Cell::new(None),
@@ -510,8 +511,9 @@ impl Flattener {
                     .map_err(|e| ctx.io("create fifo", e))?;
                 meta.apply_at(ctx, parent, name_os, true)?;
             }
+            tar::EntryType::GNUSparse => return Err(ctx.unsupported("GNU sparse file".into())),
             other => {
-                return Err(ctx.unsupported(format!("{:?} ({:?})", other, other.as_byte() as char)));
+                return Err(ctx.unsupported(format!("type byte {:?}", other.as_byte() as char)));
             }
         }
         state.created.insert(key);
@@ -763,12 +765,6 @@ enum Refusal {
     Os(io::Error),
 }
 
-impl From<Errno> for Refusal {
-    fn from(e: Errno) -> Self {
-        Refusal::Os(e.into())
-    }
-}
-
 /// The state of the layer being applied.
 struct LayerState<'a> {
     layer: &'a str,
@@ -791,7 +787,7 @@ impl LayerState<'_> {
             Some(ReadFailure::OverLimit) => FlattenError::TooLarge {
                 layer,
                 entry,
-                limit: self.meter.budget,
+                limit: self.meter.limit,
             },
             Some(ReadFailure::Decoder) => FlattenError::Decompress { layer, source },
             None => FlattenError::Malformed {
@@ -1192,6 +1188,9 @@ enum ReadFailure {
 
 /// Shared between the reader the tar parser owns and the code that reports its errors.
 struct Meter {
+    /// The image-wide limit, for the error.
+    limit: u64,
+    /// What is left of it for this layer.
     budget: u64,
     consumed: Cell<u64>,
     failure: Cell<Option<ReadFailure>>,
