@@ -8,5 +8,6 @@ pub mod firecracker;
 pub mod github;
 pub mod paths;
 pub mod process;
+pub mod tarball;
 
 pub use cluster::TestEnv;
