@@ -6,7 +6,9 @@ pub mod cluster;
 pub mod controlplane;
 pub mod firecracker;
 pub mod github;
+pub mod oci;
 pub mod paths;
 pub mod process;
+pub mod registry;
 
 pub use cluster::TestEnv;
