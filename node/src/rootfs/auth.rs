@@ -78,9 +78,10 @@ impl fmt::Debug for PullCredentials {
                 .field("username", username)
                 .field("password", &"<redacted>")
                 .finish(),
-            PullCredentials::Dockerconfigjson(_) => {
-                f.debug_tuple("Dockerconfigjson").field(&"<redacted>").finish()
-            }
+            PullCredentials::Dockerconfigjson(_) => f
+                .debug_tuple("Dockerconfigjson")
+                .field(&"<redacted>")
+                .finish(),
         }
     }
 }
@@ -118,7 +119,9 @@ pub enum AuthError {
     InvalidUtf8 { field: String },
     #[error("dockerconfigjson field {field} has no ':' between username and password")]
     MissingColon { field: String },
-    #[error("dockerconfigjson entry {field} has neither \"auth\" nor \"username\" and \"password\"")]
+    #[error(
+        "dockerconfigjson entry {field} has neither \"auth\" nor \"username\" and \"password\""
+    )]
     MissingCredentials { field: String },
     #[error(
         "dockerconfigjson entry {field} carries only an identity token, which Imp cannot exchange; \
@@ -206,9 +209,9 @@ fn entry_auth(key: &str, value: &Value) -> Result<RegistryAuth, AuthError> {
             username: username.to_owned(),
             password: Secret::new(password),
         }),
-        _ if string_field("identitytoken")?.is_some() => Err(AuthError::IdentityTokenUnsupported {
-            field: field(None),
-        }),
+        _ if string_field("identitytoken")?.is_some() => {
+            Err(AuthError::IdentityTokenUnsupported { field: field(None) })
+        }
         _ => Err(AuthError::MissingCredentials { field: field(None) }),
     }
 }
@@ -268,7 +271,10 @@ mod tests {
 
     #[test]
     fn password_may_contain_colons() {
-        let json = format!(r#"{{"auths": {{"r.io": {{"auth": "{}"}}}}}}"#, b64("u:a:b:c"));
+        let json = format!(
+            r#"{{"auths": {{"r.io": {{"auth": "{}"}}}}}}"#,
+            b64("u:a:b:c")
+        );
         assert_eq!(
             from_dockerconfigjson(&json, "r.io").unwrap(),
             basic("u", "a:b:c")
@@ -304,7 +310,10 @@ mod tests {
             from_dockerconfigjson(&json, "quay.io").unwrap(),
             basic("quay", "p2")
         );
-        let plain = format!(r#"{{"auths": {{"docker.io": {{"auth": "{}"}}}}}}"#, b64("d:p"));
+        let plain = format!(
+            r#"{{"auths": {{"docker.io": {{"auth": "{}"}}}}}}"#,
+            b64("d:p")
+        );
         assert_eq!(
             from_dockerconfigjson(&plain, "index.docker.io").unwrap(),
             basic("d", "p")
@@ -326,7 +335,10 @@ mod tests {
 
     #[test]
     fn no_match_is_anonymous_and_port_matters() {
-        let json = format!(r#"{{"auths": {{"r.io:5000": {{"auth": "{}"}}}}}}"#, b64("u:p"));
+        let json = format!(
+            r#"{{"auths": {{"r.io:5000": {{"auth": "{}"}}}}}}"#,
+            b64("u:p")
+        );
         assert_eq!(
             from_dockerconfigjson(&json, "r.io").unwrap(),
             RegistryAuth::Anonymous
@@ -365,7 +377,10 @@ mod tests {
                 },
             ),
             (
-                format!(r#"{{"auths": {{"{key}": {{"auth": "{}"}}}}}}"#, b64(PASSWORD)),
+                format!(
+                    r#"{{"auths": {{"{key}": {{"auth": "{}"}}}}}}"#,
+                    b64(PASSWORD)
+                ),
                 AuthError::MissingColon {
                     field: format!("auths[{key:?}].auth"),
                 },
@@ -377,7 +392,9 @@ mod tests {
                 },
             ),
             (
-                format!(r#"{{"auths": {{"{key}": {{"username": "u", "password": ["{PASSWORD}"]}}}}}}"#),
+                format!(
+                    r#"{{"auths": {{"{key}": {{"username": "u", "password": ["{PASSWORD}"]}}}}}}"#
+                ),
                 AuthError::WrongType {
                     field: format!("auths[{key:?}].password"),
                     expected: "a string",
@@ -457,7 +474,10 @@ mod tests {
                     password: Secret::new(PASSWORD)
                 }
             ),
-            format!("{:?}", PullCredentials::Dockerconfigjson(Secret::new(&config))),
+            format!(
+                "{:?}",
+                PullCredentials::Dockerconfigjson(Secret::new(&config))
+            ),
             format!("{:?}", basic("alice", PASSWORD)),
             format!("{:?}", Secret::new(PASSWORD)),
             format!("{}", Secret::new(PASSWORD)),
@@ -469,4 +489,3 @@ mod tests {
         assert!(format!("{:?}", basic("alice", PASSWORD)).contains("alice"));
     }
 }
-
