@@ -586,3 +586,84 @@ async fn authenticated_pull_never_logs_the_password() {
         );
     }
 }
+
+/// A registry that streams a blob without Content-Length, sends more than the descriptor
+/// declares, then holds the connection open: the fetch has to stop on its own count, not wait
+/// for the end of the body.
+#[tokio::test]
+async fn blob_running_over_its_declared_size_stops_the_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host = listener.local_addr().unwrap().to_string();
+    let declared = b"declared layer bytes".to_vec();
+    let served = [declared.clone(), vec![b'!'; 4096]].concat();
+    let server = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                conn.read_exact(&mut byte).await.unwrap();
+                head.push(byte[0]);
+            }
+            let head = String::from_utf8(head).unwrap();
+            if head.starts_with("GET /v2/ ") {
+                conn.write_all(
+                    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+                )
+                .await
+                .unwrap();
+            } else {
+                assert!(head.starts_with("GET /v2/imp/x/blobs/sha256:"), "{head}");
+                let chunk = format!(
+                    "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n",
+                    served.len()
+                );
+                conn.write_all(chunk.as_bytes()).await.unwrap();
+                conn.write_all(&served).await.unwrap();
+                conn.write_all(b"\r\n").await.unwrap();
+                // No terminating chunk: the body never ends.
+                held.push(conn);
+            }
+        }
+    });
+
+    let digest = oci::sha256_digest(&declared);
+    let layer = imp_node::rootfs::pull::LayerRef {
+        digest: digest.clone(),
+        size: declared.len() as u64,
+        media_type: oci::LAYER_TAR.into(),
+        compression: Compression::None,
+    };
+    let image = ResolvedImage {
+        reference: format!("{host}/imp/x:v1"),
+        registry: host.clone(),
+        manifest_digest: oci::sha256_digest(b"unused"),
+        config_digest: oci::sha256_digest(b"unused"),
+        layers: vec![layer.clone()],
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let puller = puller_with_host(&host, 1 << 20);
+    let dest = dir.path().join("layer");
+    let fetch = puller.fetch_layer(&image, &layer, &RegistryAuth::Anonymous, &dest);
+    let err = tokio::time::timeout(std::time::Duration::from_secs(20), fetch)
+        .await
+        .expect("the fetch stops by itself once the blob runs over")
+        .unwrap_err();
+    match err {
+        PullError::SizeMismatch {
+            digest: d,
+            expected,
+            actual,
+        } => {
+            assert_eq!(d, digest);
+            assert_eq!(expected, declared.len() as u64);
+            assert!(actual > expected, "{actual}");
+        }
+        other => panic!("expected SizeMismatch, got {other:?}"),
+    }
+    assert!(dir_entries(dir.path()).is_empty());
+    server.abort();
+}
