@@ -549,8 +549,11 @@ async fn authenticated_pull_never_logs_the_password() {
         .with_writer(move || writer.clone())
         .with_ansi(false)
         .finish();
-    // #[tokio::test] runs on one thread, so a thread-local default sees every event.
-    let guard = tracing::subscriber::set_default(subscriber);
+    // Global, not thread-local: tracing caches callsite interest process-wide, so a callsite
+    // first hit by a concurrently running test (with no subscriber) would stay silent under a
+    // thread-local default. Only this test installs a subscriber; the other tests' events land in
+    // the buffer too, which only widens the check.
+    tracing::subscriber::set_global_default(subscriber).expect("the only global subscriber");
     let creds = PullCredentials::Basic {
         username: USER.into(),
         password: Secret::new(PASSWORD),
@@ -566,7 +569,6 @@ async fn authenticated_pull_never_logs_the_password() {
         .await
         .unwrap_err();
     tracing::info!(error = %err, ?err, "expected failure");
-    drop(guard);
 
     let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     assert!(
