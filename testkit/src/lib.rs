@@ -6,8 +6,10 @@ pub mod cluster;
 pub mod controlplane;
 pub mod firecracker;
 pub mod github;
+pub mod oci;
 pub mod paths;
 pub mod process;
+pub mod registry;
 pub mod tarball;
 
 pub use cluster::TestEnv;
