@@ -11,7 +11,7 @@ use imp_node::metrics::Metrics;
 use imp_node::rootfs::flatten::Limits;
 use imp_node::rootfs::pull::PullConfig;
 use imp_node::rootfs::store::{ImageSpec, RootfsStore, StoreConfig};
-use imp_testkit::oci::{LayerBlob, push_image};
+use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
 
@@ -70,7 +70,7 @@ impl Fixture {
                 media_type: GZIP.into(),
             })
             .collect();
-        push_image(&self.registry.host(), repo_tag, &blobs, None)
+        push_image(&self.registry.host(), repo_tag, &blobs, &PushAuth::Anonymous)
             .await
             .unwrap();
         format!("{}/{repo_tag}", self.registry.host())
@@ -373,4 +373,50 @@ async fn a_new_guest_agent_is_a_new_key_and_a_restart_reconciles_the_cache() {
     assert_eq!(f.images().len(), 2);
     store.retain_vms(&["vm-2".to_string()]).await.unwrap();
     assert_eq!(f.images(), vec![v2.path.clone()]);
+}
+
+#[tokio::test]
+async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
+    use imp_node::rootfs::auth::{PullCredentials, Secret};
+    let f = Fixture::new().await;
+    let private = Registry::start(RegistryOptions {
+        htpasswd: Some(("tenant-a".into(), "a-password-1".into())),
+    })
+    .await
+    .unwrap();
+    let blobs = [LayerBlob {
+        bytes: TarBuilder::new().file("private", b"a's", 0o644).into_gzip(),
+        media_type: GZIP.into(),
+    }];
+    push_image(
+        &private.host(),
+        "a/secret:1",
+        &blobs,
+        &PushAuth::Basic("tenant-a".into(), "a-password-1".into()),
+    )
+    .await
+    .unwrap();
+    let mut cfg = f.config(1 << 30);
+    cfg.pull.insecure_registries.push(private.host());
+    let store = RootfsStore::open(cfg, f.inventory.pool().clone(), f.metrics.rootfs.clone())
+        .await
+        .unwrap();
+    let reference = format!("{}/a/secret:1", private.host());
+    let with = |password: Option<&str>| ImageSpec {
+        base: reference.clone(),
+        runner: None,
+        credentials: password.map(|p| PullCredentials::Basic {
+            username: "tenant-a".into(),
+            password: Secret::new(p),
+        }),
+    };
+    store
+        .acquire("vm-a", &with(Some("a-password-1")))
+        .await
+        .unwrap();
+    for (vm, spec) in [("vm-b", with(None)), ("vm-c", with(Some("guess")))] {
+        let err = store.acquire(vm, &spec).await.unwrap_err();
+        assert_eq!(err.reason(), "RootfsPullFailed", "{err}");
+        assert!(err.to_string().contains("refused the credentials"), "{err}");
+    }
 }

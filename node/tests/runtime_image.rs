@@ -6,10 +6,10 @@ mod common;
 use common::{Harness, simulator};
 use http::StatusCode;
 use imp_node::inventory::VmState;
-use imp_node::rootfs::auth::PullCredentials;
+use imp_node::rootfs::auth::{PullCredentials, Secret};
 use imp_node::rootfs::store::ImageSpec;
 use imp_node::runtime::VmSpec;
-use imp_testkit::oci::{LayerBlob, push_image};
+use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
 
@@ -25,7 +25,7 @@ fn image_spec(h: &Harness, base: &str, password: &str) -> VmSpec {
             runner: None,
             credentials: Some(PullCredentials::Basic {
                 username: USER.into(),
-                password: password.into(),
+                password: Secret::new(password),
             }),
         }),
         ..h.spec(false)
@@ -69,7 +69,7 @@ async fn vms_start_from_registry_images_share_one_build_and_release_it() {
     .await
     .unwrap();
     let host = registry.host();
-    let creds = Some((USER, PASSWORD));
+    let creds = &PushAuth::Basic(USER.into(), PASSWORD.into());
     let layer = |name: &str| LayerBlob {
         bytes: TarBuilder::new()
             .dir("etc", 0o755)

@@ -126,6 +126,11 @@ impl Registry {
         self.process.log_tail(lines)
     }
 
+    /// Stop serving (an outage); the storage stays until drop.
+    pub fn stop(&mut self) {
+        self.process.stop(Duration::from_secs(5));
+    }
+
     async fn wait_ready(&mut self) -> Result<(), RegistryError> {
         let start = Instant::now();
         loop {

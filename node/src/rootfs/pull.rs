@@ -125,6 +125,13 @@ pub enum PullError {
 }
 
 impl PullError {
+    /// The registry could not be reached or failed on its side (network, 5xx, protocol): the
+    /// only errors that let a VM start from an image cached earlier. A refusal (credentials,
+    /// missing tag) never does: another tenant's cached pull must not stand in for access.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, PullError::Registry { .. })
+    }
+
     /// The ImpVM failure reason: registry and network trouble may pass; integrity and policy
     /// failures will not.
     pub fn reason(&self) -> &'static str {

@@ -110,6 +110,11 @@ pub enum RootfsError {
 }
 
 impl RootfsError {
+    /// The registry was unreachable (not a refusal): see `PullError::is_unreachable`.
+    pub fn registry_unreachable(&self) -> bool {
+        matches!(self, RootfsError::Pull { source, .. } if source.is_unreachable())
+    }
+
     /// `RootfsPullFailed` (registry, network, credentials), `RootfsRejected` (the image broke an
     /// integrity or safety rule) or `RootfsBuildFailed` (this host: disk, mkfs, index).
     pub fn reason(&self) -> &'static str {
@@ -302,7 +307,7 @@ impl RootfsStore {
         .await;
         let (base, runner) = match resolved {
             Ok(r) => r,
-            Err(e) if e.reason() == "RootfsPullFailed" => {
+            Err(e @ RootfsError::Pull { .. }) if e.registry_unreachable() => {
                 // The registry is down or unreachable: a VM may still start from an image
                 // built earlier from the same references and the same guest agent.
                 match self.offline_hit(vm_uid, spec, &guest).await? {
@@ -384,6 +389,7 @@ impl RootfsStore {
                 build_seconds: secs,
                 created_at: now,
                 last_used_at: now,
+                refs: 0,
             })
             .await?;
         self.index.add_ref(vm_uid, &key).await?;
@@ -483,21 +489,28 @@ impl RootfsStore {
             }
         }
         let blob_path = |digest: &str| blobs.join(digest.replace(':', "-"));
-        futures::stream::iter(unique.into_iter().map(|f| {
-            let dest = blob_path(&f.layer.digest);
-            async move {
-                self.puller
-                    .fetch_layer(f.image, f.layer, f.auth, &dest)
-                    .await
-                    .map_err(|source| RootfsError::Pull {
-                        reference: f.image.reference.clone(),
-                        source,
-                    })
-            }
-        }))
-        .buffer_unordered(self.cfg.parallel_fetches.max(1))
-        .try_collect::<Vec<()>>()
-        .await?;
+        // Boxed with an explicit Send bound: an async block in a stream adaptor closure trips
+        // the compiler's higher-ranked Send check inside the axum handler.
+        let downloads: Vec<futures::future::BoxFuture<'_, Result<(), RootfsError>>> = unique
+            .into_iter()
+            .map(|f| {
+                let dest = blob_path(&f.layer.digest);
+                let fut = async move {
+                    self.puller
+                        .fetch_layer(f.image, f.layer, f.auth, &dest)
+                        .await
+                        .map_err(|source| RootfsError::Pull {
+                            reference: f.image.reference.clone(),
+                            source,
+                        })
+                };
+                Box::pin(fut) as futures::future::BoxFuture<'_, _>
+            })
+            .collect();
+        futures::stream::iter(downloads)
+            .buffer_unordered(self.cfg.parallel_fetches.max(1))
+            .try_collect::<Vec<()>>()
+            .await?;
 
         // The guest copy injected is hashed again: the key must describe these exact bytes.
         let guest_copy = work.join("imp-guest");
