@@ -259,7 +259,10 @@ fn validate(spec: &VmSpec) -> Result<(), RuntimeError> {
             }
         }
         (None, Some(image)) => {
-            for (field, reference) in [("image.base", Some(&image.base)), ("image.runner", image.runner.as_ref())] {
+            for (field, reference) in [
+                ("image.base", Some(&image.base)),
+                ("image.runner", image.runner.as_ref()),
+            ] {
                 if let Some(r) = reference
                     && let Err(e) = r.parse::<oci_client::Reference>()
                 {

@@ -27,7 +27,11 @@ struct Fixture {
 impl Fixture {
     async fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("imp-guest"), b"\x7fELF pretend static guest v1").unwrap();
+        std::fs::write(
+            dir.path().join("imp-guest"),
+            b"\x7fELF pretend static guest v1",
+        )
+        .unwrap();
         let registry = Registry::start(RegistryOptions::default()).await.unwrap();
         let inventory = Inventory::open(dir.path()).await.unwrap();
         Self {
@@ -70,9 +74,14 @@ impl Fixture {
                 media_type: GZIP.into(),
             })
             .collect();
-        push_image(&self.registry.host(), repo_tag, &blobs, &PushAuth::Anonymous)
-            .await
-            .unwrap();
+        push_image(
+            &self.registry.host(),
+            repo_tag,
+            &blobs,
+            &PushAuth::Anonymous,
+        )
+        .await
+        .unwrap();
         format!("{}/{repo_tag}", self.registry.host())
     }
 
@@ -115,7 +124,10 @@ fn walk(root: &Path, dir: &Path, tree: &mut BTreeMap<String, String>) {
         let rel = p.strip_prefix(root).unwrap().display().to_string();
         let md = std::fs::symlink_metadata(&p).unwrap();
         if md.file_type().is_symlink() {
-            tree.insert(rel, format!("-> {}", std::fs::read_link(&p).unwrap().display()));
+            tree.insert(
+                rel,
+                format!("-> {}", std::fs::read_link(&p).unwrap().display()),
+            );
         } else if md.is_dir() {
             tree.insert(rel, "dir".into());
             walk(root, &p, tree);
@@ -219,7 +231,10 @@ async fn builds_base_and_runner_layers_with_whiteouts_and_the_guest_injected() {
     );
     let text = f.metrics.encode();
     assert!(text.contains("imp_rootfs_cache_misses_total 1"), "{text}");
-    assert!(text.contains("imp_rootfs_build_duration_seconds_count 1"), "{text}");
+    assert!(
+        text.contains("imp_rootfs_build_duration_seconds_count 1"),
+        "{text}"
+    );
     assert!(text.contains("imp_rootfs_cache_images 1"), "{text}");
 }
 
@@ -273,9 +288,19 @@ async fn garbage_collection_evicts_unreferenced_least_recently_used_and_keeps_re
     }
     // A budget smaller than one image: only references keep images.
     let store = f.store(1).await;
-    let a = store.acquire("vm-a", &f.spec(&refs[0], None)).await.unwrap();
-    let b = store.acquire("vm-b", &f.spec(&refs[1], None)).await.unwrap();
-    assert_eq!(f.images().len(), 2, "referenced images are kept over budget");
+    let a = store
+        .acquire("vm-a", &f.spec(&refs[0], None))
+        .await
+        .unwrap();
+    let b = store
+        .acquire("vm-b", &f.spec(&refs[1], None))
+        .await
+        .unwrap();
+    assert_eq!(
+        f.images().len(),
+        2,
+        "referenced images are kept over budget"
+    );
     store.release("vm-b").await.unwrap();
     assert_eq!(f.images(), vec![a.path.clone()], "b evicted once released");
     assert!(!b.path.exists());
@@ -285,12 +310,18 @@ async fn garbage_collection_evicts_unreferenced_least_recently_used_and_keeps_re
     let bytes = std::fs::metadata(&a.path).unwrap().len();
     drop(store);
     let store = f.store(2 * bytes).await;
-    let c = store.acquire("vm-c", &f.spec(&refs[2], None)).await.unwrap();
+    let c = store
+        .acquire("vm-c", &f.spec(&refs[2], None))
+        .await
+        .unwrap();
     store.release("vm-c").await.unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     store.release("vm-a").await.unwrap();
     assert_eq!(f.images().len(), 2);
-    let b2 = store.acquire("vm-b2", &f.spec(&refs[1], None)).await.unwrap();
+    let b2 = store
+        .acquire("vm-b2", &f.spec(&refs[1], None))
+        .await
+        .unwrap();
     // Three images, budget two: the least recently used unreferenced one (c, released before a)
     // goes.
     assert!(!c.path.exists() && a.path.exists() && b2.path.exists());
@@ -316,7 +347,10 @@ async fn a_hostile_layer_is_rejected_naming_layer_and_entry_and_leaves_nothing()
         .unwrap_err();
     assert_eq!(err.reason(), "RootfsRejected", "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("esc/pwned") && msg.contains("sha256:"), "{msg}");
+    assert!(
+        msg.contains("esc/pwned") && msg.contains("sha256:"),
+        "{msg}"
+    );
     assert_eq!(std::fs::read_dir(&victim).unwrap().count(), 0);
     assert!(f.images().is_empty());
     assert_eq!(

@@ -119,7 +119,10 @@ async fn vms_start_from_registry_images_share_one_build_and_release_it() {
     // Wrong credentials: the registry refuses, the VM fails with a pull reason.
     let e = h
         .client
-        .ensure_running("vm-c", &image_spec(&h, &format!("{host}/ci/other:1"), "wrong"))
+        .ensure_running(
+            "vm-c",
+            &image_spec(&h, &format!("{host}/ci/other:1"), "wrong"),
+        )
         .await
         .unwrap_err();
     assert_eq!(e.reason(), Some("RootfsPullFailed"), "{e}");

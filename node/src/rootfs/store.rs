@@ -57,7 +57,10 @@ impl std::fmt::Debug for ImageSpec {
         f.debug_struct("ImageSpec")
             .field("base", &self.base)
             .field("runner", &self.runner)
-            .field("credentials", &self.credentials.as_ref().map(|_| "<redacted>"))
+            .field(
+                "credentials",
+                &self.credentials.as_ref().map(|_| "<redacted>"),
+            )
             .finish()
     }
 }
@@ -220,7 +223,10 @@ impl RootfsStore {
             }
         }
         let known: HashSet<PathBuf> = entries.into_iter().map(|e| e.path).collect();
-        for f in std::fs::read_dir(&images).map_err(io_err(&images))?.flatten() {
+        for f in std::fs::read_dir(&images)
+            .map_err(io_err(&images))?
+            .flatten()
+        {
             if !known.contains(&f.path()) {
                 tracing::info!(path = %f.path().display(), "removing image file without an index row");
                 let _ = std::fs::remove_file(f.path());
@@ -243,7 +249,11 @@ impl RootfsStore {
             .clone()
     }
 
-    fn auth_for(&self, spec: &ImageSpec, image_registry: &str) -> Result<RegistryAuth, RootfsError> {
+    fn auth_for(
+        &self,
+        spec: &ImageSpec,
+        image_registry: &str,
+    ) -> Result<RegistryAuth, RootfsError> {
         match &spec.credentials {
             None => Ok(RegistryAuth::Anonymous),
             Some(c) => c
@@ -579,7 +589,10 @@ impl RootfsStore {
     pub async fn retain_vms(&self, live_vms: &[String]) -> Result<(), RootfsError> {
         let dropped = self.index.retain_refs(live_vms).await?;
         if dropped > 0 {
-            tracing::info!(dropped, "dropped image references of VMs that no longer exist");
+            tracing::info!(
+                dropped,
+                "dropped image references of VMs that no longer exist"
+            );
         }
         self.gc().await?;
         Ok(())
