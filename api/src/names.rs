@@ -62,7 +62,12 @@ pub mod reason {
     pub const SPEC_INVALID: &str = "SpecInvalid";
     pub const CLASS_NOT_FOUND: &str = "ClassNotFound";
     pub const UNSCHEDULABLE: &str = "Unschedulable";
+    /// The registry refused, lacks the tag, or cannot be reached.
     pub const ROOTFS_PULL_FAILED: &str = "RootfsPullFailed";
+    /// The image broke an integrity or safety rule (digests, media types, hostile layers, caps).
+    pub const ROOTFS_REJECTED: &str = "RootfsRejected";
+    /// The node could not build the image (disk, mkfs, index).
+    pub const ROOTFS_BUILD_FAILED: &str = "RootfsBuildFailed";
     pub const KERNEL_MISSING: &str = "KernelMissing";
     pub const FIRECRACKER_START_FAILED: &str = "FirecrackerStartFailed";
     pub const GUEST_PANICKED: &str = "GuestPanicked";

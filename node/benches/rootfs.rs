@@ -144,10 +144,7 @@ fn plain_build(work: &Path, blobs: &[Vec<u8>], bytes: u64) -> Duration {
         assert!(ok);
     }
     let img = work.join("plain.ext4");
-    std::fs::File::create(&img)
-        .unwrap()
-        .set_len(bytes)
-        .unwrap();
+    std::fs::File::create(&img).unwrap().set_len(bytes).unwrap();
     let ok = Command::new("mkfs.ext4")
         .args(["-q", "-F", "-m", "0", "-O", "^has_journal", "-d"])
         .arg(work.join("root"))
@@ -240,7 +237,10 @@ async fn main() {
         cached.push((img, spec, got.path));
     }
 
-    println!("\n## Per-VM disk preparation with the image cached (hit + {} GiB writable drive)", WRITABLE_BYTES >> 30);
+    println!(
+        "\n## Per-VM disk preparation with the image cached (hit + {} GiB writable drive)",
+        WRITABLE_BYTES >> 30
+    );
     println!("| image | median | max | copying the base instead (one run) |");
     println!("|---|---|---|---|");
     let mut medians = Vec::new();

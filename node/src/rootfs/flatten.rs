@@ -214,6 +214,16 @@ impl FlattenError {
     }
 }
 
+impl FlattenError {
+    /// The layer is at fault (hostile, oversized or corrupt), not this host.
+    pub fn is_image_fault(&self) -> bool {
+        matches!(
+            self.reason(),
+            "LayerRejected" | "LayerTooLarge" | "LayerUnreadable"
+        )
+    }
+}
+
 /// The layer label in errors from [`Flattener::inject_file`] and [`Flattener::ensure_dir`].
 const INJECTED: &str = "(injected)";
 

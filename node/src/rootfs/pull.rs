@@ -34,7 +34,7 @@ use wire::Document;
 /// The reason for failures to reach or be served by the registry (worth retrying).
 pub const REASON_PULL_FAILED: &str = imp_api::names::reason::ROOTFS_PULL_FAILED;
 /// The reason for images refused on integrity or policy grounds (retrying will not help).
-pub const REASON_REJECTED: &str = "RootfsRejected";
+pub const REASON_REJECTED: &str = imp_api::names::reason::ROOTFS_REJECTED;
 
 #[derive(Debug, Clone)]
 pub struct PullConfig {

@@ -18,6 +18,8 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use imp_api::names::reason;
+
 use super::auth::{AuthError, PullCredentials, RegistryAuth};
 use super::cache::{self, CacheEntry, CacheIndex, RECIPE};
 use super::ext4::{self, Ext4Error};
@@ -122,18 +124,17 @@ impl RootfsError {
     /// integrity or safety rule) or `RootfsBuildFailed` (this host: disk, mkfs, index).
     pub fn reason(&self) -> &'static str {
         match self {
-            RootfsError::Credentials { .. } => "RootfsPullFailed",
+            RootfsError::Credentials { .. } => reason::ROOTFS_PULL_FAILED,
             RootfsError::Pull { source, .. } => source.reason(),
-            RootfsError::Layer { source, .. } => match source.reason() {
-                "LayerRejected" => "RootfsRejected",
-                _ => "RootfsBuildFailed",
-            },
+            // A hostile, oversized or corrupt layer is the image's fault; I/O is this host's.
+            RootfsError::Layer { source, .. } if source.is_image_fault() => reason::ROOTFS_REJECTED,
+            RootfsError::Layer { .. } => reason::ROOTFS_BUILD_FAILED,
             RootfsError::Ext4 { .. }
             | RootfsError::Guest { .. }
             | RootfsError::GuestChanged { .. }
             | RootfsError::Io { .. }
             | RootfsError::Index(_)
-            | RootfsError::Task(_) => "RootfsBuildFailed",
+            | RootfsError::Task(_) => reason::ROOTFS_BUILD_FAILED,
         }
     }
 }
@@ -636,5 +637,68 @@ impl RootfsStore {
         self.metrics.cache_bytes.set(bytes as i64);
         self.metrics.cache_images.set(entries.len() as i64);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use imp_testkit::tarball::TarBuilder;
+
+    fn layer_error(limits: Limits, tar: Vec<u8>) -> RootfsError {
+        let d = tempfile::tempdir().unwrap();
+        let mut f = Flattener::new(d.path(), limits).unwrap();
+        let source = f
+            .apply_layer("sha256:abc", &tar[..], super::super::Compression::None)
+            .unwrap_err();
+        RootfsError::Layer {
+            reference: "r/x:1".into(),
+            source,
+        }
+    }
+
+    #[test]
+    fn hostile_oversized_and_corrupt_layers_are_the_image_fault() {
+        let traversal = layer_error(
+            Limits::default(),
+            TarBuilder::new().file("../x", b"x", 0o644).into_tar(),
+        );
+        let bomb = layer_error(
+            Limits {
+                max_unpacked_bytes: 4096,
+                ..Limits::default()
+            },
+            TarBuilder::new()
+                .file("big", &[0u8; 65536], 0o644)
+                .into_tar(),
+        );
+        let corrupt = layer_error(Limits::default(), vec![0x42; 1024]);
+        for e in [traversal, bomb, corrupt] {
+            assert_eq!(e.reason(), reason::ROOTFS_REJECTED, "{e}");
+            assert!(!e.registry_unreachable());
+        }
+        let host = RootfsError::Io {
+            path: "/x".into(),
+            source: std::io::Error::other("disk full"),
+        };
+        assert_eq!(host.reason(), reason::ROOTFS_BUILD_FAILED);
+    }
+
+    #[test]
+    fn image_spec_debug_never_shows_credentials() {
+        let spec = ImageSpec {
+            base: "r/x:1".into(),
+            runner: None,
+            credentials: Some(PullCredentials::Basic {
+                username: "u".into(),
+                password: super::super::auth::Secret::new("hunter2-secret"),
+            }),
+        };
+        let text = format!("{spec:?}");
+        assert!(
+            !text.contains("hunter2") && text.contains("redacted"),
+            "{text}"
+        );
+        assert!(spec.without_credentials().credentials.is_none());
     }
 }
