@@ -3,7 +3,7 @@
 //! ([`push_image_with`]) that lets a test edit the manifest before it is pushed, so pull failures
 //! (a descriptor that lies about digest, size or media type) can be provoked.
 
-use std::io::{Read, Write};
+use std::io::Read;
 
 use oci_client::{
     Client, Reference,
@@ -186,11 +186,7 @@ pub fn tar_of(files: &[(&str, &[u8])]) -> Vec<u8> {
     builder.into_inner().expect("finish an in-memory tar")
 }
 
-pub fn gzip(bytes: &[u8]) -> Vec<u8> {
-    let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    encoder.write_all(bytes).expect("gzip in memory");
-    encoder.finish().expect("gzip in memory")
-}
+pub use crate::tarball::gzip;
 
 pub fn sha256_digest(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
