@@ -163,6 +163,9 @@ pub struct Acquired {
     pub offline: bool,
 }
 
+/// Inode, size and mtime (s, ns): a changed guest binary is rehashed.
+type FileIdentity = (u64, u64, i64, i64);
+
 /// One layer to fetch: the image it belongs to (its registry and repository) and its credentials.
 struct Fetch<'a> {
     image: &'a ResolvedImage,
@@ -177,8 +180,8 @@ pub struct RootfsStore {
     metrics: RootfsMetrics,
     /// Single flight: one lock per key; builds, hand-outs and evictions of a key serialise.
     keys: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// The guest binary's digest, memoised by (inode, size, mtime).
-    guest: Mutex<Option<((u64, u64, i64, i64), String)>>,
+    /// The guest binary's digest, memoised by its file identity.
+    guest: Mutex<Option<(FileIdentity, String)>>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RootfsError {
