@@ -148,7 +148,10 @@ pub enum RuntimeError {
     #[error("writable drive for VM {uid}: {source}")]
     WritableDrive { uid: String, source: WritableError },
     #[error("root filesystem for VM {uid}: {source}")]
-    Rootfs { uid: String, source: RootfsError },
+    Rootfs {
+        uid: String,
+        source: Box<RootfsError>,
+    },
     #[error("link stats of VM {uid}: {source}")]
     LinkStats { uid: String, source: TapError },
     #[error("snapshot of VM {uid}: {source}")]
@@ -678,7 +681,7 @@ impl Runtime {
                 (
                     RuntimeError::Rootfs {
                         uid: uid.clone(),
-                        source,
+                        source: Box::new(source),
                     },
                     None,
                 )

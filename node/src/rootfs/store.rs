@@ -177,8 +177,11 @@ pub struct RootfsStore {
     /// Single flight: one lock per key; builds, hand-outs and evictions of a key serialise.
     keys: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The guest binary's digest, memoised by (inode, size, mtime).
-    guest: Mutex<Option<((u64, u64, i64, i64), String)>>,
+    guest: Mutex<Option<(FileStamp, String)>>,
 }
+
+/// (inode, size, mtime seconds, mtime nanoseconds).
+type FileStamp = (u64, u64, i64, i64);
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RootfsError {
     let path = path.to_path_buf();
