@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Real-VM tests of imp-guest: PID 1 + agent booted under QEMU (software emulation, no /dev/kvm
 # needed) with vhost-device-vsock providing Firecracker's hybrid-vsock socket; and under real
-# Firecracker when IMP_FIRECRACKER_BIN and IMP_KERNEL are set.
+# Firecracker when IMP_FIRECRACKER_BIN and IMP_KERNEL are set. Then the rootfs pipeline end to
+# end (node/tests/rootfs_qemu.rs): images pushed to a local registry, built into one cached
+# base, two VMs booted from it.
 #
 # Needs qemu-system-x86_64, a kernel in /boot (or IMP_QEMU_KERNEL) with its modules, a static
-# /bin/busybox, cpio, e2fsprogs and vhost-device-vsock. IMP_INSTALL_DEPS=1 installs what is
-# missing (Debian packages + cargo install). The QEMU test fails instead of skipping here.
+# /bin/busybox, cpio, e2fsprogs, docker-registry and vhost-device-vsock. IMP_INSTALL_DEPS=1
+# installs what is missing (Debian packages + cargo install). The QEMU tests fail instead of
+# skipping here.
 # Usage: guest/vm-test.sh   (honours CARGO_TARGET_DIR)
 set -euo pipefail
 
@@ -21,6 +24,7 @@ if [ "${IMP_INSTALL_DEPS:-0}" = 1 ]; then
     fi
     command -v cpio >/dev/null || pkgs+=(cpio)
     command -v debugfs >/dev/null || pkgs+=(e2fsprogs)
+    command -v docker-registry >/dev/null || pkgs+=(docker-registry)
     if [ ${#pkgs[@]} -gt 0 ]; then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
@@ -33,3 +37,5 @@ export IMP_GUEST_STATIC_BIN="$target_dir/x86_64-unknown-linux-gnu/release/imp-gu
 export IMP_REQUIRE_QEMU=1
 cd "$repo"
 cargo test -p imp-guest --test qemu --test firecracker -- --nocapture
+# The rootfs pipeline end to end: registry -> cached ext4 base -> two VMs booted from it.
+cargo test -p imp-node --test rootfs_qemu -- --nocapture

@@ -2,8 +2,10 @@
 //! the virtio/overlay/vsock modules and runs imp-guest as PID 1 on an overlay of two ext4
 //! drives. The from-initramfs cases use the initrd images/initrd/build.sh makes (imp-guest is
 //! /init and loads the modules itself); the kernel-mounted case keeps a busybox script that
-//! mounts the base drive as root first. vhost-device-vsock gives the host the same hybrid-vsock socket Firecracker does, so
-//! the host client, the protocol, exec, probes, metrics and power-off run for real.
+//! mounts the base drive as root first. vhost-device-vsock gives the host the same hybrid-vsock
+//! socket Firecracker does, so the host client, the protocol, exec, probes, metrics and
+//! power-off run for real. The harness (detection, processes, console, host client) is
+//! imp_testkit::qemu, shared with node/tests/rootfs_qemu.rs.
 //!
 //! Runs when IMP_GUEST_STATIC_BIN (from guest/check-static.sh) is set and qemu-system-x86_64,
 //! vhost-device-vsock, a static /bin/busybox and a kernel (IMP_QEMU_KERNEL, else the first
@@ -12,114 +14,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
-use imp_guest::host;
 use imp_guest::protocol::{HttpProbe, Redacted};
-use tokio::time::Instant;
+use imp_testkit::qemu::{self, Drive, Setup, setup_or_skip};
 
-const MODULES: &[&str] = &[
-    "virtio_ring",
-    "virtio",
-    "virtio_pci_modern_dev",
-    "virtio_pci_legacy_dev",
-    "virtio_pci",
-    "virtio_blk",
-    "overlay",
-    "vsock",
-    "vmw_vsock_virtio_transport_common",
-    "vmw_vsock_virtio_transport",
-];
 const SECRET: &str = "jit-qemu-4f0c-do-not-print";
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
-}
-
-fn is_static(bin: &Path) -> bool {
-    Command::new("readelf")
-        .arg("-d")
-        .arg(bin)
-        .output()
-        .is_ok_and(|o| {
-            o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("(NEEDED)")
-        })
-}
-
-struct Setup {
-    guest_bin: PathBuf,
-    qemu: PathBuf,
-    vhost: PathBuf,
-    kernel: PathBuf,
-    kernel_version: String,
-    modules: Vec<PathBuf>,
-}
-
-fn detect() -> Result<Setup, String> {
-    let guest_bin = PathBuf::from(
-        std::env::var("IMP_GUEST_STATIC_BIN").map_err(|_| "IMP_GUEST_STATIC_BIN is not set")?,
-    );
-    let qemu = which("qemu-system-x86_64").ok_or("qemu-system-x86_64 not in PATH")?;
-    let vhost = which("vhost-device-vsock").ok_or("vhost-device-vsock not in PATH")?;
-    if !is_static(Path::new("/bin/busybox")) {
-        return Err("no static /bin/busybox (Debian: busybox-static)".into());
-    }
-    let kernel = match std::env::var("IMP_QEMU_KERNEL") {
-        Ok(k) => PathBuf::from(k),
-        Err(_) => std::fs::read_dir("/boot")
-            .map_err(|e| format!("/boot: {e}"))?
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))
-            })
-            .min()
-            .ok_or("no /boot/vmlinuz-*")?,
-    };
-    let version = kernel
-        .file_name()
-        .and_then(|n| n.to_str()?.strip_prefix("vmlinuz-"))
-        .ok_or("kernel file name is not vmlinuz-<version>")?
-        .to_owned();
-    let mut modules = Vec::new();
-    for m in MODULES {
-        let out = Command::new("modinfo")
-            .args(["-k", &version, "-F", "filename", m])
-            .output()
-            .map_err(|e| format!("modinfo: {e}"))?;
-        let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        if !out.status.success() || !path.ends_with(".ko") {
-            return Err(format!(
-                "module {m} for {version} not found (or compressed/built in: {path:?})"
-            ));
-        }
-        modules.push(PathBuf::from(path));
-    }
-    Ok(Setup {
-        guest_bin,
-        qemu,
-        vhost,
-        kernel,
-        kernel_version: version,
-        modules,
-    })
-}
 
 fn sh(cmd: &str) {
     assert!(
@@ -143,24 +45,6 @@ enum Root {
     KernelMounted,
 }
 
-/// images/initrd/build.sh: imp-guest as /init, modules and their load order, gzip.
-fn scripted_initrd(s: &Setup, out: &Path) {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../images/initrd/build.sh");
-    let status = Command::new(&script)
-        .arg("--guest")
-        .arg(&s.guest_bin)
-        .arg("--out")
-        .arg(out)
-        .args(["--kernel-version", &s.kernel_version, "--gzip"])
-        .status()
-        .unwrap();
-    assert!(status.success(), "{} failed", script.display());
-    println!(
-        "scripted initrd: {} bytes",
-        std::fs::metadata(out).unwrap().len()
-    );
-}
-
 /// The busybox-script initrd for [`Root::KernelMounted`].
 fn busybox_initrd(s: &Setup, dir: &Path) {
     let initrd = dir.join("initrd");
@@ -177,7 +61,7 @@ fn busybox_initrd(s: &Setup, dir: &Path) {
                    exec $bb switch_root /newroot /sbin/imp-guest";
     let init = format!(
         "#!/bin/busybox sh\nfor m in {}; do /bin/busybox insmod /lib/mods/$m.ko; done\n{handoff}\n",
-        MODULES.join(" ")
+        qemu::MODULES.join(" ")
     );
     std::fs::write(initrd.join("init"), init).unwrap();
     sh(&format!(
@@ -189,7 +73,7 @@ fn busybox_initrd(s: &Setup, dir: &Path) {
 
 fn build_images(s: &Setup, dir: &Path, root: Root) {
     match root {
-        Root::FromInitramfs => scripted_initrd(s, &dir.join("initrd.cpio")),
+        Root::FromInitramfs => qemu::scripted_initrd(s, &dir.join("initrd.cpio")),
         Root::KernelMounted => busybox_initrd(s, dir),
     }
     let base = dir.join("base");
@@ -218,152 +102,48 @@ fn build_images(s: &Setup, dir: &Path, root: Root) {
     }
 }
 
-/// One booted VM: the vhost-user vsock device, QEMU, and the paths the test needs.
+/// One booted VM and the directory holding its initrd and drives.
 struct Vm {
-    dir: tempfile::TempDir,
-    uds: PathBuf,
-    console: PathBuf,
-    started: std::time::Instant,
-    // Field order = drop order: QEMU before its vsock device.
-    qemu: Kill,
-    _vhost: Kill,
+    images: tempfile::TempDir,
+    vm: qemu::Vm,
 }
 
 impl Vm {
     fn boot(s: &Setup, root: Root, extra_append: &str) -> Vm {
-        let dir = tempfile::tempdir().unwrap();
-        build_images(s, dir.path(), root);
-        let started = std::time::Instant::now();
-        let vhost_sock = dir.path().join("vhost.sock");
-        let uds = dir.path().join("vm.vsock");
-        let vhost = Kill(
-            Command::new(&s.vhost)
-                .args(["--guest-cid", "3", "--socket"])
-                .arg(&vhost_sock)
-                .arg("--uds-path")
-                .arg(&uds)
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.path().join("vhost.log")).unwrap())
-                .spawn()
-                .unwrap(),
-        );
-        for _ in 0..100 {
-            if vhost_sock.exists() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let console = dir.path().join("console.log");
+        let images = tempfile::tempdir().unwrap();
+        let dir = images.path();
+        build_images(s, dir, root);
         let append = format!(
-            "console=ttyS0 panic=-1 imp.overlay=/dev/vdb imp.hostname=imp-qemu \
-             imp.dns=192.0.2.53 imp.report_grace_s=60 {lower} {extra_append}",
+            "imp.overlay=/dev/vdb imp.hostname=imp-qemu imp.dns=192.0.2.53 \
+             imp.report_grace_s=60 {lower} {extra_append}",
             lower = match root {
                 Root::FromInitramfs => "imp.lower=/dev/vda",
                 Root::KernelMounted => "",
             }
         );
-        // TCG: works without /dev/kvm (CI containers), a few seconds per boot.
-        let qemu = Kill(
-            Command::new(&s.qemu)
-                .args(["-accel", "tcg", "-m", "512", "-display", "none"])
-                .args(["-no-reboot", "-nodefaults"])
-                // vhost-user needs guest memory the device process can map.
-                .args(["-object", "memory-backend-memfd,id=mem0,size=512M,share=on"])
-                .args(["-machine", "pc,memory-backend=mem0"])
-                .arg("-kernel")
-                .arg(&s.kernel)
-                .arg("-initrd")
-                .arg(dir.path().join("initrd.cpio"))
-                .arg("-append")
-                .arg(append)
-                .arg("-drive")
-                .arg(format!(
-                    "file={},format=raw,if=virtio,readonly=on",
-                    dir.path().join("base.ext4").display()
-                ))
-                .arg("-drive")
-                .arg(format!(
-                    "file={},format=raw,if=virtio",
-                    dir.path().join("rw.ext4").display()
-                ))
-                .arg("-chardev")
-                .arg(format!("socket,id=vs0,path={}", vhost_sock.display()))
-                .args(["-device", "vhost-user-vsock-pci,chardev=vs0"])
-                .arg("-serial")
-                .arg(format!("file:{}", console.display()))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.path().join("qemu.log")).unwrap())
-                .spawn()
-                .unwrap(),
+        let vm = qemu::Vm::start(
+            s,
+            &dir.join("initrd.cpio"),
+            &[
+                Drive::read_only(dir.join("base.ext4")),
+                Drive::writable(dir.join("rw.ext4")),
+            ],
+            &append,
         );
-        Vm {
-            started,
-            dir,
-            uds,
-            console,
-            qemu,
-            _vhost: vhost,
-        }
-    }
-
-    fn console_text(&self) -> String {
-        std::fs::read_to_string(&self.console).unwrap_or_default()
-    }
-
-    async fn connect(&self) -> host::HostClient {
-        match host::connect(&self.uds, 10000, Instant::now() + Duration::from_secs(120)).await {
-            Ok(c) => {
-                println!(
-                    "Hello {:.1} s after QEMU started",
-                    self.started.elapsed().as_secs_f64()
-                );
-                c
-            }
-            Err(e) => panic!(
-                "no Hello: {e}\n--- console ---\n{}\n--- qemu ---\n{}",
-                self.console_text(),
-                std::fs::read_to_string(self.dir.path().join("qemu.log")).unwrap_or_default()
-            ),
-        }
-    }
-
-    /// Wait for the VM to end by itself (power-off or reboot with -no-reboot).
-    fn wait_end(&mut self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while self.qemu.0.try_wait().unwrap().is_none() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "VM did not end\n{}",
-                self.console_text()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn print_markers(&self) {
-        println!("--- console (markers) ---");
-        for line in self
-            .console_text()
-            .lines()
-            .filter(|l| l.contains("IMP-GUEST"))
-        {
-            println!("{line}");
-        }
+        Vm { images, vm }
     }
 }
 
-fn setup_or_skip() -> Option<Setup> {
-    match detect() {
-        Ok(s) => Some(s),
-        // guest/vm-test.sh sets this: there a missing piece is a failure, not a skip.
-        Err(why) if std::env::var("IMP_REQUIRE_QEMU").as_deref() == Ok("1") => {
-            panic!("IMP_REQUIRE_QEMU=1 but the QEMU path cannot run: {why}")
-        }
-        Err(why) => {
-            println!("skipped the QEMU real-VM path: {why}");
-            None
-        }
+impl std::ops::Deref for Vm {
+    type Target = qemu::Vm;
+    fn deref(&self) -> &qemu::Vm {
+        &self.vm
+    }
+}
+
+impl std::ops::DerefMut for Vm {
+    fn deref_mut(&mut self) -> &mut qemu::Vm {
+        &mut self.vm
     }
 }
 
@@ -466,7 +246,7 @@ async fn pid1_and_agent_in_a_real_vm() {
     // The base image was never written.
     sh(&format!(
         "debugfs -R 'cat /etc/marker' {} 2>/dev/null | grep -qx pristine",
-        vm.dir.path().join("base.ext4").display()
+        vm.images.path().join("base.ext4").display()
     ));
 }
 
@@ -541,6 +321,6 @@ async fn overlay_over_the_kernel_mounted_root_and_host_shutdown() {
     );
     sh(&format!(
         "debugfs -R 'cat /etc/marker' {} 2>/dev/null | grep -qx pristine",
-        vm.dir.path().join("base.ext4").display()
+        vm.images.path().join("base.ext4").display()
     ));
 }

@@ -9,6 +9,7 @@ pub mod github;
 pub mod oci;
 pub mod paths;
 pub mod process;
+pub mod qemu;
 pub mod registry;
 pub mod tarball;
 
