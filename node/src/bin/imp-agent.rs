@@ -56,6 +56,7 @@ async fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     if args.pressure_lifecycle {
         tracing::warn!("--pressure-lifecycle is accepted but not implemented yet (docs/agent.md)");
