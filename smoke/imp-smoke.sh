@@ -56,7 +56,7 @@ wait_for() { local secs=$1; shift; for _ in $(seq 1 $((secs * 2))); do "$@" >/de
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 "$repo/testenv/build.sh" >/dev/null || fail "testenv build (testenv/build.sh)"
-(cd "$repo" && cargo build -q -p imp-operator -p imp-node -p imp-testkit --bins) || fail "cargo build"
+(cd "$repo" && cargo build -q -p imp-operator -p imp-node -p imp-testkit -p imp-guest --bins) || fail "cargo build"
 bin="${CARGO_TARGET_DIR:-$repo/target}/debug"
 pass "binaries built"
 
@@ -78,7 +78,21 @@ pass "GitHub simulator at $sim (App key and ids written for the Secret)"
 kubectl create secret generic imp-github-app --from-file="$work/app/app-id" \
   --from-file="$work/app/installation-id" --from-file="$work/app/private-key" >/dev/null
 kubectl create secret generic imp-webhook --from-literal=webhook-secret=imp-sim-webhook-secret >/dev/null
-kubectl apply -f "$repo/smoke/manifests/runner-pool.yaml" >/dev/null || fail "applying smoke/manifests/runner-pool.yaml"
+# The pool's images, served by a local registry (Debian's docker-registry) for imp-runtime's rootfs cache.
+command -v docker-registry >/dev/null || fail "docker-registry not on PATH (Debian package docker-registry)"
+reg_port=$(free_port)
+printf 'version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: %s\nhttp:\n  addr: 127.0.0.1:%s\n' \
+  "$work/registry" "$reg_port" >"$work/registry.yml"
+docker-registry serve "$work/registry.yml" >"$work/registry.log" 2>&1 &
+pids+=($!)
+base_img=$(python3 "$repo/smoke/push-image.py" "127.0.0.1:$reg_port" imp-dev/runner-base:smoke etc/imp-smoke=base) \
+  || fail "pushing the base image to the local registry: $(tail -3 "$work/registry.log")"
+runner_img=$(python3 "$repo/smoke/push-image.py" "127.0.0.1:$reg_port" imp-dev/actions-runner:smoke opt/runner/VERSION=smoke) \
+  || fail "pushing the runner image to the local registry"
+pass "images pushed to a local registry ($base_img, $runner_img)"
+sed -e "s#ghcr.io/imp-dev/runner-base:ubuntu-24.04#$base_img#" -e "s#ghcr.io/imp-dev/actions-runner:2#$runner_img#" \
+  "$repo/smoke/manifests/runner-pool.yaml" >"$work/runner-pool.yaml"
+kubectl apply -f "$work/runner-pool.yaml" >/dev/null || fail "applying smoke/manifests/runner-pool.yaml (images pointed at the local registry)"
 pass "GitHub App Secret, webhook Secret, class, network and runner pool accepted by the API server"
 
 IMP_HTTP_ADDR="127.0.0.1:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
@@ -126,4 +140,39 @@ bound() { [[ "$(kubectl get impvm "$vm" -o jsonpath='{.spec.nodeName}')" == smok
 wait_for 30 bound || fail "runner VM $vm not scheduled: $(kubectl get impvm "$vm" -o jsonpath='{.status.conditions}')"
 pass "runner VM $vm scheduled onto smoke-node (phase $(kubectl get impvm "$vm" -o jsonpath='{.status.phase}'))"
 
-fail "the next stage needs imp-agent, which is not built: nothing boots $vm on the node and hands it its runner config (imp-runtime and the Firecracker simulator exist: docs/runtime.md)"
+# The node's two processes: imp-runtime (Firecracker simulator: imp-guest runs as a host process, so the
+# runner command is a host binary) and imp-agent, whose runner is imp-fake-runner against the GitHub simulator.
+: >"$work/vmlinux"
+IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_STATE_DIR="$work/node-state" IMP_KERNEL="$work/vmlinux" \
+  IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="127.0.0.1:$(free_port)" \
+  IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >"$work/runtime.log" 2>&1 &
+pids+=($!)
+wait_for 20 curl -sf --unix-socket "$work/runtime.sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
+agent_port=$(free_port)
+IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_HEARTBEAT_INTERVAL=2s \
+  IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
+  "$bin/imp-agent" >"$work/agent.log" 2>&1 &
+pids+=($!)
+wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
+pass "imp-runtime (Firecracker simulator) and imp-agent started for smoke-node"
+
+vm_uid=$(kubectl get impvm "$vm" -o jsonpath='{.metadata.uid}')
+phase_is() { [[ "$(kubectl get impvm "$vm" -o jsonpath='{.status.phase}')" == "$1" ]]; }
+# The agent's log is the record here: the pool deletes a finished VM within moments.
+started() { grep -q "runner Started recorded vm=$vm " "$work/agent.log"; }
+wait_for 60 started || fail "runner VM $vm: no handoff Started (phase $(kubectl get impvm "$vm" -o jsonpath='{.status.phase}/{.status.reason}: {.status.message}' 2>/dev/null)): $(tail -3 "$work/agent.log")"
+pass "runner VM $vm booted (rootfs built from the registry images) and handed its JIT config: handoff Started"
+secret_gone() { ! kubectl get secret "$secret" >/dev/null 2>&1; }
+wait_for 10 secret_gone || fail "JIT Secret $secret still exists after the handoff"
+pass "JIT Secret $secret deleted after Started"
+exited_ok() { grep -q "runner exited vm=$vm code=Some(0) " "$work/agent.log"; }
+wait_for 90 exited_ok || fail "the runner did not exit 0 (phase $(kubectl get impvm "$vm" -o jsonpath='{.status.phase}/{.status.reason}' 2>/dev/null)): $(tail -3 "$work/agent.log")"
+pass "imp-fake-runner took the job, completed it and exited 0: VM Succeeded"
+gone() { ! kubectl get impvm "$vm" >/dev/null 2>&1; }
+wait_for 60 gone || fail "runner VM $vm not deleted after success (TornDown: $(kubectl get impvm "$vm" -o jsonpath='{.status.conditions[?(@.type=="TornDown")].status}'))"
+curl -sf --unix-socket "$work/runtime.sock" http://imp/v1/vms | grep -q "$vm_uid" && fail "imp-runtime still holds $vm_uid after teardown"
+pass "runner VM $vm deleted by the pool after TornDown; imp-runtime released it"
+replaced() { kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[*].metadata.name}' | tr ' ' '\n' | grep -v "^$vm\$" | grep -q .; }
+wait_for 30 replaced || fail "the pool did not replace the finished runner VM"
+pass "the pool replaced the runner (minIdle 1)"
+echo "imp-smoke --local: all stages passed"

@@ -1,7 +1,9 @@
 //! Imp's node half. This library is imp-runtime (the host-level half: Firecracker processes,
-//! TAP devices, SQLite inventory, the node-local socket API); imp-agent lives in src/bin.
+//! TAP devices, SQLite inventory, the node-local socket API) and imp-agent (`agent`: the
+//! Kubernetes-facing half, docs/agent.md).
 //! docs/runtime.md describes the API, the inventory and the reattach rules.
 
+pub mod agent;
 pub mod client;
 pub mod firecracker;
 pub mod inventory;

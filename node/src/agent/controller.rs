@@ -1,0 +1,759 @@
+//! The ImpVM watch (field selector `spec.nodeName=<node>`) and the execution of [`decide`]'s actions.
+//!
+//! A reconcile is short: it re-reads the ImpVM (uncached: the watch is only a trigger), asks
+//! imp-runtime for the VM, decides, and acts. Long work (a boot, a handoff and the wait for the
+//! runner's exit) runs in a per-VM task tracked in [`Context::tasks`], which `decide` sees as
+//! "in flight". A periodic sweep releases runtime VMs whose ImpVM is no longer bound here.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use imp_api::names::{self, condition, reason as api_reason};
+use imp_api::{ImpVM, ImpVMClass, Lifecycle, RunnerStatus, VmPhase};
+use imp_guest::host::{self, HostClient, HostError};
+use imp_guest::protocol::{ErrorCode, Exec, Exited, Redacted};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::runtime::{Controller, controller::Action as Requeue, watcher};
+use kube::{Api, Client, ResourceExt, api::DeleteParams, api::ListParams};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use super::AgentConfig;
+use super::decide::{self, Action, InFlight, RuntimeFacts, VmFacts};
+use super::handoff::{self, Handoff};
+use super::metrics::AgentMetrics;
+use super::spec;
+use super::status::{self, Written};
+use crate::client::{ClientError, RuntimeClient};
+use crate::inventory::VmState;
+
+/// The env var actions/runner reads its JIT config from.
+pub const JITCONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
+const GUEST_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+const EXEC_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("imp-runtime: {0}")]
+    Runtime(#[from] ClientError),
+    #[error("guest: {0}")]
+    Guest(#[from] HostError),
+    #[error("object has no {0}")]
+    Missing(&'static str),
+}
+
+pub struct Context {
+    pub client: Client,
+    pub config: AgentConfig,
+    pub runtime: RuntimeClient,
+    pub metrics: AgentMetrics,
+    tasks: Mutex<HashMap<String, (InFlight, JoinHandle<()>)>>,
+}
+
+impl Context {
+    pub fn new(client: Client, config: AgentConfig, metrics: AgentMetrics) -> Arc<Self> {
+        Arc::new(Self {
+            runtime: RuntimeClient::new(&config.runtime_socket),
+            client,
+            config,
+            metrics,
+            tasks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn in_flight(&self, uid: &str) -> Option<InFlight> {
+        let mut tasks = self.tasks.lock().unwrap();
+        match tasks.get(uid) {
+            Some((_, h)) if h.is_finished() => {
+                tasks.remove(uid);
+                None
+            }
+            Some((kind, _)) => Some(*kind),
+            None => None,
+        }
+    }
+
+    fn abort(&self, uid: &str) {
+        if let Some((_, h)) = self.tasks.lock().unwrap().remove(uid) {
+            h.abort();
+        }
+    }
+
+    fn spawn(
+        self: &Arc<Self>,
+        uid: &str,
+        kind: InFlight,
+        fut: impl Future<Output = Result<(), Error>> + Send + 'static,
+    ) {
+        let uid_owned = uid.to_owned();
+        let handle = tokio::spawn(async move {
+            if let Err(e) = fut.await {
+                warn!(uid = %uid_owned, error = %e, "{kind:?} task failed; the next reconcile retries");
+            }
+        });
+        self.tasks
+            .lock()
+            .unwrap()
+            .insert(uid.to_owned(), (kind, handle));
+    }
+}
+
+/// Runs the controller and the sweep until the process ends.
+pub async fn run(ctx: Arc<Context>) {
+    let api: Api<ImpVM> = Api::all(ctx.client.clone());
+    let selector = format!("spec.nodeName={}", ctx.config.node_name);
+    let sweep = tokio::spawn(sweep_loop(ctx.clone()));
+    info!(node = %ctx.config.node_name, "watching ImpVMs bound to this node");
+    Controller::new(api, watcher::Config::default().fields(&selector))
+        .run(reconcile, error_policy, ctx)
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                debug!(error = %e, "reconcile failed");
+            }
+        })
+        .await;
+    sweep.abort();
+}
+
+fn error_policy(_vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Requeue {
+    ctx.metrics.reconcile_error();
+    warn!(error = %error, "reconcile failed; retrying");
+    Requeue::requeue(ctx.config.poll_interval)
+}
+
+fn runtime_facts(r: Result<crate::runtime::VmStatus, ClientError>) -> Result<RuntimeFacts, Error> {
+    match r {
+        Ok(s) => Ok(match s.state {
+            VmState::Creating | VmState::Booting => RuntimeFacts::Booting,
+            VmState::Running => RuntimeFacts::Running,
+            VmState::Exited => RuntimeFacts::Exited,
+            VmState::Failed => {
+                let f = s.failure.unwrap_or(crate::runtime::Failure {
+                    reason: api_reason::FIRECRACKER_START_FAILED.into(),
+                    message: "imp-runtime recorded a failure without a reason".into(),
+                });
+                RuntimeFacts::Failed {
+                    reason: f.reason,
+                    message: f.message,
+                }
+            }
+        }),
+        Err(ClientError::Api { status, .. }) if status == http::StatusCode::NOT_FOUND => {
+            Ok(RuntimeFacts::Absent)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+pub fn vm_facts(vm: &ImpVM, node: &str) -> VmFacts {
+    let status = vm.status.as_ref();
+    VmFacts {
+        bound_here: vm.spec.node_name.as_deref() == Some(node),
+        deleting: vm.metadata.deletion_timestamp.is_some(),
+        phase: status.and_then(|s| s.phase),
+        torn_down: status::condition_true(status, condition::TORN_DOWN),
+        runner: vm.spec.runner_config_secret.is_some(),
+        handoff: Handoff::from_status(
+            status
+                .and_then(|s| s.runner.as_ref())
+                .and_then(|r| r.handoff),
+        ),
+    }
+}
+
+async fn reconcile(obj: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Requeue, Error> {
+    let ns = obj
+        .namespace()
+        .ok_or(Error::Missing(".metadata.namespace"))?;
+    let name = obj.name_any();
+    let uid = obj.uid().ok_or(Error::Missing(".metadata.uid"))?;
+    let api: Api<ImpVM> = Api::namespaced(ctx.client.clone(), &ns);
+    // The cache can lag behind our own writes; decide on the object as it is now.
+    let Some(vm) = api.get_opt(&name).await? else {
+        return Ok(Requeue::await_change());
+    };
+    if vm.uid().as_deref() != Some(uid.as_str()) {
+        return Ok(Requeue::await_change());
+    }
+    let rt = runtime_facts(ctx.runtime.inspect(&uid).await)?;
+    let facts = vm_facts(&vm, &ctx.config.node_name);
+    let in_flight = ctx.in_flight(&uid);
+    let action = decide::decide(&facts, &rt, in_flight);
+    if action != Action::Nothing {
+        info!(vm = %format!("{ns}/{name}"), phase = ?facts.phase, runtime = ?rt, ?in_flight, ?action, "acting");
+    }
+    execute(&ctx, &api, vm, &uid, action).await?;
+    Ok(Requeue::requeue(ctx.config.poll_interval))
+}
+
+async fn execute(
+    ctx: &Arc<Context>,
+    api: &Api<ImpVM>,
+    vm: ImpVM,
+    uid: &str,
+    action: Action,
+) -> Result<(), Error> {
+    let name = vm.name_any();
+    match action {
+        Action::Nothing => {}
+        Action::Teardown => {
+            ctx.abort(uid);
+            ctx.runtime.delete(uid).await?;
+            info!(vm = %name, "torn down in imp-runtime");
+            record_torn_down(ctx, api, &name).await?;
+        }
+        Action::RecordTornDown => record_torn_down(ctx, api, &name).await?,
+        Action::Release => {
+            ctx.abort(uid);
+            ctx.runtime.delete(uid).await?;
+            info!(vm = %name, "released the VM's instance in imp-runtime");
+        }
+        Action::Boot => {
+            let (ctx2, api2) = (ctx.clone(), api.clone());
+            ctx.spawn(
+                uid,
+                InFlight::Boot,
+                async move { boot(&ctx2, &api2, vm).await },
+            );
+        }
+        Action::Restart => {
+            ctx.abort(uid);
+            ctx.runtime.delete(uid).await?;
+            info!(vm = %name, "released the previous instance for an in-place restart");
+            let (ctx2, api2) = (ctx.clone(), api.clone());
+            ctx.spawn(
+                uid,
+                InFlight::Boot,
+                async move { boot(&ctx2, &api2, vm).await },
+            );
+        }
+        Action::Handoff | Action::Reattach => {
+            let resume = action == Action::Reattach;
+            let (ctx2, api2) = (ctx.clone(), api.clone());
+            ctx.spawn(uid, InFlight::Runner, async move {
+                runner(&ctx2, &api2, vm, resume).await
+            });
+        }
+        Action::DeclareAmbiguous => declare_ambiguous(ctx, api, &vm).await?,
+        Action::Fail { reason, message } => {
+            fail(ctx, api, &name, &reason, &message, |p| {
+                matches!(p, Some(VmPhase::Starting | VmPhase::Running))
+            })
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+async fn record_torn_down(ctx: &Context, api: &Api<ImpVM>, name: &str) -> Result<(), Error> {
+    let written = status::update(api, name, |vm, s| {
+        if status::condition_true(Some(s), condition::TORN_DOWN) {
+            return false;
+        }
+        let msg = "process, TAP, IP and per-VM disk released by imp-runtime";
+        status::set_condition(
+            s,
+            condition::TORN_DOWN,
+            "True",
+            "TeardownComplete",
+            msg,
+            vm.metadata.generation,
+            Timestamp::now(),
+        );
+        status::set_condition(
+            s,
+            condition::READY,
+            "False",
+            "TornDown",
+            "",
+            vm.metadata.generation,
+            Timestamp::now(),
+        );
+        true
+    })
+    .await?;
+    if matches!(written, Written::Done(_)) {
+        ctx.metrics.teardown();
+        info!(vm = %name, "recorded TornDown=True");
+    }
+    Ok(())
+}
+
+/// Phase Failed with `reason`, if `allowed(current phase)`.
+async fn fail(
+    ctx: &Context,
+    api: &Api<ImpVM>,
+    name: &str,
+    reason: &str,
+    message: &str,
+    allowed: impl Fn(Option<VmPhase>) -> bool,
+) -> Result<bool, Error> {
+    let written = status::update(api, name, |vm, s| {
+        if vm.metadata.deletion_timestamp.is_some() || !allowed(s.phase) {
+            return false;
+        }
+        s.phase = Some(VmPhase::Failed);
+        s.reason = Some(reason.to_owned());
+        s.message = Some(message.to_owned());
+        status::set_condition(
+            s,
+            condition::READY,
+            "False",
+            "VmStopped",
+            "",
+            vm.metadata.generation,
+            Timestamp::now(),
+        );
+        true
+    })
+    .await?;
+    let done = matches!(written, Written::Done(_));
+    if done {
+        ctx.metrics.vm_failed(reason);
+        warn!(vm = %name, reason, message, "VM failed");
+    }
+    Ok(done)
+}
+
+/// Starting (+bootStartTime), PUT the spec, then Running (+times, Ready) or Failed.
+async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
+    let name = vm.name_any();
+    let ns = vm.namespace().unwrap_or_default();
+    let uid = vm.uid().ok_or(Error::Missing(".metadata.uid"))?;
+    let starting = status::update(api, &name, |vm, s| {
+        if vm.metadata.deletion_timestamp.is_some()
+            || !matches!(s.phase, Some(VmPhase::Scheduled | VmPhase::Starting))
+        {
+            return false;
+        }
+        if s.phase == Some(VmPhase::Scheduled) {
+            s.boot_start_time = Some(Time(Timestamp::now()));
+            s.boot_complete_time = None;
+        }
+        s.boot_start_time.get_or_insert(Time(Timestamp::now()));
+        s.phase = Some(VmPhase::Starting);
+        s.reason = None;
+        s.message = None;
+        status::remove_condition(s, condition::TORN_DOWN);
+        status::set_condition(
+            s,
+            condition::READY,
+            "False",
+            "Booting",
+            "",
+            vm.metadata.generation,
+            Timestamp::now(),
+        );
+        true
+    })
+    .await?;
+    if matches!(starting, Written::Refused) {
+        return Ok(());
+    }
+    let starting_only = |p: Option<VmPhase>| p == Some(VmPhase::Starting);
+    let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
+    let Some(class) = classes.get_opt(&vm.spec.class_ref.name).await? else {
+        let msg = format!("ImpVMClass {} not found", vm.spec.class_ref.name);
+        fail(
+            ctx,
+            api,
+            &name,
+            api_reason::SPEC_INVALID,
+            &msg,
+            starting_only,
+        )
+        .await?;
+        return Ok(());
+    };
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let mut pull = Vec::new();
+    for r in &vm.spec.image_pull_secrets {
+        match secrets.get_opt(&r.name).await? {
+            Some(s) => pull.push(s),
+            None => {
+                let msg = format!("image pull Secret {} not found", r.name);
+                fail(
+                    ctx,
+                    api,
+                    &name,
+                    api_reason::ROOTFS_PULL_FAILED,
+                    &msg,
+                    starting_only,
+                )
+                .await?;
+                return Ok(());
+            }
+        }
+    }
+    let spec = match spec::vm_spec(&vm, &class.spec, &pull) {
+        Ok(s) => s,
+        Err(e) => {
+            fail(
+                ctx,
+                api,
+                &name,
+                api_reason::ROOTFS_PULL_FAILED,
+                &e.to_string(),
+                starting_only,
+            )
+            .await?;
+            return Ok(());
+        }
+    };
+    info!(vm = %name, image = %vm.spec.image, "asking imp-runtime to start the VM");
+    match ctx.runtime.ensure_running(&uid, &spec).await {
+        Ok((_, st)) if st.state == VmState::Running => {
+            let written = status::update(api, &name, |vm, s| {
+                if vm.metadata.deletion_timestamp.is_some() || s.phase != Some(VmPhase::Starting) {
+                    return false;
+                }
+                let now = Timestamp::now();
+                s.phase = Some(VmPhase::Running);
+                s.boot_complete_time = Some(Time(now));
+                s.first_running_time.get_or_insert(Time(now));
+                status::set_condition(
+                    s,
+                    condition::READY,
+                    "True",
+                    "GuestReady",
+                    "the guest agent answered",
+                    vm.metadata.generation,
+                    now,
+                );
+                true
+            })
+            .await?;
+            if matches!(written, Written::Done(_)) {
+                if let Some(b) = st.boot_seconds {
+                    ctx.metrics.boot(b);
+                }
+                info!(vm = %name, boot_seconds = ?st.boot_seconds, "VM running");
+            }
+        }
+        Ok((_, st)) => {
+            if let RuntimeFacts::Failed { reason, message } = runtime_facts(Ok(st))? {
+                fail(ctx, api, &name, &reason, &message, starting_only).await?;
+            }
+        }
+        Err(ClientError::Api { status, body }) if status.is_client_error() => {
+            let reason = match body.error.as_str() {
+                "InvalidSpec" | "InvalidBody" | "SpecConflict" => api_reason::SPEC_INVALID,
+                r => r,
+            };
+            fail(ctx, api, &name, reason, &body.message, starting_only).await?;
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
+}
+
+fn runner_exec(ctx: &Context, vm: &ImpVM, uid: &str, env: BTreeMap<String, Redacted>) -> Exec {
+    Exec {
+        id: handoff::exec_id(uid),
+        argv: vec![ctx.config.runner_command.clone()],
+        env,
+        cwd: None,
+        uid: None,
+        gid: None,
+        timeout_s: None,
+        stream_output: false,
+        poweroff_on_exit: vm.spec.lifecycle == Lifecycle::Ephemeral,
+    }
+}
+
+async fn connect(ctx: &Context, uid: &str) -> Result<HostClient, Error> {
+    let info = ctx.runtime.vsock(uid).await?;
+    let deadline = tokio::time::Instant::now() + GUEST_CONNECT_TIMEOUT;
+    Ok(host::connect(&info.path, info.guest_agent_port, deadline).await?)
+}
+
+async fn delete_secret(ctx: &Context, ns: &str, name: &str) -> Result<(), Error> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    match secrets.delete(name, &DeleteParams::default()).await {
+        Ok(_) => info!(secret = %format!("{ns}/{name}"), "deleted the JIT config Secret"),
+        Err(kube::Error::Api(s)) if s.code == 404 => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
+}
+
+fn runner_status(s: &mut imp_api::ImpVMStatus) -> &mut RunnerStatus {
+    s.runner.get_or_insert_with(Default::default)
+}
+
+/// The handoff (unless `resume`) and the wait for the runner's exit.
+async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Result<(), Error> {
+    let name = vm.name_any();
+    let ns = vm.namespace().unwrap_or_default();
+    let uid = vm.uid().ok_or(Error::Missing(".metadata.uid"))?;
+    let secret_name = vm
+        .spec
+        .runner_config_secret
+        .clone()
+        .ok_or(Error::Missing("spec.runnerConfigSecret"))?;
+    let exec_id = handoff::exec_id(&uid);
+    let mut client = connect(ctx, &uid).await?;
+    if resume {
+        // Same boot (a guest reboot ends the Firecracker process): the id is known to the guest,
+        // so this re-queries the runner and never spawns. No config is sent.
+        let started = client
+            .exec(runner_exec(ctx, &vm, &uid, BTreeMap::new()))
+            .await?;
+        info!(vm = %name, pid = started.pid, "reattached to the runner");
+    } else {
+        let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+        let read_at = Instant::now();
+        let secret = secrets.get_opt(&secret_name).await?;
+        let annotations = secret
+            .as_ref()
+            .map(|s| s.annotations().clone())
+            .unwrap_or_default();
+        let config = secret
+            .and_then(|s| s.data)
+            .and_then(|mut d| d.remove(names::SECRET_KEY_JITCONFIG))
+            .and_then(|b| String::from_utf8(b.0).ok())
+            .filter(|c| !c.is_empty())
+            .map(Redacted::new);
+        let Some(config) = config else {
+            ctx.metrics.handoff("config_missing");
+            let msg = format!("JIT config Secret {secret_name} is missing or has no jitconfig key");
+            fail(ctx, api, &name, "RunnerConfigMissing", &msg, |p| {
+                p == Some(VmPhase::Running)
+            })
+            .await?;
+            return Ok(());
+        };
+        // Record Sent before the config leaves the host.
+        let sent = status::update(api, &name, |vm, s| {
+            let handoff = s.runner.as_ref().and_then(|r| r.handoff);
+            if vm.metadata.deletion_timestamp.is_some()
+                || s.phase != Some(VmPhase::Running)
+                || handoff.is_some()
+            {
+                return false;
+            }
+            let r = runner_status(s);
+            r.handoff = handoff::Handoff::Sent.to_status();
+            r.exec_id = Some(exec_id.clone());
+            r.sent_time = Some(Time(Timestamp::now()));
+            r.runner_id = annotations
+                .get(names::ANNOTATION_RUNNER_ID)
+                .and_then(|v| v.parse().ok());
+            r.runner_name = annotations.get(names::ANNOTATION_RUNNER_NAME).cloned();
+            true
+        })
+        .await?;
+        if matches!(sent, Written::Refused) {
+            return Ok(());
+        }
+        info!(vm = %name, exec_id = %exec_id, "handoff Sent recorded; sending the Exec");
+        let env = BTreeMap::from([(JITCONFIG_ENV.to_owned(), config)]);
+        let answer = tokio::time::timeout(
+            EXEC_ANSWER_TIMEOUT,
+            client.exec(runner_exec(ctx, &vm, &uid, env)),
+        )
+        .await;
+        match answer {
+            Ok(Ok(started)) => {
+                status::update(api, &name, |_, s| {
+                    let r = runner_status(s);
+                    if r.handoff != Handoff::Sent.to_status() {
+                        return false;
+                    }
+                    r.handoff = Handoff::Started.to_status();
+                    r.pid = Some(i64::from(started.pid));
+                    r.started_time = Some(Time(Timestamp::now()));
+                    true
+                })
+                .await?;
+                ctx.metrics.handoff("started");
+                ctx.metrics
+                    .handoff_duration(read_at.elapsed().as_secs_f64());
+                info!(vm = %name, pid = started.pid, "runner Started recorded");
+                delete_secret(ctx, &ns, &secret_name).await?;
+            }
+            Ok(Err(HostError::Guest(e))) if e.code == ErrorCode::SpawnFailed => {
+                // Definitely not started: the config was not used.
+                ctx.metrics.handoff("spawn_failed");
+                fail(ctx, api, &name, "RunnerStartFailed", &e.message, |p| {
+                    p == Some(VmPhase::Running)
+                })
+                .await?;
+                delete_secret(ctx, &ns, &secret_name).await?;
+                return Ok(());
+            }
+            Ok(Err(e)) => {
+                warn!(vm = %name, error = %e, "guest connection lost after Sent: the handoff is ambiguous");
+                declare_ambiguous(ctx, api, &vm).await?;
+                return Ok(());
+            }
+            Err(_) => {
+                warn!(vm = %name, "no answer to the Exec within {EXEC_ANSWER_TIMEOUT:?}: the handoff is ambiguous");
+                declare_ambiguous(ctx, api, &vm).await?;
+                return Ok(());
+            }
+        }
+    }
+    let exited = wait_exited(ctx, &vm, &uid, &exec_id, client).await?;
+    let Some(exited) = exited else {
+        return Ok(()); // the VM ended without reporting; the next reconcile decides.
+    };
+    let outcome = handoff::exit_outcome(exited.code, exited.signal, exited.timed_out);
+    let written = status::update(api, &name, |vm, s| {
+        if vm.metadata.deletion_timestamp.is_some() || s.phase != Some(VmPhase::Running) {
+            return false;
+        }
+        let r = runner_status(s);
+        r.handoff = Handoff::Exited.to_status();
+        r.exit_code = exited.code;
+        r.exited_time = Some(Time(Timestamp::now()));
+        match &outcome {
+            Ok(()) => {
+                s.phase = Some(VmPhase::Succeeded);
+                s.reason = None;
+                s.message = Some("runner exited with code 0".into());
+            }
+            Err((reason, message)) => {
+                s.phase = Some(VmPhase::Failed);
+                s.reason = Some((*reason).to_owned());
+                s.message = Some(message.clone());
+            }
+        }
+        status::set_condition(
+            s,
+            condition::READY,
+            "False",
+            "RunnerExited",
+            "",
+            vm.metadata.generation,
+            Timestamp::now(),
+        );
+        true
+    })
+    .await?;
+    if matches!(written, Written::Done(_)) {
+        match &outcome {
+            Ok(()) => ctx.metrics.runner_exit("succeeded"),
+            Err((reason, _)) => {
+                ctx.metrics.runner_exit("failed");
+                ctx.metrics.vm_failed(reason);
+            }
+        }
+        info!(vm = %name, code = ?exited.code, signal = ?exited.signal, "runner exited");
+    }
+    Ok(())
+}
+
+/// Waits for the runner's `Exited`, reconnecting (and re-asking with the same id, which never
+/// spawns) when the connection breaks. `None` when the VM ended without reporting.
+async fn wait_exited(
+    ctx: &Context,
+    vm: &ImpVM,
+    uid: &str,
+    exec_id: &str,
+    mut client: HostClient,
+) -> Result<Option<Exited>, Error> {
+    loop {
+        match client.wait_exited(exec_id).await {
+            Ok(e) => return Ok(Some(e)),
+            Err(e) => {
+                debug!(uid, error = %e, "lost the guest connection while waiting for the runner");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                if runtime_facts(ctx.runtime.inspect(uid).await)? != RuntimeFacts::Running {
+                    return Ok(None);
+                }
+                client = connect(ctx, uid).await?;
+                client
+                    .exec(runner_exec(ctx, vm, uid, BTreeMap::new()))
+                    .await?;
+            }
+        }
+    }
+}
+
+/// `Sent` without `Started`: Failed HandoffAmbiguous, Secret deleted, never replayed. The runtime
+/// instance is then released (terminal phase), which stops any runner the config may have reached.
+async fn declare_ambiguous(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM) -> Result<(), Error> {
+    let name = vm.name_any();
+    let ns = vm.namespace().unwrap_or_default();
+    let written = status::update(api, &name, |vm, s| {
+        let r = s.runner.get_or_insert_with(Default::default);
+        if r.handoff != Handoff::Sent.to_status() || vm.metadata.deletion_timestamp.is_some() {
+            return false;
+        }
+        r.handoff = Handoff::Ambiguous.to_status();
+        if !s.phase.is_some_and(|p| p.is_terminal()) {
+            s.phase = Some(VmPhase::Failed);
+            s.reason = Some(api_reason::HANDOFF_AMBIGUOUS.to_owned());
+            s.message = Some(
+                "the runner config was sent but its start was never confirmed; it is not replayed"
+                    .into(),
+            );
+            status::set_condition(
+                s,
+                condition::READY,
+                "False",
+                "VmStopped",
+                "",
+                vm.metadata.generation,
+                Timestamp::now(),
+            );
+        }
+        true
+    })
+    .await?;
+    if matches!(written, Written::Done(_)) {
+        ctx.metrics.handoff("ambiguous");
+        ctx.metrics.vm_failed(api_reason::HANDOFF_AMBIGUOUS);
+        warn!(vm = %name, "handoff ambiguous: VM failed, config not replayed");
+    }
+    if let Some(secret) = &vm.spec.runner_config_secret {
+        delete_secret(ctx, &ns, secret).await?;
+    }
+    Ok(())
+}
+
+/// Releases runtime VMs whose ImpVM is no longer bound to this node (rescheduled or gone), and
+/// refreshes the backlog gauge.
+async fn sweep_loop(ctx: Arc<Context>) {
+    let api: Api<ImpVM> = Api::all(ctx.client.clone());
+    let lp = ListParams::default().fields(&format!("spec.nodeName={}", ctx.config.node_name));
+    loop {
+        tokio::time::sleep(ctx.config.sweep_interval).await;
+        if let Err(e) = sweep_once(&ctx, &api, &lp).await {
+            warn!(error = %e, "sweep failed");
+        }
+    }
+}
+
+async fn sweep_once(ctx: &Context, api: &Api<ImpVM>, lp: &ListParams) -> Result<(), Error> {
+    // The runtime list first: a VM created after it was read is bound (we only start bound VMs).
+    let local = ctx.runtime.list().await?;
+    let bound = api.list(lp).await?;
+    let backlog = bound
+        .items
+        .iter()
+        .filter(|vm| {
+            matches!(
+                vm.status.as_ref().and_then(|s| s.phase),
+                Some(VmPhase::Scheduled | VmPhase::Starting)
+            )
+        })
+        .count();
+    ctx.metrics.backlog(backlog as i64);
+    let uids: HashSet<String> = bound.items.iter().filter_map(|vm| vm.uid()).collect();
+    for vm in local {
+        if !uids.contains(&vm.uid) {
+            ctx.abort(&vm.uid);
+            ctx.runtime.delete(&vm.uid).await?;
+            info!(uid = %vm.uid, "released a VM no longer bound to this node");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,366 @@
+//! The agent's state machine for one ImpVM, pure: what the ImpVM says + what imp-runtime reports +
+//! what this agent has in flight -> the next action. No I/O; the controller executes the action.
+
+use imp_api::VmPhase;
+
+use super::handoff::{self, Handoff, Resume};
+
+/// The facts of the ImpVM that matter to the agent on one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmFacts {
+    /// `spec.nodeName` is this agent's node.
+    pub bound_here: bool,
+    /// `metadata.deletionTimestamp` is set.
+    pub deleting: bool,
+    pub phase: Option<VmPhase>,
+    /// Condition TornDown=True is recorded.
+    pub torn_down: bool,
+    /// `spec.runnerConfigSecret` is set.
+    pub runner: bool,
+    pub handoff: Handoff,
+}
+
+/// What imp-runtime reports for the VM's uid.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RuntimeFacts {
+    Absent,
+    /// Creating or Booting.
+    Booting,
+    Running,
+    /// The VM's process ended.
+    Exited,
+    Failed {
+        reason: String,
+        message: String,
+    },
+}
+
+/// Work this agent is doing for the VM right now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InFlight {
+    /// Writing Starting, PUT to the runtime, writing Running.
+    Boot,
+    /// The handoff and the wait for the runner's exit.
+    Runner,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    Nothing,
+    /// Abort local work, DELETE the runtime VM, then record TornDown=True.
+    Teardown,
+    /// Only record TornDown=True (nothing is left on the host).
+    RecordTornDown,
+    /// Abort local work and DELETE the runtime VM (terminal phase or no longer bound here).
+    Release,
+    /// Write Starting, PUT the spec, write Running (or Failed with the runtime's reason).
+    Boot,
+    /// In-place restart: DELETE the old instance, then Boot.
+    Restart,
+    /// Begin the handoff: Secret, Sent, Exec, Started, Secret deleted, then wait for Exited.
+    Handoff,
+    /// The runner started before: reconnect and wait for its Exited.
+    Reattach,
+    /// `Sent` without `Started` and nothing in flight: Failed HandoffAmbiguous, delete the Secret.
+    DeclareAmbiguous,
+    /// Write phase Failed.
+    Fail {
+        reason: String,
+        message: String,
+    },
+}
+
+/// Reasons the agent writes beyond the runtime's start-failure reasons.
+pub mod reason {
+    /// The VM's process ended while the VM was Running (no runner exit code to report).
+    pub const GUEST_EXITED: &str = "GuestExited";
+    /// imp-runtime has no record of a VM that status says is Starting/Running beyond recovery.
+    pub const VM_LOST: &str = "VmLost";
+    /// The runner had started, but the VM ended before its exit code was collected.
+    pub const RUNNER_EXIT_UNKNOWN: &str = "RunnerExitUnknown";
+}
+
+pub fn decide(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> Action {
+    let present = *rt != RuntimeFacts::Absent;
+    // Deletion (the operator also sets Terminating), or no longer ours: tear down, then record it.
+    if vm.deleting || vm.phase == Some(VmPhase::Terminating) || !vm.bound_here {
+        if present || in_flight.is_some() {
+            return if vm.bound_here {
+                Action::Teardown
+            } else {
+                Action::Release
+            };
+        }
+        return if vm.bound_here && !vm.torn_down {
+            Action::RecordTornDown
+        } else {
+            Action::Nothing
+        };
+    }
+    match vm.phase {
+        Some(VmPhase::Succeeded | VmPhase::Failed | VmPhase::RetryExhausted) => {
+            // The run is over (or the operator declared it lost): release the host resources
+            // (an exited instance still holds its TAP and disk until DELETE).
+            if present || in_flight.is_some() {
+                Action::Release
+            } else {
+                Action::Nothing
+            }
+        }
+        Some(VmPhase::Scheduled) => match (in_flight, rt) {
+            (Some(InFlight::Boot), _) => Action::Nothing,
+            // Starting is written before the PUT, so an instance here is from a previous run.
+            (_, RuntimeFacts::Absent) if in_flight.is_none() => Action::Boot,
+            (None, _) => Action::Restart,
+            (Some(InFlight::Runner), _) => Action::Release,
+        },
+        Some(VmPhase::Starting) => match (in_flight, rt) {
+            (Some(_), _) => Action::Nothing,
+            (None, RuntimeFacts::Failed { reason, message }) => Action::Fail {
+                reason: reason.clone(),
+                message: message.clone(),
+            },
+            (None, RuntimeFacts::Exited) => Action::Fail {
+                reason: reason::GUEST_EXITED.into(),
+                message: "the VM's process ended during boot".into(),
+            },
+            // Absent (PUT never landed), Booting or Running: PUT again (idempotent by uid).
+            (None, _) => Action::Boot,
+        },
+        Some(VmPhase::Running) => running(vm, rt, in_flight),
+        _ => Action::Nothing,
+    }
+}
+
+fn running(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> Action {
+    if let RuntimeFacts::Failed { reason, message } = rt {
+        return Action::Fail {
+            reason: reason.clone(),
+            message: message.clone(),
+        };
+    }
+    if !vm.runner {
+        return match rt {
+            RuntimeFacts::Exited => Action::Fail {
+                reason: reason::GUEST_EXITED.into(),
+                message: "the VM's process ended".into(),
+            },
+            RuntimeFacts::Absent => Action::Fail {
+                reason: reason::VM_LOST.into(),
+                message: "imp-runtime has no record of the VM".into(),
+            },
+            _ => Action::Nothing,
+        };
+    }
+    if in_flight == Some(InFlight::Runner) {
+        return Action::Nothing;
+    }
+    match handoff::resume(vm.handoff) {
+        // Whatever the runtime says: the config may have reached the guest, never send it again.
+        Resume::DeclareAmbiguous => Action::DeclareAmbiguous,
+        Resume::Done => Action::Nothing,
+        Resume::Begin => match rt {
+            RuntimeFacts::Running => Action::Handoff,
+            RuntimeFacts::Booting => Action::Nothing,
+            RuntimeFacts::Absent => Action::Fail {
+                reason: reason::VM_LOST.into(),
+                message: "imp-runtime has no record of the VM".into(),
+            },
+            _ => Action::Fail {
+                reason: reason::GUEST_EXITED.into(),
+                message: "the VM's process ended before the runner was handed its config".into(),
+            },
+        },
+        Resume::Reattach => match rt {
+            RuntimeFacts::Running => Action::Reattach,
+            _ => Action::Fail {
+                reason: reason::RUNNER_EXIT_UNKNOWN.into(),
+                message: "the VM ended before the runner's exit code was collected".into(),
+            },
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use RuntimeFacts as R;
+
+    fn vm(phase: VmPhase) -> VmFacts {
+        VmFacts {
+            bound_here: true,
+            deleting: false,
+            phase: Some(phase),
+            torn_down: false,
+            runner: false,
+            handoff: Handoff::NotStarted,
+        }
+    }
+
+    fn runner(phase: VmPhase, handoff: Handoff) -> VmFacts {
+        VmFacts {
+            runner: true,
+            handoff,
+            ..vm(phase)
+        }
+    }
+
+    fn failed(reason: &str) -> R {
+        R::Failed {
+            reason: reason.into(),
+            message: "m".into(),
+        }
+    }
+
+    #[test]
+    fn scheduled_boots() {
+        assert_eq!(
+            decide(&vm(VmPhase::Scheduled), &R::Absent, None),
+            Action::Boot
+        );
+        assert_eq!(
+            decide(&vm(VmPhase::Scheduled), &R::Absent, Some(InFlight::Boot)),
+            Action::Nothing
+        );
+    }
+
+    #[test]
+    fn scheduled_with_an_old_instance_restarts_in_place() {
+        for rt in [R::Running, R::Exited, failed("GuestPanicked")] {
+            assert_eq!(decide(&vm(VmPhase::Scheduled), &rt, None), Action::Restart);
+        }
+    }
+
+    #[test]
+    fn starting_resumes_or_reports_the_runtime_failure() {
+        for rt in [R::Absent, R::Booting, R::Running] {
+            assert_eq!(
+                decide(&vm(VmPhase::Starting), &rt, None),
+                Action::Boot,
+                "{rt:?}"
+            );
+        }
+        assert_eq!(
+            decide(&vm(VmPhase::Starting), &R::Booting, Some(InFlight::Boot)),
+            Action::Nothing
+        );
+        assert_eq!(
+            decide(&vm(VmPhase::Starting), &failed("RootfsPullFailed"), None),
+            Action::Fail {
+                reason: "RootfsPullFailed".into(),
+                message: "m".into()
+            }
+        );
+        assert!(matches!(
+            decide(&vm(VmPhase::Starting), &R::Exited, None),
+            Action::Fail { reason, .. } if reason == reason::GUEST_EXITED
+        ));
+    }
+
+    #[test]
+    fn running_plain_vm_is_watched() {
+        assert_eq!(
+            decide(&vm(VmPhase::Running), &R::Running, None),
+            Action::Nothing
+        );
+        assert!(matches!(
+            decide(&vm(VmPhase::Running), &R::Exited, None),
+            Action::Fail { reason, .. } if reason == reason::GUEST_EXITED
+        ));
+        assert!(matches!(
+            decide(&vm(VmPhase::Running), &R::Absent, None),
+            Action::Fail { reason, .. } if reason == reason::VM_LOST
+        ));
+        assert!(matches!(
+            decide(&vm(VmPhase::Running), &failed("FirecrackerUnresponsive"), None),
+            Action::Fail { reason, .. } if reason == "FirecrackerUnresponsive"
+        ));
+    }
+
+    #[test]
+    fn running_runner_vm_hands_off_once() {
+        let v = runner(VmPhase::Running, Handoff::NotStarted);
+        assert_eq!(decide(&v, &R::Running, None), Action::Handoff);
+        assert_eq!(
+            decide(&v, &R::Running, Some(InFlight::Runner)),
+            Action::Nothing
+        );
+        assert_eq!(decide(&v, &R::Booting, None), Action::Nothing);
+    }
+
+    #[test]
+    fn sent_without_started_and_nothing_in_flight_is_ambiguous_whatever_the_runtime_says() {
+        let v = runner(VmPhase::Running, Handoff::Sent);
+        for rt in [R::Running, R::Exited, R::Absent, R::Booting] {
+            assert_eq!(decide(&v, &rt, None), Action::DeclareAmbiguous, "{rt:?}");
+        }
+        // Our own handoff in flight: not ambiguous (yet).
+        assert_eq!(
+            decide(&v, &R::Running, Some(InFlight::Runner)),
+            Action::Nothing
+        );
+    }
+
+    #[test]
+    fn started_runner_is_reattached_or_its_loss_reported() {
+        let v = runner(VmPhase::Running, Handoff::Started);
+        assert_eq!(decide(&v, &R::Running, None), Action::Reattach);
+        for rt in [R::Exited, R::Absent] {
+            assert!(matches!(
+                decide(&v, &rt, None),
+                Action::Fail { reason, .. } if reason == reason::RUNNER_EXIT_UNKNOWN
+            ));
+        }
+    }
+
+    #[test]
+    fn deletion_tears_down_then_records() {
+        let mut v = runner(VmPhase::Terminating, Handoff::Started);
+        assert_eq!(decide(&v, &R::Running, None), Action::Teardown);
+        assert_eq!(
+            decide(&v, &R::Exited, Some(InFlight::Runner)),
+            Action::Teardown
+        );
+        assert_eq!(
+            decide(&v, &R::Absent, Some(InFlight::Runner)),
+            Action::Teardown
+        );
+        assert_eq!(decide(&v, &R::Absent, None), Action::RecordTornDown);
+        v.torn_down = true;
+        assert_eq!(decide(&v, &R::Absent, None), Action::Nothing);
+        // deletionTimestamp before the operator wrote Terminating
+        let mut d = vm(VmPhase::Running);
+        d.deleting = true;
+        assert_eq!(decide(&d, &R::Running, None), Action::Teardown);
+    }
+
+    #[test]
+    fn unbound_vm_is_released_without_a_record() {
+        let mut v = vm(VmPhase::Pending);
+        v.bound_here = false;
+        assert_eq!(decide(&v, &R::Running, None), Action::Release);
+        assert_eq!(decide(&v, &R::Absent, None), Action::Nothing);
+    }
+
+    #[test]
+    fn terminal_phases_release_the_instance() {
+        for p in [VmPhase::Succeeded, VmPhase::Failed, VmPhase::RetryExhausted] {
+            assert_eq!(decide(&vm(p), &R::Exited, None), Action::Release);
+            assert_eq!(
+                decide(&vm(p), &R::Running, Some(InFlight::Runner)),
+                Action::Release
+            );
+            assert_eq!(decide(&vm(p), &R::Absent, None), Action::Nothing);
+        }
+    }
+
+    #[test]
+    fn operator_phases_are_left_alone() {
+        for p in [VmPhase::Pending, VmPhase::Suspended] {
+            assert_eq!(decide(&vm(p), &R::Absent, None), Action::Nothing);
+        }
+        let mut v = vm(VmPhase::Scheduled);
+        v.phase = None;
+        assert_eq!(decide(&v, &R::Absent, None), Action::Nothing);
+    }
+}

@@ -1,0 +1,99 @@
+//! The heartbeat Lease `imp-node-<node>` in the operator's namespace (docs/vm-lifecycle.md rule 5):
+//! created if missing, `spec.renewTime` renewed every heartbeat interval.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+use k8s_openapi::jiff::Timestamp;
+use kube::{Api, Client, api::PostParams};
+use tracing::{debug, warn};
+
+use super::metrics::AgentMetrics;
+
+/// Name of the heartbeat Lease of `node` (the operator's `vm::config::lease_name`).
+pub fn lease_name(node: &str) -> String {
+    format!("imp-node-{node}")
+}
+
+/// `leaseDurationSeconds` advertised: four missed renewals (informational; the operator applies
+/// its own staleness threshold).
+pub fn lease_duration_secs(interval: Duration) -> i32 {
+    i32::try_from((interval.as_secs() * 4).max(1)).unwrap_or(i32::MAX)
+}
+
+/// Renews once: create, or replace with the read resourceVersion.
+pub async fn renew(api: &Api<Lease>, node: &str, interval: Duration) -> Result<(), kube::Error> {
+    let name = lease_name(node);
+    let now = MicroTime(Timestamp::now());
+    match api.get_opt(&name).await? {
+        None => {
+            let lease = Lease {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(name),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(node.to_owned()),
+                    lease_duration_seconds: Some(lease_duration_secs(interval)),
+                    acquire_time: Some(now.clone()),
+                    renew_time: Some(now),
+                    ..Default::default()
+                }),
+            };
+            api.create(&PostParams::default(), &lease).await?;
+        }
+        Some(mut lease) => {
+            let spec = lease.spec.get_or_insert_with(Default::default);
+            if spec.holder_identity.as_deref() != Some(node) {
+                spec.holder_identity = Some(node.to_owned());
+                spec.acquire_time = Some(now.clone());
+            }
+            spec.lease_duration_seconds = Some(lease_duration_secs(interval));
+            spec.renew_time = Some(now);
+            api.replace(&name, &PostParams::default(), &lease).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Renews forever, every `interval` (a failed renewal is retried after a short pause).
+pub async fn heartbeat(
+    client: Client,
+    namespace: String,
+    node: String,
+    interval: Duration,
+    metrics: AgentMetrics,
+) {
+    let api: Api<Lease> = Api::namespaced(client, &namespace);
+    loop {
+        match renew(&api, &node, interval).await {
+            Ok(()) => {
+                metrics.heartbeat_ok();
+                debug!(lease = %lease_name(&node), "heartbeat renewed");
+                tokio::time::sleep(interval).await;
+            }
+            Err(e) => {
+                metrics.heartbeat_failed();
+                warn!(lease = %lease_name(&node), error = %e, "heartbeat renewal failed");
+                tokio::time::sleep(interval.min(Duration::from_secs(1))).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn name_matches_the_operator_convention() {
+        assert_eq!(lease_name("node-a"), "imp-node-node-a");
+    }
+
+    #[test]
+    fn duration_is_four_intervals() {
+        assert_eq!(lease_duration_secs(Duration::from_secs(10)), 40);
+        assert_eq!(lease_duration_secs(Duration::from_millis(300)), 1);
+    }
+}

@@ -1,0 +1,229 @@
+//! imp-agent's Prometheus metrics (listed in docs/metrics.md, "imp-agent").
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+#[derive(Clone)]
+pub struct AgentMetrics {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    registry: Registry,
+    heartbeat_timestamp: Gauge<f64, std::sync::atomic::AtomicU64>,
+    heartbeat_failures: Counter,
+    handoffs: Family<OutcomeLabel, Counter>,
+    handoff_duration: Histogram,
+    runner_exits: Family<OutcomeLabel, Counter>,
+    vm_failures: Family<ReasonLabel, Counter>,
+    boot_latency: Histogram,
+    teardowns: Counter,
+    backlog: Gauge,
+    reconcile_errors: Counter,
+}
+
+impl Default for AgentMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl AgentMetrics {
+    pub fn new() -> Self {
+        let mut inner = Inner {
+            registry: Registry::default(),
+            heartbeat_timestamp: Gauge::default(),
+            heartbeat_failures: Counter::default(),
+            handoffs: Family::default(),
+            handoff_duration: Histogram::new(exponential_buckets(0.005, 2.0, 12)),
+            runner_exits: Family::default(),
+            vm_failures: Family::default(),
+            boot_latency: Histogram::new(exponential_buckets(0.05, 2.0, 12)),
+            teardowns: Counter::default(),
+            backlog: Gauge::default(),
+            reconcile_errors: Counter::default(),
+        };
+        inner.registry.register(
+            "imp_agent_heartbeat_timestamp_seconds",
+            "Unix time of the last successful renewal of this node's heartbeat Lease",
+            inner.heartbeat_timestamp.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_heartbeat_failures",
+            "Failed heartbeat Lease renewals",
+            inner.heartbeat_failures.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_handoffs",
+            "Runner handoffs by outcome (started, ambiguous, spawn_failed, config_missing)",
+            inner.handoffs.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_handoff_duration_seconds",
+            "JIT Secret read to the guest's Started",
+            inner.handoff_duration.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_runner_exits",
+            "Runner processes that ended, by outcome (succeeded, failed)",
+            inner.runner_exits.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_vm_failures",
+            "ImpVMs this agent marked Failed, by reason",
+            inner.vm_failures.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_vm_boot_seconds",
+            "Firecracker spawn to guest Hello as reported by imp-runtime for VMs this agent started",
+            inner.boot_latency.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_teardowns",
+            "Teardowns recorded with TornDown=True",
+            inner.teardowns.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_backlog_vms",
+            "ImpVMs bound to this node and not yet Running (Scheduled or Starting)",
+            inner.backlog.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_reconcile_errors",
+            "Reconcile passes that failed (retried)",
+            inner.reconcile_errors.clone(),
+        );
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.inner.registry)
+            .expect("encoding to a String cannot fail");
+        out
+    }
+
+    pub fn heartbeat_ok(&self) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or_default();
+        self.inner.heartbeat_timestamp.set(now);
+    }
+    pub fn heartbeat_failed(&self) {
+        self.inner.heartbeat_failures.inc();
+    }
+    pub fn handoff(&self, outcome: &str) {
+        self.inner
+            .handoffs
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+    pub fn handoff_duration(&self, secs: f64) {
+        self.inner.handoff_duration.observe(secs);
+    }
+    pub fn runner_exit(&self, outcome: &str) {
+        self.inner
+            .runner_exits
+            .get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            })
+            .inc();
+    }
+    pub fn vm_failed(&self, reason: &str) {
+        self.inner
+            .vm_failures
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+    pub fn boot(&self, secs: f64) {
+        self.inner.boot_latency.observe(secs);
+    }
+    pub fn teardown(&self) {
+        self.inner.teardowns.inc();
+    }
+    pub fn backlog(&self, n: i64) {
+        self.inner.backlog.set(n);
+    }
+    pub fn reconcile_error(&self) {
+        self.inner.reconcile_errors.inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_is_exported_and_documented() {
+        let m = AgentMetrics::new();
+        m.heartbeat_ok();
+        m.heartbeat_failed();
+        m.handoff("started");
+        m.handoff_duration(0.1);
+        m.runner_exit("succeeded");
+        m.vm_failed("HandoffAmbiguous");
+        m.boot(0.5);
+        m.teardown();
+        m.backlog(2);
+        m.reconcile_error();
+        let text = m.encode();
+        for want in [
+            "imp_agent_heartbeat_failures_total 1",
+            "imp_agent_handoffs_total{outcome=\"started\"} 1",
+            "imp_agent_handoff_duration_seconds_count 1",
+            "imp_agent_runner_exits_total{outcome=\"succeeded\"} 1",
+            "imp_agent_vm_failures_total{reason=\"HandoffAmbiguous\"} 1",
+            "imp_agent_vm_boot_seconds_count 1",
+            "imp_agent_teardowns_total 1",
+            "imp_agent_backlog_vms 2",
+            "imp_agent_reconcile_errors_total 1",
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        assert!(
+            text.contains("imp_agent_heartbeat_timestamp_seconds 1"),
+            "{text}"
+        );
+        let docs = include_str!("../../../docs/metrics.md");
+        let families: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .collect();
+        assert_eq!(families.len(), 10, "{text}");
+        for line in families {
+            let family = line.split_whitespace().next().unwrap();
+            let documented = if line.ends_with(" counter") {
+                format!("{family}_total")
+            } else {
+                family.to_owned()
+            };
+            assert!(
+                docs.contains(&format!("`{documented}`")),
+                "{documented} is not in docs/metrics.md"
+            );
+        }
+    }
+}

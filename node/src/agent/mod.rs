@@ -1,0 +1,81 @@
+//! imp-agent, the Kubernetes-facing half of a node (docs/agent.md): watches the ImpVMs bound to
+//! its node, drives imp-runtime through its socket, performs the runner handoff over vsock, writes
+//! the agent's part of ImpVM status and renews the node's heartbeat Lease.
+//!
+//! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`spec`]
+//! (ImpVM -> runtime spec). I/O: [`controller`], [`status`], [`lease`], [`http`].
+
+pub mod controller;
+pub mod decide;
+pub mod handoff;
+pub mod http;
+pub mod lease;
+pub mod metrics;
+pub mod spec;
+pub mod status;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kube::Client;
+
+pub use metrics::AgentMetrics;
+
+/// Default runner program inside the guest (the runner image's entry point).
+pub const DEFAULT_RUNNER_COMMAND: &str = "/usr/local/bin/imp-runner";
+
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    pub node_name: String,
+    /// Namespace of the heartbeat Lease (the operator's).
+    pub lease_namespace: String,
+    pub runtime_socket: PathBuf,
+    pub heartbeat_interval: Duration,
+    /// Program started in the guest for runner VMs (argv[0]; the config goes in the environment).
+    pub runner_command: String,
+    /// Upper bound between two reconciles of a bound VM (runtime state is polled).
+    pub poll_interval: Duration,
+    /// How often runtime VMs no longer bound here are looked for.
+    pub sweep_interval: Duration,
+}
+
+impl AgentConfig {
+    pub fn new(node_name: impl Into<String>, runtime_socket: impl Into<PathBuf>) -> Self {
+        Self {
+            node_name: node_name.into(),
+            lease_namespace: "imp-system".into(),
+            runtime_socket: runtime_socket.into(),
+            heartbeat_interval: Duration::from_secs(10),
+            runner_command: DEFAULT_RUNNER_COMMAND.into(),
+            poll_interval: Duration::from_secs(5),
+            sweep_interval: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Runs the agent (watch, sweep, heartbeat, HTTP) until one part ends (they run forever unless
+/// the HTTP listener fails).
+pub async fn run(
+    client: Client,
+    config: AgentConfig,
+    http_addr: SocketAddr,
+    metrics: AgentMetrics,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(http_addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
+    let heartbeat = tokio::spawn(lease::heartbeat(
+        client.clone(),
+        config.lease_namespace.clone(),
+        config.node_name.clone(),
+        config.heartbeat_interval,
+        metrics.clone(),
+    ));
+    let ctx = controller::Context::new(client, config, metrics.clone());
+    let result = tokio::select! {
+        r = http::serve(listener, metrics) => r,
+        () = controller::run(ctx) => Ok(()),
+    };
+    heartbeat.abort();
+    result
+}
