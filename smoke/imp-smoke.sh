@@ -49,7 +49,13 @@ fi
 # --local
 work="$(mktemp -d /tmp/imp-smoke.XXXXXX)"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+passed=0
+# Logs (operator, agent, runtime, registry, GitHub simulator) are kept when a stage fails.
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if [[ $passed == 1 ]]; then rm -rf "$work"; else echo "imp-smoke: logs kept in $work" >&2; fi
+}
 trap cleanup EXIT
 # Runs "$@" every 0.5 s until it succeeds, for at most $1 seconds.
 wait_for() { local secs=$1; shift; for _ in $(seq 1 $((secs * 2))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
@@ -85,9 +91,10 @@ printf 'version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdir
   "$work/registry" "$reg_port" >"$work/registry.yml"
 docker-registry serve "$work/registry.yml" >"$work/registry.log" 2>&1 &
 pids+=($!)
-base_img=$(python3 "$repo/smoke/push-image.py" "127.0.0.1:$reg_port" imp-dev/runner-base:smoke etc/imp-smoke=base) \
+wait_for 15 curl -sf "http://127.0.0.1:$reg_port/v2/" || fail "docker-registry did not start: $(tail -3 "$work/registry.log")"
+base_img=$("$bin/imp-push-image" "127.0.0.1:$reg_port" imp-dev/runner-base:smoke etc/imp-smoke=base) \
   || fail "pushing the base image to the local registry: $(tail -3 "$work/registry.log")"
-runner_img=$(python3 "$repo/smoke/push-image.py" "127.0.0.1:$reg_port" imp-dev/actions-runner:smoke opt/runner/VERSION=smoke) \
+runner_img=$("$bin/imp-push-image" "127.0.0.1:$reg_port" imp-dev/actions-runner:smoke opt/runner/VERSION=smoke) \
   || fail "pushing the runner image to the local registry"
 pass "images pushed to a local registry ($base_img, $runner_img)"
 sed -e "s#ghcr.io/imp-dev/runner-base:ubuntu-24.04#$base_img#" -e "s#ghcr.io/imp-dev/actions-runner:2#$runner_img#" \
@@ -175,4 +182,5 @@ pass "runner VM $vm deleted by the pool after TornDown; imp-runtime released it"
 replaced() { kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[*].metadata.name}' | tr ' ' '\n' | grep -v "^$vm\$" | grep -q .; }
 wait_for 30 replaced || fail "the pool did not replace the finished runner VM"
 pass "the pool replaced the runner (minIdle 1)"
+passed=1
 echo "imp-smoke --local: all stages passed"

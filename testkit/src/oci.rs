@@ -173,17 +173,12 @@ pub fn image_config(layers: &[LayerBlob]) -> Vec<u8> {
 
 /// A tar of regular files (mode 0644), in the order given.
 pub fn tar_of(files: &[(&str, &[u8])]) -> Vec<u8> {
-    let mut builder = tar::Builder::new(Vec::new());
-    for (path, bytes) in files {
-        let mut header = tar::Header::new_gnu();
-        header.set_size(bytes.len() as u64);
-        header.set_mode(0o644);
-        header.set_entry_type(tar::EntryType::Regular);
-        builder
-            .append_data(&mut header, path, *bytes)
-            .expect("append to an in-memory tar");
-    }
-    builder.into_inner().expect("finish an in-memory tar")
+    files
+        .iter()
+        .fold(crate::tarball::TarBuilder::new(), |t, (path, bytes)| {
+            t.file(path, bytes, 0o644)
+        })
+        .into_tar()
 }
 
 pub use crate::tarball::gzip;
