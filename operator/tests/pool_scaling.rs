@@ -310,3 +310,70 @@ async fn a_restarted_operator_rebuilds_demand_and_never_mints_twice() {
     assert_eq!(registered, ids, "no new registration at GitHub");
     assert_eq!(h.metric("imp_runner_jit_mint_duration_seconds_count"), 0.0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn vms_failing_before_their_runner_starts_back_the_pool_off() {
+    use kube::api::{Patch, PatchParams};
+    use std::collections::BTreeSet;
+    let timing = imp_operator::runnerpool::PoolTiming {
+        start_backoff: Duration::from_secs(2),
+        start_backoff_max: Duration::from_secs(8),
+        ..fast_timing()
+    };
+    let mut h = PoolHarness::start_with("pool-startfail", timing).await;
+    h.create_pool("sf", json!({"minIdle": 1, "maxRunners": 3}))
+        .await;
+    // Play a node with a broken image: every minted VM fails before its runner starts.
+    let fail = |name: String| {
+        let vms = h.vms();
+        async move {
+            let patch = json!({"status": {"phase": "Failed", "reason": "RootfsRejected",
+                "message": "layer sha256:1: entry \"../x\": path leaves the image root"}});
+            let _ = vms
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await;
+        }
+    };
+    let begin = std::time::Instant::now();
+    let mut failed = BTreeSet::new();
+    while begin.elapsed() < Duration::from_secs(9) {
+        for vm in h.runner_vms("sf").await {
+            if vm.spec.runner_config_secret.is_some()
+                && vm.metadata.deletion_timestamp.is_none()
+                && failed.insert(vm.name_any())
+            {
+                fail(vm.name_any()).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Waits of 2 s, then 4 s, then 8 s: three VMs in 9 s. Without the backoff a VM fails and is
+    // replaced (and a JIT config minted) every few hundred milliseconds.
+    assert!((2..=4).contains(&failed.len()), "{failed:?}");
+    let events = h.events("sf").await;
+    let notes: Vec<&String> = events
+        .iter()
+        .filter(|(r, _)| r == "VmStartFailed")
+        .map(|(_, n)| n)
+        .collect();
+    assert!(!notes.is_empty(), "{events:?}");
+    assert!(notes[0].contains("RootfsRejected"), "{}", notes[0]);
+    assert!(
+        h.metric("imp_runner_vm_start_failures_total{reason=\"RootfsRejected\"}") >= 2.0,
+        "{}",
+        h.metrics_text()
+    );
+    let s = h.pool_status("sf").await;
+    assert_eq!(
+        cond(&s, condition::SCALING_LIMITED),
+        ("True".to_string(), "VmStartFailing".to_string())
+    );
+
+    // The image is fixed: the next VM's runner starts, which resets the backoff.
+    h.start_agent(false, Duration::ZERO);
+    h.wait("an idle runner and no start backoff", WAIT, || async {
+        let s = h.pool_status("sf").await;
+        (s.idle == 1 && cond(&s, condition::SCALING_LIMITED).1 != "VmStartFailing").then_some(())
+    })
+    .await;
+}

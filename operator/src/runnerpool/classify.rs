@@ -78,6 +78,30 @@ pub fn classify(
     RunnerState::Booting
 }
 
+/// The VM failed before its runner ever started (no handoff recorded): the image, the kernel or
+/// the node is broken, and a replacement would likely fail the same way. Returns the failure
+/// reason. A VM whose handoff began (Sent, Ambiguous) or whose runner ran is not a start failure.
+pub fn start_failure(vm: &ImpVM) -> Option<String> {
+    let status = vm.status.as_ref()?;
+    let failed = matches!(
+        status.phase,
+        Some(VmPhase::Failed | VmPhase::RetryExhausted)
+    );
+    let handed_off = status.runner.as_ref().and_then(|r| r.handoff).is_some();
+    (failed && !handed_off).then(|| status.reason.clone().unwrap_or_else(|| "Unknown".into()))
+}
+
+/// The runner process started on this VM: the pool's VMs can start.
+pub fn runner_started(vm: &ImpVM) -> bool {
+    matches!(
+        vm.status
+            .as_ref()
+            .and_then(|s| s.runner.as_ref())
+            .and_then(|r| r.handoff),
+        Some(HandoffState::Started | HandoffState::Exited)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -139,6 +163,27 @@ mod tests {
         let mut deleting = vm(true, Some(Running), Some(Started));
         deleting.metadata.deletion_timestamp = Some(Time(k8s_openapi::jiff::Timestamp::now()));
         assert_eq!(classify(&deleting, Some("p-u"), &mine), R::Deleting);
+        // Start failures: failed before any handoff.
+        let mut failed = vm(true, Some(Failed), None);
+        failed.status.as_mut().unwrap().reason = Some("RootfsRejected".into());
+        assert_eq!(start_failure(&failed).as_deref(), Some("RootfsRejected"));
+        assert_eq!(
+            start_failure(&vm(false, Some(RetryExhausted), None)).as_deref(),
+            Some("Unknown")
+        );
+        for not in [
+            vm(true, Some(Failed), Some(Ambiguous)),
+            vm(true, Some(Failed), Some(Exited)),
+            vm(true, Some(Succeeded), Some(Exited)),
+            vm(true, Some(Running), None),
+            vm(true, None, None),
+        ] {
+            assert_eq!(start_failure(&not), None);
+        }
+        assert!(runner_started(&vm(true, Some(Running), Some(Started))));
+        assert!(runner_started(&vm(true, Some(Succeeded), Some(Exited))));
+        assert!(!runner_started(&vm(true, Some(Running), Some(Sent))));
+        assert!(!runner_started(&failed));
         // Without a recorded runner name a VM can only be idle, never busy.
         assert_eq!(
             classify(&vm(true, Some(Running), Some(Started)), None, &mine),

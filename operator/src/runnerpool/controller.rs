@@ -41,9 +41,9 @@ use tracing::{debug, info, warn};
 
 use super::{
     FINALIZER_POOL_CLEANUP, PoolControllerConfig, PoolShared,
-    classify::{RunnerState, classify},
+    classify::{RunnerState, classify, runner_started, start_failure},
     demand::{JobState, JobUpdate, PoolKey, PoolRoute},
-    plan::{Limit, MintBlock, Observed, ObservedVm, Plan, Removal, plan},
+    plan::{Limit, MintBlock, Observed, ObservedVm, Plan, Removal, backoff, plan},
 };
 use crate::github::{
     DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
@@ -96,6 +96,11 @@ enum Creds {
 struct PoolMemory {
     mint_failures: u32,
     backoff_until: Option<Instant>,
+    /// Consecutive VMs that failed before their runner started, and the wait they impose.
+    start_failures: u32,
+    start_backoff_until: Option<Instant>,
+    /// VMs (uid) already counted as start failures: each counts once.
+    counted_start_failures: HashSet<String>,
     creds: Creds,
     /// App and scope, for the sweep.
     github: Option<(GithubApp, RunnerScope)>,
@@ -382,6 +387,7 @@ impl Ctx {
             });
         }
         self.credit_pickups(key, started_runners, now, wall);
+        self.note_start_failures(pool, key, &vms).await;
 
         let demand_known = self.memory(key, |m| m.swept);
         let (mint_block, creds) = self.memory(key, |m| {
@@ -390,6 +396,9 @@ impl Ctx {
                     Some(MintBlock::CredentialsInvalid)
                 }
                 (_, _, Some(t)) if t > now => Some(MintBlock::Backoff),
+                _ if m.start_backoff_until.is_some_and(|t| t > now) => {
+                    Some(MintBlock::StartFailing)
+                }
                 _ => None,
             };
             (block, m.creds.clone())
@@ -491,12 +500,16 @@ impl Ctx {
         self.write_status(pool, key, &p, &done, &creds_now, mint_failed)
             .await?;
 
-        let backoff = self.memory(key, |m| m.backoff_until);
+        let backoffs = self.memory(key, |m| [m.backoff_until, m.start_backoff_until]);
         let mut next = timing.resync;
         if pending {
             next = next.min(timing.retry);
         }
-        if let Some(t) = backoff.filter(|t| *t > Instant::now()) {
+        for t in backoffs
+            .into_iter()
+            .flatten()
+            .filter(|t| *t > Instant::now())
+        {
             next = next.min(t - Instant::now() + Duration::from_millis(10));
         }
         if p.limited == Some(Limit::ScaleUpStep)
@@ -825,6 +838,53 @@ impl Ctx {
         }
     }
 
+    /// Counts VMs that failed before their runner started (once each) into the start backoff,
+    /// with an Event naming the VM and its reason; a runner that starts resets it.
+    async fn note_start_failures(&self, pool: &ImpVMRunnerPool, key: &PoolKey, vms: &[ImpVM]) {
+        let timing = &self.config.timing;
+        let present: HashSet<String> = vms.iter().filter_map(|v| v.uid()).collect();
+        let mut fresh = Vec::new();
+        self.memory(key, |m| {
+            m.counted_start_failures.retain(|u| present.contains(u));
+            if vms.iter().any(runner_started) {
+                m.start_failures = 0;
+                m.start_backoff_until = None;
+            }
+            for vm in vms {
+                let (Some(uid), Some(reason)) = (vm.uid(), start_failure(vm)) else {
+                    continue;
+                };
+                if m.counted_start_failures.insert(uid) {
+                    m.start_failures += 1;
+                    let wait = backoff(
+                        timing.start_backoff,
+                        timing.start_backoff_max,
+                        m.start_failures,
+                    );
+                    m.start_backoff_until = Some(Instant::now() + wait);
+                    fresh.push((vm.name_any(), reason, wait, m.start_failures));
+                }
+            }
+        });
+        for (vm, reason, wait, n) in fresh {
+            warn!(pool = %key, vm, reason, consecutive = n, backoff = ?wait, "runner VM failed before its runner started; delaying the next VM");
+            self.shared
+                .metrics
+                .vm_start_failures
+                .get_or_create(&ReasonLabels {
+                    reason: reason.clone(),
+                })
+                .inc();
+            self.event(
+                pool,
+                true,
+                "VmStartFailed",
+                format!("Runner VM {vm} failed before its runner started ({reason}; {n} in a row); the next VM is created in {wait:?}"),
+            )
+            .await;
+        }
+    }
+
     async fn mint_failed(&self, pool: &ImpVMRunnerPool, key: &PoolKey, vm: &str, e: &GithubError) {
         self.shared
             .metrics
@@ -836,11 +896,11 @@ impl Ctx {
         let timing = &self.config.timing;
         let wait = self.memory(key, |m| {
             m.mint_failures += 1;
-            let factor = 2u32.saturating_pow(m.mint_failures.saturating_sub(1).min(16));
-            let wait = timing
-                .mint_backoff
-                .saturating_mul(factor)
-                .min(timing.mint_backoff_max);
+            let wait = backoff(
+                timing.mint_backoff,
+                timing.mint_backoff_max,
+                m.mint_failures,
+            );
             m.backoff_until = Some(Instant::now() + wait);
             if matches!(
                 e.metric_label(),

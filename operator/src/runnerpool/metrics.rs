@@ -32,6 +32,9 @@ pub struct PoolMetrics {
     pub job_pickup_latency: Histogram,
     /// `imp_runner_deregistrations_total{result}`: `deleted`, `already_gone`, `busy`, `error`.
     pub deregistrations: Family<ResultLabels, Counter>,
+    /// `imp_runner_vm_start_failures_total{reason}`: runner VMs that failed before their runner
+    /// started, by the VM's failure reason.
+    pub vm_start_failures: Family<ReasonLabels, Counter>,
 }
 
 impl Default for PoolMetrics {
@@ -44,6 +47,7 @@ impl Default for PoolMetrics {
             // 0.25 s .. ~34 min: cold boots take seconds, a saturated pool minutes.
             job_pickup_latency: Histogram::new(exponential_buckets(0.25, 2.0, 14)),
             deregistrations: Family::default(),
+            vm_start_failures: Family::default(),
         }
     }
 }
@@ -59,6 +63,11 @@ impl PoolMetrics {
             "imp_runner_jit_mint_duration_seconds",
             "Latency of successful JIT runner config mints by the pool controller",
             self.jit_mint_duration.clone(),
+        );
+        registry.register(
+            "imp_runner_vm_start_failures",
+            "Runner VMs that failed before their runner started, by reason (the pool backs off)",
+            self.vm_start_failures.clone(),
         );
         registry.register(
             "imp_runner_jit_mint_errors",
@@ -136,6 +145,11 @@ mod tests {
             .inc();
         m.jit_mint_duration.observe(0.1);
         m.job_pickup_latency.observe(2.0);
+        m.vm_start_failures
+            .get_or_create(&ReasonLabels {
+                reason: "RootfsRejected".into(),
+            })
+            .inc();
         let text = crate::metrics::encode(&registry).unwrap();
         for want in [
             "imp_runner_pool_runners{pool=\"ns/p\",state=\"idle\"} 3",
@@ -144,6 +158,7 @@ mod tests {
             "imp_runner_jit_mint_duration_seconds_count 1",
             "imp_runner_job_pickup_latency_seconds_count 1",
             "imp_runner_deregistrations_total{result=\"deleted\"} 1",
+            "imp_runner_vm_start_failures_total{reason=\"RootfsRejected\"} 1",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }

@@ -36,6 +36,10 @@ pub struct PoolTiming {
     /// First wait after a failed mint; doubles per consecutive failure up to `mint_backoff_max`.
     pub mint_backoff: Duration,
     pub mint_backoff_max: Duration,
+    /// First wait before the next VM after one failed to start (no runner ever started); doubles
+    /// per consecutive start failure up to `start_backoff_max`, resets when a runner starts.
+    pub start_backoff: Duration,
+    pub start_backoff_max: Duration,
     /// Next pass while a scale-up is still held back by scaleUpStep.
     pub scaling_requeue: Duration,
     /// Next pass while a runner to remove is busy at GitHub or a call failed.
@@ -54,6 +58,8 @@ impl Default for PoolTiming {
             sweep_interval: Duration::from_secs(60),
             mint_backoff: Duration::from_secs(5),
             mint_backoff_max: Duration::from_secs(300),
+            start_backoff: Duration::from_secs(10),
+            start_backoff_max: Duration::from_secs(300),
             scaling_requeue: Duration::from_millis(200),
             retry: Duration::from_secs(10),
             resync: Duration::from_secs(300),

@@ -24,6 +24,19 @@ pub enum MintBlock {
     CredentialsInvalid,
     /// A mint failed recently; wait out the backoff.
     Backoff,
+    /// The pool's VMs keep failing before their runner starts (bad image, kernel, node): wait
+    /// before creating the next one instead of minting a JIT config per doomed VM.
+    StartFailing,
+}
+
+/// `min(base * 2^(failures-1), max)`: the wait after `failures` consecutive failures.
+pub fn backoff(
+    base: std::time::Duration,
+    max: std::time::Duration,
+    failures: u32,
+) -> std::time::Duration {
+    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(16));
+    base.saturating_mul(factor).min(max)
 }
 
 #[derive(Debug, Clone)]
@@ -75,6 +88,7 @@ pub enum Limit {
     MaxRunners,
     CredentialsInvalid,
     MintBackoff,
+    StartBackoff,
 }
 
 impl Limit {
@@ -84,6 +98,7 @@ impl Limit {
             Limit::MaxRunners => "MaxRunners",
             Limit::CredentialsInvalid => "CredentialsInvalid",
             Limit::MintBackoff => "MintBackoff",
+            Limit::StartBackoff => "VmStartFailing",
         }
     }
 }
@@ -174,9 +189,13 @@ pub fn plan(o: &Observed) -> Plan {
             }
             return p;
         }
-        Some(MintBlock::Backoff) => {
+        Some(block @ (MintBlock::Backoff | MintBlock::StartFailing)) => {
             if p.desired > live || !unminted.is_empty() {
-                p.limited = Some(Limit::MintBackoff);
+                p.limited = Some(if block == MintBlock::Backoff {
+                    Limit::MintBackoff
+                } else {
+                    Limit::StartBackoff
+                });
             }
             return p;
         }
@@ -338,6 +357,7 @@ mod tests {
         let sc = scaling(3, 10, 10);
         for (block, limit) in [
             (MintBlock::Backoff, Limit::MintBackoff),
+            (MintBlock::StartFailing, Limit::StartBackoff),
             (MintBlock::CredentialsInvalid, Limit::CredentialsInvalid),
         ] {
             let p = plan(&Observed {
@@ -354,6 +374,16 @@ mod tests {
             assert_eq!(p.limited, Some(limit));
             assert_eq!(p.desired, 3);
         }
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap() {
+        use std::time::Duration as D;
+        let b = |n| backoff(D::from_secs(10), D::from_secs(300), n);
+        assert_eq!(
+            [b(0), b(1), b(2), b(3), b(5), b(6), b(40)],
+            [10, 10, 20, 40, 160, 300, 300].map(D::from_secs)
+        );
     }
 
     #[test]

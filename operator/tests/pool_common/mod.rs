@@ -88,6 +88,8 @@ pub fn fast_timing() -> PoolTiming {
         sweep_interval: Duration::from_secs(60),
         mint_backoff: Duration::from_millis(500),
         mint_backoff_max: Duration::from_secs(2),
+        start_backoff: Duration::from_millis(500),
+        start_backoff_max: Duration::from_secs(2),
         scaling_requeue: Duration::from_millis(100),
         retry: Duration::from_millis(500),
         resync: Duration::from_secs(5),
