@@ -116,10 +116,8 @@ async fn pull_and_compare(
         assert_eq!(layer.media_type, pushed.media_type);
     }
     // Nothing but the layers: temp files were renamed away.
-    assert_eq!(
-        dir_entries(dir.path()),
-        ["layer-0", "layer-1"][..layers.len()]
-    );
+    let want: Vec<String> = (0..layers.len()).map(|i| format!("layer-{i}")).collect();
+    assert_eq!(dir_entries(dir.path()), want);
     image
 }
 
@@ -154,6 +152,29 @@ async fn anonymous_pull_of_a_two_layer_image() {
         .await
         .unwrap();
     assert_eq!(again.layers, image.layers);
+}
+
+#[tokio::test]
+async fn zstd_layers_pull_beside_gzip_and_plain_ones() {
+    let registry = anonymous_registry().await;
+    let mut layers = two_layers();
+    layers.push(LayerBlob::tar_zstd(&[("etc/motd", b"zstd layer\n")]));
+    oci::push_image(
+        &registry.host(),
+        "imp/mixed:v1",
+        &layers,
+        &PushAuth::Anonymous,
+    )
+    .await
+    .unwrap();
+
+    let image =
+        pull_and_compare(&registry, "imp/mixed:v1", &RegistryAuth::Anonymous, &layers).await;
+    let compression: Vec<Compression> = image.layers.iter().map(|l| l.compression).collect();
+    assert_eq!(
+        compression,
+        [Compression::Gzip, Compression::None, Compression::Zstd]
+    );
 }
 
 #[tokio::test]

@@ -11,7 +11,7 @@ use imp_node::metrics::Metrics;
 use imp_node::rootfs::flatten::Limits;
 use imp_node::rootfs::pull::PullConfig;
 use imp_node::rootfs::store::{ImageSpec, RootfsStore, StoreConfig};
-use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
+use imp_testkit::oci::{LAYER_TAR_ZSTD, LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
 
@@ -74,14 +74,13 @@ impl Fixture {
                 media_type: GZIP.into(),
             })
             .collect();
-        push_image(
-            &self.registry.host(),
-            repo_tag,
-            &blobs,
-            &PushAuth::Anonymous,
-        )
-        .await
-        .unwrap();
+        self.push_blobs(repo_tag, &blobs).await
+    }
+
+    async fn push_blobs(&self, repo_tag: &str, blobs: &[LayerBlob]) -> String {
+        push_image(&self.registry.host(), repo_tag, blobs, &PushAuth::Anonymous)
+            .await
+            .unwrap();
         format!("{}/{repo_tag}", self.registry.host())
     }
 
@@ -236,6 +235,53 @@ async fn builds_base_and_runner_layers_with_whiteouts_and_the_guest_injected() {
         "{text}"
     );
     assert!(text.contains("imp_rootfs_cache_images 1"), "{text}");
+}
+
+#[tokio::test]
+async fn zstd_runner_layer_over_a_gzip_base_builds_with_its_whiteouts() {
+    let f = Fixture::new().await;
+    let base = f.push("imp/base:1", base_layers()).await;
+    // The runner layer deletes a base file, re-opens a base directory and adds its own files,
+    // all through a zstd stream.
+    let runner = f
+        .push_blobs(
+            "imp/runner:zstd",
+            &[LayerBlob {
+                bytes: TarBuilder::new()
+                    .whiteout("etc/os-release")
+                    .opaque("usr/bin")
+                    .file("usr/bin/runner-tool", b"from zstd", 0o755)
+                    .dir("opt/actions-runner", 0o755)
+                    .file("opt/actions-runner/run.sh", b"#!/bin/sh\n", 0o755)
+                    .into_zstd(),
+                media_type: LAYER_TAR_ZSTD.into(),
+            }],
+        )
+        .await;
+    let store = f.store(1 << 30).await;
+    let got = store
+        .acquire("vm-1", &f.spec(&base, Some(&runner)))
+        .await
+        .unwrap();
+
+    let tree = tree_of(&got.path);
+    assert_eq!(
+        tree.get("usr/bin/runner-tool").map(String::as_str),
+        Some("from zstd")
+    );
+    assert_eq!(
+        tree.get("opt/actions-runner/run.sh").map(String::as_str),
+        Some("#!/bin/sh\n")
+    );
+    assert!(!tree.contains_key("etc/os-release"), "{tree:?}");
+    assert!(
+        !tree.contains_key("usr/bin/tool"),
+        "opaque usr/bin kept tool: {tree:?}"
+    );
+    assert_eq!(
+        tree.get("opt/d/c").map(String::as_str),
+        Some("c from layer 2")
+    );
 }
 
 #[tokio::test]

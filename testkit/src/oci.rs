@@ -20,6 +20,7 @@ pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 pub const OCI_CONFIG: &str = "application/vnd.oci.image.config.v1+json";
 pub const LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
 pub const LAYER_TAR_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+pub const LAYER_TAR_ZSTD: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
 
 /// One layer as pushed: the blob bytes and the media type its descriptor will carry.
 #[derive(Debug, Clone)]
@@ -45,14 +46,24 @@ impl LayerBlob {
         }
     }
 
+    /// A zstd-compressed tar of regular files.
+    pub fn tar_zstd(files: &[(&str, &[u8])]) -> Self {
+        LayerBlob {
+            bytes: crate::tarball::zstd(&tar_of(files)),
+            media_type: LAYER_TAR_ZSTD.into(),
+        }
+    }
+
     pub fn digest(&self) -> String {
         sha256_digest(&self.bytes)
     }
 
-    /// The image config's `diff_id`: digest of the uncompressed tar (gzip is undone; anything
-    /// else is taken as it is).
+    /// The image config's `diff_id`: digest of the uncompressed tar (gzip and zstd are undone;
+    /// anything else is taken as it is).
     pub fn diff_id(&self) -> String {
-        if self.media_type.ends_with("gzip") {
+        if self.media_type.ends_with("zstd") {
+            sha256_digest(&crate::tarball::unzstd(&self.bytes))
+        } else if self.media_type.ends_with("gzip") {
             let mut tar = Vec::new();
             flate2::read::GzDecoder::new(&self.bytes[..])
                 .read_to_end(&mut tar)
@@ -181,7 +192,7 @@ pub fn tar_of(files: &[(&str, &[u8])]) -> Vec<u8> {
         .into_tar()
 }
 
-pub use crate::tarball::gzip;
+pub use crate::tarball::{gzip, zstd};
 
 pub fn sha256_digest(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))

@@ -195,6 +195,10 @@ impl TarBuilder {
     pub fn into_gzip(self) -> Vec<u8> {
         gzip(&self.into_tar())
     }
+
+    pub fn into_zstd(self) -> Vec<u8> {
+        zstd(&self.into_tar())
+    }
 }
 
 /// Gzip any bytes (e.g. a hand-made tar, or a bomb of zeros).
@@ -202,6 +206,35 @@ pub fn gzip(bytes: &[u8]) -> Vec<u8> {
     let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     encoder.write_all(bytes).expect("writing to a Vec");
     encoder.finish().expect("writing to a Vec")
+}
+
+/// Zstandard-compress any bytes with the `zstd` tool (Debian package `zstd`): the workspace only
+/// carries a pure-Rust decoder, and the layers a registry serves come from real encoders anyway.
+pub fn zstd(bytes: &[u8]) -> Vec<u8> {
+    zstd_tool(&["-q", "-c", "-3"], bytes)
+}
+
+/// Undo [`zstd`], with the same tool.
+pub fn unzstd(bytes: &[u8]) -> Vec<u8> {
+    zstd_tool(&["-q", "-d", "-c"], bytes)
+}
+
+fn zstd_tool(args: &[&str], input: &[u8]) -> Vec<u8> {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new("zstd")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run zstd (Debian package zstd)");
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let input = input.to_vec();
+    // Fed from a thread: zstd writes while it reads, and a full stdout pipe would block it.
+    let feeder = std::thread::spawn(move || stdin.write_all(&input));
+    let out = child.wait_with_output().expect("zstd output");
+    feeder.join().expect("feeder").expect("feed zstd");
+    assert!(out.status.success(), "zstd {args:?} failed: {out:?}");
+    out.stdout
 }
 
 /// PAX records: `"<len> <key>=<value>\n"` where `<len>` counts the whole record, itself included.
