@@ -219,23 +219,10 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }
-        let docs = include_str!("../../docs/metrics.md");
-        let families: Vec<&str> = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("# TYPE "))
-            .collect();
-        assert_eq!(families.len(), 12, "{text}");
-        for line in families {
-            let family = line.split_whitespace().next().unwrap();
-            let documented = if line.ends_with(" counter") {
-                format!("{family}_total")
-            } else {
-                family.to_owned()
-            };
-            assert!(
-                docs.contains(&format!("`{documented}`")),
-                "{documented} is not in docs/metrics.md"
-            );
-        }
+        assert_eq!(
+            imp_testkit::metrics::assert_every_family_documented(&text),
+            12,
+            "{text}"
+        );
     }
 }

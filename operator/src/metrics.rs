@@ -192,25 +192,6 @@ pub fn encode(registry: &Registry) -> Result<String, std::fmt::Error> {
     Ok(out)
 }
 
-/// Test helper: every metric family in an OpenMetrics exposition is listed in docs/metrics.md
-/// (counters under their `_total` sample name).
-#[cfg(test)]
-pub(crate) fn assert_every_family_documented(text: &str) {
-    let docs = include_str!("../../docs/metrics.md");
-    for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
-        let family = line.split_whitespace().next().unwrap();
-        let documented = if line.ends_with(" counter") {
-            format!("{family}_total")
-        } else {
-            family.to_owned()
-        };
-        assert!(
-            docs.contains(&format!("`{documented}`")),
-            "{documented} is not in docs/metrics.md"
-        );
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -276,6 +257,6 @@ mod tests {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
-        assert_every_family_documented(&text);
+        imp_testkit::metrics::assert_every_family_documented(&text);
     }
 }

@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod controlplane;
 pub mod firecracker;
 pub mod github;
+pub mod metrics;
 pub mod oci;
 pub mod paths;
 pub mod process;

@@ -162,7 +162,7 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }
-        crate::metrics::assert_every_family_documented(&text);
+        imp_testkit::metrics::assert_every_family_documented(&text);
         m.remove_pool("ns/p");
         let text = crate::metrics::encode(&registry).unwrap();
         assert!(!text.contains("pool=\"ns/p\""));
