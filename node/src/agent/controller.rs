@@ -298,18 +298,7 @@ async fn fail(
         if vm.metadata.deletion_timestamp.is_some() || !allowed(s.phase) {
             return false;
         }
-        s.phase = Some(VmPhase::Failed);
-        s.reason = Some(reason.to_owned());
-        s.message = Some(message.to_owned());
-        status::set_condition(
-            s,
-            condition::READY,
-            "False",
-            "VmStopped",
-            "",
-            vm.metadata.generation,
-            Timestamp::now(),
-        );
+        status::mark_failed(s, reason, message, vm.metadata.generation, Timestamp::now());
         true
     })
     .await?;
@@ -689,18 +678,10 @@ async fn declare_ambiguous(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM) -> Resul
         }
         r.handoff = Handoff::Ambiguous.to_status();
         if !s.phase.is_some_and(|p| p.is_terminal()) {
-            s.phase = Some(VmPhase::Failed);
-            s.reason = Some(api_reason::HANDOFF_AMBIGUOUS.to_owned());
-            s.message = Some(
-                "the runner config was sent but its start was never confirmed; it is not replayed"
-                    .into(),
-            );
-            status::set_condition(
+            status::mark_failed(
                 s,
-                condition::READY,
-                "False",
-                "VmStopped",
-                "",
+                api_reason::HANDOFF_AMBIGUOUS,
+                "the runner config was sent but its start was never confirmed; it is not replayed",
                 vm.metadata.generation,
                 Timestamp::now(),
             );

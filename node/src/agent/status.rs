@@ -2,7 +2,8 @@
 //! (PUT /status, retried on 409), exactly like the operator (docs/vm-lifecycle.md "What the agent
 //! must do and write", rule 1). The conditions list is atomic in the schema, so it is never merged.
 
-use imp_api::{ImpVM, ImpVMStatus};
+use imp_api::names::condition::READY;
+use imp_api::{ImpVM, ImpVMStatus, VmPhase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, api::PostParams};
@@ -34,6 +35,21 @@ pub fn set_condition(
         observed_generation: generation,
         last_transition_time,
     });
+}
+
+/// Phase Failed with `reason` and `message`, and Ready=False (VmStopped): how every agent-side
+/// failure reads, whichever path found it.
+pub fn mark_failed(
+    status: &mut ImpVMStatus,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    status.phase = Some(VmPhase::Failed);
+    status.reason = Some(reason.to_owned());
+    status.message = Some(message.to_owned());
+    set_condition(status, READY, "False", "VmStopped", "", generation, now);
 }
 
 pub fn remove_condition(status: &mut ImpVMStatus, type_: &str) {
@@ -112,6 +128,28 @@ mod tests {
         assert!(condition_true(Some(&s), "TornDown"));
         remove_condition(&mut s, "TornDown");
         assert!(!condition_true(Some(&s), "TornDown"));
+    }
+
+    #[test]
+    fn mark_failed_sets_phase_reason_message_and_ready_false() {
+        let mut s = ImpVMStatus::default();
+        let now = Timestamp::now();
+        set_condition(&mut s, "Ready", "True", "GuestReady", "", Some(1), now);
+        mark_failed(&mut s, "RunnerStartFailed", "exec refused", Some(2), now);
+        assert_eq!(s.phase, Some(VmPhase::Failed));
+        assert_eq!(s.reason.as_deref(), Some("RunnerStartFailed"));
+        assert_eq!(s.message.as_deref(), Some("exec refused"));
+        assert_eq!(s.conditions.len(), 1);
+        let ready = &s.conditions[0];
+        assert_eq!(
+            (
+                ready.type_.as_str(),
+                ready.status.as_str(),
+                ready.reason.as_str()
+            ),
+            ("Ready", "False", "VmStopped")
+        );
+        assert_eq!(ready.observed_generation, Some(2));
     }
 
     #[test]
