@@ -27,11 +27,7 @@ fn puller(registry: &Registry) -> Puller {
 }
 
 fn puller_with(registry: &Registry, max_layer_bytes: u64) -> Puller {
-    Puller::new(PullConfig {
-        insecure_registries: vec![registry.host()],
-        max_layer_bytes,
-        ..PullConfig::default()
-    })
+    puller_with_host(&registry.host(), max_layer_bytes)
 }
 
 async fn anonymous_registry() -> Registry {
@@ -83,6 +79,27 @@ async fn fetch_all(
         paths.push(dest);
     }
     Ok(paths)
+}
+
+/// Fetches layer `index` of `image` into an empty directory, expecting a refusal; the directory
+/// must stay empty (no partial or temp file survives a failed fetch).
+async fn fetch_refused(
+    puller: &Puller,
+    image: &ResolvedImage,
+    index: usize,
+    auth: &RegistryAuth,
+) -> PullError {
+    let dir = tempfile::tempdir().unwrap();
+    let err = puller
+        .fetch_layer(image, &image.layers[index], auth, &dir.path().join("layer"))
+        .await
+        .unwrap_err();
+    assert!(
+        dir_entries(dir.path()).is_empty(),
+        "{:?}",
+        dir_entries(dir.path())
+    );
+    err
 }
 
 fn dir_entries(dir: &Path) -> Vec<String> {
@@ -276,12 +293,7 @@ async fn tampered_blob_is_a_digest_mismatch_and_leaves_no_file() {
         )
         .await
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let dest = dir.path().join("layer");
-    let err = puller
-        .fetch_layer(&image, &image.layers[1], &RegistryAuth::Anonymous, &dest)
-        .await
-        .unwrap_err();
+    let err = fetch_refused(&puller, &image, 1, &RegistryAuth::Anonymous).await;
     match &err {
         PullError::DigestMismatch { digest, actual } => {
             assert_eq!(digest, &layers[1].digest());
@@ -290,13 +302,10 @@ async fn tampered_blob_is_a_digest_mismatch_and_leaves_no_file() {
         other => panic!("expected DigestMismatch, got {other:?}"),
     }
     assert_eq!(err.reason(), "RootfsRejected");
-    assert!(
-        dir_entries(dir.path()).is_empty(),
-        "{:?}",
-        dir_entries(dir.path())
-    );
 
     // The untouched layer still fetches.
+    let dir = tempfile::tempdir().unwrap();
+    let dest = dir.path().join("layer");
     puller
         .fetch_layer(&image, &image.layers[0], &RegistryAuth::Anonymous, &dest)
         .await
@@ -328,16 +337,7 @@ async fn declared_size_that_differs_from_the_blob_is_a_size_mismatch() {
             .await
             .unwrap();
         assert_eq!(image.layers[0].size, declared);
-        let dir = tempfile::tempdir().unwrap();
-        let err = puller
-            .fetch_layer(
-                &image,
-                &image.layers[0],
-                &RegistryAuth::Anonymous,
-                &dir.path().join("layer"),
-            )
-            .await
-            .unwrap_err();
+        let err = fetch_refused(&puller, &image, 0, &RegistryAuth::Anonymous).await;
         match err {
             PullError::SizeMismatch {
                 digest,
@@ -350,7 +350,6 @@ async fn declared_size_that_differs_from_the_blob_is_a_size_mismatch() {
             }
             other => panic!("{tag}: expected SizeMismatch, got {other:?}"),
         }
-        assert!(dir_entries(dir.path()).is_empty());
     }
 }
 
@@ -429,18 +428,14 @@ async fn layer_over_the_size_cap_is_refused_before_download() {
         .await
         .unwrap();
     drop(registry);
-    let dir = tempfile::tempdir().unwrap();
-    let err = puller_with_host(&image.registry, cap)
-        .fetch_layer(
-            &image,
-            &image.layers[0],
-            &RegistryAuth::Anonymous,
-            &dir.path().join("layer"),
-        )
-        .await
-        .unwrap_err();
+    let err = fetch_refused(
+        &puller_with_host(&image.registry, cap),
+        &image,
+        0,
+        &RegistryAuth::Anonymous,
+    )
+    .await;
     assert!(matches!(err, PullError::TooLarge { .. }), "{err:?}");
-    assert!(dir_entries(dir.path()).is_empty());
 }
 
 fn puller_with_host(host: &str, max_layer_bytes: u64) -> Puller {
@@ -505,18 +500,8 @@ async fn basic_auth_right_wrong_and_missing_credentials() {
         .resolve(&reference, &basic(PASSWORD))
         .await
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let err = puller(&registry)
-        .fetch_layer(
-            &image,
-            &image.layers[0],
-            &RegistryAuth::Anonymous,
-            &dir.path().join("layer"),
-        )
-        .await
-        .unwrap_err();
+    let err = fetch_refused(&puller(&registry), &image, 0, &RegistryAuth::Anonymous).await;
     assert!(matches!(err, PullError::Unauthorized { .. }), "{err:?}");
-    assert!(dir_entries(dir.path()).is_empty());
 }
 
 #[tokio::test]
