@@ -187,12 +187,7 @@ async fn builds_base_and_runner_layers_with_whiteouts_and_the_guest_injected() {
         .unwrap();
     assert!(!got.hit && !got.offline);
     assert_eq!(f.images(), vec![got.path.clone()]);
-    let fsck = Command::new("e2fsck")
-        .args(["-f", "-n"])
-        .arg(&got.path)
-        .output()
-        .unwrap();
-    assert!(fsck.status.success(), "{fsck:?}");
+    imp_testkit::ext4::assert_fsck_clean(&got.path);
 
     let tree = tree_of(&got.path);
     let want: BTreeMap<String, String> = [

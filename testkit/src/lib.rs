@@ -4,6 +4,7 @@ pub mod bins;
 pub mod certs;
 pub mod cluster;
 pub mod controlplane;
+pub mod ext4;
 pub mod firecracker;
 pub mod github;
 pub mod metrics;

@@ -251,16 +251,7 @@ mod tests {
         assert!(built.usage.entries > 3000);
         assert!(!temp_path(&dest).exists());
         assert_eq!(std::fs::metadata(&dest).unwrap().len(), built.plan.bytes);
-        let fsck = Command::new("e2fsck")
-            .args(["-f", "-n"])
-            .arg(&dest)
-            .output()
-            .unwrap();
-        assert!(
-            fsck.status.success(),
-            "{}",
-            String::from_utf8_lossy(&fsck.stdout)
-        );
+        imp_testkit::ext4::assert_fsck_clean(&dest);
         let stat = Command::new("debugfs")
             .args(["-R", "stat /sbin/tool"])
             .arg(&dest)

@@ -199,16 +199,7 @@ mod tests {
                 allocated < 80 << 20,
                 "{allocated} bytes allocated for {bytes}"
             );
-            let fsck = Command::new("e2fsck")
-                .args(["-f", "-n"])
-                .arg(&dest)
-                .output()
-                .unwrap();
-            assert!(
-                fsck.status.success(),
-                "{}",
-                String::from_utf8_lossy(&fsck.stdout)
-            );
+            imp_testkit::ext4::assert_fsck_clean(&dest);
             WritableDrives::remove(&dest).unwrap();
             WritableDrives::remove(&dest).unwrap();
             assert!(!dest.exists());
