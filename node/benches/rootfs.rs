@@ -22,7 +22,6 @@ use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
 
-const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 const LAYERS: usize = 3;
 const WRITABLE_BYTES: u64 = 10 << 30;
 
@@ -176,13 +175,7 @@ async fn main() {
     for mib in [small, large] {
         let t = Instant::now();
         let blobs = layers(mib << 20);
-        let pushed: Vec<LayerBlob> = blobs
-            .iter()
-            .map(|b| LayerBlob {
-                bytes: b.clone(),
-                media_type: GZIP.into(),
-            })
-            .collect();
+        let pushed: Vec<LayerBlob> = blobs.iter().cloned().map(LayerBlob::gzipped).collect();
         push_image(
             &registry.host(),
             &format!("bench/img{mib}:1"),

@@ -96,13 +96,12 @@ impl World {
     async fn new(prefix: &str) -> World {
         let registry = Registry::start(RegistryOptions::default()).await.unwrap();
         let host = registry.host();
-        let layer = LayerBlob {
-            bytes: TarBuilder::new()
+        let layer = LayerBlob::gzipped(
+            TarBuilder::new()
                 .dir("etc", 0o755)
                 .file("etc/os-release", b"ID=imp-test\n", 0o644)
                 .into_gzip(),
-            media_type: "application/vnd.oci.image.layer.v1.tar+gzip".into(),
-        };
+        );
         push_image(&host, "ci/base:1", &[layer], &PushAuth::Anonymous)
             .await
             .unwrap();

@@ -22,28 +22,13 @@ use imp_node::rootfs::flatten::Limits;
 use imp_node::rootfs::pull::PullConfig;
 use imp_node::rootfs::store::{ImageSpec, RootfsStore, StoreConfig};
 use imp_node::rootfs::writable::WritableDrives;
-use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
+use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu::{self, Drive};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
 use sha2::{Digest, Sha256};
 
-const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 const WRITABLE_BYTES: u64 = 128 << 20;
-
-async fn push(registry: &Registry, repo_tag: &str, layers: Vec<Vec<u8>>) -> String {
-    let blobs: Vec<LayerBlob> = layers
-        .into_iter()
-        .map(|bytes| LayerBlob {
-            bytes,
-            media_type: GZIP.into(),
-        })
-        .collect();
-    push_image(&registry.host(), repo_tag, &blobs, &PushAuth::Anonymous)
-        .await
-        .unwrap();
-    format!("{}/{repo_tag}", registry.host())
-}
 
 /// Layer 1: a static busybox as /bin/sh, /etc/passwd, the marker, a file layer 2 deletes and a
 /// directory layer 2 makes opaque. Layer 2: the whiteout, the opaque marker and its own content.
@@ -212,9 +197,9 @@ async fn two_vms_boot_from_one_registry_built_base() {
     };
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(RegistryOptions::default()).await.unwrap();
-    let base_ref = push(&registry, "imp/base:qemu", base_layers()).await;
-    let runner_ref = push(
-        &registry,
+    let base_ref = push_gzip_image(&registry.host(), "imp/base:qemu", base_layers()).await;
+    let runner_ref = push_gzip_image(
+        &registry.host(),
         "imp/runner:qemu",
         vec![
             TarBuilder::new()

@@ -11,11 +11,9 @@ use imp_node::metrics::Metrics;
 use imp_node::rootfs::flatten::Limits;
 use imp_node::rootfs::pull::PullConfig;
 use imp_node::rootfs::store::{ImageSpec, RootfsStore, StoreConfig};
-use imp_testkit::oci::{LAYER_TAR_ZSTD, LayerBlob, PushAuth, push_image};
+use imp_testkit::oci::{LayerBlob, PushAuth, push_gzip_image, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
-
-const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 
 struct Fixture {
     dir: tempfile::TempDir,
@@ -67,14 +65,7 @@ impl Fixture {
     }
 
     async fn push(&self, repo_tag: &str, layers: Vec<Vec<u8>>) -> String {
-        let blobs: Vec<LayerBlob> = layers
-            .into_iter()
-            .map(|bytes| LayerBlob {
-                bytes,
-                media_type: GZIP.into(),
-            })
-            .collect();
-        self.push_blobs(repo_tag, &blobs).await
+        push_gzip_image(&self.registry.host(), repo_tag, layers).await
     }
 
     async fn push_blobs(&self, repo_tag: &str, blobs: &[LayerBlob]) -> String {
@@ -241,16 +232,15 @@ async fn zstd_runner_layer_over_a_gzip_base_builds_with_its_whiteouts() {
     let runner = f
         .push_blobs(
             "imp/runner:zstd",
-            &[LayerBlob {
-                bytes: TarBuilder::new()
+            &[LayerBlob::zstd_compressed(
+                TarBuilder::new()
                     .whiteout("etc/os-release")
                     .opaque("usr/bin")
                     .file("usr/bin/runner-tool", b"from zstd", 0o755)
                     .dir("opt/actions-runner", 0o755)
                     .file("opt/actions-runner/run.sh", b"#!/bin/sh\n", 0o755)
                     .into_zstd(),
-                media_type: LAYER_TAR_ZSTD.into(),
-            }],
+            )],
         )
         .await;
     let store = f.store(1 << 30).await;
@@ -459,10 +449,9 @@ async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
     })
     .await
     .unwrap();
-    let blobs = [LayerBlob {
-        bytes: TarBuilder::new().file("private", b"a's", 0o644).into_gzip(),
-        media_type: GZIP.into(),
-    }];
+    let blobs = [LayerBlob::gzipped(
+        TarBuilder::new().file("private", b"a's", 0o644).into_gzip(),
+    )];
     push_image(
         &private.host(),
         "a/secret:1",

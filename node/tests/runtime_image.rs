@@ -15,7 +15,6 @@ use imp_testkit::tarball::TarBuilder;
 
 const USER: &str = "imp-puller";
 const PASSWORD: &str = "pull-secret-6b1f0c93d2";
-const GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 
 fn image_spec(h: &Harness, base: &str, password: &str) -> VmSpec {
     VmSpec {
@@ -70,22 +69,22 @@ async fn vms_start_from_registry_images_share_one_build_and_release_it() {
     .unwrap();
     let host = registry.host();
     let creds = &PushAuth::Basic(USER.into(), PASSWORD.into());
-    let layer = |name: &str| LayerBlob {
-        bytes: TarBuilder::new()
-            .dir("etc", 0o755)
-            .file(&format!("etc/{name}"), name.as_bytes(), 0o644)
-            .into_gzip(),
-        media_type: GZIP.into(),
+    let layer = |name: &str| {
+        LayerBlob::gzipped(
+            TarBuilder::new()
+                .dir("etc", 0o755)
+                .file(&format!("etc/{name}"), name.as_bytes(), 0o644)
+                .into_gzip(),
+        )
     };
     push_image(&host, "ci/base:1", &[layer("base")], creds)
         .await
         .unwrap();
-    let hostile = LayerBlob {
-        bytes: TarBuilder::new()
+    let hostile = LayerBlob::gzipped(
+        TarBuilder::new()
             .file("../../escaped", b"x", 0o644)
             .into_gzip(),
-        media_type: GZIP.into(),
-    };
+    );
     push_image(&host, "ci/hostile:1", &[hostile], creds)
         .await
         .unwrap();

@@ -40,16 +40,26 @@ impl LayerBlob {
 
     /// A gzip-compressed tar of regular files.
     pub fn tar_gzip(files: &[(&str, &[u8])]) -> Self {
-        LayerBlob {
-            bytes: gzip(&tar_of(files)),
-            media_type: LAYER_TAR_GZIP.into(),
-        }
+        Self::gzipped(gzip(&tar_of(files)))
     }
 
     /// A zstd-compressed tar of regular files.
     pub fn tar_zstd(files: &[(&str, &[u8])]) -> Self {
+        Self::zstd_compressed(crate::tarball::zstd(&tar_of(files)))
+    }
+
+    /// A layer from a gzip stream made elsewhere (e.g. `TarBuilder::into_gzip`).
+    pub fn gzipped(bytes: Vec<u8>) -> Self {
         LayerBlob {
-            bytes: crate::tarball::zstd(&tar_of(files)),
+            bytes,
+            media_type: LAYER_TAR_GZIP.into(),
+        }
+    }
+
+    /// A layer from a zstd stream made elsewhere (e.g. `TarBuilder::into_zstd`).
+    pub fn zstd_compressed(bytes: Vec<u8>) -> Self {
+        LayerBlob {
+            bytes,
             media_type: LAYER_TAR_ZSTD.into(),
         }
     }
@@ -90,6 +100,16 @@ pub async fn push_image(
     auth: &PushAuth,
 ) -> Result<PushedManifest, OciDistributionError> {
     push_image_with(host, repo_tag, layers, auth, |_| {}).await
+}
+
+/// Pushes `layers` (gzip streams, base first) anonymously as `repo_tag` and returns the full
+/// reference, `host/repo:tag`.
+pub async fn push_gzip_image(host: &str, repo_tag: &str, layers: Vec<Vec<u8>>) -> String {
+    let blobs: Vec<LayerBlob> = layers.into_iter().map(LayerBlob::gzipped).collect();
+    push_image(host, repo_tag, &blobs, &PushAuth::Anonymous)
+        .await
+        .unwrap_or_else(|e| panic!("push {host}/{repo_tag}: {e}"));
+    format!("{host}/{repo_tag}")
 }
 
 /// As [`push_image`], but `edit` may change the manifest JSON (every blob is already pushed)
