@@ -43,7 +43,7 @@ use super::{
     FINALIZER_POOL_CLEANUP, PoolControllerConfig, PoolShared,
     classify::{RunnerState, classify, runner_started, start_failure},
     demand::{JobState, JobUpdate, PoolKey, PoolRoute},
-    plan::{Limit, MintBlock, Observed, ObservedVm, Plan, Removal, backoff, plan},
+    plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Plan, Removal, plan},
 };
 use crate::github::{
     DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
@@ -94,11 +94,10 @@ enum Creds {
 /// Per-pool memory of the controller (lost on restart, rebuilt from the API objects).
 #[derive(Debug, Default)]
 struct PoolMemory {
-    mint_failures: u32,
-    backoff_until: Option<Instant>,
+    /// Consecutive failed mints, and the wait they impose.
+    mint_backoff: Backoff,
     /// Consecutive VMs that failed before their runner started, and the wait they impose.
-    start_failures: u32,
-    start_backoff_until: Option<Instant>,
+    start_backoff: Backoff,
     /// VMs (uid) already counted as start failures: each counts once.
     counted_start_failures: HashSet<String>,
     creds: Creds,
@@ -391,14 +390,10 @@ impl Ctx {
 
         let demand_known = self.memory(key, |m| m.swept);
         let (mint_block, creds) = self.memory(key, |m| {
-            let block = match (&m.creds, &app, m.backoff_until) {
-                (Creds::Invalid { .. }, _, _) | (_, Err(_), _) => {
-                    Some(MintBlock::CredentialsInvalid)
-                }
-                (_, _, Some(t)) if t > now => Some(MintBlock::Backoff),
-                _ if m.start_backoff_until.is_some_and(|t| t > now) => {
-                    Some(MintBlock::StartFailing)
-                }
+            let block = match (&m.creds, &app) {
+                (Creds::Invalid { .. }, _) | (_, Err(_)) => Some(MintBlock::CredentialsInvalid),
+                _ if m.mint_backoff.active(now) => Some(MintBlock::Backoff),
+                _ if m.start_backoff.active(now) => Some(MintBlock::StartFailing),
                 _ => None,
             };
             (block, m.creds.clone())
@@ -500,7 +495,7 @@ impl Ctx {
         self.write_status(pool, key, &p, &done, &creds_now, mint_failed)
             .await?;
 
-        let backoffs = self.memory(key, |m| [m.backoff_until, m.start_backoff_until]);
+        let backoffs = self.memory(key, |m| [m.mint_backoff.until(), m.start_backoff.until()]);
         let mut next = timing.resync;
         if pending {
             next = next.min(timing.retry);
@@ -712,8 +707,7 @@ impl Ctx {
             .jit_mint_duration
             .observe(started.elapsed().as_secs_f64());
         self.memory(key, |m| {
-            m.mint_failures = 0;
-            m.backoff_until = None;
+            m.mint_backoff.reset();
             m.creds = Creds::Valid;
         });
         let runner_id = minted.runner_id.to_string();
@@ -847,22 +841,19 @@ impl Ctx {
         self.memory(key, |m| {
             m.counted_start_failures.retain(|u| present.contains(u));
             if vms.iter().any(runner_started) {
-                m.start_failures = 0;
-                m.start_backoff_until = None;
+                m.start_backoff.reset();
             }
             for vm in vms {
                 let (Some(uid), Some(reason)) = (vm.uid(), start_failure(vm)) else {
                     continue;
                 };
                 if m.counted_start_failures.insert(uid) {
-                    m.start_failures += 1;
-                    let wait = backoff(
+                    let wait = m.start_backoff.fail(
+                        Instant::now(),
                         timing.start_backoff,
                         timing.start_backoff_max,
-                        m.start_failures,
                     );
-                    m.start_backoff_until = Some(Instant::now() + wait);
-                    fresh.push((vm.name_any(), reason, wait, m.start_failures));
+                    fresh.push((vm.name_any(), reason, wait, m.start_backoff.failures()));
                 }
             }
         });
@@ -895,13 +886,9 @@ impl Ctx {
             .inc();
         let timing = &self.config.timing;
         let wait = self.memory(key, |m| {
-            m.mint_failures += 1;
-            let wait = backoff(
-                timing.mint_backoff,
-                timing.mint_backoff_max,
-                m.mint_failures,
-            );
-            m.backoff_until = Some(Instant::now() + wait);
+            let wait =
+                m.mint_backoff
+                    .fail(Instant::now(), timing.mint_backoff, timing.mint_backoff_max);
             if matches!(
                 e.metric_label(),
                 "credentials"

@@ -39,6 +39,47 @@ pub fn backoff(
     base.saturating_mul(factor).min(max)
 }
 
+/// Consecutive failures of one kind and the wait they impose: each failure restarts the wait,
+/// doubled per failure in a row ([`backoff`]); a success resets it.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    failures: u32,
+    until: Option<std::time::Instant>,
+}
+
+impl Backoff {
+    /// Counts a failure at `now`; returns the wait it imposes.
+    pub fn fail(
+        &mut self,
+        now: std::time::Instant,
+        base: std::time::Duration,
+        max: std::time::Duration,
+    ) -> std::time::Duration {
+        self.failures += 1;
+        let wait = backoff(base, max, self.failures);
+        self.until = Some(now + wait);
+        wait
+    }
+
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+
+    /// Failures in a row so far.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+
+    /// When the wait ends (it may lie in the past).
+    pub fn until(&self) -> Option<std::time::Instant> {
+        self.until
+    }
+
+    pub fn active(&self, now: std::time::Instant) -> bool {
+        self.until.is_some_and(|t| t > now)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Observed<'a> {
     pub vms: &'a [ObservedVm],
@@ -383,6 +424,32 @@ mod tests {
         assert_eq!(
             [b(0), b(1), b(2), b(3), b(5), b(6), b(40)],
             [10, 10, 20, 40, 160, 300, 300].map(D::from_secs)
+        );
+    }
+
+    #[test]
+    fn backoff_state_counts_failures_in_a_row_and_resets() {
+        use std::time::{Duration as D, Instant};
+        let t0 = Instant::now();
+        let mut b = Backoff::default();
+        assert!(!b.active(t0));
+        assert_eq!(
+            b.fail(t0, D::from_secs(10), D::from_secs(300)),
+            D::from_secs(10)
+        );
+        assert_eq!(
+            b.fail(t0, D::from_secs(10), D::from_secs(300)),
+            D::from_secs(20)
+        );
+        assert_eq!(b.failures(), 2);
+        assert_eq!(b.until(), Some(t0 + D::from_secs(20)));
+        assert!(b.active(t0 + D::from_secs(19)));
+        assert!(!b.active(t0 + D::from_secs(20)));
+        b.reset();
+        assert_eq!((b.failures(), b.until()), (0, None));
+        assert_eq!(
+            b.fail(t0, D::from_secs(10), D::from_secs(300)),
+            D::from_secs(10)
         );
     }
 
