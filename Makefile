@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test testenv lint unit crds guest-static guest-vm images chart-lint smoke clean-testenv
+.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
 test: testenv lint unit guest-static guest-vm images chart-lint
@@ -23,6 +23,10 @@ unit: testenv
 ## Regenerate helm/imp/crds from the Rust types.
 crds:
 	$(CARGO) run -p imp-api --bin crdgen
+
+## Regenerate docs/reasons.md from imp_api::names::reason.
+reasons:
+	$(CARGO) run -p imp-api --bin reasondoc
 
 ## The guest agent must build fully static (it is injected into images that may have no libc).
 guest-static:

@@ -9,6 +9,7 @@
 #![allow(clippy::duplicated_attributes)]
 
 mod class;
+pub mod conditions;
 mod duration;
 pub mod names;
 mod network;

@@ -10,6 +10,8 @@ pub const CATEGORY: &str = "imp";
 
 /// Finalizer the operator puts on every ImpVM; removed only after the node reported teardown.
 pub const FINALIZER_VM_CLEANUP: &str = "imp.dev/vm-cleanup";
+/// Finalizer on every ImpVMRunnerPool: its GitHub runners are deregistered before the pool goes.
+pub const FINALIZER_POOL_CLEANUP: &str = "imp.dev/runner-pool-cleanup";
 
 /// Label on runner ImpVMs naming the ImpVMRunnerPool that owns them.
 pub const LABEL_RUNNER_POOL: &str = "imp.dev/runner-pool";
@@ -19,6 +21,10 @@ pub const LABEL_SECRET_KIND: &str = "imp.dev/secret-kind";
 pub const SECRET_KIND_JIT: &str = "jitconfig";
 /// Node label that makes a node eligible for ImpVMs (seed: `imp/enabled=true`).
 pub const LABEL_NODE_ENABLED: &str = "imp/enabled";
+/// Node annotation with which the agent may publish the vCPUs it offers to VMs (overrides allocatable cpu).
+pub const ANNOTATION_CAPACITY_VCPU: &str = "imp.dev/capacity-vcpu";
+/// Node annotation with which the agent may publish the MiB it offers to VMs (overrides allocatable memory).
+pub const ANNOTATION_CAPACITY_MEMORY_MIB: &str = "imp.dev/capacity-memory-mib";
 /// Annotation that resets an exhausted restart budget when set (onExhaustion: manual-reset).
 pub const ANNOTATION_RESET_RESTARTS: &str = "imp.dev/reset-restarts";
 /// Annotation on a JIT Secret: the GitHub runner id the config registers.
@@ -35,6 +41,33 @@ pub const MANAGER_AGENT: &str = "imp-agent";
 /// Name of the JIT config Secret of a runner VM: `impvm-<vm-uid>-jit`.
 pub fn jit_secret_name(vm_uid: &str) -> String {
     format!("impvm-{vm_uid}-jit")
+}
+
+const LEASE_PREFIX: &str = "imp-node-";
+
+/// Name of the heartbeat Lease the agent on `node` renews (in the operator's namespace): `imp-node-<node>`.
+pub fn lease_name(node: &str) -> String {
+    format!("{LEASE_PREFIX}{node}")
+}
+
+/// The node a heartbeat Lease belongs to, if its name follows [`lease_name`].
+pub fn lease_node(lease_name: &str) -> Option<&str> {
+    lease_name
+        .strip_prefix(LEASE_PREFIX)
+        .filter(|n| !n.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_names_round_trip() {
+        assert_eq!(lease_name("worker-1"), "imp-node-worker-1");
+        assert_eq!(lease_node(&lease_name("worker-1")), Some("worker-1"));
+        assert_eq!(lease_node("imp-node-"), None);
+        assert_eq!(lease_node("kube-node-lease"), None);
+    }
 }
 
 /// Condition types used in Imp statuses.
@@ -57,25 +90,366 @@ pub mod condition {
     pub const NETWORK_READY: &str = "Ready";
 }
 
-/// Failure and condition reasons. Precise and stable: alerts and runbooks key on them.
+/// Every reason Imp writes: ImpVM `status.reason`, condition reasons, Event reasons, imp-runtime API
+/// errors. Precise and stable: alerts and runbooks key on them. One list ([`reason::ALL`]) generates
+/// both the constants and docs/reasons.md (`make reasons`), so the two cannot drift.
 pub mod reason {
-    pub const SPEC_INVALID: &str = "SpecInvalid";
-    pub const CLASS_NOT_FOUND: &str = "ClassNotFound";
-    pub const UNSCHEDULABLE: &str = "Unschedulable";
-    /// The registry refused, lacks the tag, or cannot be reached.
-    pub const ROOTFS_PULL_FAILED: &str = "RootfsPullFailed";
-    /// The image broke an integrity or safety rule (digests, media types, hostile layers, caps).
-    pub const ROOTFS_REJECTED: &str = "RootfsRejected";
-    /// The node could not build the image (disk, mkfs, index).
-    pub const ROOTFS_BUILD_FAILED: &str = "RootfsBuildFailed";
-    pub const KERNEL_MISSING: &str = "KernelMissing";
-    pub const FIRECRACKER_START_FAILED: &str = "FirecrackerStartFailed";
-    pub const GUEST_PANICKED: &str = "GuestPanicked";
-    pub const GUEST_AGENT_TIMEOUT: &str = "GuestAgentTimeout";
-    pub const NETWORK_SETUP_FAILED: &str = "NetworkSetupFailed";
-    pub const HANDOFF_AMBIGUOUS: &str = "HandoffAmbiguous";
-    pub const RUNNER_EXITED_NON_ZERO: &str = "RunnerExitedNonZero";
-    pub const NODE_LOST: &str = "NodeLost";
-    pub const EXPIRED: &str = "Expired";
-    pub const RETRY_EXHAUSTED: &str = "RetryExhausted";
+    use super::condition;
+
+    /// Where a reason appears.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Site {
+        /// ImpVM `status.reason` (the phase says Failed, or Pending when no node fits).
+        VmStatus,
+        /// The reason of an ImpVM condition of this type.
+        VmCondition(&'static str),
+        /// The reason of an ImpVMRunnerPool condition of this type.
+        PoolCondition(&'static str),
+        /// A Kubernetes Event about an ImpVM.
+        VmEvent,
+        /// A Kubernetes Event about an ImpVMRunnerPool.
+        PoolEvent,
+        /// The `error` of an imp-runtime API answer (docs/runtime.md) and its inventory record.
+        Runtime,
+        /// imp-runtime's verdict on one image layer; surfaces as RootfsRejected or RootfsBuildFailed.
+        RootfsLayer,
+    }
+
+    impl Site {
+        /// How docs/reasons.md names the site.
+        pub fn describe(self) -> String {
+            match self {
+                Site::VmStatus => "ImpVM `status.reason`".into(),
+                Site::VmCondition(t) => format!("ImpVM condition `{t}`"),
+                Site::PoolCondition(t) => format!("ImpVMRunnerPool condition `{t}`"),
+                Site::VmEvent => "Event on an ImpVM".into(),
+                Site::PoolEvent => "Event on an ImpVMRunnerPool".into(),
+                Site::Runtime => "imp-runtime API error".into(),
+                Site::RootfsLayer => "imp-runtime layer verdict".into(),
+            }
+        }
+    }
+
+    /// One reason as listed in [`ALL`].
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct ReasonDoc {
+        /// The constant's name in this module.
+        pub name: &'static str,
+        /// The string Imp writes.
+        pub value: &'static str,
+        pub sites: &'static [Site],
+        /// When it is used (the constant's doc comment).
+        pub doc: &'static str,
+    }
+
+    /// `/// doc` `NAME = "Value" in [sites];` per reason: a documented constant each, and [`ALL`].
+    macro_rules! reasons {
+        ($( #[doc = $doc:literal] $name:ident = $value:literal in [$($site:expr),+ $(,)?]; )*) => {
+            $( #[doc = $doc] pub const $name: &str = $value; )*
+            /// Every reason in this module, in declaration order: the source of docs/reasons.md.
+            pub const ALL: &[ReasonDoc] = &[$(
+                ReasonDoc { name: stringify!($name), value: $value, sites: &[$($site),+], doc: $doc.trim_ascii() },
+            )*];
+        };
+    }
+
+    use Site::*;
+    use condition::{
+        AT_CAPACITY, CREDENTIALS_VALID, NODE_HEALTHY, READY, SCALING_LIMITED,
+        SCHEDULED as SCHEDULED_C, TORN_DOWN as TORN_DOWN_C,
+    };
+
+    reasons! {
+        // ImpVM spec and scheduling (operator).
+        /// The ImpVM's spec cannot be used (e.g. its restart policy does not resolve); the VM fails.
+        SPEC_INVALID = "SpecInvalid" in [VmStatus, VmEvent];
+        /// The ImpVMClass the VM names does not exist (yet); the VM stays Pending.
+        CLASS_NOT_FOUND = "ClassNotFound" in [VmCondition(SCHEDULED_C)];
+        /// No node fits the VM (filters in kube-scheduler style in the message); it stays Pending.
+        UNSCHEDULABLE = "Unschedulable" in [VmStatus, VmCondition(SCHEDULED_C)];
+        /// A node was chosen (or spec.nodeName was set by the user).
+        NODE_ASSIGNED = "NodeAssigned" in [VmCondition(SCHEDULED_C)];
+        /// A restart cleared the node binding; the VM is scheduled again.
+        RESCHEDULING = "Rescheduling" in [VmCondition(SCHEDULED_C)];
+        /// Warning: no node fits the VM (emitted when the verdict changes).
+        FAILED_SCHEDULING = "FailedScheduling" in [VmEvent];
+        /// The VM was bound to a node.
+        SCHEDULED = "Scheduled" in [VmEvent];
+
+        // Node health (operator).
+        /// The node is Ready and its agent's heartbeat Lease is fresh.
+        NODE_READY = "NodeReady" in [VmCondition(NODE_HEALTHY)];
+        /// The node's Ready condition is not True.
+        NODE_NOT_READY = "NodeNotReady" in [VmCondition(NODE_HEALTHY)];
+        /// The node object is gone.
+        NODE_DELETED = "NodeDeleted" in [VmCondition(NODE_HEALTHY)];
+        /// The agent's heartbeat Lease was not renewed within the grace period.
+        AGENT_HEARTBEAT_STALE = "AgentHeartbeatStale" in [VmCondition(NODE_HEALTHY)];
+        /// The node has no heartbeat Lease (its agent never started or the Lease was deleted).
+        AGENT_HEARTBEAT_MISSING = "AgentHeartbeatMissing" in [VmCondition(NODE_HEALTHY)];
+        /// The VM's node stayed unhealthy past the grace period; the VM fails (and may restart elsewhere).
+        NODE_LOST = "NodeLost" in [VmStatus, VmEvent];
+
+        // Lifetime and restarts (operator).
+        /// The VM outlived spec.expireAfter.
+        EXPIRED = "Expired" in [VmStatus, VmEvent];
+        /// A persistent VM used up its restart budget; it stays Failed.
+        RETRY_EXHAUSTED = "RetryExhausted" in [VmStatus, VmEvent];
+        /// A persistent VM waits out its restart backoff.
+        BACK_OFF = "BackOff" in [VmEvent];
+        /// A persistent VM restarts.
+        RESTARTING = "Restarting" in [VmEvent];
+        /// The restart budget was reset; the message starts with CoolDownElapsed or ManualReset.
+        RESTART_BUDGET_RESET = "RestartBudgetReset" in [VmEvent];
+        /// RestartBudgetReset because the cool-down passed without a failure.
+        COOL_DOWN_ELAPSED = "CoolDownElapsed" in [VmEvent];
+        /// RestartBudgetReset because the reset annotation was set (onExhaustion: manual-reset).
+        MANUAL_RESET = "ManualReset" in [VmEvent];
+
+        // Deletion (operator).
+        /// Deletion waits for the node agent's teardown.
+        TERMINATING = "Terminating" in [VmEvent];
+        /// The agent confirmed teardown and the finalizer was removed; also Ready=False after teardown.
+        TORN_DOWN = "TornDown" in [VmEvent, VmCondition(READY)];
+        /// Warning: the finalizer was removed without a teardown record (the node is gone).
+        FINALIZER_FORCED = "FinalizerForced" in [VmEvent];
+
+        // The VM on its node (agent).
+        /// The agent asked imp-runtime to start the VM and waits for the guest.
+        BOOTING = "Booting" in [VmCondition(READY)];
+        /// The guest agent answered: the VM runs.
+        GUEST_READY = "GuestReady" in [VmCondition(READY)];
+        /// The runner's process ended (its exit code is in status.runner).
+        RUNNER_EXITED = "RunnerExited" in [VmCondition(READY)];
+        /// The VM failed or stopped before its runner ended.
+        VM_STOPPED = "VmStopped" in [VmCondition(READY)];
+        /// imp-runtime released the process, TAP, IP and per-VM disk.
+        TEARDOWN_COMPLETE = "TeardownComplete" in [VmCondition(TORN_DOWN_C)];
+        /// The VM's process ended while the VM was Running, with no runner exit code to report.
+        GUEST_EXITED = "GuestExited" in [VmStatus, Runtime];
+        /// imp-runtime has no record of a VM that status says is Starting or Running.
+        VM_LOST = "VmLost" in [VmStatus];
+        /// The runner had started, but the VM ended before its exit code was collected.
+        RUNNER_EXIT_UNKNOWN = "RunnerExitUnknown" in [VmStatus];
+        /// The runner exited with a non-zero code or was killed by a signal.
+        RUNNER_EXITED_NON_ZERO = "RunnerExitedNonZero" in [VmStatus];
+        /// The VM's JIT config Secret is missing or has no jitconfig key; the runner cannot start.
+        RUNNER_CONFIG_MISSING = "RunnerConfigMissing" in [VmStatus];
+        /// The guest refused to spawn the runner (the config was not used).
+        RUNNER_START_FAILED = "RunnerStartFailed" in [VmStatus];
+        /// The guest connection was lost after the config was sent: the runner may or may not run.
+        HANDOFF_AMBIGUOUS = "HandoffAmbiguous" in [VmStatus];
+
+        // Starting a VM (imp-runtime; the agent copies them into the ImpVM status).
+        /// The registry refused, lacks the tag, or cannot be reached.
+        ROOTFS_PULL_FAILED = "RootfsPullFailed" in [VmStatus, Runtime];
+        /// The image broke an integrity or safety rule (digests, media types, hostile layers, caps).
+        ROOTFS_REJECTED = "RootfsRejected" in [VmStatus, Runtime];
+        /// The node could not build the image (disk, mkfs, index).
+        ROOTFS_BUILD_FAILED = "RootfsBuildFailed" in [VmStatus, Runtime];
+        /// The kernel image the class names is not on the node.
+        KERNEL_MISSING = "KernelMissing" in [VmStatus, Runtime];
+        /// Firecracker did not start or refused the VM's configuration.
+        FIRECRACKER_START_FAILED = "FirecrackerStartFailed" in [VmStatus, Runtime];
+        /// Firecracker's API did not answer after an imp-runtime restart; the VM was killed.
+        FIRECRACKER_UNRESPONSIVE = "FirecrackerUnresponsive" in [VmStatus, Runtime];
+        /// The guest kernel panicked.
+        GUEST_PANICKED = "GuestPanicked" in [VmStatus, Runtime];
+        /// The guest agent did not say Hello in time.
+        GUEST_AGENT_TIMEOUT = "GuestAgentTimeout" in [VmStatus, Runtime];
+        /// The guest agent refused the host's connection (protocol mismatch).
+        GUEST_PROTOCOL_ERROR = "GuestProtocolError" in [VmStatus, Runtime];
+        /// The VM's TAP device or addresses could not be set up.
+        NETWORK_SETUP_FAILED = "NetworkSetupFailed" in [VmStatus, Runtime];
+        /// The VM's writable drive could not be created.
+        DISK_SETUP_FAILED = "DiskSetupFailed" in [VmStatus, Runtime];
+
+        // imp-runtime API errors (the agent maps the spec ones to SpecInvalid).
+        /// The VM uid in the path is not a valid uid.
+        INVALID_UID = "InvalidUid" in [Runtime];
+        /// The request body is not valid JSON of the expected shape.
+        INVALID_BODY = "InvalidBody" in [Runtime];
+        /// The VM spec is valid JSON but cannot be run (e.g. zero vCPUs).
+        INVALID_SPEC = "InvalidSpec" in [Runtime];
+        /// A VM with this uid exists with a different spec.
+        SPEC_CONFLICT = "SpecConflict" in [Runtime];
+        /// imp-runtime has no VM with this uid.
+        NOT_FOUND = "NotFound" in [Runtime];
+        /// The VM exists but is not running (e.g. a guest call to a stopped VM).
+        NOT_RUNNING = "NotRunning" in [Runtime];
+        /// The VM has no network interface (link statistics asked of a VM without one).
+        NO_NETWORK = "NoNetwork" in [Runtime];
+        /// The TAP's link statistics could not be read.
+        LINK_STATS_UNAVAILABLE = "LinkStatsUnavailable" in [Runtime];
+        /// Pausing, snapshotting or resuming the VM failed.
+        SNAPSHOT_FAILED = "SnapshotFailed" in [Runtime];
+        /// imp-runtime's SQLite inventory failed.
+        INVENTORY_ERROR = "InventoryError" in [Runtime];
+        /// imp-runtime's state directory (rootfs store, writable templates) cannot be used.
+        STATE_DIR_UNUSABLE = "StateDirUnusable" in [Runtime];
+        /// No API route matches the request's method and path.
+        NO_SUCH_ROUTE = "NoSuchRoute" in [Runtime];
+
+        // One image layer (imp-runtime).
+        /// The layer breaks a safety rule (path traversal, escaping links, devices, bad whiteouts).
+        LAYER_REJECTED = "LayerRejected" in [RootfsLayer];
+        /// The layer exceeds a size or entry-count cap.
+        LAYER_TOO_LARGE = "LayerTooLarge" in [RootfsLayer];
+        /// The layer cannot be decompressed or is not a valid tar.
+        LAYER_UNREADABLE = "LayerUnreadable" in [RootfsLayer];
+        /// The work directory a build starts from is not empty.
+        WORK_DIR_NOT_EMPTY = "WorkDirNotEmpty" in [RootfsLayer];
+        /// This host's filesystem failed while a layer was applied (not the image's fault).
+        HOST_IO_FAILED = "HostIoFailed" in [RootfsLayer];
+
+        // Runner pools (operator).
+        /// The pool's GitHub App Secret does not exist.
+        SECRET_NOT_FOUND = "SecretNotFound" in [PoolCondition(CREDENTIALS_VALID)];
+        /// Reading the pool's GitHub App Secret failed.
+        SECRET_UNREADABLE = "SecretUnreadable" in [PoolCondition(CREDENTIALS_VALID)];
+        /// GitHub refused the App credentials (or the Secret's contents are not usable); scaling stops.
+        CREDENTIALS_INVALID = "CredentialsInvalid" in [PoolCondition(CREDENTIALS_VALID), PoolCondition(SCALING_LIMITED)];
+        /// A JIT runner config was minted with the App credentials.
+        MINTED = "Minted" in [PoolCondition(CREDENTIALS_VALID)];
+        /// No JIT config was minted yet, so the credentials are untested.
+        NOT_YET_USED = "NotYetUsed" in [PoolCondition(CREDENTIALS_VALID)];
+        /// Idle plus busy runners reach the desired count.
+        RUNNERS_AVAILABLE = "RunnersAvailable" in [PoolCondition(READY)];
+        /// Fewer runners than desired are idle or busy.
+        RUNNERS_PENDING = "RunnersPending" in [PoolCondition(READY)];
+        /// The pool has maxRunners live runners.
+        MAX_RUNNERS_REACHED = "MaxRunnersReached" in [PoolCondition(AT_CAPACITY)];
+        /// The pool has fewer than maxRunners live runners.
+        BELOW_MAX_RUNNERS = "BelowMaxRunners" in [PoolCondition(AT_CAPACITY)];
+        /// Scaling follows demand.
+        NOT_LIMITED = "NotLimited" in [PoolCondition(SCALING_LIMITED)];
+        /// Scale-up was capped by spec.scaling.scaleUpStep.
+        SCALE_UP_STEP = "ScaleUpStep" in [PoolCondition(SCALING_LIMITED)];
+        /// Scale-up was capped by spec.scaling.maxRunners.
+        MAX_RUNNERS = "MaxRunners" in [PoolCondition(SCALING_LIMITED)];
+        /// Minting waits out its backoff after a failed mint.
+        MINT_BACKOFF = "MintBackoff" in [PoolCondition(SCALING_LIMITED)];
+        /// Runner VMs keep failing before their runner starts; new VMs wait out a backoff.
+        VM_START_FAILING = "VmStartFailing" in [PoolCondition(SCALING_LIMITED)];
+        /// Runner VMs were created.
+        SCALED_UP = "ScaledUp" in [PoolEvent];
+        /// Idle runners were retired.
+        SCALED_DOWN = "ScaledDown" in [PoolEvent];
+        /// Finished runner VMs were deleted.
+        RUNNERS_CLEANED_UP = "RunnersCleanedUp" in [PoolEvent];
+        /// Warning: minting a JIT config failed; the VM was deleted and minting backs off.
+        MINT_FAILED = "MintFailed" in [PoolEvent];
+        /// Warning: a runner VM failed before its runner started (the message names its reason).
+        VM_START_FAILED = "VmStartFailed" in [PoolEvent];
+        /// Warning: the VM's JIT Secret name is taken by a Secret the VM does not own; the VM is deleted.
+        SECRET_CONFLICT = "SecretConflict" in [PoolEvent];
+        /// Warning: a minted VM's JIT Secret is gone; the VM is replaced (never minted twice).
+        JIT_CONFIG_LOST = "JitConfigLost" in [PoolEvent];
+        /// Warning: deleting the pool could not deregister every runner in time; their VMs are deleted anyway.
+        CLEANUP_TIMED_OUT = "CleanupTimedOut" in [PoolEvent];
+    }
+
+    /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.
+    pub fn markdown() -> String {
+        let mut out = String::from(
+            "# Reasons\n\n\
+             <!-- Generated by `make reasons` (`cargo run -p imp-api --bin reasondoc`) from \
+             api/src/names.rs; do not edit. -->\n\n\
+             Every reason Imp writes: ImpVM `status.reason`, condition reasons, Kubernetes Event reasons and \
+             imp-runtime API errors. They are stable: alerts and runbooks key on them. In code each is a \
+             constant in `imp_api::names::reason`.\n\n\
+             | Reason | Where it appears | When it is used |\n\
+             |---|---|---|\n",
+        );
+        for r in ALL {
+            let sites: Vec<String> = r.sites.iter().map(|s| s.describe()).collect();
+            out.push_str(&format!(
+                "| `{}` | {} | {} |\n",
+                r.value,
+                sites.join("; "),
+                r.doc
+            ));
+        }
+        out
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+        use std::collections::BTreeSet;
+
+        fn screaming_snake(camel: &str) -> String {
+            let mut out = String::new();
+            for (i, ch) in camel.chars().enumerate() {
+                if ch.is_ascii_uppercase() && i > 0 {
+                    out.push('_');
+                }
+                out.push(ch.to_ascii_uppercase());
+            }
+            out
+        }
+
+        #[test]
+        fn each_constant_is_named_after_its_value() {
+            for r in ALL {
+                assert_eq!(r.name, screaming_snake(r.value), "{r:?}");
+            }
+            assert_eq!(screaming_snake("VmStartFailed"), "VM_START_FAILED");
+        }
+
+        #[test]
+        fn values_are_unique_camel_case_and_documented() {
+            let mut seen = BTreeSet::new();
+            for r in ALL {
+                assert!(seen.insert(r.value), "{} listed twice", r.value);
+                assert!(
+                    r.value.starts_with(|c: char| c.is_ascii_uppercase()),
+                    "{r:?}"
+                );
+                assert!(r.value.chars().all(|c| c.is_ascii_alphanumeric()), "{r:?}");
+                assert!(!r.doc.is_empty() && !r.doc.contains('\n'), "{r:?}");
+                assert!(!r.sites.is_empty(), "{r:?}");
+            }
+        }
+
+        #[test]
+        fn the_table_carries_the_constants_and_their_docs() {
+            let r = ALL.iter().find(|r| r.value == ROOTFS_REJECTED).unwrap();
+            assert_eq!(r.name, "ROOTFS_REJECTED");
+            assert!(r.doc.starts_with("The image broke"), "{}", r.doc);
+            assert_eq!(r.sites, &[Site::VmStatus, Site::Runtime]);
+            assert_eq!(
+                ALL.iter().find(|r| r.value == MINTED).unwrap().sites,
+                &[Site::PoolCondition(condition::CREDENTIALS_VALID)]
+            );
+        }
+
+        #[test]
+        fn markdown_has_a_row_per_reason() {
+            let md = markdown();
+            let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| `")).collect();
+            assert_eq!(rows.len(), ALL.len());
+            assert!(
+                rows.contains(&"| `Minted` | ImpVMRunnerPool condition `CredentialsValid` | A JIT runner config was minted with the App credentials. |"),
+                "{md}"
+            );
+            assert!(
+                rows.contains(&"| `GuestExited` | ImpVM `status.reason`; imp-runtime API error | The VM's process ended while the VM was Running, with no runner exit code to report. |"),
+                "{md}"
+            );
+        }
+
+        #[test]
+        fn sites_describe_themselves() {
+            assert_eq!(
+                Site::VmCondition(condition::READY).describe(),
+                "ImpVM condition `Ready`"
+            );
+            assert_eq!(
+                Site::PoolCondition(condition::AT_CAPACITY).describe(),
+                "ImpVMRunnerPool condition `AtCapacity`"
+            );
+            assert_eq!(Site::VmStatus.describe(), "ImpVM `status.reason`");
+        }
+    }
 }

@@ -283,6 +283,7 @@ fn decode(r: &SqliteRow) -> Result<VmRecord, InventoryError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use imp_api::names::reason;
 
     fn record(uid: &str, dir: &Path) -> VmRecord {
         VmRecord {
@@ -312,7 +313,7 @@ mod tests {
         inv.insert(&record("b", dir.path())).await.unwrap();
         inv.set_process("a", 42, 777).await.unwrap();
         inv.set_running("a", 0.25).await.unwrap();
-        inv.set_failed("b", "KernelMissing", "no kernel")
+        inv.set_failed("b", reason::KERNEL_MISSING, "no kernel")
             .await
             .unwrap();
         inv.close().await;
@@ -330,7 +331,7 @@ mod tests {
         );
         let b = inv.get("b").await.unwrap().unwrap();
         assert_eq!(b.state, VmState::Failed);
-        assert_eq!(b.failure_reason.as_deref(), Some("KernelMissing"));
+        assert_eq!(b.failure_reason.as_deref(), Some(reason::KERNEL_MISSING));
         assert_eq!(inv.list().await.unwrap().len(), 2);
         inv.delete("a").await.unwrap();
         assert!(inv.get("a").await.unwrap().is_none());

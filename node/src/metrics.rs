@@ -186,7 +186,7 @@ mod tests {
             .set(3);
         m.start_failures
             .get_or_create(&ReasonLabel {
-                reason: "KernelMissing".into(),
+                reason: imp_api::names::reason::KERNEL_MISSING.into(),
             })
             .inc();
         m.recovered("reattached");
@@ -196,7 +196,7 @@ mod tests {
         m.rootfs
             .build_failures
             .get_or_create(&ReasonLabel {
-                reason: "RootfsRejected".into(),
+                reason: imp_api::names::reason::ROOTFS_REJECTED.into(),
             })
             .inc();
         m.rootfs.cache_bytes.set(1 << 20);

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use imp_api::names::reason;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -177,24 +178,24 @@ impl RuntimeError {
     pub fn reason(&self) -> &str {
         match self {
             RuntimeError::Failed { failure, .. } => &failure.reason,
-            RuntimeError::InvalidUid(_) => "InvalidUid",
-            RuntimeError::InvalidSpec(_) => "InvalidSpec",
-            RuntimeError::NotFound(_) => "NotFound",
-            RuntimeError::SpecConflict(_) => "SpecConflict",
-            RuntimeError::NotRunning { .. } => "NotRunning",
-            RuntimeError::NoNetwork(_) => "NoNetwork",
+            RuntimeError::InvalidUid(_) => reason::INVALID_UID,
+            RuntimeError::InvalidSpec(_) => reason::INVALID_SPEC,
+            RuntimeError::NotFound(_) => reason::NOT_FOUND,
+            RuntimeError::SpecConflict(_) => reason::SPEC_CONFLICT,
+            RuntimeError::NotRunning { .. } => reason::NOT_RUNNING,
+            RuntimeError::NoNetwork(_) => reason::NO_NETWORK,
             RuntimeError::Boot { source, .. } => source.reason(),
-            RuntimeError::NetworkSetupFailed { .. } => "NetworkSetupFailed",
+            RuntimeError::NetworkSetupFailed { .. } => reason::NETWORK_SETUP_FAILED,
             RuntimeError::DiskSetupFailed { .. } | RuntimeError::WritableDrive { .. } => {
-                "DiskSetupFailed"
+                reason::DISK_SETUP_FAILED
             }
             RuntimeError::Rootfs { source, .. } => source.reason(),
-            RuntimeError::LinkStats { .. } => "LinkStatsUnavailable",
-            RuntimeError::Snapshot { .. } => "SnapshotFailed",
-            RuntimeError::Inventory(_) => "InventoryError",
+            RuntimeError::LinkStats { .. } => reason::LINK_STATS_UNAVAILABLE,
+            RuntimeError::Snapshot { .. } => reason::SNAPSHOT_FAILED,
+            RuntimeError::Inventory(_) => reason::INVENTORY_ERROR,
             RuntimeError::StateDir { .. }
             | RuntimeError::RootfsStore(_)
-            | RuntimeError::WritableTemplates(_) => "StateDirUnusable",
+            | RuntimeError::WritableTemplates(_) => reason::STATE_DIR_UNUSABLE,
         }
     }
 }
@@ -417,7 +418,7 @@ impl Runtime {
                         self.inventory
                             .set_failed(
                                 &r.uid,
-                                "FirecrackerUnresponsive",
+                                reason::FIRECRACKER_UNRESPONSIVE,
                                 "API socket did not answer after a runtime restart",
                             )
                             .await?;

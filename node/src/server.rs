@@ -10,6 +10,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use imp_api::names::reason;
 use serde::{Deserialize, Serialize};
 
 use crate::runtime::{Ensured, Runtime, RuntimeError, VmSpec, VmStatus};
@@ -87,7 +88,7 @@ fn bad_json(rej: JsonRejection) -> ApiError {
     ApiError(
         StatusCode::BAD_REQUEST,
         ErrorBody {
-            error: "InvalidBody".into(),
+            error: reason::INVALID_BODY.into(),
             message: rej.body_text(),
         },
     )
@@ -176,7 +177,7 @@ async fn not_found() -> ApiError {
     ApiError(
         StatusCode::NOT_FOUND,
         ErrorBody {
-            error: "NoSuchRoute".into(),
+            error: reason::NO_SUCH_ROUTE.into(),
             message: "no such route; the API is under /v1".into(),
         },
     )

@@ -10,7 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Harness, simulator};
-use imp_api::{HandoffState, ImpVM, ImpVMClass, VmPhase};
+use imp_api::names::{self, condition, reason};
+use imp_api::{HandoffState, ImpVM, ImpVMClass, VmPhase, conditions};
 use imp_testkit::TestEnv;
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -176,7 +177,8 @@ impl World {
             .create(&PostParams::default(), &vm)
             .await
             .unwrap();
-        self.set_status(name, json!({"phase": "Scheduled"})).await
+        self.set_status(name, json!({"phase": VmPhase::Scheduled}))
+            .await
     }
 
     async fn set_status(&self, name: &str, status: serde_json::Value) -> ImpVM {
@@ -255,10 +257,15 @@ impl World {
             .delete(name, &DeleteParams::default())
             .await
             .unwrap();
-        self.set_status(name, json!({"phase": "Terminating"})).await;
-        self.wait_vm(name, "TornDown", Duration::from_secs(30), agent, |vm| {
-            cond(vm, "TornDown") == Some("True".into())
-        })
+        self.set_status(name, json!({"phase": VmPhase::Terminating}))
+            .await;
+        self.wait_vm(
+            name,
+            condition::TORN_DOWN,
+            Duration::from_secs(30),
+            agent,
+            |vm| cond(vm, condition::TORN_DOWN) == Some("True".into()),
+        )
         .await;
         self.vms()
             .patch(
@@ -301,7 +308,7 @@ fn phase_of(vm: &ImpVM) -> Option<VmPhase> {
 fn cond(vm: &ImpVM, type_: &str) -> Option<String> {
     vm.status
         .as_ref()
-        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+        .and_then(|s| conditions::find(&s.conditions, type_))
         .map(|c| c.status.clone())
 }
 
@@ -322,7 +329,7 @@ async fn bound_vm_starts_runs_and_is_torn_down_and_the_lease_is_renewed() {
     let s = vm.status.as_ref().unwrap();
     assert!(s.boot_start_time.is_some() && s.boot_complete_time.is_some());
     assert!(s.first_running_time.is_some());
-    assert_eq!(cond(&vm, "Ready").as_deref(), Some("True"));
+    assert_eq!(cond(&vm, condition::READY).as_deref(), Some("True"));
     assert_eq!(
         w.rt.client.inspect(&uid(&vm)).await.unwrap().state,
         imp_node::inventory::VmState::Running
@@ -330,7 +337,7 @@ async fn bound_vm_starts_runs_and_is_torn_down_and_the_lease_is_renewed() {
 
     // Heartbeat Lease in the operator namespace, renewed.
     let leases: Api<Lease> = w.env.api();
-    let lease_name = format!("imp-node-{}", w.node);
+    let lease_name = names::lease_name(&w.node);
     let first = leases.get(&lease_name).await.unwrap().spec.unwrap();
     assert_eq!(first.holder_identity.as_deref(), Some(w.node.as_str()));
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -411,7 +418,11 @@ async fn runner_exit_non_zero_fails_the_vm() {
     w.bound_vm("runner-b", &w.image, Some("jit-b")).await;
     let vm = w.wait_phase("runner-b", VmPhase::Failed, &agent).await;
     let s = vm.status.as_ref().unwrap();
-    assert_eq!(s.reason.as_deref(), Some("RunnerExitedNonZero"), "{s:#?}");
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::RUNNER_EXITED_NON_ZERO),
+        "{s:#?}"
+    );
     assert_eq!(s.runner.as_ref().unwrap().exit_code, Some(3));
     assert!(!w.secret_exists("jit-b").await);
     drop(agent);
@@ -434,7 +445,7 @@ async fn sent_without_started_at_startup_is_ambiguous_and_never_replayed() {
     let agent = w.agent(&w.runner_script(0), 2);
     let vm = w.wait_phase("runner-c", VmPhase::Failed, &agent).await;
     let s = vm.status.as_ref().unwrap();
-    assert_eq!(s.reason.as_deref(), Some("HandoffAmbiguous"));
+    assert_eq!(s.reason.as_deref(), Some(reason::HANDOFF_AMBIGUOUS));
     assert_eq!(
         s.runner.as_ref().unwrap().handoff,
         Some(HandoffState::Ambiguous)
@@ -471,7 +482,7 @@ async fn runtime_start_failure_is_reported_with_its_reason() {
     let vm = w.wait_phase("broken", VmPhase::Failed, &agent).await;
     assert_eq!(
         vm.status.as_ref().unwrap().reason.as_deref(),
-        Some("RootfsPullFailed"),
+        Some(reason::ROOTFS_PULL_FAILED),
         "{:#?}",
         vm.status
     );

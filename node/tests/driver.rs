@@ -5,6 +5,7 @@ mod common;
 
 use std::time::Duration;
 
+use imp_api::names::reason;
 use imp_node::firecracker::api::{BootSource, Drive, InstanceState, MachineConfiguration, Vsock};
 use imp_node::firecracker::{self, BootPlan, VmmFiles};
 use tokio::time::Instant;
@@ -74,7 +75,7 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
         .unwrap();
     // A second configuration after start is refused by Firecracker's rules, with its message.
     let e = vmm.configure(&plan).await.unwrap_err();
-    assert_eq!(e.reason(), "FirecrackerStartFailed");
+    assert_eq!(e.reason(), reason::FIRECRACKER_START_FAILED);
     assert!(
         e.to_string().contains("not supported after starting"),
         "{e}"

@@ -7,6 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{Harness, alive, backends, is_root, wait_until};
+use imp_api::names::reason;
 use imp_node::inventory::VmState;
 use imp_testkit::firecracker::Knobs;
 
@@ -165,7 +166,7 @@ async fn kill9_restart_reattaches_running_and_cleans_half_made() {
             assert!(!alive(*pid, *start), "{uid}'s process survived the cleanup");
             assert_eq!(
                 h.client.inspect(uid).await.unwrap_err().reason(),
-                Some("NotFound"),
+                Some(reason::NOT_FOUND),
                 "{uid}"
             );
             assert!(

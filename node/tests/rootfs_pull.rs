@@ -9,6 +9,7 @@ use std::{
 };
 
 use base64::Engine;
+use imp_api::names::reason;
 use imp_node::rootfs::{
     Compression,
     auth::{PullCredentials, RegistryAuth, Secret},
@@ -263,7 +264,7 @@ async fn index_without_linux_amd64_names_the_platforms_offered() {
         }
         other => panic!("expected NoLinuxAmd64, got {other:?}"),
     }
-    assert_eq!(err.reason(), "RootfsRejected");
+    assert_eq!(err.reason(), reason::ROOTFS_REJECTED);
 }
 
 #[tokio::test]
@@ -301,7 +302,7 @@ async fn tampered_blob_is_a_digest_mismatch_and_leaves_no_file() {
         }
         other => panic!("expected DigestMismatch, got {other:?}"),
     }
-    assert_eq!(err.reason(), "RootfsRejected");
+    assert_eq!(err.reason(), reason::ROOTFS_REJECTED);
 
     // The untouched layer still fetches.
     let dir = tempfile::tempdir().unwrap();
@@ -469,7 +470,7 @@ async fn missing_tag_is_not_found() {
             matches!(err, PullError::NotFound { .. }),
             "{reference}: {err:?}"
         );
-        assert_eq!(err.reason(), "RootfsPullFailed");
+        assert_eq!(err.reason(), reason::ROOTFS_PULL_FAILED);
     }
 }
 

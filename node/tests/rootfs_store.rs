@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use imp_api::names::reason;
 use imp_node::inventory::Inventory;
 use imp_node::metrics::Metrics;
 use imp_node::rootfs::flatten::Limits;
@@ -376,7 +377,7 @@ async fn a_hostile_layer_is_rejected_naming_layer_and_entry_and_leaves_nothing()
         .acquire("vm-h", &f.spec(&base, None))
         .await
         .unwrap_err();
-    assert_eq!(err.reason(), "RootfsRejected", "{err}");
+    assert_eq!(err.reason(), reason::ROOTFS_REJECTED, "{err}");
     let msg = err.to_string();
     assert!(
         msg.contains("esc/pwned") && msg.contains("sha256:"),
@@ -412,7 +413,7 @@ async fn a_registry_outage_serves_the_image_built_from_the_same_references() {
         .acquire("vm-3", &f.spec(&never_built, None))
         .await
         .unwrap_err();
-    assert_eq!(err.reason(), "RootfsPullFailed", "{err}");
+    assert_eq!(err.reason(), reason::ROOTFS_PULL_FAILED, "{err}");
 }
 
 #[tokio::test]
@@ -480,7 +481,7 @@ async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
         .unwrap();
     for (vm, spec) in [("vm-b", with(None)), ("vm-c", with(Some("guess")))] {
         let err = store.acquire(vm, &spec).await.unwrap_err();
-        assert_eq!(err.reason(), "RootfsPullFailed", "{err}");
+        assert_eq!(err.reason(), reason::ROOTFS_PULL_FAILED, "{err}");
         assert!(err.to_string().contains("refused the credentials"), "{err}");
     }
 }

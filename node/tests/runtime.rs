@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use common::{Harness, alive, backends, is_root, simulator};
 use http::{Method, StatusCode};
+use imp_api::names::reason;
 use imp_node::inventory::VmState;
 use imp_testkit::firecracker::Knobs;
 
@@ -43,7 +44,7 @@ async fn create_inspect_linkstats_vsock_snapshot_delete() {
         let mut other = spec.clone();
         other.memory_mib = 256;
         let e = h.client.ensure_running(uid, &other).await.unwrap_err();
-        assert_eq!(e.reason(), Some("SpecConflict"), "{e}");
+        assert_eq!(e.reason(), Some(reason::SPEC_CONFLICT), "{e}");
 
         let got = h.client.inspect(uid).await.unwrap();
         assert_eq!(got, st);
@@ -143,7 +144,7 @@ async fn create_inspect_linkstats_vsock_snapshot_delete() {
         assert!(!h.vms_dir().join(uid).exists(), "VM directory left behind");
         assert!(!imp_node::tap::exists(&h.tap_for(uid)), "TAP left behind");
         let e = h.client.inspect(uid).await.unwrap_err();
-        assert_eq!(e.reason(), Some("NotFound"));
+        assert_eq!(e.reason(), Some(reason::NOT_FOUND));
         h.client.delete(uid).await.expect("DELETE is idempotent");
         assert!(h.vmm_processes().is_empty());
     }
@@ -166,8 +167,13 @@ async fn bad_requests_get_4xx_with_a_reason() {
         }
     };
     let cases = [
-        ("Bad_Uid", spec.clone(), 400, "InvalidUid"),
-        ("ok-uid", serde_json::json!({"vcpu": 1}), 400, "InvalidBody"),
+        ("Bad_Uid", spec.clone(), 400, reason::INVALID_UID),
+        (
+            "ok-uid",
+            serde_json::json!({"vcpu": 1}),
+            400,
+            reason::INVALID_BODY,
+        ),
         (
             "ok-uid",
             {
@@ -176,7 +182,7 @@ async fn bad_requests_get_4xx_with_a_reason() {
                 s
             },
             400,
-            "InvalidBody",
+            reason::INVALID_BODY,
         ),
         (
             "ok-uid",
@@ -186,7 +192,7 @@ async fn bad_requests_get_4xx_with_a_reason() {
                 s
             },
             400,
-            "InvalidSpec",
+            reason::INVALID_SPEC,
         ),
         (
             "ok-uid",
@@ -196,7 +202,7 @@ async fn bad_requests_get_4xx_with_a_reason() {
                 s
             },
             400,
-            "InvalidSpec",
+            reason::INVALID_SPEC,
         ),
         (
             "ok-uid",
@@ -206,7 +212,7 @@ async fn bad_requests_get_4xx_with_a_reason() {
                 s
             },
             400,
-            "InvalidSpec",
+            reason::INVALID_SPEC,
         ),
     ];
     for (uid, body, code, reason) in cases {
@@ -226,7 +232,7 @@ async fn bad_requests_get_4xx_with_a_reason() {
     assert_eq!(s, StatusCode::BAD_REQUEST, "{b:?}");
     assert_eq!(
         h.client.inspect("nothing-here").await.unwrap_err().reason(),
-        Some("NotFound")
+        Some(reason::NOT_FOUND)
     );
     assert_eq!(
         h.client
@@ -234,7 +240,7 @@ async fn bad_requests_get_4xx_with_a_reason() {
             .await
             .unwrap_err()
             .reason(),
-        Some("NotFound")
+        Some(reason::NOT_FOUND)
     );
     let (s, _) = h
         .client
@@ -256,7 +262,7 @@ async fn bad_requests_get_4xx_with_a_reason() {
     assert_eq!(code, StatusCode::CREATED);
     assert_eq!(
         h.client.linkstats("no-net").await.unwrap_err().reason(),
-        Some("NoNetwork")
+        Some(reason::NO_NETWORK)
     );
     h.client.delete("no-net").await.unwrap();
 }
@@ -303,26 +309,31 @@ async fn boot_failures_carry_precise_reasons_and_release_everything() {
         (
             "nokernel",
             missing_kernel,
-            "KernelMissing",
+            reason::KERNEL_MISSING,
             "no-such-vmlinux",
         ),
         (
             "crash",
             h.spec(network),
-            "FirecrackerStartFailed",
+            reason::FIRECRACKER_START_FAILED,
             "simulated crash",
         ),
         (
             "panic",
             h.spec(network),
-            "GuestPanicked",
+            reason::GUEST_PANICKED,
             "Kernel panic - not syncing",
         ),
-        ("hang", h.spec(network), "GuestAgentTimeout", "hanging"),
+        (
+            "hang",
+            h.spec(network),
+            reason::GUEST_AGENT_TIMEOUT,
+            "hanging",
+        ),
         (
             "resets",
             h.spec(network),
-            "GuestExited",
+            reason::GUEST_EXITED,
             "Restarting system",
         ),
     ];
@@ -362,11 +373,11 @@ async fn boot_failures_carry_precise_reasons_and_release_everything() {
     }
     let m = h.metrics().await;
     for reason in [
-        "KernelMissing",
-        "FirecrackerStartFailed",
-        "GuestPanicked",
-        "GuestExited",
-        "GuestAgentTimeout",
+        reason::KERNEL_MISSING,
+        reason::FIRECRACKER_START_FAILED,
+        reason::GUEST_PANICKED,
+        reason::GUEST_EXITED,
+        reason::GUEST_AGENT_TIMEOUT,
     ] {
         assert!(
             m.contains(&format!(
@@ -454,7 +465,7 @@ async fn a_guest_that_powers_off_is_reported_exited() {
         }
         assert_eq!(
             h.client.linkstats("off").await.unwrap_err().reason(),
-            Some("NotRunning")
+            Some(reason::NOT_RUNNING)
         );
         // PUT does not resurrect an exited (ephemeral) VM.
         let (code, again) = h

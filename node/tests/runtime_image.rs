@@ -5,6 +5,7 @@ mod common;
 
 use common::{Harness, simulator};
 use http::StatusCode;
+use imp_api::names::reason;
 use imp_node::inventory::VmState;
 use imp_node::rootfs::auth::{PullCredentials, Secret};
 use imp_node::rootfs::store::ImageSpec;
@@ -124,7 +125,7 @@ async fn vms_start_from_registry_images_share_one_build_and_release_it() {
         )
         .await
         .unwrap_err();
-    assert_eq!(e.reason(), Some("RootfsPullFailed"), "{e}");
+    assert_eq!(e.reason(), Some(reason::ROOTFS_PULL_FAILED), "{e}");
     // A hostile layer: rejected, naming the entry; nothing written outside the work dir.
     let e = h
         .client
@@ -134,7 +135,7 @@ async fn vms_start_from_registry_images_share_one_build_and_release_it() {
         )
         .await
         .unwrap_err();
-    assert_eq!(e.reason(), Some("RootfsRejected"), "{e}");
+    assert_eq!(e.reason(), Some(reason::ROOTFS_REJECTED), "{e}");
     assert!(e.to_string().contains("../../escaped"), "{e}");
     assert!(!h.state_dir.join("escaped").exists() && !h.state_dir.join("rootfs/escaped").exists());
     let failed = h.client.inspect("vm-h").await.unwrap();

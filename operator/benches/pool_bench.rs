@@ -21,13 +21,13 @@ use std::{
 use futures::TryStreamExt;
 use imp_api::{
     HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, ImpVMStatus, RunnerStatus, VmPhase,
-    names::{ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_NODE_ENABLED},
+    names::{ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_NODE_ENABLED, lease_name},
 };
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
     metrics::VmMetrics,
     runnerpool::{PoolControllerConfig, PoolMetrics, PoolShared, run_runnerpool_controller},
-    vm::{VmControllerConfig, lease_name, run_vm_controller},
+    vm::{VmControllerConfig, run_vm_controller},
     webhook::webhook_router,
 };
 use imp_testkit::{

@@ -13,13 +13,10 @@ use std::{
     fmt,
 };
 
-use imp_api::names::LABEL_NODE_ENABLED;
+use imp_api::names::{
+    ANNOTATION_CAPACITY_MEMORY_MIB, ANNOTATION_CAPACITY_VCPU, LABEL_NODE_ENABLED,
+};
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
-
-/// Node annotation with which the agent may publish the vCPUs it offers to VMs (overrides allocatable cpu).
-pub const ANNOTATION_CAPACITY_VCPU: &str = "imp.dev/capacity-vcpu";
-/// Node annotation with which the agent may publish the MiB it offers to VMs (overrides allocatable memory).
-pub const ANNOTATION_CAPACITY_MEMORY_MIB: &str = "imp.dev/capacity-memory-mib";
 
 /// What one VM needs from a node.
 #[derive(Clone, Debug, Default, PartialEq)]

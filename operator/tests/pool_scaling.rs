@@ -6,7 +6,7 @@ mod pool_common;
 
 use std::time::Duration;
 
-use imp_api::names::{ANNOTATION_RUNNER_ID, LABEL_SECRET_KIND, SECRET_KIND_JIT, condition};
+use imp_api::names::{ANNOTATION_RUNNER_ID, LABEL_SECRET_KIND, SECRET_KIND_JIT, condition, reason};
 use imp_testkit::github::{
     Fault, FaultRule, JobStatus, WebhookFault,
     runner_protocol::{FakeRunnerOptions, run_fake_runner},
@@ -22,9 +22,7 @@ use serde_json::json;
 const WAIT: Duration = Duration::from_secs(30);
 
 fn cond(s: &imp_api::ImpVMRunnerPoolStatus, t: &str) -> (String, String) {
-    s.conditions
-        .iter()
-        .find(|c| c.type_ == t)
+    imp_api::conditions::find(&s.conditions, t)
         .map(|c| (c.status.clone(), c.reason.clone()))
         .unwrap_or_default()
 }
@@ -89,9 +87,12 @@ async fn scales_from_zero_on_a_webhook_runs_the_job_and_cleans_up() {
         3.0
     );
     let reasons: Vec<String> = h.events("zero").await.into_iter().map(|e| e.0).collect();
-    assert!(reasons.contains(&"ScaledUp".to_string()), "{reasons:?}");
     assert!(
-        reasons.contains(&"RunnersCleanedUp".to_string()),
+        reasons.contains(&reason::SCALED_UP.to_string()),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.contains(&reason::RUNNERS_CLEANED_UP.to_string()),
         "{reasons:?}"
     );
 }
@@ -128,7 +129,7 @@ async fn keeps_min_idle_and_respects_max_runners() {
     assert_eq!(s.desired, 3);
     assert_eq!(
         cond(&s, condition::SCALING_LIMITED),
-        ("True".into(), "MaxRunners".into())
+        ("True".into(), reason::MAX_RUNNERS.into())
     );
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -178,7 +179,10 @@ async fn scale_down_deregisters_idle_runners_before_deleting_them() {
         2.0
     );
     let reasons: Vec<String> = h.events("down").await.into_iter().map(|e| e.0).collect();
-    assert!(reasons.contains(&"ScaledDown".to_string()), "{reasons:?}");
+    assert!(
+        reasons.contains(&reason::SCALED_DOWN.to_string()),
+        "{reasons:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -327,7 +331,7 @@ async fn vms_failing_before_their_runner_starts_back_the_pool_off() {
     let fail = |name: String| {
         let vms = h.vms();
         async move {
-            let patch = json!({"status": {"phase": "Failed", "reason": "RootfsRejected",
+            let patch = json!({"status": {"phase": "Failed", "reason": reason::ROOTFS_REJECTED,
                 "message": "layer sha256:1: entry \"../x\": path leaves the image root"}});
             let _ = vms
                 .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -353,11 +357,11 @@ async fn vms_failing_before_their_runner_starts_back_the_pool_off() {
     let events = h.events("sf").await;
     let notes: Vec<&String> = events
         .iter()
-        .filter(|(r, _)| r == "VmStartFailed")
+        .filter(|(r, _)| r == reason::VM_START_FAILED)
         .map(|(_, n)| n)
         .collect();
     assert!(!notes.is_empty(), "{events:?}");
-    assert!(notes[0].contains("RootfsRejected"), "{}", notes[0]);
+    assert!(notes[0].contains(reason::ROOTFS_REJECTED), "{}", notes[0]);
     assert!(
         h.metric("imp_runner_vm_start_failures_total{reason=\"RootfsRejected\"}") >= 2.0,
         "{}",
@@ -366,14 +370,15 @@ async fn vms_failing_before_their_runner_starts_back_the_pool_off() {
     let s = h.pool_status("sf").await;
     assert_eq!(
         cond(&s, condition::SCALING_LIMITED),
-        ("True".to_string(), "VmStartFailing".to_string())
+        ("True".to_string(), reason::VM_START_FAILING.to_string())
     );
 
     // The image is fixed: the next VM's runner starts, which resets the backoff.
     h.start_agent(false, Duration::ZERO);
     h.wait("an idle runner and no start backoff", WAIT, || async {
         let s = h.pool_status("sf").await;
-        (s.idle == 1 && cond(&s, condition::SCALING_LIMITED).1 != "VmStartFailing").then_some(())
+        (s.idle == 1 && cond(&s, condition::SCALING_LIMITED).1 != reason::VM_START_FAILING)
+            .then_some(())
     })
     .await;
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use imp_api::names::{
     ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_RUNNER_POOL, LABEL_SECRET_KIND,
-    SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, condition, jit_secret_name,
+    SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, condition, jit_secret_name, reason,
 };
 use imp_testkit::github::{
     Fault, FaultRule, JobStatus,
@@ -101,7 +101,7 @@ async fn a_failed_mint_deletes_its_vm_and_backs_off() {
             h.events("mint")
                 .await
                 .into_iter()
-                .find(|(r, _)| r == "MintFailed")
+                .find(|(r, _)| r == reason::MINT_FAILED)
                 .map(|(_, n)| n)
         })
         .await;
@@ -125,9 +125,8 @@ async fn a_failed_mint_deletes_its_vm_and_backs_off() {
     let s = h
         .wait("ScalingLimited by the backoff", WAIT, || async {
             let s = h.pool_status("mint").await;
-            s.conditions
-                .iter()
-                .any(|c| c.type_ == condition::SCALING_LIMITED && c.reason == "MintBackoff")
+            imp_api::conditions::find(&s.conditions, condition::SCALING_LIMITED)
+                .is_some_and(|c| c.reason == reason::MINT_BACKOFF)
                 .then_some(s)
         })
         .await;

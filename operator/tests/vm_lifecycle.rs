@@ -5,7 +5,10 @@ mod vm_common;
 
 use std::time::{Duration, Instant};
 
-use imp_api::VmPhase;
+use imp_api::{
+    VmPhase,
+    names::{condition, reason},
+};
 use kube::api::DeleteParams;
 use serde_json::json;
 use vm_common::*;
@@ -35,19 +38,19 @@ async fn ephemeral_vm_runs_to_success_and_deletion_waits_for_teardown() {
     let vm = h
         .wait_vm("vm1", "Running with NodeHealthy", WAIT, |vm| {
             phase_of(vm) == Some(VmPhase::Running)
-                && cond(vm, "NodeHealthy").is_some_and(|c| c.0 == "True")
+                && cond(vm, condition::NODE_HEALTHY).is_some_and(|c| c.0 == "True")
         })
         .await;
     assert_eq!(
-        cond(&vm, "Ready"),
+        cond(&vm, condition::READY),
         Some(("True".into(), "ProbeSucceeded".into()))
     );
     assert_eq!(
-        cond(&vm, "Scheduled").unwrap().0,
+        cond(&vm, condition::SCHEDULED).unwrap().0,
         "True",
         "agent write kept the operator's condition"
     );
-    h.agent_stop("vm1", VmPhase::Succeeded, "RunnerExited")
+    h.agent_stop("vm1", VmPhase::Succeeded, reason::RUNNER_EXITED)
         .await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     let vm = h.vms().get("vm1").await.unwrap();
@@ -64,7 +67,7 @@ async fn ephemeral_vm_runs_to_success_and_deletion_waits_for_teardown() {
         .await
         .unwrap();
     h.wait_phase("vm1", VmPhase::Terminating, WAIT).await;
-    h.wait_event("vm1", "Terminating", WAIT).await;
+    h.wait_event("vm1", reason::TERMINATING, WAIT).await;
     // Longer than the forced-finalizer timeout: a healthy node's VM is never forced.
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
@@ -75,14 +78,14 @@ async fn ephemeral_vm_runs_to_success_and_deletion_waits_for_teardown() {
     let took = h.wait_gone("vm1", WAIT).await;
     eprintln!("finalizer released {took:?} after TornDown");
     let reasons: Vec<String> = h.events("vm1").await.into_iter().map(|e| e.0).collect();
-    for r in ["Scheduled", "Terminating", "TornDown"] {
+    for r in [reason::SCHEDULED, reason::TERMINATING, reason::TORN_DOWN] {
         assert!(
             reasons.iter().any(|x| x == r),
             "{r} missing from {reasons:?}"
         );
     }
     assert!(
-        !reasons.iter().any(|x| x == "FinalizerForced"),
+        !reasons.iter().any(|x| x == reason::FINALIZER_FORCED),
         "{reasons:?}"
     );
     h.finish().await;
@@ -141,9 +144,9 @@ async fn expired_vm_is_deleted_with_an_expired_event() {
     ); // RFC 3339 seconds resolution
     assert_eq!(
         vm.status.as_ref().unwrap().reason.as_deref(),
-        Some("Expired")
+        Some(reason::EXPIRED)
     );
-    let note = h.wait_event("vm1", "Expired", WAIT).await;
+    let note = h.wait_event("vm1", reason::EXPIRED, WAIT).await;
     assert!(note.contains("expireAfter"), "{note}");
     h.wait_phase("vm1", VmPhase::Terminating, WAIT).await;
     h.agent_torn_down("vm1").await;

@@ -5,7 +5,10 @@ mod vm_common;
 
 use std::time::{Duration, Instant};
 
-use imp_api::VmPhase;
+use imp_api::{
+    VmPhase,
+    names::{condition, reason},
+};
 use kube::api::DeleteParams;
 use serde_json::json;
 use vm_common::*;
@@ -21,7 +24,7 @@ async fn stale_heartbeat_fails_ephemeral_vm_with_node_lost() {
     h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
     h.agent_run("vm1").await;
     h.wait_vm("vm1", "NodeHealthy", WAIT, |vm| {
-        cond(vm, "NodeHealthy").is_some_and(|c| c.0 == "True")
+        cond(vm, condition::NODE_HEALTHY).is_some_and(|c| c.0 == "True")
     })
     .await;
 
@@ -38,13 +41,18 @@ async fn stale_heartbeat_fails_ephemeral_vm_with_node_lost() {
         stopped.elapsed()
     );
     let status = vm.status.clone().unwrap();
-    assert_eq!(status.reason.as_deref(), Some("NodeLost"));
-    assert!(status.message.unwrap().contains("AgentHeartbeatStale"));
-    assert_eq!(
-        cond(&vm, "NodeHealthy"),
-        Some(("False".into(), "AgentHeartbeatStale".into()))
+    assert_eq!(status.reason.as_deref(), Some(reason::NODE_LOST));
+    assert!(
+        status
+            .message
+            .unwrap()
+            .contains(reason::AGENT_HEARTBEAT_STALE)
     );
-    let note = h.wait_event("vm1", "NodeLost", WAIT).await;
+    assert_eq!(
+        cond(&vm, condition::NODE_HEALTHY),
+        Some(("False".into(), reason::AGENT_HEARTBEAT_STALE.into()))
+    );
+    let note = h.wait_event("vm1", reason::NODE_LOST, WAIT).await;
     assert!(note.contains(&node), "{note}");
     // Failed ephemeral VMs stay (their pool replaces them) and keep the node for the record.
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -81,7 +89,7 @@ async fn not_ready_node_beyond_grace_reschedules_persistent_vm() {
     // Within the grace period: NodeHealthy Unknown, the VM keeps running.
     let vm = h
         .wait_vm("svc", "NodeHealthy Unknown", WAIT, |vm| {
-            cond(vm, "NodeHealthy").is_some_and(|c| c.0 == "Unknown")
+            cond(vm, condition::NODE_HEALTHY).is_some_and(|c| c.0 == "Unknown")
         })
         .await;
     assert_eq!(phase_of(&vm), Some(VmPhase::Running));
@@ -89,7 +97,7 @@ async fn not_ready_node_beyond_grace_reschedules_persistent_vm() {
     // Past it: NodeLost, then rescheduled (in-place is impossible on a lost node) onto the other node.
     let vm = h
         .wait_vm("svc", "failed with NodeLost", WAIT, |vm| {
-            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("NodeLost")
+            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::NODE_LOST)
         })
         .await;
     eprintln!(
@@ -97,8 +105,8 @@ async fn not_ready_node_beyond_grace_reschedules_persistent_vm() {
         went_down.elapsed()
     );
     assert_eq!(
-        cond(&vm, "NodeHealthy"),
-        Some(("False".into(), "NodeNotReady".into()))
+        cond(&vm, condition::NODE_HEALTHY),
+        Some(("False".into(), reason::NODE_NOT_READY.into()))
     );
     let vm = h
         .wait_vm("svc", "bound to the second node", WAIT, |vm| {
@@ -110,7 +118,7 @@ async fn not_ready_node_beyond_grace_reschedules_persistent_vm() {
         1
     );
     h.wait_phase("svc", VmPhase::Scheduled, WAIT).await;
-    let note = h.wait_event("svc", "Restarting", WAIT).await;
+    let note = h.wait_event("svc", reason::RESTARTING, WAIT).await;
     assert!(note.contains("on a newly chosen node"), "{note}");
     assert!(
         h.metrics_text()
@@ -134,8 +142,8 @@ async fn deleted_node_forces_the_finalizer_after_the_timeout() {
         .unwrap();
     let vm = h.wait_phase("vm1", VmPhase::Failed, WAIT).await;
     assert_eq!(
-        cond(&vm, "NodeHealthy"),
-        Some(("False".into(), "NodeDeleted".into()))
+        cond(&vm, condition::NODE_HEALTHY),
+        Some(("False".into(), reason::NODE_DELETED.into()))
     );
 
     let deleted = Instant::now();
@@ -152,9 +160,9 @@ async fn deleted_node_forces_the_finalizer_after_the_timeout() {
         "forced before the timeout: {:?}",
         deleted.elapsed()
     );
-    let note = h.wait_event("vm1", "FinalizerForced", WAIT).await;
+    let note = h.wait_event("vm1", reason::FINALIZER_FORCED, WAIT).await;
     assert!(
-        note.contains("NodeDeleted") && note.contains("without a teardown record"),
+        note.contains(reason::NODE_DELETED) && note.contains("without a teardown record"),
         "{note}"
     );
     assert!(h.metrics_text().contains("imp_vm_finalizer_forced_total 1"));

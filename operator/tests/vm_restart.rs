@@ -5,7 +5,10 @@ mod vm_common;
 
 use std::time::{Duration, Instant};
 
-use imp_api::{VmPhase, names::ANNOTATION_RESET_RESTARTS};
+use imp_api::{
+    VmPhase,
+    names::{ANNOTATION_RESET_RESTARTS, reason},
+};
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
 use vm_common::*;
@@ -32,9 +35,9 @@ async fn in_place_restart_inherited_from_class_exhausts_and_cools_down() {
 
     // Stop 1: restarted in place after the 1s backoff.
     let stopped = Instant::now();
-    h.agent_stop("svc", VmPhase::Failed, "RunnerExitedNonZero")
+    h.agent_stop("svc", VmPhase::Failed, reason::RUNNER_EXITED_NON_ZERO)
         .await;
-    h.wait_event("svc", "BackOff", WAIT).await;
+    h.wait_event("svc", reason::BACK_OFF, WAIT).await;
     let vm = h
         .wait_vm("svc", "restarted once", WAIT, |vm| {
             phase_of(vm) == Some(VmPhase::Scheduled) && restarts(vm) == 1
@@ -44,17 +47,17 @@ async fn in_place_restart_inherited_from_class_exhausts_and_cools_down() {
     eprintln!("in-place restart after {delay:?} (initialDelay 1s)");
     assert!(delay >= Duration::from_millis(900), "{delay:?}");
     assert_eq!(node_of(&vm), Some(node.as_str()), "in-place keeps the node");
-    let note = h.wait_event("svc", "Restarting", WAIT).await;
+    let note = h.wait_event("svc", reason::RESTARTING, WAIT).await;
     assert!(
         note.contains("restart 1 of 1")
             && note.contains("in place")
-            && note.contains("RunnerExitedNonZero"),
+            && note.contains(reason::RUNNER_EXITED_NON_ZERO),
         "{note}"
     );
 
     // Stop 2: the budget (1) is spent.
     h.agent_run("svc").await;
-    h.agent_stop("svc", VmPhase::Failed, "RunnerExitedNonZero")
+    h.agent_stop("svc", VmPhase::Failed, reason::RUNNER_EXITED_NON_ZERO)
         .await;
     let exhausted_at = Instant::now();
     let vm = h.wait_phase("svc", VmPhase::RetryExhausted, WAIT).await;
@@ -63,7 +66,7 @@ async fn in_place_restart_inherited_from_class_exhausts_and_cools_down() {
         message.contains("1 of 1 restarts spent") && message.contains("cool-down"),
         "{message}"
     );
-    h.wait_event("svc", "RetryExhausted", WAIT).await;
+    h.wait_event("svc", reason::RETRY_EXHAUSTED, WAIT).await;
 
     // After coolDownPeriod: budget reset and restarted in place.
     let vm = h
@@ -85,8 +88,10 @@ async fn in_place_restart_inherited_from_class_exhausts_and_cools_down() {
             .exhausted_time
             .is_none()
     );
-    let note = h.wait_event("svc", "RestartBudgetReset", WAIT).await;
-    assert!(note.starts_with("CoolDownElapsed"), "{note}");
+    let note = h
+        .wait_event("svc", reason::RESTART_BUDGET_RESET, WAIT)
+        .await;
+    assert!(note.starts_with(reason::COOL_DOWN_ELAPSED), "{note}");
     let text = h.metrics_text();
     assert!(text.contains("imp_vm_retry_exhausted_total 1"), "{text}");
     assert!(
@@ -112,7 +117,7 @@ async fn manual_reset_restarts_an_exhausted_vm_and_consumes_the_annotation() {
     .await;
     h.wait_phase("svc", VmPhase::Scheduled, WAIT).await;
     h.agent_run("svc").await;
-    h.agent_stop("svc", VmPhase::Succeeded, "ProcessExited")
+    h.agent_stop("svc", VmPhase::Succeeded, reason::RUNNER_EXITED)
         .await;
     // One restart (reschedule mode: Pending, then bound again), then the budget of 1 is spent.
     h.wait_vm("svc", "restarted once", WAIT, |vm| {
@@ -120,7 +125,7 @@ async fn manual_reset_restarts_an_exhausted_vm_and_consumes_the_annotation() {
     })
     .await;
     h.agent_run("svc").await;
-    h.agent_stop("svc", VmPhase::Succeeded, "ProcessExited")
+    h.agent_stop("svc", VmPhase::Succeeded, reason::RUNNER_EXITED)
         .await;
     let vm = h.wait_phase("svc", VmPhase::RetryExhausted, WAIT).await;
     assert!(
@@ -154,7 +159,9 @@ async fn manual_reset_restarts_an_exhausted_vm_and_consumes_the_annotation() {
         })
         .await;
     assert_eq!(restarts(&vm), 0);
-    let note = h.wait_event("svc", "RestartBudgetReset", WAIT).await;
-    assert!(note.starts_with("ManualReset"), "{note}");
+    let note = h
+        .wait_event("svc", reason::RESTART_BUDGET_RESET, WAIT)
+        .await;
+    assert!(note.starts_with(reason::MANUAL_RESET), "{note}");
     h.finish().await;
 }

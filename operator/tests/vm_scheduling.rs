@@ -5,7 +5,10 @@ mod vm_common;
 
 use std::time::Duration;
 
-use imp_api::{VmPhase, names::FINALIZER_VM_CLEANUP};
+use imp_api::{
+    VmPhase,
+    names::{FINALIZER_VM_CLEANUP, condition, reason},
+};
 use kube::{ResourceExt, api::DeleteParams};
 use serde_json::json;
 use vm_common::*;
@@ -28,17 +31,20 @@ async fn binds_to_the_best_fit_node_and_kubectl_shows_phase_and_node() {
     );
     assert!(vm.finalizers().iter().any(|f| f == FINALIZER_VM_CLEANUP));
     assert_eq!(
-        cond(&vm, "Scheduled"),
-        Some(("True".into(), "NodeAssigned".into()))
+        cond(&vm, condition::SCHEDULED),
+        Some(("True".into(), reason::NODE_ASSIGNED.into()))
     );
     assert!(vm.status.as_ref().unwrap().scheduled_time.is_some());
     let vm = h
         .wait_vm("vm1", "NodeHealthy=True", WAIT, |vm| {
-            cond(vm, "NodeHealthy").is_some_and(|c| c.0 == "True")
+            cond(vm, condition::NODE_HEALTHY).is_some_and(|c| c.0 == "True")
         })
         .await;
-    assert_eq!(cond(&vm, "NodeHealthy").unwrap().1, "NodeReady");
-    let note = h.wait_event("vm1", "Scheduled", WAIT).await;
+    assert_eq!(
+        cond(&vm, condition::NODE_HEALTHY).unwrap().1,
+        reason::NODE_READY
+    );
+    let note = h.wait_event("vm1", reason::SCHEDULED, WAIT).await;
     assert!(note.contains(&small), "{note}");
 
     let (count, sum) = h.scheduling_latency();
@@ -64,7 +70,8 @@ async fn binds_to_the_best_fit_node_and_kubectl_shows_phase_and_node() {
         "{text}"
     );
     let row = text.lines().nth(1).unwrap();
-    assert!(row.contains("Scheduled") && row.contains(&small), "{text}");
+    let phase = format!("{:?}", VmPhase::Scheduled);
+    assert!(row.contains(&phase) && row.contains(&small), "{text}");
     h.finish().await;
 }
 
@@ -88,8 +95,8 @@ async fn unschedulable_vm_waits_pending_with_reasons_then_binds_when_a_node_fits
     h.create_vm("vm1", &class, "ephemeral", json!({})).await;
 
     let vm = h
-        .wait_vm("vm1", "Unschedulable", WAIT, |vm| {
-            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Unschedulable")
+        .wait_vm("vm1", reason::UNSCHEDULABLE, WAIT, |vm| {
+            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::UNSCHEDULABLE)
         })
         .await;
     assert_eq!(phase_of(&vm), Some(VmPhase::Pending));
@@ -103,10 +110,10 @@ async fn unschedulable_vm_waits_pending_with_reasons_then_binds_when_a_node_fits
         assert!(message.contains(part), "{part:?} not in {message:?}");
     }
     assert_eq!(
-        cond(&vm, "Scheduled"),
-        Some(("False".into(), "Unschedulable".into()))
+        cond(&vm, condition::SCHEDULED),
+        Some(("False".into(), reason::UNSCHEDULABLE.into()))
     );
-    let note = h.wait_event("vm1", "FailedScheduling", WAIT).await;
+    let note = h.wait_event("vm1", reason::FAILED_SCHEDULING, WAIT).await;
     assert_eq!(note, message);
 
     // Uncordoning fixes it: the Node watch (or the retry) binds the VM there.
@@ -144,7 +151,8 @@ async fn capacity_is_shared_between_vms_and_freed_by_teardown() {
             match phase_of(&vm) {
                 Some(VmPhase::Scheduled) => bound.push(name),
                 Some(VmPhase::Pending)
-                    if vm.status.as_ref().unwrap().reason.as_deref() == Some("Unschedulable") =>
+                    if vm.status.as_ref().unwrap().reason.as_deref()
+                        == Some(reason::UNSCHEDULABLE) =>
                 {
                     waiting.push(name)
                 }
@@ -219,7 +227,7 @@ async fn missing_class_fails_spec_invalid_and_recovers_when_created() {
     h.create_vm("vm1", &missing, "ephemeral", json!({})).await;
     let vm = h.wait_phase("vm1", VmPhase::Failed, WAIT).await;
     let status = vm.status.clone().unwrap();
-    assert_eq!(status.reason.as_deref(), Some("SpecInvalid"));
+    assert_eq!(status.reason.as_deref(), Some(reason::SPEC_INVALID));
     assert!(
         status
             .message
@@ -227,10 +235,10 @@ async fn missing_class_fails_spec_invalid_and_recovers_when_created() {
             .contains(&format!("ImpVMClass {missing:?} does not exist"))
     );
     assert_eq!(
-        cond(&vm, "Scheduled"),
-        Some(("False".into(), "ClassNotFound".into()))
+        cond(&vm, condition::SCHEDULED),
+        Some(("False".into(), reason::CLASS_NOT_FOUND.into()))
     );
-    h.wait_event("vm1", "SpecInvalid", WAIT).await;
+    h.wait_event("vm1", reason::SPEC_INVALID, WAIT).await;
 
     // Creating the class: the class watch brings the VM back through scheduling.
     let created = h.add_class("later", 1, 1024, None).await;
@@ -246,8 +254,8 @@ async fn agent_published_capacity_overrides_allocatable() {
     let class = h.add_class("big", 2, 2048, None).await;
     h.create_vm("vm1", &class, "ephemeral", json!({})).await;
     let vm = h
-        .wait_vm("vm1", "Unschedulable", WAIT, |vm| {
-            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some("Unschedulable")
+        .wait_vm("vm1", reason::UNSCHEDULABLE, WAIT, |vm| {
+            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::UNSCHEDULABLE)
         })
         .await;
     let message = vm.status.unwrap().message.unwrap();
@@ -255,8 +263,8 @@ async fn agent_published_capacity_overrides_allocatable() {
 
     // The agent publishes what it really offers to VMs: the annotations win over allocatable.
     let patch = json!({"metadata": {"annotations": {
-        imp_operator::scheduler::ANNOTATION_CAPACITY_VCPU: "4",
-        imp_operator::scheduler::ANNOTATION_CAPACITY_MEMORY_MIB: "4096",
+        imp_api::names::ANNOTATION_CAPACITY_VCPU: "4",
+        imp_api::names::ANNOTATION_CAPACITY_MEMORY_MIB: "4096",
     }}});
     h.nodes()
         .patch(&node, &Default::default(), &kube::api::Patch::Merge(&patch))

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{self, condition, reason as api_reason};
 use imp_api::{ImpVM, ImpVMClass, Lifecycle, RunnerStatus, VmPhase};
 use imp_guest::host::{self, HostClient, HostError};
@@ -157,7 +158,7 @@ pub fn vm_facts(vm: &ImpVM, node: &str) -> VmFacts {
         bound_here: vm.spec.node_name.as_deref() == Some(node),
         deleting: vm.metadata.deletion_timestamp.is_some(),
         phase: status.and_then(|s| s.phase),
-        torn_down: status::condition_true(status, condition::TORN_DOWN),
+        torn_down: status.is_some_and(|s| conditions::is_true(&s.conditions, condition::TORN_DOWN)),
         runner: vm.spec.runner_config_secret.is_some(),
         handoff: Handoff::from_status(
             status
@@ -253,24 +254,24 @@ async fn execute(
 
 async fn record_torn_down(ctx: &Context, api: &Api<ImpVM>, name: &str) -> Result<(), Error> {
     let written = status::update(api, name, |vm, s| {
-        if status::condition_true(Some(s), condition::TORN_DOWN) {
+        if conditions::is_true(&s.conditions, condition::TORN_DOWN) {
             return false;
         }
         let msg = "process, TAP, IP and per-VM disk released by imp-runtime";
-        status::set_condition(
-            s,
+        conditions::set(
+            &mut s.conditions,
             condition::TORN_DOWN,
-            "True",
-            "TeardownComplete",
+            ConditionStatus::True,
+            api_reason::TEARDOWN_COMPLETE,
             msg,
             vm.metadata.generation,
             Timestamp::now(),
         );
-        status::set_condition(
-            s,
+        conditions::set(
+            &mut s.conditions,
             condition::READY,
-            "False",
-            "TornDown",
+            ConditionStatus::False,
+            api_reason::TORN_DOWN,
             "",
             vm.metadata.generation,
             Timestamp::now(),
@@ -329,12 +330,12 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
         s.phase = Some(VmPhase::Starting);
         s.reason = None;
         s.message = None;
-        status::remove_condition(s, condition::TORN_DOWN);
-        status::set_condition(
-            s,
+        conditions::remove(&mut s.conditions, condition::TORN_DOWN);
+        conditions::set(
+            &mut s.conditions,
             condition::READY,
-            "False",
-            "Booting",
+            ConditionStatus::False,
+            api_reason::BOOTING,
             "",
             vm.metadata.generation,
             Timestamp::now(),
@@ -406,11 +407,11 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
                 s.phase = Some(VmPhase::Running);
                 s.boot_complete_time = Some(Time(now));
                 s.first_running_time.get_or_insert(Time(now));
-                status::set_condition(
-                    s,
+                conditions::set(
+                    &mut s.conditions,
                     condition::READY,
-                    "True",
-                    "GuestReady",
+                    ConditionStatus::True,
+                    api_reason::GUEST_READY,
                     "the guest agent answered",
                     vm.metadata.generation,
                     now,
@@ -432,7 +433,9 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
         }
         Err(ClientError::Api { status, body }) if status.is_client_error() => {
             let reason = match body.error.as_str() {
-                "InvalidSpec" | "InvalidBody" | "SpecConflict" => api_reason::SPEC_INVALID,
+                api_reason::INVALID_SPEC | api_reason::INVALID_BODY | api_reason::SPEC_CONFLICT => {
+                    api_reason::SPEC_INVALID
+                }
                 r => r,
             };
             fail(ctx, api, &name, reason, &body.message, starting_only).await?;
@@ -512,9 +515,14 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
         let Some(config) = config else {
             ctx.metrics.handoff("config_missing");
             let msg = format!("JIT config Secret {secret_name} is missing or has no jitconfig key");
-            fail(ctx, api, &name, "RunnerConfigMissing", &msg, |p| {
-                p == Some(VmPhase::Running)
-            })
+            fail(
+                ctx,
+                api,
+                &name,
+                api_reason::RUNNER_CONFIG_MISSING,
+                &msg,
+                |p| p == Some(VmPhase::Running),
+            )
             .await?;
             return Ok(());
         };
@@ -570,9 +578,14 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
             Ok(Err(HostError::Guest(e))) if e.code == ErrorCode::SpawnFailed => {
                 // Definitely not started: the config was not used.
                 ctx.metrics.handoff("spawn_failed");
-                fail(ctx, api, &name, "RunnerStartFailed", &e.message, |p| {
-                    p == Some(VmPhase::Running)
-                })
+                fail(
+                    ctx,
+                    api,
+                    &name,
+                    api_reason::RUNNER_START_FAILED,
+                    &e.message,
+                    |p| p == Some(VmPhase::Running),
+                )
                 .await?;
                 delete_secret(ctx, &ns, &secret_name).await?;
                 return Ok(());
@@ -614,11 +627,11 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
                 s.message = Some(message.clone());
             }
         }
-        status::set_condition(
-            s,
+        conditions::set(
+            &mut s.conditions,
             condition::READY,
-            "False",
-            "RunnerExited",
+            ConditionStatus::False,
+            api_reason::RUNNER_EXITED,
             "",
             vm.metadata.generation,
             Timestamp::now(),

@@ -1,7 +1,7 @@
 //! The agent's state machine for one ImpVM, pure: what the ImpVM says + what imp-runtime reports +
 //! what this agent has in flight -> the next action. No I/O; the controller executes the action.
 
-use imp_api::VmPhase;
+use imp_api::{VmPhase, names::reason};
 
 use super::handoff::{self, Handoff, Resume};
 
@@ -68,16 +68,6 @@ pub enum Action {
         reason: String,
         message: String,
     },
-}
-
-/// Reasons the agent writes beyond the runtime's start-failure reasons.
-pub mod reason {
-    /// The VM's process ended while the VM was Running (no runner exit code to report).
-    pub const GUEST_EXITED: &str = "GuestExited";
-    /// imp-runtime has no record of a VM that status says is Starting/Running beyond recovery.
-    pub const VM_LOST: &str = "VmLost";
-    /// The runner had started, but the VM ended before its exit code was collected.
-    pub const RUNNER_EXIT_UNKNOWN: &str = "RunnerExitUnknown";
 }
 
 pub fn decide(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> Action {
@@ -226,7 +216,7 @@ mod tests {
 
     #[test]
     fn scheduled_with_an_old_instance_restarts_in_place() {
-        for rt in [R::Running, R::Exited, failed("GuestPanicked")] {
+        for rt in [R::Running, R::Exited, failed(reason::GUEST_PANICKED)] {
             assert_eq!(decide(&vm(VmPhase::Scheduled), &rt, None), Action::Restart);
         }
     }
@@ -245,9 +235,13 @@ mod tests {
             Action::Nothing
         );
         assert_eq!(
-            decide(&vm(VmPhase::Starting), &failed("RootfsPullFailed"), None),
+            decide(
+                &vm(VmPhase::Starting),
+                &failed(reason::ROOTFS_PULL_FAILED),
+                None
+            ),
             Action::Fail {
-                reason: "RootfsPullFailed".into(),
+                reason: reason::ROOTFS_PULL_FAILED.into(),
                 message: "m".into()
             }
         );
@@ -272,8 +266,8 @@ mod tests {
             Action::Fail { reason, .. } if reason == reason::VM_LOST
         ));
         assert!(matches!(
-            decide(&vm(VmPhase::Running), &failed("FirecrackerUnresponsive"), None),
-            Action::Fail { reason, .. } if reason == "FirecrackerUnresponsive"
+            decide(&vm(VmPhase::Running), &failed(reason::FIRECRACKER_UNRESPONSIVE), None),
+            Action::Fail { reason, .. } if reason == reason::FIRECRACKER_UNRESPONSIVE
         ));
     }
 

@@ -222,7 +222,7 @@ mod tests {
     fn exit_outcomes() {
         assert_eq!(exit_outcome(Some(0), None, false), Ok(()));
         let (reason, msg) = exit_outcome(Some(3), None, false).unwrap_err();
-        assert_eq!(reason, "RunnerExitedNonZero");
+        assert_eq!(reason, imp_api::names::reason::RUNNER_EXITED_NON_ZERO);
         assert!(msg.contains("code 3"));
         assert!(
             exit_outcome(None, Some(9), true)

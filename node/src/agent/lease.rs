@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use imp_api::names::lease_name;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
@@ -10,11 +11,6 @@ use kube::{Api, Client, api::PostParams};
 use tracing::{debug, warn};
 
 use super::metrics::AgentMetrics;
-
-/// Name of the heartbeat Lease of `node` (the operator's `vm::config::lease_name`).
-pub fn lease_name(node: &str) -> String {
-    format!("imp-node-{node}")
-}
 
 /// `leaseDurationSeconds` advertised: four missed renewals (informational; the operator applies
 /// its own staleness threshold).
@@ -85,11 +81,6 @@ pub async fn heartbeat(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn name_matches_the_operator_convention() {
-        assert_eq!(lease_name("node-a"), "imp-node-node-a");
-    }
 
     #[test]
     fn duration_is_four_intervals() {

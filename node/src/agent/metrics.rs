@@ -184,7 +184,7 @@ mod tests {
         m.handoff("started");
         m.handoff_duration(0.1);
         m.runner_exit("succeeded");
-        m.vm_failed("HandoffAmbiguous");
+        m.vm_failed(imp_api::names::reason::HANDOFF_AMBIGUOUS);
         m.boot(0.5);
         m.teardown();
         m.backlog(2);

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use imp_api::names::reason;
 use imp_guest::protocol::{AGENT_VSOCK_PORT, Hello};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -52,12 +53,12 @@ pub enum DriverError {
 impl DriverError {
     pub fn reason(&self) -> &'static str {
         match self {
-            DriverError::KernelMissing(_) => "KernelMissing",
-            DriverError::FirecrackerStartFailed { .. } => "FirecrackerStartFailed",
-            DriverError::GuestPanicked { .. } => "GuestPanicked",
-            DriverError::GuestExited { .. } => "GuestExited",
-            DriverError::GuestAgentTimeout { .. } => "GuestAgentTimeout",
-            DriverError::GuestProtocol(_) => "GuestProtocolError",
+            DriverError::KernelMissing(_) => reason::KERNEL_MISSING,
+            DriverError::FirecrackerStartFailed { .. } => reason::FIRECRACKER_START_FAILED,
+            DriverError::GuestPanicked { .. } => reason::GUEST_PANICKED,
+            DriverError::GuestExited { .. } => reason::GUEST_EXITED,
+            DriverError::GuestAgentTimeout { .. } => reason::GUEST_AGENT_TIMEOUT,
+            DriverError::GuestProtocol(_) => reason::GUEST_PROTOCOL_ERROR,
         }
     }
 }

@@ -32,6 +32,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
+use imp_api::names::reason;
 use rustix::fs::{
     AtFlags, Dir, FileType, Gid, Mode, OFlags, ResolveFlags, Timespec, Timestamps, Uid, XattrFlags,
 };
@@ -205,11 +206,11 @@ impl FlattenError {
             | HardlinkTargetMissing { .. }
             | DeviceNotAllowed { .. }
             | UnsupportedEntryType { .. }
-            | InvalidWhiteout { .. } => "LayerRejected",
-            TooLarge { .. } | TooManyEntries { .. } => "LayerTooLarge",
-            Decompress { .. } | Malformed { .. } => "LayerUnreadable",
-            RootNotEmpty { .. } => "WorkDirNotEmpty",
-            OpenRoot { .. } | Io { .. } | InjectSource { .. } => "Io",
+            | InvalidWhiteout { .. } => reason::LAYER_REJECTED,
+            TooLarge { .. } | TooManyEntries { .. } => reason::LAYER_TOO_LARGE,
+            Decompress { .. } | Malformed { .. } => reason::LAYER_UNREADABLE,
+            RootNotEmpty { .. } => reason::WORK_DIR_NOT_EMPTY,
+            OpenRoot { .. } | Io { .. } | InjectSource { .. } => reason::HOST_IO_FAILED,
         }
     }
 }
@@ -219,7 +220,7 @@ impl FlattenError {
     pub fn is_image_fault(&self) -> bool {
         matches!(
             self.reason(),
-            "LayerRejected" | "LayerTooLarge" | "LayerUnreadable"
+            reason::LAYER_REJECTED | reason::LAYER_TOO_LARGE | reason::LAYER_UNREADABLE
         )
     }
 }

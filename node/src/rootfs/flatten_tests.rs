@@ -352,7 +352,10 @@ fn hostile_layers_are_refused_and_the_host_is_untouched() {
             case.name
         );
         assert!(
-            matches!(err.reason(), "LayerRejected" | "LayerTooLarge"),
+            matches!(
+                err.reason(),
+                reason::LAYER_REJECTED | reason::LAYER_TOO_LARGE
+            ),
             "{}: {}",
             case.name,
             err.reason()
@@ -411,13 +414,13 @@ fn size_limit_spans_layers_and_errors_say_what_failed() {
         matches!(err, FlattenError::TooLarge { limit: l, .. } if l == limit),
         "{err:?}"
     );
-    assert_eq!(err.reason(), "LayerTooLarge");
+    assert_eq!(err.reason(), reason::LAYER_TOO_LARGE);
 
     let err = f
         .apply_layer("sha256:garbage", &b"not gzip at all"[..], Compression::Gzip)
         .unwrap_err();
     assert!(matches!(err, FlattenError::Decompress { .. }), "{err:?}");
-    assert_eq!(err.reason(), "LayerUnreadable");
+    assert_eq!(err.reason(), reason::LAYER_UNREADABLE);
     assert!(
         err.to_string().starts_with("layer sha256:garbage: "),
         "{err}"

@@ -717,11 +717,11 @@ mod tests {
         let e = PullError::NotFound {
             reference: "x".into(),
         };
-        assert_eq!(e.reason(), "RootfsPullFailed");
+        assert_eq!(e.reason(), REASON_PULL_FAILED);
         let e = PullError::DigestMismatch {
             digest: "a".into(),
             actual: "b".into(),
         };
-        assert_eq!(e.reason(), "RootfsRejected");
+        assert_eq!(e.reason(), REASON_REJECTED);
     }
 }

@@ -105,7 +105,7 @@ pub fn runner_started(vm: &ImpVM) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use imp_api::{ImpVMStatus, RunnerStatus};
+    use imp_api::{ImpVMStatus, RunnerStatus, names::reason};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use serde_json::json;
 
@@ -165,8 +165,11 @@ mod tests {
         assert_eq!(classify(&deleting, Some("p-u"), &mine), R::Deleting);
         // Start failures: failed before any handoff.
         let mut failed = vm(true, Some(Failed), None);
-        failed.status.as_mut().unwrap().reason = Some("RootfsRejected".into());
-        assert_eq!(start_failure(&failed).as_deref(), Some("RootfsRejected"));
+        failed.status.as_mut().unwrap().reason = Some(reason::ROOTFS_REJECTED.into());
+        assert_eq!(
+            start_failure(&failed).as_deref(),
+            Some(reason::ROOTFS_REJECTED)
+        );
         assert_eq!(
             start_failure(&vm(false, Some(RetryExhausted), None)).as_deref(),
             Some("Unknown")

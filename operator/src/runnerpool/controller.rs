@@ -13,16 +13,17 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use imp_api::{
-    ImpVM, ImpVMRunnerPool, ImpVMRunnerPoolStatus, ImpVMSpec, Lifecycle,
+    ImpVM, ImpVMRunnerPool, ImpVMRunnerPoolStatus, ImpVMSpec, Lifecycle, conditions,
     names::{
-        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_RUNNER_POOL, LABEL_SECRET_KIND,
-        SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, condition, jit_secret_name,
+        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL,
+        LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, condition, jit_secret_name,
+        reason,
     },
 };
 use k8s_openapi::{
     ByteString,
     api::core::v1::Secret,
-    apimachinery::pkg::apis::meta::v1::{Condition, OwnerReference, Time},
+    apimachinery::pkg::apis::meta::v1::{OwnerReference, Time},
     jiff::Timestamp,
 };
 use kube::{
@@ -40,7 +41,7 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use super::{
-    FINALIZER_POOL_CLEANUP, PoolControllerConfig, PoolShared,
+    PoolControllerConfig, PoolShared,
     classify::{RunnerState, classify, runner_started, start_failure},
     demand::{JobState, JobUpdate, PoolKey, PoolRoute},
     plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Plan, Removal, plan},
@@ -257,13 +258,13 @@ impl Ctx {
             Ok(Some(s)) => s,
             Ok(None) => {
                 return Err(Creds::Invalid {
-                    reason: "SecretNotFound",
+                    reason: reason::SECRET_NOT_FOUND,
                     message: format!("App Secret `{name}` not found"),
                 });
             }
             Err(e) => {
                 return Err(Creds::Invalid {
-                    reason: "SecretUnreadable",
+                    reason: reason::SECRET_UNREADABLE,
                     message: format!("reading App Secret `{name}` failed: {e}"),
                 });
             }
@@ -272,7 +273,7 @@ impl Ctx {
             .apps
             .for_secret(&secret)
             .map_err(|e| Creds::Invalid {
-                reason: "CredentialsInvalid",
+                reason: reason::CREDENTIALS_INVALID,
                 message: e.to_string(),
             })
     }
@@ -456,7 +457,7 @@ impl Ctx {
             self.event(
                 pool,
                 false,
-                "ScaledUp",
+                reason::SCALED_UP,
                 format!("Created {created} runner VM(s); desired {}", p.desired),
             )
             .await;
@@ -466,7 +467,7 @@ impl Ctx {
             self.event(
                 pool,
                 false,
-                "ScaledDown",
+                reason::SCALED_DOWN,
                 format!("Retired {retired} idle runner(s); desired {}", p.desired),
             )
             .await;
@@ -475,7 +476,7 @@ impl Ctx {
             self.event(
                 pool,
                 false,
-                "RunnersCleanedUp",
+                reason::RUNNERS_CLEANED_UP,
                 format!("Deleted {cleaned} finished runner VM(s)"),
             )
             .await;
@@ -650,7 +651,7 @@ impl Ctx {
                         .await
                         .map_err(|_| ());
                 }
-                self.event(pool, true, "SecretConflict", format!("Secret {secret_name} exists and is not owned by VM {vm_name}; deleting the VM")).await;
+                self.event(pool, true, reason::SECRET_CONFLICT, format!("Secret {secret_name} exists and is not owned by VM {vm_name}; deleting the VM")).await;
                 let _ = self
                     .vms(key)
                     .delete(&vm_name, &DeleteParams::background())
@@ -669,7 +670,7 @@ impl Ctx {
             self.event(
                 pool,
                 true,
-                "JitConfigLost",
+                reason::JIT_CONFIG_LOST,
                 format!("VM {vm_name} was minted but its JIT Secret is gone; replacing the VM"),
             )
             .await;
@@ -869,7 +870,7 @@ impl Ctx {
             self.event(
                 pool,
                 true,
-                "VmStartFailed",
+                reason::VM_START_FAILED,
                 format!("Runner VM {vm} failed before its runner started ({reason}; {n} in a row); the next VM is created in {wait:?}"),
             )
             .await;
@@ -898,7 +899,7 @@ impl Ctx {
                     | "runner_group_not_found"
             ) {
                 m.creds = Creds::Invalid {
-                    reason: "CredentialsInvalid",
+                    reason: reason::CREDENTIALS_INVALID,
                     message: e.to_string(),
                 };
             }
@@ -913,7 +914,7 @@ impl Ctx {
         self.event(
             pool,
             true,
-            "MintFailed",
+            reason::MINT_FAILED,
             format!("Minting a JIT runner config for VM {vm} failed ({}); VM deleted, retrying in {wait:?}: {e}", e.metric_label()),
         )
         .await;
@@ -941,73 +942,67 @@ impl Ctx {
         let idle = c.idle.saturating_sub(retired);
         let booting = c.booting + c.unminted + created;
         let total = (c.total() + created).saturating_sub(retired + cleaned);
-        let cond = |type_: &str, ok: Option<bool>, reason: &str, message: String| {
-            let status = match ok {
-                Some(true) => "True",
-                Some(false) => "False",
-                None => "Unknown",
-            };
-            let prev = old.conditions.iter().find(|c| c.type_ == type_);
-            let since = match prev {
-                Some(prev) if prev.status == status => prev.last_transition_time.clone(),
-                _ => now.clone(),
-            };
-            Condition {
-                type_: type_.to_owned(),
-                status: status.to_owned(),
-                reason: reason.to_owned(),
-                message,
-                last_transition_time: since,
-                observed_generation: gen_,
-            }
-        };
         let (cv, cr, cm) = match creds {
             Creds::Valid => (
                 Some(true),
-                "Minted",
+                reason::MINTED,
                 "A JIT runner config was minted with the App credentials".to_owned(),
             ),
-            Creds::Unknown => (None, "NotYetUsed", "No JIT config minted yet".to_owned()),
+            Creds::Unknown => (
+                None,
+                reason::NOT_YET_USED,
+                "No JIT config minted yet".to_owned(),
+            ),
             Creds::Invalid { reason, message } => (Some(false), *reason, message.clone()),
         };
         let ready = c.idle + c.busy >= p.desired && !matches!(creds, Creds::Invalid { .. });
         let limited = p.limited.or(mint_failed.then_some(Limit::MintBackoff));
-        let conditions = vec![
-            cond(condition::CREDENTIALS_VALID, cv, cr, cm),
-            cond(
-                condition::READY,
-                Some(ready),
-                if ready {
-                    "RunnersAvailable"
-                } else {
-                    "RunnersPending"
-                },
-                format!("{} idle + {} busy of {} desired", c.idle, c.busy, p.desired),
+        let mut conditions = old.conditions.clone();
+        let mut cond = |type_: &str, ok: Option<bool>, reason: &str, message: String| {
+            conditions::set(
+                &mut conditions,
+                type_,
+                ok.into(),
+                reason,
+                message,
+                gen_,
+                now.0,
+            );
+        };
+        cond(condition::CREDENTIALS_VALID, cv, cr, cm);
+        cond(
+            condition::READY,
+            Some(ready),
+            if ready {
+                reason::RUNNERS_AVAILABLE
+            } else {
+                reason::RUNNERS_PENDING
+            },
+            format!("{} idle + {} busy of {} desired", c.idle, c.busy, p.desired),
+        );
+        cond(
+            condition::AT_CAPACITY,
+            Some(p.at_capacity),
+            if p.at_capacity {
+                reason::MAX_RUNNERS_REACHED
+            } else {
+                reason::BELOW_MAX_RUNNERS
+            },
+            format!(
+                "{} of maxRunners {}",
+                c.live(),
+                pool.spec.scaling.max_runners
             ),
-            cond(
-                condition::AT_CAPACITY,
-                Some(p.at_capacity),
-                if p.at_capacity {
-                    "MaxRunnersReached"
-                } else {
-                    "BelowMaxRunners"
-                },
-                format!(
-                    "{} of maxRunners {}",
-                    c.live(),
-                    pool.spec.scaling.max_runners
-                ),
-            ),
-            cond(
-                condition::SCALING_LIMITED,
-                Some(limited.is_some()),
-                limited.map_or("NotLimited", Limit::reason),
-                match limited {
-                    Some(l) => format!("scaling held back by {}", l.reason()),
-                    None => "scaling follows demand".to_owned(),
-                },
-            ),
-        ];
+        );
+        cond(
+            condition::SCALING_LIMITED,
+            Some(limited.is_some()),
+            limited.map_or(reason::NOT_LIMITED, Limit::reason),
+            match limited {
+                Some(l) => format!("scaling held back by {}", l.reason()),
+                None => "scaling follows demand".to_owned(),
+            },
+        );
         let status = ImpVMRunnerPoolStatus {
             observed_generation: gen_,
             desired: p.desired,
@@ -1098,7 +1093,7 @@ impl Ctx {
             return Ok(Action::requeue(self.config.timing.retry));
         }
         if pending > 0 {
-            self.event(pool, true, "CleanupTimedOut", format!("{pending} runner(s) could not be deregistered within {:?}; their VMs are deleted, the registrations may remain at GitHub", self.config.timing.deletion_timeout)).await;
+            self.event(pool, true, reason::CLEANUP_TIMED_OUT, format!("{pending} runner(s) could not be deregistered within {:?}; their VMs are deleted, the registrations may remain at GitHub", self.config.timing.deletion_timeout)).await;
             for r in &p.cleanup {
                 let _ = self
                     .vms(key)

@@ -147,7 +147,7 @@ mod tests {
         m.job_pickup_latency.observe(2.0);
         m.vm_start_failures
             .get_or_create(&ReasonLabels {
-                reason: "RootfsRejected".into(),
+                reason: imp_api::names::reason::ROOTFS_REJECTED.into(),
             })
             .inc();
         let text = crate::metrics::encode(&registry).unwrap();

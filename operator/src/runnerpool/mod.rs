@@ -21,8 +21,6 @@ pub use metrics::PoolMetrics;
 
 use crate::github::GithubApps;
 
-/// Finalizer on every pool: its GitHub runners are deregistered before the pool goes.
-pub const FINALIZER_POOL_CLEANUP: &str = "imp.dev/runner-pool-cleanup";
 /// Default key of the webhook secret inside its Secret.
 pub const DEFAULT_WEBHOOK_SECRET_KEY: &str = "webhook-secret";
 /// Values of the `state` label of `imp_runner_pool_runners`.

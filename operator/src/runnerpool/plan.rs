@@ -2,7 +2,7 @@
 //! runners to create, which unminted VMs to mint, which idle runners to retire and which terminal VMs
 //! to clean up. Pure; the controller executes the plan.
 
-use imp_api::Scaling;
+use imp_api::{Scaling, names::reason};
 
 use super::classify::RunnerState;
 
@@ -135,11 +135,11 @@ pub enum Limit {
 impl Limit {
     pub fn reason(self) -> &'static str {
         match self {
-            Limit::ScaleUpStep => "ScaleUpStep",
-            Limit::MaxRunners => "MaxRunners",
-            Limit::CredentialsInvalid => "CredentialsInvalid",
-            Limit::MintBackoff => "MintBackoff",
-            Limit::StartBackoff => "VmStartFailing",
+            Limit::ScaleUpStep => reason::SCALE_UP_STEP,
+            Limit::MaxRunners => reason::MAX_RUNNERS,
+            Limit::CredentialsInvalid => reason::CREDENTIALS_INVALID,
+            Limit::MintBackoff => reason::MINT_BACKOFF,
+            Limit::StartBackoff => reason::VM_START_FAILING,
         }
     }
 }

@@ -67,29 +67,9 @@ impl VmControllerConfig {
     }
 }
 
-/// Name of the heartbeat Lease the agent on `node` renews.
-pub fn lease_name(node: &str) -> String {
-    format!("imp-node-{node}")
-}
-
-/// The node a heartbeat Lease belongs to, if it follows the naming convention.
-pub fn lease_node(lease_name: &str) -> Option<&str> {
-    lease_name
-        .strip_prefix("imp-node-")
-        .filter(|n| !n.is_empty())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn lease_names_round_trip() {
-        assert_eq!(lease_name("worker-1"), "imp-node-worker-1");
-        assert_eq!(lease_node("imp-node-worker-1"), Some("worker-1"));
-        assert_eq!(lease_node("imp-node-"), None);
-        assert_eq!(lease_node("kube-node-lease"), None);
-    }
 
     #[test]
     fn node_selector_adds_to_the_enabled_label() {

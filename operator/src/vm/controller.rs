@@ -18,7 +18,7 @@ use std::{
 use futures::{StreamExt, TryStreamExt};
 use imp_api::{
     ImpVM, ImpVMClass, VmPhase,
-    names::{ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP},
+    names::{ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP, lease_name, lease_node},
 };
 use k8s_openapi::{
     api::{coordination::v1::Lease, core::v1::Node},
@@ -40,7 +40,7 @@ use tokio::sync::Mutex;
 use tracing::{debug, info, warn};
 
 use super::{
-    config::{VmControllerConfig, lease_name, lease_node},
+    config::VmControllerConfig,
     decide::{self, Counted, Input, Note, Plan},
     health::{self, NodeHealth},
 };
@@ -640,7 +640,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn vm(node: Option<&str>, phase: Option<&str>) -> Arc<ImpVM> {
+    fn vm(node: Option<&str>, phase: Option<VmPhase>) -> Arc<ImpVM> {
         let mut v = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"name": "x"},
             "spec": {"classRef": {"name": "c"}, "image": "i", "lifecycle": "ephemeral", "nodeName": node}});
         if let Some(p) = phase {
@@ -653,12 +653,12 @@ mod tests {
     fn gauges_count_phases_and_the_per_node_backlog() {
         let vms = [
             vm(None, None),
-            vm(None, Some("Pending")),
-            vm(Some("a"), Some("Scheduled")),
-            vm(Some("a"), Some("Starting")),
-            vm(Some("a"), Some("Running")),
-            vm(Some("b"), Some("Scheduled")),
-            vm(Some("b"), Some("Failed")),
+            vm(None, Some(VmPhase::Pending)),
+            vm(Some("a"), Some(VmPhase::Scheduled)),
+            vm(Some("a"), Some(VmPhase::Starting)),
+            vm(Some("a"), Some(VmPhase::Running)),
+            vm(Some("b"), Some(VmPhase::Scheduled)),
+            vm(Some("b"), Some(VmPhase::Failed)),
         ];
         let (phases, backlog) = gauge_counts(&vms);
         let phases: Vec<_> = phases.into_iter().collect();
@@ -668,7 +668,7 @@ mod tests {
                 ("Failed", 1),
                 ("Pending", 1),
                 ("Running", 1),
-                ("Scheduled", 2),
+                (format!("{:?}", VmPhase::Scheduled).as_str(), 2),
                 ("Starting", 1),
                 ("Unknown", 1)
             ]

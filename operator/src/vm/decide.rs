@@ -12,46 +12,17 @@ use std::time::Duration;
 use imp_api::{
     ImpVM, ImpVMClassSpec, ImpVMStatus, Lifecycle, OnExhaustion, ResolvedRestartPolicy,
     RestartMode, RestartPolicy, VmPhase,
+    conditions::{self, ConditionStatus},
     names::{ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP, condition, reason},
 };
-use k8s_openapi::{
-    apimachinery::pkg::apis::meta::v1::{Condition, Time},
-    jiff::Timestamp,
-};
+use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 use kube::ResourceExt;
 
 use super::{
     config::Timing,
-    health::{self, NodeHealth, add, until},
+    health::{NodeHealth, add, until},
 };
 use crate::scheduler::{Unschedulable, VmRequest};
-
-/// Reasons the operator uses beyond those in `imp_api::names::reason`.
-pub mod extra_reason {
-    /// Scheduled=True: a node was chosen (or spec.nodeName was set by the user).
-    pub const NODE_ASSIGNED: &str = "NodeAssigned";
-    /// Scheduled=False after a restart that cleared the node binding.
-    pub const RESCHEDULING: &str = "Rescheduling";
-    /// Event: a persistent VM waits before its next restart.
-    pub const BACK_OFF: &str = "BackOff";
-    /// Event: a persistent VM restarts.
-    pub const RESTARTING: &str = "Restarting";
-    /// Event: the restart budget was reset (cool-down elapsed or manual reset).
-    pub const RESTART_BUDGET_RESET: &str = "RestartBudgetReset";
-    pub const COOL_DOWN_ELAPSED: &str = "CoolDownElapsed";
-    pub const MANUAL_RESET: &str = "ManualReset";
-    /// Event: deletion is waiting for the node agent's teardown.
-    pub const TERMINATING: &str = "Terminating";
-    /// Event: the agent confirmed teardown; the finalizer is removed.
-    pub const TORN_DOWN: &str = "TornDown";
-    /// Event (Warning): the finalizer was removed without a teardown record.
-    pub const FINALIZER_FORCED: &str = "FinalizerForced";
-    /// Event (Warning): no node fits.
-    pub const FAILED_SCHEDULING: &str = "FailedScheduling";
-    /// Event: bound to a node.
-    pub const SCHEDULED: &str = "Scheduled";
-}
-use extra_reason as xr;
 
 /// An Event to publish about the VM.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,47 +137,6 @@ pub fn request(vm: &ImpVM, class: &ImpVMClassSpec) -> VmRequest {
         node_selector: vm.spec.node_selector.clone().unwrap_or_default(),
         tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
     }
-}
-
-pub fn find_condition<'a>(status: &'a ImpVMStatus, type_: &str) -> Option<&'a Condition> {
-    status.conditions.iter().find(|c| c.type_ == type_)
-}
-
-/// Sets a condition, keeping lastTransitionTime when the status does not change.
-pub fn set_condition(
-    status: &mut ImpVMStatus,
-    type_: &str,
-    value: &str,
-    reason: &str,
-    message: impl Into<String>,
-    generation: Option<i64>,
-    now: Timestamp,
-) {
-    let message = message.into();
-    let existing = status.conditions.iter_mut().find(|c| c.type_ == type_);
-    match existing {
-        Some(c) => {
-            if c.status != value {
-                c.last_transition_time = Time(now);
-                c.status = value.to_owned();
-            }
-            c.reason = reason.to_owned();
-            c.message = message;
-            c.observed_generation = generation;
-        }
-        None => status.conditions.push(Condition {
-            type_: type_.to_owned(),
-            status: value.to_owned(),
-            reason: reason.to_owned(),
-            message,
-            observed_generation: generation,
-            last_transition_time: Time(now),
-        }),
-    }
-}
-
-fn remove_condition(status: &mut ImpVMStatus, type_: &str) {
-    status.conditions.retain(|c| c.type_ != type_);
 }
 
 fn has_finalizer(vm: &ImpVM) -> bool {
@@ -332,10 +262,10 @@ fn schedule_or_invalid(i: &Input<'_>, observed: ImpVMStatus, mut plan: Plan) -> 
         let message = format!("spec.classRef: ImpVMClass {name:?} does not exist");
         let mut p = spec_invalid(&observed, message.clone());
         let mut status = p.status.take().unwrap_or_else(|| observed.clone());
-        set_condition(
-            &mut status,
+        conditions::set(
+            &mut status.conditions,
             condition::SCHEDULED,
-            "False",
+            ConditionStatus::False,
             reason::CLASS_NOT_FOUND,
             message,
             i.vm.metadata.generation,
@@ -360,18 +290,18 @@ pub fn bound(vm: &ImpVM, node: &str, now: Timestamp) -> (ImpVMStatus, Note, Opti
     status.reason = None;
     status.message = None;
     status.scheduled_time = Some(Time(now));
-    set_condition(
-        &mut status,
+    conditions::set(
+        &mut status.conditions,
         condition::SCHEDULED,
-        "True",
-        xr::NODE_ASSIGNED,
+        ConditionStatus::True,
+        reason::NODE_ASSIGNED,
         format!("bound to node {node}"),
         vm.metadata.generation,
         now,
     );
     (
         status,
-        Note::normal(xr::SCHEDULED, format!("bound to node {node}")),
+        Note::normal(reason::SCHEDULED, format!("bound to node {node}")),
         latency,
     )
 }
@@ -388,10 +318,10 @@ pub fn unschedulable(
     status.phase = Some(VmPhase::Pending);
     status.reason = Some(reason::UNSCHEDULABLE.to_owned());
     status.message = Some(message.clone());
-    set_condition(
-        &mut status,
+    conditions::set(
+        &mut status.conditions,
         condition::SCHEDULED,
-        "False",
+        ConditionStatus::False,
         reason::UNSCHEDULABLE,
         message.clone(),
         vm.metadata.generation,
@@ -401,7 +331,7 @@ pub fn unschedulable(
         || observed.message.as_deref() != Some(&message);
     (
         status,
-        changed.then(|| Note::warning(xr::FAILED_SCHEDULING, message)),
+        changed.then(|| Note::warning(reason::FAILED_SCHEDULING, message)),
     )
 }
 
@@ -414,10 +344,10 @@ fn active_on_node(i: &Input<'_>, observed: ImpVMStatus, node: &str, mut plan: Pl
             reason: why,
             message,
         } => {
-            set_condition(
-                &mut status,
+            conditions::set(
+                &mut status.conditions,
                 condition::NODE_HEALTHY,
-                "False",
+                ConditionStatus::False,
                 why,
                 message.clone(),
                 generation,
@@ -439,10 +369,10 @@ fn active_on_node(i: &Input<'_>, observed: ImpVMStatus, node: &str, mut plan: Pl
             message,
             lost_at,
         } => {
-            set_condition(
-                &mut status,
+            conditions::set(
+                &mut status.conditions,
                 condition::NODE_HEALTHY,
-                "Unknown",
+                ConditionStatus::Unknown,
                 why,
                 message.clone(),
                 generation,
@@ -451,11 +381,11 @@ fn active_on_node(i: &Input<'_>, observed: ImpVMStatus, node: &str, mut plan: Pl
             plan.requeue_within(until(i.now, *lost_at));
         }
         NodeHealth::Healthy { recheck_at } => {
-            set_condition(
-                &mut status,
+            conditions::set(
+                &mut status.conditions,
                 condition::NODE_HEALTHY,
-                "True",
-                health::reason::NODE_READY,
+                ConditionStatus::True,
+                reason::NODE_READY,
                 format!("node {node} Ready, agent heartbeat fresh"),
                 generation,
                 i.now,
@@ -538,7 +468,7 @@ fn stopped(
             r.next_restart_time = Some(Time(at));
             status.restarts = Some(r);
             plan.notes.push(Note::normal(
-                xr::BACK_OFF,
+                reason::BACK_OFF,
                 format!(
                     "{last}; restart {} of {} in {delay:?}",
                     restarts.count + 1,
@@ -604,11 +534,11 @@ fn restart(
             let node = node.unwrap_or_default();
             status.phase = Some(VmPhase::Scheduled);
             status.scheduled_time = Some(Time(i.now));
-            set_condition(
-                &mut status,
+            conditions::set(
+                &mut status.conditions,
                 condition::SCHEDULED,
-                "True",
-                xr::NODE_ASSIGNED,
+                ConditionStatus::True,
+                reason::NODE_ASSIGNED,
                 format!("restarting in place on node {node}"),
                 generation,
                 i.now,
@@ -618,12 +548,12 @@ fn restart(
             plan.clear_node = node.is_some();
             status.phase = Some(VmPhase::Pending);
             status.scheduled_time = None;
-            remove_condition(&mut status, condition::NODE_HEALTHY);
-            set_condition(
-                &mut status,
+            conditions::remove(&mut status.conditions, condition::NODE_HEALTHY);
+            conditions::set(
+                &mut status.conditions,
                 condition::SCHEDULED,
-                "False",
-                xr::RESCHEDULING,
+                ConditionStatus::False,
+                reason::RESCHEDULING,
                 "restart: waiting for the scheduler to pick a node",
                 generation,
                 i.now,
@@ -640,7 +570,7 @@ fn restart(
         format!("restart {count} of {}", policy.max_retries)
     };
     plan.notes.push(Note::normal(
-        xr::RESTARTING,
+        reason::RESTARTING,
         format!("{budget}, {mode_name}, after {last}"),
     ));
     plan.counted.push(Counted::Restart(mode));
@@ -657,7 +587,7 @@ fn reset_budget(
 ) -> Plan {
     let spent = observed.restarts.as_ref().map_or(0, |r| r.count);
     plan.notes.push(Note::normal(
-        xr::RESTART_BUDGET_RESET,
+        reason::RESTART_BUDGET_RESET,
         format!("{why}: {spent} spent restarts forgiven"),
     ));
     plan.counted.push(Counted::BudgetReset(why));
@@ -699,7 +629,7 @@ fn exhausted(
         }
     };
     if i.now >= at {
-        return reset_budget(i, observed, policy, xr::COOL_DOWN_ELAPSED, plan);
+        return reset_budget(i, observed, policy, reason::COOL_DOWN_ELAPSED, plan);
     }
     plan.requeue_within(until(i.now, at));
     plan
@@ -719,7 +649,7 @@ fn manual_reset(
     if !spent {
         return plan;
     }
-    reset_budget(i, observed, policy, xr::MANUAL_RESET, plan)
+    reset_budget(i, observed, policy, reason::MANUAL_RESET, plan)
 }
 
 /// Deletion: Terminating until the agent reports TornDown; forced after the timeout if the node is lost.
@@ -733,10 +663,10 @@ fn cleanup(i: &Input<'_>, observed: ImpVMStatus) -> Plan {
         plan.remove_finalizer = true;
         return plan;
     };
-    if find_condition(&observed, condition::TORN_DOWN).is_some_and(|c| c.status == "True") {
+    if conditions::is_true(&observed.conditions, condition::TORN_DOWN) {
         plan.remove_finalizer = true;
         plan.notes.push(Note::normal(
-            xr::TORN_DOWN,
+            reason::TORN_DOWN,
             format!("node {node} released the VM's resources"),
         ));
         return plan;
@@ -745,7 +675,7 @@ fn cleanup(i: &Input<'_>, observed: ImpVMStatus) -> Plan {
         let mut status = observed.clone();
         status.phase = Some(VmPhase::Terminating);
         plan.notes.push(Note::normal(
-            xr::TERMINATING,
+            reason::TERMINATING,
             format!("waiting for the imp agent on node {node} to tear the VM down"),
         ));
         plan.set_status(&observed, status);
@@ -765,7 +695,7 @@ fn cleanup(i: &Input<'_>, observed: ImpVMStatus) -> Plan {
             plan.status = None;
             plan.remove_finalizer = true;
             plan.notes.push(Note::warning(
-                xr::FINALIZER_FORCED,
+                reason::FINALIZER_FORCED,
                 format!(
                     "removed {FINALIZER_VM_CLEANUP} without a teardown record after {:?}: {why}: {message}; \
                      check the host for a leftover Firecracker process, TAP device and disk",
@@ -792,6 +722,7 @@ fn cleanup(i: &Input<'_>, observed: ImpVMStatus) -> Plan {
 mod tests {
     use super::*;
     use crate::scheduler::Rejection;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
     use serde_json::json;
 
     fn t(secs: i64) -> Timestamp {
@@ -843,7 +774,7 @@ mod tests {
 
     fn lost() -> NodeHealth {
         NodeHealth::Lost {
-            reason: health::reason::NODE_DELETED,
+            reason: reason::NODE_DELETED,
             message: "node n1 no longer exists".into(),
         }
     }
@@ -864,7 +795,8 @@ mod tests {
     }
 
     fn cond<'a>(s: &'a ImpVMStatus, type_: &str) -> &'a Condition {
-        find_condition(s, type_).unwrap_or_else(|| panic!("no {type_} condition in {s:?}"))
+        conditions::find(&s.conditions, type_)
+            .unwrap_or_else(|| panic!("no {type_} condition in {s:?}"))
     }
 
     /// Applies a plan's status (and node clearing) to a VM, as the controller would.
@@ -1023,9 +955,9 @@ mod tests {
         let c = cond(&s, condition::SCHEDULED);
         assert_eq!(
             (c.status.as_str(), c.reason.as_str()),
-            ("True", xr::NODE_ASSIGNED)
+            ("True", reason::NODE_ASSIGNED)
         );
-        assert_eq!(note.reason, xr::SCHEDULED);
+        assert_eq!(note.reason, reason::SCHEDULED);
         assert_eq!(latency, Some(Duration::from_secs(3)));
         let mut restarted = v.clone();
         restarted.status.as_mut().unwrap().restarts = Some(imp_api::RestartStatus {
@@ -1049,7 +981,7 @@ mod tests {
             Some("0/1 nodes are available: 1 cordoned")
         );
         assert_eq!(cond(&s, condition::SCHEDULED).status, "False");
-        assert_eq!(note.unwrap().reason, xr::FAILED_SCHEDULING);
+        assert_eq!(note.unwrap().reason, reason::FAILED_SCHEDULING);
         let v = ImpVM {
             status: Some(s),
             ..v
@@ -1098,7 +1030,7 @@ mod tests {
     fn degraded_node_waits_for_the_grace_period() {
         let v = bound_vm("ephemeral", VmPhase::Running, json!({}));
         let h = NodeHealth::Degraded {
-            reason: health::reason::NODE_NOT_READY,
+            reason: reason::NODE_NOT_READY,
             message: "x".into(),
             lost_at: t(40),
         };
@@ -1126,12 +1058,9 @@ mod tests {
             let c = cond(s, condition::NODE_HEALTHY);
             assert_eq!(
                 (c.status.as_str(), c.reason.as_str()),
-                ("False", health::reason::NODE_DELETED)
+                ("False", reason::NODE_DELETED)
             );
-            assert_eq!(
-                p.counted,
-                vec![Counted::NodeLost(health::reason::NODE_DELETED)]
-            );
+            assert_eq!(p.counted, vec![Counted::NodeLost(reason::NODE_DELETED)]);
             assert!(p.notes[0].warning);
             // Failed ephemeral VMs are the pool's to delete: no further action.
             let after = run(&apply(v, &p), &lost(), 200);
@@ -1160,7 +1089,7 @@ mod tests {
         assert!(p.clear_node);
         let s = status(&p);
         assert_eq!(s.phase, Some(VmPhase::Pending));
-        assert!(find_condition(s, condition::NODE_HEALTHY).is_none());
+        assert!(conditions::find(&s.conditions, condition::NODE_HEALTHY).is_none());
         assert_eq!(p.counted, vec![Counted::Restart(RestartMode::Reschedule)]);
     }
 
@@ -1173,7 +1102,7 @@ mod tests {
         // First stop: wait initialDelay.
         let p = run(&v, &HEALTHY, 0);
         assert_eq!(p.requeue_after, Some(Duration::from_secs(10)));
-        assert_eq!(p.notes[0].reason, xr::BACK_OFF);
+        assert_eq!(p.notes[0].reason, reason::BACK_OFF);
         let v = apply(v, &p);
         // Early passes only wait.
         let p = run(&v, &HEALTHY, 4);
@@ -1213,7 +1142,7 @@ mod tests {
             .unwrap()
             .next_restart_time = Some(Time(t(1)));
         let degraded = NodeHealth::Degraded {
-            reason: health::reason::NODE_NOT_READY,
+            reason: reason::NODE_NOT_READY,
             message: "x".into(),
             lost_at: t(99),
         };
@@ -1234,7 +1163,7 @@ mod tests {
         let s = status(&p);
         assert_eq!(s.phase, Some(VmPhase::Pending));
         assert_eq!(s.scheduled_time, None);
-        assert_eq!(cond(s, condition::SCHEDULED).reason, xr::RESCHEDULING);
+        assert_eq!(cond(s, condition::SCHEDULED).reason, reason::RESCHEDULING);
         // The next pass (node cleared, Pending) asks the scheduler.
         assert!(run(&apply(v, &p), &HEALTHY, 2).schedule.is_some());
     }
@@ -1311,13 +1240,13 @@ mod tests {
         assert_eq!(
             p.counted,
             vec![
-                Counted::BudgetReset(xr::COOL_DOWN_ELAPSED),
+                Counted::BudgetReset(reason::COOL_DOWN_ELAPSED),
                 Counted::Restart(RestartMode::InPlace)
             ]
         );
         assert_eq!(
             p.notes.iter().map(|n| n.reason).collect::<Vec<_>>(),
-            [xr::RESTART_BUDGET_RESET, xr::RESTARTING]
+            [reason::RESTART_BUDGET_RESET, reason::RESTARTING]
         );
     }
 
@@ -1336,7 +1265,10 @@ mod tests {
         let s = status(&p);
         assert_eq!(s.phase, Some(VmPhase::Pending));
         assert_eq!(s.restarts.as_ref().unwrap().count, 0);
-        assert!(p.counted.contains(&Counted::BudgetReset(xr::MANUAL_RESET)));
+        assert!(
+            p.counted
+                .contains(&Counted::BudgetReset(reason::MANUAL_RESET))
+        );
     }
 
     #[test]
@@ -1427,24 +1359,24 @@ mod tests {
         let p = run(&v, &HEALTHY, 1);
         assert!(!p.remove_finalizer);
         assert_eq!(status(&p).phase, Some(VmPhase::Terminating));
-        assert_eq!(p.notes[0].reason, xr::TERMINATING);
+        assert_eq!(p.notes[0].reason, reason::TERMINATING);
         let mut v = apply(v, &p);
         // Still waiting: no rewrite, no new event.
         let p = run(&v, &HEALTHY, 2);
         assert!(p.status.is_none() && p.notes.is_empty() && !p.remove_finalizer);
         // The agent records teardown.
-        set_condition(
-            v.status.as_mut().unwrap(),
+        conditions::set(
+            &mut v.status.as_mut().unwrap().conditions,
             condition::TORN_DOWN,
-            "True",
-            "TeardownComplete",
+            ConditionStatus::True,
+            reason::TEARDOWN_COMPLETE,
             "",
             None,
             t(3),
         );
         let p = run(&v, &HEALTHY, 3);
         assert!(p.remove_finalizer);
-        assert_eq!(p.notes[0].reason, xr::TORN_DOWN);
+        assert_eq!(p.notes[0].reason, reason::TORN_DOWN);
     }
 
     #[test]
@@ -1460,8 +1392,8 @@ mod tests {
         let note = &p.notes[0];
         assert!(
             note.warning
-                && note.reason == xr::FINALIZER_FORCED
-                && note.message.contains("NodeDeleted"),
+                && note.reason == reason::FINALIZER_FORCED
+                && note.message.contains(reason::NODE_DELETED),
             "{note:?}"
         );
         // A healthy node never gets its VM's finalizer forced.
@@ -1474,24 +1406,5 @@ mod tests {
         let mut v = deleting(bound_vm("ephemeral", VmPhase::Running, json!({})), 0);
         v.metadata.finalizers = Some(vec!["other/finalizer".into()]);
         assert_eq!(run(&v, &lost(), 100_000), Plan::default());
-    }
-
-    #[test]
-    fn set_condition_keeps_transition_time_when_status_is_unchanged() {
-        let mut s = ImpVMStatus::default();
-        set_condition(&mut s, "X", "True", "A", "m1", Some(1), t(1));
-        set_condition(&mut s, "X", "True", "B", "m2", Some(2), t(2));
-        let c = cond(&s, "X");
-        assert_eq!(
-            (
-                c.reason.as_str(),
-                c.message.as_str(),
-                c.last_transition_time.clone()
-            ),
-            ("B", "m2", Time(t(1)))
-        );
-        set_condition(&mut s, "X", "False", "C", "m3", Some(2), t(3));
-        assert_eq!(cond(&s, "X").last_transition_time, Time(t(3)));
-        assert_eq!(s.conditions.len(), 1);
     }
 }

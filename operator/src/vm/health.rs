@@ -3,21 +3,13 @@
 
 use std::time::Duration;
 
+use imp_api::names::reason;
 use k8s_openapi::{
     api::{coordination::v1::Lease, core::v1::Node},
     jiff::{SignedDuration, Timestamp},
 };
 
 use crate::scheduler::Heartbeat;
-
-/// Reasons of the NodeHealthy condition.
-pub mod reason {
-    pub const NODE_READY: &str = "NodeReady";
-    pub const NODE_NOT_READY: &str = "NodeNotReady";
-    pub const NODE_DELETED: &str = "NodeDeleted";
-    pub const AGENT_HEARTBEAT_STALE: &str = "AgentHeartbeatStale";
-    pub const AGENT_HEARTBEAT_MISSING: &str = "AgentHeartbeatMissing";
-}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum NodeHealth {

@@ -6,5 +6,5 @@ pub mod controller;
 pub mod decide;
 pub mod health;
 
-pub use config::{Timing, VmControllerConfig, lease_name};
+pub use config::{Timing, VmControllerConfig};
 pub use controller::run_vm_controller;

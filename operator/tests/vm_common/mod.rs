@@ -12,10 +12,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use imp_api::{ImpVM, ImpVMClass, ImpVMStatus, VmPhase, names::LABEL_NODE_ENABLED};
+use imp_api::{
+    ImpVM, ImpVMClass, ImpVMStatus, VmPhase,
+    conditions::{self, ConditionStatus},
+    names::{LABEL_NODE_ENABLED, condition, lease_name, reason},
+};
 use imp_operator::{
     metrics::{VmMetrics, encode},
-    vm::{Timing, VmControllerConfig, lease_name, run_vm_controller},
+    vm::{Timing, VmControllerConfig, run_vm_controller},
 };
 use imp_testkit::{TestEnv, cluster::with_fresh_client};
 use k8s_openapi::{
@@ -400,7 +404,12 @@ impl Harness {
             s.boot_complete_time = Some(Time(now));
             s.first_running_time.get_or_insert(Time(now));
             s.ip = Some("10.64.0.2".into());
-            set_condition(s, "Ready", "True", "ProbeSucceeded");
+            set_condition(
+                s,
+                condition::READY,
+                ConditionStatus::True,
+                reason::GUEST_READY,
+            );
         })
         .await
     }
@@ -411,7 +420,12 @@ impl Harness {
             s.phase = Some(phase);
             s.reason = Some(reason.to_owned());
             s.message = Some("runner exited with code 1".into());
-            set_condition(s, "Ready", "False", "VmStopped");
+            set_condition(
+                s,
+                condition::READY,
+                ConditionStatus::False,
+                reason::VM_STOPPED,
+            );
         })
         .await
     }
@@ -419,7 +433,12 @@ impl Harness {
     /// The agent finished teardown (process, TAP, IP, disk released).
     pub async fn agent_torn_down(&self, name: &str) -> ImpVM {
         self.agent_status(name, |s| {
-            set_condition(s, "TornDown", "True", "TeardownComplete")
+            set_condition(
+                s,
+                condition::TORN_DOWN,
+                ConditionStatus::True,
+                reason::TEARDOWN_COMPLETE,
+            )
         })
         .await
     }
@@ -560,7 +579,7 @@ pub fn phase_of(vm: &ImpVM) -> Option<VmPhase> {
 pub fn condition<'a>(vm: &'a ImpVM, type_: &str) -> Option<&'a Condition> {
     vm.status
         .as_ref()
-        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+        .and_then(|s| conditions::find(&s.conditions, type_))
 }
 
 /// (status, reason) of a condition, for compact asserts.
@@ -568,16 +587,17 @@ pub fn cond(vm: &ImpVM, type_: &str) -> Option<(String, String)> {
     condition(vm, type_).map(|c| (c.status.clone(), c.reason.clone()))
 }
 
-pub fn set_condition(s: &mut ImpVMStatus, type_: &str, status: &str, reason: &str) {
-    s.conditions.retain(|c| c.type_ != type_);
-    s.conditions.push(Condition {
-        type_: type_.to_owned(),
-        status: status.to_owned(),
-        reason: reason.to_owned(),
-        message: String::new(),
-        observed_generation: None,
-        last_transition_time: Time(Timestamp::now()),
-    });
+/// Sets an ImpVM condition as the agent does (no message, no generation, now).
+fn set_condition(s: &mut ImpVMStatus, type_: &str, status: ConditionStatus, reason: &str) {
+    conditions::set(
+        &mut s.conditions,
+        type_,
+        status,
+        reason,
+        "",
+        None,
+        Timestamp::now(),
+    );
 }
 
 pub fn node_of(vm: &ImpVM) -> Option<&str> {
