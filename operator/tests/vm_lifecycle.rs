@@ -43,7 +43,7 @@ async fn ephemeral_vm_runs_to_success_and_deletion_waits_for_teardown() {
         .await;
     assert_eq!(
         cond(&vm, condition::READY),
-        Some(("True".into(), "ProbeSucceeded".into()))
+        Some(("True".into(), reason::GUEST_READY.into()))
     );
     assert_eq!(
         cond(&vm, condition::SCHEDULED).unwrap().0,
