@@ -78,4 +78,16 @@ pub mod reason {
     pub const NODE_LOST: &str = "NodeLost";
     pub const EXPIRED: &str = "Expired";
     pub const RETRY_EXHAUSTED: &str = "RetryExhausted";
+    /// imp-runtime refused a writable drive past the node's writable-drive budget.
+    pub const DISK_BUDGET_EXCEEDED: &str = "DiskBudgetExceeded";
+    /// imp-runtime's bring-up of a VM ended without an outcome (cancelled by a DELETE).
+    pub const START_CANCELLED: &str = "StartCancelled";
+    /// imp-runtime could not create or enter a VM's memory cgroup.
+    pub const CGROUP_SETUP_FAILED: &str = "CgroupSetupFailed";
+    /// imp-runtime's QEMU backend could not start QEMU or its vhost-device-vsock.
+    pub const QEMU_START_FAILED: &str = "QemuStartFailed";
+    /// A snapshot was asked of a VM whose backend has none (QEMU).
+    pub const SNAPSHOT_UNSUPPORTED: &str = "SnapshotUnsupported";
+    /// imp-runtime refused a request body larger than its limit.
+    pub const BODY_TOO_LARGE: &str = "BodyTooLarge";
 }

@@ -8,9 +8,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
-use crate::runtime::{SnapshotInfo, VmSpec, VmStatus};
-use crate::server::{ErrorBody, VsockInfo};
-use crate::tap::LinkStats;
+use crate::api::{ErrorBody, LinkStats, SnapshotInfo, VmList, VmSpec, VmStatus, VsockInfo};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -128,7 +126,7 @@ impl RuntimeClient {
 
     pub async fn list(&self) -> Result<Vec<VmStatus>, ClientError> {
         Ok(self
-            .json::<crate::server::VmList>(Method::GET, "/v1/vms", None)
+            .json::<VmList>(Method::GET, "/v1/vms", None)
             .await?
             .1
             .vms)

@@ -5,10 +5,10 @@ mod common;
 
 use common::{Harness, simulator};
 use http::StatusCode;
-use imp_node::inventory::VmState;
+use imp_node::api::VmSpec;
+use imp_node::api::VmState;
 use imp_node::rootfs::auth::{PullCredentials, Secret};
 use imp_node::rootfs::store::ImageSpec;
-use imp_node::runtime::VmSpec;
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
