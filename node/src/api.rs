@@ -128,6 +128,15 @@ pub struct VsockInfo {
     pub guest_agent_port: u32,
 }
 
+/// Body of `GET /v1/capacity`: the node's writable-drive budget and what VMs hold of it, for
+/// the agent to publish as node capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub writable_budget_bytes: u64,
+    /// Writable-drive bytes of every VM but failed ones.
+    pub writable_used_bytes: u64,
+}
+
 /// Body of `POST /v1/vms/{uid}/snapshot` (optional).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -13,8 +13,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 
 use crate::api::{
-    ErrorBody, LinkStats, MAX_BODY_BYTES, Readiness, SnapshotInfo, SnapshotRequest, VmList, VmSpec,
-    VmStatus, VsockInfo,
+    Capacity, ErrorBody, LinkStats, MAX_BODY_BYTES, Readiness, SnapshotInfo, SnapshotRequest,
+    VmList, VmSpec, VmStatus, VsockInfo,
 };
 use crate::runtime::{Ensured, Runtime, RuntimeError};
 
@@ -144,6 +144,14 @@ async fn snapshot(
     Ok(Json(rt.snapshot(&uid, resume).await?))
 }
 
+async fn capacity(State(rt): Rt) -> Result<Json<Capacity>, ApiError> {
+    let (used, budget) = rt.disk_usage().await?;
+    Ok(Json(Capacity {
+        writable_budget_bytes: budget,
+        writable_used_bytes: used,
+    }))
+}
+
 async fn healthz() -> &'static str {
     "ok"
 }
@@ -183,6 +191,7 @@ async fn not_found() -> ApiError {
 pub fn router(rt: Arc<Runtime>) -> Router {
     Router::new()
         .route("/v1/vms", get(list_vms))
+        .route("/v1/capacity", get(capacity))
         .route("/v1/vms/{uid}", get(get_vm).put(put_vm).delete(delete_vm))
         .route("/v1/vms/{uid}/linkstats", get(linkstats))
         .route("/v1/vms/{uid}/vsock", get(vsock))

@@ -166,7 +166,7 @@ pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
         "-accel".into(),
         accel.into(),
         "-machine".into(),
-        "q35,memory-backend=mem0".into(),
+        "pc,memory-backend=mem0".into(),
         "-object".into(),
         format!("memory-backend-memfd,id=mem0,size={mem},share=on"),
         "-m".into(),
@@ -215,10 +215,8 @@ pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
         "-chardev".into(),
         format!("socket,id=vsock0,path={}", files.vhost_sock.display()),
         "-device".into(),
-        format!(
-            "vhost-user-vsock-pci,chardev=vsock0,guest-cid={}",
-            plan.guest_cid
-        ),
+        // The guest CID is the device process's (vhost_args), not a QEMU property.
+        "vhost-user-vsock-pci,chardev=vsock0".into(),
         "-chardev".into(),
         format!(
             "file,id=serial0,path={},append=on",
@@ -466,7 +464,7 @@ mod tests {
             after(&a, "-object"),
             ["memory-backend-memfd,id=mem0,size=512M,share=on"]
         );
-        assert_eq!(after(&a, "-machine"), ["q35,memory-backend=mem0"]);
+        assert_eq!(after(&a, "-machine"), ["pc,memory-backend=mem0"]);
         assert_eq!(after(&a, "-m"), ["512M"]);
         assert_eq!(after(&a, "-smp"), ["2"]);
         assert_eq!(after(&a, "-accel"), ["tcg"]);
@@ -502,7 +500,7 @@ mod tests {
                 "file,id=serial0,path=/vms/a/serial.log,append=on",
             ]
         );
-        assert!(after(&a, "-device").contains(&"vhost-user-vsock-pci,chardev=vsock0,guest-cid=3"));
+        assert!(after(&a, "-device").contains(&"vhost-user-vsock-pci,chardev=vsock0"));
         assert_eq!(
             after(&a, "-qmp"),
             ["unix:/vms/a/api.sock,server=on,wait=off"]
