@@ -266,3 +266,138 @@ async fn a_bring_up_outlives_its_client_and_a_delete_cancels_it() {
     assert!(!h.vms_dir().join("stuck").exists(), "no files left");
     assert!(h.vmm_processes().is_empty(), "no process left");
 }
+
+/// A proxy in front of a registry: forwards every request (one per connection) except, while
+/// `stall` is set, blob GETs, which it holds open without an answer (a registry that stalls
+/// mid-pull, after the manifest).
+async fn stalling_proxy(
+    upstream: String,
+    stall: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host = listener.local_addr().unwrap().to_string();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let (upstream, stall) = (upstream.clone(), stall.clone());
+            tokio::spawn(async move {
+                let mut client = tokio::io::BufReader::new(client);
+                let mut head = Vec::new();
+                loop {
+                    let mut line = String::new();
+                    if client.read_line(&mut line).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let end = line == "\r\n";
+                    // One request per connection: the client may not reuse it.
+                    if !line.to_ascii_lowercase().starts_with("connection:") && !end {
+                        head.push(line);
+                    }
+                    if end {
+                        break;
+                    }
+                }
+                if head[0].contains("/blobs/") && stall.load(std::sync::atomic::Ordering::SeqCst) {
+                    std::future::pending::<()>().await;
+                }
+                head.push("Connection: close\r\n\r\n".into());
+                let Ok(mut up) = tokio::net::TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                let _ = up.write_all(head.concat().as_bytes()).await;
+                let _ = tokio::io::copy(&mut up, client.get_mut()).await;
+            });
+        }
+    });
+    (host, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_dropped_mid_pull_then_deleted_leaves_nothing_and_a_clean_cache() {
+    use imp_node::rootfs::store::ImageSpec;
+    use imp_testkit::registry::{Registry, RegistryOptions};
+    let registry = Registry::start(RegistryOptions::default()).await.unwrap();
+    let layer = imp_testkit::tarball::TarBuilder::new()
+        .dir("etc", 0o755)
+        .file("etc/stalled", b"eventually\n", 0o644)
+        .into_gzip();
+    imp_testkit::oci::push_gzip_image(&registry.host(), "imp/stall:1", vec![layer]).await;
+    let stall = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (proxy, proxy_task) = stalling_proxy(registry.host(), stall.clone()).await;
+
+    let mut h = Harness::new(simulator());
+    h.extra_env
+        .push(("IMP_INSECURE_REGISTRIES".into(), proxy.clone()));
+    h.start_runtime().await;
+    let network = common::is_root();
+    let spec = imp_node::api::VmSpec {
+        base_disk: None,
+        image: Some(ImageSpec {
+            base: format!("{proxy}/imp/stall:1"),
+            runner: None,
+            credentials: None,
+        }),
+        ..h.spec(network)
+    };
+    let tmp = h.state_dir.join("rootfs/tmp");
+    let entries = |d: &std::path::Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(d)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+
+    let c = h.client.clone();
+    let s = spec.clone();
+    let put = tokio::spawn(async move { c.ensure_running("stalled", &s).await });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while entries(&tmp).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the pull never reached its layers\n{}",
+            h.runtime_log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The client goes away mid-pull; the bring-up carries on (still stalled).
+    put.abort();
+    let _ = put.await;
+    let (code, st) = h.client.ensure_running("stalled", &spec).await.unwrap();
+    assert_eq!(
+        (code, st.state),
+        (StatusCode::OK, VmState::Creating),
+        "progress"
+    );
+    h.client.delete("stalled").await.unwrap();
+
+    assert!(h.client.inspect("stalled").await.is_err(), "no row");
+    assert!(h.vmm_processes().is_empty(), "no process");
+    assert!(!h.vms_dir().join("stalled").exists(), "no VM files");
+    assert!(!imp_node::tap::exists(&h.tap_for("stalled")), "no TAP");
+    assert_eq!(
+        entries(&tmp),
+        Vec::<std::path::PathBuf>::new(),
+        "tmp/ is empty"
+    );
+    let images = h.state_dir.join("rootfs/images");
+    assert!(
+        entries(&images).is_empty(),
+        "no half-built image in the cache"
+    );
+
+    // The registry recovers: the next start builds a clean image from scratch.
+    stall.store(false, std::sync::atomic::Ordering::SeqCst);
+    let (code, st) = h.client.ensure_running("stalled", &spec).await.unwrap();
+    assert_eq!((code, st.state), (StatusCode::CREATED, VmState::Running));
+    let built = entries(&images);
+    assert_eq!(built.len(), 1, "{built:?}");
+    imp_testkit::ext4::assert_fsck_clean(&built[0]);
+    assert!(
+        entries(&tmp).is_empty(),
+        "a finished build leaves no work dir"
+    );
+    h.client.delete("stalled").await.unwrap();
+    proxy_task.abort();
+}
