@@ -237,14 +237,6 @@ enum Stop {
     Kill,
 }
 
-fn kvm_usable() -> bool {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok()
-}
-
 /// The writable-drive bytes a row holds: every row but a Failed one (whose drive was released)
 /// keeps its drive until DELETE.
 fn writable_bytes(r: &VmRecord) -> u64 {
@@ -337,7 +329,7 @@ impl Runtime {
             Backend::Qemu => vec![&self.cfg.qemu.qemu_bin, &self.cfg.qemu.vhost_vsock_bin],
         };
         let facts = vmm::HostFacts {
-            kvm: kvm_usable(),
+            kvm: vmm::kvm_usable(),
             bins: bins
                 .into_iter()
                 .map(|b| (b.display().to_string(), b.is_file()))
@@ -943,23 +935,11 @@ impl Runtime {
     ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let files = QemuFiles::in_dir(&rec.dir, &rec.api_socket, &rec.vsock_path, &rec.serial_log);
-        let cgroup = cgroup
-            .map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()))
-            .transpose()
-            .map_err(|_| {
-                (
-                    RuntimeError::DiskSetupFailed {
-                        uid: uid.clone(),
-                        message: "cgroup path holds a NUL byte".into(),
-                    },
-                    None,
-                )
-            })?;
         let start_err = |source| RuntimeError::QemuStart {
             uid: uid.clone(),
             source,
         };
-        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroup.as_deref())
+        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroup)
             .await
             .map_err(|e| (start_err(e), None))?;
         let helper_only = |vhost| {
@@ -975,7 +955,7 @@ impl Runtime {
             .map_err(|e| (e.into(), helper_only(vhost)))?;
         rec.helper_pid = Some(vhost.pid);
         rec.helper_start_time = Some(vhost.start_time);
-        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroup.as_deref())
+        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroup)
             .await
             .map_err(|e| (start_err(e), helper_only(vhost)))?;
         let vm = Vm::Qemu(QemuVm {

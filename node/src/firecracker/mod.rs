@@ -5,7 +5,6 @@
 pub mod api;
 pub mod client;
 
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -164,71 +163,19 @@ pub fn spawn(
         .stdin(Stdio::null())
         .stdout(open(&files.serial_log)?)
         .stderr(open(&files.stderr_log)?);
-    let procs = cgroup
-        .map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()))
-        .transpose()
-        .map_err(|_| start_failed("cgroup path holds a NUL byte".into()))?;
-    // SAFETY: between fork and exec only async-signal-safe calls, no allocation: setsid,
-    // getpid, open/write/close of a path prepared before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::unistd::setsid().map_err(std::io::Error::from)?;
-            if let Some(procs) = &procs {
-                enter_cgroup(procs)?;
-            }
-            Ok(())
-        });
-    }
-    let mut child = tokio::process::Command::from(cmd)
-        .kill_on_drop(false)
-        .spawn()
-        .map_err(|e| start_failed(format!("spawn {}: {e}", bin.display())))?;
-    let pid = child.id().expect("a just-spawned child has a pid") as i32;
-    tokio::spawn(async move {
-        let _ = child.wait().await;
-    });
+    let (pid, start_time) =
+        crate::vmm::spawn_detached(cmd, cgroup).map_err(|e| start_failed(e.to_string()))?;
     // A process that has already exited has no start time: that is a start failure too.
-    let start_time =
-        procfs::start_time(pid).ok_or_else(|| DriverError::FirecrackerStartFailed {
-            message: "exited immediately".into(),
-            stderr: tail(&files.stderr_log),
-        })?;
+    let start_time = start_time.ok_or_else(|| DriverError::FirecrackerStartFailed {
+        message: "exited immediately".into(),
+        stderr: tail(&files.stderr_log),
+    })?;
     Ok(Vmm {
         pid,
         start_time,
         files: files.clone(),
         client: FirecrackerClient::new(&files.api_sock),
     })
-}
-
-/// Write this process's pid into `procs` (a `cgroup.procs` file). Runs in a forked child:
-/// formats on the stack, calls only async-signal-safe functions.
-pub(crate) fn enter_cgroup(procs: &std::ffi::CStr) -> std::io::Result<()> {
-    let mut buf = [0u8; 20];
-    let mut n = unsafe { libc::getpid() } as u64;
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    // SAFETY: a valid C string and a stack buffer; the fd is closed on every path.
-    unsafe {
-        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let written = libc::write(fd, buf[i..].as_ptr().cast(), buf.len() - i);
-        let err = std::io::Error::last_os_error();
-        libc::close(fd);
-        if written < 0 {
-            return Err(err);
-        }
-    }
-    Ok(())
 }
 
 impl Vmm {

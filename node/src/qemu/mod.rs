@@ -10,7 +10,6 @@
 
 pub mod qmp;
 
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -125,14 +124,6 @@ pub struct QemuVm {
     pub qmp: Qmp,
 }
 
-fn kvm_usable() -> bool {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok()
-}
-
 /// The accelerator `accel` means on this host.
 pub fn resolve_accel(accel: Accel, kvm: bool) -> &'static str {
     match accel {
@@ -230,14 +221,13 @@ pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
     a
 }
 
-/// Spawn `bin args` in a session of its own (and, with `cgroup`, in that cgroup before exec),
-/// stdout/stderr to `log`.
+/// Spawn `bin args` detached (`vmm::spawn_detached`), stdout/stderr to `log`.
 fn spawn_detached(
     what: &'static str,
     bin: &Path,
     args: &[String],
     log: &Path,
-    cgroup: Option<&std::ffi::CStr>,
+    cgroup: Option<&Path>,
 ) -> Result<Proc, QemuError> {
     let failed = |message: String| QemuError::StartFailed {
         what,
@@ -254,26 +244,9 @@ fn spawn_detached(
         .map_err(|e| failed(format!("dup {}: {e}", log.display())))?;
     let mut cmd = std::process::Command::new(bin);
     cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
-    let cgroup = cgroup.map(std::ffi::CStr::to_owned);
-    // SAFETY: between fork and exec only async-signal-safe calls (see firecracker::spawn).
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::unistd::setsid().map_err(std::io::Error::from)?;
-            if let Some(procs) = &cgroup {
-                crate::firecracker::enter_cgroup(procs)?;
-            }
-            Ok(())
-        });
-    }
-    let mut child = tokio::process::Command::from(cmd)
-        .kill_on_drop(false)
-        .spawn()
-        .map_err(|e| failed(format!("spawn {}: {e}", bin.display())))?;
-    let pid = child.id().expect("a just-spawned child has a pid") as i32;
-    tokio::spawn(async move {
-        let _ = child.wait().await;
-    });
-    let start_time = procfs::start_time(pid).ok_or_else(|| failed("exited immediately".into()))?;
+    let (pid, start_time) =
+        crate::vmm::spawn_detached(cmd, cgroup).map_err(|e| failed(e.to_string()))?;
+    let start_time = start_time.ok_or_else(|| failed("exited immediately".into()))?;
     Ok(Proc { pid, start_time })
 }
 
@@ -283,7 +256,7 @@ pub async fn spawn_vhost(
     cfg: &QemuConfig,
     files: &QemuFiles,
     guest_cid: u32,
-    cgroup: Option<&std::ffi::CStr>,
+    cgroup: Option<&Path>,
 ) -> Result<Proc, QemuError> {
     let _ = std::fs::remove_file(&files.vhost_sock);
     let p = spawn_detached(
@@ -320,9 +293,9 @@ pub async fn spawn_qemu(
     cfg: &QemuConfig,
     files: &QemuFiles,
     plan: &VmPlan,
-    cgroup: Option<&std::ffi::CStr>,
+    cgroup: Option<&Path>,
 ) -> Result<Proc, QemuError> {
-    let accel = resolve_accel(cfg.accel, kvm_usable());
+    let accel = resolve_accel(cfg.accel, crate::vmm::kvm_usable());
     let p = spawn_detached(
         "QEMU",
         &cfg.qemu_bin,
