@@ -3,7 +3,9 @@
 # needed) with vhost-device-vsock providing Firecracker's hybrid-vsock socket; and under real
 # Firecracker when IMP_FIRECRACKER_BIN and IMP_KERNEL are set. Then the rootfs pipeline end to
 # end (node/tests/rootfs_qemu.rs): images pushed to a local registry, built into one cached
-# base, two VMs booted from it.
+# base, two VMs booted from it. Then imp-runtime's QEMU backend through its socket API
+# (node/tests/runtime_qemu.rs): PUT, Hello, Exec, kill -9 + reattach, DELETE, with the boot
+# time and RSS measurements it prints (MEASURE lines).
 #
 # Needs qemu-system-x86_64, a kernel in /boot (or IMP_QEMU_KERNEL) with its modules, a static
 # /bin/busybox, cpio, e2fsprogs, docker-registry and vhost-device-vsock. IMP_INSTALL_DEPS=1
@@ -39,3 +41,5 @@ cd "$repo"
 cargo test -p imp-guest --test qemu --test firecracker -- --nocapture
 # The rootfs pipeline end to end: registry -> cached ext4 base -> two VMs booted from it.
 cargo test -p imp-node --test rootfs_qemu -- --nocapture
+# imp-runtime with --backend qemu, end to end.
+cargo test -p imp-node --test runtime_qemu -- --nocapture

@@ -347,6 +347,18 @@ pub mod reason {
         JIT_CONFIG_LOST = "JitConfigLost" in [PoolEvent];
         /// Warning: deleting the pool could not deregister every runner in time; their VMs are deleted anyway.
         CLEANUP_TIMED_OUT = "CleanupTimedOut" in [PoolEvent];
+        /// imp-runtime refused a writable drive past the node's writable-drive budget.
+        DISK_BUDGET_EXCEEDED = "DiskBudgetExceeded" in [VmStatus, Runtime];
+        /// imp-runtime's bring-up of a VM ended without an outcome (cancelled by a DELETE).
+        START_CANCELLED = "StartCancelled" in [Runtime];
+        /// imp-runtime could not create or enter a VM's memory cgroup.
+        CGROUP_SETUP_FAILED = "CgroupSetupFailed" in [VmStatus, Runtime];
+        /// imp-runtime's QEMU backend could not start QEMU or its vhost-device-vsock.
+        QEMU_START_FAILED = "QemuStartFailed" in [VmStatus, Runtime];
+        /// A snapshot was asked of a VM whose backend has none (QEMU).
+        SNAPSHOT_UNSUPPORTED = "SnapshotUnsupported" in [Runtime];
+        /// imp-runtime refused a request body larger than its limit.
+        BODY_TOO_LARGE = "BodyTooLarge" in [Runtime];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

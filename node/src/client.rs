@@ -8,9 +8,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
-use crate::runtime::{SnapshotInfo, VmSpec, VmStatus};
-use crate::server::{ErrorBody, VsockInfo};
-use crate::tap::LinkStats;
+use crate::api::{
+    Capacity, ErrorBody, LinkStats, SnapshotInfo, VmList, VmSpec, VmStatus, VsockInfo,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -128,7 +128,7 @@ impl RuntimeClient {
 
     pub async fn list(&self) -> Result<Vec<VmStatus>, ClientError> {
         Ok(self
-            .json::<crate::server::VmList>(Method::GET, "/v1/vms", None)
+            .json::<VmList>(Method::GET, "/v1/vms", None)
             .await?
             .1
             .vms)
@@ -162,6 +162,11 @@ impl RuntimeClient {
             .json(Method::GET, &format!("/v1/vms/{uid}/vsock"), None)
             .await?
             .1)
+    }
+
+    /// `GET /v1/capacity`: the writable-drive budget and its use.
+    pub async fn capacity(&self) -> Result<Capacity, ClientError> {
+        Ok(self.json(Method::GET, "/v1/capacity", None).await?.1)
     }
 
     pub async fn snapshot(&self, uid: &str) -> Result<SnapshotInfo, ClientError> {

@@ -2,10 +2,9 @@
 //! source of truth for reattach after a restart.
 
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
+use crate::api::{Backend, VmState};
 use sqlx::Row;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
@@ -22,47 +21,8 @@ pub enum InventoryError {
     Query(#[from] sqlx::Error),
     #[error("inventory row for {uid} has unknown state {state:?}")]
     BadState { uid: String, state: String },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum VmState {
-    /// Row written; disks, TAP or process being set up (nothing started yet in the guest).
-    Creating,
-    /// Firecracker configured and started, waiting for the guest agent's Hello.
-    Booting,
-    /// The guest agent said Hello.
-    Running,
-    /// Setup or boot failed; `failure_reason` says why. Host resources are released.
-    Failed,
-    /// The Firecracker process ended after the VM ran (guest powered off, or it died).
-    Exited,
-}
-
-impl VmState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            VmState::Creating => "Creating",
-            VmState::Booting => "Booting",
-            VmState::Running => "Running",
-            VmState::Failed => "Failed",
-            VmState::Exited => "Exited",
-        }
-    }
-
-    pub const ALL: [VmState; 5] = [
-        VmState::Creating,
-        VmState::Booting,
-        VmState::Running,
-        VmState::Failed,
-        VmState::Exited,
-    ];
-}
-
-impl FromStr for VmState {
-    type Err = ();
-    fn from_str(s: &str) -> Result<Self, ()> {
-        VmState::ALL.into_iter().find(|v| v.as_str() == s).ok_or(())
-    }
+    #[error("inventory row for {uid} has unknown VMM backend {backend:?}")]
+    BadBackend { uid: String, backend: String },
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -82,6 +42,10 @@ pub struct VmRecord {
     pub failure_reason: Option<String>,
     pub failure_message: Option<String>,
     pub boot_seconds: Option<f64>,
+    pub backend: Backend,
+    /// A process the VM needs beside its VMM (QEMU's vhost-device-vsock).
+    pub helper_pid: Option<i32>,
+    pub helper_start_time: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -134,7 +98,8 @@ impl Inventory {
         sqlx::query(
             "INSERT INTO vms (uid, state, spec_json, pid, start_time, dir, api_socket, vsock_path, \
              serial_log, tap, base_disk, writable_disk, failure_reason, failure_message, boot_seconds, \
-             created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+             created_at, updated_at, backend, helper_pid, helper_start_time) \
+             VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         )
         .bind(r.uid.clone())
         .bind(r.state.as_str())
@@ -153,6 +118,28 @@ impl Inventory {
         .bind(r.boot_seconds)
         .bind(now())
         .bind(now())
+        .bind(r.backend.as_str())
+        .bind(r.helper_pid)
+        .bind(r.helper_start_time.map(|s| s as i64))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The VM's helper process (recorded as soon as it is spawned, like the VMM).
+    pub async fn set_helper(
+        &self,
+        uid: &str,
+        pid: i32,
+        start_time: u64,
+    ) -> Result<(), InventoryError> {
+        sqlx::query(
+            "UPDATE vms SET helper_pid = ?, helper_start_time = ?, updated_at = ? WHERE uid = ?",
+        )
+        .bind(pid)
+        .bind(start_time as i64)
+        .bind(now())
+        .bind(uid.to_string())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -276,6 +263,17 @@ fn decode(r: &SqliteRow) -> Result<VmRecord, InventoryError> {
         failure_reason: r.try_get("failure_reason")?,
         failure_message: r.try_get("failure_message")?,
         boot_seconds: r.try_get("boot_seconds")?,
+        backend: {
+            let b: String = r.try_get("backend")?;
+            b.parse().map_err(|_| InventoryError::BadBackend {
+                uid: uid.clone(),
+                backend: b,
+            })?
+        },
+        helper_pid: r.try_get("helper_pid")?,
+        helper_start_time: r
+            .try_get::<Option<i64>, _>("helper_start_time")?
+            .map(|s| s as u64),
         uid,
     })
 }
@@ -299,6 +297,9 @@ mod tests {
             tap: Some("impt0".into()),
             base_disk: "/base.ext4".into(),
             writable_disk: None,
+            backend: Backend::Firecracker,
+            helper_pid: None,
+            helper_start_time: None,
             failure_reason: None,
             failure_message: None,
             boot_seconds: None,

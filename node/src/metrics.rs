@@ -18,6 +18,11 @@ pub struct ReasonLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabel {
+    pub backend: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
     pub outcome: String,
 }
@@ -25,7 +30,8 @@ pub struct OutcomeLabel {
 pub struct Metrics {
     registry: Registry,
     pub boot_latency: Histogram,
-    pub ready: Gauge,
+    /// By VMM backend (one series: the node's backend).
+    pub ready: Family<BackendLabel, Gauge>,
     pub vms: Family<StateLabel, Gauge>,
     pub start_failures: Family<ReasonLabel, Counter>,
     pub recovered: Family<OutcomeLabel, Counter>,
@@ -112,18 +118,18 @@ impl Metrics {
         let boot_latency = Histogram::new(
             prometheus_client::metrics::histogram::exponential_buckets(0.05, 2.0, 12),
         );
-        let ready = Gauge::default();
+        let ready = Family::<BackendLabel, Gauge>::default();
         let vms = Family::<StateLabel, Gauge>::default();
         let start_failures = Family::<ReasonLabel, Counter>::default();
         let recovered = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "imp_vm_boot_latency_seconds",
-            "Firecracker spawn to guest agent Hello",
+            "VMM spawn to guest agent Hello",
             boot_latency.clone(),
         );
         registry.register(
             "imp_runtime_ready",
-            "1 when KVM is usable and the Firecracker binary and kernel are present",
+            "1 when the node's VMM backend can run VMs (its binaries and the kernel are present; KVM for Firecracker), by backend",
             ready.clone(),
         );
         registry.register(
@@ -178,7 +184,11 @@ mod tests {
     fn every_family_is_exported_and_documented() {
         let m = Metrics::new();
         m.boot_latency.observe(0.2);
-        m.ready.set(1);
+        m.ready
+            .get_or_create(&BackendLabel {
+                backend: "qemu".into(),
+            })
+            .set(1);
         m.vms
             .get_or_create(&StateLabel {
                 state: "Running".into(),
@@ -205,7 +215,7 @@ mod tests {
         let text = m.encode();
         for want in [
             "imp_vm_boot_latency_seconds_count 1",
-            "imp_runtime_ready 1",
+            "imp_runtime_ready{backend=\"qemu\"} 1",
             "imp_runtime_vms{state=\"Running\"} 3",
             "imp_vm_start_failures_total{reason=\"KernelMissing\"} 1",
             "imp_runtime_recovered_vms_total{outcome=\"reattached\"} 1",

@@ -46,14 +46,23 @@ pub fn pids() -> Vec<i32> {
         .unwrap_or_default()
 }
 
-/// The `--api-sock` argument of a Firecracker command line, if any.
+/// The control or device socket a VMM command line names, if any: Firecracker's
+/// `--api-sock P`, QEMU's `-qmp unix:P,...`, vhost-device-vsock's `--uds-path P`.
 pub fn api_sock_arg(cmdline: &[String]) -> Option<PathBuf> {
-    let i = cmdline.iter().position(|a| a == "--api-sock")?;
-    cmdline.get(i + 1).map(PathBuf::from)
+    let value = |flag: &str| {
+        let i = cmdline.iter().position(|a| a == flag)?;
+        cmdline.get(i + 1)
+    };
+    if let Some(p) = value("--api-sock").or_else(|| value("--uds-path")) {
+        return Some(PathBuf::from(p));
+    }
+    let qmp = value("-qmp")?.strip_prefix("unix:")?;
+    Some(PathBuf::from(qmp.split(',').next()?))
 }
 
-/// Processes whose `--api-sock` lies under `dir`: the Firecrackers a runtime with that state dir
-/// spawned (and no one else's), with their start times.
+/// Processes whose VMM socket ([`api_sock_arg`]) lies under `dir`: the VMM processes (and
+/// vsock devices) a runtime with that state dir spawned, and no one else's, with their start
+/// times.
 pub fn firecrackers_under(dir: &Path) -> Vec<(i32, u64, PathBuf)> {
     let me = std::process::id() as i32;
     pids()
@@ -73,6 +82,46 @@ pub fn firecrackers_under(dir: &Path) -> Vec<(i32, u64, PathBuf)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn vmm_sockets_of_every_backend_are_found_on_the_command_line() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            api_sock_arg(&args(&[
+                "firecracker",
+                "--api-sock",
+                "/s/vms/a/api.sock",
+                "--id",
+                "a"
+            ])),
+            Some(PathBuf::from("/s/vms/a/api.sock"))
+        );
+        assert_eq!(
+            api_sock_arg(&args(&[
+                "qemu",
+                "-m",
+                "1G",
+                "-qmp",
+                "unix:/s/vms/a/api.sock,server=on,wait=off"
+            ])),
+            Some(PathBuf::from("/s/vms/a/api.sock"))
+        );
+        assert_eq!(
+            api_sock_arg(&args(&[
+                "vhost-device-vsock",
+                "--socket",
+                "/s/v",
+                "--uds-path",
+                "/s/vms/a/vsock.sock"
+            ])),
+            Some(PathBuf::from("/s/vms/a/vsock.sock"))
+        );
+        assert_eq!(
+            api_sock_arg(&args(&["qemu", "-qmp", "tcp:1.2.3.4:5"])),
+            None
+        );
+        assert_eq!(api_sock_arg(&args(&["sleep", "10"])), None);
+    }
 
     #[test]
     fn own_process_identity() {

@@ -1,5 +1,12 @@
 //! The runtime: VM lifecycle by uid over the inventory, the Firecracker driver and the TAP, and
-//! the startup reconciliation that reattaches live VMs after a restart.
+//! the startup reconciliation that reattaches live VMs after a restart. The pure halves live
+//! beside it: `validate` (request checks), `plan` (what the VMM is told), `recover` (what a
+//! restart does with each row).
+
+mod plan;
+mod recover;
+pub(crate) mod serial;
+mod validate;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -7,91 +14,48 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use imp_api::names::reason;
-use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::firecracker::{self, BootPlan, DriverError, Vmm, VmmFiles, api};
-use crate::inventory::{Inventory, InventoryError, VmRecord, VmState};
-use crate::metrics::{Metrics, ReasonLabel, StateLabel};
+use crate::api::{Backend, Failure, LinkStats, Readiness, SnapshotInfo, VmSpec, VmState, VmStatus};
+use crate::cgroup::{CgroupConfig, CgroupError, VmCgroups};
+use crate::firecracker::{self, BootPlan, DriverError, Vmm, VmmFiles};
+use crate::inventory::{Inventory, InventoryError, VmRecord};
+use crate::metrics::{BackendLabel, Metrics, ReasonLabel, StateLabel};
 use crate::procfs;
+use crate::qemu::{self, QemuConfig, QemuFiles, QemuVm};
 use crate::rootfs::store::{ImageSpec, RootfsError, RootfsStore, StoreConfig};
 use crate::rootfs::writable::{WritableDrives, WritableError};
-use crate::tap::{self, LinkStats, TapError};
-
-/// Guest CID of every VM: each Firecracker has its own vsock device, so CIDs need not differ.
-const GUEST_CID: u32 = 3;
-/// Firecracker itself appends `root=/dev/vda ro` for the read-only root drive.
-const DEFAULT_BOOT_ARGS: &str =
-    "console=ttyS0 reboot=k panic=1 pci=off init=/sbin/imp-guest imp.halt=reboot";
-const MAX_UID_LEN: usize = 63;
+use crate::tap::{self, TapError};
+use crate::vmm::{self, Vm};
+pub use plan::{
+    DEFAULT_BOOT_ARGS, DrivePlan, GUEST_CID, HostFacts, NicPlan, QEMU_BOOT_ARGS, VmPlan,
+    default_boot_args, vm_plan,
+};
+pub use validate::{Invalid, valid_uid};
 
 #[derive(Debug, Clone)]
 pub struct Config {
     pub state_dir: PathBuf,
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,
+    /// Directories a request's `kernel`, `initrd` and `base_disk` must lie under (after
+    /// resolving symlinks); anything else is refused with 400.
+    pub image_dirs: Vec<PathBuf>,
+    /// Total bytes of writable drives this node hands out; a PUT past it is refused.
+    pub writable_budget_bytes: u64,
+    /// Per-VM memory cgroups (none: VMs stay in the runtime's cgroup, e.g. in tests).
+    pub vm_cgroups: Option<CgroupConfig>,
+    /// Bytes of guest console kept per VM (`serial.log` + `serial.log.1`).
+    pub serial_log_cap_bytes: u64,
+    /// The VMM this node runs (new VMs; a VM keeps the backend it was started with).
+    pub backend: Backend,
     pub firecracker_bin: PathBuf,
+    pub qemu: QemuConfig,
     pub boot_timeout: Duration,
     pub stop_timeout: Duration,
     /// The rootfs cache (images built from OCI references); its `dir` is usually
     /// `<state_dir>/rootfs`.
     pub rootfs: StoreConfig,
-}
-
-/// Body of `PUT /v1/vms/{uid}`: the resolved spec (class, image, network already looked up by
-/// the agent).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct VmSpec {
-    pub vcpu: u32,
-    pub memory_mib: u64,
-    /// Read-only root drive given as an existing file; exactly one of this and `image`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base_disk: Option<PathBuf>,
-    /// Read-only root drive built from OCI images by the rootfs cache.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub image: Option<ImageSpec>,
-    /// Size of the per-VM writable drive, a sparse file the runtime creates (none when absent).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub writable_disk_bytes: Option<u64>,
-    /// Overrides the runtime's kernel / initrd.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kernel: Option<PathBuf>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub initrd: Option<PathBuf>,
-    /// Appended to the runtime's default kernel command line (e.g. `ip=`, `imp.dns=`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub extra_boot_args: Option<String>,
-    /// A TAP-backed virtio-net interface.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub network: Option<NetworkSpec>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NetworkSpec {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guest_mac: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Failure {
-    pub reason: String,
-    pub message: String,
-}
-
-/// Body of `GET /v1/vms/{uid}` (and of a successful PUT).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VmStatus {
-    pub uid: String,
-    pub state: VmState,
-    pub pid: Option<i32>,
-    pub api_socket: PathBuf,
-    pub vsock_path: PathBuf,
-    pub serial_log: PathBuf,
-    pub tap: Option<String>,
-    pub boot_seconds: Option<f64>,
-    pub failure: Option<Failure>,
 }
 
 impl From<&VmRecord> for VmStatus {
@@ -113,18 +77,12 @@ impl From<&VmRecord> for VmStatus {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SnapshotInfo {
-    pub snapshot_path: PathBuf,
-    pub mem_file_path: PathBuf,
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error("invalid VM uid {0:?}: 1-63 characters of a-z, 0-9 and '-', starting alphanumeric")]
     InvalidUid(String),
     #[error("invalid spec: {0}")]
-    InvalidSpec(String),
+    InvalidSpec(Invalid),
     #[error("no VM {0}")]
     NotFound(String),
     #[error("VM {0} exists with a different spec; delete it first")]
@@ -137,13 +95,22 @@ pub enum RuntimeError {
     },
     #[error("VM {0} has no network interface")]
     NoNetwork(String),
+    #[error("VM {uid} cannot get its writable drive: {source}")]
+    DiskBudgetExceeded { uid: String, source: Invalid },
     #[error("VM {uid} failed to start: {source}")]
     Boot { uid: String, source: DriverError },
     /// A start that failed earlier, as recorded in the inventory (a repeated PUT).
     #[error("VM {uid} failed to start: {}: {}", failure.reason, failure.message)]
     Failed { uid: String, failure: Failure },
+    /// The bring-up task ended without an outcome (a DELETE cancelled it, or it panicked).
+    #[error("the start of VM {uid} was cancelled: {detail}")]
+    StartCancelled { uid: String, detail: String },
     #[error("network setup for VM {uid}: {source}")]
     NetworkSetupFailed { uid: String, source: TapError },
+    #[error("cgroup of VM {uid}: {source}")]
+    CgroupSetupFailed { uid: String, source: CgroupError },
+    #[error("per-VM cgroups: {0}")]
+    Cgroups(CgroupError),
     #[error("disk setup for VM {uid}: {message}")]
     DiskSetupFailed { uid: String, message: String },
     #[error("writable drive for VM {uid}: {source}")]
@@ -158,7 +125,14 @@ pub enum RuntimeError {
     #[error("snapshot of VM {uid}: {source}")]
     Snapshot {
         uid: String,
-        source: firecracker::ApiClientError,
+        source: vmm::ControlError,
+    },
+    #[error("VM {uid} runs on {backend:?}, which has no snapshots here")]
+    SnapshotUnsupported { uid: String, backend: Backend },
+    #[error("VM {uid} failed to start: {source}")]
+    QemuStart {
+        uid: String,
+        source: qemu::QemuError,
     },
     #[error("state directory {path}: {source}")]
     StateDir {
@@ -184,18 +158,37 @@ impl RuntimeError {
             RuntimeError::SpecConflict(_) => reason::SPEC_CONFLICT,
             RuntimeError::NotRunning { .. } => reason::NOT_RUNNING,
             RuntimeError::NoNetwork(_) => reason::NO_NETWORK,
+            RuntimeError::DiskBudgetExceeded { .. } => reason::DISK_BUDGET_EXCEEDED,
             RuntimeError::Boot { source, .. } => source.reason(),
+            RuntimeError::StartCancelled { .. } => reason::START_CANCELLED,
             RuntimeError::NetworkSetupFailed { .. } => reason::NETWORK_SETUP_FAILED,
+            RuntimeError::CgroupSetupFailed { .. } => reason::CGROUP_SETUP_FAILED,
             RuntimeError::DiskSetupFailed { .. } | RuntimeError::WritableDrive { .. } => {
                 reason::DISK_SETUP_FAILED
             }
             RuntimeError::Rootfs { source, .. } => source.reason(),
             RuntimeError::LinkStats { .. } => reason::LINK_STATS_UNAVAILABLE,
             RuntimeError::Snapshot { .. } => reason::SNAPSHOT_FAILED,
+            RuntimeError::SnapshotUnsupported { .. } => {
+                reason::SNAPSHOT_UNSUPPORTED
+            }
+            RuntimeError::QemuStart { .. } => reason::QEMU_START_FAILED,
             RuntimeError::Inventory(_) => reason::INVENTORY_ERROR,
             RuntimeError::StateDir { .. }
             | RuntimeError::RootfsStore(_)
             | RuntimeError::WritableTemplates(_) => reason::STATE_DIR_UNUSABLE,
+            RuntimeError::Cgroups(_) => reason::CGROUP_SETUP_FAILED,
+        }
+    }
+
+    /// The request field at fault, for refusals of the request itself.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            RuntimeError::InvalidUid(_) => Some("uid"),
+            RuntimeError::InvalidSpec(i) | RuntimeError::DiskBudgetExceeded { source: i, .. } => {
+                Some(i.field)
+            }
+            _ => None,
         }
     }
 }
@@ -203,22 +196,18 @@ impl RuntimeError {
 /// What a PUT did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ensured {
+    /// This request started the VM and it came up.
     Created,
+    /// The VM existed (running, or still being brought up by an earlier request).
     Existing,
 }
 
-/// Readiness of the host for VMs (`GET /readyz`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Readiness {
-    pub kvm: bool,
-    pub firecracker_bin: bool,
-    pub kernel: bool,
-}
-
-impl Readiness {
-    pub fn ready(&self) -> bool {
-        self.kvm && self.firecracker_bin && self.kernel
-    }
+/// A bring-up in progress: its task (owned by the runtime, not by the request that asked for
+/// it, so a client that goes away cancels nothing) and the task's id, so a finished task only
+/// ever removes its own entry.
+struct InFlight {
+    id: tokio::task::Id,
+    abort: tokio::task::AbortHandle,
 }
 
 pub struct Runtime {
@@ -227,84 +216,38 @@ pub struct Runtime {
     inventory: Inventory,
     rootfs: RootfsStore,
     writable: WritableDrives,
+    cgroups: Option<VmCgroups>,
     pub metrics: Metrics,
-    /// One lock per uid: operations on a VM are serialised, different VMs run concurrently.
+    /// One lock per uid: operations on a VM are serialised (held briefly; a bring-up runs in
+    /// its own task, see `inflight`), different VMs run concurrently.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Bring-ups in progress, by uid.
+    inflight: Mutex<HashMap<String, InFlight>>,
 }
 
-fn valid_uid(uid: &str) -> bool {
-    !uid.is_empty()
-        && uid.len() <= MAX_UID_LEN
-        && uid.as_bytes()[0].is_ascii_alphanumeric()
-        && uid
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+/// How often the serial logs are held to their cap: a guest writing at disk speed adds at most
+/// this long's worth past it.
+const SERIAL_CHECK: Duration = Duration::from_secs(1);
+
+/// How `remove_vm` ends a VM's process.
+#[derive(Debug, Clone, Copy)]
+enum Stop {
+    /// Ask the guest to reboot first (DELETE of a VM that may be running a job).
+    Graceful,
+    /// SIGKILL at once (a start interrupted by a restart: no guest worth waiting for).
+    Kill,
 }
 
-fn validate(spec: &VmSpec) -> Result<(), RuntimeError> {
-    let bad = |m: String| Err(RuntimeError::InvalidSpec(m));
-    // Firecracker: 1 or an even number, at most 32.
-    if spec.vcpu == 0 || spec.vcpu > 32 || (spec.vcpu > 1 && spec.vcpu % 2 == 1) {
-        return bad(format!(
-            "vcpu {} must be 1 or an even number up to 32",
-            spec.vcpu
-        ));
+/// The writable-drive bytes a row holds: every row but a Failed one (whose drive was released)
+/// keeps its drive until DELETE.
+fn writable_bytes(r: &VmRecord) -> u64 {
+    if r.state == VmState::Failed {
+        return 0;
     }
-    if spec.memory_mib < 16 {
-        return bad(format!("memory_mib {} is below 16", spec.memory_mib));
-    }
-    match (&spec.base_disk, &spec.image) {
-        (Some(disk), None) => {
-            if !disk.is_absolute() || !disk.is_file() {
-                return bad(format!(
-                    "base_disk {} is not an existing file (absolute path)",
-                    disk.display()
-                ));
-            }
-        }
-        (None, Some(image)) => {
-            for (field, reference) in [
-                ("image.base", Some(&image.base)),
-                ("image.runner", image.runner.as_ref()),
-            ] {
-                if let Some(r) = reference
-                    && let Err(e) = r.parse::<oci_client::Reference>()
-                {
-                    return bad(format!("{field} {r:?} is not an image reference: {e}"));
-                }
-            }
-        }
-        _ => return bad("exactly one of base_disk and image is required".into()),
-    }
-    if spec.writable_disk_bytes == Some(0) {
-        return bad("writable_disk_bytes must be positive".into());
-    }
-    if let Some(mac) = spec.network.as_ref().and_then(|n| n.guest_mac.as_ref()) {
-        let parts: Vec<&str> = mac.split(':').collect();
-        if parts.len() != 6
-            || !parts
-                .iter()
-                .all(|p| p.len() == 2 && u8::from_str_radix(p, 16).is_ok())
-        {
-            return bad(format!("guest_mac {mac:?} is not a MAC address"));
-        }
-    }
-    Ok(())
-}
-
-/// A locally administered unicast MAC derived from the TAP name.
-fn default_mac(tap: &str) -> String {
-    let h = u32::from_str_radix(&tap[tap.len() - 8..], 16).unwrap_or(0);
-    let b = h.to_be_bytes();
-    format!("06:00:{:02x}:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2], b[3])
-}
-
-fn kvm_usable() -> bool {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok()
+    serde_json::from_str::<VmSpec>(&r.spec_json)
+        .ok()
+        .and_then(|s| s.writable_disk_bytes)
+        .unwrap_or(0)
 }
 
 impl Runtime {
@@ -326,18 +269,46 @@ impl Runtime {
         .map_err(RuntimeError::RootfsStore)?;
         let writable = WritableDrives::new(&cfg.state_dir.join("writable-templates"))
             .map_err(RuntimeError::WritableTemplates)?;
+        let cgroups = cfg
+            .vm_cgroups
+            .as_ref()
+            .map(VmCgroups::open)
+            .transpose()
+            .map_err(RuntimeError::Cgroups)?;
         let rt = Arc::new(Self {
             cfg,
             vms_dir,
             inventory,
             rootfs,
             writable,
+            cgroups,
             metrics,
             locks: Mutex::new(HashMap::new()),
+            inflight: Mutex::new(HashMap::new()),
         });
         rt.recover().await?;
         rt.readiness();
+        tokio::spawn(Self::cap_serial_logs(Arc::downgrade(&rt)));
         Ok(rt)
+    }
+
+    /// Keep every VM's console log under its cap (see `serial`), for as long as the runtime
+    /// lives.
+    async fn cap_serial_logs(rt: std::sync::Weak<Self>) {
+        let mut tick = tokio::time::interval(SERIAL_CHECK);
+        loop {
+            tick.tick().await;
+            let Some(rt) = rt.upgrade() else { return };
+            let Ok(rows) = rt.inventory.list().await else {
+                continue;
+            };
+            let cap = rt.cfg.serial_log_cap_bytes;
+            for r in rows {
+                if let Err(e) = serial::enforce(&r.serial_log, cap) {
+                    tracing::warn!(uid = %r.uid, error = %e, "capping the serial log failed");
+                }
+            }
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -354,13 +325,42 @@ impl Runtime {
     }
 
     pub fn readiness(&self) -> Readiness {
-        let r = Readiness {
-            kvm: kvm_usable(),
-            firecracker_bin: self.cfg.firecracker_bin.is_file(),
-            kernel: self.cfg.kernel.is_file(),
+        let bins: Vec<&Path> = match self.cfg.backend {
+            Backend::Firecracker => vec![&self.cfg.firecracker_bin],
+            Backend::Qemu => vec![&self.cfg.qemu.qemu_bin, &self.cfg.qemu.vhost_vsock_bin],
         };
-        self.metrics.ready.set(i64::from(r.ready()));
+        let facts = vmm::HostFacts {
+            kvm: vmm::kvm_usable(),
+            bins: bins
+                .into_iter()
+                .map(|b| (b.display().to_string(), b.is_file()))
+                .collect(),
+            kernel: (
+                self.cfg.kernel.display().to_string(),
+                self.cfg.kernel.is_file(),
+            ),
+        };
+        let r = vmm::readiness(self.cfg.backend, &facts);
+        self.metrics
+            .ready
+            .get_or_create(&BackendLabel {
+                backend: r.backend.as_str().into(),
+            })
+            .set(i64::from(r.ready()));
         r
+    }
+
+    /// Writable-drive bytes handed out (every VM but failed ones) and the node's budget: what
+    /// the agent publishes as the node's disk capacity.
+    pub async fn disk_usage(&self) -> Result<(u64, u64), RuntimeError> {
+        let used = self
+            .inventory
+            .list()
+            .await?
+            .iter()
+            .map(writable_bytes)
+            .sum();
+        Ok((used, self.cfg.writable_budget_bytes))
     }
 
     async fn refresh_state_gauge(&self) {
@@ -378,106 +378,106 @@ impl Runtime {
         }
     }
 
-    fn vmm_of(r: &VmRecord) -> Option<Vmm> {
-        Some(Vmm {
-            pid: r.pid?,
-            start_time: r.start_time?,
-            files: files_of(r),
-            client: firecracker::FirecrackerClient::new(&r.api_socket),
+    fn vmm_of(r: &VmRecord) -> Option<Vm> {
+        let (pid, start_time) = (r.pid?, r.start_time?);
+        Some(match r.backend {
+            Backend::Firecracker => Vm::Firecracker(Vmm {
+                pid,
+                start_time,
+                files: files_of(r),
+                client: firecracker::FirecrackerClient::new(&r.api_socket),
+            }),
+            Backend::Qemu => Vm::Qemu(QemuVm {
+                qemu: qemu::Proc { pid, start_time },
+                vhost: r
+                    .helper_pid
+                    .zip(r.helper_start_time)
+                    .map(|(pid, start_time)| qemu::Proc { pid, start_time }),
+                qmp: qemu::Qmp::new(&r.api_socket),
+            }),
         })
     }
 
-    /// Startup reconciliation after a restart (or crash) of the runtime:
-    /// - Running rows whose process (pid + start time) lives and whose API answers: reattached;
-    ///   whose process is gone: marked Exited; alive but unresponsive: killed, marked Failed.
-    /// - Creating/Booting rows (a start interrupted by the crash): process killed, TAP, files and
-    ///   row removed, so the agent's next PUT starts afresh.
-    /// - Firecracker processes under this state dir with no live row (spawned just before a
-    ///   crash recorded them): killed. VM directories with no row: removed.
+    /// Startup reconciliation after a restart (or crash) of the runtime; `recover::row_action`
+    /// decides per row, then VMM processes under the state dir that no kept row owns are
+    /// killed and VM directories without a row removed.
     async fn recover(&self) -> Result<(), RuntimeError> {
+        use recover::{Process, RowAction};
         let mut keep: Vec<(i32, u64)> = Vec::new();
         for r in self.inventory.list().await? {
-            match r.state {
-                VmState::Running => {
-                    let Some(vmm) = Self::vmm_of(&r) else {
-                        self.inventory.set_state(&r.uid, VmState::Exited).await?;
-                        continue;
-                    };
-                    if !vmm.is_alive() {
-                        tracing::warn!(uid = %r.uid, pid = vmm.pid, "VM process died while the runtime was down");
-                        self.inventory.set_state(&r.uid, VmState::Exited).await?;
-                        self.metrics.recovered("exited");
-                    } else if vmm.client.describe_instance().await.is_ok() {
-                        tracing::info!(uid = %r.uid, pid = vmm.pid, "reattached to running VM");
-                        keep.push((vmm.pid, vmm.start_time));
-                        self.metrics.recovered("reattached");
-                    } else {
-                        tracing::warn!(uid = %r.uid, pid = vmm.pid, "VM process does not answer its API; killing");
-                        vmm.kill().await;
-                        self.release_host_resources(&r).await;
-                        self.inventory
-                            .set_failed(
-                                &r.uid,
-                                reason::FIRECRACKER_UNRESPONSIVE,
-                                "API socket did not answer after a runtime restart",
-                            )
-                            .await?;
-                        self.metrics.recovered("unresponsive_killed");
-                    }
+            let vmm = Self::vmm_of(&r);
+            let process = match &vmm {
+                None => Process::NotRecorded,
+                Some(v) if !v.is_alive() => Process::Gone,
+                Some(_) if !recover::needs_probe(r.state) => Process::Silent,
+                Some(v) if v.probe().await => Process::Answering,
+                Some(_) => Process::Silent,
+            };
+            match recover::row_action(r.state, process) {
+                RowAction::Keep => {}
+                RowAction::Reattach => {
+                    let v = vmm.expect("an answering process is recorded");
+                    tracing::info!(uid = %r.uid, pid = v.process().0, backend = v.backend().as_str(), "reattached to running VM");
+                    keep.extend(v.processes());
+                    self.metrics.recovered("reattached");
                 }
-                VmState::Creating | VmState::Booting => {
-                    tracing::info!(uid = %r.uid, state = r.state.as_str(), "cleaning up a VM start interrupted by a restart");
-                    if let Some(vmm) = Self::vmm_of(&r) {
-                        vmm.kill().await;
-                    }
+                RowAction::MarkExited => {
+                    tracing::warn!(uid = %r.uid, pid = ?r.pid, "VM process died while the runtime was down");
+                    self.inventory.set_state(&r.uid, VmState::Exited).await?;
+                    self.metrics.recovered("exited");
+                }
+                RowAction::KillAndFail => {
+                    let v = vmm.expect("a silent process is recorded");
+                    tracing::warn!(uid = %r.uid, pid = v.process().0, "VM process does not answer its API; killing");
+                    v.kill().await;
                     self.release_host_resources(&r).await;
-                    let _ = std::fs::remove_dir_all(&r.dir);
-                    self.inventory.delete(&r.uid).await?;
+                    self.inventory
+                        .set_failed(
+                            &r.uid,
+                            reason::FIRECRACKER_UNRESPONSIVE,
+                            "API socket did not answer after a runtime restart",
+                        )
+                        .await?;
+                    self.metrics.recovered("unresponsive_killed");
+                }
+                RowAction::CleanUp => {
+                    tracing::info!(uid = %r.uid, state = r.state.as_str(), "cleaning up a VM start interrupted by a restart");
+                    self.remove_vm(&r, Stop::Kill).await?;
                     self.metrics.recovered("cleaned");
                 }
-                VmState::Failed | VmState::Exited => {}
             }
         }
-        for (pid, start, sock) in procfs::firecrackers_under(&self.vms_dir) {
-            if keep.contains(&(pid, start)) {
-                continue;
-            }
-            tracing::warn!(pid, api_sock = %sock.display(), "killing orphan Firecracker of this runtime");
-            let vmm = Vmm {
+        let found = procfs::firecrackers_under(&self.vms_dir);
+        for (pid, start, sock) in recover::orphans(&found, &keep) {
+            tracing::warn!(pid, sock = %sock.display(), "killing orphan VMM process of this runtime");
+            qemu::Proc {
                 pid,
                 start_time: start,
-                files: VmmFiles {
-                    api_sock: sock.clone(),
-                    vsock: PathBuf::new(),
-                    serial_log: PathBuf::new(),
-                    stderr_log: PathBuf::new(),
-                },
-                client: firecracker::FirecrackerClient::new(&sock),
-            };
-            vmm.kill().await;
+            }
+            .kill()
+            .await;
             self.metrics.recovered("orphan_killed");
         }
-        let known: Vec<PathBuf> = self
-            .inventory
-            .list()
-            .await?
-            .into_iter()
-            .map(|r| r.dir)
-            .collect();
-        if let Ok(entries) = std::fs::read_dir(&self.vms_dir) {
-            for e in entries.flatten() {
-                if !known.contains(&e.path()) {
-                    tracing::info!(dir = %e.path().display(), "removing VM directory without an inventory row");
-                    let _ = std::fs::remove_dir_all(e.path());
+        let rows = self.inventory.list().await?;
+        let known: Vec<&Path> = rows.iter().map(|r| r.dir.as_path()).collect();
+        let entries: Vec<PathBuf> = std::fs::read_dir(&self.vms_dir)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        for dir in recover::stray_dirs(&entries, &known) {
+            tracing::info!(dir = %dir.display(), "removing VM directory without an inventory row");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        if let Some(cg) = &self.cgroups {
+            for uid in cg.list() {
+                if !rows.iter().any(|r| r.uid == uid) {
+                    tracing::info!(uid, "removing VM cgroup without an inventory row");
+                    let _ = cg.remove(&uid);
                 }
             }
         }
         // Image references of VMs that were cleaned up above, or whose start crashed between
         // taking the reference and writing anything else.
-        let holders: Vec<String> = self
-            .inventory
-            .list()
-            .await?
+        let holders: Vec<String> = rows
             .into_iter()
             .filter(|r| r.state != VmState::Failed)
             .map(|r| r.uid)
@@ -487,6 +487,31 @@ impl Runtime {
             .await
             .map_err(RuntimeError::RootfsStore)?;
         self.refresh_state_gauge().await;
+        Ok(())
+    }
+
+    /// Kill every VMM process of the row (the recorded one, and any other whose sockets lie in
+    /// its directory: one spawned by a bring-up cancelled before it recorded the pid), release
+    /// its host resources, remove its directory and row.
+    async fn remove_vm(&self, r: &VmRecord, how: Stop) -> Result<(), RuntimeError> {
+        if let Some(vmm) = Self::vmm_of(r) {
+            match how {
+                Stop::Graceful => vmm.stop(self.cfg.stop_timeout).await,
+                Stop::Kill => vmm.kill().await,
+            }
+        }
+        for (pid, start, _) in procfs::firecrackers_under(&r.dir) {
+            tracing::warn!(uid = %r.uid, pid, "killing an unrecorded VMM process of this VM");
+            qemu::Proc {
+                pid,
+                start_time: start,
+            }
+            .kill()
+            .await;
+        }
+        self.release_host_resources(r).await;
+        let _ = std::fs::remove_dir_all(&r.dir);
+        self.inventory.delete(&r.uid).await?;
         Ok(())
     }
 
@@ -508,6 +533,12 @@ impl Runtime {
         }
         let _ = std::fs::remove_file(&r.api_socket);
         let _ = std::fs::remove_file(&r.vsock_path);
+        // Only once its processes are gone (every caller has killed them by now).
+        if let Some(cg) = &self.cgroups
+            && let Err(e) = cg.remove(&r.uid)
+        {
+            tracing::warn!(uid = %r.uid, error = %e, "VM cgroup removal failed");
+        }
     }
 
     /// Current record, noticing a process that ended since (Running -> Exited).
@@ -543,56 +574,124 @@ impl Runtime {
             .collect())
     }
 
+    /// The request's host paths resolved under the image directories (400 naming the field
+    /// otherwise); the runtime's own kernel and initrd are trusted configuration.
+    fn resolve_paths(&self, spec: &VmSpec) -> Result<VmSpec, RuntimeError> {
+        let dirs = &self.cfg.image_dirs;
+        let check = |field, p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| validate::allowed_file(field, p, dirs))
+                .transpose()
+                .map_err(RuntimeError::InvalidSpec)
+        };
+        Ok(VmSpec {
+            base_disk: check("base_disk", &spec.base_disk)?,
+            kernel: check("kernel", &spec.kernel)?,
+            initrd: check("initrd", &spec.initrd)?,
+            ..spec.clone()
+        })
+    }
+
     /// Ensure VM `uid` runs `spec`: idempotent; a second PUT with the same spec returns the
-    /// recorded state (including a recorded failure) and never starts a second process.
+    /// recorded state (including a recorded failure, or Creating/Booting while a bring-up is
+    /// in progress) and never starts a second process. The bring-up runs in a task of the
+    /// runtime: whatever happens to this request, it ends Running or Failed (or is cancelled
+    /// by a DELETE).
     pub async fn ensure_running(
-        &self,
+        self: &Arc<Self>,
         uid: &str,
         spec: VmSpec,
     ) -> Result<(Ensured, VmStatus), RuntimeError> {
         if !valid_uid(uid) {
             return Err(RuntimeError::InvalidUid(uid.into()));
         }
-        validate(&spec)?;
-        // Stored and compared without pull credentials: they are used for this request only.
+        validate::spec(&spec).map_err(RuntimeError::InvalidSpec)?;
+        let resolved = self.resolve_paths(&spec)?;
+        // Stored and compared as asked and without pull credentials: they are used for this
+        // request only.
         let stored = VmSpec {
             image: spec.image.as_ref().map(ImageSpec::without_credentials),
             ..spec.clone()
         };
         let spec_json = serde_json::to_string(&stored).expect("spec serialises");
-        let lock = self.lock(uid);
-        let _guard = lock.lock().await;
-        if let Some(r) = self.observe(uid).await? {
-            if r.spec_json != spec_json {
-                return Err(RuntimeError::SpecConflict(uid.into()));
+        let task = {
+            let lock = self.lock(uid);
+            let _guard = lock.lock().await;
+            if let Some(r) = self.observe(uid).await? {
+                if r.spec_json != spec_json {
+                    return Err(RuntimeError::SpecConflict(uid.into()));
+                }
+                if let (VmState::Failed, Some(reason)) = (r.state, &r.failure_reason) {
+                    return Err(RuntimeError::Failed {
+                        uid: uid.into(),
+                        failure: Failure {
+                            reason: reason.clone(),
+                            message: r.failure_message.clone().unwrap_or_default(),
+                        },
+                    });
+                }
+                return Ok((Ensured::Existing, VmStatus::from(&r)));
             }
-            if let (VmState::Failed, Some(reason)) = (r.state, &r.failure_reason) {
-                return Err(RuntimeError::Failed {
-                    uid: uid.into(),
-                    failure: Failure {
-                        reason: reason.clone(),
-                        message: r.failure_message.clone().unwrap_or_default(),
-                    },
-                });
+            if let Some(asked) = spec.writable_disk_bytes {
+                let (used, budget) = self.disk_usage().await?;
+                validate::disk_budget(used, asked, budget).map_err(|source| {
+                    RuntimeError::DiskBudgetExceeded {
+                        uid: uid.into(),
+                        source,
+                    }
+                })?;
             }
-            return Ok((Ensured::Existing, VmStatus::from(&r)));
+            let rec = self.new_record(uid, &spec, spec_json);
+            // Row first: whatever happens next, a restarted runtime finds it and can undo it.
+            self.inventory.insert(&rec).await?;
+            self.refresh_state_gauge().await;
+            self.spawn_bring_up(rec, resolved)
+        };
+        match task.await {
+            Ok(Ok(rec)) => Ok((Ensured::Created, VmStatus::from(&rec))),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(RuntimeError::StartCancelled {
+                uid: uid.into(),
+                detail: e.to_string(),
+            }),
         }
-        let r = self.create(uid, &spec, spec_json).await?;
-        Ok((Ensured::Created, VmStatus::from(&r)))
     }
 
-    async fn create(
-        &self,
-        uid: &str,
-        spec: &VmSpec,
-        spec_json: String,
-    ) -> Result<VmRecord, RuntimeError> {
+    /// Start the bring-up task and register it (under the in-flight table's lock, so the task
+    /// cannot finish and deregister before it is registered).
+    fn spawn_bring_up(
+        self: &Arc<Self>,
+        rec: VmRecord,
+        spec: VmSpec,
+    ) -> tokio::task::JoinHandle<Result<VmRecord, RuntimeError>> {
+        let rt = self.clone();
+        let uid = rec.uid.clone();
+        let mut inflight = self.inflight.lock().expect("in-flight table");
+        let task = tokio::spawn(async move {
+            let uid = rec.uid.clone();
+            let out = rt.create(rec, &spec).await;
+            let mut inflight = rt.inflight.lock().expect("in-flight table");
+            if inflight
+                .get(&uid)
+                .is_some_and(|f| f.id == tokio::task::id())
+            {
+                inflight.remove(&uid);
+            }
+            out
+        });
+        inflight.insert(
+            uid,
+            InFlight {
+                id: task.id(),
+                abort: task.abort_handle(),
+            },
+        );
+        task
+    }
+
+    fn new_record(&self, uid: &str, spec: &VmSpec, spec_json: String) -> VmRecord {
         let dir = self.vms_dir.join(uid);
-        let tap = spec
-            .network
-            .as_ref()
-            .map(|_| tap::tap_name(&self.cfg.state_dir, uid));
-        let mut rec = VmRecord {
+        VmRecord {
             uid: uid.into(),
             state: VmState::Creating,
             spec_json,
@@ -601,20 +700,27 @@ impl Runtime {
             api_socket: dir.join("api.sock"),
             vsock_path: dir.join("vsock.sock"),
             serial_log: dir.join("serial.log"),
-            tap: tap.clone(),
+            tap: spec
+                .network
+                .as_ref()
+                .map(|_| tap::tap_name(&self.cfg.state_dir, uid)),
             // Known once the rootfs cache hands out the image (bring_up records it).
             base_disk: spec.base_disk.clone().unwrap_or_default(),
             writable_disk: spec.writable_disk_bytes.map(|_| dir.join("writable.img")),
             failure_reason: None,
             failure_message: None,
             boot_seconds: None,
+            backend: self.cfg.backend,
+            helper_pid: None,
+            helper_start_time: None,
             dir,
-        };
-        // Row first: whatever happens next, a restarted runtime finds it and can undo it.
-        self.inventory.insert(&rec).await?;
-        self.refresh_state_gauge().await;
-        let result = self.bring_up(&mut rec, spec).await;
-        match result {
+        }
+    }
+
+    /// The bring-up of a recorded VM, to Running or to a recorded failure.
+    async fn create(&self, mut rec: VmRecord, spec: &VmSpec) -> Result<VmRecord, RuntimeError> {
+        let uid = rec.uid.clone();
+        match self.bring_up(&mut rec, spec).await {
             Ok(()) => {
                 rec.state = VmState::Running;
                 self.refresh_state_gauge().await;
@@ -633,7 +739,7 @@ impl Runtime {
                     })
                     .inc();
                 self.inventory
-                    .set_failed(uid, e.reason(), &e.to_string())
+                    .set_failed(&uid, e.reason(), &e.to_string())
                     .await?;
                 self.refresh_state_gauge().await;
                 Err(e)
@@ -647,7 +753,7 @@ impl Runtime {
         &self,
         rec: &mut VmRecord,
         spec: &VmSpec,
-    ) -> Result<(), (RuntimeError, Option<Vmm>)> {
+    ) -> Result<(), (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let boot = |source| {
             (
@@ -693,6 +799,9 @@ impl Runtime {
                 .set_base_disk(&uid, &rec.base_disk)
                 .await
                 .map_err(|e| (e.into(), None))?;
+        } else if let Some(disk) = &spec.base_disk {
+            // The resolved path (the request's may be a symlink).
+            rec.base_disk = disk.clone();
         }
         if let (Some(path), Some(bytes)) = (&rec.writable_disk, spec.writable_disk_bytes) {
             // A clone of an empty ext4 template: O(1) whatever the image size. The guest mounts
@@ -719,127 +828,178 @@ impl Runtime {
             })?;
         }
         let files = files_of(rec);
+        let plan = vm_plan(
+            spec,
+            &HostFacts {
+                kernel,
+                initrd,
+                base_disk: rec.base_disk.clone(),
+                writable_disk: rec.writable_disk.clone(),
+                tap: rec.tap.clone(),
+                vsock: files.vsock.clone(),
+            },
+            rec.backend,
+        );
+        let procs = match &self.cgroups {
+            Some(cg) => Some(
+                cg.create(&uid, spec.memory_mib)
+                    .map_err(|source| {
+                        (
+                            RuntimeError::CgroupSetupFailed {
+                                uid: uid.clone(),
+                                source,
+                            },
+                            None,
+                        )
+                    })?
+                    .join("cgroup.procs"),
+            ),
+            None => None,
+        };
         let spawned_at = Instant::now();
-        let vmm = firecracker::spawn(&self.cfg.firecracker_bin, &uid, &files).map_err(boot)?;
-        let fail = |source, vmm: &Vmm| {
+        let vm = match rec.backend {
+            Backend::Firecracker => {
+                self.start_firecracker(rec, &files, &plan, procs.as_deref())
+                    .await?
+            }
+            Backend::Qemu => self.start_qemu(rec, &plan, procs.as_deref()).await?,
+        };
+        let fail = |source, vm: &Vm| {
             (
                 RuntimeError::Boot {
                     uid: uid.clone(),
                     source,
                 },
-                Some(vmm.clone()),
+                Some(vm.clone()),
             )
         };
-        self.inventory
-            .set_process(&uid, vmm.pid, vmm.start_time)
-            .await
-            .map_err(|e| (e.into(), Some(vmm.clone())))?;
-        rec.pid = Some(vmm.pid);
-        rec.start_time = Some(vmm.start_time);
-        vmm.wait_api_ready().await.map_err(|e| fail(e, &vmm))?;
-
-        let mut boot_args = DEFAULT_BOOT_ARGS.to_string();
-        if rec.writable_disk.is_some() {
-            boot_args.push_str(" imp.overlay=/dev/vdb");
-        }
-        if let Some(extra) = &spec.extra_boot_args {
-            boot_args.push(' ');
-            boot_args.push_str(extra);
-        }
-        let mut drives = vec![api::Drive {
-            drive_id: "rootfs".into(),
-            is_root_device: true,
-            partuuid: None,
-            cache_type: None,
-            is_read_only: Some(true),
-            path_on_host: Some(rec.base_disk.display().to_string()),
-            io_engine: None,
-            socket: None,
-        }];
-        if let Some(w) = &rec.writable_disk {
-            drives.push(api::Drive {
-                drive_id: "writable".into(),
-                is_root_device: false,
-                partuuid: None,
-                cache_type: None,
-                is_read_only: Some(false),
-                path_on_host: Some(w.display().to_string()),
-                io_engine: None,
-                socket: None,
-            });
-        }
-        let plan = BootPlan {
-            machine: api::MachineConfiguration {
-                vcpu_count: spec.vcpu,
-                mem_size_mib: spec.memory_mib,
-                smt: None,
-                track_dirty_pages: None,
-                huge_pages: None,
-            },
-            boot_source: api::BootSource {
-                kernel_image_path: kernel.display().to_string(),
-                initrd_path: initrd.map(|p| p.display().to_string()),
-                boot_args: Some(boot_args),
-            },
-            drives,
-            network: rec
-                .tap
-                .iter()
-                .map(|t| api::NetworkInterface {
-                    iface_id: "eth0".into(),
-                    host_dev_name: t.clone(),
-                    guest_mac: Some(
-                        spec.network
-                            .as_ref()
-                            .and_then(|n| n.guest_mac.clone())
-                            .unwrap_or_else(|| default_mac(t)),
-                    ),
-                    mtu: None,
-                })
-                .collect(),
-            vsock: api::Vsock {
-                guest_cid: GUEST_CID,
-                uds_path: files.vsock.display().to_string(),
-            },
-        };
-        vmm.configure(&plan).await.map_err(|e| fail(e, &vmm))?;
-        self.inventory
-            .set_state(&uid, VmState::Booting)
-            .await
-            .map_err(|e| (e.into(), Some(vmm.clone())))?;
-        vmm.instance_start().await.map_err(|e| fail(e, &vmm))?;
         let deadline = spawned_at + self.cfg.boot_timeout;
-        vmm.wait_for_hello(deadline)
+        vmm::wait_for_hello(&files.vsock, &files.serial_log, || vm.is_alive(), deadline)
             .await
-            .map_err(|e| fail(e, &vmm))?;
+            .map_err(|e| fail(e, &vm))?;
         let secs = spawned_at.elapsed().as_secs_f64();
         self.metrics.boot_latency.observe(secs);
         rec.boot_seconds = Some(secs);
         self.inventory
             .set_running(&uid, secs)
             .await
-            .map_err(|e| (e.into(), Some(vmm.clone())))?;
-        tracing::info!(uid, pid = vmm.pid, boot_seconds = secs, "VM running");
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        tracing::info!(
+            uid,
+            pid = vm.process().0,
+            backend = rec.backend.as_str(),
+            boot_seconds = secs,
+            "VM running"
+        );
         Ok(())
     }
 
-    /// Stop and remove VM `uid`: process (SendCtrlAltDel, then SIGKILL), TAP, disks, files, row.
-    /// Idempotent: an unknown uid is already deleted.
+    /// Spawn (recorded at once), configure and start a Firecracker VM.
+    async fn start_firecracker(
+        &self,
+        rec: &mut VmRecord,
+        files: &VmmFiles,
+        plan: &VmPlan,
+        cgroup: Option<&Path>,
+    ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
+        let uid = rec.uid.clone();
+        let boot = |source| RuntimeError::Boot {
+            uid: uid.clone(),
+            source,
+        };
+        let vmm = firecracker::spawn(&self.cfg.firecracker_bin, &uid, files, cgroup)
+            .map_err(|e| (boot(e), None))?;
+        let vm = Vm::Firecracker(vmm.clone());
+        let fail = |e| (boot(e), Some(vm.clone()));
+        self.inventory
+            .set_process(&uid, vmm.pid, vmm.start_time)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        rec.pid = Some(vmm.pid);
+        rec.start_time = Some(vmm.start_time);
+        vmm.wait_api_ready().await.map_err(fail)?;
+        vmm.configure(&BootPlan::from(plan)).await.map_err(fail)?;
+        self.inventory
+            .set_state(&uid, VmState::Booting)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        vmm.instance_start().await.map_err(fail)?;
+        Ok(vm)
+    }
+
+    /// Spawn the vsock device, then QEMU (each recorded as soon as it exists).
+    async fn start_qemu(
+        &self,
+        rec: &mut VmRecord,
+        plan: &VmPlan,
+        cgroup: Option<&Path>,
+    ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
+        let uid = rec.uid.clone();
+        let files = QemuFiles::in_dir(&rec.dir, &rec.api_socket, &rec.vsock_path, &rec.serial_log);
+        let start_err = |source| RuntimeError::QemuStart {
+            uid: uid.clone(),
+            source,
+        };
+        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroup)
+            .await
+            .map_err(|e| (start_err(e), None))?;
+        let helper_only = |vhost| {
+            Some(Vm::Qemu(QemuVm {
+                qemu: vhost,
+                vhost: None,
+                qmp: qemu::Qmp::new(&files.qmp_sock),
+            }))
+        };
+        self.inventory
+            .set_helper(&uid, vhost.pid, vhost.start_time)
+            .await
+            .map_err(|e| (e.into(), helper_only(vhost)))?;
+        rec.helper_pid = Some(vhost.pid);
+        rec.helper_start_time = Some(vhost.start_time);
+        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroup)
+            .await
+            .map_err(|e| (start_err(e), helper_only(vhost)))?;
+        let vm = Vm::Qemu(QemuVm {
+            qemu: proc,
+            vhost: Some(vhost),
+            qmp: qemu::Qmp::new(&files.qmp_sock),
+        });
+        self.inventory
+            .set_process(&uid, proc.pid, proc.start_time)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        rec.pid = Some(proc.pid);
+        rec.start_time = Some(proc.start_time);
+        self.inventory
+            .set_state(&uid, VmState::Booting)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        Ok(vm)
+    }
+
+    /// Stop and remove VM `uid`: a bring-up in progress is cancelled, then the process
+    /// (SendCtrlAltDel, then SIGKILL), TAP, disks, files and row go. Idempotent: an unknown uid
+    /// is already deleted.
     pub async fn delete(&self, uid: &str) -> Result<(), RuntimeError> {
         if !valid_uid(uid) {
             return Err(RuntimeError::InvalidUid(uid.into()));
         }
         let lock = self.lock(uid);
         let _guard = lock.lock().await;
+        let cancelled = self.inflight.lock().expect("in-flight table").remove(uid);
+        if let Some(f) = cancelled {
+            tracing::info!(uid, "cancelling the VM's bring-up");
+            f.abort.abort();
+            // The task stops at its next await; wait for that so nothing it does races the
+            // removal below.
+            while !f.abort.is_finished() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
         let Some(r) = self.inventory.get(uid).await? else {
             return Ok(());
         };
-        if let Some(vmm) = Self::vmm_of(&r) {
-            vmm.stop(self.cfg.stop_timeout).await;
-        }
-        self.release_host_resources(&r).await;
-        let _ = std::fs::remove_dir_all(&r.dir);
-        self.inventory.delete(uid).await?;
+        self.remove_vm(&r, Stop::Graceful).await?;
         self.refresh_state_gauge().await;
         tracing::info!(uid, "VM deleted");
         Ok(())
@@ -881,14 +1041,23 @@ impl Runtime {
         let lock = self.lock(uid);
         let _guard = lock.lock().await;
         let r = self.running(uid, "snapshot").await?;
-        let vmm = Self::vmm_of(&r).ok_or_else(|| RuntimeError::NotFound(uid.into()))?;
+        let vmm = match Self::vmm_of(&r) {
+            Some(Vm::Firecracker(v)) => v,
+            Some(other) => {
+                return Err(RuntimeError::SnapshotUnsupported {
+                    uid: uid.into(),
+                    backend: other.backend(),
+                });
+            }
+            None => return Err(RuntimeError::NotFound(uid.into())),
+        };
         let info = SnapshotInfo {
             snapshot_path: r.dir.join("snapshot.vmstate"),
             mem_file_path: r.dir.join("snapshot.mem"),
         };
-        let err = |source| RuntimeError::Snapshot {
+        let err = |source: firecracker::ApiClientError| RuntimeError::Snapshot {
             uid: uid.into(),
-            source,
+            source: source.into(),
         };
         vmm.pause().await.map_err(err)?;
         let created = vmm

@@ -4,6 +4,7 @@ use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 use std::sync::Arc;
 
+use axum::extract::DefaultBodyLimit;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path as UrlPath, State};
 use axum::http::{StatusCode, header};
@@ -11,38 +12,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use imp_api::names::reason;
-use serde::{Deserialize, Serialize};
 
-use crate::runtime::{Ensured, Runtime, RuntimeError, VmSpec, VmStatus};
-
-/// Body of every error answer.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ErrorBody {
-    /// Stable reason, e.g. `InvalidSpec`, `SpecConflict`, `KernelMissing`, `GuestAgentTimeout`.
-    pub error: String,
-    pub message: String,
-}
-
-/// Body of `GET /v1/vms/{uid}/vsock`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VsockInfo {
-    pub path: std::path::PathBuf,
-    pub guest_agent_port: u32,
-}
-
-/// Body of `POST /v1/vms/{uid}/snapshot` (optional).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SnapshotRequest {
-    /// Resume the VM after the snapshot (default true).
-    #[serde(default)]
-    pub resume: Option<bool>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct VmList {
-    pub vms: Vec<VmStatus>,
-}
+use crate::api::{
+    Capacity, ErrorBody, LinkStats, MAX_BODY_BYTES, Readiness, SnapshotInfo, SnapshotRequest,
+    VmList, VmSpec, VmStatus, VsockInfo,
+};
+use crate::runtime::{Ensured, Runtime, RuntimeError};
 
 struct ApiError(StatusCode, ErrorBody);
 
@@ -56,40 +31,62 @@ impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> Self {
         let status = match &e {
             RuntimeError::InvalidUid(_) | RuntimeError::InvalidSpec(_) => StatusCode::BAD_REQUEST,
+            // The request is fine; this node has no room for it now.
+            RuntimeError::DiskBudgetExceeded { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::NotFound(_) => StatusCode::NOT_FOUND,
             RuntimeError::SpecConflict(_)
             | RuntimeError::NotRunning { .. }
-            | RuntimeError::NoNetwork(_) => StatusCode::CONFLICT,
+            | RuntimeError::NoNetwork(_)
+            | RuntimeError::SnapshotUnsupported { .. } => StatusCode::CONFLICT,
             // The VM could not be started on this host: the agent reads `error` for the reason.
             RuntimeError::Boot { .. }
             | RuntimeError::Failed { .. }
             | RuntimeError::NetworkSetupFailed { .. }
+            | RuntimeError::CgroupSetupFailed { .. }
+            | RuntimeError::QemuStart { .. }
             | RuntimeError::DiskSetupFailed { .. }
             | RuntimeError::WritableDrive { .. }
-            | RuntimeError::Rootfs { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            | RuntimeError::Rootfs { .. }
+            | RuntimeError::StartCancelled { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::LinkStats { .. }
             | RuntimeError::Snapshot { .. }
             | RuntimeError::Inventory(_)
             | RuntimeError::StateDir { .. }
             | RuntimeError::RootfsStore(_)
-            | RuntimeError::WritableTemplates(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            | RuntimeError::WritableTemplates(_)
+            | RuntimeError::Cgroups(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(
             status,
             ErrorBody {
                 error: e.reason().to_string(),
                 message: e.to_string(),
+                field: e.field().map(str::to_string),
             },
         )
     }
 }
 
 fn bad_json(rej: JsonRejection) -> ApiError {
+    let too_large = rej.status() == StatusCode::PAYLOAD_TOO_LARGE;
     ApiError(
-        StatusCode::BAD_REQUEST,
+        if too_large {
+            StatusCode::PAYLOAD_TOO_LARGE
+        } else {
+            StatusCode::BAD_REQUEST
+        },
         ErrorBody {
-            error: reason::INVALID_BODY.into(),
-            message: rej.body_text(),
+            error: if too_large {
+                reason::BODY_TOO_LARGE.into()
+            } else {
+                reason::INVALID_BODY.into()
+            },
+            message: if too_large {
+                format!("the request body is larger than {MAX_BODY_BYTES} bytes")
+            } else {
+                rej.body_text()
+            },
+            field: Some("body".into()),
         },
     )
 }
@@ -128,7 +125,7 @@ async fn delete_vm(State(rt): Rt, UrlPath(uid): UrlPath<String>) -> Result<Statu
 async fn linkstats(
     State(rt): Rt,
     UrlPath(uid): UrlPath<String>,
-) -> Result<Json<crate::tap::LinkStats>, ApiError> {
+) -> Result<Json<LinkStats>, ApiError> {
     Ok(Json(rt.linkstats(&uid).await?))
 }
 
@@ -143,16 +140,24 @@ async fn snapshot(
     State(rt): Rt,
     UrlPath(uid): UrlPath<String>,
     body: Option<Json<SnapshotRequest>>,
-) -> Result<Json<crate::runtime::SnapshotInfo>, ApiError> {
+) -> Result<Json<SnapshotInfo>, ApiError> {
     let resume = body.and_then(|Json(b)| b.resume).unwrap_or(true);
     Ok(Json(rt.snapshot(&uid, resume).await?))
+}
+
+async fn capacity(State(rt): Rt) -> Result<Json<Capacity>, ApiError> {
+    let (used, budget) = rt.disk_usage().await?;
+    Ok(Json(Capacity {
+        writable_budget_bytes: budget,
+        writable_used_bytes: used,
+    }))
 }
 
 async fn healthz() -> &'static str {
     "ok"
 }
 
-async fn readyz(State(rt): Rt) -> (StatusCode, Json<crate::runtime::Readiness>) {
+async fn readyz(State(rt): Rt) -> (StatusCode, Json<Readiness>) {
     let r = rt.readiness();
     let code = if r.ready() {
         StatusCode::OK
@@ -179,6 +184,7 @@ async fn not_found() -> ApiError {
         ErrorBody {
             error: reason::NO_SUCH_ROUTE.into(),
             message: "no such route; the API is under /v1".into(),
+            field: None,
         },
     )
 }
@@ -186,6 +192,7 @@ async fn not_found() -> ApiError {
 pub fn router(rt: Arc<Runtime>) -> Router {
     Router::new()
         .route("/v1/vms", get(list_vms))
+        .route("/v1/capacity", get(capacity))
         .route("/v1/vms/{uid}", get(get_vm).put(put_vm).delete(delete_vm))
         .route("/v1/vms/{uid}/linkstats", get(linkstats))
         .route("/v1/vms/{uid}/vsock", get(vsock))
@@ -194,6 +201,7 @@ pub fn router(rt: Arc<Runtime>) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(rt)
 }
 

@@ -332,7 +332,7 @@ async fn bound_vm_starts_runs_and_is_torn_down_and_the_lease_is_renewed() {
     assert_eq!(cond(&vm, condition::READY).as_deref(), Some("True"));
     assert_eq!(
         w.rt.client.inspect(&uid(&vm)).await.unwrap().state,
-        imp_node::inventory::VmState::Running
+        imp_node::api::VmState::Running
     );
 
     // Heartbeat Lease in the operator namespace, renewed.

@@ -33,7 +33,7 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
     std::fs::write(&disk, b"disk").unwrap();
 
     let a = files(dir.path(), "a");
-    let vmm = firecracker::spawn(&simulator, "snap-a", &a).unwrap();
+    let vmm = firecracker::spawn(&simulator, "snap-a", &a, None).unwrap();
     vmm.wait_api_ready().await.unwrap();
     let plan = BootPlan {
         machine: MachineConfiguration {
@@ -103,7 +103,7 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
 
     // Restore into a new process with a new vsock path.
     let b = files(dir.path(), "b");
-    let restored = firecracker::spawn(&simulator, "snap-b", &b).unwrap();
+    let restored = firecracker::spawn(&simulator, "snap-b", &b, None).unwrap();
     restored.wait_api_ready().await.unwrap();
     restored.snapshot_load(&snap, &mem, true).await.unwrap();
     assert_eq!(

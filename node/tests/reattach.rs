@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{Harness, alive, backends, is_root, wait_until};
 use imp_api::names::reason;
-use imp_node::inventory::VmState;
+use imp_node::api::VmState;
 use imp_testkit::firecracker::Knobs;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

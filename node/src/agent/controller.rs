@@ -29,8 +29,8 @@ use super::handoff::{self, Handoff};
 use super::metrics::AgentMetrics;
 use super::spec;
 use super::status::{self, Written};
+use crate::api::VmState;
 use crate::client::{ClientError, RuntimeClient};
-use crate::inventory::VmState;
 
 /// The env var actions/runner reads its JIT config from.
 pub const JITCONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
@@ -128,14 +128,14 @@ fn error_policy(_vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Requeue {
     Requeue::requeue(ctx.config.poll_interval)
 }
 
-fn runtime_facts(r: Result<crate::runtime::VmStatus, ClientError>) -> Result<RuntimeFacts, Error> {
+fn runtime_facts(r: Result<crate::api::VmStatus, ClientError>) -> Result<RuntimeFacts, Error> {
     match r {
         Ok(s) => Ok(match s.state {
             VmState::Creating | VmState::Booting => RuntimeFacts::Booting,
             VmState::Running => RuntimeFacts::Running,
             VmState::Exited => RuntimeFacts::Exited,
             VmState::Failed => {
-                let f = s.failure.unwrap_or(crate::runtime::Failure {
+                let f = s.failure.unwrap_or(crate::api::Failure {
                     reason: api_reason::FIRECRACKER_START_FAILED.into(),
                     message: "imp-runtime recorded a failure without a reason".into(),
                 });

@@ -3,9 +3,9 @@
 use imp_api::{ImpVM, ImpVMClassSpec};
 use k8s_openapi::api::core::v1::Secret;
 
+use crate::api::{NetworkSpec, VmSpec};
 use crate::rootfs::auth::{PullCredentials, Secret as Redacted};
 use crate::rootfs::store::ImageSpec;
-use crate::runtime::{NetworkSpec, VmSpec};
 
 /// Key of a `kubernetes.io/dockerconfigjson` Secret.
 pub const DOCKERCONFIGJSON_KEY: &str = ".dockerconfigjson";

@@ -5,6 +5,9 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::Parser;
+use imp_node::api::Backend;
+use imp_node::cgroup::CgroupConfig;
+use imp_node::qemu::{Accel, QemuConfig};
 use imp_node::rootfs::flatten::Limits;
 use imp_node::rootfs::pull::PullConfig;
 use imp_node::rootfs::store::StoreConfig;
@@ -30,6 +33,47 @@ struct Args {
     /// Optional initrd (distribution kernels).
     #[arg(long, env = "IMP_INITRD")]
     initrd: Option<PathBuf>,
+    /// Directories a request's `kernel`, `initrd` and `base_disk` may name files under
+    /// (comma-separated); default: the directories of --kernel and --initrd.
+    #[arg(long, env = "IMP_IMAGE_DIRS", value_delimiter = ',')]
+    image_dirs: Vec<PathBuf>,
+    /// Total bytes of writable drives this node hands out (PUT refuses past it); default: the
+    /// size of the state directory's filesystem.
+    #[arg(long, env = "IMP_WRITABLE_BUDGET_BYTES")]
+    writable_budget_bytes: Option<u64>,
+    /// Bytes of guest console kept per VM (the newest; older output is dropped).
+    #[arg(long, env = "IMP_SERIAL_LOG_CAP_BYTES", default_value_t = 8 << 20)]
+    serial_log_cap_bytes: u64,
+    /// Parent of the per-VM memory cgroups, relative to the memory hierarchy's root (e.g.
+    /// `imp-vms`); unset: VMs stay in the runtime's cgroup.
+    #[arg(long, env = "IMP_VM_CGROUP_PARENT")]
+    vm_cgroup_parent: Option<PathBuf>,
+    /// Where the host's cgroup filesystem is mounted.
+    #[arg(long, env = "IMP_VM_CGROUP_ROOT", default_value = "/sys/fs/cgroup")]
+    vm_cgroup_root: PathBuf,
+    /// MiB added to a VM's memory for its cgroup limit (the VMM's own memory).
+    #[arg(long, env = "IMP_VM_MEMORY_OVERHEAD_MIB", default_value_t = 128)]
+    vm_memory_overhead_mib: u64,
+    /// The VMM this node runs: `firecracker` or `qemu` (KVM when usable, TCG otherwise).
+    #[arg(long, env = "IMP_VMM_BACKEND", default_value = "firecracker")]
+    backend: Backend,
+    /// QEMU binary (backend `qemu`).
+    #[arg(
+        long,
+        env = "IMP_QEMU_BIN",
+        default_value = "/usr/bin/qemu-system-x86_64"
+    )]
+    qemu_bin: PathBuf,
+    /// vhost-device-vsock binary (backend `qemu`: one per VM).
+    #[arg(
+        long,
+        env = "IMP_VHOST_VSOCK_BIN",
+        default_value = "/usr/local/bin/vhost-device-vsock"
+    )]
+    vhost_vsock_bin: PathBuf,
+    /// QEMU accelerator: `auto` (KVM when /dev/kvm opens, else TCG), `kvm` or `tcg`.
+    #[arg(long, env = "IMP_QEMU_ACCEL", default_value = "auto", value_parser = parse_accel)]
+    qemu_accel: Accel,
     /// Firecracker binary.
     #[arg(
         long,
@@ -65,6 +109,15 @@ struct Args {
     stop_timeout_secs: f64,
 }
 
+fn parse_accel(s: &str) -> Result<Accel, String> {
+    match s {
+        "auto" => Ok(Accel::Auto),
+        "kvm" => Ok(Accel::Kvm),
+        "tcg" => Ok(Accel::Tcg),
+        other => Err(format!("{other:?} is not auto, kvm or tcg")),
+    }
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -93,11 +146,44 @@ async fn run(args: Args) -> anyhow::Result<()> {
         anyhow::ensure!(s.is_finite() && s > 0.0, "{name} must be positive");
         Ok(Duration::from_secs_f64(s))
     };
+    let image_dirs = if args.image_dirs.is_empty() {
+        [Some(&args.kernel), args.initrd.as_ref()]
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p.parent().map(PathBuf::from))
+            .collect()
+    } else {
+        args.image_dirs
+    };
+    std::fs::create_dir_all(&args.state_dir)
+        .with_context(|| format!("create {}", args.state_dir.display()))?;
+    let writable_budget_bytes = match args.writable_budget_bytes {
+        Some(b) => b,
+        None => {
+            let fs = nix::sys::statvfs::statvfs(&args.state_dir)
+                .with_context(|| format!("statvfs {}", args.state_dir.display()))?;
+            fs.blocks() * fs.fragment_size()
+        }
+    };
     let cfg = Config {
         state_dir: args.state_dir.clone(),
         kernel: args.kernel,
         initrd: args.initrd,
+        image_dirs,
+        writable_budget_bytes,
+        serial_log_cap_bytes: args.serial_log_cap_bytes,
+        vm_cgroups: args.vm_cgroup_parent.map(|parent| CgroupConfig {
+            root: args.vm_cgroup_root,
+            parent,
+            overhead_mib: args.vm_memory_overhead_mib,
+        }),
+        backend: args.backend,
         firecracker_bin: args.firecracker_bin,
+        qemu: QemuConfig {
+            qemu_bin: args.qemu_bin,
+            vhost_vsock_bin: args.vhost_vsock_bin,
+            accel: args.qemu_accel,
+        },
         boot_timeout: positive(args.boot_timeout_secs, "--boot-timeout-secs")?,
         stop_timeout: positive(args.stop_timeout_secs, "--stop-timeout-secs")?,
         rootfs: StoreConfig {

@@ -5,18 +5,18 @@
 pub mod api;
 pub mod client;
 
-use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
 use imp_api::names::reason;
-use imp_guest::protocol::{AGENT_VSOCK_PORT, Hello};
+use imp_guest::protocol::Hello;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::time::Instant;
 
 use crate::procfs;
+use crate::runtime::{VmPlan, serial};
 use api::{ActionType, BootSource, Drive, MachineConfiguration, NetworkInterface, Vsock};
 pub use client::{ApiClientError, FirecrackerClient};
 
@@ -24,11 +24,6 @@ pub use client::{ApiClientError, FirecrackerClient};
 const API_READY_TIMEOUT: Duration = Duration::from_secs(5);
 // Short: API readiness of a fresh process is on every VM start's critical path.
 const POLL: Duration = Duration::from_millis(5);
-/// Bytes of a log kept in failure reasons.
-/// How often the boot wait looks at the process and the serial console.
-const WATCH: Duration = Duration::from_millis(100);
-const TAIL_BYTES: u64 = 2048;
-const PANIC_MARKER: &str = "Kernel panic";
 
 /// Why a VM did not come up (or could not be driven). `reason()` is the stable label used in
 /// the runtime API, inventory and metrics.
@@ -83,6 +78,53 @@ pub struct BootPlan {
     pub vsock: Vsock,
 }
 
+impl From<&VmPlan> for BootPlan {
+    fn from(p: &VmPlan) -> Self {
+        BootPlan {
+            machine: MachineConfiguration {
+                vcpu_count: p.vcpu,
+                mem_size_mib: p.memory_mib,
+                smt: None,
+                track_dirty_pages: None,
+                huge_pages: None,
+            },
+            boot_source: BootSource {
+                kernel_image_path: p.kernel.display().to_string(),
+                initrd_path: p.initrd.as_ref().map(|i| i.display().to_string()),
+                boot_args: Some(p.boot_args.clone()),
+            },
+            drives: p
+                .drives
+                .iter()
+                .map(|d| Drive {
+                    drive_id: d.id.into(),
+                    is_root_device: d.root,
+                    partuuid: None,
+                    cache_type: None,
+                    is_read_only: Some(d.read_only),
+                    path_on_host: Some(d.path.display().to_string()),
+                    io_engine: None,
+                    socket: None,
+                })
+                .collect(),
+            network: p
+                .nics
+                .iter()
+                .map(|n| NetworkInterface {
+                    iface_id: n.id.into(),
+                    host_dev_name: n.tap.clone(),
+                    guest_mac: Some(n.mac.clone()),
+                    mtu: None,
+                })
+                .collect(),
+            vsock: Vsock {
+                guest_cid: p.guest_cid,
+                uds_path: p.vsock.display().to_string(),
+            },
+        }
+    }
+}
+
 /// One Firecracker process, identified by pid and start time.
 #[derive(Debug, Clone)]
 pub struct Vmm {
@@ -93,9 +135,16 @@ pub struct Vmm {
 }
 
 /// Spawn `firecracker --api-sock <sock> --id <id>` in its own session: no controlling terminal,
-/// no parent-death signal, so killing the runtime never takes the VM with it. A task reaps it
-/// if it exits while this runtime is its parent.
-pub fn spawn(bin: &Path, id: &str, files: &VmmFiles) -> Result<Vmm, DriverError> {
+/// no parent-death signal, so killing the runtime never takes the VM with it. With `cgroup`
+/// (a `cgroup.procs` file), the child enters that cgroup before it execs, so none of its memory
+/// is ever charged to the runtime's. A task reaps it if it exits while this runtime is its
+/// parent.
+pub fn spawn(
+    bin: &Path,
+    id: &str,
+    files: &VmmFiles,
+    cgroup: Option<&Path>,
+) -> Result<Vmm, DriverError> {
     let start_failed = |message: String| DriverError::FirecrackerStartFailed {
         message,
         stderr: String::new(),
@@ -115,27 +164,13 @@ pub fn spawn(bin: &Path, id: &str, files: &VmmFiles) -> Result<Vmm, DriverError>
         .stdin(Stdio::null())
         .stdout(open(&files.serial_log)?)
         .stderr(open(&files.stderr_log)?);
-    // SAFETY: setsid is async-signal-safe and touches only the child.
-    unsafe {
-        cmd.pre_exec(|| {
-            nix::unistd::setsid().map_err(std::io::Error::from)?;
-            Ok(())
-        });
-    }
-    let mut child = tokio::process::Command::from(cmd)
-        .kill_on_drop(false)
-        .spawn()
-        .map_err(|e| start_failed(format!("spawn {}: {e}", bin.display())))?;
-    let pid = child.id().expect("a just-spawned child has a pid") as i32;
-    tokio::spawn(async move {
-        let _ = child.wait().await;
-    });
+    let (pid, start_time) =
+        crate::vmm::spawn_detached(cmd, cgroup).map_err(|e| start_failed(e.to_string()))?;
     // A process that has already exited has no start time: that is a start failure too.
-    let start_time =
-        procfs::start_time(pid).ok_or_else(|| DriverError::FirecrackerStartFailed {
-            message: "exited immediately".into(),
-            stderr: tail(&files.stderr_log),
-        })?;
+    let start_time = start_time.ok_or_else(|| DriverError::FirecrackerStartFailed {
+        message: "exited immediately".into(),
+        stderr: tail(&files.stderr_log),
+    })?;
     Ok(Vmm {
         pid,
         start_time,
@@ -200,36 +235,15 @@ impl Vmm {
             .map_err(|e| self.start_failed(e.to_string()))
     }
 
-    /// Wait for the guest agent's Hello through the hybrid vsock until `deadline`, watching the
-    /// process and the serial console so a dead or panicked guest fails at once.
+    /// Wait for the guest agent's Hello (see `vmm::wait_for_hello`).
     pub async fn wait_for_hello(&self, deadline: Instant) -> Result<Hello, DriverError> {
-        let connect = imp_guest::host::connect(&self.files.vsock, AGENT_VSOCK_PORT, deadline);
-        let watch = async {
-            loop {
-                tokio::time::sleep(WATCH).await;
-                let serial = tail(&self.files.serial_log);
-                if serial.contains(PANIC_MARKER) {
-                    return DriverError::GuestPanicked {
-                        serial_tail: serial,
-                    };
-                }
-                if !self.is_alive() {
-                    return DriverError::GuestExited {
-                        serial_tail: serial,
-                    };
-                }
-            }
-        };
-        tokio::select! {
-            r = connect => match r {
-                Ok(client) => Ok(client.hello().clone()),
-                Err(imp_guest::host::HostError::Timeout { last, .. }) => {
-                    Err(DriverError::GuestAgentTimeout { detail: last, serial_tail: tail(&self.files.serial_log) })
-                }
-                Err(e) => Err(DriverError::GuestProtocol(e.to_string())),
-            },
-            e = watch => Err(e),
-        }
+        crate::vmm::wait_for_hello(
+            &self.files.vsock,
+            &self.files.serial_log,
+            || self.is_alive(),
+            deadline,
+        )
+        .await
     }
 
     /// Ask the guest to reboot (SendCtrlAltDel: Firecracker exits when the guest resets), then
@@ -311,13 +325,5 @@ impl Vmm {
 
 /// The last bytes of a log file, lossily decoded ("" when it does not exist).
 pub fn tail(path: &Path) -> String {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut f) = std::fs::File::open(path) else {
-        return String::new();
-    };
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let _ = f.seek(SeekFrom::Start(len.saturating_sub(TAIL_BYTES)));
-    let mut buf = Vec::new();
-    let _ = f.read_to_end(&mut buf);
-    String::from_utf8_lossy(&buf).trim().to_string()
+    serial::tail(path, crate::vmm::TAIL_BYTES)
 }

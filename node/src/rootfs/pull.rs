@@ -607,7 +607,39 @@ fn registry_error(err: OciDistributionError, image: &Reference) -> PullError {
     }
     PullError::Registry {
         reference: image.whole(),
-        message: err.to_string(),
+        message: describe(&err),
+    }
+}
+
+/// What went wrong, without what the registry said: a registry's error body is remote text
+/// (it may echo credentials, or be anything at all) and ends up in VM status and Events.
+fn describe(err: &OciDistributionError) -> String {
+    match err {
+        OciDistributionError::ServerError { code, url, .. } => {
+            format!("the registry answered HTTP {code} for {url}")
+        }
+        OciDistributionError::RegistryError { url, envelope } => {
+            let codes: Vec<String> = envelope
+                .errors
+                .iter()
+                .map(|e| format!("{:?}", e.code))
+                .collect();
+            format!("the registry refused {url} with {}", codes.join(", "))
+        }
+        OciDistributionError::UnauthorizedError { url } => format!("not authorized for {url}"),
+        OciDistributionError::AuthenticationFailure(_) => "authentication failed".into(),
+        OciDistributionError::RegistryTokenDecodeError(_) => {
+            "the registry's token answer is not a token".into()
+        }
+        OciDistributionError::ManifestParsingError(_)
+        | OciDistributionError::VersionedParsingError(_)
+        | OciDistributionError::JsonError(_) => "the registry's answer is not a manifest".into(),
+        OciDistributionError::SpecViolationError(_) => {
+            "the registry's answer violates the distribution spec".into()
+        }
+        OciDistributionError::GenericError(_) => "the registry exchange failed".into(),
+        // Local or transport errors (I/O, TLS, connection): they quote nothing remote.
+        other => other.to_string(),
     }
 }
 
@@ -710,6 +742,29 @@ mod tests {
                 .unwrap()
                 .starts_with(".layer.tar.part-")
         );
+    }
+
+    #[test]
+    fn registry_errors_quote_no_remote_body() {
+        let image: Reference = "registry.example/ci/base:1".parse().unwrap();
+        let secret = "token=ghp_0123456789abcdef";
+        let cases = [
+            OciDistributionError::ServerError {
+                code: 502,
+                url: "https://registry.example/v2/ci/base/manifests/1".into(),
+                message: secret.into(),
+            },
+            OciDistributionError::ManifestParsingError(secret.into()),
+            OciDistributionError::AuthenticationFailure(secret.into()),
+            OciDistributionError::GenericError(Some(secret.into())),
+            OciDistributionError::SpecViolationError(secret.into()),
+            OciDistributionError::RegistryTokenDecodeError(secret.into()),
+        ];
+        for err in cases {
+            let shown = registry_error(err, &image).to_string();
+            assert!(!shown.contains("ghp_"), "{shown}");
+            assert!(shown.contains("registry.example"), "{shown}");
+        }
     }
 
     #[test]

@@ -193,6 +193,20 @@ fn sha256_hex(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
+/// Set when a build's future is dropped before its blocking step finished, so that step does
+/// not put an image nobody indexes into the cache.
+#[derive(Default)]
+struct Wanted {
+    abandoned: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for Wanted {
+    fn drop(&mut self) {
+        self.abandoned
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 impl RootfsStore {
     /// Open the store over the runtime's database: interrupted builds are deleted, index rows
     /// whose file is gone are forgotten, image files without a row are deleted.
@@ -461,7 +475,11 @@ impl RootfsStore {
             .inc();
     }
 
-    /// Fetch, flatten, inject, mkfs. The work directory is removed whatever happens.
+    /// Fetch, flatten, inject, mkfs. Every attempt has a work directory of its own (a build
+    /// abandoned by a cancelled request may still be flattening when the next attempt of the
+    /// same key starts), removed whatever happens: with this future if it is dropped during
+    /// the fetches, by the blocking flatten/mkfs step otherwise. The image is made inside it
+    /// and renamed into `images/` only by an attempt that is still wanted.
     async fn build(
         &self,
         key: &str,
@@ -469,31 +487,28 @@ impl RootfsStore {
         guest_digest: &str,
         fetches: Vec<Fetch<'_>>,
     ) -> Result<(PathBuf, u64), RootfsError> {
-        let work = self
-            .cfg
-            .dir
-            .join("tmp")
-            .join(format!("{key}.{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&work);
-        let blobs = work.join("blobs");
+        let tmp = self.cfg.dir.join("tmp");
+        let work = tempfile::Builder::new()
+            .prefix(&format!("{key}."))
+            .tempdir_in(&tmp)
+            .map_err(io_err(&tmp))?;
+        let blobs = work.path().join("blobs");
         std::fs::create_dir_all(&blobs).map_err(io_err(&blobs))?;
-        let result = self
-            .build_in(&work, key, reference, guest_digest, fetches)
-            .await;
-        if let Err(e) = std::fs::remove_dir_all(&work) {
-            tracing::warn!(path = %work.display(), error = %e, "could not remove a rootfs work directory");
-        }
-        result
+        let wanted = Wanted::default();
+        self.build_in(work, key, reference, guest_digest, fetches, &wanted)
+            .await
     }
 
     async fn build_in(
         &self,
-        work: &Path,
+        work_dir: tempfile::TempDir,
         key: &str,
         reference: &str,
         guest_digest: &str,
         fetches: Vec<Fetch<'_>>,
+        wanted: &Wanted,
     ) -> Result<(PathBuf, u64), RootfsError> {
+        let work = work_dir.path().to_path_buf();
         let blobs = work.join("blobs");
         // A layer shared by the base and the runner image is fetched once, applied twice.
         let mut unique: Vec<&Fetch> = Vec::new();
@@ -550,10 +565,14 @@ impl RootfsStore {
             })
             .collect();
         let root = work.join("root");
+        let made = work.join("image.ext4");
         let dest = self.cfg.dir.join("images").join(format!("{key}.ext4"));
         let limits = self.cfg.limits;
         let reference = reference.to_owned();
+        let abandoned = wanted.abandoned.clone();
         tokio::task::spawn_blocking(move || {
+            // Owned here: removed when this step ends, even if its awaiter is gone.
+            let _work_dir = work_dir;
             let layer_err = |source| RootfsError::Layer {
                 reference: reference.clone(),
                 source,
@@ -570,11 +589,16 @@ impl RootfsStore {
             }
             flat.inject_file(GUEST_PATH, &guest_copy, 0o755)
                 .map_err(layer_err)?;
-            ext4::build(&root, &dest).map_err(|source| RootfsError::Ext4 {
+            ext4::build(&root, &made).map_err(|source| RootfsError::Ext4 {
                 reference: reference.clone(),
                 source,
             })?;
-            let bytes = std::fs::metadata(&dest).map_err(io_err(&dest))?.len();
+            if abandoned.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(RootfsError::Task("build abandoned by its request".into()));
+            }
+            let bytes = std::fs::metadata(&made).map_err(io_err(&made))?.len();
+            std::fs::rename(&made, &dest).map_err(io_err(&dest))?;
+            ext4::sync_dir(&dest).map_err(io_err(&dest))?;
             Ok((dest, bytes))
         })
         .await

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use imp_node::api::{NetworkSpec, VmSpec};
 use imp_node::client::RuntimeClient;
-use imp_node::runtime::{NetworkSpec, VmSpec};
 use imp_testkit::firecracker::Knobs;
 
 #[derive(Debug, Clone)]
@@ -23,6 +23,15 @@ pub enum Backend {
         kernel: PathBuf,
         rootfs: PathBuf,
     },
+    /// imp-runtime's QEMU backend booting a real kernel + Imp's initrd (root filesystems come
+    /// from images, so there is no base disk).
+    Qemu {
+        qemu: PathBuf,
+        vhost: PathBuf,
+        kernel: PathBuf,
+        initrd: PathBuf,
+        guest: PathBuf,
+    },
 }
 
 impl Backend {
@@ -30,6 +39,7 @@ impl Backend {
         match self {
             Backend::Simulator { .. } => "simulator",
             Backend::Real { .. } => "real Firecracker",
+            Backend::Qemu { .. } => "QEMU",
         }
     }
 
@@ -141,6 +151,7 @@ impl Harness {
                 (k, d)
             }
             Backend::Real { kernel, rootfs, .. } => (kernel.clone(), rootfs.clone()),
+            Backend::Qemu { kernel, .. } => (kernel.clone(), PathBuf::new()),
         };
         let h = Self {
             client: RuntimeClient::new(&socket),
@@ -213,6 +224,19 @@ impl Harness {
             Backend::Real { firecracker, .. } => {
                 cmd.env("IMP_FIRECRACKER_BIN", firecracker);
             }
+            Backend::Qemu {
+                qemu,
+                vhost,
+                initrd,
+                guest,
+                ..
+            } => {
+                cmd.env("IMP_VMM_BACKEND", "qemu")
+                    .env("IMP_QEMU_BIN", qemu)
+                    .env("IMP_VHOST_VSOCK_BIN", vhost)
+                    .env("IMP_INITRD", initrd)
+                    .env("IMP_GUEST_BIN", guest);
+            }
         }
         self.runtime = Some(cmd.spawn().expect("spawn imp-runtime"));
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -257,7 +281,8 @@ impl Harness {
         self.state_dir.join("vms")
     }
 
-    /// Firecracker (or simulator) processes of this harness's state dir.
+    /// VMM processes (Firecracker, simulator, QEMU, vhost-device-vsock) of this harness's
+    /// state dir.
     pub fn vmm_processes(&self) -> Vec<(i32, u64, PathBuf)> {
         imp_node::procfs::firecrackers_under(&self.vms_dir())
     }

@@ -1,0 +1,526 @@
+//! The QEMU backend: one `qemu-system-x86_64` (KVM when usable, TCG otherwise) and one
+//! `vhost-device-vsock` per VM. The vsock device gives the host the same hybrid-vsock socket
+//! Firecracker does (`CONNECT <port>` on `vsock.sock`), so the guest protocol client, the
+//! Hello wait and everything above the seam are the same for both backends. Guest memory comes
+//! from `memory-backend-memfd,share=on`: vhost-user needs memory the device process can map
+//! (without `share=on` the device appears and moves no data). The console goes to the VM's
+//! serial log, QEMU's own messages to `qemu.log`, and QMP (`api.sock`) serves status, stop,
+//! pause and resume. Both processes are spawned in sessions of their own (so they outlive the
+//! runtime) and recorded in the inventory.
+
+pub mod qmp;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::procfs;
+use crate::runtime::VmPlan;
+pub use qmp::{Qmp, QmpError};
+
+/// How long vhost-device-vsock may take to listen, and QEMU to answer on QMP.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+const POLL: Duration = Duration::from_millis(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum QemuError {
+    #[error("{what} failed to start: {message}; its log: {log}")]
+    StartFailed {
+        what: &'static str,
+        message: String,
+        log: String,
+    },
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+}
+
+/// How QEMU accelerates the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// KVM when `/dev/kvm` opens, TCG (software emulation) otherwise.
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    pub qemu_bin: PathBuf,
+    pub vhost_vsock_bin: PathBuf,
+    pub accel: Accel,
+}
+
+/// The files of one QEMU VM, all in its directory.
+#[derive(Debug, Clone)]
+pub struct QemuFiles {
+    /// QMP control socket.
+    pub qmp_sock: PathBuf,
+    /// vhost-user socket between QEMU and vhost-device-vsock.
+    pub vhost_sock: PathBuf,
+    /// Host side of the hybrid vsock.
+    pub vsock: PathBuf,
+    pub serial_log: PathBuf,
+    /// QEMU's own stderr.
+    pub qemu_log: PathBuf,
+    pub vhost_log: PathBuf,
+}
+
+impl QemuFiles {
+    pub fn in_dir(dir: &Path, qmp_sock: &Path, vsock: &Path, serial_log: &Path) -> Self {
+        QemuFiles {
+            qmp_sock: qmp_sock.to_path_buf(),
+            vhost_sock: dir.join("vhost.sock"),
+            vsock: vsock.to_path_buf(),
+            serial_log: serial_log.to_path_buf(),
+            qemu_log: dir.join("qemu.log"),
+            vhost_log: dir.join("vhost-device-vsock.log"),
+        }
+    }
+}
+
+/// A process by identity (pid + start time: a recycled pid is never taken for it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Proc {
+    pub pid: i32,
+    pub start_time: u64,
+}
+
+impl Proc {
+    pub fn is_alive(&self) -> bool {
+        procfs::is_alive(self.pid, self.start_time)
+    }
+
+    /// SIGKILL (only if it is still ours), then wait until it is gone.
+    pub async fn kill(&self) {
+        if self.is_alive() {
+            let _ = kill(Pid::from_raw(self.pid), Signal::SIGKILL);
+        }
+        wait_gone(self, Duration::from_secs(10)).await;
+    }
+}
+
+async fn wait_gone(p: &Proc, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while p.is_alive() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    true
+}
+
+/// One QEMU VM: QEMU and its vsock device.
+#[derive(Debug, Clone)]
+pub struct QemuVm {
+    pub qemu: Proc,
+    /// None for a VM found without its helper recorded.
+    pub vhost: Option<Proc>,
+    pub qmp: Qmp,
+}
+
+/// The accelerator `accel` means on this host.
+pub fn resolve_accel(accel: Accel, kvm: bool) -> &'static str {
+    match accel {
+        Accel::Kvm => "kvm",
+        Accel::Tcg => "tcg",
+        Accel::Auto if kvm => "kvm",
+        Accel::Auto => "tcg",
+    }
+}
+
+/// The vhost-device-vsock command line (after the binary).
+pub fn vhost_args(files: &QemuFiles, guest_cid: u32) -> Vec<String> {
+    vec![
+        "--guest-cid".into(),
+        guest_cid.to_string(),
+        "--socket".into(),
+        files.vhost_sock.display().to_string(),
+        "--uds-path".into(),
+        files.vsock.display().to_string(),
+    ]
+}
+
+/// The QEMU command line (after the binary) for `plan`. The kernel is told the root itself
+/// (Firecracker adds `root=` on its own): with an initrd, imp-guest (its /init) mounts
+/// `imp.lower`; without, the kernel mounts vda and runs imp-guest from it.
+pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
+    let mem = format!("{}M", plan.memory_mib);
+    let mut a: Vec<String> = vec![
+        "-name".into(),
+        "imp-vm".into(),
+        "-accel".into(),
+        accel.into(),
+        "-machine".into(),
+        "pc,memory-backend=mem0".into(),
+        "-object".into(),
+        format!("memory-backend-memfd,id=mem0,size={mem},share=on"),
+        "-m".into(),
+        mem,
+        "-smp".into(),
+        plan.vcpu.to_string(),
+        "-nodefaults".into(),
+        "-no-user-config".into(),
+        "-display".into(),
+        "none".into(),
+        // The guest halts by rebooting (imp.halt=reboot): QEMU exits, as Firecracker does.
+        "-no-reboot".into(),
+        "-kernel".into(),
+        plan.kernel.display().to_string(),
+    ];
+    let mut cmdline = plan.boot_args.clone();
+    match &plan.initrd {
+        Some(initrd) => {
+            a.extend(["-initrd".into(), initrd.display().to_string()]);
+            cmdline.push_str(" imp.lower=/dev/vda");
+        }
+        None => cmdline.push_str(" root=/dev/vda ro"),
+    }
+    a.extend(["-append".into(), cmdline]);
+    for (i, d) in plan.drives.iter().enumerate() {
+        a.extend([
+            "-drive".into(),
+            format!(
+                "id=drive{i},file={},format=raw,if=none{}",
+                d.path.display(),
+                if d.read_only { ",readonly=on" } else { "" }
+            ),
+            "-device".into(),
+            format!("virtio-blk-pci,drive=drive{i}"),
+        ]);
+    }
+    for n in &plan.nics {
+        a.extend([
+            "-netdev".into(),
+            format!("tap,id={0},ifname={1},script=no,downscript=no", n.id, n.tap),
+            "-device".into(),
+            format!("virtio-net-pci,netdev={},mac={}", n.id, n.mac),
+        ]);
+    }
+    a.extend([
+        "-chardev".into(),
+        format!("socket,id=vsock0,path={}", files.vhost_sock.display()),
+        "-device".into(),
+        // The guest CID is the device process's (vhost_args), not a QEMU property.
+        "vhost-user-vsock-pci,chardev=vsock0".into(),
+        "-chardev".into(),
+        format!(
+            "file,id=serial0,path={},append=on",
+            files.serial_log.display()
+        ),
+        "-serial".into(),
+        "chardev:serial0".into(),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", files.qmp_sock.display()),
+    ]);
+    a
+}
+
+/// Spawn `bin args` detached (`vmm::spawn_detached`), stdout/stderr to `log`.
+fn spawn_detached(
+    what: &'static str,
+    bin: &Path,
+    args: &[String],
+    log: &Path,
+    cgroup: Option<&Path>,
+) -> Result<Proc, QemuError> {
+    let failed = |message: String| QemuError::StartFailed {
+        what,
+        message,
+        log: crate::firecracker::tail(log),
+    };
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| failed(format!("open {}: {e}", log.display())))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| failed(format!("dup {}: {e}", log.display())))?;
+    let mut cmd = std::process::Command::new(bin);
+    cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
+    let (pid, start_time) =
+        crate::vmm::spawn_detached(cmd, cgroup).map_err(|e| failed(e.to_string()))?;
+    let start_time = start_time.ok_or_else(|| failed("exited immediately".into()))?;
+    Ok(Proc { pid, start_time })
+}
+
+/// Start vhost-device-vsock and wait until it listens (QEMU connects to it at startup).
+/// `record` is called with the process as soon as it exists.
+pub async fn spawn_vhost(
+    cfg: &QemuConfig,
+    files: &QemuFiles,
+    guest_cid: u32,
+    cgroup: Option<&Path>,
+) -> Result<Proc, QemuError> {
+    let _ = std::fs::remove_file(&files.vhost_sock);
+    let p = spawn_detached(
+        "vhost-device-vsock",
+        &cfg.vhost_vsock_bin,
+        &vhost_args(files, guest_cid),
+        &files.vhost_log,
+        cgroup,
+    )?;
+    let deadline = Instant::now() + READY_TIMEOUT;
+    while !files.vhost_sock.exists() {
+        let failed = |message: String| QemuError::StartFailed {
+            what: "vhost-device-vsock",
+            message,
+            log: crate::firecracker::tail(&files.vhost_log),
+        };
+        if !p.is_alive() {
+            return Err(failed("exited before it listened".into()));
+        }
+        if Instant::now() >= deadline {
+            p.kill().await;
+            return Err(failed(format!(
+                "{} did not appear within {READY_TIMEOUT:?}",
+                files.vhost_sock.display()
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    Ok(p)
+}
+
+/// Start QEMU for `plan` (its vsock device already listening) and wait until QMP answers.
+pub async fn spawn_qemu(
+    cfg: &QemuConfig,
+    files: &QemuFiles,
+    plan: &VmPlan,
+    cgroup: Option<&Path>,
+) -> Result<Proc, QemuError> {
+    let accel = resolve_accel(cfg.accel, crate::vmm::kvm_usable());
+    let p = spawn_detached(
+        "QEMU",
+        &cfg.qemu_bin,
+        &qemu_args(plan, files, accel),
+        &files.qemu_log,
+        cgroup,
+    )?;
+    let qmp = Qmp::new(&files.qmp_sock);
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        let failed = |message: String| QemuError::StartFailed {
+            what: "QEMU",
+            message,
+            log: crate::firecracker::tail(&files.qemu_log),
+        };
+        if !p.is_alive() {
+            return Err(failed("exited during startup".into()));
+        }
+        if files.qmp_sock.exists() && qmp.execute("query-status", None).await.is_ok() {
+            return Ok(p);
+        }
+        if Instant::now() >= deadline {
+            return Err(failed(format!(
+                "QMP socket {} did not answer within {READY_TIMEOUT:?}",
+                files.qmp_sock.display()
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+impl QemuVm {
+    /// The VM runs while QEMU does (its vsock device is supervised with it: see `kill`).
+    pub fn is_alive(&self) -> bool {
+        self.qemu.is_alive()
+    }
+
+    /// QEMU answers on QMP and its vsock device lives (a VM without it cannot be talked to).
+    pub async fn probe(&self) -> bool {
+        self.vhost.is_none_or(|v| v.is_alive())
+            && self.qmp.execute("query-status", None).await.is_ok()
+    }
+
+    /// Ctrl-Alt-Del to the guest (imp-guest, PID 1, halts: QEMU exits with -no-reboot), then
+    /// SIGKILL after `timeout`; the vsock device goes with it.
+    pub async fn stop(&self, timeout: Duration) {
+        if self.qemu.is_alive() {
+            let keys = json!({"keys": [
+                {"type": "qcode", "data": "ctrl"},
+                {"type": "qcode", "data": "alt"},
+                {"type": "qcode", "data": "delete"}
+            ]});
+            match self.qmp.execute("send-key", Some(keys)).await {
+                Ok(_) if wait_gone(&self.qemu, timeout).await => {}
+                Ok(_) => {
+                    tracing::debug!(pid = self.qemu.pid, "guest did not stop in time; killing")
+                }
+                Err(e) => {
+                    tracing::debug!(pid = self.qemu.pid, error = %e, "send-key failed; killing")
+                }
+            }
+        }
+        self.kill().await;
+    }
+
+    /// SIGKILL QEMU, then its vsock device; returns once both are gone.
+    pub async fn kill(&self) {
+        self.qemu.kill().await;
+        if let Some(v) = &self.vhost {
+            v.kill().await;
+        }
+    }
+
+    pub async fn pause(&self) -> Result<(), QmpError> {
+        self.qmp.execute("stop", None).await.map(|_| ())
+    }
+
+    pub async fn resume(&self) -> Result<(), QmpError> {
+        self.qmp.execute("cont", None).await.map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::{DrivePlan, NicPlan};
+
+    fn plan() -> VmPlan {
+        VmPlan {
+            vcpu: 2,
+            memory_mib: 512,
+            kernel: "/images/vmlinuz".into(),
+            initrd: Some("/images/initrd.img".into()),
+            boot_args: "console=ttyS0 reboot=k panic=1".into(),
+            drives: vec![
+                DrivePlan {
+                    id: "rootfs",
+                    path: "/cache/base.ext4".into(),
+                    read_only: true,
+                    root: true,
+                },
+                DrivePlan {
+                    id: "writable",
+                    path: "/vms/a/writable.img".into(),
+                    read_only: false,
+                    root: false,
+                },
+            ],
+            nics: vec![NicPlan {
+                id: "eth0",
+                tap: "imp0123abcd".into(),
+                mac: "06:00:01:23:ab:cd".into(),
+            }],
+            guest_cid: 3,
+            vsock: "/vms/a/vsock.sock".into(),
+        }
+    }
+
+    fn files() -> QemuFiles {
+        QemuFiles::in_dir(
+            Path::new("/vms/a"),
+            Path::new("/vms/a/api.sock"),
+            Path::new("/vms/a/vsock.sock"),
+            Path::new("/vms/a/serial.log"),
+        )
+    }
+
+    fn after<'a>(args: &'a [String], flag: &str) -> Vec<&'a str> {
+        args.windows(2)
+            .filter(|w| w[0] == flag)
+            .map(|w| w[1].as_str())
+            .collect()
+    }
+
+    #[test]
+    fn memory_is_a_shared_memfd_the_vsock_device_can_map() {
+        let a = qemu_args(&plan(), &files(), "tcg");
+        assert_eq!(
+            after(&a, "-object"),
+            ["memory-backend-memfd,id=mem0,size=512M,share=on"]
+        );
+        assert_eq!(after(&a, "-machine"), ["pc,memory-backend=mem0"]);
+        assert_eq!(after(&a, "-m"), ["512M"]);
+        assert_eq!(after(&a, "-smp"), ["2"]);
+        assert_eq!(after(&a, "-accel"), ["tcg"]);
+    }
+
+    #[test]
+    fn drives_keep_their_order_and_the_base_is_read_only() {
+        let a = qemu_args(&plan(), &files(), "kvm");
+        assert_eq!(
+            after(&a, "-drive"),
+            [
+                "id=drive0,file=/cache/base.ext4,format=raw,if=none,readonly=on",
+                "id=drive1,file=/vms/a/writable.img,format=raw,if=none",
+            ]
+        );
+        let devices = after(&a, "-device");
+        assert_eq!(devices[0], "virtio-blk-pci,drive=drive0");
+        assert_eq!(devices[1], "virtio-blk-pci,drive=drive1");
+    }
+
+    #[test]
+    fn network_console_vsock_and_qmp_are_wired_to_the_vm_files() {
+        let a = qemu_args(&plan(), &files(), "kvm");
+        assert_eq!(
+            after(&a, "-netdev"),
+            ["tap,id=eth0,ifname=imp0123abcd,script=no,downscript=no"]
+        );
+        assert!(after(&a, "-device").contains(&"virtio-net-pci,netdev=eth0,mac=06:00:01:23:ab:cd"));
+        assert_eq!(
+            after(&a, "-chardev"),
+            [
+                "socket,id=vsock0,path=/vms/a/vhost.sock",
+                "file,id=serial0,path=/vms/a/serial.log,append=on",
+            ]
+        );
+        assert!(after(&a, "-device").contains(&"vhost-user-vsock-pci,chardev=vsock0"));
+        assert_eq!(
+            after(&a, "-qmp"),
+            ["unix:/vms/a/api.sock,server=on,wait=off"]
+        );
+        assert!(a.contains(&"-no-reboot".to_string()));
+    }
+
+    #[test]
+    fn the_root_comes_from_the_initrd_or_the_kernel() {
+        let a = qemu_args(&plan(), &files(), "tcg");
+        assert_eq!(after(&a, "-initrd"), ["/images/initrd.img"]);
+        assert_eq!(
+            after(&a, "-append"),
+            ["console=ttyS0 reboot=k panic=1 imp.lower=/dev/vda"]
+        );
+        let bare = VmPlan {
+            initrd: None,
+            ..plan()
+        };
+        let a = qemu_args(&bare, &files(), "tcg");
+        assert!(after(&a, "-initrd").is_empty());
+        assert_eq!(
+            after(&a, "-append"),
+            ["console=ttyS0 reboot=k panic=1 root=/dev/vda ro"]
+        );
+    }
+
+    #[test]
+    fn vhost_device_serves_the_hybrid_socket_for_the_guest_cid() {
+        assert_eq!(
+            vhost_args(&files(), 3),
+            [
+                "--guest-cid",
+                "3",
+                "--socket",
+                "/vms/a/vhost.sock",
+                "--uds-path",
+                "/vms/a/vsock.sock"
+            ]
+        );
+    }
+
+    #[test]
+    fn auto_accel_is_kvm_only_when_kvm_opens() {
+        assert_eq!(resolve_accel(Accel::Auto, true), "kvm");
+        assert_eq!(resolve_accel(Accel::Auto, false), "tcg");
+        assert_eq!(resolve_accel(Accel::Tcg, true), "tcg");
+        assert_eq!(resolve_accel(Accel::Kvm, false), "kvm");
+    }
+}

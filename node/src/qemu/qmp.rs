@@ -1,0 +1,205 @@
+//! A QMP client (QEMU Machine Protocol: JSON lines over the VM's control socket): one connection
+//! per command, as the runtime issues a handful per VM (status, stop, cont, send-key).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+/// QEMU answers in milliseconds; a wedged one must not hang a DELETE.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    #[error("connect to QMP socket {path}: {source}")]
+    Connect {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("QMP exchange on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("QMP on {path} closed the connection")]
+    Closed { path: PathBuf },
+    #[error("QMP on {path} sent a line that is not JSON: {line:?}")]
+    Decode { path: PathBuf, line: String },
+    #[error("QEMU refused {command}: {desc}")]
+    Refused { command: String, desc: String },
+    #[error("QMP on {path} did not answer {command} within {CALL_TIMEOUT:?}")]
+    Timeout { path: PathBuf, command: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct Qmp {
+    socket: PathBuf,
+}
+
+impl Qmp {
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        Self {
+            socket: socket.into(),
+        }
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Run one command (after the capabilities handshake); its `return` value.
+    pub async fn execute(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
+        tokio::time::timeout(CALL_TIMEOUT, self.exchange(command, arguments))
+            .await
+            .map_err(|_| QmpError::Timeout {
+                path: self.socket.clone(),
+                command: command.into(),
+            })?
+    }
+
+    async fn exchange(&self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
+        let path = self.socket.clone();
+        let stream = UnixStream::connect(&path)
+            .await
+            .map_err(|source| QmpError::Connect {
+                path: path.clone(),
+                source,
+            })?;
+        let (read, mut write) = stream.into_split();
+        let mut lines = BufReader::new(read).lines();
+        let io = |source| QmpError::Io {
+            path: path.clone(),
+            source,
+        };
+        // Greeting, then capabilities negotiation, then the command.
+        let mut next = async || -> Result<Value, QmpError> {
+            loop {
+                let line = lines
+                    .next_line()
+                    .await
+                    .map_err(io)?
+                    .ok_or_else(|| QmpError::Closed { path: path.clone() })?;
+                let v: Value = serde_json::from_str(&line).map_err(|_| QmpError::Decode {
+                    path: path.clone(),
+                    line: line.clone(),
+                })?;
+                // Asynchronous events may arrive at any time: not answers.
+                if v.get("event").is_none() {
+                    return Ok(v);
+                }
+            }
+        };
+        next().await?;
+        let mut send = async |cmd: &str, args: Option<Value>| -> Result<Value, QmpError> {
+            let mut msg = json!({ "execute": cmd });
+            if let Some(a) = args {
+                msg["arguments"] = a;
+            }
+            let mut text = msg.to_string();
+            text.push('\n');
+            write.write_all(text.as_bytes()).await.map_err(io)?;
+            Ok(msg)
+        };
+        send("qmp_capabilities", None).await?;
+        answer("qmp_capabilities", next().await?)?;
+        send(command, arguments).await?;
+        answer(command, next().await?)
+    }
+}
+
+fn answer(command: &str, v: Value) -> Result<Value, QmpError> {
+    if let Some(r) = v.get("return") {
+        return Ok(r.clone());
+    }
+    let desc = v
+        .pointer("/error/desc")
+        .and_then(Value::as_str)
+        .unwrap_or("no description")
+        .to_string();
+    Err(QmpError::Refused {
+        command: command.into(),
+        desc,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::UnixListener;
+
+    /// A QMP server stand-in: greeting, one answer per command line, events in between.
+    async fn serve(listener: UnixListener, answers: Vec<Value>) -> Vec<Value> {
+        let (s, _) = listener.accept().await.unwrap();
+        let (r, mut w) = s.into_split();
+        let mut lines = BufReader::new(r).lines();
+        w.write_all(b"{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        for a in answers {
+            let line = lines.next_line().await.unwrap().unwrap();
+            got.push(serde_json::from_str(&line).unwrap());
+            w.write_all(b"{\"event\": \"RESUME\", \"timestamp\": {}}\n")
+                .await
+                .unwrap();
+            w.write_all(format!("{a}\n").as_bytes()).await.unwrap();
+        }
+        got
+    }
+
+    #[tokio::test]
+    async fn a_command_after_the_handshake_returns_its_value_past_events() {
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("qmp.sock");
+        let server = tokio::spawn(serve(
+            UnixListener::bind(&sock).unwrap(),
+            vec![
+                json!({"return": {}}),
+                json!({"return": {"status": "running", "running": true}}),
+            ],
+        ));
+        let r = Qmp::new(&sock).execute("query-status", None).await.unwrap();
+        assert_eq!(r["status"], "running");
+        let got = server.await.unwrap();
+        assert_eq!(got[0], json!({"execute": "qmp_capabilities"}));
+        assert_eq!(got[1], json!({"execute": "query-status"}));
+    }
+
+    #[tokio::test]
+    async fn a_refusal_carries_qemus_description() {
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("qmp.sock");
+        let server = tokio::spawn(serve(
+            UnixListener::bind(&sock).unwrap(),
+            vec![
+                json!({"return": {}}),
+                json!({"error": {"class": "GenericError", "desc": "no such key"}}),
+            ],
+        ));
+        let e = Qmp::new(&sock)
+            .execute("send-key", Some(json!({"keys": []})))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, QmpError::Refused { command, desc } if command == "send-key" && desc == "no such key"),
+            "{e}"
+        );
+        let got = server.await.unwrap();
+        assert_eq!(got[1]["arguments"], json!({"keys": []}));
+    }
+
+    #[tokio::test]
+    async fn no_socket_is_a_connect_error() {
+        let e = Qmp::new("/nonexistent/qmp.sock")
+            .execute("query-status", None)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, QmpError::Connect { .. }), "{e}");
+    }
+}

@@ -1,0 +1,245 @@
+//! The pure half of a VM start: what the VMM is told (kernel command line, drives in order,
+//! NICs with their MACs, vsock), computed from the spec and the host facts the runtime has
+//! gathered. Backends translate a [`VmPlan`] into their own configuration calls or arguments.
+
+use std::path::PathBuf;
+
+use crate::api::{Backend, VmSpec};
+
+/// Guest CID of every VM: each VM has its own vsock device, so CIDs need not differ.
+pub const GUEST_CID: u32 = 3;
+/// Firecracker appends `root=/dev/vda ro` for the read-only root drive itself; imp-guest is
+/// PID 1 and halts by rebooting, which ends the VMM process. No PCI: virtio-mmio devices.
+pub const DEFAULT_BOOT_ARGS: &str =
+    "console=ttyS0 reboot=k panic=1 pci=off init=/sbin/imp-guest imp.halt=reboot";
+/// QEMU's devices are virtio-pci; the QEMU backend adds the root (`root=` or `imp.lower=`).
+pub const QEMU_BOOT_ARGS: &str =
+    "console=ttyS0 reboot=k panic=1 init=/sbin/imp-guest imp.halt=reboot";
+
+/// The kernel command line every VM of `backend` starts from.
+pub fn default_boot_args(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Firecracker => DEFAULT_BOOT_ARGS,
+        Backend::Qemu => QEMU_BOOT_ARGS,
+    }
+}
+/// Where the guest finds its writable drive (the second virtio drive).
+const OVERLAY_ARG: &str = "imp.overlay=/dev/vdb";
+
+/// One virtio block device, in guest order (`vda`, `vdb`, ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DrivePlan {
+    pub id: &'static str,
+    pub path: PathBuf,
+    pub read_only: bool,
+    pub root: bool,
+}
+
+/// One virtio-net device backed by a host TAP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NicPlan {
+    pub id: &'static str,
+    pub tap: String,
+    pub mac: String,
+}
+
+/// Everything a backend needs to boot one VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmPlan {
+    pub vcpu: u32,
+    pub memory_mib: u64,
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub boot_args: String,
+    pub drives: Vec<DrivePlan>,
+    pub nics: Vec<NicPlan>,
+    pub guest_cid: u32,
+    /// Host side of the hybrid vsock (Firecracker's `uds_path`).
+    pub vsock: PathBuf,
+}
+
+/// Host facts of one VM start, known once disks and the TAP exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostFacts {
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub base_disk: PathBuf,
+    pub writable_disk: Option<PathBuf>,
+    pub tap: Option<String>,
+    pub vsock: PathBuf,
+}
+
+pub fn vm_plan(spec: &VmSpec, host: &HostFacts, backend: Backend) -> VmPlan {
+    let mut boot_args = default_boot_args(backend).to_string();
+    if host.writable_disk.is_some() {
+        boot_args.push(' ');
+        boot_args.push_str(OVERLAY_ARG);
+    }
+    if let Some(extra) = &spec.extra_boot_args {
+        boot_args.push(' ');
+        boot_args.push_str(extra);
+    }
+    let mut drives = vec![DrivePlan {
+        id: "rootfs",
+        path: host.base_disk.clone(),
+        read_only: true,
+        root: true,
+    }];
+    if let Some(w) = &host.writable_disk {
+        drives.push(DrivePlan {
+            id: "writable",
+            path: w.clone(),
+            read_only: false,
+            root: false,
+        });
+    }
+    let nics = host
+        .tap
+        .iter()
+        .map(|t| NicPlan {
+            id: "eth0",
+            tap: t.clone(),
+            mac: spec
+                .network
+                .as_ref()
+                .and_then(|n| n.guest_mac.clone())
+                .unwrap_or_else(|| default_mac(t)),
+        })
+        .collect();
+    VmPlan {
+        vcpu: spec.vcpu,
+        memory_mib: spec.memory_mib,
+        kernel: host.kernel.clone(),
+        initrd: host.initrd.clone(),
+        boot_args,
+        drives,
+        nics,
+        guest_cid: GUEST_CID,
+        vsock: host.vsock.clone(),
+    }
+}
+
+/// A locally administered unicast MAC derived from the TAP name (whose last 8 characters are
+/// hex, see `tap::tap_name`); `06:00:00:00:00:00` for a name that is not.
+pub fn default_mac(tap: &str) -> String {
+    let h = tap
+        .len()
+        .checked_sub(8)
+        .and_then(|i| tap.get(i..))
+        .and_then(|hex| u32::from_str_radix(hex, 16).ok())
+        .unwrap_or(0);
+    let b = h.to_be_bytes();
+    format!("06:00:{:02x}:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2], b[3])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::NetworkSpec;
+
+    fn spec() -> VmSpec {
+        VmSpec {
+            vcpu: 2,
+            memory_mib: 512,
+            base_disk: Some("/images/base.ext4".into()),
+            image: None,
+            writable_disk_bytes: None,
+            kernel: None,
+            initrd: None,
+            extra_boot_args: None,
+            network: None,
+        }
+    }
+
+    fn host() -> HostFacts {
+        HostFacts {
+            kernel: "/images/vmlinux".into(),
+            initrd: None,
+            base_disk: "/cache/abc.ext4".into(),
+            writable_disk: None,
+            tap: None,
+            vsock: "/vms/a/vsock.sock".into(),
+        }
+    }
+
+    #[test]
+    fn bare_vm_boots_the_default_command_line_from_one_read_only_root() {
+        let p = vm_plan(&spec(), &host(), Backend::Firecracker);
+        assert_eq!(p.boot_args, DEFAULT_BOOT_ARGS);
+        assert_eq!(
+            p.drives,
+            vec![DrivePlan {
+                id: "rootfs",
+                path: "/cache/abc.ext4".into(),
+                read_only: true,
+                root: true
+            }]
+        );
+        assert!(p.nics.is_empty());
+        assert_eq!((p.vcpu, p.memory_mib, p.guest_cid), (2, 512, GUEST_CID));
+        assert_eq!(p.vsock, PathBuf::from("/vms/a/vsock.sock"));
+    }
+
+    #[test]
+    fn writable_drive_is_vdb_and_named_on_the_command_line_before_extra_args() {
+        let mut s = spec();
+        s.extra_boot_args = Some("ip=192.0.2.2::192.0.2.1:255.255.255.0".into());
+        let h = HostFacts {
+            writable_disk: Some("/vms/a/writable.img".into()),
+            ..host()
+        };
+        let p = vm_plan(&s, &h, Backend::Firecracker);
+        assert_eq!(
+            p.boot_args,
+            format!(
+                "{DEFAULT_BOOT_ARGS} imp.overlay=/dev/vdb ip=192.0.2.2::192.0.2.1:255.255.255.0"
+            )
+        );
+        assert_eq!(p.drives.len(), 2);
+        assert_eq!(p.drives[1].id, "writable");
+        assert!(!p.drives[1].read_only && !p.drives[1].root);
+    }
+
+    #[test]
+    fn nic_takes_the_spec_mac_or_one_derived_from_the_tap() {
+        let mut s = spec();
+        s.network = Some(NetworkSpec { guest_mac: None });
+        let h = HostFacts {
+            tap: Some("imp0012abcdef".into()),
+            ..host()
+        };
+        assert_eq!(
+            vm_plan(&s, &h, Backend::Firecracker).nics[0].mac,
+            "06:00:12:ab:cd:ef"
+        );
+        s.network = Some(NetworkSpec {
+            guest_mac: Some("06:00:0a:00:00:02".into()),
+        });
+        let p = vm_plan(&s, &h, Backend::Firecracker);
+        assert_eq!(
+            p.nics,
+            vec![NicPlan {
+                id: "eth0",
+                tap: "imp0012abcdef".into(),
+                mac: "06:00:0a:00:00:02".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn qemu_vms_boot_with_pci_and_the_same_guest_arguments() {
+        let p = vm_plan(&spec(), &host(), Backend::Qemu);
+        assert!(!p.boot_args.contains("pci=off"), "{}", p.boot_args);
+        assert!(p.boot_args.contains("init=/sbin/imp-guest imp.halt=reboot"));
+        assert_eq!(
+            p.drives,
+            vm_plan(&spec(), &host(), Backend::Firecracker).drives
+        );
+    }
+
+    #[test]
+    fn default_mac_of_a_short_or_non_hex_name_is_all_zero_host_part() {
+        assert_eq!(default_mac("tap0"), "06:00:00:00:00:00");
+        assert_eq!(default_mac("impzzzzzzzz"), "06:00:00:00:00:00");
+    }
+}

@@ -1,0 +1,305 @@
+//! Request checks before anything is written: the uid, the spec's numbers and names, the host
+//! paths a request may name (only files under the runtime's image directories), and the
+//! writable-drive budget.
+
+use std::path::{Path, PathBuf};
+
+use crate::api::VmSpec;
+
+const MAX_UID_LEN: usize = 63;
+/// Firecracker's ceiling, kept for every backend so a spec means the same everywhere.
+const MAX_VCPU: u32 = 32;
+const MIN_MEMORY_MIB: u64 = 16;
+/// A kernel command line is at most 2048 bytes on x86; leave room for the runtime's own.
+const MAX_EXTRA_BOOT_ARGS: usize = 1024;
+
+/// A refused request: the field at fault and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct Invalid {
+    pub field: &'static str,
+    pub message: String,
+}
+
+fn invalid(field: &'static str, message: String) -> Invalid {
+    Invalid { field, message }
+}
+
+pub fn valid_uid(uid: &str) -> bool {
+    !uid.is_empty()
+        && uid.len() <= MAX_UID_LEN
+        && uid.as_bytes()[0].is_ascii_alphanumeric()
+        && uid
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// The spec's own consistency (no host access).
+pub fn spec(spec: &VmSpec) -> Result<(), Invalid> {
+    if spec.vcpu == 0 || spec.vcpu > MAX_VCPU || (spec.vcpu > 1 && spec.vcpu % 2 == 1) {
+        return Err(invalid(
+            "vcpu",
+            format!("{} must be 1 or an even number up to {MAX_VCPU}", spec.vcpu),
+        ));
+    }
+    if spec.memory_mib < MIN_MEMORY_MIB {
+        return Err(invalid(
+            "memory_mib",
+            format!("{} is below {MIN_MEMORY_MIB}", spec.memory_mib),
+        ));
+    }
+    match (&spec.base_disk, &spec.image) {
+        (Some(_), None) => {}
+        (None, Some(image)) => {
+            for (field, reference) in [
+                ("image.base", Some(&image.base)),
+                ("image.runner", image.runner.as_ref()),
+            ] {
+                if let Some(r) = reference
+                    && let Err(e) = r.parse::<oci_client::Reference>()
+                {
+                    return Err(invalid(
+                        field,
+                        format!("{r:?} is not an image reference: {e}"),
+                    ));
+                }
+            }
+        }
+        _ => {
+            return Err(invalid(
+                "base_disk",
+                "exactly one of base_disk and image is required".into(),
+            ));
+        }
+    }
+    if spec.writable_disk_bytes == Some(0) {
+        return Err(invalid("writable_disk_bytes", "must be positive".into()));
+    }
+    if let Some(extra) = &spec.extra_boot_args
+        && (extra.len() > MAX_EXTRA_BOOT_ARGS || extra.chars().any(|c| c.is_control()))
+    {
+        return Err(invalid(
+            "extra_boot_args",
+            format!("at most {MAX_EXTRA_BOOT_ARGS} bytes without control characters"),
+        ));
+    }
+    if let Some(mac) = spec.network.as_ref().and_then(|n| n.guest_mac.as_ref()) {
+        let parts: Vec<&str> = mac.split(':').collect();
+        if parts.len() != 6
+            || !parts
+                .iter()
+                .all(|p| p.len() == 2 && u8::from_str_radix(p, 16).is_ok())
+        {
+            return Err(invalid(
+                "network.guest_mac",
+                format!("{mac:?} is not a MAC address"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `path` (a request's kernel, initrd or base disk) resolved, symlinks and `..` included, to a
+/// regular file under one of `dirs`; the resolved path is what the VMM is given.
+pub fn allowed_file(
+    field: &'static str,
+    path: &Path,
+    dirs: &[PathBuf],
+) -> Result<PathBuf, Invalid> {
+    let refuse = |why: &str| {
+        invalid(
+            field,
+            format!(
+                "{} {why}; files must lie under {}",
+                path.display(),
+                if dirs.is_empty() {
+                    "a configured image directory (none is configured)".to_string()
+                } else {
+                    dirs.iter()
+                        .map(|d| d.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                }
+            ),
+        )
+    };
+    if !path.is_absolute() {
+        return Err(refuse("is not an absolute path"));
+    }
+    let real = path.canonicalize().map_err(|_| refuse("does not exist"))?;
+    if !real.is_file() {
+        return Err(refuse("is not a regular file"));
+    }
+    let inside = dirs
+        .iter()
+        .filter_map(|d| d.canonicalize().ok())
+        .any(|d| real.starts_with(d));
+    if !inside {
+        return Err(refuse("is outside the allowed directories"));
+    }
+    Ok(real)
+}
+
+/// Writable-drive bytes a new VM may add: `asked` fits when `used + asked <= budget`.
+pub fn disk_budget(used: u64, asked: u64, budget: u64) -> Result<(), Invalid> {
+    if used.checked_add(asked).is_some_and(|total| total <= budget) {
+        return Ok(());
+    }
+    Err(invalid(
+        "writable_disk_bytes",
+        format!(
+            "{asked} bytes do not fit the node's writable-drive budget: {used} of {budget} bytes are in use"
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::NetworkSpec;
+
+    fn ok_spec() -> VmSpec {
+        VmSpec {
+            vcpu: 2,
+            memory_mib: 512,
+            base_disk: Some("/images/base.ext4".into()),
+            image: None,
+            writable_disk_bytes: Some(1 << 30),
+            kernel: None,
+            initrd: None,
+            extra_boot_args: None,
+            network: None,
+        }
+    }
+
+    fn field_of(s: VmSpec) -> &'static str {
+        spec(&s).unwrap_err().field
+    }
+
+    #[test]
+    fn uids_are_dns_labels() {
+        assert!(valid_uid("a"));
+        assert!(valid_uid("0a-b"));
+        assert!(valid_uid(&"a".repeat(63)));
+        for bad in ["", "-a", "A", "a_b", "a/b", "..", "a.b", &"a".repeat(64)] {
+            assert!(!valid_uid(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn each_bad_spec_names_its_field() {
+        assert_eq!(spec(&ok_spec()), Ok(()));
+        assert_eq!(
+            field_of(VmSpec {
+                vcpu: 0,
+                ..ok_spec()
+            }),
+            "vcpu"
+        );
+        assert_eq!(
+            field_of(VmSpec {
+                vcpu: 3,
+                ..ok_spec()
+            }),
+            "vcpu"
+        );
+        assert_eq!(
+            field_of(VmSpec {
+                vcpu: 34,
+                ..ok_spec()
+            }),
+            "vcpu"
+        );
+        assert_eq!(
+            field_of(VmSpec {
+                memory_mib: 8,
+                ..ok_spec()
+            }),
+            "memory_mib"
+        );
+        assert_eq!(
+            field_of(VmSpec {
+                base_disk: None,
+                ..ok_spec()
+            }),
+            "base_disk"
+        );
+        assert_eq!(
+            field_of(VmSpec {
+                writable_disk_bytes: Some(0),
+                ..ok_spec()
+            }),
+            "writable_disk_bytes"
+        );
+        assert_eq!(
+            field_of(VmSpec {
+                extra_boot_args: Some("a\nb".into()),
+                ..ok_spec()
+            }),
+            "extra_boot_args"
+        );
+        assert_eq!(
+            field_of(VmSpec {
+                network: Some(NetworkSpec {
+                    guest_mac: Some("06:00:0a:00:00".into())
+                }),
+                ..ok_spec()
+            }),
+            "network.guest_mac"
+        );
+    }
+
+    #[test]
+    fn image_references_are_parsed() {
+        let image: crate::rootfs::store::ImageSpec =
+            serde_json::from_str(r#"{"base":"UPPER CASE::x"}"#).unwrap();
+        let s = VmSpec {
+            base_disk: None,
+            image: Some(image),
+            ..ok_spec()
+        };
+        assert_eq!(spec(&s).unwrap_err().field, "image.base");
+    }
+
+    #[test]
+    fn host_paths_must_resolve_under_an_allowed_dir() {
+        let root = tempfile::tempdir().unwrap();
+        let images = root.path().join("images");
+        std::fs::create_dir(&images).unwrap();
+        let kernel = images.join("vmlinux");
+        std::fs::write(&kernel, b"k").unwrap();
+        let outside = root.path().join("secret");
+        std::fs::write(&outside, b"s").unwrap();
+        std::os::unix::fs::symlink(&outside, images.join("link")).unwrap();
+        let dirs = [images.clone()];
+
+        assert_eq!(
+            allowed_file("kernel", &kernel, &dirs).unwrap(),
+            kernel.canonicalize().unwrap()
+        );
+        for (path, why) in [
+            (outside.clone(), "outside"),
+            (images.join("../secret"), "outside"),
+            (images.join("link"), "outside"),
+            (images.join("missing"), "does not exist"),
+            (images.clone(), "not a regular file"),
+            (PathBuf::from("images/vmlinux"), "not an absolute path"),
+        ] {
+            let e = allowed_file("kernel", &path, &dirs).unwrap_err();
+            assert_eq!(e.field, "kernel");
+            assert!(e.message.contains(why), "{path:?}: {e}");
+        }
+        let none = allowed_file("base_disk", &kernel, &[]).unwrap_err();
+        assert!(none.message.contains("none is configured"), "{none}");
+    }
+
+    #[test]
+    fn disk_budget_counts_what_is_in_use() {
+        assert_eq!(disk_budget(0, 10, 10), Ok(()));
+        assert_eq!(disk_budget(4, 6, 10), Ok(()));
+        let e = disk_budget(5, 6, 10).unwrap_err();
+        assert_eq!(e.field, "writable_disk_bytes");
+        assert!(e.message.contains("5 of 10"), "{e}");
+        assert!(disk_budget(u64::MAX, 1, u64::MAX).is_err());
+    }
+}
