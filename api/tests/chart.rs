@@ -3,7 +3,10 @@
 //! the KVM preflight and its nodeSelector, the webhook Service/Ingress), and `helm install` of the
 //! digest-pinned production values into the test API server.
 
-use std::{path::PathBuf, process::Output};
+use std::{
+    path::PathBuf,
+    process::{Command, Output},
+};
 
 use imp_testkit::{TestEnv, paths};
 use serde::Deserialize;
@@ -49,10 +52,19 @@ fn output_text(out: &Output) -> String {
     )
 }
 
+/// Runs `cmd`, which must succeed; its output.
+fn run_ok(cmd: &mut Command, what: &str) -> Output {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
+    assert!(out.status.success(), "{what}: {}", output_text(&out));
+    out
+}
+
 /// `helm template` with the values files in order: the rendered objects, or helm's error output.
 fn render(files: &[&PathBuf], sets: &[&str]) -> Result<Vec<Value>, String> {
     let home = tempfile::tempdir().unwrap();
-    let mut cmd = std::process::Command::new(paths::testenv_bin("helm"));
+    let mut cmd = Command::new(paths::testenv_bin("helm"));
     cmd.env("HELM_CACHE_HOME", home.path().join("cache"))
         .env("HELM_CONFIG_HOME", home.path().join("config"))
         .env("HELM_DATA_HOME", home.path().join("data"))
@@ -84,6 +96,21 @@ fn render(files: &[&PathBuf], sets: &[&str]) -> Result<Vec<Value>, String> {
 
 fn render_ok(files: &[&PathBuf], sets: &[&str]) -> Vec<Value> {
     render(files, sets).unwrap_or_else(|e| panic!("helm template {files:?} {sets:?}: {e}"))
+}
+
+/// The merged seed with `sets` must be refused, and helm's error must name `field`.
+fn assert_seed_rejected_naming(sets: &[&str], field: &str) {
+    let err = render(&[&seed_values("helm-values-seed.yaml")], sets)
+        .expect_err(&format!("the seed values with {sets:?} must be refused"));
+    assert!(err.contains(field), "error names {field}: {err}");
+}
+
+/// The image of container `c` in the pod template's `list` of workload `kind`/`name`.
+fn image_of(objects: &[Value], kind: &str, name: &str, list: &str, c: &str) -> String {
+    container(get(objects, kind, name), list, c)["image"]
+        .as_str()
+        .unwrap()
+        .to_owned()
 }
 
 fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> Option<&'a Value> {
@@ -284,24 +311,17 @@ fn kernel_path_and_fc_bin_path_are_required() {
         "error names both: {err}"
     );
 
-    let err = render(
-        &[&seed_values("helm-values-seed.yaml")],
-        &["agent.env.kernelPath="],
-    )
-    .expect_err("an empty kernelPath is no path");
-    assert!(err.contains("kernelPath"), "error names kernelPath: {err}");
+    // An empty path is no path.
+    assert_seed_rejected_naming(&["agent.env.kernelPath="], "kernelPath");
+    assert_seed_rejected_naming(&["agent.env.fcBinPath="], "fcBinPath");
 }
 
 #[test]
 fn digests_pin_every_image() {
     let (_d, production) = values_file(&production_values());
     let objects = render_ok(&[&production], &[]);
-    let image = |kind: &str, name: &str, list: &str, c: &str| {
-        container(get(&objects, kind, name), list, c)["image"]
-            .as_str()
-            .unwrap()
-            .to_owned()
-    };
+    let image =
+        |kind: &str, name: &str, list: &str, c: &str| image_of(&objects, kind, name, list, c);
     assert_eq!(
         image("Deployment", "imp-operator", "containers", "operator"),
         format!("ghcr.io/imp-dev/imp-operator@{OPERATOR_DIGEST}")
@@ -331,12 +351,7 @@ fn digests_pin_every_image() {
             "runtime.image.tag=1.2.3",
         ],
     );
-    let image = |kind: &str, name: &str, c: &str| {
-        container(get(&objects, kind, name), "containers", c)["image"]
-            .as_str()
-            .unwrap()
-            .to_owned()
-    };
+    let image = |kind: &str, name: &str, c: &str| image_of(&objects, kind, name, "containers", c);
     assert_eq!(
         image("Deployment", "imp-operator", "operator"),
         "ghcr.io/imp-dev/imp-operator:9.9.9"
@@ -350,12 +365,8 @@ fn digests_pin_every_image() {
         "ghcr.io/imp-dev/imp-runtime:1.2.3"
     );
 
-    let err = render(
-        &[&seed_values("helm-values-seed.yaml")],
-        &["operator.image.digest=latest"],
-    )
-    .expect_err("a digest that is no sha256 digest");
-    assert!(err.contains("digest"), "error names the digest: {err}");
+    // A digest that is no sha256 digest.
+    assert_seed_rejected_naming(&["operator.image.digest=latest"], "/operator/image/digest");
 }
 
 #[test]
@@ -420,48 +431,35 @@ async fn production_values_install_into_the_api_server() {
     let env = TestEnv::new("chartprod").await;
     let home = tempfile::tempdir().unwrap();
     let monitoring = paths::workspace_root().join("testkit/fixtures/monitoring-crds.yaml");
-    let out = env
-        .kubectl()
-        .args(["apply", "-f"])
-        .arg(&monitoring)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "install monitoring CRDs: {}",
-        output_text(&out)
+    run_ok(
+        env.kubectl().args(["apply", "-f"]).arg(&monitoring),
+        "install the monitoring CRDs",
     );
     let (_d, production) = values_file(&production_values());
     let release = "imp-prod";
-    let out = env
-        .helm(home.path())
-        .args(["install", release])
-        .arg(paths::chart_dir())
-        .args(["--skip-crds", "--wait=false", "-f"])
-        .arg(&production)
-        .args(["--set", "webhook.ingress.enabled=true"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "helm install -f production values: {}",
-        output_text(&out)
+    let out = run_ok(
+        env.helm(home.path())
+            .args(["install", release])
+            .arg(paths::chart_dir())
+            .args(["--skip-crds", "--wait=false", "-f"])
+            .arg(&production)
+            .args(["--set", "webhook.ingress.enabled=true"]),
+        "helm install -f production values",
     );
     let notes = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         notes.contains("appSecretRef") && notes.contains("imp/enabled=true"),
         "NOTES.txt gives the next steps: {notes}"
     );
-    let out = env
-        .kubectl()
-        .args([
+    let out = run_ok(
+        env.kubectl().args([
             "get",
             "deployment,daemonset",
             "-o",
             "jsonpath={range .items[*]}{.metadata.name}={.spec.template.spec.containers[0].image}{\"\\n\"}{end}",
-        ])
-        .output()
-        .unwrap();
+        ]),
+        "kubectl get the workloads",
+    );
     let listed = output_text(&out);
     for line in [
         format!("imp-prod-operator=ghcr.io/imp-dev/imp-operator@{OPERATOR_DIGEST}"),
@@ -470,11 +468,11 @@ async fn production_values_install_into_the_api_server() {
     ] {
         assert!(listed.lines().any(|l| l == line), "{line} in {listed}");
     }
-    let out = env
-        .kubectl()
-        .args(["get", "ingress,servicemonitor,podmonitor", "-o", "name"])
-        .output()
-        .unwrap();
+    let out = run_ok(
+        env.kubectl()
+            .args(["get", "ingress,servicemonitor,podmonitor", "-o", "name"]),
+        "kubectl get the Ingress and monitors",
+    );
     let listed = output_text(&out);
     for name in [
         "ingress.networking.k8s.io/imp-prod-webhook",
@@ -484,14 +482,8 @@ async fn production_values_install_into_the_api_server() {
     ] {
         assert!(listed.lines().any(|l| l == name), "{name} in {listed}");
     }
-    let out = env
-        .helm(home.path())
-        .args(["uninstall", release])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "helm uninstall: {}",
-        output_text(&out)
+    run_ok(
+        env.helm(home.path()).args(["uninstall", release]),
+        "helm uninstall",
     );
 }
