@@ -39,14 +39,15 @@ guest-vm:
 	guest/vm-test.sh
 
 ## images/: the kernel config fragment against the installed kernel, the runner layer builds
-## (determinism, digests, the wrapper never printing the JIT config), the initrd's reproducibility.
-images: guest-static
+## (determinism, digests, the wrapper never printing the JIT config), the initrd's reproducibility, the
+## component images (reproducible, each binary runs from its image, the chart renders their digests).
+images: testenv guest-static
 	IMP_GUEST_STATIC_BIN="$${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release/imp-guest" images/test.sh
 
-## helm lint with defaults and with every seed values file.
+## helm lint with the merged seed values (kernelPath and fcBinPath have no defaults) and every seed values
+## file over them.
 chart-lint: testenv
-	testenv/bin/helm lint --strict helm/imp
-	for f in ../shared/reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f "$$f" || exit 1; done
+	for f in ../shared/reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f ../shared/reference/seed-examples/helm-values-seed.yaml -f "$$f" || exit 1; done
 
 ## The local smoke run: the runner lifecycle against the simulators and a real API server.
 smoke: testenv

@@ -196,6 +196,11 @@ async fn seed_helm_values_install_the_chart() {
         })
         .collect();
     assert!(values.len() >= 2, "expected helm values seeds");
+    // helm-values-seed.yaml is the seed documents' values merged; the other files are excerpts (e.g. the
+    // monitor toggles) that name no fcBinPath, which the chart requires (api/tests/chart.rs checks that a
+    // file without it is refused): each installs over the merged seed.
+    let merged = paths::shared_reference_dir().join("seed-examples/helm-values-seed.yaml");
+    assert!(values.contains(&merged), "expected {}", merged.display());
     for (i, file) in values.iter().enumerate() {
         let release = format!("imp-seed-{i}");
         let out = run(
@@ -203,6 +208,8 @@ async fn seed_helm_values_install_the_chart() {
                 .args(["install", &release])
                 .arg(paths::chart_dir())
                 .args(["--skip-crds", "--wait=false", "-f"])
+                .arg(&merged)
+                .arg("-f")
                 .arg(file)
                 .output(),
             "helm install",

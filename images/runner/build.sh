@@ -20,6 +20,8 @@
 # input give the same manifest digest, which is printed.
 # Needs: tar, gzip, sha256sum (coreutils); skopeo only for --push (Debian: skopeo).
 set -euo pipefail
+# shellcheck source=../oci-layout.sh
+. "$(dirname "$0")/../oci-layout.sh"
 
 die() { echo "runner/build.sh: $*" >&2; exit 1; }
 need() { command -v "$1" >/dev/null || die "needs $1 (Debian package: $2)"; }
@@ -118,44 +120,10 @@ tar -cf "$work/usr.tar" "${topts[@]}" --owner=0 --group=0 \
 tar -Af "$work/layer.tar" "$work/runner.tar"
 tar -Af "$work/layer.tar" "$work/usr.tar"
 
-blobs="$work/oci/blobs/sha256"
-mkdir -p "$blobs"
-sha() { sha256sum "$1" | cut -d' ' -f1; }
-# Store a file as a blob; prints its digest (hex).
-put() { local d; d="$(sha "$1")"; cp "$1" "$blobs/$d"; echo "$d"; }
-
-diff_id="$(sha "$work/layer.tar")"
-gzip -n -9 -c "$work/layer.tar" >"$work/layer.tar.gz"
-layer="$(put "$work/layer.tar.gz")"
-layer_size="$(stat -c %s "$work/layer.tar.gz")"
-
-printf '%s' '{"architecture":"amd64","os":"linux",'\
-'"config":{"Entrypoint":["/usr/local/bin/imp-runner"],"WorkingDir":"/opt/actions-runner"},'\
-'"rootfs":{"type":"layers","diff_ids":["sha256:'"$diff_id"'"]}}' >"$work/config.json"
-config="$(put "$work/config.json")"
-config_size="$(stat -c %s "$work/config.json")"
-
-printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json",'\
-'"config":{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"sha256:'"$config"'","size":'"$config_size"'},'\
-'"layers":[{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"sha256:'"$layer"'","size":'"$layer_size"'}]}' \
-    >"$work/manifest.json"
-manifest="$(put "$work/manifest.json")"
-manifest_size="$(stat -c %s "$work/manifest.json")"
-
-printf '%s' '{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json",'\
-'"manifests":[{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:'"$manifest"'","size":'"$manifest_size"','\
-'"annotations":{"org.opencontainers.image.ref.name":"'"$tag"'"}}]}' >"$work/oci/index.json"
-printf '%s' '{"imageLayoutVersion":"1.0.0"}' >"$work/oci/oci-layout"
-
-if [ -e "$out" ]; then
-    if [ -f "$out/oci-layout" ] || [ -z "$(ls -A "$out")" ]; then
-        rm -rf "$out"
-    else
-        die "--out $out exists and is not an OCI layout; refusing to replace it"
-    fi
-fi
-mkdir -p "$(dirname "$out")"
-mv "$work/oci" "$out"
+oci_write_layout "$work" "$work/layer.tar" \
+    '"Entrypoint":["/usr/local/bin/imp-runner"],"WorkingDir":"/opt/actions-runner"' "$tag" "$out" ||
+    die "cannot write the layout to $out"
+manifest="$OCI_MANIFEST" layer="$OCI_LAYER" layer_size="$OCI_LAYER_SIZE"
 
 echo "runner/build.sh: wrote $out (tag $tag): manifest sha256:$manifest, layer sha256:$layer ($layer_size bytes)"
 if [ -n "$push" ]; then

@@ -1,0 +1,237 @@
+//! docs/rbac.md's tables against the real API server: the chart is installed (once with `runnerNamespaces`
+//! set, once empty), and every row is asked as a SubjectAccessReview impersonating that component's
+//! ServiceAccount. A rule widened or missing in helm/imp/templates/rbac.yaml fails its row.
+
+use std::{path::Path, process::Output};
+
+use imp_testkit::{TestEnv, paths};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use kube::{Api, api::PostParams};
+
+/// One row of a docs/rbac.md table.
+#[derive(Debug)]
+struct Row {
+    component: String,
+    verb: String,
+    group: String,
+    resource: String,
+    subresource: Option<String>,
+    /// `release`, `runner`, `other` or `cluster`.
+    namespace: String,
+    name: Option<String>,
+    allowed: bool,
+}
+
+/// The rows of the table under the heading `## {heading}` in docs/rbac.md.
+fn table(heading: &str) -> Vec<Row> {
+    let path = paths::workspace_root().join("docs/rbac.md");
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let start = text
+        .find(&format!("\n## {heading}\n"))
+        .unwrap_or_else(|| panic!("{}: no heading `## {heading}`", path.display()));
+    let rows: Vec<Row> = text[start..]
+        .lines()
+        .skip(2)
+        .take_while(|l| !l.starts_with("## "))
+        .filter(|l| l.starts_with('|'))
+        .skip(2) // header and separator
+        .map(|l| parse_row(l, &path))
+        .collect();
+    assert!(
+        rows.len() >= 5,
+        "{}: the table under `## {heading}` has only {} rows",
+        path.display(),
+        rows.len()
+    );
+    rows
+}
+
+fn parse_row(line: &str, path: &Path) -> Row {
+    let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+    let [component, verb, resource, namespace, name, decision] = cells[..] else {
+        panic!("{}: row `{line}` has not 6 cells", path.display());
+    };
+    // `group/resource[/subresource]`; the core group has no prefix.
+    let mut parts: Vec<&str> = resource.split('/').collect();
+    if !parts[0].contains('.') {
+        parts.insert(0, "");
+    }
+    let allowed = match decision {
+        "allowed" => true,
+        "denied" => false,
+        other => panic!(
+            "{}: row `{line}`: decision `{other}` is neither allowed nor denied",
+            path.display()
+        ),
+    };
+    assert!(
+        ["release", "runner", "other", "cluster"].contains(&namespace),
+        "{}: row `{line}`: unknown namespace `{namespace}`",
+        path.display()
+    );
+    Row {
+        component: component.to_owned(),
+        verb: verb.to_owned(),
+        group: parts[0].to_owned(),
+        resource: parts[1].to_owned(),
+        subresource: parts.get(2).map(|s| (*s).to_owned()),
+        namespace: namespace.to_owned(),
+        name: (!name.is_empty()).then(|| name.to_owned()),
+        allowed,
+    }
+}
+
+fn output_text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A chart release in `env`'s namespace, uninstalled on drop (its ClusterRoles are cluster-scoped).
+struct Release<'a> {
+    env: &'a TestEnv,
+    home: tempfile::TempDir,
+    name: String,
+}
+
+impl<'a> Release<'a> {
+    fn install(env: &'a TestEnv, name: &str, runner_namespaces: &[&str]) -> Self {
+        let home = tempfile::tempdir().unwrap();
+        let mut cmd = env.helm(home.path());
+        cmd.args(["install", name])
+            .arg(paths::chart_dir())
+            .args(["--skip-crds", "--wait=false"])
+            .args(["--set", "agent.env.kernelPath=/var/lib/imp/vmlinux"])
+            .args(["--set", "agent.env.fcBinPath=/usr/local/bin/firecracker"])
+            .args(["--set", "operator.webhookSecretName=imp-webhook"])
+            .args(["--set", "metrics.serviceMonitor.enabled=false"])
+            .args(["--set", "metrics.podMonitor.enabled=false"]);
+        if !runner_namespaces.is_empty() {
+            cmd.args([
+                "--set",
+                &format!("runnerNamespaces={{{}}}", runner_namespaces.join(",")),
+            ]);
+        }
+        let out = cmd.output().expect("run helm");
+        assert!(
+            out.status.success(),
+            "helm install {name}: {}",
+            output_text(&out)
+        );
+        Self {
+            env,
+            home,
+            name: name.to_owned(),
+        }
+    }
+
+    fn service_account(&self, component: &str) -> String {
+        // The release names below never contain the chart's name: fullname is `<release>-imp`.
+        format!(
+            "system:serviceaccount:{}:{}-imp-{component}",
+            self.env.namespace, self.name
+        )
+    }
+}
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .env
+            .helm(self.home.path())
+            .args(["uninstall", &self.name])
+            .output();
+    }
+}
+
+/// Asks every row as its component's ServiceAccount; all mismatches are reported together.
+async fn check(release: &Release<'_>, rows: &[Row], runner: &str, other: &str) {
+    let api: Api<SubjectAccessReview> = Api::all(release.env.client.clone());
+    let mut wrong = Vec::new();
+    for row in rows {
+        let namespace = match row.namespace.as_str() {
+            "release" => Some(release.env.namespace.clone()),
+            "runner" => Some(runner.to_owned()),
+            "other" => Some(other.to_owned()),
+            _ => None,
+        };
+        let sa_namespace = release.env.namespace.clone();
+        let review = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(release.service_account(&row.component)),
+                // The groups a ServiceAccount token carries.
+                groups: Some(vec![
+                    "system:serviceaccounts".into(),
+                    format!("system:serviceaccounts:{sa_namespace}"),
+                    "system:authenticated".into(),
+                ]),
+                resource_attributes: Some(ResourceAttributes {
+                    group: Some(row.group.clone()),
+                    resource: Some(row.resource.clone()),
+                    subresource: row.subresource.clone(),
+                    verb: Some(row.verb.clone()),
+                    namespace,
+                    name: row.name.clone(),
+                    ..ResourceAttributes::default()
+                }),
+                ..SubjectAccessReviewSpec::default()
+            },
+            ..SubjectAccessReview::default()
+        };
+        let answer = api
+            .create(&PostParams::default(), &review)
+            .await
+            .unwrap_or_else(|e| panic!("SubjectAccessReview for {row:?}: {e}"));
+        let status = answer.status.expect("SubjectAccessReview status");
+        if status.allowed != row.allowed {
+            wrong.push(format!(
+                "{row:?}: the API server says allowed={} ({})",
+                status.allowed,
+                status.reason.unwrap_or_default()
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} docs/rbac.md rows do not hold:\n{}",
+        wrong.len(),
+        rows.len(),
+        wrong.join("\n")
+    );
+}
+
+#[tokio::test]
+async fn rbac_table_holds_with_runner_namespaces() {
+    let env = TestEnv::new("rbac").await;
+    let runner = TestEnv::new("rbacrun").await;
+    let other = TestEnv::new("rbacother").await;
+    let suffix = &env.namespace[env.namespace.len() - 8..];
+    let release = Release::install(&env, &format!("rbac-{suffix}"), &[&runner.namespace]);
+    check(
+        &release,
+        &table("With runnerNamespaces set"),
+        &runner.namespace,
+        &other.namespace,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn rbac_table_holds_in_the_cluster_wide_fallback() {
+    let env = TestEnv::new("rbacwide").await;
+    let other = TestEnv::new("rbacother").await;
+    let suffix = &env.namespace[env.namespace.len() - 8..];
+    let release = Release::install(&env, &format!("rbacwide-{suffix}"), &[]);
+    check(
+        &release,
+        &table("With runnerNamespaces empty (cluster-wide fallback)"),
+        &other.namespace,
+        &other.namespace,
+    )
+    .await;
+}
