@@ -76,7 +76,10 @@ mod tests {
     #[test]
     fn sub_second_values_are_exact() {
         let b = Backoff::new(MS(250), S(1));
-        assert_eq!([b.delay(0), b.delay(1), b.delay(2)], [MS(250), MS(500), S(1)]);
+        assert_eq!(
+            [b.delay(0), b.delay(1), b.delay(2)],
+            [MS(250), MS(500), S(1)]
+        );
         let ns = Backoff::new(Duration::from_nanos(3), Duration::from_nanos(100));
         assert_eq!(ns.delay(4), Duration::from_nanos(48));
         assert_eq!(ns.delay(6), Duration::from_nanos(100));
@@ -108,7 +111,10 @@ mod tests {
     #[test]
     fn the_cap_applies_to_attempt_zero_and_zero_stays_zero() {
         assert_eq!(Backoff::new(S(30), S(10)).delay(0), S(10));
-        assert_eq!(Backoff::new(Duration::ZERO, S(10)).delay(u32::MAX), Duration::ZERO);
+        assert_eq!(
+            Backoff::new(Duration::ZERO, S(10)).delay(u32::MAX),
+            Duration::ZERO
+        );
         assert_eq!(Backoff::new(S(1), Duration::ZERO).delay(3), Duration::ZERO);
     }
 
@@ -122,7 +128,10 @@ mod tests {
             let mid = b.jittered(attempt, 0.5);
             assert!(mid > full / 2 && mid < full, "attempt {attempt}: {mid:?}");
             let hi = b.jittered(attempt, 0.999_999);
-            assert!(hi <= full && hi > full.mul_f64(0.99), "attempt {attempt}: {hi:?}");
+            assert!(
+                hi <= full && hi > full.mul_f64(0.99),
+                "attempt {attempt}: {hi:?}"
+            );
         }
     }
 

@@ -60,7 +60,10 @@ mod tests {
             assert!(!text.contains("ghs_s3cr3t"), "{text}");
             assert!(!text.contains("eyJqaXQi"), "{text}");
             assert!(text.contains("[REDACTED]"), "{text}");
-            assert!(text.contains("\"n\""), "non-secret fields still print: {text}");
+            assert!(
+                text.contains("\"n\""),
+                "non-secret fields still print: {text}"
+            );
         }
     }
 

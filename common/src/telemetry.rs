@@ -1,6 +1,6 @@
 //! How every Imp binary starts and stops: the same log flags (`--log` / `IMP_LOG`, `--log-format` /
 //! `IMP_LOG_FORMAT`), logs on stderr with ANSI colour only when stderr is a terminal, and one
-//! [`shutdown_signal`] (SIGTERM, what Kubernetes sends, or SIGINT) that starts a graceful stop.
+//! [`ShutdownSignal`] (SIGTERM, what Kubernetes sends, or SIGINT) that starts a graceful stop.
 
 use std::io::IsTerminal;
 
@@ -59,21 +59,10 @@ impl LogArgs {
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT and logs which one; the binary then stops serving,
-/// lets its tasks end (or aborts them) and exits 0. Fails only if the handlers cannot be installed,
-/// which is checked before serving starts: see [`ShutdownSignal::install`].
-pub async fn shutdown_signal() {
-    match ShutdownSignal::install() {
-        Ok(s) => s.recv().await,
-        Err(e) => {
-            tracing::error!(error = %e, "installing the SIGTERM/SIGINT handlers failed; stop with SIGKILL");
-            std::future::pending::<()>().await
-        }
-    }
-}
-
-/// SIGTERM and SIGINT handlers, installed up front so a signal that arrives while the binary is
-/// still starting is not lost (and not fatal: tokio's handler replaces the default action).
+/// SIGTERM and SIGINT handlers. Install them first thing in `main` (a signal that arrives while the
+/// binary is still starting is then kept, not fatal: tokio's handler replaces the default
+/// action); [`recv`](Self::recv) resolves on the first of them, and the binary then stops serving,
+/// lets its tasks end (or aborts them) and exits 0.
 pub struct ShutdownSignal {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
@@ -135,7 +124,10 @@ mod tests {
     #[test]
     fn an_unknown_format_is_rejected_naming_the_flag() {
         let err = parse(&["--log-format", "yaml"]).unwrap_err().to_string();
-        assert!(err.contains("--log-format") && err.contains("yaml"), "{err}");
+        assert!(
+            err.contains("--log-format") && err.contains("yaml"),
+            "{err}"
+        );
         assert!(err.contains("text") && err.contains("json"), "{err}");
     }
 
@@ -146,7 +138,10 @@ mod tests {
             format: LogFormat::Text,
         };
         let err = a.init().unwrap_err().to_string();
-        assert!(err.contains("--log / IMP_LOG") && err.contains("imp=["), "{err}");
+        assert!(
+            err.contains("--log / IMP_LOG") && err.contains("imp=["),
+            "{err}"
+        );
     }
 
     #[tokio::test]

@@ -49,7 +49,7 @@ impl Agent {
             .env("IMP_HTTP_ADDR", format!("127.0.0.1:{port}"))
             .env("IMP_RUNNER_COMMAND", runner_command)
             .env(
-                "RUST_LOG",
+                "IMP_LOG",
                 "debug,hyper=info,kube_client=info,tower=info,h2=info,rustls=info",
             )
             .stdin(Stdio::null())

@@ -5,8 +5,9 @@ mod common;
 
 use common::{Harness, simulator};
 use http::StatusCode;
+use imp_common::SecretString;
 use imp_node::inventory::VmState;
-use imp_node::rootfs::auth::{PullCredentials, Secret};
+use imp_node::rootfs::auth::PullCredentials;
 use imp_node::rootfs::store::ImageSpec;
 use imp_node::runtime::VmSpec;
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
@@ -24,7 +25,7 @@ fn image_spec(h: &Harness, base: &str, password: &str) -> VmSpec {
             runner: None,
             credentials: Some(PullCredentials::Basic {
                 username: USER.into(),
-                password: Secret::new(password),
+                password: SecretString::from(password),
             }),
         }),
         ..h.spec(false)

@@ -197,10 +197,10 @@ impl Harness {
             .env("IMP_STATE_DIR", &self.state_dir)
             .env("IMP_KERNEL", &self.kernel)
             .env("IMP_METRICS_ADDR", "127.0.0.1:0")
-            .env("IMP_BOOT_TIMEOUT_SECS", self.boot_timeout_secs.to_string())
-            .env("IMP_STOP_TIMEOUT_SECS", "2")
+            .env("IMP_BOOT_TIMEOUT", format!("{}s", self.boot_timeout_secs))
+            .env("IMP_STOP_TIMEOUT", "2s")
             .env("IMP_SIM_BEHAVIOUR", self.dir.path().join("behaviour.json"))
-            .env("RUST_LOG", "info")
+            .env("IMP_LOG", "info")
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -244,6 +244,13 @@ impl Harness {
 
     pub fn runtime_pid(&self) -> Option<u32> {
         self.runtime.as_ref().map(|c| c.id())
+    }
+
+    /// `kill -<signal>` the runtime ("TERM", "INT") and wait (up to 20 s) for it to exit.
+    pub fn signal_runtime(&mut self, signal: &str) -> std::process::ExitStatus {
+        let mut child = self.runtime.take().expect("runtime running");
+        imp_testkit::binlog::send_signal(child.id(), signal);
+        imp_testkit::binlog::wait_exit(&mut child, Duration::from_secs(20))
     }
 
     /// kill -9 the runtime (VMs must survive it).
