@@ -7,7 +7,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{Harness, simulator};
@@ -71,16 +71,10 @@ struct Agent(Option<Child>);
 impl Agent {
     fn start(env: &TestEnv, rt: &Harness, node: &str, format: &str, log: &Path) -> Agent {
         let (out, err) = binlog::log_file(log);
-        let child = Command::new(env!("CARGO_BIN_EXE_imp-agent"))
-            .env("KUBECONFIG", env.kubeconfig_path())
-            .env("IMP_NODE_NAME", node)
-            .env("IMP_NAMESPACE", &env.namespace)
-            .env("IMP_RUNTIME_SOCKET", &rt.socket)
-            .env("IMP_HEARTBEAT_INTERVAL", "1s")
+        let child = common::agent_command(env, rt, node)
             .env("IMP_HTTP_ADDR", "127.0.0.1:0")
             .env("IMP_LOG", "info")
             .env("IMP_LOG_FORMAT", format)
-            .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
             .spawn()

@@ -62,13 +62,8 @@ async fn no_secret_reaches_the_logs() {
     // SecretString has no Display: `%jwt` does not compile, so only Debug can be tried.
     tracing::info!(?jwt, "a JWT, redacted");
     secrets.push(jwt.expose_secret().to_string());
-    secrets.push(
-        app.installation_token()
-            .await
-            .unwrap()
-            .expose_secret()
-            .to_string(),
-    );
+    let token = app.installation_token().await.unwrap();
+    secrets.push(token.expose_secret().to_string());
 
     // Mints (with a retried 5xx), a job through the fake runner, get/list/delete.
     sim.inject(
@@ -99,13 +94,8 @@ async fn no_secret_reaches_the_logs() {
     // 401 re-authentication, then a wrong key and a bad PEM.
     sim.expire_tokens();
     app.list_runners(&scope).await.unwrap();
-    secrets.push(
-        app.installation_token()
-            .await
-            .unwrap()
-            .expose_secret()
-            .to_string(),
-    );
+    let token = app.installation_token().await.unwrap();
+    secrets.push(token.expose_secret().to_string());
     let wrong_pem = SecretString::from(test_key(1).pkcs1_pem());
     tracing::debug!(?wrong_pem, "a PEM, redacted");
     let wrong =

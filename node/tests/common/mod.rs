@@ -283,6 +283,19 @@ impl Harness {
     }
 }
 
+/// imp-agent for `node` against `env`'s API server and `rt`'s runtime socket, 1 s heartbeats, stdin
+/// closed; the caller adds its own settings and output, then spawns it.
+pub fn agent_command(env: &imp_testkit::TestEnv, rt: &Harness, node: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp-agent"));
+    cmd.env("KUBECONFIG", env.kubeconfig_path())
+        .env("IMP_NODE_NAME", node)
+        .env("IMP_NAMESPACE", &env.namespace)
+        .env("IMP_RUNTIME_SOCKET", &rt.socket)
+        .env("IMP_HEARTBEAT_INTERVAL", "1s")
+        .stdin(Stdio::null());
+    cmd
+}
+
 /// Whether the process `pid` with start time `start` runs.
 pub fn alive(pid: i32, start: u64) -> bool {
     imp_node::procfs::is_alive(pid, start)
