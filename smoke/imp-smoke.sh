@@ -104,7 +104,7 @@ pass "GitHub App Secret, webhook Secret, class, network and runner pool accepted
 
 IMP_HTTP_ADDR="127.0.0.1:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
   IMP_GITHUB_API_URL="$sim" "$bin/imp-operator" >"$work/operator.log" 2>&1 &
-pids+=($!)
+pids+=($!); operator_pid=$!
 wait_for 30 curl -sf "http://127.0.0.1:$op_port/readyz" || fail "imp-operator not ready: $(tail -3 "$work/operator.log")"
 pass "imp-operator ready (ImpVM controller, runner-pool controller, webhook receiver)"
 
@@ -153,13 +153,13 @@ pass "runner VM $vm scheduled onto smoke-node (phase $(kubectl get impvm "$vm" -
 IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_STATE_DIR="$work/node-state" IMP_KERNEL="$work/vmlinux" \
   IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="127.0.0.1:$(free_port)" \
   IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >"$work/runtime.log" 2>&1 &
-pids+=($!)
+pids+=($!); runtime_pid=$!
 wait_for 20 curl -sf --unix-socket "$work/runtime.sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
 agent_port=$(free_port)
 IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_HEARTBEAT_INTERVAL=2s \
   IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
   "$bin/imp-agent" >"$work/agent.log" 2>&1 &
-pids+=($!)
+pids+=($!); agent_pid=$!
 wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
 pass "imp-runtime (Firecracker simulator) and imp-agent started for smoke-node"
 
@@ -182,5 +182,15 @@ pass "runner VM $vm deleted by the pool after TornDown; imp-runtime released it"
 replaced() { kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[*].metadata.name}' | tr ' ' '\n' | grep -v "^$vm\$" | grep -q .; }
 wait_for 30 replaced || fail "the pool did not replace the finished runner VM"
 pass "the pool replaced the runner (minIdle 1)"
+# SIGTERM is what the kubelet sends: each binary stops gracefully (exit 0, its "stopped" line), and its
+# log file, not a terminal, holds no ANSI escape codes.
+for name in agent runtime operator; do
+  pid_var="${name}_pid"; pid=${!pid_var}; log="$work/$name.log"
+  kill -TERM "$pid"; code=0; wait "$pid" || code=$?
+  [[ $code == 0 ]] || fail "imp-$name exited $code on SIGTERM: $(tail -3 "$log")"
+  grep -q "imp-$name stopped" "$log" || fail "imp-$name logged no graceful stop: $(tail -3 "$log")"
+  if grep -q $'\x1b\[' "$log"; then fail "imp-$name wrote ANSI escape codes into $log"; fi
+done
+pass "imp-agent, imp-runtime and imp-operator stopped on SIGTERM with exit 0; their logs hold no escape codes"
 passed=1
 echo "imp-smoke --local: all stages passed"

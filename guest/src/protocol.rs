@@ -7,7 +7,8 @@
 //! is the narrative version of this file.
 
 use std::collections::BTreeMap;
-use std::fmt;
+
+use imp_common::SecretString;
 
 use serde::{Deserialize, Serialize};
 
@@ -23,42 +24,6 @@ pub const MIN_SUPPORTED_PROTOCOL: u32 = 1;
 /// The vsock port the guest agent listens on.
 pub const AGENT_VSOCK_PORT: u32 = 10000;
 
-/// A value that must never appear in logs, Debug output, or the serial console: env values of an
-/// Exec carry the one-time JIT runner config. It serializes as a plain JSON string (it has to
-/// reach the process), but `Debug` only tells its length.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Redacted(String);
-
-impl Redacted {
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-
-    /// The secret itself. Call sites are the places to audit.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Redacted {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "<redacted {} bytes>", self.0.len())
-    }
-}
-
-impl From<&str> for Redacted {
-    fn from(value: &str) -> Self {
-        Self::new(value)
-    }
-}
-
-impl From<String> for Redacted {
-    fn from(value: String) -> Self {
-        Self(value)
-    }
-}
-
 /// Sent by the guest as the first frame of every connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
@@ -72,15 +37,17 @@ pub struct Hello {
 }
 
 /// Start a process in the guest. `id` is an idempotency key: a repeated id never starts a second
-/// process, it re-reports what was recorded for the first one.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// process, it re-reports what was recorded for the first one. No `PartialEq`: env values are
+/// secrets (they carry the one-time JIT runner config).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Exec {
     pub id: String,
     /// argv[0] is resolved against the PATH in `env` (or the default PATH when `env` has none).
     pub argv: Vec<String>,
-    /// The complete environment of the process: nothing is inherited from the agent.
-    #[serde(default)]
-    pub env: BTreeMap<String, Redacted>,
+    /// The complete environment of the process: nothing is inherited from the agent. Values are
+    /// secrets (never in logs, Debug output or the serial console); on the wire, plain strings.
+    #[serde(default, serialize_with = "imp_common::secret::serialize_values")]
+    pub env: BTreeMap<String, SecretString>,
     #[serde(default)]
     pub cwd: Option<String>,
     /// Run as this uid (gid from `gid`, else the user's primary group in /etc/passwd, else = uid).
@@ -116,7 +83,7 @@ fn default_probe_timeout_ms() -> u64 {
 
 /// Requests, host -> guest. Answers come back in request order: `Exec` -> `Started` (or
 /// `Error`), `HttpProbe` -> `ProbeResult`, `Metrics` -> `GuestMetrics`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum HostToGuest {
     Exec(Exec),
@@ -253,6 +220,7 @@ impl Message for GuestToHost {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use imp_common::ExposeSecret;
     use serde_json::json;
 
     #[test]
@@ -264,7 +232,7 @@ mod tests {
         let HostToGuest::Exec(exec) = msg else {
             panic!("not exec")
         };
-        assert_eq!(exec.env["K"].expose(), "v");
+        assert_eq!(exec.env["K"].expose_secret(), "v");
         assert_eq!(exec.timeout_s, None);
         assert!(!exec.poweroff_on_exit);
         let back = serde_json::to_value(HostToGuest::Exec(exec)).unwrap();
@@ -279,7 +247,7 @@ mod tests {
             json!({"type": "metrics"})
         );
         let s: HostToGuest = serde_json::from_value(json!({"type": "shutdown"})).unwrap();
-        assert_eq!(s, HostToGuest::Shutdown);
+        assert!(matches!(s, HostToGuest::Shutdown), "{s:?}");
     }
 
     #[test]
@@ -370,7 +338,7 @@ mod tests {
         let mut env = BTreeMap::new();
         env.insert(
             "ACTIONS_RUNNER_INPUT_JITCONFIG".to_owned(),
-            Redacted::new("s3cr3t-jit"),
+            SecretString::from("s3cr3t-jit"),
         );
         let exec = Exec {
             id: "i".into(),
@@ -385,6 +353,6 @@ mod tests {
         };
         let dbg = format!("{:?} {:#?}", exec, HostToGuest::Exec(exec.clone()));
         assert!(!dbg.contains("s3cr3t-jit"), "{dbg}");
-        assert!(dbg.contains("<redacted 10 bytes>"), "{dbg}");
+        assert!(dbg.contains("[REDACTED]"), "{dbg}");
     }
 }

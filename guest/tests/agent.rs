@@ -7,11 +7,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{AgentProc, exec, run, sh};
+use imp_common::{ExposeSecret, SecretString};
 use imp_guest::frame::{MAX_FRAME_BYTES, encode};
 use imp_guest::host::HostError;
-use imp_guest::protocol::{
-    ErrorCode, GuestToHost, HostToGuest, HttpProbe, PROTOCOL_VERSION, Redacted,
-};
+use imp_guest::protocol::{ErrorCode, GuestToHost, HostToGuest, HttpProbe, PROTOCOL_VERSION};
 
 #[tokio::test]
 async fn hello_states_version_and_boot_id() {
@@ -31,7 +30,7 @@ async fn hello_states_version_and_boot_id() {
 async fn env_is_delivered_exactly() {
     let agent = AgentProc::start();
     let mut client = agent.connect().await;
-    let env: BTreeMap<String, Redacted> = [
+    let env: BTreeMap<String, SecretString> = [
         ("PATH", "/usr/bin:/bin"),
         ("ACTIONS_RUNNER_INPUT_JITCONFIG", "eyJhIjoiYiJ9=="),
         ("WITH_SPACES", "  a b  "),
@@ -41,7 +40,7 @@ async fn env_is_delivered_exactly() {
         ("EMPTY", ""),
     ]
     .into_iter()
-    .map(|(k, v)| (k.to_owned(), Redacted::new(v)))
+    .map(|(k, v)| (k.to_owned(), SecretString::from(v)))
     .collect();
     let mut req = exec("env", &["env", "-0"]);
     req.env = env.clone();
@@ -58,7 +57,7 @@ async fn env_is_delivered_exactly() {
         .collect();
     let want: BTreeMap<String, String> = env
         .iter()
-        .map(|(k, v)| (k.clone(), v.expose().to_owned()))
+        .map(|(k, v)| (k.clone(), v.expose_secret().to_owned()))
         .collect();
     // Nothing inherited from the agent (it runs with RUST_LOG set), nothing missing.
     assert_eq!(got, want);
@@ -520,7 +519,7 @@ async fn secrets_never_reach_logs_or_console() {
     let mut req = exec("runner", &["true"]);
     req.env.insert(
         "ACTIONS_RUNNER_INPUT_JITCONFIG".into(),
-        Redacted::new(SECRET),
+        SecretString::from(SECRET),
     );
     client.exec(req.clone()).await.unwrap();
     client.wait_exited("runner").await.unwrap();

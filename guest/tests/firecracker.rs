@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use imp_common::SecretString;
 use imp_guest::host;
-use imp_guest::protocol::{HttpProbe, Redacted};
+use imp_guest::protocol::HttpProbe;
 use tokio::time::Instant;
 
 const SECRET: &str = "jit-7e1d-fc-real-path-secret";
@@ -127,7 +128,7 @@ async fn boots_as_pid1_in_real_firecracker() {
     let mut req = common::exec("not-pid1", &["/sbin/imp-guest"]);
     req.env.insert(
         "ACTIONS_RUNNER_INPUT_JITCONFIG".into(),
-        Redacted::new(SECRET),
+        SecretString::from(SECRET),
     );
     client.exec(req).await.unwrap();
     assert_eq!(client.wait_exited("not-pid1").await.unwrap().code, Some(2));

@@ -18,7 +18,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use imp_guest::protocol::{HttpProbe, Redacted};
+use imp_common::SecretString;
+use imp_guest::protocol::HttpProbe;
 use imp_testkit::qemu::{self, Drive, Setup, setup_or_skip};
 
 const SECRET: &str = "jit-qemu-4f0c-do-not-print";
@@ -161,7 +162,7 @@ async fn pid1_and_agent_in_a_real_vm() {
     let mut req = common::exec("env", &["/bin/busybox", "env"]);
     req.env.insert(
         "ACTIONS_RUNNER_INPUT_JITCONFIG".into(),
-        Redacted::new(SECRET),
+        SecretString::from(SECRET),
     );
     let (out, _, e) = common::run(&mut client, req).await;
     assert_eq!(e.code, Some(0));

@@ -6,7 +6,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::{Harness, simulator};
@@ -39,21 +39,15 @@ impl Agent {
             .port();
         let log = rt.dir.path().join(format!("agent-{n}.log"));
         let f = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_imp-agent"))
-            .env("KUBECONFIG", env.kubeconfig_path())
-            .env("IMP_NODE_NAME", node)
-            .env("IMP_NAMESPACE", &env.namespace)
-            .env("IMP_RUNTIME_SOCKET", &rt.socket)
-            .env("IMP_HEARTBEAT_INTERVAL", "1s")
+        let child = common::agent_command(env, rt, node)
             .env("IMP_POLL_INTERVAL", "500ms")
             .env("IMP_SWEEP_INTERVAL", "1s")
             .env("IMP_HTTP_ADDR", format!("127.0.0.1:{port}"))
             .env("IMP_RUNNER_COMMAND", runner_command)
             .env(
-                "RUST_LOG",
+                "IMP_LOG",
                 "debug,hyper=info,kube_client=info,tower=info,h2=info,rustls=info",
             )
-            .stdin(Stdio::null())
             .stdout(f.try_clone().unwrap())
             .stderr(f)
             .spawn()

@@ -10,9 +10,10 @@ use std::{
 
 use base64::Engine;
 use imp_api::names::reason;
+use imp_common::SecretString;
 use imp_node::rootfs::{
     Compression,
-    auth::{PullCredentials, RegistryAuth, Secret},
+    auth::{PullCredentials, RegistryAuth},
     pull::{PullConfig, PullError, Puller, ResolvedImage},
 };
 use imp_testkit::{
@@ -62,7 +63,7 @@ fn push_creds() -> PushAuth {
 fn basic(password: &str) -> RegistryAuth {
     RegistryAuth::Basic {
         username: USER.into(),
-        password: Secret::new(password),
+        password: SecretString::from(password),
     }
 }
 
@@ -563,7 +564,7 @@ async fn authenticated_pull_never_logs_the_password() {
     tracing::subscriber::set_global_default(subscriber).expect("the only global subscriber");
     let creds = PullCredentials::Basic {
         username: USER.into(),
-        password: Secret::new(PASSWORD),
+        password: SecretString::from(PASSWORD),
     };
     let auth = creds.for_registry(&registry.host()).unwrap();
     tracing::info!(?creds, ?auth, "pulling with");

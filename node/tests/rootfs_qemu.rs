@@ -14,8 +14,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine;
+use imp_common::SecretString;
 use imp_guest::host::HostClient;
-use imp_guest::protocol::{Exec, Exited, GuestToHost, OutputStream, Redacted};
+use imp_guest::protocol::{Exec, Exited, GuestToHost, OutputStream};
 use imp_node::inventory::Inventory;
 use imp_node::metrics::Metrics;
 use imp_node::rootfs::flatten::Limits;
@@ -81,7 +82,7 @@ impl Guest {
         let req = Exec {
             id: id.clone(),
             argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
-            env: BTreeMap::from([("PATH".to_owned(), Redacted::new("/bin"))]),
+            env: BTreeMap::from([("PATH".to_owned(), SecretString::from("/bin"))]),
             cwd: None,
             uid: None,
             gid: None,

@@ -443,7 +443,8 @@ async fn a_new_guest_agent_is_a_new_key_and_a_restart_reconciles_the_cache() {
 
 #[tokio::test]
 async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
-    use imp_node::rootfs::auth::{PullCredentials, Secret};
+    use imp_common::SecretString;
+    use imp_node::rootfs::auth::PullCredentials;
     let f = Fixture::new().await;
     let private = Registry::start(RegistryOptions {
         htpasswd: Some(("tenant-a".into(), "a-password-1".into())),
@@ -472,7 +473,7 @@ async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
         runner: None,
         credentials: password.map(|p| PullCredentials::Basic {
             username: "tenant-a".into(),
-            password: Secret::new(p),
+            password: SecretString::from(p),
         }),
     };
     store

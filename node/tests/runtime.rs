@@ -425,7 +425,7 @@ async fn delete_kills_a_guest_that_ignores_ctrl_alt_del() {
         assert!(!alive(pid, start));
         assert!(!serial.exists());
         if uid == "stubborn" {
-            // IMP_STOP_TIMEOUT_SECS=2, then SIGKILL.
+            // IMP_STOP_TIMEOUT=2s, then SIGKILL.
             assert!(took >= Duration::from_secs(2), "{took:?}");
         } else {
             assert!(

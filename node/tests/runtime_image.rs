@@ -6,8 +6,9 @@ mod common;
 use common::{Harness, simulator};
 use http::StatusCode;
 use imp_api::names::reason;
+use imp_common::SecretString;
 use imp_node::api::{VmSpec, VmState};
-use imp_node::rootfs::auth::{PullCredentials, Secret};
+use imp_node::rootfs::auth::PullCredentials;
 use imp_node::rootfs::store::ImageSpec;
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -24,7 +25,7 @@ fn image_spec(h: &Harness, base: &str, password: &str) -> VmSpec {
             runner: None,
             credentials: Some(PullCredentials::Basic {
                 username: USER.into(),
-                password: Secret::new(password),
+                password: SecretString::from(password),
             }),
         }),
         ..h.spec(false)

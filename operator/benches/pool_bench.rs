@@ -227,7 +227,7 @@ async fn bench(n: u32) -> anyhow::Result<()> {
         .env("KUBECONFIG", env.kubeconfig_path())
         .env("BENCH_NS", &ns)
         .env("BENCH_SIM_URL", sim.base_url())
-        .env("RUST_LOG", "warn")
+        .env("IMP_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()?;
     let pid = child.id();

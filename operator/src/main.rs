@@ -13,6 +13,7 @@ use std::{
 
 use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
 use clap::Parser;
+use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
     metrics::{VmMetrics, encode},
@@ -37,9 +38,6 @@ struct Args {
     /// Secret (key `webhook-secret`) verifying deliveries for pools without a secret of their own.
     #[arg(long, env = "IMP_WEBHOOK_SECRET_NAME", default_value = "")]
     webhook_secret_name: String,
-    /// Log filter (tracing env-filter syntax).
-    #[arg(long, env = "IMP_LOG", default_value = "info")]
-    log: String,
     /// Manage ImpVMs in this namespace only (default: every namespace).
     #[arg(long, env = "IMP_WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
@@ -56,9 +54,8 @@ struct Args {
     /// JIT runner configs minted per minute per GitHub App (GitHub's own limits apply above this).
     #[arg(long, env = "IMP_JIT_MINTS_PER_MINUTE", default_value_t = 150, value_parser = clap::value_parser!(u32).range(1..))]
     jit_mints_per_minute: u32,
-    /// Log as JSON lines instead of human-readable text.
-    #[arg(long, env = "IMP_LOG_JSON", default_value_t = false)]
-    log_json: bool,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
 #[derive(Clone)]
@@ -107,21 +104,9 @@ fn router(state: HttpState) -> Router {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let filter = match tracing_subscriber::EnvFilter::try_new(&args.log) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!(
-                "imp-operator: --log / IMP_LOG {:?} is not a valid filter: {e}",
-                args.log
-            );
-            return ExitCode::from(2);
-        }
-    };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
-    if args.log_json {
-        builder.json().init();
-    } else {
-        builder.init();
+    if let Err(e) = args.log.init() {
+        eprintln!("imp-operator: {e}");
+        return ExitCode::from(2);
     }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
@@ -133,13 +118,14 @@ fn main() -> ExitCode {
     match rt.block_on(run(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            error!(error = format!("{e:#}"), "imp-operator stopped");
+            error!(error = format!("{e:#}"), "imp-operator failed");
             ExitCode::FAILURE
         }
     }
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
+    let shutdown = ShutdownSignal::install()?;
     let client = kube::Client::try_default().await?;
     let vm_metrics = VmMetrics::default();
     let github_metrics = GithubMetrics::default();
@@ -180,28 +166,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let app = router(state).merge(webhook_router(shared.clone()));
     let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
     let pools = run_runnerpool_controller(client, pool_config, shared);
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown_signal());
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.recv());
     tokio::select! {
         r = server => r?,
         () = vms => anyhow::bail!("the ImpVM controller stopped"),
         () = pools => anyhow::bail!("the runner pool controller stopped"),
     }
-    info!("imp-operator shut down");
+    // Dropping the controllers cancels them at an await point; the next start reconciles from
+    // what the API server holds.
+    info!("imp-operator stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! { () = ctrl_c => {}, () = term => {} }
-    info!("shutdown signal received");
 }

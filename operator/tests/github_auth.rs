@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use github_common::*;
+use imp_common::ExposeSecret;
 use imp_operator::github::{
     AppCredentials, DeleteOutcome, ErrorClass, GithubApp, GithubConfig, GithubError,
     KEY_PRIVATE_KEY, Operation, runner_name,
@@ -20,8 +21,12 @@ async fn pkcs1_and_pkcs8_keys_both_authenticate_and_tokens_are_cached() {
         let app = GithubApp::new(creds(&sim, format), config(&sim)).unwrap();
         let t1 = app.installation_token().await.unwrap();
         let t2 = app.installation_token().await.unwrap();
-        assert_eq!(t1, t2, "second call is served from the cache");
-        assert!(t1.expose().starts_with("ghs_"));
+        assert_eq!(
+            t1.expose_secret(),
+            t2.expose_secret(),
+            "second call is served from the cache"
+        );
+        assert!(t1.expose_secret().starts_with("ghs_"));
         app.list_runners(&org(&sim)).await.unwrap();
     }
     assert_eq!(sim.stats().token_exchanges, 2, "one exchange per client");
@@ -85,10 +90,13 @@ async fn tokens_are_reminted_five_minutes_before_expiry() {
         },
     );
     let first = client.installation_token().await.unwrap();
-    assert_eq!(client.installation_token().await.unwrap(), first);
+    assert_eq!(
+        client.installation_token().await.unwrap().expose_secret(),
+        first.expose_secret()
+    );
     tokio::time::sleep(Duration::from_millis(2100)).await;
     let second = client.installation_token().await.unwrap();
-    assert_ne!(first, second);
+    assert_ne!(first.expose_secret(), second.expose_secret());
     assert_eq!(sim.stats().token_exchanges, 2);
 }
 
@@ -110,7 +118,10 @@ async fn a_401_invalidates_the_token_and_retries_once() {
         .unwrap()
         .unwrap();
     assert_eq!(runner.name, "r-401");
-    assert_ne!(app.installation_token().await.unwrap(), before);
+    assert_ne!(
+        app.installation_token().await.unwrap().expose_secret(),
+        before.expose_secret()
+    );
     assert_eq!(sim.stats().token_exchanges, 2);
     assert_eq!(
         app.delete_runner(&scope, minted.runner_id).await.unwrap(),
@@ -222,7 +233,7 @@ async fn concurrent_callers_share_one_failed_exchange() {
 async fn futures_join(
     app: GithubApp,
     n: usize,
-) -> Vec<Result<imp_operator::github::InstallationToken, GithubError>> {
+) -> Vec<Result<imp_common::SecretString, GithubError>> {
     let app = Arc::new(app);
     let mut tasks = Vec::new();
     for _ in 0..n {

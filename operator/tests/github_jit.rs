@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use github_common::*;
+use imp_common::ExposeSecret;
 use imp_operator::github::{
     DEFAULT_RUNNER_GROUP_ID, ErrorClass, GithubConfig, GithubError, JitRequest, RunnerScope,
     runner_name,
@@ -30,7 +31,7 @@ async fn org_jit_config_carries_name_labels_group_and_work_folder() {
     let minted = app.generate_jit_config(&req).await.unwrap();
     assert_eq!(minted.runner_name, "pool-a-3f2b8c1e77aa");
     assert_eq!(minted.runner_group_id, DEFAULT_RUNNER_GROUP_ID);
-    let payload = JitConfigPayload::decode(minted.encoded_jit_config.expose()).unwrap();
+    let payload = JitConfigPayload::decode(minted.encoded_jit_config.expose_secret()).unwrap();
     assert_eq!(payload.runner_id, minted.runner_id);
     assert_eq!(payload.work_folder, "/work/runner");
     assert_eq!(payload.labels, req.labels);
@@ -48,7 +49,10 @@ async fn org_jit_config_carries_name_labels_group_and_work_folder() {
     assert!(r.ephemeral && !r.busy);
     // The config is redacted in Debug.
     let dbg = format!("{minted:?}");
-    assert!(!dbg.contains(minted.encoded_jit_config.expose()), "{dbg}");
+    assert!(
+        !dbg.contains(minted.encoded_jit_config.expose_secret()),
+        "{dbg}"
+    );
 }
 
 #[tokio::test]
@@ -228,7 +232,7 @@ async fn a_lost_mint_answer_is_recovered_by_replacing_the_registration() {
         ..Default::default()
     });
     run_fake_runner(
-        minted.encoded_jit_config.expose(),
+        minted.encoded_jit_config.expose_secret(),
         &FakeRunnerOptions::default(),
     )
     .await
@@ -248,7 +252,7 @@ async fn a_name_held_by_a_live_runner_is_a_conflict() {
         labels: vec!["imp".into()],
         ..Default::default()
     });
-    let cfg = minted.encoded_jit_config.expose().to_string();
+    let cfg = minted.encoded_jit_config.expose_secret().to_string();
     let opts = FakeRunnerOptions {
         job_duration: Duration::from_secs(2),
         ..Default::default()
@@ -319,7 +323,7 @@ async fn a_job_runs_on_a_minted_runner_with_signed_webhooks() {
         ..Default::default()
     });
     let ran = run_fake_runner(
-        minted.encoded_jit_config.expose(),
+        minted.encoded_jit_config.expose_secret(),
         &FakeRunnerOptions::default(),
     )
     .await
@@ -337,7 +341,7 @@ async fn a_job_runs_on_a_minted_runner_with_signed_webhooks() {
     // The one-time config cannot be used twice.
     assert!(
         run_fake_runner(
-            minted.encoded_jit_config.expose(),
+            minted.encoded_jit_config.expose_secret(),
             &FakeRunnerOptions::default()
         )
         .await
@@ -407,7 +411,7 @@ async fn the_fake_runner_binary_takes_its_config_from_the_environment() {
         ..Default::default()
     });
     let child = tokio::process::Command::new(&bin)
-        .env(JITCONFIG_ENV, minted.encoded_jit_config.expose())
+        .env(JITCONFIG_ENV, minted.encoded_jit_config.expose_secret())
         .env("IMP_FAKE_RUNNER_JOB_WAIT_SECS", "20")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -416,7 +420,7 @@ async fn the_fake_runner_binary_takes_its_config_from_the_environment() {
     // The config is not on the command line.
     let pid = child.id().unwrap();
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    assert!(!String::from_utf8_lossy(&cmdline).contains(minted.encoded_jit_config.expose()));
+    assert!(!String::from_utf8_lossy(&cmdline).contains(minted.encoded_jit_config.expose_secret()));
     let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
         .await
         .unwrap()
@@ -438,7 +442,7 @@ async fn the_fake_runner_binary_takes_its_config_from_the_environment() {
     assert_eq!(out.status.code(), Some(2));
     let out = tokio::process::Command::new(&bin)
         .arg("--jitconfig")
-        .arg(minted.encoded_jit_config.expose())
+        .arg(minted.encoded_jit_config.expose_secret())
         .env_remove(JITCONFIG_ENV)
         .output()
         .await
@@ -470,7 +474,7 @@ async fn the_queued_job_sweep_finds_jobs_whose_webhook_was_lost() {
         .generate_jit_config(&jit(org(&sim), "sweeper"))
         .await
         .unwrap();
-    let cfg = minted.encoded_jit_config.expose().to_string();
+    let cfg = minted.encoded_jit_config.expose_secret().to_string();
     let opts = FakeRunnerOptions {
         job_duration: Duration::from_secs(3),
         ..Default::default()

@@ -8,7 +8,8 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use github_common::*;
-use imp_operator::github::{AppCredentials, GithubApp, PrivateKeyPem, mint_app_jwt, runner_name};
+use imp_common::{ExposeSecret, SecretString};
+use imp_operator::github::{AppCredentials, GithubApp, mint_app_jwt, runner_name};
 use imp_testkit::github::runner_protocol::{FakeRunnerOptions, run_fake_runner};
 use imp_testkit::github::{Fault, FaultRule, JobSpec, KeyFormat, WebhookSink, test_key};
 use tracing_subscriber::fmt::MakeWriter;
@@ -58,9 +59,11 @@ async fn no_secret_reaches_the_logs() {
 
     let mut secrets: Vec<String> = Vec::new();
     let jwt = mint_app_jwt(&creds, chrono::Utc::now().timestamp()).unwrap();
-    tracing::info!(%jwt, ?jwt, "a JWT, redacted");
-    secrets.push(jwt.expose().to_string());
-    secrets.push(app.installation_token().await.unwrap().expose().to_string());
+    // SecretString has no Display: `%jwt` does not compile, so only Debug can be tried.
+    tracing::info!(?jwt, "a JWT, redacted");
+    secrets.push(jwt.expose_secret().to_string());
+    let token = app.installation_token().await.unwrap();
+    secrets.push(token.expose_secret().to_string());
 
     // Mints (with a retried 5xx), a job through the fake runner, get/list/delete.
     sim.inject(
@@ -72,8 +75,8 @@ async fn no_secret_reaches_the_logs() {
             .generate_jit_config(&jit(scope.clone(), &runner_name("logs", &format!("{i}"))))
             .await
             .unwrap();
-        tracing::info!(?minted, config = %minted.encoded_jit_config, "minted");
-        secrets.push(minted.encoded_jit_config.expose().to_string());
+        tracing::info!(?minted, config = ?minted.encoded_jit_config, "minted");
+        secrets.push(minted.encoded_jit_config.expose_secret().to_string());
         ids.push(minted.runner_id);
     }
     sim.queue_job(JobSpec {
@@ -91,9 +94,10 @@ async fn no_secret_reaches_the_logs() {
     // 401 re-authentication, then a wrong key and a bad PEM.
     sim.expire_tokens();
     app.list_runners(&scope).await.unwrap();
-    secrets.push(app.installation_token().await.unwrap().expose().to_string());
-    let wrong_pem = PrivateKeyPem::new(test_key(1).pkcs1_pem());
-    tracing::debug!(?wrong_pem, %wrong_pem, "a PEM, redacted");
+    let token = app.installation_token().await.unwrap();
+    secrets.push(token.expose_secret().to_string());
+    let wrong_pem = SecretString::from(test_key(1).pkcs1_pem());
+    tracing::debug!(?wrong_pem, "a PEM, redacted");
     let wrong =
         AppCredentials::from_private_key(sim.app_id(), sim.installation_id(), &wrong_pem).unwrap();
     let err = GithubApp::new(wrong, config(&sim))

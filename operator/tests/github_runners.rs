@@ -5,6 +5,7 @@ mod github_common;
 use std::time::Duration;
 
 use github_common::*;
+use imp_common::ExposeSecret;
 use imp_operator::github::{DeleteOutcome, ErrorClass, GithubError, GithubMetrics, runner_name};
 use imp_testkit::github::JobSpec;
 use imp_testkit::github::runner_protocol::{FakeRunnerOptions, run_fake_runner};
@@ -60,7 +61,7 @@ async fn deleting_a_busy_runner_says_try_later() {
         labels: vec!["imp".into()],
         ..Default::default()
     });
-    let cfg = minted.encoded_jit_config.expose().to_string();
+    let cfg = minted.encoded_jit_config.expose_secret().to_string();
     let opts = FakeRunnerOptions {
         job_duration: Duration::from_millis(1500),
         ..Default::default()

@@ -1,5 +1,6 @@
 //! The imp-operator binary against a real API server: /healthz, /readyz once its caches are filled, an
-//! ImpVM scheduled by it, /metrics in the Prometheus text format, and a clean exit on SIGTERM.
+//! ImpVM scheduled by it, /metrics in the Prometheus text format, logs (JSON lines, or plain text
+//! without terminal escapes when written to a file), and a graceful stop with exit 0 on SIGTERM.
 
 mod vm_common;
 
@@ -9,11 +10,12 @@ use std::{
 };
 
 use imp_api::VmPhase;
+use imp_testkit::binlog;
 use serde_json::json;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
-    process::Command,
+    process::{Child, Command},
 };
 use vm_common::*;
 
@@ -42,34 +44,10 @@ fn free_port() -> u16 {
 #[tokio::test(flavor = "multi_thread")]
 async fn operator_binary_serves_health_and_metrics_and_schedules() {
     let mut h = Harness::without_controller("vmbin").await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_imp-operator"))
-        .env("KUBECONFIG", h.env.kubeconfig_path())
-        .env("IMP_HTTP_ADDR", &addr)
-        .env("IMP_NAMESPACE", &h.ns)
-        .env("IMP_WATCH_NAMESPACE", &h.ns)
-        .env("IMP_NODE_SELECTOR", format!("{TEST_NODE_LABEL}={}", h.ns))
-        .env("IMP_LOG", "info")
-        .env("IMP_LOG_JSON", "true")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-
-    let started = Instant::now();
-    loop {
-        if let Some((200, body)) = get(&addr, "/readyz").await {
-            assert!(body.ends_with("ready"), "{body}");
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "operator never became ready"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    eprintln!("operator binary ready after {:?}", started.elapsed());
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("operator.log");
+    let (mut child, addr) = start_operator(&h, &log, "json");
+    wait_ready(&addr, &log).await;
     let (code, body) = get(&addr, "/healthz").await.unwrap();
     assert_eq!(code, 200, "{body}");
 
@@ -105,34 +83,77 @@ async fn operator_binary_serves_health_and_metrics_and_schedules() {
     );
     assert!(metrics.trim_end().ends_with("# EOF"), "{metrics}");
 
-    let pid = child.id().unwrap().to_string();
-    assert!(
-        std::process::Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    let (status, logs) = stop(&mut child, &log).await;
+    binlog::assert_graceful_stop(status, &logs, "imp-operator stopped");
+    // JSON logs: every line parses, and the binding was logged.
+    binlog::assert_json_lines(&logs);
+    assert!(logs.contains("\"scheduled\""), "{logs}");
+    h.finish().await;
+}
+
+/// Text logs written to a file (stdout and stderr) carry no ANSI colour codes, and SIGTERM stops
+/// the operator gracefully.
+#[tokio::test(flavor = "multi_thread")]
+async fn operator_binary_logs_plain_text_to_a_file_and_stops_on_sigterm() {
+    let h = Harness::without_controller("vmtext").await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("operator.log");
+    let (mut child, addr) = start_operator(&h, &log, "text");
+    wait_ready(&addr, &log).await;
+    let (status, logs) = stop(&mut child, &log).await;
+    binlog::assert_no_ansi(&logs);
+    binlog::assert_graceful_stop(status, &logs, "imp-operator stopped");
+    assert!(logs.contains("imp-operator starting"), "{logs}");
+    h.finish().await;
+}
+
+/// imp-operator on the test API server, logging in `format` to `log`; returns it and its HTTP
+/// address.
+fn start_operator(h: &Harness, log: &std::path::Path, format: &str) -> (Child, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (out, err) = binlog::log_file(log);
+    let child = Command::new(env!("CARGO_BIN_EXE_imp-operator"))
+        .env("KUBECONFIG", h.env.kubeconfig_path())
+        .env("IMP_HTTP_ADDR", &addr)
+        .env("IMP_NAMESPACE", &h.ns)
+        .env("IMP_WATCH_NAMESPACE", &h.ns)
+        .env("IMP_NODE_SELECTOR", format!("{TEST_NODE_LABEL}={}", h.ns))
+        .env("IMP_LOG", "info")
+        .env("IMP_LOG_FORMAT", format)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    (child, addr)
+}
+
+async fn wait_ready(addr: &str, log: &std::path::Path) {
+    let started = Instant::now();
+    loop {
+        if let Some((200, body)) = get(addr, "/readyz").await {
+            assert!(body.ends_with("ready"), "{body}");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "operator never became ready; log:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("operator binary ready after {:?}", started.elapsed());
+}
+
+/// `kill -TERM`, then the exit status and the whole log.
+async fn stop(child: &mut Child, log: &std::path::Path) -> (std::process::ExitStatus, String) {
+    binlog::send_signal(child.id().unwrap(), "TERM");
     let status = tokio::time::timeout(Duration::from_secs(10), child.wait())
         .await
         .expect("exit on SIGTERM")
         .unwrap();
-    let mut logs = String::new();
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut logs)
-        .await
-        .unwrap();
-    assert!(status.success(), "exit {status}; logs:\n{logs}");
-    // JSON logs: every line parses, and the binding was logged.
-    for line in logs.lines() {
-        serde_json::from_str::<serde_json::Value>(line)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
-    }
-    assert!(logs.contains("\"scheduled\""), "{logs}");
-    h.finish().await;
+    (status, std::fs::read_to_string(log).unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread")]

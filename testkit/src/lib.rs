@@ -1,5 +1,6 @@
 //! Imp's test substrate (dev-only): a real Kubernetes control plane harness and simulators.
 
+pub mod binlog;
 pub mod bins;
 pub mod certs;
 pub mod cluster;

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use imp_common::ExposeSecret;
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, kill, killpg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
@@ -339,7 +340,7 @@ fn spawn(req: &Exec) -> Result<std::process::Child, ExecError> {
     let path_var = req
         .env
         .get("PATH")
-        .map(|v| v.expose())
+        .map(|v| v.expose_secret())
         .unwrap_or(DEFAULT_PATH);
     let program = resolve_program(argv0, path_var).ok_or_else(|| ExecError::NotFound {
         program: argv0.clone(),
@@ -348,7 +349,7 @@ fn spawn(req: &Exec) -> Result<std::process::Child, ExecError> {
     cmd.arg0(argv0)
         .args(&req.argv[1..])
         .env_clear()
-        .envs(req.env.iter().map(|(k, v)| (k, v.expose())))
+        .envs(req.env.iter().map(|(k, v)| (k, v.expose_secret())))
         .current_dir(req.cwd.as_deref().unwrap_or("/"))
         .stdin(Stdio::null())
         // Own process group, so a timeout kills the whole job tree.

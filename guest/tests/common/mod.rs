@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use imp_common::SecretString;
 use imp_guest::host::{self, HostClient};
-use imp_guest::protocol::{Exec, Exited, GuestToHost, Redacted};
+use imp_guest::protocol::{Exec, Exited, GuestToHost};
 use tokio::time::Instant;
 
 pub struct AgentProc {
@@ -101,7 +102,7 @@ pub fn exec(id: &str, argv: &[&str]) -> Exec {
     Exec {
         id: id.to_owned(),
         argv: argv.iter().map(|s| s.to_string()).collect(),
-        env: BTreeMap::from([("PATH".to_owned(), Redacted::new("/usr/bin:/bin"))]),
+        env: BTreeMap::from([("PATH".to_owned(), SecretString::from("/usr/bin:/bin"))]),
         cwd: None,
         uid: None,
         gid: None,

@@ -13,8 +13,9 @@ use futures::StreamExt;
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{self, condition, reason as api_reason};
 use imp_api::{ImpVM, ImpVMClass, Lifecycle, RunnerStatus, VmPhase};
+use imp_common::SecretString;
 use imp_guest::host::{self, HostClient, HostError};
-use imp_guest::protocol::{ErrorCode, Exec, Exited, Redacted};
+use imp_guest::protocol::{ErrorCode, Exec, Exited};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -445,7 +446,7 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
     Ok(())
 }
 
-fn runner_exec(ctx: &Context, vm: &ImpVM, uid: &str, env: BTreeMap<String, Redacted>) -> Exec {
+fn runner_exec(ctx: &Context, vm: &ImpVM, uid: &str, env: BTreeMap<String, SecretString>) -> Exec {
     Exec {
         id: handoff::exec_id(uid),
         argv: vec![ctx.config.runner_command.clone()],
@@ -511,7 +512,7 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
             .and_then(|mut d| d.remove(names::SECRET_KEY_JITCONFIG))
             .and_then(|b| String::from_utf8(b.0).ok())
             .filter(|c| !c.is_empty())
-            .map(Redacted::new);
+            .map(SecretString::from);
         let Some(config) = config else {
             ctx.metrics.handoff("config_missing");
             let msg = format!("JIT config Secret {secret_name} is missing or has no jitconfig key");

@@ -54,13 +54,15 @@ impl AgentConfig {
     }
 }
 
-/// Runs the agent (watch, sweep, heartbeat, HTTP) until one part ends (they run forever unless
-/// the HTTP listener fails).
+/// Runs the agent (watch, sweep, heartbeat, HTTP) until `shutdown` resolves or one part ends (they
+/// run forever unless the HTTP listener fails). Then it stops serving and aborts the heartbeat;
+/// the VMs keep running in imp-runtime and the next start picks them up again.
 pub async fn run(
     client: Client,
     config: AgentConfig,
     http_addr: SocketAddr,
     metrics: AgentMetrics,
+    shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(http_addr).await?;
     tracing::info!(addr = %listener.local_addr()?, "serving /metrics and /healthz");
@@ -75,6 +77,7 @@ pub async fn run(
     let result = tokio::select! {
         r = http::serve(listener, metrics) => r,
         () = controller::run(ctx) => Ok(()),
+        () = shutdown => Ok(()),
     };
     heartbeat.abort();
     result

@@ -3,8 +3,10 @@
 use imp_api::{ImpVM, ImpVMClassSpec};
 use k8s_openapi::api::core::v1::Secret;
 
+use imp_common::SecretString;
+
 use crate::api::{NetworkSpec, VmSpec};
-use crate::rootfs::auth::{PullCredentials, Secret as Redacted};
+use crate::rootfs::auth::PullCredentials;
 use crate::rootfs::store::ImageSpec;
 
 /// Key of a `kubernetes.io/dockerconfigjson` Secret.
@@ -62,12 +64,13 @@ fn credentials(secret: &Secret) -> Result<PullCredentials, SpecError> {
         })
         .ok_or_else(|| SpecError::NoDockerConfig(name.clone()))?;
     let json = String::from_utf8(bytes).map_err(|_| SpecError::NotUtf8(name))?;
-    Ok(PullCredentials::Dockerconfigjson(Redacted::new(json)))
+    Ok(PullCredentials::Dockerconfigjson(SecretString::from(json)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use imp_common::ExposeSecret;
     use k8s_openapi::ByteString;
     use serde_json::json;
 
@@ -150,7 +153,7 @@ mod tests {
         .unwrap();
         let creds = s.image.as_ref().unwrap().credentials.as_ref().unwrap();
         match creds {
-            PullCredentials::Dockerconfigjson(j) => assert_eq!(j.expose(), cfg),
+            PullCredentials::Dockerconfigjson(j) => assert_eq!(j.expose_secret(), cfg),
             other => panic!("{other:?}"),
         }
         assert!(!format!("{s:?}").contains("dXNlcjpw"));

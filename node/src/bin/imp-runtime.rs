@@ -8,6 +8,7 @@ use clap::Parser;
 use imp_node::api::Backend;
 use imp_node::cgroup::CgroupConfig;
 use imp_node::qemu::{Accel, QemuConfig};
+use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_node::rootfs::flatten::Limits;
 use imp_node::rootfs::pull::PullConfig;
 use imp_node::rootfs::store::StoreConfig;
@@ -101,12 +102,23 @@ struct Args {
     /// TCP address for Prometheus scraping (the socket serves /metrics too).
     #[arg(long, env = "IMP_METRICS_ADDR", default_value = "0.0.0.0:9091")]
     metrics_addr: SocketAddr,
-    /// Spawn to guest-agent Hello budget per VM.
-    #[arg(long, env = "IMP_BOOT_TIMEOUT_SECS", default_value_t = 30.0)]
-    boot_timeout_secs: f64,
-    /// How long a VM gets to stop after SendCtrlAltDel before SIGKILL.
-    #[arg(long, env = "IMP_STOP_TIMEOUT_SECS", default_value_t = 10.0)]
-    stop_timeout_secs: f64,
+    /// Spawn to guest-agent Hello budget per VM, e.g. "30s".
+    #[arg(long, env = "IMP_BOOT_TIMEOUT", default_value = "30s", value_parser = positive_duration)]
+    boot_timeout: Duration,
+    /// How long a VM gets to stop after SendCtrlAltDel before SIGKILL, e.g. "10s".
+    #[arg(long, env = "IMP_STOP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    stop_timeout: Duration,
+    #[command(flatten)]
+    log: LogArgs,
+}
+
+/// A Kubernetes-style duration ("30s", "1m30s") greater than zero.
+fn positive_duration(s: &str) -> Result<Duration, String> {
+    match imp_api::parse_duration(s) {
+        Ok(d) if d.is_zero() => Err("must be greater than zero".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn parse_accel(s: &str) -> Result<Accel, String> {
@@ -120,13 +132,10 @@ fn parse_accel(s: &str) -> Result<Accel, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    if let Err(e) = args.log.init() {
+        eprintln!("imp-runtime: {e}");
+        return ExitCode::from(2);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -142,10 +151,7 @@ fn main() -> ExitCode {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     use anyhow::Context as _;
-    let positive = |s: f64, name: &str| {
-        anyhow::ensure!(s.is_finite() && s > 0.0, "{name} must be positive");
-        Ok(Duration::from_secs_f64(s))
-    };
+    let shutdown = ShutdownSignal::install().context("install the SIGTERM/SIGINT handlers")?;
     let image_dirs = if args.image_dirs.is_empty() {
         [Some(&args.kernel), args.initrd.as_ref()]
             .into_iter()
@@ -184,8 +190,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
             vhost_vsock_bin: args.vhost_vsock_bin,
             accel: args.qemu_accel,
         },
-        boot_timeout: positive(args.boot_timeout_secs, "--boot-timeout-secs")?,
-        stop_timeout: positive(args.stop_timeout_secs, "--stop-timeout-secs")?,
+        boot_timeout: args.boot_timeout,
+        stop_timeout: args.stop_timeout,
         rootfs: StoreConfig {
             dir: args.state_dir.join("rootfs"),
             guest_bin: args.guest_bin,
@@ -222,20 +228,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     });
     axum::serve(listener, server::router(runtime))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(shutdown.recv())
         .await
         .context("serve the API")?;
     // VMs keep running: they are reattached at the next start.
     tracing::info!("imp-runtime stopped; VMs left running");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
 }

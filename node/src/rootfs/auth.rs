@@ -1,87 +1,74 @@
 //! Registry credentials for rootfs pulls: the wire form the agent sends imp-runtime (copied from
 //! the pull Secret), Docker's `.dockerconfigjson` lookup, and the resolved per-registry auth.
 //!
-//! Secrets are held in [`Secret`], whose `Debug` and `Display` print a placeholder, and no error
-//! here ever carries a credential: errors name the JSON field that was wrong, never its value.
-
-use std::fmt;
+//! Secrets are held in [`SecretString`] (imp_common::secret): its `Debug` prints `[REDACTED]`, and
+//! no error here ever carries a credential: errors name the JSON field that was wrong, never its
+//! value.
 
 use base64::Engine;
+use imp_common::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// A credential string that never prints. Serialises transparently, because it has to cross the
-/// agent → runtime API.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: impl Into<String>) -> Self {
-        Secret(value.into())
-    }
-
-    /// The secret itself, for handing to the HTTP client. Never log the result.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
-impl fmt::Display for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
 /// Registry credentials for one registry; `Debug` never shows the password.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum RegistryAuth {
     Anonymous,
-    Basic { username: String, password: Secret },
+    Basic {
+        username: String,
+        password: SecretString,
+    },
 }
 
-impl fmt::Debug for RegistryAuth {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RegistryAuth::Anonymous => f.write_str("Anonymous"),
-            RegistryAuth::Basic { username, password } => f
-                .debug_struct("Basic")
-                .field("username", username)
-                .field("password", password)
-                .finish(),
+/// Equal when the same credentials would be presented (compares the passwords, prints neither).
+impl PartialEq for RegistryAuth {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (RegistryAuth::Anonymous, RegistryAuth::Anonymous) => true,
+            (
+                RegistryAuth::Basic { username, password },
+                RegistryAuth::Basic {
+                    username: u,
+                    password: p,
+                },
+            ) => username == u && password.expose_secret() == p.expose_secret(),
+            _ => false,
         }
     }
 }
+
+impl Eq for RegistryAuth {}
 
 /// How imp-runtime's `PUT /v1/vms` body carries pull credentials (the agent copies them from the
 /// pull Secret). Externally tagged:
 /// `{"basic": {"username": "...", "password": "..."}}` or
 /// `{"dockerconfigjson": "<the Secret's .dockerconfigjson text>"}`.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase", deny_unknown_fields)]
 pub enum PullCredentials {
-    Basic { username: String, password: Secret },
-    Dockerconfigjson(Secret),
+    Basic {
+        username: String,
+        #[serde(serialize_with = "imp_common::secret::serialize")]
+        password: SecretString,
+    },
+    Dockerconfigjson(#[serde(serialize_with = "imp_common::secret::serialize")] SecretString),
 }
 
-impl fmt::Debug for PullCredentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PullCredentials::Basic { username, .. } => f
-                .debug_struct("Basic")
-                .field("username", username)
-                .field("password", &"<redacted>")
-                .finish(),
-            PullCredentials::Dockerconfigjson(_) => f
-                .debug_tuple("Dockerconfigjson")
-                .field(&"<redacted>")
-                .finish(),
+/// Equal when they carry the same credentials (a VM spec compares equal to its repeat request).
+impl PartialEq for PullCredentials {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (
+                PullCredentials::Basic { username, password },
+                PullCredentials::Basic {
+                    username: u,
+                    password: p,
+                },
+            ) => username == u && password.expose_secret() == p.expose_secret(),
+            (PullCredentials::Dockerconfigjson(a), PullCredentials::Dockerconfigjson(b)) => {
+                a.expose_secret() == b.expose_secret()
+            }
+            _ => false,
         }
     }
 }
@@ -96,7 +83,7 @@ impl PullCredentials {
                 password: password.clone(),
             }),
             PullCredentials::Dockerconfigjson(json) => {
-                from_dockerconfigjson(json.expose(), registry)
+                from_dockerconfigjson(json.expose_secret(), registry)
             }
         }
     }
@@ -201,13 +188,13 @@ fn entry_auth(key: &str, value: &Value) -> Result<RegistryAuth, AuthError> {
                 })?;
         return Ok(RegistryAuth::Basic {
             username: username.to_owned(),
-            password: Secret::new(password),
+            password: SecretString::from(password),
         });
     }
     match (string_field("username")?, string_field("password")?) {
         (Some(username), Some(password)) => Ok(RegistryAuth::Basic {
             username: username.to_owned(),
-            password: Secret::new(password),
+            password: SecretString::from(password),
         }),
         _ if string_field("identitytoken")?.is_some() => {
             Err(AuthError::IdentityTokenUnsupported { field: field(None) })
@@ -248,7 +235,7 @@ mod tests {
     fn basic(user: &str, pass: &str) -> RegistryAuth {
         RegistryAuth::Basic {
             username: user.into(),
-            password: Secret::new(pass),
+            password: SecretString::from(pass),
         }
     }
 
@@ -430,7 +417,7 @@ mod tests {
             creds.for_registry("anything:1").unwrap(),
             RegistryAuth::Basic {
                 username: "alice".into(),
-                password: Secret::new(PASSWORD)
+                password: SecretString::from(PASSWORD)
             }
         );
         let config = format!(
@@ -444,8 +431,17 @@ mod tests {
             dcj.for_registry("elsewhere.io").unwrap(),
             RegistryAuth::Anonymous
         );
-        let back: PullCredentials =
-            serde_json::from_str(&serde_json::to_string(&creds).unwrap()).unwrap();
+        // The wire form is the plain JSON the agent has always sent.
+        let wire = serde_json::to_string(&creds).unwrap();
+        assert_eq!(
+            wire,
+            format!(r#"{{"basic":{{"username":"alice","password":"{PASSWORD}"}}}}"#)
+        );
+        assert_eq!(
+            serde_json::to_value(&dcj).unwrap(),
+            serde_json::json!({ "dockerconfigjson": config })
+        );
+        let back: PullCredentials = serde_json::from_str(&wire).unwrap();
         assert_eq!(back, creds);
 
         for refused in [
@@ -471,16 +467,15 @@ mod tests {
                 "{:?}",
                 PullCredentials::Basic {
                     username: "alice".into(),
-                    password: Secret::new(PASSWORD)
+                    password: SecretString::from(PASSWORD)
                 }
             ),
             format!(
                 "{:?}",
-                PullCredentials::Dockerconfigjson(Secret::new(&config))
+                PullCredentials::Dockerconfigjson(SecretString::from(config.as_str()))
             ),
             format!("{:?}", basic("alice", PASSWORD)),
-            format!("{:?}", Secret::new(PASSWORD)),
-            format!("{}", Secret::new(PASSWORD)),
+            format!("{:?}", SecretString::from(PASSWORD)),
         ];
         for s in shown {
             assert!(!s.contains(PASSWORD), "{s}");

@@ -19,6 +19,7 @@ use std::{
 };
 
 use futures::StreamExt;
+use imp_common::ExposeSecret;
 use oci_client::{
     Client, Reference,
     client::{ClientConfig, ClientProtocol, linux_amd64_resolver},
@@ -181,7 +182,7 @@ impl Puller {
         let auth = match auth {
             RegistryAuth::Anonymous => OciAuth::Anonymous,
             RegistryAuth::Basic { username, password } => {
-                OciAuth::Basic(username.clone(), password.expose().to_owned())
+                OciAuth::Basic(username.clone(), password.expose_secret().to_owned())
             }
         };
         (client, auth)

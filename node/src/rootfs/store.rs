@@ -718,7 +718,7 @@ mod tests {
             runner: None,
             credentials: Some(PullCredentials::Basic {
                 username: "u".into(),
-                password: super::super::auth::Secret::new("hunter2-secret"),
+                password: imp_common::SecretString::from("hunter2-secret"),
             }),
         };
         let text = format!("{spec:?}");

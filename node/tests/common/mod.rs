@@ -208,10 +208,10 @@ impl Harness {
             .env("IMP_STATE_DIR", &self.state_dir)
             .env("IMP_KERNEL", &self.kernel)
             .env("IMP_METRICS_ADDR", "127.0.0.1:0")
-            .env("IMP_BOOT_TIMEOUT_SECS", self.boot_timeout_secs.to_string())
-            .env("IMP_STOP_TIMEOUT_SECS", "2")
+            .env("IMP_BOOT_TIMEOUT", format!("{}s", self.boot_timeout_secs))
+            .env("IMP_STOP_TIMEOUT", "2s")
             .env("IMP_SIM_BEHAVIOUR", self.dir.path().join("behaviour.json"))
-            .env("RUST_LOG", "info")
+            .env("IMP_LOG", "info")
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -270,6 +270,13 @@ impl Harness {
         self.runtime.as_ref().map(|c| c.id())
     }
 
+    /// `kill -<signal>` the runtime ("TERM", "INT") and wait (up to 20 s) for it to exit.
+    pub fn signal_runtime(&mut self, signal: &str) -> std::process::ExitStatus {
+        let mut child = self.runtime.take().expect("runtime running");
+        imp_testkit::binlog::send_signal(child.id(), signal);
+        imp_testkit::binlog::wait_exit(&mut child, Duration::from_secs(20))
+    }
+
     /// kill -9 the runtime (VMs must survive it).
     pub fn kill9_runtime(&mut self) {
         let mut child = self.runtime.take().expect("runtime running");
@@ -299,6 +306,19 @@ impl Harness {
     pub fn tap_for(&self, uid: &str) -> String {
         imp_node::tap::tap_name(&self.state_dir, uid)
     }
+}
+
+/// imp-agent for `node` against `env`'s API server and `rt`'s runtime socket, 1 s heartbeats, stdin
+/// closed; the caller adds its own settings and output, then spawns it.
+pub fn agent_command(env: &imp_testkit::TestEnv, rt: &Harness, node: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp-agent"));
+    cmd.env("KUBECONFIG", env.kubeconfig_path())
+        .env("IMP_NODE_NAME", node)
+        .env("IMP_NAMESPACE", &env.namespace)
+        .env("IMP_RUNTIME_SOCKET", &rt.socket)
+        .env("IMP_HEARTBEAT_INTERVAL", "1s")
+        .stdin(Stdio::null());
+    cmd
 }
 
 /// Whether the process `pid` with start time `start` runs.

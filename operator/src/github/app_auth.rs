@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::credentials::AppCredentials;
 use super::errors::{GithubError, Operation};
-use super::secret::{AppJwt, InstallationToken};
+use imp_common::{ExposeSecret, SecretString};
 
 /// Seconds `iat` is backdated, against clock drift (GitHub's recommendation).
 pub const JWT_BACKDATE_SECS: i64 = 60;
@@ -39,14 +39,14 @@ impl AppClaims {
 }
 
 /// Signs an App JWT for `now_unix`.
-pub fn mint_app_jwt(creds: &AppCredentials, now_unix: i64) -> Result<AppJwt, GithubError> {
+pub fn mint_app_jwt(creds: &AppCredentials, now_unix: i64) -> Result<SecretString, GithubError> {
     let claims = AppClaims::new(creds.app_id(), now_unix);
     jsonwebtoken::encode(
         &Header::new(Algorithm::RS256),
         &claims,
         creds.encoding_key(),
     )
-    .map(AppJwt::new)
+    .map(SecretString::from)
     .map_err(|_| {
         GithubError::Credentials(super::credentials::CredentialsError::InvalidKey {
             key: super::credentials::KEY_PRIVATE_KEY,
@@ -58,7 +58,7 @@ pub fn mint_app_jwt(creds: &AppCredentials, now_unix: i64) -> Result<AppJwt, Git
 /// An installation token with its expiry.
 #[derive(Debug, Clone)]
 pub struct CachedToken {
-    pub token: InstallationToken,
+    pub token: SecretString,
     pub expires_at: DateTime<Utc>,
 }
 
@@ -95,7 +95,7 @@ impl TokenCache {
         installation_id: u64,
         margin: Duration,
         exchange: F,
-    ) -> Result<InstallationToken, GithubError>
+    ) -> Result<SecretString, GithubError>
     where
         F: FnOnce() -> Fut,
         Fut: std::future::Future<Output = Result<CachedToken, GithubError>>,
@@ -129,10 +129,14 @@ impl TokenCache {
     }
 
     /// Drops `token` if it is still the cached one (a 401 proved it dead).
-    pub async fn invalidate(&self, installation_id: u64, token: &InstallationToken) {
+    pub async fn invalidate(&self, installation_id: u64, token: &SecretString) {
         let slot = self.slot(installation_id);
         let mut guard = slot.lock().await;
-        if guard.token.as_ref().is_some_and(|t| &t.token == token) {
+        if guard
+            .token
+            .as_ref()
+            .is_some_and(|t| t.token.expose_secret() == token.expose_secret())
+        {
             guard.token = None;
         }
     }
@@ -154,7 +158,7 @@ impl AccessTokenResponse {
                 message: format!("access token response: {}", e.classify_name()),
             })?;
         Ok(CachedToken {
-            token: InstallationToken::new(r.token),
+            token: SecretString::from(r.token),
             expires_at: r.expires_at,
         })
     }
@@ -203,7 +207,7 @@ mod tests {
         let creds = AppCredentials::from_parts(42, 7, key.pkcs1_pem().as_bytes()).unwrap();
         let now = Utc::now().timestamp();
         let jwt = mint_app_jwt(&creds, now).unwrap();
-        let parts: Vec<&str> = jwt.expose().split('.').collect();
+        let parts: Vec<&str> = jwt.expose_secret().split('.').collect();
         assert_eq!(parts.len(), 3);
         let header: serde_json::Value =
             serde_json::from_slice(&URL_SAFE_NO_PAD.decode(parts[0]).unwrap()).unwrap();
@@ -219,12 +223,12 @@ mod tests {
             signed.as_bytes(),
             &sig
         ));
-        assert_eq!(format!("{jwt:?}"), "AppJwt([redacted])");
+        assert_eq!(format!("{jwt:?}"), "SecretBox<str>([REDACTED])");
     }
 
     fn token(s: &str, ttl_secs: i64) -> CachedToken {
         CachedToken {
-            token: InstallationToken::new(s),
+            token: SecretString::from(s),
             expires_at: Utc::now() + chrono::Duration::seconds(ttl_secs),
         }
     }
@@ -239,30 +243,50 @@ mod tests {
             async move { Ok(token(&format!("t{n}"), ttl)) }
         };
         let t = cache.get(1, margin, || ex(3600)).await.unwrap();
-        assert_eq!(t.expose(), "t0");
+        assert_eq!(t.expose_secret(), "t0");
         assert_eq!(
-            cache.get(1, margin, || ex(3600)).await.unwrap().expose(),
+            cache
+                .get(1, margin, || ex(3600))
+                .await
+                .unwrap()
+                .expose_secret(),
             "t0"
         );
         // Another installation has its own token.
         assert_eq!(
-            cache.get(2, margin, || ex(3600)).await.unwrap().expose(),
+            cache
+                .get(2, margin, || ex(3600))
+                .await
+                .unwrap()
+                .expose_secret(),
             "t1"
         );
-        cache.invalidate(1, &InstallationToken::new("stale")).await;
+        cache.invalidate(1, &SecretString::from("stale")).await;
         assert_eq!(
-            cache.get(1, margin, || ex(3600)).await.unwrap().expose(),
+            cache
+                .get(1, margin, || ex(3600))
+                .await
+                .unwrap()
+                .expose_secret(),
             "t0",
             "other token: no-op"
         );
         cache.invalidate(1, &t).await;
         // 4 minutes left is inside the 5 minute margin: re-minted on every call.
         assert_eq!(
-            cache.get(1, margin, || ex(240)).await.unwrap().expose(),
+            cache
+                .get(1, margin, || ex(240))
+                .await
+                .unwrap()
+                .expose_secret(),
             "t2"
         );
         assert_eq!(
-            cache.get(1, margin, || ex(3600)).await.unwrap().expose(),
+            cache
+                .get(1, margin, || ex(3600))
+                .await
+                .unwrap()
+                .expose_secret(),
             "t3"
         );
         assert_eq!(calls.load(Ordering::SeqCst), 4);

@@ -19,7 +19,7 @@ use super::errors::{CallContext, GithubError, Operation, classify, rate_limit_re
 use super::governor::MintGovernor;
 use super::metrics::{AppLabels, ErrorLabels, GithubMetrics, RequestLabels};
 use super::retry::RetryPolicy;
-use super::secret::InstallationToken;
+use imp_common::{ExposeSecret, SecretString};
 
 /// Client configuration.
 #[derive(Debug, Clone)]
@@ -143,7 +143,7 @@ impl GithubApp {
     }
 
     /// A valid installation token (cached; exchanged when missing or within the refresh margin).
-    pub async fn installation_token(&self) -> Result<InstallationToken, GithubError> {
+    pub async fn installation_token(&self) -> Result<SecretString, GithubError> {
         let margin = self.inner.config.token_refresh_margin;
         self.inner
             .tokens
@@ -169,7 +169,7 @@ impl GithubApp {
                     Method::POST,
                     &path,
                     None,
-                    jwt.expose(),
+                    jwt.expose_secret(),
                 )
                 .await;
             let err = match result {
@@ -342,7 +342,13 @@ impl GithubApp {
         loop {
             let token = self.installation_token().await?;
             let result = self
-                .send_once(ctx.operation, method.clone(), path, body, token.expose())
+                .send_once(
+                    ctx.operation,
+                    method.clone(),
+                    path,
+                    body,
+                    token.expose_secret(),
+                )
                 .await;
             let err = match result {
                 Ok(r) if r.status.is_success() || accept.contains(&r.status) => return Ok(r),

@@ -12,7 +12,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use octocrab::jsonwebtoken::{self, Algorithm, EncodingKey, Header};
 
-use super::secret::PrivateKeyPem;
+use imp_common::{ExposeSecret, SecretString};
 
 /// Secret key holding the App id.
 pub const KEY_APP_ID: &str = "app-id";
@@ -121,9 +121,9 @@ impl AppCredentials {
     pub fn from_private_key(
         app_id: u64,
         installation_id: u64,
-        pem: &PrivateKeyPem,
+        pem: &SecretString,
     ) -> Result<Self, CredentialsError> {
-        Self::from_parts(app_id, installation_id, pem.expose().as_bytes())
+        Self::from_parts(app_id, installation_id, pem.expose_secret().as_bytes())
     }
 
     pub fn app_id(&self) -> u64 {

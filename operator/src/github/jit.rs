@@ -10,7 +10,7 @@ use super::client::GithubApp;
 use super::errors::{GithubError, Operation};
 use super::runners::Runner;
 use super::scope::RunnerScope;
-use super::secret::JitConfig;
+use imp_common::SecretString;
 
 /// GitHub's limit on runner name length.
 pub const MAX_RUNNER_NAME_LEN: usize = 64;
@@ -60,7 +60,7 @@ pub struct JitRunner {
     pub runner_name: String,
     pub runner_group_id: u64,
     /// The one-time config to hand to the runner (`ACTIONS_RUNNER_INPUT_JITCONFIG`).
-    pub encoded_jit_config: JitConfig,
+    pub encoded_jit_config: SecretString,
 }
 
 #[derive(Deserialize)]
@@ -148,7 +148,7 @@ impl GithubApp {
             runner_id: parsed.runner.id,
             runner_name: parsed.runner.name,
             runner_group_id: group_id,
-            encoded_jit_config: JitConfig::new(parsed.encoded_jit_config),
+            encoded_jit_config: SecretString::from(parsed.encoded_jit_config),
         })
     }
 

@@ -34,7 +34,6 @@ pub mod retry;
 pub mod runner_groups;
 pub mod runners;
 pub mod scope;
-pub mod secret;
 
 pub use app_auth::{AppClaims, mint_app_jwt};
 pub use apps::GithubApps;
@@ -51,4 +50,3 @@ pub use retry::RetryPolicy;
 pub use runner_groups::{DEFAULT_RUNNER_GROUP_ID, RunnerGroup};
 pub use runners::{DeleteOutcome, Runner, RunnerLabel};
 pub use scope::RunnerScope;
-pub use secret::{AppJwt, InstallationToken, JitConfig, PrivateKeyPem};

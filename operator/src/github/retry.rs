@@ -32,12 +32,7 @@ impl RetryPolicy {
     /// "Equal jitter" backoff for retry number `retry` (0 = first retry): half of
     /// `min(max, base * 2^retry)` fixed, half scaled by `jitter` in [0, 1).
     pub fn backoff(&self, retry: u32, jitter: f64) -> Duration {
-        let exp = self
-            .base_delay
-            .saturating_mul(2u32.saturating_pow(retry.min(20)))
-            .min(self.max_delay);
-        let half = exp / 2;
-        half + half.mul_f64(jitter.clamp(0.0, 1.0))
+        imp_common::Backoff::new(self.base_delay, self.max_delay).jittered(retry, jitter)
     }
 
     /// How long to wait before retrying after `err` (retry number `retry`), or `None` to give up.

@@ -20,6 +20,7 @@ use imp_api::{
         reason,
     },
 };
+use imp_common::ExposeSecret;
 use k8s_openapi::{
     ByteString,
     api::core::v1::Secret,
@@ -740,7 +741,13 @@ impl Ctx {
             type_: Some("Opaque".into()),
             data: Some(BTreeMap::from([(
                 SECRET_KEY_JITCONFIG.to_owned(),
-                ByteString(minted.encoded_jit_config.expose().as_bytes().to_vec()),
+                ByteString(
+                    minted
+                        .encoded_jit_config
+                        .expose_secret()
+                        .as_bytes()
+                        .to_vec(),
+                ),
             )])),
             ..Secret::default()
         };

@@ -29,18 +29,8 @@ pub enum MintBlock {
     StartFailing,
 }
 
-/// `min(base * 2^(failures-1), max)`: the wait after `failures` consecutive failures.
-pub fn backoff(
-    base: std::time::Duration,
-    max: std::time::Duration,
-    failures: u32,
-) -> std::time::Duration {
-    let factor = 2u32.saturating_pow(failures.saturating_sub(1).min(16));
-    base.saturating_mul(factor).min(max)
-}
-
 /// Consecutive failures of one kind and the wait they impose: each failure restarts the wait,
-/// doubled per failure in a row ([`backoff`]); a success resets it.
+/// `min(base * 2^(failures-1), max)` ([`imp_common::Backoff`]); a success resets it.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Backoff {
     failures: u32,
@@ -55,8 +45,8 @@ impl Backoff {
         base: std::time::Duration,
         max: std::time::Duration,
     ) -> std::time::Duration {
-        self.failures += 1;
-        let wait = backoff(base, max, self.failures);
+        self.failures = self.failures.saturating_add(1);
+        let wait = imp_common::Backoff::new(base, max).delay(self.failures - 1);
         self.until = Some(now + wait);
         wait
     }
@@ -418,16 +408,6 @@ mod tests {
     }
 
     #[test]
-    fn backoff_doubles_up_to_its_cap() {
-        use std::time::Duration as D;
-        let b = |n| backoff(D::from_secs(10), D::from_secs(300), n);
-        assert_eq!(
-            [b(0), b(1), b(2), b(3), b(5), b(6), b(40)],
-            [10, 10, 20, 40, 160, 300, 300].map(D::from_secs)
-        );
-    }
-
-    #[test]
     fn backoff_state_counts_failures_in_a_row_and_resets() {
         use std::time::{Duration as D, Instant};
         let t0 = Instant::now();
@@ -451,6 +431,11 @@ mod tests {
             b.fail(t0, D::from_secs(10), D::from_secs(300)),
             D::from_secs(10)
         );
+        let waits: Vec<D> = (0..40)
+            .map(|_| b.fail(t0, D::from_secs(10), D::from_secs(300)))
+            .collect();
+        assert_eq!(waits[..5], [20, 40, 80, 160, 300].map(D::from_secs));
+        assert_eq!(waits[39], D::from_secs(300), "capped however many failures");
     }
 
     #[test]

@@ -103,12 +103,7 @@ pub struct Input<'a> {
 
 /// Delay before restart number `n + 1` (n restarts already spent): min(initialDelay * 2^n, maxDelay).
 pub fn backoff_delay(policy: &ResolvedRestartPolicy, n: u32) -> Duration {
-    let factor = 2u32.checked_pow(n).unwrap_or(u32::MAX);
-    policy
-        .initial_delay
-        .checked_mul(factor)
-        .unwrap_or(Duration::MAX)
-        .min(policy.max_delay)
+    imp_common::Backoff::new(policy.initial_delay, policy.max_delay).delay(n)
 }
 
 /// The VM's restart policy, inherited from the class when the VM sets none.
