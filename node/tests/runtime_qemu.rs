@@ -18,7 +18,8 @@ use std::time::Duration;
 use common::{Backend, Harness, is_root};
 use http::StatusCode;
 use imp_guest::host::HostClient;
-use imp_guest::protocol::{Exec, Redacted};
+use imp_common::SecretString;
+use imp_guest::protocol::Exec;
 use imp_node::api::{VmSpec, VmState};
 use imp_node::rootfs::store::ImageSpec;
 use imp_testkit::oci::push_gzip_image;
@@ -77,10 +78,10 @@ async fn run_runner(c: &mut HostClient, id: &str) -> Option<i32> {
         id: id.into(),
         argv: vec!["/opt/actions-runner/run.sh".into()],
         env: BTreeMap::from([
-            ("PATH".into(), Redacted::new("/bin")),
+            ("PATH".into(), SecretString::from("/bin")),
             (
                 "ACTIONS_RUNNER_INPUT_JITCONFIG".into(),
-                Redacted::new("jit-7f3a"),
+                SecretString::from("jit-7f3a"),
             ),
         ]),
         cwd: None,
