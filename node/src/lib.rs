@@ -8,6 +8,7 @@ pub mod client;
 pub mod firecracker;
 pub mod inventory;
 pub mod metrics;
+pub mod network;
 pub mod procfs;
 pub mod rootfs;
 pub mod runtime;
