@@ -78,4 +78,8 @@ pub mod reason {
     pub const NODE_LOST: &str = "NodeLost";
     pub const EXPIRED: &str = "Expired";
     pub const RETRY_EXHAUSTED: &str = "RetryExhausted";
+    /// ImpVM stays Pending / ImpNetwork not Ready: the built-in IPAM has no free address left.
+    pub const NETWORK_EXHAUSTED: &str = "NetworkExhausted";
+    /// ImpNetwork Ready: the built-in IPAM has free addresses.
+    pub const ADDRESSES_AVAILABLE: &str = "AddressesAvailable";
 }
