@@ -190,6 +190,10 @@ fn resolve(server: SocketAddr, name: &str) -> Option<Ipv4Addr> {
         .then(|| Ipv4Addr::new(buf[n - 4], buf[n - 3], buf[n - 2], buf[n - 1]))
 }
 
+fn set_mac(ns: &str, mac: &str) {
+    run("ip", &["-n", ns, "link", "set", "eth0", "address", mac]);
+}
+
 fn reachable(addr: SocketAddr) -> bool {
     TcpStream::connect_timeout(&addr, UNREACHABLE_WAIT).is_ok()
 }
@@ -481,36 +485,14 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
         "a spoofed source got through"
     );
     // A spoofed MAC is dropped as well.
-    run(
-        "ip",
-        &[
-            "-n",
-            &g1,
-            "link",
-            "set",
-            "eth0",
-            "address",
-            "06:66:66:66:66:66",
-        ],
-    );
+    set_mac(&g1, "06:66:66:66:66:66");
     run("ip", &["-n", &g1, "neigh", "flush", "all"]);
     send_from("198.51.100.10");
     assert!(
         udp_sink.recv_from(&mut buf).is_err(),
         "a spoofed MAC got through"
     );
-    run(
-        "ip",
-        &[
-            "-n",
-            &g1,
-            "link",
-            "set",
-            "eth0",
-            "address",
-            &network::format_mac(&ports[0].mac),
-        ],
-    );
+    set_mac(&g1, &network::format_mac(&ports[0].mac));
 
     // Throughput and latency through the bridge and NAT, guest vs the node itself.
     let measure = |ns: &str| {

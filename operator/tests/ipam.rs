@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use imp_api::ImpNetwork;
-use imp_api::ImpNetworkSpec;
 use imp_api::names::{condition, reason};
+use imp_api::{ImpNetworkSpec, ImpNetworkStatus};
 use imp_operator::error::Error;
 use imp_operator::ipam::Ipam;
 use imp_testkit::TestEnv;
@@ -16,6 +16,16 @@ use imp_testkit::cluster::shared_kubeconfig;
 use imp_testkit::controlplane::config_from_kubeconfig;
 use kube::api::PostParams;
 use kube::{Api, Client};
+
+/// The network's Ready condition as (status, reason).
+fn ready(status: &ImpNetworkStatus) -> (&str, &str) {
+    let c = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == condition::NETWORK_READY)
+        .expect("a Ready condition");
+    (c.status.as_str(), c.reason.as_str())
+}
 
 async fn second_client() -> Client {
     let config = config_from_kubeconfig(shared_kubeconfig()).await.unwrap();
@@ -85,15 +95,7 @@ async fn parallel_allocations_from_two_clients_never_collide() {
     for (uid, l) in &leases {
         assert_eq!(&status.allocations[&l.ip.to_string()].uid, uid);
     }
-    let ready = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == condition::NETWORK_READY)
-        .unwrap();
-    assert_eq!(
-        (ready.status.as_str(), ready.reason.as_str()),
-        ("True", reason::ADDRESSES_AVAILABLE)
-    );
+    assert_eq!(ready(&status), ("True", reason::ADDRESSES_AVAILABLE));
 
     // A retry (either replica) returns the same address and writes nothing.
     let rv = net.metadata.resource_version.clone();
@@ -128,15 +130,7 @@ async fn exhaustion_is_reported_and_freed_addresses_are_reused() {
     }
     let api: Api<ImpNetwork> = env.api();
     let status = api.get("small").await.unwrap().status.unwrap();
-    let ready = status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == condition::NETWORK_READY)
-        .unwrap();
-    assert_eq!(
-        (ready.status.as_str(), ready.reason.as_str()),
-        ("False", reason::NETWORK_EXHAUSTED)
-    );
+    assert_eq!(ready(&status), ("False", reason::NETWORK_EXHAUSTED));
     assert_eq!(status.allocated, Some(5));
 
     // u1 deleted normally (released), u3 force-finalized (gone from the live set).

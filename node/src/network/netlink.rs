@@ -242,15 +242,15 @@ pub async fn execute(handle: &Handle, action: &Action) -> Result<(), NetworkErro
             nft::apply(&nft::replace_batch(rules), "replace Imp's tables").await?
         }
         Action::DeleteNft => nft::apply(&nft::delete_batch(), "delete Imp's tables").await?,
-        Action::DeleteBridge { bridge } => match index_of(handle, bridge).await {
-            Ok(index) => link
-                .del(index)
-                .execute()
-                .await
-                .map_err(nl(format!("delete bridge {bridge}")))?,
-            // Already gone: the goal of the action.
-            Err(_) => {}
-        },
+        Action::DeleteBridge { bridge } => {
+            // Already gone is the goal of the action.
+            if let Ok(index) = index_of(handle, bridge).await {
+                link.del(index)
+                    .execute()
+                    .await
+                    .map_err(nl(format!("delete bridge {bridge}")))?
+            }
+        }
     }
     Ok(())
 }

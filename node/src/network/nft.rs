@@ -112,6 +112,14 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
         let br = json!(n.bridge);
         let from_br = || meta("iifname", "==", br.clone());
         let to_br = || meta("oifname", "==", br.clone());
+        // From the subnet on this bridge, out the egress interface.
+        let outbound = || {
+            vec![
+                from_br(),
+                meta("oifname", "==", json!(n.egress)),
+                payload("ip", "saddr", "==", prefix(&spec.subnet)),
+            ]
+        };
         let established = || json!({"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": ["established", "related"]}});
         rule(
             Family::Inet,
@@ -162,12 +170,7 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
         rule(
             Family::Inet,
             "forward",
-            vec![
-                from_br(),
-                meta("oifname", "==", json!(n.egress)),
-                payload("ip", "saddr", "==", prefix(&spec.subnet)),
-                verdict("accept"),
-            ],
+            [outbound(), vec![verdict("accept")]].concat(),
             "guests out the egress interface",
         );
         rule(
@@ -192,12 +195,7 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
             rule(
                 Family::Inet,
                 "postrouting",
-                vec![
-                    from_br(),
-                    meta("oifname", "==", json!(n.egress)),
-                    payload("ip", "saddr", "==", prefix(&spec.subnet)),
-                    verdict("masquerade"),
-                ],
+                [outbound(), vec![verdict("masquerade")]].concat(),
                 "outbound NAT",
             );
         }

@@ -34,10 +34,13 @@ pub struct Lease {
     pub gateway: Ipv4Addr,
 }
 
+/// Per (namespace, network name): the lock its writers in this process queue on.
+type NetworkLocks = HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>;
+
 pub struct Ipam {
     client: Client,
     /// One lock per (namespace, network): this process's writers queue instead of conflicting.
-    locks: Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<()>>>>,
+    locks: Mutex<NetworkLocks>,
 }
 
 impl Ipam {
