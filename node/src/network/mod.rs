@@ -33,6 +33,52 @@ pub struct VmNetwork {
     pub egress_deny: Vec<ipnet::Ipv4Net>,
 }
 
+impl VmNetwork {
+    /// From an ImpNetwork (its uid and spec); errors name the field.
+    pub fn from_spec(uid: &str, spec: &imp_api::ImpNetworkSpec) -> Result<Self, NetworkError> {
+        let bad = |field: &str, value: &str| NetworkError::BadSpec {
+            network: uid.to_owned(),
+            field: field.to_owned(),
+            value: value.to_owned(),
+        };
+        let cidrs = |field: &str, list: &[String]| {
+            list.iter()
+                .map(|c| c.parse().map_err(|_| bad(field, c)))
+                .collect::<Result<Vec<ipnet::Ipv4Net>, _>>()
+        };
+        let egress = spec.egress.clone().unwrap_or_default();
+        let nat = spec.nat.clone().unwrap_or_default();
+        Ok(Self {
+            id: uid.to_owned(),
+            subnet: spec
+                .subnet
+                .parse::<ipnet::Ipv4Net>()
+                .map_err(|_| bad("spec.subnet", &spec.subnet))?
+                .trunc(),
+            gateway: spec
+                .gateway
+                .parse()
+                .map_err(|_| bad("spec.gateway", &spec.gateway))?,
+            nat: nat.enabled,
+            egress_interface: nat.egress_interface,
+            egress_allow: cidrs("spec.egress.allow", &egress.allow)?,
+            egress_deny: cidrs("spec.egress.deny", &egress.deny)?,
+        })
+    }
+
+    /// The guest's kernel command-line words for address `ip` (docs/network.md).
+    pub fn boot_args(&self, ip: Ipv4Addr, mtu: Option<u32>, dns: &[String]) -> String {
+        let mut out = format!("imp.net={ip}/{},{}", self.subnet.prefix_len(), self.gateway);
+        if let Some(mtu) = mtu {
+            out.push_str(&format!(",{mtu}"));
+        }
+        if !dns.is_empty() {
+            out.push_str(&format!(" imp.dns={}", dns.join(",")));
+        }
+        out
+    }
+}
+
 /// One VM's attachment: its TAP, the MAC the guest uses and the address IPAM gave it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Port {
@@ -112,6 +158,12 @@ pub enum NetworkError {
         ip: Ipv4Addr,
         subnet: ipnet::Ipv4Net,
     },
+    #[error("network {network}: {field} {value:?} is not an IPv4 address/CIDR")]
+    BadSpec {
+        network: String,
+        field: String,
+        value: String,
+    },
     #[error("TAP {tap} is wanted on two networks ({a} and {b})")]
     TapConflict { tap: String, a: String, b: String },
     #[error(transparent)]
@@ -163,5 +215,42 @@ mod tests {
         assert_eq!(bridge_mac("n")[0] & 0b11, 0b10);
         assert_ne!(bridge_mac("n"), vm_mac("n"));
         assert_eq!(format_mac(&[6, 0, 0xa, 0, 0, 0xff]), "06:00:0a:00:00:ff");
+    }
+
+    #[test]
+    fn from_spec_and_boot_args_round_trip_through_the_guest_parser() {
+        let spec: imp_api::ImpNetworkSpec = serde_json::from_value(serde_json::json!({
+            "subnet": "10.44.0.0/24", "gateway": "10.44.0.1", "dns": ["10.44.0.1"],
+            "nat": {"enabled": true},
+            "egress": {"deny": ["10.0.0.0/8"], "allow": ["198.51.100.0/24"]}
+        }))
+        .unwrap();
+        let n = VmNetwork::from_spec("uid-1", &spec).unwrap();
+        assert!(n.nat && n.egress_interface.is_none());
+        assert_eq!(
+            n.egress_deny,
+            ["10.0.0.0/8".parse::<ipnet::Ipv4Net>().unwrap()]
+        );
+        let args = n.boot_args("10.44.0.7".parse().unwrap(), Some(1400), &spec.dns);
+        assert_eq!(
+            args,
+            "imp.net=10.44.0.7/24,10.44.0.1,1400 imp.dns=10.44.0.1"
+        );
+        let guest = imp_guest::pid1::cmdline::parse(&args).unwrap();
+        let net = guest.net.unwrap();
+        assert_eq!(
+            (net.address, net.prefix, net.gateway, net.mtu),
+            ("10.44.0.7".parse().unwrap(), 24, n.gateway, Some(1400))
+        );
+
+        let mut bad = spec.clone();
+        bad.egress.as_mut().unwrap().allow = vec!["fd00::/8".into()];
+        assert!(
+            matches!(VmNetwork::from_spec("u", &bad), Err(NetworkError::BadSpec { field, .. }) if field == "spec.egress.allow")
+        );
+        bad.subnet = "2001:db8::/64".into();
+        assert!(
+            matches!(VmNetwork::from_spec("u", &bad), Err(NetworkError::BadSpec { field, .. }) if field == "spec.subnet")
+        );
     }
 }
