@@ -105,6 +105,8 @@ pub mod reason {
         VmCondition(&'static str),
         /// The reason of an ImpVMRunnerPool condition of this type.
         PoolCondition(&'static str),
+        /// The reason of an ImpNetwork condition of this type.
+        NetworkCondition(&'static str),
         /// A Kubernetes Event about an ImpVM.
         VmEvent,
         /// A Kubernetes Event about an ImpVMRunnerPool.
@@ -122,6 +124,7 @@ pub mod reason {
                 Site::VmStatus => "ImpVM `status.reason`".into(),
                 Site::VmCondition(t) => format!("ImpVM condition `{t}`"),
                 Site::PoolCondition(t) => format!("ImpVMRunnerPool condition `{t}`"),
+                Site::NetworkCondition(t) => format!("ImpNetwork condition `{t}`"),
                 Site::VmEvent => "Event on an ImpVM".into(),
                 Site::PoolEvent => "Event on an ImpVMRunnerPool".into(),
                 Site::Runtime => "imp-runtime API error".into(),
@@ -155,7 +158,7 @@ pub mod reason {
 
     use Site::*;
     use condition::{
-        AT_CAPACITY, CREDENTIALS_VALID, NODE_HEALTHY, READY, SCALING_LIMITED,
+        AT_CAPACITY, CREDENTIALS_VALID, NETWORK_READY, NODE_HEALTHY, READY, SCALING_LIMITED,
         SCHEDULED as SCHEDULED_C, TORN_DOWN as TORN_DOWN_C,
     };
 
@@ -359,6 +362,10 @@ pub mod reason {
         SNAPSHOT_UNSUPPORTED = "SnapshotUnsupported" in [Runtime];
         /// imp-runtime refused a request body larger than its limit.
         BODY_TOO_LARGE = "BodyTooLarge" in [Runtime];
+        /// ImpVM stays Pending / ImpNetwork not Ready: the built-in IPAM has no free address left.
+        NETWORK_EXHAUSTED = "NetworkExhausted" in [VmStatus, NetworkCondition(NETWORK_READY)];
+        /// ImpNetwork Ready: the built-in IPAM has free addresses.
+        ADDRESSES_AVAILABLE = "AddressesAvailable" in [NetworkCondition(NETWORK_READY)];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

@@ -1,5 +1,7 @@
 //! ImpNetwork: subnet, gateway, NAT and DNS for the VMs attached to it.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
@@ -52,6 +54,26 @@ pub struct ImpNetworkSpec {
     pub dns: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipam: Option<Ipam>,
+    /// Where guests may send traffic. Default: anywhere out of the node's egress interface,
+    /// except the node itself and link-local 169.254.0.0/16 (never reachable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<Egress>,
+}
+
+/// Destination CIDR lists; `deny` wins over `allow`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Egress {
+    /// When non-empty, guests may reach only these IPv4 CIDRs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = kube::core::Rule::new("self.all(c, isCIDR(c) && cidr(c).ip().family() == 4)").message("every egress.allow entry must be an IPv4 CIDR"))]
+    #[schemars(length(max = 64), inner(length(max = 64)))]
+    pub allow: Vec<String>,
+    /// IPv4 CIDRs guests may never reach, e.g. internal ranges.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = kube::core::Rule::new("self.all(c, isCIDR(c) && cidr(c).ip().family() == 4)").message("every egress.deny entry must be an IPv4 CIDR"))]
+    #[schemars(length(max = 64), inner(length(max = 64)))]
+    pub deny: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -90,6 +112,24 @@ pub struct ImpNetworkStatus {
     /// Addresses currently allocated to VMs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allocated: Option<u32>,
+    /// Addresses the built-in IPAM can hand out (the subnet minus network, broadcast and
+    /// gateway; at most 4096, the size the status object can hold).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<u32>,
+    /// The built-in IPAM's durable record: guest address -> the ImpVM holding it. Written
+    /// only by the operator, with resourceVersion-guarded replaces.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub allocations: BTreeMap<String, IpAllocation>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// The ImpVM an address belongs to (same namespace as the ImpNetwork).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IpAllocation {
+    /// ImpVM name.
+    pub vm: String,
+    /// ImpVM uid: a VM re-created under the same name gets a new address.
+    pub uid: String,
 }

@@ -7,8 +7,10 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
-use imp_guest::pid1::{mounts, root, system};
+use imp_guest::pid1::cmdline::NetConfig;
+use imp_guest::pid1::{mounts, net, root, system};
 
 const CHILD_ENV: &str = "IMP_GUEST_NS_CHILD";
 const DIR_ENV: &str = "IMP_GUEST_NS_DIR";
@@ -21,6 +23,10 @@ fn namespaced(name: &str, unshare: &[&str]) -> Option<PathBuf> {
         return Some(PathBuf::from(std::env::var(DIR_ENV).unwrap()));
     }
     if !common::is_root() {
+        assert!(
+            std::env::var("IMP_REQUIRE_ROOT").as_deref() != Ok("1"),
+            "IMP_REQUIRE_ROOT=1 but {name} needs root for mount/UTS/net namespaces"
+        );
         println!("skipped {name}: needs root for mount/UTS/net namespaces");
         return None;
     }
@@ -225,5 +231,70 @@ fn assemble_reports_which_mount_failed() {
     let msg = err.to_string();
     assert!(matches!(err, root::RootError::Mount { .. }), "{err:?}");
     assert!(msg.contains("/dev/imp-no-such-disk"), "{msg}");
+    println!("{CHILD_OK}");
+}
+
+fn ip_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new("ip").arg("-j").args(args).output().unwrap();
+    assert!(out.status.success(), "ip -j {args:?}: {out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// imp.net's configuration code on a veth in a fresh network namespace (the peer end plays
+/// the bridge): address, MTU, link up, default route; a second run changes nothing.
+#[test]
+fn network_configures_eth0_on_a_veth() {
+    if namespaced("network_configures_eth0_on_a_veth", &["--net"]).is_none() {
+        return;
+    }
+    let ip = |args: &[&str]| {
+        let st = Command::new("ip").args(args).status().unwrap();
+        assert!(st.success(), "ip {args:?}");
+    };
+    ip(&[
+        "link", "add", "eth0", "type", "veth", "peer", "name", "bridge0",
+    ]);
+    ip(&["link", "set", "bridge0", "up"]);
+    let cfg = NetConfig::parse("192.0.2.10/24,192.0.2.1,1400").unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for _ in 0..2 {
+        rt.block_on(net::configure("eth0", &cfg, Duration::from_secs(2)))
+            .unwrap();
+        let link = &ip_json(&["addr", "show", "dev", "eth0"])[0];
+        assert_eq!(link["mtu"], 1400, "{link}");
+        assert!(
+            link["flags"].as_array().unwrap().contains(&"UP".into()),
+            "{link}"
+        );
+        let v4: Vec<_> = link["addr_info"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["family"] == "inet")
+            .map(|a| {
+                (
+                    a["local"].as_str().unwrap().to_owned(),
+                    a["prefixlen"].clone(),
+                )
+            })
+            .collect();
+        assert_eq!(v4, [("192.0.2.10".to_owned(), 24.into())]);
+        let routes = ip_json(&["-4", "route", "show", "default"]);
+        let routes = routes.as_array().unwrap();
+        assert_eq!(routes.len(), 1, "{routes:?}");
+        assert_eq!(routes[0]["gateway"], "192.0.2.1");
+        assert_eq!(routes[0]["dev"], "eth0");
+    }
+    // A missing interface is a precise error, not a hang.
+    let err = rt
+        .block_on(net::configure("eth9", &cfg, Duration::from_millis(200)))
+        .unwrap_err();
+    assert!(
+        matches!(err, net::NetError::NoInterface(ref n, _) if n == "eth9"),
+        "{err}"
+    );
     println!("{CHILD_OK}");
 }

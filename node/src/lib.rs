@@ -10,6 +10,7 @@ pub mod client;
 pub mod firecracker;
 pub mod inventory;
 pub mod metrics;
+pub mod network;
 pub mod procfs;
 pub mod qemu;
 pub mod rootfs;

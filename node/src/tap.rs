@@ -33,18 +33,22 @@ pub struct LinkStats {
 /// A stable, host-unique TAP name for a VM: several runtimes (or test runs) may share a host, so
 /// the name hashes the state dir and uid (FNV-1a, 44 bits) rather than counting.
 pub fn tap_name(state_dir: &std::path::Path, uid: &str) -> String {
+    let h = fnv1a(&[
+        state_dir.as_os_str().as_encoded_bytes(),
+        &[0],
+        uid.as_bytes(),
+    ]);
+    format!("imp{:011x}", h & 0xfff_ffff_ffff)
+}
+
+/// 64-bit FNV-1a over the concatenated parts: stable names and MACs (here and in network/).
+pub fn fnv1a(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in state_dir
-        .as_os_str()
-        .as_encoded_bytes()
-        .iter()
-        .chain([0u8].iter())
-        .chain(uid.as_bytes())
-    {
+    for b in parts.iter().flat_map(|p| p.iter()) {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
-    format!("imp{:011x}", h & 0xfff_ffff_ffff)
+    h
 }
 
 fn check(name: &str) -> Result<(), TapError> {

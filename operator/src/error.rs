@@ -16,6 +16,14 @@ pub enum Error {
     /// An object lacks a field the API server always sets (name, namespace, uid, creationTimestamp).
     #[error("object is missing {0}")]
     MissingObjectKey(&'static str),
+
+    /// Built-in IPAM: every address of the network is allocated.
+    #[error("ImpNetwork {network} has no free address (capacity {capacity})")]
+    NetworkExhausted { network: String, capacity: u32 },
+
+    /// Built-in IPAM: the network's subnet/gateway cannot be used (the message names the field).
+    #[error("ImpNetwork {network}: {message}")]
+    NetworkInvalid { network: String, message: String },
 }
 
 impl Error {
@@ -25,6 +33,8 @@ impl Error {
             Error::Kube(_) => "kube_api",
             Error::Conflict(_) => "conflict",
             Error::MissingObjectKey(_) => "missing_object_key",
+            Error::NetworkExhausted { .. } => "network_exhausted",
+            Error::NetworkInvalid { .. } => "network_invalid",
         }
     }
 

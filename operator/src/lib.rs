@@ -1,5 +1,6 @@
 pub mod error;
 pub mod github;
+pub mod ipam;
 pub mod metrics;
 pub mod runnerpool;
 pub mod scheduler;

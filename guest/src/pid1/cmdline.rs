@@ -6,6 +6,7 @@
 //! | key | meaning | default |
 //! |---|---|---|
 //! | `imp.hostname=NAME` | hostname | unchanged |
+//! | `imp.net=ADDR/PREFIX,GATEWAY[,MTU]` | IPv4 address of `eth0`, default route, MTU | `eth0` left down |
 //! | `imp.dns=IP[,IP]` (repeatable) | nameservers for /etc/resolv.conf | none: resolv.conf untouched |
 //! | `imp.dns_search=DOMAIN[,DOMAIN]` | resolv.conf search list | none |
 //! | `imp.overlay=DEV` | per-VM writable drive: assemble the root as overlay(lower, DEV) | no overlay |
@@ -16,7 +17,7 @@
 //! | `imp.report_grace_s=N` | power off this long after the workload exit even if unreported | 600 |
 //! | `imp.halt=poweroff\|reboot` | how to end the VM (Firecracker on x86_64 exits only on `reboot`) | poweroff |
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -41,9 +42,76 @@ pub struct OverlayConfig {
     pub upper_fstype: String,
 }
 
+/// `imp.net`: the guest's one interface. IPv4 only: Imp's bridge and NAT are IPv4 only, and
+/// the guest deliberately gets no IPv6 (docs/network.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NetConfig {
+    pub address: Ipv4Addr,
+    pub prefix: u8,
+    pub gateway: Ipv4Addr,
+    /// `None`: the driver's default (1500 for virtio-net).
+    pub mtu: Option<u32>,
+}
+
+/// Smallest MTU IPv4 allows (RFC 791) and the largest a Linux link takes.
+const MTU_RANGE: std::ops::RangeInclusive<u32> = 68..=65535;
+
+impl NetConfig {
+    /// Parse `ADDR/PREFIX,GATEWAY[,MTU]`, e.g. `10.44.0.5/24,10.44.0.1,1500`.
+    pub fn parse(value: &str) -> Result<Self, &'static str> {
+        let mut parts = value.split(',');
+        let cidr = parts.next().unwrap_or_default();
+        let (addr, prefix) = cidr
+            .split_once('/')
+            .ok_or("expected ADDR/PREFIX,GATEWAY[,MTU]")?;
+        let address: Ipv4Addr = addr.parse().map_err(|_| "address is not an IPv4 address")?;
+        let prefix: u8 = prefix
+            .parse()
+            .ok()
+            .filter(|p| (1..=30).contains(p))
+            .ok_or("prefix must be 1..30")?;
+        let gateway: Ipv4Addr = parts
+            .next()
+            .ok_or("expected ADDR/PREFIX,GATEWAY[,MTU]")?
+            .parse()
+            .map_err(|_| "gateway is not an IPv4 address")?;
+        let mtu = match parts.next() {
+            None => None,
+            Some(m) => Some(
+                m.parse()
+                    .ok()
+                    .filter(|m| MTU_RANGE.contains(m))
+                    .ok_or("MTU must be 68..65535")?,
+            ),
+        };
+        if parts.next().is_some() {
+            return Err("too many fields: expected ADDR/PREFIX,GATEWAY[,MTU]");
+        }
+        let mask = u32::MAX << (32 - prefix);
+        let net = u32::from(address) & mask;
+        if u32::from(gateway) & mask != net {
+            return Err("gateway is outside the address's subnet");
+        }
+        if gateway == address {
+            return Err("address and gateway are the same");
+        }
+        let host = u32::from(address) & !mask;
+        if host == 0 || host == !mask {
+            return Err("address is the subnet's network or broadcast address");
+        }
+        Ok(Self {
+            address,
+            prefix,
+            gateway,
+            mtu,
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BootConfig {
     pub hostname: Option<String>,
+    pub net: Option<NetConfig>,
     pub dns: Vec<IpAddr>,
     pub dns_search: Vec<String>,
     pub overlay: Option<OverlayConfig>,
@@ -104,6 +172,7 @@ pub fn split(cmdline: &str) -> Result<Vec<String>, CmdlineError> {
 pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
     let mut cfg = BootConfig {
         hostname: None,
+        net: None,
         dns: Vec::new(),
         dns_search: Vec::new(),
         overlay: None,
@@ -140,6 +209,7 @@ pub fn parse(cmdline: &str) -> Result<BootConfig, CmdlineError> {
                 }
                 cfg.hostname = Some(value.clone());
             }
+            "imp.net" => cfg.net = Some(NetConfig::parse(&value).map_err(invalid)?),
             "imp.dns" => {
                 for part in value.split(',').filter(|p| !p.is_empty()) {
                     cfg.dns.push(
@@ -318,5 +388,79 @@ mod tests {
         assert!(
             matches!(err("imp.lower=/dev/vda"), CmdlineError::MissingValue { key } if key == "imp.overlay")
         );
+    }
+
+    #[test]
+    fn net_parameter() {
+        let c = parse("imp.net=10.44.0.5/24,10.44.0.1,1400 imp.dns=10.44.0.1").unwrap();
+        assert_eq!(
+            c.net,
+            Some(NetConfig {
+                address: Ipv4Addr::new(10, 44, 0, 5),
+                prefix: 24,
+                gateway: Ipv4Addr::new(10, 44, 0, 1),
+                mtu: Some(1400),
+            })
+        );
+        let c = parse("imp.net=192.0.2.130/25,192.0.2.129").unwrap();
+        assert_eq!(c.net.unwrap().mtu, None);
+        assert_eq!(parse("console=ttyS0").unwrap().net, None);
+    }
+
+    #[test]
+    fn malformed_net_names_the_parameter_and_the_fault() {
+        let reason = |v: &str| match parse(&format!("imp.net={v}")).unwrap_err() {
+            CmdlineError::InvalidValue { key, value, reason } => {
+                assert_eq!(key, "imp.net");
+                assert_eq!(value, v);
+                reason
+            }
+            other => panic!("{v}: {other:?}"),
+        };
+        assert_eq!(
+            reason("10.44.0.5,10.44.0.1"),
+            "expected ADDR/PREFIX,GATEWAY[,MTU]"
+        );
+        assert_eq!(reason("10.44.0.5/24"), "expected ADDR/PREFIX,GATEWAY[,MTU]");
+        assert_eq!(
+            reason("10.44.0/24,10.44.0.1"),
+            "address is not an IPv4 address"
+        );
+        assert_eq!(
+            reason("fd00::5/64,fd00::1"),
+            "address is not an IPv4 address"
+        );
+        assert_eq!(reason("10.44.0.5/31,10.44.0.4"), "prefix must be 1..30");
+        assert_eq!(reason("10.44.0.5/0,10.44.0.1"), "prefix must be 1..30");
+        assert_eq!(reason("10.44.0.5/x,10.44.0.1"), "prefix must be 1..30");
+        assert_eq!(reason("10.44.0.5/24,gw"), "gateway is not an IPv4 address");
+        assert_eq!(
+            reason("10.44.0.5/24,10.45.0.1"),
+            "gateway is outside the address's subnet"
+        );
+        assert_eq!(
+            reason("10.44.0.5/24,10.44.0.5"),
+            "address and gateway are the same"
+        );
+        assert_eq!(
+            reason("10.44.0.0/24,10.44.0.1"),
+            "address is the subnet's network or broadcast address"
+        );
+        assert_eq!(
+            reason("10.44.0.255/24,10.44.0.1"),
+            "address is the subnet's network or broadcast address"
+        );
+        assert_eq!(reason("10.44.0.5/24,10.44.0.1,67"), "MTU must be 68..65535");
+        assert_eq!(
+            reason("10.44.0.5/24,10.44.0.1,65536"),
+            "MTU must be 68..65535"
+        );
+        assert_eq!(
+            reason("10.44.0.5/24,10.44.0.1,1500,x"),
+            "too many fields: expected ADDR/PREFIX,GATEWAY[,MTU]"
+        );
+        // The whole boot error names the parameter, so the console line says what to fix.
+        let msg = parse("imp.net=10.44.0.5/24").unwrap_err().to_string();
+        assert!(msg.starts_with("imp.net=\"10.44.0.5/24\": "), "{msg}");
     }
 }

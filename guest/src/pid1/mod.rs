@@ -8,6 +8,7 @@
 pub mod cmdline;
 pub mod modules;
 pub mod mounts;
+pub mod net;
 pub mod root;
 pub mod system;
 
@@ -41,6 +42,8 @@ pub enum Pid1Error {
     Root(#[from] root::RootError),
     #[error(transparent)]
     System(#[from] system::SystemError),
+    #[error("imp.net: {0}")]
+    Net(#[from] net::NetError),
     #[error(transparent)]
     Agent(#[from] AgentError),
     #[error("start the async runtime: {0}")]
@@ -161,6 +164,17 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
     }
     stage("mount-late", || mounts::mount_all(root, mounts::LATE))?;
     stage("loopback", system::loopback_up)?;
+    if let Some(netcfg) = &cfg.net {
+        stage("network", || -> Result<(), Pid1Error> {
+            // Before the agent's runtime exists; a throwaway one keeps the stages in order.
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(Pid1Error::Runtime)?;
+            rt.block_on(net::configure(net::GUEST_INTERFACE, netcfg, net::LINK_WAIT))?;
+            Ok(())
+        })?;
+    }
     if let Some(name) = &cfg.hostname {
         stage("hostname", || system::set_hostname(name))?;
     }

@@ -1,0 +1,256 @@
+//! The node's VM data plane (docs/network.md): per ImpNetwork a bridge holding the gateway
+//! address, one TAP per VM attached to it as an isolated port, IPv4 forwarding, and the
+//! `inet imp` / `bridge imp` nftables tables (masquerade, isolation, anti-spoofing).
+//!
+//! One reconcile shape: [`observe`](netlink::observe) what exists on the host, decide with the
+//! pure [`plan::plan`], then execute the actions one by one. Every action is idempotent and the
+//! plan is recomputed from the host on each call, so a retry, or a restarted runtime, converges
+//! from whatever an interrupted attempt left behind.
+
+pub mod netlink;
+pub mod nft;
+pub mod plan;
+
+use std::net::Ipv4Addr;
+
+use crate::tap::{TapError, fnv1a};
+
+/// What a VM network needs from the node; built from the ImpNetwork spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmNetwork {
+    /// Stable identity of the ImpNetwork (its uid): names the bridge, so two networks of the
+    /// same name in different namespaces never share one.
+    pub id: String,
+    pub subnet: ipnet::Ipv4Net,
+    pub gateway: Ipv4Addr,
+    /// Masquerade traffic leaving through the egress interface.
+    pub nat: bool,
+    /// `nat.egressInterface`; `None`: the interface of the node's default route.
+    pub egress_interface: Option<String>,
+    /// `spec.egress`: destinations the guests may reach (empty: everything not denied).
+    pub egress_allow: Vec<ipnet::Ipv4Net>,
+    /// Destinations the guests may never reach; wins over `egress_allow`.
+    pub egress_deny: Vec<ipnet::Ipv4Net>,
+}
+
+impl VmNetwork {
+    /// From an ImpNetwork (its uid and spec); errors name the field.
+    pub fn from_spec(uid: &str, spec: &imp_api::ImpNetworkSpec) -> Result<Self, NetworkError> {
+        let bad = |field: &str, value: &str| NetworkError::BadSpec {
+            network: uid.to_owned(),
+            field: field.to_owned(),
+            value: value.to_owned(),
+        };
+        let cidrs = |field: &str, list: &[String]| {
+            list.iter()
+                .map(|c| c.parse().map_err(|_| bad(field, c)))
+                .collect::<Result<Vec<ipnet::Ipv4Net>, _>>()
+        };
+        let egress = spec.egress.clone().unwrap_or_default();
+        let nat = spec.nat.clone().unwrap_or_default();
+        Ok(Self {
+            id: uid.to_owned(),
+            subnet: spec
+                .subnet
+                .parse::<ipnet::Ipv4Net>()
+                .map_err(|_| bad("spec.subnet", &spec.subnet))?
+                .trunc(),
+            gateway: spec
+                .gateway
+                .parse()
+                .map_err(|_| bad("spec.gateway", &spec.gateway))?,
+            nat: nat.enabled,
+            egress_interface: nat.egress_interface,
+            egress_allow: cidrs("spec.egress.allow", &egress.allow)?,
+            egress_deny: cidrs("spec.egress.deny", &egress.deny)?,
+        })
+    }
+
+    /// The guest's kernel command-line words for address `ip` (docs/network.md).
+    pub fn boot_args(&self, ip: Ipv4Addr, mtu: Option<u32>, dns: &[String]) -> String {
+        let mut out = format!("imp.net={ip}/{},{}", self.subnet.prefix_len(), self.gateway);
+        if let Some(mtu) = mtu {
+            out.push_str(&format!(",{mtu}"));
+        }
+        if !dns.is_empty() {
+            out.push_str(&format!(" imp.dns={}", dns.join(",")));
+        }
+        out
+    }
+}
+
+/// One VM's attachment: its TAP, the MAC the guest uses and the address IPAM gave it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Port {
+    pub tap: String,
+    pub mac: [u8; 6],
+    pub ip: Ipv4Addr,
+}
+
+/// A network and the VMs of this node on it: the whole desired state is a list of these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    pub network: VmNetwork,
+    pub ports: Vec<Port>,
+}
+
+/// Bridges are `impbr` + 10 hex digits; TAPs (`imp` + 11 hex digits, tap.rs) can never match
+/// that prefix because `r` is no hex digit, so observing "every `impbr*` bridge" finds only ours.
+pub const BRIDGE_PREFIX: &str = "impbr";
+
+pub fn bridge_name(network_id: &str) -> String {
+    format!(
+        "{BRIDGE_PREFIX}{:010x}",
+        fnv1a(&[b"bridge", network_id.as_bytes()]) & 0xff_ffff_ffff
+    )
+}
+
+/// A locally administered unicast MAC from a hash; `first` picks the class (VM or bridge).
+fn mac_from(first: u8, parts: &[&[u8]]) -> [u8; 6] {
+    let h = fnv1a(parts).to_be_bytes();
+    [first, h[3], h[4], h[5], h[6], h[7]]
+}
+
+/// The guest's MAC, derived from the VM uid (stable across runtime restarts and reattach).
+pub fn vm_mac(vm_uid: &str) -> [u8; 6] {
+    mac_from(0x06, &[b"vm", vm_uid.as_bytes()])
+}
+
+/// The bridge's own MAC: fixed, so it does not change as ports come and go (a bridge takes
+/// its lowest port MAC otherwise, and the guests' ARP entry for the gateway would go stale).
+pub fn bridge_mac(network_id: &str) -> [u8; 6] {
+    mac_from(0x0a, &[b"bridge", network_id.as_bytes()])
+}
+
+pub fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("open a netlink socket: {0}")]
+    Socket(std::io::Error),
+    #[error("netlink: {step}: {source}")]
+    Netlink {
+        step: String,
+        source: rtnetlink::Error,
+    },
+    #[error(
+        "network {network}: no egress interface: nat.egressInterface is unset and the node has no IPv4 default route"
+    )]
+    NoEgress { network: String },
+    #[error("network {network}: egress interface {interface} does not exist")]
+    EgressMissing { network: String, interface: String },
+    #[error("network {network}: gateway {gateway} is not a host address of subnet {subnet}")]
+    BadGateway {
+        network: String,
+        gateway: Ipv4Addr,
+        subnet: ipnet::Ipv4Net,
+    },
+    #[error(
+        "network {network}: VM address {ip} is not a host address of subnet {subnet} other than the gateway"
+    )]
+    BadAddress {
+        network: String,
+        ip: Ipv4Addr,
+        subnet: ipnet::Ipv4Net,
+    },
+    #[error("network {network}: {field} {value:?} is not an IPv4 address/CIDR")]
+    BadSpec {
+        network: String,
+        field: String,
+        value: String,
+    },
+    #[error("TAP {tap} is wanted on two networks ({a} and {b})")]
+    TapConflict { tap: String, a: String, b: String },
+    #[error(transparent)]
+    Tap(#[from] TapError),
+    #[error("sysctl {path}: {source}")]
+    Sysctl {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("nft {step}: {message}")]
+    Nft { step: &'static str, message: String },
+}
+
+/// Observe, plan and apply until the host matches `desired`; returns the actions taken (empty
+/// when the host already matched: a repeated setup is a no-op).
+pub async fn reconcile(desired: &[Attachment]) -> Result<Vec<plan::Action>, NetworkError> {
+    plan::validate(desired)?;
+    let (connection, handle, _) = rtnetlink::new_connection().map_err(NetworkError::Socket)?;
+    let conn = tokio::spawn(connection);
+    let result = async {
+        let observed = netlink::observe(&handle).await?;
+        let actions = plan::plan(desired, &observed)?;
+        for action in &actions {
+            netlink::execute(&handle, action).await?;
+        }
+        Ok(actions)
+    }
+    .await;
+    conn.abort();
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_macs_are_stable_distinct_and_valid() {
+        let a = bridge_name("3f1c8a2e-0000-4000-8000-000000000001");
+        assert_eq!(a.len(), 15, "{a}");
+        assert!(a.starts_with(BRIDGE_PREFIX));
+        assert_eq!(a, bridge_name("3f1c8a2e-0000-4000-8000-000000000001"));
+        assert_ne!(a, bridge_name("3f1c8a2e-0000-4000-8000-000000000002"));
+        let m = vm_mac("vm-uid-1");
+        assert_eq!(m, vm_mac("vm-uid-1"));
+        assert_ne!(m, vm_mac("vm-uid-2"));
+        // Locally administered, unicast.
+        assert_eq!(m[0] & 0b11, 0b10);
+        assert_eq!(bridge_mac("n")[0] & 0b11, 0b10);
+        assert_ne!(bridge_mac("n"), vm_mac("n"));
+        assert_eq!(format_mac(&[6, 0, 0xa, 0, 0, 0xff]), "06:00:0a:00:00:ff");
+    }
+
+    #[test]
+    fn from_spec_and_boot_args_round_trip_through_the_guest_parser() {
+        let spec: imp_api::ImpNetworkSpec = serde_json::from_value(serde_json::json!({
+            "subnet": "10.44.0.0/24", "gateway": "10.44.0.1", "dns": ["10.44.0.1"],
+            "nat": {"enabled": true},
+            "egress": {"deny": ["10.0.0.0/8"], "allow": ["198.51.100.0/24"]}
+        }))
+        .unwrap();
+        let n = VmNetwork::from_spec("uid-1", &spec).unwrap();
+        assert!(n.nat && n.egress_interface.is_none());
+        assert_eq!(
+            n.egress_deny,
+            ["10.0.0.0/8".parse::<ipnet::Ipv4Net>().unwrap()]
+        );
+        let args = n.boot_args("10.44.0.7".parse().unwrap(), Some(1400), &spec.dns);
+        assert_eq!(
+            args,
+            "imp.net=10.44.0.7/24,10.44.0.1,1400 imp.dns=10.44.0.1"
+        );
+        let guest = imp_guest::pid1::cmdline::parse(&args).unwrap();
+        let net = guest.net.unwrap();
+        assert_eq!(
+            (net.address, net.prefix, net.gateway, net.mtu),
+            ("10.44.0.7".parse().unwrap(), 24, n.gateway, Some(1400))
+        );
+
+        let mut bad = spec.clone();
+        bad.egress.as_mut().unwrap().allow = vec!["fd00::/8".into()];
+        assert!(
+            matches!(VmNetwork::from_spec("u", &bad), Err(NetworkError::BadSpec { field, .. }) if field == "spec.egress.allow")
+        );
+        bad.subnet = "2001:db8::/64".into();
+        assert!(
+            matches!(VmNetwork::from_spec("u", &bad), Err(NetworkError::BadSpec { field, .. }) if field == "spec.subnet")
+        );
+    }
+}

@@ -1,0 +1,256 @@
+//! The thin I/O half: observe the host (rtnetlink dumps, sysctls, `nft -j list ruleset`) and
+//! execute one [`Action`] at a time. No decisions here.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::Path;
+
+use futures::TryStreamExt;
+use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::packet_route::address::AddressAttribute;
+use rtnetlink::packet_route::link::{
+    InfoBridgePort, InfoPortData, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+};
+use rtnetlink::packet_route::route::{RouteAttribute, RouteHeader};
+use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkUnspec, RouteMessageBuilder};
+
+use super::NetworkError;
+use super::nft;
+use super::plan::{Action, Link, Observed};
+
+fn nl(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetworkError {
+    let step = step.into();
+    move |source| NetworkError::Netlink { step, source }
+}
+
+fn link_from(msg: &LinkMessage) -> Link {
+    let mut link = Link {
+        index: msg.header.index,
+        up: msg.header.flags.contains(LinkFlags::Up),
+        ..Default::default()
+    };
+    for attr in &msg.attributes {
+        match attr {
+            LinkAttribute::IfName(n) => link.name = n.clone(),
+            LinkAttribute::Controller(i) => link.controller = Some(*i),
+            LinkAttribute::Address(a) => link.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
+            LinkAttribute::LinkInfo(infos) => {
+                for info in infos {
+                    match info {
+                        LinkInfo::Kind(k) => link.kind = Some(k.to_string()),
+                        LinkInfo::PortData(InfoPortData::BridgePort(port)) => {
+                            link.isolated = Some(
+                                port.iter()
+                                    .any(|p| matches!(p, InfoBridgePort::Isolated(true))),
+                            );
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    link
+}
+
+const IPV6_CONF: &str = "/proc/sys/net/ipv6/conf";
+const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
+
+fn ipv6_disabled(link: &str) -> bool {
+    if !Path::new(IPV6_CONF).exists() {
+        return true; // no IPv6 in this kernel/namespace at all
+    }
+    std::fs::read_to_string(Path::new(IPV6_CONF).join(link).join("disable_ipv6"))
+        .is_ok_and(|v| v.trim() == "1")
+}
+
+fn write_sysctl(path: &Path, value: &str) -> Result<(), NetworkError> {
+    std::fs::write(path, value).map_err(|source| NetworkError::Sysctl {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
+    let msgs: Vec<LinkMessage> = handle
+        .link()
+        .get()
+        .execute()
+        .try_collect()
+        .await
+        .map_err(nl("dump links"))?;
+    let mut links: Vec<Link> = msgs.iter().map(link_from).collect();
+    let addrs: Vec<_> = handle
+        .address()
+        .get()
+        .execute()
+        .try_collect()
+        .await
+        .map_err(nl("dump addresses"))?;
+    for a in addrs
+        .iter()
+        .filter(|a| a.header.family == AddressFamily::Inet)
+    {
+        let ip = a.attributes.iter().find_map(|x| match x {
+            AddressAttribute::Local(IpAddr::V4(ip)) => Some(*ip),
+            _ => None,
+        });
+        let link = links.iter_mut().find(|l| l.index == a.header.index);
+        if let (Some(ip), Some(link)) = (ip, link)
+            && let Ok(net) = ipnet::Ipv4Net::new(ip, a.header.prefix_len)
+        {
+            link.ipv4.push(net);
+        }
+    }
+    for l in &mut links {
+        l.ipv6_disabled = ipv6_disabled(&l.name);
+    }
+    let routes: Vec<_> = handle
+        .route()
+        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+        .execute()
+        .try_collect()
+        .await
+        .map_err(nl("dump routes"))?;
+    let default_oif = routes
+        .iter()
+        .filter(|r| r.header.destination_prefix_length == 0)
+        .filter(|r| {
+            r.attributes
+                .iter()
+                .find_map(|a| match a {
+                    RouteAttribute::Table(t) => Some(*t),
+                    _ => None,
+                })
+                .unwrap_or(u32::from(r.header.table))
+                == u32::from(RouteHeader::RT_TABLE_MAIN)
+        })
+        .find_map(|r| {
+            r.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Oif(i) => Some(*i),
+                _ => None,
+            })
+        });
+    let default_route_interface =
+        default_oif.and_then(|i| links.iter().find(|l| l.index == i).map(|l| l.name.clone()));
+    let ip_forward = std::fs::read_to_string(IP_FORWARD).is_ok_and(|v| v.trim() == "1");
+    Ok(Observed {
+        links,
+        default_route_interface,
+        ip_forward,
+        nft: nft::observe().await?,
+    })
+}
+
+async fn index_of(handle: &Handle, name: &str) -> Result<u32, NetworkError> {
+    handle
+        .link()
+        .get()
+        .match_name(name.to_owned())
+        .execute()
+        .try_next()
+        .await
+        .map_err(nl(format!("look up {name}")))?
+        .map(|l| l.header.index)
+        .ok_or_else(|| NetworkError::Netlink {
+            step: format!("look up {name}"),
+            source: rtnetlink::Error::RequestFailed,
+        })
+}
+
+pub async fn execute(handle: &Handle, action: &Action) -> Result<(), NetworkError> {
+    tracing::debug!(?action, "network action");
+    let link = handle.link();
+    match action {
+        Action::CreateTap { tap } => crate::tap::create(tap)?,
+        Action::CreateBridge { bridge, mac } => link
+            .add(LinkBridge::new(bridge).address(mac.to_vec()).build())
+            .execute()
+            .await
+            .map_err(nl(format!("create bridge {bridge}")))?,
+        Action::SetMac { link: name, mac } => link
+            .set(
+                LinkUnspec::new_with_name(name)
+                    .address(mac.to_vec())
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(nl(format!("set MAC of {name}")))?,
+        Action::DisableIpv6 { link: name } => {
+            let path = Path::new(IPV6_CONF).join(name).join("disable_ipv6");
+            if Path::new(IPV6_CONF).exists() {
+                write_sysctl(&path, "1")?;
+            }
+        }
+        Action::AddAddress { link: name, addr } => {
+            let index = index_of(handle, name).await?;
+            handle
+                .address()
+                .add(index, IpAddr::V4(addr.addr()), addr.prefix_len())
+                .replace()
+                .execute()
+                .await
+                .map_err(nl(format!("add {addr} to {name}")))?
+        }
+        Action::DelAddress { link: name, addr } => {
+            let index = index_of(handle, name).await?;
+            let found: Vec<_> = handle
+                .address()
+                .get()
+                .set_link_index_filter(index)
+                .set_address_filter(IpAddr::V4(addr.addr()))
+                .execute()
+                .try_collect()
+                .await
+                .map_err(nl(format!("find {addr} on {name}")))?;
+            for msg in found {
+                handle
+                    .address()
+                    .del(msg)
+                    .execute()
+                    .await
+                    .map_err(nl(format!("delete {addr} from {name}")))?;
+            }
+        }
+        Action::LinkUp { link: name } => link
+            .set(LinkUnspec::new_with_name(name).up().build())
+            .execute()
+            .await
+            .map_err(nl(format!("set {name} up")))?,
+        Action::Attach { tap, bridge } => {
+            let br = index_of(handle, bridge).await?;
+            link.set(LinkUnspec::new_with_name(tap).controller(br).build())
+                .execute()
+                .await
+                .map_err(nl(format!("attach {tap} to {bridge}")))?
+        }
+        Action::Detach { tap } => link
+            .set(LinkUnspec::new_with_name(tap).nocontroller().build())
+            .execute()
+            .await
+            .map_err(nl(format!("detach {tap}")))?,
+        Action::Isolate { tap } => {
+            let index = index_of(handle, tap).await?;
+            link.set_port(LinkBridgePort::new(index).isolated(true).build())
+                .execute()
+                .await
+                .map_err(nl(format!("isolate port {tap}")))?
+        }
+        Action::EnableForwarding => write_sysctl(Path::new(IP_FORWARD), "1")?,
+        Action::ReplaceNft { rules } => {
+            nft::apply(&nft::replace_batch(rules), "replace Imp's tables").await?
+        }
+        Action::DeleteNft => nft::apply(&nft::delete_batch(), "delete Imp's tables").await?,
+        Action::DeleteBridge { bridge } => {
+            // Already gone is the goal of the action.
+            if let Ok(index) = index_of(handle, bridge).await {
+                link.del(index)
+                    .execute()
+                    .await
+                    .map_err(nl(format!("delete bridge {bridge}")))?
+            }
+        }
+    }
+    Ok(())
+}

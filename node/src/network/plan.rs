@@ -1,0 +1,652 @@
+//! Pure decision: desired attachments vs what the host has -> the actions that close the gap.
+//! No I/O here; netlink.rs observes and executes.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::nft::{self, Resolved};
+use super::{Attachment, NetworkError, bridge_mac, bridge_name};
+
+/// One link as observed (netlink link + address dump, sysctl).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Link {
+    pub name: String,
+    pub index: u32,
+    /// IFLA_INFO_KIND: "bridge", "tun", "veth", ...
+    pub kind: Option<String>,
+    /// Index of the bridge this link is a port of.
+    pub controller: Option<u32>,
+    pub up: bool,
+    pub mac: Option<[u8; 6]>,
+    /// Bridge-port `isolated` flag (ports only).
+    pub isolated: Option<bool>,
+    pub ipv4: Vec<ipnet::Ipv4Net>,
+    /// `net.ipv6.conf.<link>.disable_ipv6` is 1, or the kernel has no IPv6 at all.
+    pub ipv6_disabled: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Observed {
+    pub links: Vec<Link>,
+    /// Interface of the main table's IPv4 default route.
+    pub default_route_interface: Option<String>,
+    pub ip_forward: bool,
+    pub nft: nft::Observed,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    CreateTap {
+        tap: String,
+    },
+    CreateBridge {
+        bridge: String,
+        mac: [u8; 6],
+    },
+    SetMac {
+        link: String,
+        mac: [u8; 6],
+    },
+    DisableIpv6 {
+        link: String,
+    },
+    AddAddress {
+        link: String,
+        addr: ipnet::Ipv4Net,
+    },
+    DelAddress {
+        link: String,
+        addr: ipnet::Ipv4Net,
+    },
+    LinkUp {
+        link: String,
+    },
+    Attach {
+        tap: String,
+        bridge: String,
+    },
+    Detach {
+        tap: String,
+    },
+    Isolate {
+        tap: String,
+    },
+    EnableForwarding,
+    /// Replace both of Imp's nft tables with exactly these rules.
+    ReplaceNft {
+        rules: Vec<nft::Rule>,
+    },
+    DeleteNft,
+    DeleteBridge {
+        bridge: String,
+    },
+}
+
+/// Refuse inconsistent desired state before touching anything.
+pub fn validate(desired: &[Attachment]) -> Result<(), NetworkError> {
+    let mut taps: BTreeMap<&str, &str> = BTreeMap::new();
+    for a in desired {
+        let n = &a.network;
+        let subnet = n.subnet.trunc();
+        let host = |ip: &std::net::Ipv4Addr| {
+            subnet.contains(ip) && *ip != subnet.network() && *ip != subnet.broadcast()
+        };
+        if !host(&n.gateway) || subnet.prefix_len() > 30 {
+            return Err(NetworkError::BadGateway {
+                network: n.id.clone(),
+                gateway: n.gateway,
+                subnet: n.subnet,
+            });
+        }
+        let mut ips = BTreeSet::new();
+        for p in &a.ports {
+            if !host(&p.ip) || p.ip == n.gateway || !ips.insert(p.ip) {
+                return Err(NetworkError::BadAddress {
+                    network: n.id.clone(),
+                    ip: p.ip,
+                    subnet: n.subnet,
+                });
+            }
+            if let Some(other) = taps.insert(&p.tap, &n.id) {
+                return Err(NetworkError::TapConflict {
+                    tap: p.tap.clone(),
+                    a: other.to_owned(),
+                    b: n.id.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The actions that make the host match `desired`, in execution order; empty if it does.
+/// Networks without ports on this node are not set up (and torn down if present).
+pub fn plan(desired: &[Attachment], observed: &Observed) -> Result<Vec<Action>, NetworkError> {
+    let by_name: BTreeMap<&str, &Link> = observed
+        .links
+        .iter()
+        .map(|l| (l.name.as_str(), l))
+        .collect();
+    let mut actions = Vec::new();
+    let mut resolved = Vec::new();
+    let mut wanted_bridges = BTreeSet::new();
+
+    for a in desired.iter().filter(|a| !a.ports.is_empty()) {
+        let n = &a.network;
+        let bridge = bridge_name(&n.id);
+        wanted_bridges.insert(bridge.clone());
+        let egress =
+            match &n.egress_interface {
+                Some(i) if by_name.contains_key(i.as_str()) => i.clone(),
+                Some(i) => {
+                    return Err(NetworkError::EgressMissing {
+                        network: n.id.clone(),
+                        interface: i.clone(),
+                    });
+                }
+                None => observed.default_route_interface.clone().ok_or_else(|| {
+                    NetworkError::NoEgress {
+                        network: n.id.clone(),
+                    }
+                })?,
+            };
+
+        let mac = bridge_mac(&n.id);
+        let br = by_name.get(bridge.as_str()).copied();
+        let gw = ipnet::Ipv4Net::new(n.gateway, n.subnet.prefix_len()).expect("prefix <= 32");
+        match br {
+            None => {
+                actions.push(Action::CreateBridge {
+                    bridge: bridge.clone(),
+                    mac,
+                });
+                actions.push(Action::DisableIpv6 {
+                    link: bridge.clone(),
+                });
+                actions.push(Action::AddAddress {
+                    link: bridge.clone(),
+                    addr: gw,
+                });
+                actions.push(Action::LinkUp {
+                    link: bridge.clone(),
+                });
+            }
+            Some(l) => {
+                if l.mac != Some(mac) {
+                    actions.push(Action::SetMac {
+                        link: bridge.clone(),
+                        mac,
+                    });
+                }
+                if !l.ipv6_disabled {
+                    actions.push(Action::DisableIpv6 {
+                        link: bridge.clone(),
+                    });
+                }
+                for stale in l.ipv4.iter().filter(|x| **x != gw) {
+                    actions.push(Action::DelAddress {
+                        link: bridge.clone(),
+                        addr: *stale,
+                    });
+                }
+                if !l.ipv4.contains(&gw) {
+                    actions.push(Action::AddAddress {
+                        link: bridge.clone(),
+                        addr: gw,
+                    });
+                }
+                if !l.up {
+                    actions.push(Action::LinkUp {
+                        link: bridge.clone(),
+                    });
+                }
+            }
+        }
+
+        let wanted_taps: BTreeSet<&str> = a.ports.iter().map(|p| p.tap.as_str()).collect();
+        for p in &a.ports {
+            let tap = by_name.get(p.tap.as_str()).copied();
+            let attached = match (tap, br) {
+                (Some(t), Some(b)) => t.controller == Some(b.index),
+                _ => false,
+            };
+            if tap.is_none() {
+                actions.push(Action::CreateTap { tap: p.tap.clone() });
+            }
+            if !tap.is_some_and(|t| t.ipv6_disabled) {
+                actions.push(Action::DisableIpv6 {
+                    link: p.tap.clone(),
+                });
+            }
+            if !attached {
+                actions.push(Action::Attach {
+                    tap: p.tap.clone(),
+                    bridge: bridge.clone(),
+                });
+            }
+            // A port re-attached starts not isolated.
+            if !attached || tap.is_some_and(|t| t.isolated != Some(true)) {
+                actions.push(Action::Isolate { tap: p.tap.clone() });
+            }
+            if !tap.is_some_and(|t| t.up) {
+                actions.push(Action::LinkUp {
+                    link: p.tap.clone(),
+                });
+            }
+        }
+        // A TAP of a VM that left, still on the bridge (its runtime deletes it; until then it
+        // must not carry traffic it has no rules for).
+        if let Some(b) = br {
+            for l in &observed.links {
+                if l.controller == Some(b.index) && !wanted_taps.contains(l.name.as_str()) {
+                    actions.push(Action::Detach {
+                        tap: l.name.clone(),
+                    });
+                }
+            }
+        }
+        resolved.push(Resolved {
+            bridge,
+            egress,
+            attachment: a,
+        });
+    }
+
+    if !resolved.is_empty() && !observed.ip_forward {
+        actions.push(Action::EnableForwarding);
+    }
+    let rules = nft::rules(&resolved);
+    if rules.is_empty() {
+        if observed.nft.present {
+            actions.push(Action::DeleteNft);
+        }
+    } else if !observed.nft.present || observed.nft.keys != nft::keys(&rules) {
+        actions.push(Action::ReplaceNft { rules });
+    }
+    for l in &observed.links {
+        let ours = l.name.starts_with(super::BRIDGE_PREFIX) && l.kind.as_deref() == Some("bridge");
+        if ours && !wanted_bridges.contains(&l.name) {
+            actions.push(Action::DeleteBridge {
+                bridge: l.name.clone(),
+            });
+        }
+    }
+    Ok(actions)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::network::{Port, VmNetwork};
+
+    fn net(id: &str, subnet: &str, gw: &str) -> VmNetwork {
+        VmNetwork {
+            id: id.into(),
+            subnet: subnet.parse().unwrap(),
+            gateway: gw.parse().unwrap(),
+            nat: true,
+            egress_interface: None,
+            egress_allow: vec![],
+            egress_deny: vec![],
+        }
+    }
+
+    fn port(tap: &str, ip: &str) -> Port {
+        Port {
+            tap: tap.into(),
+            mac: crate::network::vm_mac(tap),
+            ip: ip.parse().unwrap(),
+        }
+    }
+
+    fn one(ports: Vec<Port>) -> Vec<Attachment> {
+        vec![Attachment {
+            network: net("n1", "192.0.2.0/24", "192.0.2.1"),
+            ports,
+        }]
+    }
+
+    fn uplink() -> Link {
+        Link {
+            name: "eth0".into(),
+            index: 2,
+            kind: Some("veth".into()),
+            up: true,
+            ..Default::default()
+        }
+    }
+
+    fn fresh() -> Observed {
+        Observed {
+            links: vec![uplink()],
+            default_route_interface: Some("eth0".into()),
+            ip_forward: false,
+            nft: nft::Observed::default(),
+        }
+    }
+
+    /// The host after `actions` ran (what a perfect executor leaves), for convergence tests.
+    fn simulate(desired: &[Attachment], mut obs: Observed, actions: &[Action]) -> Observed {
+        let mut next = 100;
+        for a in actions {
+            let find = |obs: &Observed, name: &str| {
+                obs.links.iter().position(|l| l.name == name).expect(name)
+            };
+            match a {
+                Action::CreateTap { tap } => {
+                    next += 1;
+                    obs.links.push(Link {
+                        name: tap.clone(),
+                        index: next,
+                        kind: Some("tun".into()),
+                        ..Default::default()
+                    });
+                }
+                Action::CreateBridge { bridge, mac } => {
+                    next += 1;
+                    obs.links.push(Link {
+                        name: bridge.clone(),
+                        index: next,
+                        kind: Some("bridge".into()),
+                        mac: Some(*mac),
+                        ..Default::default()
+                    });
+                }
+                Action::SetMac { link, mac } => {
+                    let i = find(&obs, link);
+                    obs.links[i].mac = Some(*mac);
+                }
+                Action::DisableIpv6 { link } => {
+                    let i = find(&obs, link);
+                    obs.links[i].ipv6_disabled = true;
+                }
+                Action::AddAddress { link, addr } => {
+                    let i = find(&obs, link);
+                    obs.links[i].ipv4.push(*addr);
+                }
+                Action::DelAddress { link, addr } => {
+                    let i = find(&obs, link);
+                    obs.links[i].ipv4.retain(|x| x != addr);
+                }
+                Action::LinkUp { link } => {
+                    let i = find(&obs, link);
+                    obs.links[i].up = true;
+                }
+                Action::Attach { tap, bridge } => {
+                    let b = obs.links[find(&obs, bridge)].index;
+                    let i = find(&obs, tap);
+                    obs.links[i].controller = Some(b);
+                    obs.links[i].isolated = Some(false);
+                }
+                Action::Detach { tap } => {
+                    let i = find(&obs, tap);
+                    obs.links[i].controller = None;
+                    obs.links[i].isolated = None;
+                }
+                Action::Isolate { tap } => {
+                    let i = find(&obs, tap);
+                    obs.links[i].isolated = Some(true);
+                }
+                Action::EnableForwarding => obs.ip_forward = true,
+                Action::ReplaceNft { rules } => {
+                    obs.nft = nft::Observed {
+                        present: true,
+                        keys: nft::keys(rules),
+                    }
+                }
+                Action::DeleteNft => obs.nft = nft::Observed::default(),
+                Action::DeleteBridge { bridge } => {
+                    let b = obs.links[find(&obs, bridge)].index;
+                    obs.links.retain(|l| l.name != *bridge);
+                    for l in &mut obs.links {
+                        if l.controller == Some(b) {
+                            l.controller = None;
+                        }
+                    }
+                }
+            }
+        }
+        let _ = desired;
+        obs
+    }
+
+    fn converge(desired: &[Attachment], obs: Observed) -> (Vec<Action>, Observed) {
+        let actions = plan(desired, &obs).unwrap();
+        let after = simulate(desired, obs, &actions);
+        assert_eq!(
+            plan(desired, &after).unwrap(),
+            [],
+            "a second plan must be empty after {actions:?}"
+        );
+        (actions, after)
+    }
+
+    #[test]
+    fn fresh_host_gets_bridge_taps_forwarding_and_rules_in_order() {
+        let d = one(vec![port("imptap1", "192.0.2.10")]);
+        let (actions, after) = converge(&d, fresh());
+        let br = bridge_name("n1");
+        let pos = |pred: &dyn Fn(&Action) -> bool| actions.iter().position(pred).unwrap();
+        let create = pos(&|a| matches!(a, Action::CreateBridge { .. }));
+        let v6 = pos(&|a| matches!(a, Action::DisableIpv6 { link } if *link == br));
+        let up = pos(&|a| matches!(a, Action::LinkUp { link } if *link == br));
+        assert!(
+            create < v6 && v6 < up,
+            "IPv6 off before the link is up: {actions:?}"
+        );
+        let attach = pos(&|a| matches!(a, Action::Attach { .. }));
+        let iso = pos(&|a| matches!(a, Action::Isolate { .. }));
+        assert!(attach < iso);
+        assert!(actions.contains(&Action::EnableForwarding));
+        assert!(
+            actions
+                .iter()
+                .any(|a| matches!(a, Action::ReplaceNft { .. }))
+        );
+        let b = after.links.iter().find(|l| l.name == br).unwrap();
+        assert_eq!(b.ipv4, ["192.0.2.1/24".parse().unwrap()]);
+        assert_eq!(b.mac, Some(bridge_mac("n1")));
+    }
+
+    #[test]
+    fn matching_host_is_a_no_op_and_drift_is_repaired_precisely() {
+        let d = one(vec![port("imptap1", "192.0.2.10")]);
+        let (_, good) = converge(&d, fresh());
+        assert_eq!(plan(&d, &good).unwrap(), []);
+        let br = bridge_name("n1");
+        let mut drift = good.clone();
+        let b = drift.links.iter_mut().find(|l| l.name == br).unwrap();
+        b.ipv4 = vec!["192.0.2.254/24".parse().unwrap()];
+        b.up = false;
+        let t = drift
+            .links
+            .iter_mut()
+            .find(|l| l.name == "imptap1")
+            .unwrap();
+        t.isolated = Some(false);
+        drift.nft.keys.insert("stray".into());
+        let (actions, _) = converge(&d, drift);
+        assert_eq!(
+            actions,
+            [
+                Action::DelAddress {
+                    link: br.clone(),
+                    addr: "192.0.2.254/24".parse().unwrap()
+                },
+                Action::AddAddress {
+                    link: br.clone(),
+                    addr: "192.0.2.1/24".parse().unwrap()
+                },
+                Action::LinkUp { link: br.clone() },
+                Action::Isolate {
+                    tap: "imptap1".into()
+                },
+                Action::ReplaceNft {
+                    rules: match &plan(&d, &fresh()).unwrap().last() {
+                        Some(Action::ReplaceNft { rules }) => rules.clone(),
+                        other => panic!("{other:?}"),
+                    }
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn last_vm_leaving_removes_bridge_and_rules_but_keeps_forwarding() {
+        let d = one(vec![port("imptap1", "192.0.2.10")]);
+        let (_, up) = converge(&d, fresh());
+        let br = bridge_name("n1");
+        let (actions, after) = converge(&one(vec![]), up.clone());
+        assert_eq!(
+            actions,
+            [
+                Action::DeleteNft,
+                Action::DeleteBridge { bridge: br.clone() }
+            ]
+        );
+        assert!(
+            after.ip_forward,
+            "other things on the node may rely on forwarding"
+        );
+        assert!(!after.links.iter().any(|l| l.name == br));
+        // The same with no desired state at all (a runtime restarted with no VMs).
+        let (actions, _) = converge(&[], up);
+        assert_eq!(
+            actions,
+            [Action::DeleteNft, Action::DeleteBridge { bridge: br }]
+        );
+    }
+
+    #[test]
+    fn one_vm_leaving_detaches_its_tap_and_rewrites_rules() {
+        let d = one(vec![
+            port("imptap1", "192.0.2.10"),
+            port("imptap2", "192.0.2.11"),
+        ]);
+        let (_, up) = converge(&d, fresh());
+        let (actions, _) = converge(&one(vec![port("imptap1", "192.0.2.10")]), up);
+        assert!(
+            matches!(&actions[..], [Action::Detach { tap }, Action::ReplaceNft { .. }] if tap == "imptap2"),
+            "{actions:?}"
+        );
+    }
+
+    #[test]
+    fn foreign_links_are_never_touched() {
+        let mut obs = fresh();
+        // Not a bridge, or not our prefix: never deleted.
+        obs.links.push(Link {
+            name: "impbr-not-a-br".into(),
+            index: 50,
+            kind: Some("veth".into()),
+            ..Default::default()
+        });
+        obs.links.push(Link {
+            name: "docker0".into(),
+            index: 51,
+            kind: Some("bridge".into()),
+            ..Default::default()
+        });
+        obs.links.push(Link {
+            name: "impbr00000000ff".into(),
+            index: 52,
+            kind: Some("bridge".into()),
+            ..Default::default()
+        });
+        assert_eq!(
+            plan(&[], &obs).unwrap(),
+            [Action::DeleteBridge {
+                bridge: "impbr00000000ff".into()
+            }]
+        );
+    }
+
+    #[test]
+    fn two_networks_get_two_bridges_and_one_rule_set() {
+        let d = vec![
+            Attachment {
+                network: net("n1", "192.0.2.0/25", "192.0.2.1"),
+                ports: vec![port("imptap1", "192.0.2.10")],
+            },
+            Attachment {
+                network: net("n2", "192.0.2.128/25", "192.0.2.129"),
+                ports: vec![port("imptap2", "192.0.2.130")],
+            },
+        ];
+        let (actions, after) = converge(&d, fresh());
+        let bridges = actions
+            .iter()
+            .filter(|a| matches!(a, Action::CreateBridge { .. }))
+            .count();
+        assert_eq!(bridges, 2);
+        assert_eq!(
+            actions
+                .iter()
+                .filter(|a| matches!(a, Action::ReplaceNft { .. }))
+                .count(),
+            1
+        );
+        // Removing one network keeps the other's bridge.
+        let (actions, _) = converge(&d[..1], after);
+        assert!(actions.contains(&Action::DeleteBridge {
+            bridge: bridge_name("n2")
+        }));
+        assert!(!actions.contains(&Action::DeleteBridge {
+            bridge: bridge_name("n1")
+        }));
+    }
+
+    #[test]
+    fn egress_resolution_and_its_failures() {
+        let mut d = one(vec![port("imptap1", "192.0.2.10")]);
+        let mut obs = fresh();
+        obs.default_route_interface = None;
+        assert!(
+            matches!(plan(&d, &obs), Err(NetworkError::NoEgress { network }) if network == "n1")
+        );
+        d[0].network.egress_interface = Some("eth7".into());
+        assert!(
+            matches!(plan(&d, &obs), Err(NetworkError::EgressMissing { interface, .. }) if interface == "eth7")
+        );
+        d[0].network.egress_interface = Some("eth0".into());
+        assert!(plan(&d, &obs).is_ok());
+        // A network without VMs here needs no egress at all.
+        assert_eq!(plan(&one(vec![]), &obs).unwrap(), []);
+    }
+
+    #[test]
+    fn validate_rejects_bad_desired_state() {
+        let bad_gw = vec![Attachment {
+            network: net("n1", "192.0.2.0/24", "192.0.2.0"),
+            ports: vec![],
+        }];
+        assert!(matches!(
+            validate(&bad_gw),
+            Err(NetworkError::BadGateway { .. })
+        ));
+        for ip in ["192.0.2.1", "192.0.2.255", "198.51.100.5"] {
+            let d = one(vec![port("imptap1", ip)]);
+            assert!(
+                matches!(validate(&d), Err(NetworkError::BadAddress { .. })),
+                "{ip}"
+            );
+        }
+        let dup = one(vec![
+            port("imptap1", "192.0.2.10"),
+            port("imptap2", "192.0.2.10"),
+        ]);
+        assert!(matches!(
+            validate(&dup),
+            Err(NetworkError::BadAddress { .. })
+        ));
+        let mut two = one(vec![port("imptap1", "192.0.2.10")]);
+        two.push(Attachment {
+            network: net("n2", "198.51.100.0/24", "198.51.100.1"),
+            ports: vec![port("imptap1", "198.51.100.10")],
+        });
+        assert!(matches!(
+            validate(&two),
+            Err(NetworkError::TapConflict { .. })
+        ));
+        assert!(validate(&one(vec![port("imptap1", "192.0.2.10")])).is_ok());
+    }
+}
