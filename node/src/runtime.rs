@@ -169,9 +169,7 @@ impl RuntimeError {
             RuntimeError::Rootfs { source, .. } => source.reason(),
             RuntimeError::LinkStats { .. } => reason::LINK_STATS_UNAVAILABLE,
             RuntimeError::Snapshot { .. } => reason::SNAPSHOT_FAILED,
-            RuntimeError::SnapshotUnsupported { .. } => {
-                reason::SNAPSHOT_UNSUPPORTED
-            }
+            RuntimeError::SnapshotUnsupported { .. } => reason::SNAPSHOT_UNSUPPORTED,
             RuntimeError::QemuStart { .. } => reason::QEMU_START_FAILED,
             RuntimeError::Inventory(_) => reason::INVENTORY_ERROR,
             RuntimeError::StateDir { .. }

@@ -17,8 +17,8 @@ use std::time::Duration;
 
 use common::{Backend, Harness, is_root};
 use http::StatusCode;
-use imp_guest::host::HostClient;
 use imp_common::SecretString;
+use imp_guest::host::HostClient;
 use imp_guest::protocol::Exec;
 use imp_node::api::{VmSpec, VmState};
 use imp_node::rootfs::store::ImageSpec;

@@ -5,10 +5,10 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::Parser;
+use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_node::api::Backend;
 use imp_node::cgroup::CgroupConfig;
 use imp_node::qemu::{Accel, QemuConfig};
-use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_node::rootfs::flatten::Limits;
 use imp_node::rootfs::pull::PullConfig;
 use imp_node::rootfs::store::StoreConfig;
