@@ -42,7 +42,7 @@ images: guest-static
 ## helm lint with defaults and with every seed values file.
 chart-lint: testenv
 	testenv/bin/helm lint --strict helm/imp
-	for f in ../shared/reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f "$$f" || exit 1; done
+	for f in reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f "$$f" || exit 1; done
 
 ## The local smoke run: the runner lifecycle against the simulators and a real API server.
 smoke: testenv
