@@ -70,7 +70,7 @@ async fn boots_as_pid1_in_real_firecracker() {
     let config_path = dir.path().join("vm.json");
     std::fs::write(&config_path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
     let console = dir.path().join("console.log");
-    let mut vm = Vm(Command::new(&fc)
+    let mut vm = Vm(Command::new(fc)
         .arg("--no-api")
         .arg("--config-file")
         .arg(&config_path)
