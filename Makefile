@@ -47,7 +47,7 @@ images: testenv guest-static
 ## helm lint with the merged seed values (kernelPath and fcBinPath have no defaults) and every seed values
 ## file over them.
 chart-lint: testenv
-	for f in ../shared/reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f ../shared/reference/seed-examples/helm-values-seed.yaml -f "$$f" || exit 1; done
+	for f in reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f reference/seed-examples/helm-values-seed.yaml -f "$$f" || exit 1; done
 
 ## The local smoke run: the runner lifecycle against the simulators and a real API server.
 smoke: testenv

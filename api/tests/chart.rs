@@ -29,9 +29,7 @@ fn production_values() -> String {
 }
 
 fn seed_values(name: &str) -> PathBuf {
-    let p = paths::shared_reference_dir()
-        .join("seed-examples")
-        .join(name);
+    let p = paths::reference_dir().join("seed-examples").join(name);
     assert!(p.is_file(), "seed values file {} is missing", p.display());
     p
 }

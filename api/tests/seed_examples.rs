@@ -1,4 +1,4 @@
-//! Every YAML example from the design documents (shared/reference/seed-examples) against the real API
+//! Every YAML example from the design documents (reference/seed-examples) against the real API
 //! server: each object file is applied verbatim with kubectl and accepted (or, where its header says so,
 //! rejected naming the field), read back into the Rust types without losing a field; each Helm values file
 //! installs the chart.
@@ -6,12 +6,12 @@
 use std::{path::PathBuf, process::Output};
 
 use imp_api::{ImpNetwork, ImpVM, ImpVMClass};
-use imp_testkit::{TestEnv, paths};
+use imp_testkit::{TestEnv, fixtures, paths};
 use kube::{Api, api::DeleteParams};
 use serde_json::Value;
 
 fn seed_files() -> Vec<PathBuf> {
-    let dir = paths::shared_reference_dir().join("seed-examples");
+    let dir = paths::reference_dir().join("seed-examples");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
@@ -199,7 +199,7 @@ async fn seed_helm_values_install_the_chart() {
     // helm-values-seed.yaml is the seed documents' values merged; the other files are excerpts (e.g. the
     // monitor toggles) that name no fcBinPath, which the chart requires (api/tests/chart.rs checks that a
     // file without it is refused): each installs over the merged seed.
-    let merged = paths::shared_reference_dir().join("seed-examples/helm-values-seed.yaml");
+    let merged = paths::reference_dir().join("seed-examples/helm-values-seed.yaml");
     assert!(values.contains(&merged), "expected {}", merged.display());
     for (i, file) in values.iter().enumerate() {
         let release = format!("imp-seed-{i}");
@@ -235,11 +235,12 @@ async fn seed_helm_values_install_the_chart() {
 #[tokio::test]
 async fn kubectl_get_wide_shows_the_printer_columns() {
     let env = TestEnv::new("columns").await;
-    let vm: ImpVM = serde_yaml::from_str(&format!(
-        "apiVersion: imp.dev/v1alpha1\nkind: ImpVM\nmetadata:\n  name: cols\n  namespace: {}\nspec:\n  classRef: {{name: web-small}}\n  image: ghcr.io/example/web:1.0\n  lifecycle: ephemeral\n  nodeName: node-a\n",
-        env.namespace
-    ))
-    .unwrap();
+    let vm = fixtures::vm("cols")
+        .namespace(&env.namespace)
+        .class("web-small")
+        .image("ghcr.io/example/web:1.0")
+        .bound("node-a")
+        .build();
     let api: Api<ImpVM> = env.api();
     api.create(&Default::default(), &vm).await.unwrap();
     let status =

@@ -2,8 +2,10 @@
 //! is accepted, and each mutation is rejected with a message naming the offending field. Removing a rule
 //! (or a field's bound) from the types makes the matching case fail.
 
-use imp_api::{ImpNetwork, ImpVM, ImpVMClass, ImpVMRunnerPool};
-use imp_testkit::TestEnv;
+use imp_api::{
+    DesiredState, ImpNetwork, ImpVM, ImpVMClass, ImpVMRunnerPool, OnExhaustion, RestartMode,
+};
+use imp_testkit::{TestEnv, fixtures};
 use kube::{
     Api, Resource,
     api::{ApiResource, DynamicObject, Patch, PatchParams, PostParams},
@@ -83,9 +85,17 @@ async fn check_cases<K: Resource<DynamicType = ()>>(
 #[tokio::test]
 async fn vm_class_rules() {
     let env = TestEnv::new("valcls").await;
-    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass", "metadata": {},
-        "spec": {"vcpu": 1, "memoryMiB": 512, "restartPolicy": {"mode": "reschedule", "onExhaustion": "fail",
-            "backoff": {"maxRetries": 3, "initialDelay": "10s", "maxDelay": "5m"}}}});
+    let policy = fixtures::restart()
+        .mode(RestartMode::Reschedule)
+        .on_exhaustion(OnExhaustion::Fail)
+        .max_retries(3)
+        .initial_delay("10s")
+        .max_delay("5m");
+    let base = fixtures::class("base")
+        .vcpu(1)
+        .memory_mib(512)
+        .restart(policy.build())
+        .json();
     check_cases::<ImpVMClass>(&env, base, &[
         ("vcpu 0", json!({"spec": {"vcpu": 0}}), &["spec.vcpu", "greater than or equal to 1"]),
         ("memory 64", json!({"spec": {"memoryMiB": 64}}), &["spec.memoryMiB", "greater than or equal to 128"]),
@@ -105,8 +115,12 @@ async fn vm_class_rules() {
 #[tokio::test]
 async fn network_rules() {
     let env = TestEnv::new("valnet").await;
-    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork", "metadata": {"namespace": env.namespace},
-        "spec": {"subnet": "10.44.0.0/24", "gateway": "10.44.0.1", "nat": {"enabled": true}, "dns": ["1.1.1.1"]}});
+    let base = fixtures::network("base")
+        .namespace(&env.namespace)
+        .subnet("10.44.0.0/24", "10.44.0.1")
+        .nat()
+        .dns(&["1.1.1.1"])
+        .json();
     check_cases::<ImpNetwork>(
         &env,
         base,
@@ -149,9 +163,15 @@ async fn network_rules() {
 #[tokio::test]
 async fn vm_rules() {
     let env = TestEnv::new("valvm").await;
-    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"namespace": env.namespace},
-        "spec": {"classRef": {"name": "web-small"}, "image": "ghcr.io/example/web:1.0", "lifecycle": "persistent",
-                 "desiredState": "ScaleToZero", "idleTimeout": "10s", "expireAfter": "1h"}});
+    let base = fixtures::vm("base")
+        .namespace(&env.namespace)
+        .class("web-small")
+        .image("ghcr.io/example/web:1.0")
+        .persistent()
+        .desired(DesiredState::ScaleToZero)
+        .idle_timeout("10s")
+        .expire_after("1h")
+        .json();
     check_cases::<ImpVM>(&env, base, &[
         ("idleTimeout 5s", json!({"spec": {"idleTimeout": "5s"}}), &["spec.idleTimeout", "idleTimeout must be at least 10s"]),
         ("idleTimeout 9.9s", json!({"spec": {"idleTimeout": "9.9s"}}), &["spec.idleTimeout", "at least 10s"]),
@@ -169,10 +189,17 @@ async fn vm_rules() {
 #[tokio::test]
 async fn runner_pool_rules() {
     let env = TestEnv::new("valpool").await;
-    let base = json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMRunnerPool", "metadata": {"namespace": env.namespace},
-        "spec": {"github": {"scope": {"org": "acme"}, "appSecretRef": {"name": "gh-app"}, "labels": ["self-hosted", "imp"]},
-                 "template": {"spec": {"classRef": {"name": "runner"}, "image": "ghcr.io/example/runner-base:1"}},
-                 "scaling": {"minIdle": 1, "maxRunners": 5, "scaleUpStep": 2}}});
+    let base = fixtures::pool("base")
+        .namespace(&env.namespace)
+        .org("acme")
+        .app_secret("gh-app")
+        .labels(&["self-hosted", "imp"])
+        .class("runner")
+        .image("ghcr.io/example/runner-base:1")
+        .min_idle(1)
+        .max_runners(5)
+        .scale_up_step(2)
+        .json();
     check_cases::<ImpVMRunnerPool>(
         &env,
         base,
@@ -240,8 +267,7 @@ async fn runner_pool_rules() {
 async fn status_subresource_ignores_spec_and_main_resource_ignores_status() {
     let env = TestEnv::new("status").await;
     let api: Api<ImpVM> = env.api();
-    let vm: ImpVM = serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
-        "metadata": {"name": "st"}, "spec": {"classRef": {"name": "c"}, "image": "img:1", "lifecycle": "ephemeral"}})).unwrap();
+    let vm = fixtures::vm("st").class("c").image("img:1").build();
     api.create(&PostParams::default(), &vm).await.unwrap();
 
     // Through /status: the spec change is dropped, the status lands.

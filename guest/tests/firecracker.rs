@@ -1,29 +1,28 @@
 //! The real path: boot imp-guest as PID 1 in real Firecracker. Runs only when
-//! IMP_FIRECRACKER_BIN (firecracker binary) and IMP_KERNEL (uncompressed guest kernel with
-//! virtio-blk, vsock, ext4 and overlayfs built in) are set, and then also needs
-//! IMP_GUEST_STATIC_BIN (the output of guest/check-static.sh). Otherwise it says it skipped.
+//! IMP_FIRECRACKER_BIN (firecracker binary), IMP_KERNEL (uncompressed guest kernel with
+//! virtio-blk, vsock, ext4 and overlayfs built in) and IMP_GUEST_STATIC_BIN (the output of
+//! guest/check-static.sh) are set. Otherwise it says it skipped, or fails under
+//! IMP_REQUIRE_FIRECRACKER=1 (imp_testkit::firecracker::real_or_skip).
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use imp_common::SecretString;
 use imp_guest::host;
 use imp_guest::protocol::HttpProbe;
+use imp_testkit::firecracker::{Needs, real_or_skip};
 use tokio::time::Instant;
 
 const SECRET: &str = "jit-7e1d-fc-real-path-secret";
 
-fn mkfs(image: &Path, size_mib: u64, content: Option<&Path>) {
+fn mkfs(image: &Path, size_mib: u64) {
     let f = std::fs::File::create(image).unwrap();
     f.set_len(size_mib * 1024 * 1024).unwrap();
     let mut cmd = Command::new("mkfs.ext4");
     cmd.args(["-q", "-F"]);
-    if let Some(dir) = content {
-        cmd.arg("-d").arg(dir);
-    }
     assert!(
         cmd.arg(image).status().unwrap().success(),
         "mkfs.ext4 failed"
@@ -41,32 +40,18 @@ impl Drop for Vm {
 
 #[tokio::test]
 async fn boots_as_pid1_in_real_firecracker() {
-    let (Ok(fc), Ok(kernel)) = (
-        std::env::var("IMP_FIRECRACKER_BIN"),
-        std::env::var("IMP_KERNEL"),
-    ) else {
-        println!(
-            "skipped the real Firecracker path: IMP_FIRECRACKER_BIN and IMP_KERNEL are not set \
-             (tests/qemu.rs boots the same PID 1 + agent in QEMU with hybrid vsock; tests/pid1.rs and tests/agent.rs cover the pieces)"
-        );
+    // tests/qemu.rs boots the same PID 1 + agent in QEMU with hybrid vsock; tests/pid1.rs and
+    // tests/agent.rs cover the pieces.
+    let Some(real) = real_or_skip("boots_as_pid1_in_real_firecracker", Needs::GuestBinary) else {
         return;
     };
-    let guest_bin = PathBuf::from(
-        std::env::var("IMP_GUEST_STATIC_BIN")
-            .expect("set IMP_GUEST_STATIC_BIN to the binary built by guest/check-static.sh"),
-    );
+    let (fc, kernel) = (&real.firecracker, &real.kernel);
     let dir = tempfile::tempdir().unwrap();
 
     // Base image: nothing but imp-guest and the mount points it needs.
-    let base = dir.path().join("base");
-    for d in ["sbin", "proc", "sys", "dev", "run", "tmp", "etc"] {
-        std::fs::create_dir_all(base.join(d)).unwrap();
-    }
-    std::fs::copy(&guest_bin, base.join("sbin/imp-guest")).unwrap();
-    let base_img = dir.path().join("base.ext4");
+    let base_img = real.base_drive();
     let rw_img = dir.path().join("rw.ext4");
-    mkfs(&base_img, 64, Some(&base));
-    mkfs(&rw_img, 64, None);
+    mkfs(&rw_img, 64);
 
     let uds = dir.path().join("vsock.sock");
     let config = serde_json::json!({
@@ -86,7 +71,7 @@ async fn boots_as_pid1_in_real_firecracker() {
     let config_path = dir.path().join("vm.json");
     std::fs::write(&config_path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
     let console = dir.path().join("console.log");
-    let mut vm = Vm(Command::new(&fc)
+    let mut vm = Vm(Command::new(fc)
         .arg("--no-api")
         .arg("--config-file")
         .arg(&config_path)

@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use common::{Harness, simulator};
 use imp_api::names::{self, condition, reason};
 use imp_api::{HandoffState, ImpVM, ImpVMClass, VmPhase, conditions};
-use imp_testkit::TestEnv;
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
+use imp_testkit::{TestEnv, fixtures};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
@@ -106,12 +106,9 @@ impl World {
         let env = TestEnv::new(prefix).await;
         let node = format!("{}-node", env.namespace);
         let class = format!("{}-small", env.namespace);
-        let c: ImpVMClass = serde_json::from_value(json!({
-            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass", "metadata": {"name": class},
-            "spec": {"vcpu": 1, "memoryMiB": 128, "diskGiB": 1}}))
-        .unwrap();
+        let c = fixtures::class(&class).vcpu(1).memory_mib(128).disk_gib(1);
         Api::<ImpVMClass>::all(env.client.clone())
-            .create(&PostParams::default(), &c)
+            .create(&PostParams::default(), &c.build())
             .await
             .unwrap();
         World {
@@ -157,18 +154,16 @@ impl World {
     /// Creates a VM bound to the test node in phase Scheduled (as the operator leaves it), with
     /// the operator's finalizer.
     async fn bound_vm(&self, name: &str, image: &str, runner_secret: Option<&str>) -> ImpVM {
-        let mut spec = json!({"classRef": {"name": self.class}, "image": image,
-            "lifecycle": "ephemeral", "nodeName": self.node});
+        let mut vm = fixtures::vm(name)
+            .class(&self.class)
+            .image(image)
+            .bound(&self.node)
+            .finalizer(imp_api::names::FINALIZER_VM_CLEANUP);
         if let Some(s) = runner_secret {
-            spec["runnerConfigSecret"] = json!(s);
+            vm = vm.runner_config(s);
         }
-        let vm: ImpVM =
-            serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM",
-            "metadata": {"name": name, "finalizers": [imp_api::names::FINALIZER_VM_CLEANUP]},
-            "spec": spec}))
-            .unwrap();
         self.vms()
-            .create(&PostParams::default(), &vm)
+            .create(&PostParams::default(), &vm.build())
             .await
             .unwrap();
         self.set_status(name, json!({"phase": VmPhase::Scheduled}))
@@ -187,11 +182,7 @@ impl World {
     }
 
     async fn jit_secret(&self, name: &str) {
-        let s: Secret = serde_json::from_value(json!({"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": name, "annotations": {"imp.dev/github-runner-id": "42",
-                "imp.dev/github-runner-name": "imp-test-runner"}},
-            "stringData": {"jitconfig": JIT}}))
-        .unwrap();
+        let s = fixtures::jit_secret(name, JIT, 42, "imp-test-runner");
         self.env
             .api::<Secret>()
             .create(&PostParams::default(), &s)

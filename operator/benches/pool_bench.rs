@@ -33,6 +33,7 @@ use imp_operator::{
 use imp_testkit::{
     TestEnv,
     controlplane::config_from_kubeconfig,
+    fixtures,
     github::{GithubSim, KeyFormat, SimConfig},
 };
 use k8s_openapi::{
@@ -201,10 +202,7 @@ async fn bench(n: u32) -> anyhow::Result<()> {
         });
     }
     let class = format!("{ns}-runner");
-    let c: ImpVMClass = serde_json::from_value(
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
-        "metadata": {"name": class}, "spec": {"vcpu": 1, "memoryMiB": 2048}}),
-    )?;
+    let c = fixtures::class(&class).vcpu(1).memory_mib(2048).build();
     Api::<ImpVMClass>::all(client.clone())
         .create(&PostParams::default(), &c)
         .await?;
@@ -306,15 +304,17 @@ async fn bench(n: u32) -> anyhow::Result<()> {
     }
 
     let pools: Api<ImpVMRunnerPool> = Api::namespaced(client.clone(), &ns);
-    let pool: ImpVMRunnerPool = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMRunnerPool", "metadata": {"name": "bench"},
-        "spec": {
-            "github": {"scope": {"org": sim.org()}, "appSecretRef": {"name": "github-app"}, "labels": ["self-hosted", "imp"]},
-            "template": {"spec": {"classRef": {"name": class}, "image": "ghcr.io/imp/runner:1"}},
-            "scaling": {"minIdle": n, "maxRunners": n, "scaleUpStep": 100},
-            "webhookSecretRef": {"name": "webhook"},
-        }
-    }))?;
+    let pool = fixtures::pool("bench")
+        .org(sim.org())
+        .app_secret("github-app")
+        .labels(&["self-hosted", "imp"])
+        .class(&class)
+        .image("ghcr.io/imp/runner:1")
+        .min_idle(n)
+        .max_runners(n)
+        .scale_up_step(100)
+        .webhook_secret("webhook")
+        .build();
     let t0 = Instant::now();
     pools.create(&PostParams::default(), &pool).await?;
     let mut peak = 0u64;

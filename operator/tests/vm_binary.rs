@@ -11,7 +11,7 @@ use std::{
 
 use imp_api::VmPhase;
 use imp_testkit::binlog;
-use serde_json::json;
+use imp_testkit::fixtures;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
@@ -53,7 +53,7 @@ async fn operator_binary_serves_health_and_metrics_and_schedules() {
 
     let node = h.add_node("n", 4, 4096).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
     let vm = h
         .wait_phase("vm1", VmPhase::Scheduled, Duration::from_secs(15))
         .await;

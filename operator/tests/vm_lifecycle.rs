@@ -9,8 +9,8 @@ use imp_api::{
     VmPhase,
     names::{condition, reason},
 };
+use imp_testkit::fixtures;
 use kube::api::DeleteParams;
-use serde_json::json;
 use vm_common::*;
 
 const WAIT: Duration = Duration::from_secs(15);
@@ -20,7 +20,7 @@ async fn ephemeral_vm_runs_to_success_and_deletion_waits_for_teardown() {
     let mut h = Harness::start("vmlife").await;
     let node = h.add_node("n", 4, 4096).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
     h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
 
     // Bound but not running: the node's backlog.
@@ -96,7 +96,7 @@ async fn unbound_vm_is_released_at_once_on_deletion() {
     let mut h = Harness::start("vmunbound").await;
     let class = h.add_class("c", 1, 1024, None).await;
     // No node at all: the VM never binds.
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
     h.wait_phase("vm1", VmPhase::Pending, WAIT).await;
     h.vms()
         .delete("vm1", &DeleteParams::default())
@@ -112,7 +112,7 @@ async fn expired_vm_is_deleted_with_an_expired_event() {
     let mut h = Harness::start("vmexpire").await;
     h.add_node("n", 4, 4096).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({"expireAfter": "2s"}))
+    h.create_vm(fixtures::vm("vm1").class(&class).expire_after("2s"))
         .await;
     h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
     // Not Running yet: no clock, however long it waits.

@@ -9,8 +9,8 @@ use imp_api::{
     VmPhase,
     names::{condition, reason},
 };
+use imp_testkit::fixtures;
 use kube::api::DeleteParams;
-use serde_json::json;
 use vm_common::*;
 
 const WAIT: Duration = Duration::from_secs(15);
@@ -20,7 +20,7 @@ async fn stale_heartbeat_fails_ephemeral_vm_with_node_lost() {
     let mut h = Harness::start("vmstale").await;
     let node = h.add_node("n", 4, 4096).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
     h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
     h.agent_run("vm1").await;
     h.wait_vm("vm1", "NodeHealthy", WAIT, |vm| {
@@ -70,13 +70,16 @@ async fn stale_heartbeat_fails_ephemeral_vm_with_node_lost() {
 async fn not_ready_node_beyond_grace_reschedules_persistent_vm() {
     let mut h = Harness::start("vmnotready").await;
     let first = h.add_node("first", 2, 2048).await;
-    let policy = json!({"mode": "in-place", "backoff": {"initialDelay": "1s", "maxRetries": 3}});
+    let policy = fixtures::restart()
+        .in_place()
+        .initial_delay("1s")
+        .max_retries(3);
     let class = h.add_class("c", 1, 1024, None).await;
     h.create_vm(
-        "svc",
-        &class,
-        "persistent",
-        json!({"restartPolicy": policy}),
+        fixtures::vm("svc")
+            .class(&class)
+            .persistent()
+            .restart(policy.build()),
     )
     .await;
     let vm = h.wait_phase("svc", VmPhase::Scheduled, WAIT).await;
@@ -132,7 +135,7 @@ async fn deleted_node_forces_the_finalizer_after_the_timeout() {
     let mut h = Harness::start("vmforce").await;
     let node = h.add_node("n", 4, 4096).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
     h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
     h.agent_run("vm1").await;
 

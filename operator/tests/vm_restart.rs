@@ -6,9 +6,10 @@ mod vm_common;
 use std::time::{Duration, Instant};
 
 use imp_api::{
-    VmPhase,
+    OnExhaustion, VmPhase,
     names::{ANNOTATION_RESET_RESTARTS, reason},
 };
+use imp_testkit::fixtures;
 use kube::api::{Patch, PatchParams};
 use serde_json::json;
 use vm_common::*;
@@ -26,10 +27,15 @@ fn restarts(vm: &imp_api::ImpVM) -> u32 {
 async fn in_place_restart_inherited_from_class_exhausts_and_cools_down() {
     let mut h = Harness::start("vmcool").await;
     let node = h.add_node("n", 4, 4096).await;
-    let policy = json!({"mode": "in-place", "backoff": {"initialDelay": "1s", "maxDelay": "1s", "maxRetries": 1},
-                        "onExhaustion": "cool-down", "coolDownPeriod": "2s"});
-    let class = h.add_class("c", 1, 1024, Some(policy)).await;
-    h.create_vm("svc", &class, "persistent", json!({})).await;
+    let policy = fixtures::restart()
+        .in_place()
+        .initial_delay("1s")
+        .max_delay("1s")
+        .max_retries(1)
+        .cool_down("2s");
+    let class = h.add_class("c", 1, 1024, Some(policy.build())).await;
+    h.create_vm(fixtures::vm("svc").class(&class).persistent())
+        .await;
     h.wait_phase("svc", VmPhase::Scheduled, WAIT).await;
     h.agent_run("svc").await;
 
@@ -106,13 +112,15 @@ async fn manual_reset_restarts_an_exhausted_vm_and_consumes_the_annotation() {
     let mut h = Harness::start("vmreset").await;
     h.add_node("n", 4, 4096).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    let policy =
-        json!({"backoff": {"initialDelay": "1s", "maxRetries": 1}, "onExhaustion": "manual-reset"});
+    let policy = fixtures::restart()
+        .initial_delay("1s")
+        .max_retries(1)
+        .on_exhaustion(OnExhaustion::ManualReset);
     h.create_vm(
-        "svc",
-        &class,
-        "persistent",
-        json!({"restartPolicy": policy}),
+        fixtures::vm("svc")
+            .class(&class)
+            .persistent()
+            .restart(policy.build()),
     )
     .await;
     h.wait_phase("svc", VmPhase::Scheduled, WAIT).await;

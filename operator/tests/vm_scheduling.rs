@@ -9,6 +9,8 @@ use imp_api::{
     VmPhase,
     names::{FINALIZER_VM_CLEANUP, condition, reason},
 };
+use imp_testkit::fixtures;
+use k8s_openapi::api::core::v1::Toleration;
 use kube::{ResourceExt, api::DeleteParams};
 use serde_json::json;
 use vm_common::*;
@@ -21,7 +23,7 @@ async fn binds_to_the_best_fit_node_and_kubectl_shows_phase_and_node() {
     let big = h.add_node("big", 8, 16384).await;
     let small = h.add_node("small", 2, 2048).await;
     let class = h.add_class("small", 1, 1024, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
 
     let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
     assert_eq!(
@@ -92,7 +94,7 @@ async fn unschedulable_vm_waits_pending_with_reasons_then_binds_when_a_node_fits
         .await;
     h.add_node("tiny", 4, 512).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
 
     let vm = h
         .wait_vm("vm1", reason::UNSCHEDULABLE, WAIT, |vm| {
@@ -138,7 +140,7 @@ async fn capacity_is_shared_between_vms_and_freed_by_teardown() {
     let class = h.add_class("one-cpu", 1, 1024, None).await;
     // Created together: the scheduler must not place all three on a node with room for two.
     for name in ["a", "b", "c"] {
-        h.create_vm(name, &class, "ephemeral", json!({})).await;
+        h.create_vm(fixtures::vm(name).class(&class)).await;
     }
     let mut bound = vec![];
     let mut waiting = vec![];
@@ -203,13 +205,17 @@ async fn taints_keep_vms_off_unless_tolerated() {
         .await;
     let plain = h.add_node("plain", 8, 16384).await;
     let class = h.add_class("c", 1, 1024, None).await;
-    h.create_vm("plain-vm", &class, "ephemeral", json!({}))
-        .await;
+    h.create_vm(fixtures::vm("plain-vm").class(&class)).await;
     h.create_vm(
-        "tolerant-vm",
-        &class,
-        "ephemeral",
-        json!({"tolerations": [{"key": "imp.dev/dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]}),
+        fixtures::vm("tolerant-vm")
+            .class(&class)
+            .tolerate(Toleration {
+                key: Some("imp.dev/dedicated".into()),
+                operator: Some("Equal".into()),
+                value: Some("gpu".into()),
+                effect: Some("NoSchedule".into()),
+                toleration_seconds: None,
+            }),
     )
     .await;
     let vm = h.wait_phase("plain-vm", VmPhase::Scheduled, WAIT).await;
@@ -224,7 +230,7 @@ async fn missing_class_fails_spec_invalid_and_recovers_when_created() {
     let mut h = Harness::start("vmclass").await;
     h.add_node("n", 4, 4096).await;
     let missing = h.unique("later");
-    h.create_vm("vm1", &missing, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&missing)).await;
     let vm = h.wait_phase("vm1", VmPhase::Failed, WAIT).await;
     let status = vm.status.clone().unwrap();
     assert_eq!(status.reason.as_deref(), Some(reason::SPEC_INVALID));
@@ -252,7 +258,7 @@ async fn agent_published_capacity_overrides_allocatable() {
     let mut h = Harness::start("vmcapann").await;
     let node = h.add_node("n", 1, 1024).await;
     let class = h.add_class("big", 2, 2048, None).await;
-    h.create_vm("vm1", &class, "ephemeral", json!({})).await;
+    h.create_vm(fixtures::vm("vm1").class(&class)).await;
     let vm = h
         .wait_vm("vm1", reason::UNSCHEDULABLE, WAIT, |vm| {
             vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::UNSCHEDULABLE)

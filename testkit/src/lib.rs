@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod controlplane;
 pub mod ext4;
 pub mod firecracker;
+pub mod fixtures;
 pub mod github;
 pub mod metrics;
 pub mod oci;

@@ -23,12 +23,10 @@ pub fn testenv_bin(name: &str) -> PathBuf {
     testenv_bin_dir().join(name)
 }
 
-/// The shared reference directory (`../shared/reference` beside the checkout); `IMP_SHARED_REFERENCE`
-/// overrides it.
-pub fn shared_reference_dir() -> PathBuf {
-    std::env::var_os("IMP_SHARED_REFERENCE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join("../shared/reference"))
+/// The repository's `reference/` directory: third-party specs and the design documents' seed examples,
+/// kept byte-identical to their origin (`reference/README.md` names each source and licence).
+pub fn reference_dir() -> PathBuf {
+    workspace_root().join("reference")
 }
 
 /// The Helm chart.

@@ -10,6 +10,7 @@ use imp_api::ImpVM;
 use imp_testkit::{
     TestEnv,
     controlplane::{ControlPlane, ControlPlaneError, ControlPlaneOptions},
+    fixtures,
 };
 use k8s_openapi::{
     api::core::v1::{Namespace, Secret},
@@ -19,7 +20,6 @@ use kube::{
     Api, Resource,
     api::{DeleteParams, PostParams},
 };
-use serde_json::json;
 
 async fn wait_gone<K>(api: &Api<K>, name: &str, within: Duration) -> Duration
 where
@@ -36,11 +36,7 @@ where
 }
 
 fn vm(name: &str) -> ImpVM {
-    serde_json::from_value(
-        json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"name": name},
-        "spec": {"classRef": {"name": "c"}, "image": "img:1", "lifecycle": "ephemeral"}}),
-    )
-    .unwrap()
+    fixtures::vm(name).class("c").image("img:1").build()
 }
 
 #[tokio::test]

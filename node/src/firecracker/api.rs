@@ -1,5 +1,5 @@
 //! Firecracker API request and response bodies, field for field as in
-//! shared/reference/firecracker/firecracker-api.yaml (definitions of the same name). Optional
+//! reference/firecracker/firecracker-api.yaml (definitions of the same name). Optional
 //! fields are skipped when absent so Firecracker applies its documented defaults.
 
 use serde::{Deserialize, Serialize};

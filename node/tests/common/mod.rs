@@ -1,6 +1,6 @@
 //! Test harness: an imp-runtime process (the real binary) on a temp state dir, driving either
-//! testkit's Firecracker simulator or, when IMP_FIRECRACKER_BIN, IMP_KERNEL and IMP_ROOTFS are
-//! set, real Firecracker.
+//! testkit's Firecracker simulator or, when IMP_FIRECRACKER_BIN, IMP_KERNEL and IMP_ROOTFS (or
+//! IMP_GUEST_STATIC_BIN) are set, real Firecracker (testkit::firecracker::real_or_skip).
 #![allow(dead_code)] // each test binary uses part of the harness
 
 use std::collections::HashMap;
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use imp_node::api::{NetworkSpec, VmSpec};
 use imp_node::client::RuntimeClient;
-use imp_testkit::firecracker::Knobs;
+use imp_testkit::firecracker::{Knobs, Needs, real_or_skip};
 
 #[derive(Debug, Clone)]
 pub enum Backend {
@@ -56,59 +56,18 @@ pub fn simulator() -> Backend {
     }
 }
 
-/// The simulator, plus real Firecracker when configured (else a printed skip notice).
+/// The simulator, plus real Firecracker when configured (else a printed skip notice, or a failure
+/// under IMP_REQUIRE_FIRECRACKER=1).
 pub fn backends(test: &str) -> Vec<Backend> {
     let mut out = vec![simulator()];
-    match (
-        std::env::var_os("IMP_FIRECRACKER_BIN"),
-        std::env::var_os("IMP_KERNEL"),
-    ) {
-        (Some(f), Some(k)) => out.push(Backend::Real {
-            firecracker: f.into(),
-            kernel: k.into(),
-            rootfs: real_rootfs(),
-        }),
-        _ => eprintln!(
-            "{test}: SKIPPED the real-Firecracker run: IMP_FIRECRACKER_BIN and IMP_KERNEL are not set"
-        ),
+    if let Some(fc) = real_or_skip(test, Needs::BaseDrive) {
+        out.push(Backend::Real {
+            rootfs: fc.base_drive(),
+            firecracker: fc.firecracker,
+            kernel: fc.kernel,
+        });
     }
     out
-}
-
-/// The base drive for real Firecracker: IMP_ROOTFS, or an ext4 image holding only the static
-/// imp-guest (IMP_GUEST_STATIC_BIN, from guest/check-static.sh) and its mount points.
-fn real_rootfs() -> PathBuf {
-    if let Some(r) = std::env::var_os("IMP_ROOTFS") {
-        return r.into();
-    }
-    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let guest = std::env::var_os("IMP_GUEST_STATIC_BIN")
-                .expect("real Firecracker runs need IMP_ROOTFS or IMP_GUEST_STATIC_BIN");
-            let dir = tempfile::tempdir().unwrap().keep();
-            imp_testkit::process::remove_at_exit(&dir);
-            let tree = dir.join("tree");
-            for d in ["sbin", "proc", "sys", "dev", "run", "tmp", "etc"] {
-                std::fs::create_dir_all(tree.join(d)).unwrap();
-            }
-            std::fs::copy(guest, tree.join("sbin/imp-guest")).unwrap();
-            let image = dir.join("base.ext4");
-            std::fs::File::create(&image)
-                .unwrap()
-                .set_len(64 << 20)
-                .unwrap();
-            let ok = Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-d"])
-                .arg(&tree)
-                .arg(&image)
-                .status()
-                .unwrap()
-                .success();
-            assert!(ok, "mkfs.ext4 of the real-Firecracker base image failed");
-            image
-        })
-        .clone()
 }
 
 pub fn is_root() -> bool {

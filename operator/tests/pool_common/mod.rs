@@ -27,7 +27,7 @@ use imp_operator::{
     webhook::webhook_router,
 };
 use imp_testkit::{
-    TestEnv,
+    TestEnv, fixtures,
     github::{
         GithubSim, KeyFormat, SimConfig,
         runner_protocol::{FakeRunnerOptions, run_fake_runner},
@@ -244,17 +244,16 @@ impl PoolHarness {
 
     /// A pool with the test labels, org scope, the test webhook secret, and `scaling`.
     pub async fn create_pool(&self, name: &str, scaling: Value) -> ImpVMRunnerPool {
-        let pool: ImpVMRunnerPool = serde_json::from_value(json!({
-            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMRunnerPool",
-            "metadata": {"name": name},
-            "spec": {
-                "github": {"scope": {"org": self.sim.org()}, "appSecretRef": {"name": APP_SECRET}, "labels": LABELS},
-                "template": {"spec": {"classRef": {"name": "runner"}, "image": "ghcr.io/imp/runner:1"}},
-                "scaling": scaling,
-                "webhookSecretRef": {"name": "webhook"},
-            }
-        }))
-        .unwrap();
+        let scaling = serde_json::from_value(scaling).expect("the test's scaling block");
+        let pool = fixtures::pool(name)
+            .org(self.sim.org())
+            .app_secret(APP_SECRET)
+            .labels(&LABELS)
+            .class("runner")
+            .image("ghcr.io/imp/runner:1")
+            .scaling(scaling)
+            .webhook_secret("webhook")
+            .build();
         self.pools()
             .create(&PostParams::default(), &pool)
             .await

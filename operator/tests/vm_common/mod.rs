@@ -13,7 +13,7 @@ use std::{
 };
 
 use imp_api::{
-    ImpVM, ImpVMClass, ImpVMStatus, VmPhase,
+    ImpVM, ImpVMClass, ImpVMStatus, RestartPolicy, VmPhase,
     conditions::{self, ConditionStatus},
     names::{LABEL_NODE_ENABLED, condition, lease_name, reason},
 };
@@ -21,7 +21,7 @@ use imp_operator::{
     metrics::{VmMetrics, encode},
     vm::{Timing, VmControllerConfig, run_vm_controller},
 };
-use imp_testkit::{TestEnv, cluster::with_fresh_client};
+use imp_testkit::{TestEnv, cluster::with_fresh_client, fixtures};
 use k8s_openapi::{
     api::{
         coordination::v1::{Lease, LeaseSpec},
@@ -286,42 +286,25 @@ impl Harness {
         suffix: &str,
         vcpu: u32,
         memory_mib: u32,
-        restart_policy: Option<Value>,
+        restart_policy: Option<RestartPolicy>,
     ) -> String {
         let name = self.unique(suffix);
-        let mut spec = json!({"vcpu": vcpu, "memoryMiB": memory_mib});
+        let mut class = fixtures::class(&name).vcpu(vcpu).memory_mib(memory_mib);
         if let Some(p) = restart_policy {
-            spec["restartPolicy"] = p;
+            class = class.restart(p);
         }
-        let class: ImpVMClass = serde_json::from_value(json!({
-            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass", "metadata": {"name": name}, "spec": spec,
-        }))
-        .unwrap();
         Api::<ImpVMClass>::all(self.client.clone())
-            .create(&PostParams::default(), &class)
+            .create(&PostParams::default(), &class.build())
             .await
             .unwrap();
         self.classes.push(name.clone());
         name
     }
 
-    pub async fn create_vm(
-        &self,
-        name: &str,
-        class: &str,
-        lifecycle: &str,
-        extra_spec: Value,
-    ) -> ImpVM {
-        let mut spec = json!({"classRef": {"name": class}, "image": "ghcr.io/imp/runner:1", "lifecycle": lifecycle});
-        spec.as_object_mut()
-            .unwrap()
-            .extend(extra_spec.as_object().unwrap().clone());
-        let vm: ImpVM = serde_json::from_value(json!({
-            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"name": name}, "spec": spec,
-        }))
-        .unwrap();
+    /// Creates `vm` (see imp_testkit::fixtures::vm) in the test namespace.
+    pub async fn create_vm(&self, vm: impl Into<ImpVM>) -> ImpVM {
         self.vms()
-            .create(&PostParams::default(), &vm)
+            .create(&PostParams::default(), &vm.into())
             .await
             .unwrap()
     }

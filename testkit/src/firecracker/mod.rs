@@ -1,14 +1,16 @@
 //! Firecracker simulator (binary `imp-firecracker-sim`): Firecracker's command line and the API
-//! subset Imp uses, checked against shared/reference/firecracker/firecracker-api.yaml; on
+//! subset Imp uses, checked against reference/firecracker/firecracker-api.yaml; on
 //! InstanceStart it runs imp-guest as a host process behind the hybrid vsock. See
-//! docs/runtime.md for the knobs.
+//! docs/runtime.md for the knobs. [`real`] decides whether a test's real-Firecracker path runs.
 
+pub mod real;
 pub mod sim;
 pub mod spec;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+pub use real::{Needs, RealFirecracker, real_or_skip};
 pub use sim::Knobs;
 
 /// Paths of the binaries a runtime test needs.

@@ -1,4 +1,4 @@
-//! The part of Firecracker's API (shared/reference/firecracker/firecracker-api.yaml) the
+//! The part of Firecracker's API (reference/firecracker/firecracker-api.yaml) the
 //! simulator serves: routes, and per body definition its required and known properties. A test
 //! holds these tables against the spec file, so the simulator cannot drift from it silently.
 
@@ -215,7 +215,7 @@ mod tests {
     use std::collections::BTreeSet;
 
     fn spec() -> serde_yaml::Value {
-        let path = crate::paths::shared_reference_dir().join("firecracker/firecracker-api.yaml");
+        let path = crate::paths::reference_dir().join("firecracker/firecracker-api.yaml");
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
         serde_yaml::from_str(&text).expect("the spec is YAML")

@@ -1,5 +1,5 @@
 //! `workflow_job` webhooks: payloads shaped like GitHub's (see
-//! shared/reference/github/webhooks/), HMAC-SHA256 signing, an ordered delivery worker that applies
+//! reference/github/webhooks/), HMAC-SHA256 signing, an ordered delivery worker that applies
 //! webhook faults, and [`WebhookSink`], a capturing receiver for tests.
 
 use std::sync::{Arc, Mutex};
