@@ -65,6 +65,19 @@ impl Fixture {
         .unwrap()
     }
 
+    /// A store that also reaches `host` over plain HTTP.
+    async fn store_reaching(&self, host: &str) -> RootfsStore {
+        let mut cfg = self.config(1 << 30);
+        cfg.pull.insecure_registries.push(host.to_owned());
+        RootfsStore::open(
+            cfg,
+            self.inventory.pool().clone(),
+            self.metrics.rootfs.clone(),
+        )
+        .await
+        .unwrap()
+    }
+
     async fn push(&self, repo_tag: &str, layers: Vec<Vec<u8>>) -> String {
         push_gzip_image(&self.registry.host(), repo_tag, layers).await
     }
@@ -441,11 +454,20 @@ async fn a_new_guest_agent_is_a_new_key_and_a_restart_reconciles_the_cache() {
     assert_eq!(f.images(), vec![v2.path.clone()]);
 }
 
-#[tokio::test]
-async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
-    use imp_common::SecretString;
-    use imp_node::rootfs::auth::PullCredentials;
-    let f = Fixture::new().await;
+/// `reference` as tenant-a asks for it: with that password, or none.
+fn tenant_a_spec(reference: &str, password: Option<&str>) -> ImageSpec {
+    ImageSpec {
+        base: reference.into(),
+        runner: None,
+        credentials: password.map(|p| imp_node::rootfs::auth::PullCredentials::Basic {
+            username: "tenant-a".into(),
+            password: imp_common::SecretString::from(p),
+        }),
+    }
+}
+
+/// A registry that requires tenant-a's password, holding `a/secret:1`.
+async fn private_registry() -> Registry {
     let private = Registry::start(RegistryOptions {
         htpasswd: Some(("tenant-a".into(), "a-password-1".into())),
     })
@@ -462,20 +484,16 @@ async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
     )
     .await
     .unwrap();
-    let mut cfg = f.config(1 << 30);
-    cfg.pull.insecure_registries.push(private.host());
-    let store = RootfsStore::open(cfg, f.inventory.pool().clone(), f.metrics.rootfs.clone())
-        .await
-        .unwrap();
+    private
+}
+
+#[tokio::test]
+async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
+    let f = Fixture::new().await;
+    let private = private_registry().await;
+    let store = f.store_reaching(&private.host()).await;
     let reference = format!("{}/a/secret:1", private.host());
-    let with = |password: Option<&str>| ImageSpec {
-        base: reference.clone(),
-        runner: None,
-        credentials: password.map(|p| PullCredentials::Basic {
-            username: "tenant-a".into(),
-            password: SecretString::from(p),
-        }),
-    };
+    let with = |password: Option<&str>| tenant_a_spec(&reference, password);
     store
         .acquire("vm-a", &with(Some("a-password-1")))
         .await
@@ -535,41 +553,13 @@ async fn outage_proxy(
 /// cached image. The index holds a keyed fingerprint, never the password.
 #[tokio::test]
 async fn an_outage_serves_a_private_image_only_to_the_credentials_that_built_it() {
-    use imp_common::SecretString;
-    use imp_node::rootfs::auth::PullCredentials;
     let f = Fixture::new().await;
-    let mut private = Registry::start(RegistryOptions {
-        htpasswd: Some(("tenant-a".into(), "a-password-1".into())),
-    })
-    .await
-    .unwrap();
-    let blobs = [LayerBlob::gzipped(
-        TarBuilder::new().file("private", b"a's", 0o644).into_gzip(),
-    )];
-    push_image(
-        &private.host(),
-        "a/secret:1",
-        &blobs,
-        &PushAuth::Basic("tenant-a".into(), "a-password-1".into()),
-    )
-    .await
-    .unwrap();
+    let mut private = private_registry().await;
     let public = f.push("imp/base:1", base_layers()).await;
     let (proxy, failing, proxy_task) = outage_proxy(private.host()).await;
-    let mut cfg = f.config(1 << 30);
-    cfg.pull.insecure_registries.push(proxy.clone());
-    let store = RootfsStore::open(cfg, f.inventory.pool().clone(), f.metrics.rootfs.clone())
-        .await
-        .unwrap();
+    let store = f.store_reaching(&proxy).await;
     let reference = format!("{proxy}/a/secret:1");
-    let with = |password: Option<&str>| ImageSpec {
-        base: reference.clone(),
-        runner: None,
-        credentials: password.map(|p| PullCredentials::Basic {
-            username: "tenant-a".into(),
-            password: SecretString::from(p),
-        }),
-    };
+    let with = |password: Option<&str>| tenant_a_spec(&reference, password);
     let built = store
         .acquire("vm-a", &with(Some("a-password-1")))
         .await
