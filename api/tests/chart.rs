@@ -238,6 +238,65 @@ fn seed_values_render_every_seed_point() {
     assert!(kinds(&objects, "Ingress").is_empty());
 }
 
+/// The runtime DaemonSet gives VMs a life of their own: host PID namespace, the host's cgroup
+/// tree mounted for per-VM cgroups under the configured parent, OnDelete rolls, and the VMM
+/// backend from the values (an unknown one refused by the schema).
+#[test]
+fn runtime_daemonset_lets_vms_outlive_its_pod() {
+    let seed = seed_values("helm-values-seed.yaml");
+    let objects = render_ok(&[&seed], &[]);
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    assert_eq!(runtime["spec"]["updateStrategy"]["type"], "OnDelete");
+    let pod = &runtime["spec"]["template"]["spec"];
+    assert_eq!(pod["hostPID"], true, "{pod}");
+    let c = container(runtime, "containers", "runtime");
+    let mount = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == "/host/sys/fs/cgroup")
+        .unwrap_or_else(|| panic!("the runtime mounts the host cgroup tree: {c}"));
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(
+        volume["hostPath"],
+        serde_json::json!({"path": "/sys/fs/cgroup", "type": "Directory"})
+    );
+    assert_eq!(
+        env_value(c, "IMP_VM_CGROUP_ROOT"),
+        Some("/host/sys/fs/cgroup")
+    );
+    assert_eq!(env_value(c, "IMP_VM_CGROUP_PARENT"), Some("imp-vms"));
+    assert_eq!(env_value(c, "IMP_VMM_BACKEND"), Some("firecracker"));
+
+    let objects = render_ok(
+        &[&seed],
+        &[
+            "runtime.backend=qemu",
+            "runtime.vmCgroupParent=kubepods.slice/imp",
+            "runtime.serialLogCapBytes=65536",
+        ],
+    );
+    let c = container(
+        get(&objects, "DaemonSet", "imp-runtime"),
+        "containers",
+        "runtime",
+    );
+    assert_eq!(env_value(c, "IMP_VMM_BACKEND"), Some("qemu"));
+    assert_eq!(
+        env_value(c, "IMP_VM_CGROUP_PARENT"),
+        Some("kubepods.slice/imp")
+    );
+    assert_eq!(env_value(c, "IMP_SERIAL_LOG_CAP_BYTES"), Some("65536"));
+    assert_seed_rejected_naming(&["runtime.backend=cloud-hypervisor"], "backend");
+    assert_seed_rejected_naming(&["runtime.vmCgroupParent=/abs"], "vmCgroupParent");
+    assert_seed_rejected_naming(&["runtime.serialLogCapBytes=100"], "serialLogCapBytes");
+}
+
 #[test]
 fn kvm_preflight_is_rendered_with_its_node_selector() {
     let objects = render_ok(&[&seed_values("helm-values-seed.yaml")], &[]);

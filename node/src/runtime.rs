@@ -1076,6 +1076,7 @@ fn files_of(r: &VmRecord) -> VmmFiles {
         vsock: r.vsock_path.clone(),
         serial_log: r.serial_log.clone(),
         stderr_log: r.dir.join("firecracker.stderr"),
+        vmm_log: r.dir.join("firecracker.log"),
     }
 }
 

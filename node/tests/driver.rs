@@ -16,6 +16,7 @@ fn files(dir: &std::path::Path, name: &str) -> VmmFiles {
         vsock: dir.join(format!("{name}.vsock")),
         serial_log: dir.join(format!("{name}.serial")),
         stderr_log: dir.join(format!("{name}.stderr")),
+        vmm_log: dir.join(format!("{name}.fc.log")),
     }
 }
 

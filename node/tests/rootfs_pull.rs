@@ -677,3 +677,80 @@ async fn blob_running_over_its_declared_size_stops_the_read() {
     assert!(dir_entries(dir.path()).is_empty());
     server.abort();
 }
+
+/// A registry whose manifest declares (HEAD) 1 GiB and whose GET never ends: the pull is refused
+/// naming the cap before the body is read, so the GET body sent stays at zero bytes.
+#[tokio::test]
+async fn an_oversize_manifest_is_refused_from_its_declared_size_before_reading_it() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host = listener.local_addr().unwrap().to_string();
+    let sent = Arc::new(AtomicU64::new(0));
+    let counter = sent.clone();
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 8192];
+                let n = conn.read(&mut buf).await.unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let line = head.lines().next().unwrap_or_default().to_string();
+                if line.starts_with("HEAD ") && line.contains("/manifests/") {
+                    let _ = conn
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\n\
+                              Content-Length: 1073741824\r\nConnection: close\r\n\r\n",
+                        )
+                        .await;
+                } else if line.starts_with("GET ") && line.contains("/manifests/") {
+                    let _ = conn
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\n\
+                              Connection: close\r\n\r\n",
+                        )
+                        .await;
+                    let chunk = vec![b' '; 64 << 10];
+                    while conn.write_all(&chunk).await.is_ok() {
+                        counter.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+                    }
+                } else {
+                    // /v2/ and anything else: an open registry.
+                    let _ = conn
+                        .write_all(
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+                        )
+                        .await;
+                }
+            });
+        }
+    });
+    let cap = 1u64 << 20;
+    let puller = Puller::new(PullConfig {
+        insecure_registries: vec![host.clone()],
+        max_manifest_bytes: cap,
+        ..PullConfig::default()
+    });
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        puller.resolve(&format!("{host}/imp/endless:1"), &RegistryAuth::Anonymous),
+    )
+    .await
+    .expect("the pull ends without reading the endless body")
+    .unwrap_err();
+    match &err {
+        PullError::TooLarge {
+            what, size, limit, ..
+        } => {
+            assert_eq!((*what, *size, *limit), ("manifest", 1 << 30, cap), "{err}");
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    assert_eq!(err.reason(), reason::ROOTFS_REJECTED);
+    assert!(err.to_string().contains(&cap.to_string()), "{err}");
+    assert_eq!(sent.load(Ordering::SeqCst), 0, "the manifest body was read");
+    server.abort();
+}

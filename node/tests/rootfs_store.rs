@@ -65,6 +65,19 @@ impl Fixture {
         .unwrap()
     }
 
+    /// A store that also reaches `host` over plain HTTP.
+    async fn store_reaching(&self, host: &str) -> RootfsStore {
+        let mut cfg = self.config(1 << 30);
+        cfg.pull.insecure_registries.push(host.to_owned());
+        RootfsStore::open(
+            cfg,
+            self.inventory.pool().clone(),
+            self.metrics.rootfs.clone(),
+        )
+        .await
+        .unwrap()
+    }
+
     async fn push(&self, repo_tag: &str, layers: Vec<Vec<u8>>) -> String {
         push_gzip_image(&self.registry.host(), repo_tag, layers).await
     }
@@ -441,11 +454,20 @@ async fn a_new_guest_agent_is_a_new_key_and_a_restart_reconciles_the_cache() {
     assert_eq!(f.images(), vec![v2.path.clone()]);
 }
 
-#[tokio::test]
-async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
-    use imp_common::SecretString;
-    use imp_node::rootfs::auth::PullCredentials;
-    let f = Fixture::new().await;
+/// `reference` as tenant-a asks for it: with that password, or none.
+fn tenant_a_spec(reference: &str, password: Option<&str>) -> ImageSpec {
+    ImageSpec {
+        base: reference.into(),
+        runner: None,
+        credentials: password.map(|p| imp_node::rootfs::auth::PullCredentials::Basic {
+            username: "tenant-a".into(),
+            password: imp_common::SecretString::from(p),
+        }),
+    }
+}
+
+/// A registry that requires tenant-a's password, holding `a/secret:1`.
+async fn private_registry() -> Registry {
     let private = Registry::start(RegistryOptions {
         htpasswd: Some(("tenant-a".into(), "a-password-1".into())),
     })
@@ -462,20 +484,16 @@ async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
     )
     .await
     .unwrap();
-    let mut cfg = f.config(1 << 30);
-    cfg.pull.insecure_registries.push(private.host());
-    let store = RootfsStore::open(cfg, f.inventory.pool().clone(), f.metrics.rootfs.clone())
-        .await
-        .unwrap();
+    private
+}
+
+#[tokio::test]
+async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
+    let f = Fixture::new().await;
+    let private = private_registry().await;
+    let store = f.store_reaching(&private.host()).await;
     let reference = format!("{}/a/secret:1", private.host());
-    let with = |password: Option<&str>| ImageSpec {
-        base: reference.clone(),
-        runner: None,
-        credentials: password.map(|p| PullCredentials::Basic {
-            username: "tenant-a".into(),
-            password: SecretString::from(p),
-        }),
-    };
+    let with = |password: Option<&str>| tenant_a_spec(&reference, password);
     store
         .acquire("vm-a", &with(Some("a-password-1")))
         .await
@@ -484,5 +502,105 @@ async fn a_refused_pull_never_falls_back_to_another_tenants_cached_image() {
         let err = store.acquire(vm, &spec).await.unwrap_err();
         assert_eq!(err.reason(), reason::ROOTFS_PULL_FAILED, "{err}");
         assert!(err.to_string().contains("refused the credentials"), "{err}");
+    }
+}
+
+/// A TCP proxy to `upstream` that, once `failing` is set, answers every new connection with
+/// HTTP 503 (a registry outage that still answers). Dropped with the returned task.
+async fn outage_proxy(
+    upstream: String,
+) -> (
+    String,
+    Arc<std::sync::atomic::AtomicBool>,
+    tokio::task::JoinHandle<()>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host = listener.local_addr().unwrap().to_string();
+    let failing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = failing.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let upstream = upstream.clone();
+            let failing = flag.load(std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                if failing {
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await;
+                    let _ = conn
+                        .write_all(
+                            b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\
+                              Connection: close\r\n\r\n",
+                        )
+                        .await;
+                    return;
+                }
+                if let Ok(mut up) = tokio::net::TcpStream::connect(&upstream).await {
+                    let _ = tokio::io::copy_bidirectional(&mut conn, &mut up).await;
+                }
+            });
+        }
+    });
+    (host, failing, task)
+}
+
+/// The offline fallback hands a cached private image only to the credentials that built it:
+/// with the registry answering 5xx, then unreachable, a request without credentials (or with
+/// others) is refused with RootfsPullFailed; one with the builder's credentials is served the
+/// cached image. The index holds a keyed fingerprint, never the password.
+#[tokio::test]
+async fn an_outage_serves_a_private_image_only_to_the_credentials_that_built_it() {
+    let f = Fixture::new().await;
+    let mut private = private_registry().await;
+    let public = f.push("imp/base:1", base_layers()).await;
+    let (proxy, failing, proxy_task) = outage_proxy(private.host()).await;
+    let store = f.store_reaching(&proxy).await;
+    let reference = format!("{proxy}/a/secret:1");
+    let with = |password: Option<&str>| tenant_a_spec(&reference, password);
+    let built = store
+        .acquire("vm-a", &with(Some("a-password-1")))
+        .await
+        .unwrap();
+    assert!(!built.hit);
+    // An anonymous build serves anyone offline, credentials or not.
+    store.acquire("vm-p", &f.spec(&public, None)).await.unwrap();
+    let entries = store.index().list().await.unwrap();
+    let fingerprints: Vec<&str> = entries.iter().map(|e| e.pulled_with.as_str()).collect();
+    assert!(fingerprints.contains(&"anonymous"), "{fingerprints:?}");
+    assert!(
+        fingerprints.iter().any(|p| p.starts_with("hmac-sha256:")),
+        "{fingerprints:?}"
+    );
+    for file in ["inventory.db", "inventory.db-wal"] {
+        let db = std::fs::read(f.dir.path().join(file)).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&db).contains("a-password-1"),
+            "the password is in {file}"
+        );
+    }
+
+    failing.store(true, std::sync::atomic::Ordering::SeqCst);
+    for outage in ["5xx", "unreachable"] {
+        if outage == "unreachable" {
+            // The listener goes with its task: connections are refused from now on.
+            proxy_task.abort();
+            private.stop();
+        }
+        for (vm, spec) in [
+            (format!("vm-anon-{outage}"), with(None)),
+            (format!("vm-guess-{outage}"), with(Some("guess"))),
+        ] {
+            let err = store.acquire(&vm, &spec).await.unwrap_err();
+            assert_eq!(err.reason(), reason::ROOTFS_PULL_FAILED, "{outage}: {err}");
+            assert!(err.registry_unreachable(), "{outage}: {err}");
+        }
+        let served = store
+            .acquire(&format!("vm-a-{outage}"), &with(Some("a-password-1")))
+            .await
+            .unwrap_or_else(|e| panic!("{outage}: {e}"));
+        assert!(served.offline && served.path == built.path, "{outage}");
     }
 }

@@ -402,3 +402,130 @@ async fn a_put_dropped_mid_pull_then_deleted_leaves_nothing_and_a_clean_cache() 
     h.client.delete("stalled").await.unwrap();
     proxy_task.abort();
 }
+
+/// What the VMM itself logs (the simulator's API log, as Firecracker's logger words it).
+fn vmm_lines(text: &str, uid: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| {
+            l.contains(&format!("[{uid}:"))
+                || l.contains("The API server received")
+                || l.contains("Running Firecracker")
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// Firecracker's own log goes to `firecracker.log` (`--log-path`): `serial.log` and a failure's
+/// serial tail hold the guest's console lines and none of the VMM's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serial_log_and_failure_tails_quote_the_guest_not_the_vmm() {
+    let mut h = Harness::new(simulator());
+    h.knobs(
+        "panics",
+        Knobs {
+            boot_delay_ms: 100,
+            panic_text: Some("Kernel panic - not syncing: Attempted to kill init!".into()),
+            ..Knobs::default()
+        },
+    );
+    h.start_runtime().await;
+    let spec = h.spec(false);
+
+    let st = h.client.ensure_running("boots", &spec).await.unwrap();
+    assert_eq!(st.1.state, VmState::Running);
+    let dir = h.vms_dir().join("boots");
+    let serial = std::fs::read_to_string(dir.join("serial.log")).unwrap();
+    assert!(serial.contains("Linux version"), "{serial}");
+    assert!(serial.contains("imp-guest: agent started"), "{serial}");
+    assert_eq!(
+        vmm_lines(&serial, "boots"),
+        Vec::<String>::new(),
+        "{serial}"
+    );
+    let vmm_log =
+        std::fs::read_to_string(dir.join("firecracker.log")).expect("the VMM log file exists");
+    assert!(
+        vmm_log.contains("[boots:main] Running Firecracker"),
+        "{vmm_log}"
+    );
+    assert!(
+        vmm_log.contains(r#"received a Put request on "/boot-source""#),
+        "{vmm_log}"
+    );
+    assert!(!vmm_log.contains("Linux version"), "{vmm_log}");
+
+    let e = h.client.ensure_running("panics", &spec).await.unwrap_err();
+    assert_eq!(e.reason(), Some(reason::GUEST_PANICKED), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("Kernel panic - not syncing"), "{msg}");
+    assert!(
+        msg.contains("Linux version"),
+        "the tail quotes the boot: {msg}"
+    );
+    assert_eq!(vmm_lines(&msg, "panics"), Vec::<String>::new(), "{msg}");
+    let st = h.client.inspect("panics").await.unwrap();
+    let recorded = st.failure.expect("a failure").message;
+    assert_eq!(
+        vmm_lines(&recorded, "panics"),
+        Vec::<String>::new(),
+        "{recorded}"
+    );
+    assert!(recorded.contains("Kernel panic"), "{recorded}");
+
+    for uid in ["boots", "panics"] {
+        h.client.delete(uid).await.unwrap();
+    }
+    assert_eq!(std::fs::read_dir(h.vms_dir()).unwrap().count(), 0);
+}
+
+/// A guest flooding its console (`yes > /dev/ttyS0`) at 128 KiB/s for longer than its cap
+/// lasts: `serial.log` plus `serial.log.1` stay within the cap plus what the flood writes
+/// between two of the runtime's checks (1 s; two allowed for a loaded machine), and the failure
+/// reason still quotes the newest console bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_guest_keeps_its_serial_log_under_the_cap() {
+    const CAP: u64 = 512 << 10;
+    const RATE: u64 = 128 << 10;
+    let mut h = Harness::new(simulator());
+    h.boot_timeout_secs = 10.0;
+    h.extra_env
+        .push(("IMP_SERIAL_LOG_CAP_BYTES".into(), CAP.to_string()));
+    h.knobs(
+        "floods",
+        Knobs {
+            hang: true,
+            serial_flood_bytes_per_sec: RATE,
+            ..Knobs::default()
+        },
+    );
+    h.start_runtime().await;
+    let spec = h.spec(false);
+    let client = h.client.clone();
+    let put = tokio::spawn(async move { client.ensure_running("floods", &spec).await });
+    let log = h.vms_dir().join("floods").join("serial.log");
+    let rotated = h.vms_dir().join("floods").join("serial.log.1");
+    let size = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+    let (mut peak, mut samples) = (0, 0);
+    while !put.is_finished() {
+        let total = size(&log) + size(&rotated);
+        peak = peak.max(total);
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let e = put.await.unwrap().unwrap_err();
+    assert_eq!(e.reason(), Some(reason::GUEST_AGENT_TIMEOUT), "{e}");
+    // The flood wrote about 10 s x 128 KiB = 1.25 MiB, more than twice the cap.
+    assert!(rotated.exists(), "the log was never rotated");
+    let bound = CAP + 2 * RATE;
+    println!("serial log peak {peak} bytes over {samples} samples (cap {CAP}, bound {bound})");
+    assert!(
+        peak <= bound,
+        "serial log peaked at {peak} bytes, cap {CAP}"
+    );
+    assert!(
+        e.to_string().contains("yyyyyyyy"),
+        "the tail quotes the flood: {e}"
+    );
+    h.client.delete("floods").await.unwrap();
+    assert!(!log.exists() && !rotated.exists());
+}

@@ -66,7 +66,13 @@ pub struct VmmFiles {
     /// Firecracker writes the guest serial console to its stdout.
     pub serial_log: PathBuf,
     pub stderr_log: PathBuf,
+    /// Firecracker's own log (`--log-path`): kept out of the console, so `serial_log` and the
+    /// failure tails quote only what the guest printed.
+    pub vmm_log: PathBuf,
 }
+
+/// Firecracker's log level: its API calls and warnings, a few lines per VM start.
+const VMM_LOG_LEVEL: &str = "Info";
 
 /// Everything Firecracker is told before InstanceStart.
 #[derive(Debug, Clone)]
@@ -134,7 +140,7 @@ pub struct Vmm {
     pub client: FirecrackerClient,
 }
 
-/// Spawn `firecracker --api-sock <sock> --id <id>` in its own session: no controlling terminal,
+/// Spawn `firecracker --api-sock <sock> --id <id> --log-path <vmm_log>` in its own session: no controlling terminal,
 /// no parent-death signal, so killing the runtime never takes the VM with it. With `cgroup`
 /// (a `cgroup.procs` file), the child enters that cgroup before it execs, so none of its memory
 /// is ever charged to the runtime's. A task reaps it if it exits while this runtime is its
@@ -156,11 +162,18 @@ pub fn spawn(
             .open(p)
             .map_err(|e| start_failed(format!("open {}: {e}", p.display())))
     };
+    // Firecracker opens its log file but never creates it; without one it logs to stdout,
+    // into the guest console.
+    open(&files.vmm_log)?;
     let mut cmd = std::process::Command::new(bin);
     cmd.arg("--api-sock")
         .arg(&files.api_sock)
         .arg("--id")
         .arg(id)
+        .arg("--log-path")
+        .arg(&files.vmm_log)
+        .arg("--level")
+        .arg(VMM_LOG_LEVEL)
         .stdin(Stdio::null())
         .stdout(open(&files.serial_log)?)
         .stderr(open(&files.stderr_log)?);

@@ -9,6 +9,8 @@ use sha2::{Digest, Sha256};
 use sqlx::Row;
 use sqlx::sqlite::SqlitePool;
 
+use super::auth::RegistryAuth;
+
 /// Bumped whenever the way an image is assembled changes (extraction rules, injected files,
 /// mkfs options), so old images are never reused for a different recipe.
 pub const RECIPE: &str = "imp-rootfs-v1 ext4 -O ^has_journal,^resize_inode -b 4096 -I 256";
@@ -43,6 +45,43 @@ pub struct CacheEntry {
     pub last_used_at: i64,
     /// VMs holding it (from `rootfs_refs`).
     pub refs: u64,
+    /// The credentials that built it: `PULLED_ANONYMOUSLY` or `credentials_fingerprint`.
+    pub pulled_with: String,
+}
+
+/// `pulled_with` of an image every image reference of which was pulled without credentials.
+pub const PULLED_ANONYMOUSLY: &str = "anonymous";
+
+/// `pulled_with` for the credentials presented to each image's registry (base, then runner):
+/// HMAC-SHA256 under the node's random key, so the index never holds the credentials nor a
+/// plain hash one could test guesses against; `PULLED_ANONYMOUSLY` when none were presented.
+pub fn credentials_fingerprint(node_key: &[u8], presented: &[&RegistryAuth]) -> String {
+    use hmac::Mac as _;
+    use imp_common::ExposeSecret as _;
+    if presented
+        .iter()
+        .all(|a| matches!(a, RegistryAuth::Anonymous))
+    {
+        return PULLED_ANONYMOUSLY.into();
+    }
+    let mut mac =
+        hmac::Hmac::<Sha256>::new_from_slice(node_key).expect("HMAC takes keys of any length");
+    // Length-prefixed fields: no two credential lists feed the same bytes.
+    let mut field = |value: &[u8]| {
+        mac.update(&(value.len() as u64).to_be_bytes());
+        mac.update(value);
+    };
+    for auth in presented {
+        match auth {
+            RegistryAuth::Anonymous => field(b"anonymous"),
+            RegistryAuth::Basic { username, password } => {
+                field(b"basic");
+                field(username.as_bytes());
+                field(password.expose_secret().as_bytes());
+            }
+        }
+    }
+    format!("hmac-sha256:{}", hex::encode(mac.finalize().into_bytes()))
 }
 
 /// Which images to delete so the cache fits `budget_bytes`: unreferenced ones, least recently
@@ -89,7 +128,7 @@ macro_rules! select {
     ($($tail:literal)?) => {
         concat!(
             "SELECT i.key, i.path, i.bytes, i.base_ref, i.runner_ref, i.layers_json, ",
-            "i.build_seconds, i.created_at, i.last_used_at, ",
+            "i.build_seconds, i.created_at, i.last_used_at, i.pulled_with, ",
             "(SELECT COUNT(*) FROM rootfs_refs r WHERE r.key = i.key) AS refs FROM rootfs_images i"
             $(, " ", $tail)?
         )
@@ -112,6 +151,7 @@ fn entry(row: sqlx::sqlite::SqliteRow) -> Result<CacheEntry, sqlx::Error> {
         created_at: row.try_get("created_at")?,
         last_used_at: row.try_get("last_used_at")?,
         refs: row.try_get::<i64, _>("refs")? as u64,
+        pulled_with: row.try_get("pulled_with")?,
     })
 }
 
@@ -138,18 +178,23 @@ impl CacheIndex {
             .collect()
     }
 
-    /// The newest image built from exactly these references (the offline fallback when the
-    /// registry cannot be reached to resolve them).
+    /// The newest image built from exactly these references, anonymously or with the
+    /// credentials `pulled_with` names (the offline fallback when the registry cannot be
+    /// reached to resolve them: nothing else proves the request may read the image).
     pub async fn latest_for(
         &self,
         base_ref: &str,
         runner_ref: Option<&str>,
+        pulled_with: &str,
     ) -> Result<Option<CacheEntry>, sqlx::Error> {
         sqlx::query(select!(
-            "WHERE i.base_ref = ? AND i.runner_ref IS ? ORDER BY i.created_at DESC LIMIT 1"
+            "WHERE i.base_ref = ? AND i.runner_ref IS ? AND (i.pulled_with = ? OR i.pulled_with = ?) \
+             ORDER BY i.created_at DESC LIMIT 1"
         ))
         .bind(base_ref)
         .bind(runner_ref)
+        .bind(PULLED_ANONYMOUSLY)
+        .bind(pulled_with)
         .fetch_optional(&self.pool)
         .await?
         .map(entry)
@@ -159,7 +204,8 @@ impl CacheIndex {
     pub async fn insert(&self, e: &CacheEntry) -> Result<(), sqlx::Error> {
         sqlx::query(
             "INSERT INTO rootfs_images (key, path, bytes, base_ref, runner_ref, layers_json, \
-             build_seconds, created_at, last_used_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             build_seconds, created_at, last_used_at, pulled_with) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&e.key)
         .bind(e.path.display().to_string())
@@ -170,6 +216,7 @@ impl CacheIndex {
         .bind(e.build_seconds)
         .bind(e.created_at)
         .bind(e.last_used_at)
+        .bind(&e.pulled_with)
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -274,6 +321,7 @@ mod tests {
             created_at: 0,
             last_used_at,
             refs,
+            pulled_with: PULLED_ANONYMOUSLY.into(),
         }
     }
 
@@ -315,6 +363,66 @@ mod tests {
     }
 
     #[test]
+    fn credentials_fingerprint_is_keyed_and_names_the_credentials_only_by_hash() {
+        let basic = |u: &str, p: &str| RegistryAuth::Basic {
+            username: u.into(),
+            password: imp_common::SecretString::from(p),
+        };
+        let anon = RegistryAuth::Anonymous;
+        assert_eq!(
+            credentials_fingerprint(b"k", &[&anon, &anon]),
+            PULLED_ANONYMOUSLY
+        );
+        let a = credentials_fingerprint(b"k", &[&basic("a", "pw-1")]);
+        assert!(a.starts_with("hmac-sha256:") && !a.contains("pw-1"), "{a}");
+        assert_eq!(a, credentials_fingerprint(b"k", &[&basic("a", "pw-1")]));
+        for other in [
+            credentials_fingerprint(b"k2", &[&basic("a", "pw-1")]),
+            credentials_fingerprint(b"k", &[&basic("a", "pw-2")]),
+            credentials_fingerprint(b"k", &[&basic("b", "pw-1")]),
+            credentials_fingerprint(b"k", &[&basic("ap", "w-1")]),
+            credentials_fingerprint(b"k", &[&anon, &basic("a", "pw-1")]),
+        ] {
+            assert_ne!(a, other);
+        }
+    }
+
+    #[tokio::test]
+    async fn offline_lookup_serves_anonymous_builds_and_matching_credentials_only() {
+        let d = tempfile::tempdir().unwrap();
+        let inv = crate::inventory::Inventory::open(d.path()).await.unwrap();
+        let idx = CacheIndex::new(inv.pool().clone());
+        idx.insert(&CacheEntry {
+            pulled_with: "hmac-sha256:aa".into(),
+            ..e("private", 10, 1, 0)
+        })
+        .await
+        .unwrap();
+        let hit = |pw: &'static str| {
+            let idx = idx.clone();
+            async move {
+                idx.latest_for("r/base:1", None, pw)
+                    .await
+                    .unwrap()
+                    .map(|e| e.key)
+            }
+        };
+        assert_eq!(hit("hmac-sha256:aa").await.as_deref(), Some("private"));
+        assert_eq!(hit(PULLED_ANONYMOUSLY).await, None);
+        assert_eq!(hit("hmac-sha256:bb").await, None);
+        idx.insert(&CacheEntry {
+            created_at: -1,
+            ..e("public", 10, 1, 0)
+        })
+        .await
+        .unwrap();
+        assert_eq!(hit(PULLED_ANONYMOUSLY).await.as_deref(), Some("public"));
+        assert_eq!(hit("hmac-sha256:bb").await.as_deref(), Some("public"));
+        assert_eq!(hit("hmac-sha256:aa").await.as_deref(), Some("private"));
+        inv.close().await;
+    }
+
+    #[test]
     fn gc_ties_on_last_use_break_by_key() {
         let entries = [e("b", 10, 5, 0), e("a", 10, 5, 0)];
         assert_eq!(plan_gc(&entries, 10, &HashSet::new()), ["a"]);
@@ -338,10 +446,14 @@ mod tests {
         assert_eq!(idx.get("k1").await.unwrap().unwrap().refs, 2);
         assert!(idx.get("k1").await.unwrap().unwrap().last_used_at > 1);
         assert!(!idx.delete_unreferenced("k1").await.unwrap());
-        let latest = idx.latest_for("r/base:1", None).await.unwrap().unwrap();
+        let latest = idx
+            .latest_for("r/base:1", None, "x")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(latest.key, "k2");
         assert!(
-            idx.latest_for("r/base:1", Some("r/runner:1"))
+            idx.latest_for("r/base:1", Some("r/runner:1"), "x")
                 .await
                 .unwrap()
                 .is_none()

@@ -21,7 +21,7 @@ use std::{
 use futures::StreamExt;
 use imp_common::ExposeSecret;
 use oci_client::{
-    Client, Reference,
+    Client, Reference, RegistryOperation,
     client::{ClientConfig, ClientProtocol, linux_amd64_resolver},
     errors::{OciDistributionError, OciErrorCode},
     secrets::RegistryAuth as OciAuth,
@@ -200,6 +200,12 @@ impl Puller {
         let (client, oci_auth) = self.client(auth);
         tracing::debug!(reference = %name, "resolving image");
 
+        if let Some(declared) = self
+            .declared_manifest_size(&client, &image, &oci_auth)
+            .await
+        {
+            self.check_manifest_size(&name, &name, declared)?;
+        }
         let (body, _) = client
             .pull_manifest_raw(&image, &oci_auth, wire::ACCEPTED)
             .await
@@ -247,6 +253,62 @@ impl Puller {
             (top, digest)
         };
         self.check_image_manifest(&name, &image, &manifest_digest, manifest)
+    }
+
+    /// The size a registry declares for a manifest (HEAD, Content-Length), so an oversize one is
+    /// refused before oci-client reads it: oci-client 0.18 buffers a manifest whole and has no
+    /// size-aware manifest call (`fetch_manifest_digest` returns only the digest). None when the
+    /// HEAD fails or declares nothing: the GET then reports the error, and the size is checked
+    /// after the fact.
+    async fn declared_manifest_size(
+        &self,
+        client: &Client,
+        image: &Reference,
+        auth: &OciAuth,
+    ) -> Option<usize> {
+        let registry = image.resolve_registry();
+        let scheme = if self.cfg.insecure_registries.iter().any(|r| r == registry) {
+            "http"
+        } else {
+            "https"
+        };
+        let reference = image
+            .digest()
+            .or(image.tag())
+            .unwrap_or("latest")
+            .to_owned();
+        let url = format!(
+            "{scheme}://{registry}/v2/{}/manifests/{reference}",
+            image.repository()
+        );
+        // The token oci-client would present (it caches it for the GET that follows).
+        let token = client
+            .auth(image, auth, RegistryOperation::Pull)
+            .await
+            .ok()?;
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(15))
+            .timeout(Duration::from_secs(60))
+            .build()
+            .ok()?;
+        let mut req = http
+            .head(&url)
+            .header(reqwest::header::ACCEPT, wire::ACCEPTED.join(", "));
+        req = match (token, auth) {
+            (Some(t), _) => req.bearer_auth(t),
+            (None, OciAuth::Basic(u, p)) => req.basic_auth(u, Some(p)),
+            (None, _) => req,
+        };
+        let res = req.send().await.ok()?;
+        if !res.status().is_success() {
+            return None;
+        }
+        res.headers()
+            .get(reqwest::header::CONTENT_LENGTH)?
+            .to_str()
+            .ok()?
+            .parse()
+            .ok()
     }
 
     fn check_manifest_size(&self, name: &str, digest: &str, len: usize) -> Result<(), PullError> {

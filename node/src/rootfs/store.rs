@@ -9,7 +9,7 @@
 //! recently used first, while the cache is over its byte budget.
 
 use std::collections::{HashMap, HashSet};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -182,6 +182,36 @@ pub struct RootfsStore {
     keys: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The guest binary's digest, memoised by its file identity.
     guest: Mutex<Option<(FileIdentity, String)>>,
+    /// Keys `cache::credentials_fingerprint` (`<dir>/credentials.key`, random, root only).
+    node_key: Vec<u8>,
+}
+
+/// The node's key for credential fingerprints: read, or made from the kernel's random source
+/// on first use (0600; never leaves the state dir).
+fn node_key(dir: &Path) -> Result<Vec<u8>, RootfsError> {
+    use std::io::{Read as _, Write as _};
+    let path = dir.join("credentials.key");
+    match std::fs::read(&path) {
+        Ok(k) if k.len() == 32 => return Ok(k),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(&path)(e)),
+    }
+    let mut key = vec![0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut key))
+        .map_err(io_err(Path::new("/dev/urandom")))?;
+    let tmp = dir.join("credentials.key.tmp");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(&key).and_then(|_| f.sync_all()))
+        .map_err(io_err(&tmp))?;
+    std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
+    Ok(key)
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> RootfsError {
@@ -225,7 +255,9 @@ impl RootfsStore {
         // Flattened trees hold setuid files and devices owned by image uids: root only.
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700))
             .map_err(io_err(&tmp))?;
+        let node_key = node_key(&cfg.dir)?;
         let store = Self {
+            node_key,
             puller: Puller::new(cfg.pull.clone()),
             cfg,
             index: CacheIndex::new(pool),
@@ -281,6 +313,21 @@ impl RootfsStore {
                     source,
                 }),
         }
+    }
+
+    /// `pulled_with` of a request: the credentials it presents to each image's registry.
+    fn pulled_with(&self, spec: &ImageSpec) -> Result<String, RootfsError> {
+        let mut presented = Vec::new();
+        for reference in std::iter::once(&spec.base).chain(spec.runner.as_ref()) {
+            let registry =
+                super::pull::registry_of(reference).map_err(|source| RootfsError::Pull {
+                    reference: reference.to_owned(),
+                    source,
+                })?;
+            presented.push(self.auth_for(spec, &registry)?);
+        }
+        let refs: Vec<&RegistryAuth> = presented.iter().collect();
+        Ok(cache::credentials_fingerprint(&self.node_key, &refs))
     }
 
     async fn resolve(
@@ -418,6 +465,12 @@ impl RootfsStore {
                 created_at: now,
                 last_used_at: now,
                 refs: 0,
+                pulled_with: cache::credentials_fingerprint(
+                    &self.node_key,
+                    &std::iter::once(&base.1)
+                        .chain(runner.as_ref().map(|(_, a)| a))
+                        .collect::<Vec<_>>(),
+                ),
             })
             .await?;
         self.index.add_ref(vm_uid, &key).await?;
@@ -438,9 +491,12 @@ impl RootfsStore {
         spec: &ImageSpec,
         guest: &str,
     ) -> Result<Option<Acquired>, RootfsError> {
+        // Only the credentials that built an image (or anyone, for an anonymous build): an
+        // outage must not hand a private image to a request the registry would refuse.
+        let pulled_with = self.pulled_with(spec)?;
         let Some(e) = self
             .index
-            .latest_for(&spec.base, spec.runner.as_deref())
+            .latest_for(&spec.base, spec.runner.as_deref(), &pulled_with)
             .await?
         else {
             return Ok(None);

@@ -25,6 +25,18 @@ struct Args {
     /// imp-guest binary run as the guest agent.
     #[arg(long, env = "IMP_GUEST_BIN")]
     guest_bin: PathBuf,
+    /// Firecracker's own log goes to this (existing) file or named pipe instead of stdout.
+    #[arg(long)]
+    log_path: Option<PathBuf>,
+    /// Log level: Error, Warning, Info, Debug, Trace or Off (case-insensitive).
+    #[arg(long)]
+    level: Option<String>,
+    /// Print the level in every log line.
+    #[arg(long)]
+    show_level: bool,
+    /// Accepted like Firecracker's; the simulator prints no origins.
+    #[arg(long)]
+    show_log_origin: bool,
     #[arg(long)]
     boot_delay_ms: Option<u64>,
     #[arg(long)]
@@ -75,6 +87,9 @@ fn main() -> ExitCode {
         config_file: args.config_file,
         knobs,
         guest_bin: args.guest_bin,
+        log_path: args.log_path,
+        log_level: args.level,
+        show_level: args.show_level,
     };
     // current_thread: the guest agent is spawned from this thread (see sim::spawn_agent).
     let rt = tokio::runtime::Builder::new_current_thread()

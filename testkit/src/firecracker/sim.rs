@@ -43,6 +43,9 @@ pub struct Knobs {
     pub ignore_ctrl_alt_del: bool,
     /// Delay before the API socket is bound (a slow VMM start).
     pub api_delay_ms: u64,
+    /// Once booted, write this many console bytes per second until the VM stops (a guest
+    /// running `yes > /dev/ttyS0`).
+    pub serial_flood_bytes_per_sec: u64,
 }
 
 impl Knobs {
@@ -66,12 +69,113 @@ pub enum Exit {
     GuestReset,
 }
 
+#[derive(Default)]
 pub struct Options {
     pub id: String,
     pub api_sock: Option<PathBuf>,
     pub config_file: Option<PathBuf>,
     pub knobs: Knobs,
     pub guest_bin: PathBuf,
+    /// `--log-path`: Firecracker's own log goes there instead of stdout (the console).
+    pub log_path: Option<PathBuf>,
+    /// `--level` (Error, Warning, Info, Debug, Trace, Off; case-insensitive). Default Info.
+    pub log_level: Option<String>,
+    /// `--show-level`: the level in every log line.
+    pub show_level: bool,
+}
+
+/// Firecracker's logger levels, most severe first (`Logger.level` in the spec).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Off,
+    Error,
+    Warning,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl std::str::FromStr for Level {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "off" => Level::Off,
+            "error" => Level::Error,
+            "warning" => Level::Warning,
+            "info" => Level::Info,
+            "debug" => Level::Debug,
+            "trace" => Level::Trace,
+            _ => return Err(format!("Invalid log level: {s}")),
+        })
+    }
+}
+
+/// Firecracker's own (human-readable) log. Like the real binary it writes to stdout, into the
+/// guest console, until `--log-path` or `PUT /logger` names a file or named pipe, which must
+/// already exist: Firecracker opens it and never creates it.
+struct Logger {
+    id: String,
+    level: Level,
+    show_level: bool,
+    file: Option<File>,
+}
+
+/// What marks a line as the VMM's rather than the guest's: `[<id>:<thread>` after the time.
+pub const LOG_THREAD_API: &str = "fc_api";
+pub const LOG_THREAD_MAIN: &str = "main";
+
+impl Logger {
+    fn configure(
+        &mut self,
+        path: Option<&str>,
+        level: Option<&str>,
+        show_level: Option<bool>,
+    ) -> Result<(), String> {
+        if let Some(l) = level {
+            self.level = l.parse()?;
+        }
+        if let Some(p) = path {
+            let file = std::fs::OpenOptions::new()
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("Failed to open target file: {p}: {e}"))?;
+            self.file = Some(file);
+        }
+        if let Some(s) = show_level {
+            self.show_level = s;
+        }
+        Ok(())
+    }
+
+    fn log(&mut self, level: Level, thread: &str, msg: &str) {
+        if level > self.level || self.level == Level::Off {
+            return;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let lvl = if self.show_level {
+            format!(":{}", format!("{level:?}").to_uppercase())
+        } else {
+            String::new()
+        };
+        let line = format!(
+            "{}.{:09} [{}:{thread}{lvl}] {msg}\n",
+            now.as_secs(),
+            now.subsec_nanos(),
+            self.id
+        );
+        match &mut self.file {
+            Some(f) => {
+                let _ = f.write_all(line.as_bytes());
+            }
+            None => {
+                let mut out = std::io::stdout().lock();
+                let _ = out.write_all(line.as_bytes());
+                let _ = out.flush();
+            }
+        }
+    }
 }
 
 struct Tap {
@@ -98,6 +202,7 @@ struct Sim {
     knobs: Knobs,
     guest_bin: PathBuf,
     vm: Mutex<Vm>,
+    logger: Mutex<Logger>,
     exit: mpsc::UnboundedSender<Exit>,
 }
 
@@ -132,6 +237,28 @@ impl Sim {
             }
         };
         match route {
+            "/logger" => {
+                pre_boot(&vm)?;
+                let opt_str = |k: &str| match body.get(k) {
+                    None => Ok(None),
+                    Some(v) => v
+                        .as_str()
+                        .map(Some)
+                        .ok_or_else(|| fault(format!("{k} must be a string"))),
+                };
+                let show = match body.get("show_level") {
+                    None => None,
+                    Some(v) => Some(
+                        v.as_bool()
+                            .ok_or_else(|| fault("show_level must be a boolean"))?,
+                    ),
+                };
+                self.logger
+                    .lock()
+                    .expect("logger lock")
+                    .configure(opt_str("log_path")?, opt_str("level")?, show)
+                    .map_err(fault)?;
+            }
             "/machine-config" => {
                 pre_boot(&vm)?;
                 let vcpu = body["vcpu_count"]
@@ -496,6 +623,15 @@ async fn handle(State(sim): State<Arc<Sim>>, req: Request) -> Response {
         Ok(b) => b,
         Err(e) => return err_response(fault(format!("Invalid request body: {e}"))),
     };
+    sim.log(
+        Level::Info,
+        LOG_THREAD_API,
+        &format!(
+            "The API server received a {} request on {path:?} with body {:?}.",
+            titlecase(method.as_str()),
+            String::from_utf8_lossy(&body)
+        ),
+    );
     if method == Method::GET {
         let vm = sim.vm.lock().expect("vm lock");
         return match route.path {
@@ -527,15 +663,47 @@ async fn handle(State(sim): State<Arc<Sim>>, req: Request) -> Response {
             if !was_started && now_started {
                 boot_task(sim.clone());
             }
+            sim.log(
+                Level::Debug,
+                LOG_THREAD_API,
+                &format!("The request was executed successfully. Status code: {code}."),
+            );
             code.into_response()
         }
-        Err(f) => err_response(f),
+        Err(f) => {
+            sim.log(
+                Level::Error,
+                LOG_THREAD_API,
+                &format!("Received Error. Status code: {}. Message: {}", f.0, f.1),
+            );
+            err_response(f)
+        }
+    }
+}
+
+fn titlecase(method: &str) -> String {
+    let lower = method.to_ascii_lowercase();
+    let mut c = lower.chars();
+    c.next()
+        .map(|f| f.to_ascii_uppercase().to_string() + c.as_str())
+        .unwrap_or_default()
+}
+
+impl Sim {
+    fn log(&self, level: Level, thread: &str, msg: &str) {
+        self.logger
+            .lock()
+            .expect("logger lock")
+            .log(level, thread, msg);
     }
 }
 
 /// Delayed boot: after the boot delay, either panic (serial text, then exit like reboot=k) or
 /// start the agent. The agent is spawned from the main thread (the exit channel's consumer).
 fn boot_task(sim: Arc<Sim>) {
+    if sim.knobs.serial_flood_bytes_per_sec > 0 {
+        tokio::spawn(flood(sim.knobs.serial_flood_bytes_per_sec));
+    }
     if sim.knobs.hang || (sim.knobs.boot_delay_ms == 0 && sim.knobs.panic_text.is_none()) {
         return;
     }
@@ -562,6 +730,23 @@ fn boot_task(sim: Arc<Sim>) {
             }
         }
     });
+}
+
+/// `yes > /dev/ttyS0`: lines of `y` at `rate` bytes a second, in 10 slices a second.
+async fn flood(rate: u64) {
+    const LINE: &str = "yyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyyy";
+    let per_tick = (rate / 10).max(1);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tick.tick().await;
+        let mut out = std::io::stdout().lock();
+        let mut written = 0;
+        while written < per_tick {
+            let _ = writeln!(out, "{LINE}");
+            written += LINE.len() as u64 + 1;
+        }
+        let _ = out.flush();
+    }
 }
 
 fn err_response((code, msg): Fault) -> Response {
@@ -631,12 +816,31 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
     if opts.knobs.crash_at_start {
         return Err("simulated crash at start (knob crash_at_start)".into());
     }
+    let mut logger = Logger {
+        id: opts.id.clone(),
+        level: Level::Info,
+        show_level: opts.show_level,
+        file: None,
+    };
+    logger.configure(
+        opts.log_path
+            .as_deref()
+            .map(|p| p.to_str().unwrap_or_default()),
+        opts.log_level.as_deref(),
+        None,
+    )?;
+    logger.log(
+        Level::Info,
+        LOG_THREAD_MAIN,
+        &format!("Running {APP_NAME} v{VMM_VERSION}"),
+    );
     let (tx, mut rx) = mpsc::unbounded_channel();
     let sim = Arc::new(Sim {
         id: opts.id,
         knobs: opts.knobs,
         guest_bin: opts.guest_bin,
         vm: Mutex::new(Vm::default()),
+        logger: Mutex::new(logger),
         exit: tx,
     });
     if let Some(cfg) = &opts.config_file {
@@ -673,6 +877,11 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
         }
     });
     let exit = rx.recv().await.expect("the sender lives in `sim`");
+    sim.log(
+        Level::Info,
+        LOG_THREAD_MAIN,
+        "Firecracker exiting successfully. exit_code=0",
+    );
     if let Some(mut agent) = sim.vm.lock().expect("vm lock").agent.take() {
         let _ = agent.kill();
         let _ = agent.wait();

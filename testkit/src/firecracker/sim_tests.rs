@@ -43,6 +43,7 @@ async fn start_sim(dir: &Path, knobs: Knobs) -> PathBuf {
         config_file: None,
         knobs,
         guest_bin: PathBuf::from("/nonexistent/imp-guest"),
+        ..Options::default()
     };
     tokio::spawn(sim::run(opts));
     for _ in 0..200 {
@@ -273,6 +274,7 @@ async fn crash_at_start_never_binds_the_api_socket() {
             ..Knobs::default()
         },
         guest_bin: PathBuf::from("/nonexistent"),
+        ..Options::default()
     };
     let err = sim::run(opts).await.unwrap_err();
     assert!(err.contains("crash"), "{err}");
@@ -335,4 +337,100 @@ async fn config_file_boot_without_api_reaches_the_guest_agent() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// Firecracker's own log: on stdout (into the console) by default; with `--log-path` in that
+/// file only, which must exist beforehand; `PUT /logger` is validated against the spec and
+/// refused after boot.
+#[tokio::test]
+async fn the_vmm_log_goes_to_its_own_file_and_never_to_the_console() {
+    let bins = super::binaries();
+    let dir = tempfile::tempdir().unwrap();
+    let run = |log_path: Option<&Path>| {
+        let sock = dir.path().join("api.sock");
+        let _ = std::fs::remove_file(&sock);
+        let console = dir.path().join("console.log");
+        let mut cmd = std::process::Command::new(&bins.simulator);
+        cmd.args(["--id", "log-vm", "--api-sock"])
+            .arg(&sock)
+            .env("IMP_GUEST_BIN", &bins.guest)
+            .env_remove("IMP_SIM_BEHAVIOUR")
+            .stdout(std::fs::File::create(&console).unwrap())
+            .stderr(std::process::Stdio::piped());
+        if let Some(p) = log_path {
+            cmd.arg("--log-path").arg(p).args(["--level", "info"]);
+        }
+        (cmd.spawn().unwrap(), sock, console)
+    };
+    let wait_sock = |sock: PathBuf| async move {
+        for _ in 0..400 {
+            if sock.exists() {
+                return sock;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("simulator API socket did not appear");
+    };
+
+    // A missing log file: refused at start, as Firecracker does.
+    let missing = dir.path().join("missing.log");
+    let (child, _, _) = run(Some(&missing));
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("missing.log"), "{err}");
+    assert!(!missing.exists(), "Firecracker never creates its log file");
+
+    // Default: the VMM's lines land in the console.
+    let (mut child, sock, console) = run(None);
+    let sock = wait_sock(sock).await;
+    let (s, _) = call(&sock, "GET", "/", None).await;
+    assert_eq!(s, 200);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let text = std::fs::read_to_string(&console).unwrap();
+    assert!(text.contains("[log-vm:main] Running Firecracker"), "{text}");
+    assert!(
+        text.contains("The API server received a Get request"),
+        "{text}"
+    );
+
+    // --log-path: the console holds none of them; the file holds all of them.
+    let log = dir.path().join("firecracker.log");
+    std::fs::File::create(&log).unwrap();
+    let (mut child, sock, console) = run(Some(&log));
+    let sock = wait_sock(sock).await;
+    let (s, b) = call(&sock, "PUT", "/logger", Some(json!({"level": "Loud"}))).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(fault(&b).contains("Loud"), "{b}");
+    let (s, b) = call(&sock, "PUT", "/logger", Some(json!({"colour": true}))).await;
+    assert_eq!(s, 400, "{b}");
+    let (s, b) = call(
+        &sock,
+        "PUT",
+        "/logger",
+        Some(json!({"level": "DEBUG", "show_level": true})),
+    )
+    .await;
+    assert_eq!(s, 204, "{b}");
+    let (s, _) = call(&sock, "GET", "/machine-config", None).await;
+    assert_eq!(s, 200);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let text = std::fs::read_to_string(&console).unwrap();
+    assert!(
+        !text.contains("[log-vm:"),
+        "VMM lines in the console: {text}"
+    );
+    let vmm = std::fs::read_to_string(&log).unwrap();
+    assert!(vmm.contains("[log-vm:main] Running Firecracker"), "{vmm}");
+    assert!(
+        vmm.contains(r#"received a Put request on "/logger""#),
+        "{vmm}"
+    );
+    assert!(
+        vmm.contains("[log-vm:fc_api:DEBUG] The request was executed successfully"),
+        "{vmm}"
+    );
+    assert!(vmm.contains("Received Error. Status code: 400"), "{vmm}");
 }

@@ -33,6 +33,11 @@ pub const ROUTES: &[Route] = &[
         body: Some("Drive"),
     },
     Route {
+        method: "PUT",
+        path: "/logger",
+        body: Some("Logger"),
+    },
+    Route {
         method: "GET",
         path: "/machine-config",
         body: None,
@@ -100,6 +105,17 @@ pub const DEFINITIONS: &[Definition] = &[
             "rate_limiter",
             "io_engine",
             "socket",
+        ],
+    },
+    Definition {
+        name: "Logger",
+        required: &[],
+        properties: &[
+            "level",
+            "log_path",
+            "show_level",
+            "show_log_origin",
+            "module",
         ],
     },
     Definition {
