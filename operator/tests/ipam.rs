@@ -163,4 +163,12 @@ async fn unusable_network_names_the_field() {
         }
         other => panic!("expected NetworkInvalid, got {other:?}"),
     }
+    // A deletion is never held up by an unusable network: release still answers.
+    assert!(!ipam.release(&env.namespace, "v6", "u").await.unwrap());
+    match ipam.allocate(&env.namespace, "absent", "vm", "u").await {
+        Err(Error::NetworkNotFound { network }) => {
+            assert_eq!(network, format!("{}/absent", env.namespace))
+        }
+        other => panic!("expected NetworkNotFound, got {other:?}"),
+    }
 }

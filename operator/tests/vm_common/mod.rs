@@ -51,6 +51,7 @@ pub fn fast_timing() -> Timing {
         unschedulable_retry: Duration::from_millis(500),
         resync: Duration::from_secs(5),
         gauge_refresh: Duration::from_millis(200),
+        ipam_sweep: Duration::from_secs(1),
     }
 }
 
