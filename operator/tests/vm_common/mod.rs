@@ -13,9 +13,9 @@ use std::{
 };
 
 use imp_api::{
-    ImpVM, ImpVMClass, ImpVMStatus, VmPhase,
+    ImpNetwork, ImpNetworkSpec, ImpVM, ImpVMClass, ImpVMStatus, VmPhase,
     conditions::{self, ConditionStatus},
-    names::{LABEL_NODE_ENABLED, condition, lease_name, reason},
+    names::{ANNOTATION_IP_ALLOCATION, LABEL_NODE_ENABLED, condition, lease_name, reason},
 };
 use imp_operator::{
     metrics::{VmMetrics, encode},
@@ -304,6 +304,29 @@ impl Harness {
             .unwrap();
         self.classes.push(name.clone());
         name
+    }
+
+    pub fn networks(&self) -> Api<ImpNetwork> {
+        self.env.api()
+    }
+
+    /// An ImpNetwork in the test's namespace (gone with it).
+    pub async fn add_network(&self, name: &str, subnet: &str, gateway: &str) -> ImpNetwork {
+        let net = ImpNetwork::new(
+            name,
+            ImpNetworkSpec {
+                subnet: subnet.into(),
+                gateway: gateway.into(),
+                nat: None,
+                dns: vec![],
+                ipam: None,
+                egress: None,
+            },
+        );
+        self.networks()
+            .create(&PostParams::default(), &net)
+            .await
+            .unwrap()
     }
 
     pub async fn create_vm(
@@ -599,6 +622,13 @@ fn set_condition(s: &mut ImpVMStatus, type_: &str, status: ConditionStatus, reas
         None,
         Timestamp::now(),
     );
+}
+
+/// The VM's IPAM address annotation (`ADDR/PREFIX`).
+pub fn allocation_of(vm: &ImpVM) -> Option<&str> {
+    vm.annotations()
+        .get(ANNOTATION_IP_ALLOCATION)
+        .map(String::as_str)
 }
 
 pub fn node_of(vm: &ImpVM) -> Option<&str> {
