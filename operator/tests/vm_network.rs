@@ -6,15 +6,21 @@ mod vm_common;
 
 use std::{
     net::Ipv4Addr,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
+use futures::StreamExt;
 use imp_api::{
     VmPhase,
     names::{condition, reason},
 };
 use imp_operator::ipam::Ipam;
-use kube::{ResourceExt, api::DeleteParams};
+use kube::{
+    ResourceExt,
+    api::DeleteParams,
+    runtime::{WatchStreamExt, watcher},
+};
 use serde_json::json;
 use vm_common::*;
 
@@ -60,8 +66,28 @@ async fn wait_released(h: &Harness, net: &str, uid: &str, within: Duration) -> D
 #[tokio::test(flavor = "multi_thread")]
 async fn scheduled_vms_get_distinct_addresses_in_the_binding() {
     let mut h = Harness::start("vmnet").await;
-    h.add_node("n", 8, 8192).await;
+    let node = h.add_node("n", 8, 8192).await;
     let class = h.add_class("c", 1, 512, None).await;
+    // Every version of the VMs the operator binds, as a watcher (the agent) sees them: bound
+    // implies an address. (bound versions, versions bound without one)
+    let tally = Arc::new(Mutex::new((0usize, Vec::<String>::new())));
+    let mut versions = watcher(h.vms(), watcher::Config::default())
+        .applied_objects()
+        .boxed();
+    let watching = {
+        let tally = tally.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(vm)) = versions.next().await {
+                if node_of(&vm).is_some() && vm.name_any() != "vm3" {
+                    let mut t = tally.lock().unwrap();
+                    t.0 += 1;
+                    if allocation_of(&vm).is_none() {
+                        t.1.push(format!("{} rv {:?}", vm.name_any(), vm.resource_version()));
+                    }
+                }
+            }
+        })
+    };
     // The network does not exist yet: Pending with the reason, then scheduled once it appears.
     h.create_vm("vm1", &class, "ephemeral", net_ref("net"))
         .await;
@@ -127,6 +153,24 @@ async fn scheduled_vms_get_distinct_addresses_in_the_binding() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let vm = h.vms().get("vm1").await.unwrap();
     assert_eq!(address(&vm).0, seen[0].0);
+
+    // Bound by the user: the address is recorded first, then the VM is marked Scheduled.
+    h.create_vm(
+        "vm3",
+        &class,
+        "ephemeral",
+        json!({"networkRef": {"name": "net"}, "nodeName": node}),
+    )
+    .await;
+    let vm = h.wait_phase("vm3", VmPhase::Scheduled, WAIT).await;
+    let (ip, _) = address(&vm);
+    assert!(!seen.iter().any(|(s, _)| *s == ip), "{ip} handed out twice");
+
+    watching.abort();
+    let (bound, without) = tally.lock().unwrap().clone();
+    eprintln!("{bound} versions of vm1/vm2 bound, watched");
+    assert!(bound >= 2, "the watcher saw no binding");
+    assert!(without.is_empty(), "bound without an address: {without:?}");
     h.finish().await;
 }
 

@@ -533,9 +533,9 @@ impl Context {
         let mut current = vm.clone();
         if let Some(net) = &plan.allocate {
             // Bound by the user: record the address; the next pass marks the VM Scheduled.
-            let lease = match self.allocate(vm, net).await? {
+            let lease = match self.allocate(vm, net).await {
                 Ok(lease) => lease,
-                Err(action) => return Ok(action),
+                Err(e) => return self.no_address(vm, net, e).await,
             };
             let patch = json!({"metadata": {"resourceVersion": rv,
                 "annotations": {ANNOTATION_IP_ALLOCATION: lease.annotation()}}});
@@ -673,12 +673,15 @@ impl Context {
                 let mut patch =
                     json!({"metadata": {"resourceVersion": rv}, "spec": {"nodeName": node}});
                 if let Some(net) = network {
-                    match self.allocate(vm, net).await? {
+                    match self.allocate(vm, net).await {
                         Ok(lease) => {
                             patch["metadata"]["annotations"] =
                                 json!({ANNOTATION_IP_ALLOCATION: lease.annotation()})
                         }
-                        Err(action) => return Ok(action),
+                        Err(e) => {
+                            drop(assumed);
+                            return self.no_address(vm, net, e).await;
+                        }
                     }
                 }
                 let patched = api
@@ -722,24 +725,27 @@ impl Context {
         }
     }
 
-    /// The VM's address on `net`; `Err(action)` when the network cannot give one: the VM was made
-    /// Pending with the reason (Event and metric on a changed verdict) and is retried later.
-    async fn allocate(
-        &self,
-        vm: &ImpVM,
-        net: &str,
-    ) -> Result<std::result::Result<crate::ipam::Lease, Action>> {
-        let ns = vm.namespace().unwrap_or_default();
+    /// The VM's address on `net` (the one it holds, else a new one).
+    async fn allocate(&self, vm: &ImpVM, net: &str) -> Result<crate::ipam::Lease> {
+        let ns = vm
+            .namespace()
+            .ok_or(Error::MissingObjectKey(".metadata.namespace"))?;
         let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
-        let err = match self.ipam.allocate(&ns, net, &vm.name_any(), &uid).await {
-            Ok(lease) => return Ok(Ok(lease)),
-            Err(e) => e,
-        };
+        self.ipam.allocate(&ns, net, &vm.name_any(), &uid).await
+    }
+
+    /// Applies a failed allocation: a network verdict makes the VM Pending with its reason (Event
+    /// and metric when the verdict changes) and retries later; any other error is the pass's.
+    async fn no_address(&self, vm: &ImpVM, net: &str, err: Error) -> Result<Action> {
         let Some(why) = err.network_reason() else {
             return Err(err);
         };
-        let (status, note) =
-            decide::network_unavailable(vm, why, err.to_string(), Timestamp::now());
+        // The same words as the verdict decided from the cache, so a lagging cache flips nothing.
+        let message = match err {
+            Error::NetworkNotFound { .. } => decide::network_not_found_message(net),
+            _ => err.to_string(),
+        };
+        let (status, note) = decide::network_unavailable(vm, why, message, Timestamp::now());
         if Some(&status) != vm.status.as_ref() {
             self.write_status(&self.api(vm)?, vm.clone(), status)
                 .await?;
@@ -749,7 +755,7 @@ impl Context {
             self.report(vm, &[note], &[Counted::NetworkAllocationFailed(why)])
                 .await;
         }
-        Ok(Err(Action::requeue(self.config.timing.unschedulable_retry)))
+        Ok(Action::requeue(self.config.timing.unschedulable_retry))
     }
 
     fn attempt(&self, result: &str) {

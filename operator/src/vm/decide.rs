@@ -313,7 +313,7 @@ fn schedule_or_invalid(i: &Input<'_>, observed: ImpVMStatus, mut plan: Plan) -> 
 
 /// Pending with NetworkNotFound: decided here from the cache, without asking IPAM.
 fn network_missing(i: &Input<'_>, observed: ImpVMStatus, net: &str, mut plan: Plan) -> Plan {
-    let message = format!("spec.networkRef: ImpNetwork {net:?} does not exist");
+    let message = network_not_found_message(net);
     let vm = ImpVM {
         status: Some(observed.clone()),
         ..i.vm.clone()
@@ -327,6 +327,11 @@ fn network_missing(i: &Input<'_>, observed: ImpVMStatus, net: &str, mut plan: Pl
     }
     plan.requeue_within(i.timing.unschedulable_retry);
     plan
+}
+
+/// The message of NetworkNotFound.
+pub fn network_not_found_message(net: &str) -> String {
+    format!("spec.networkRef: ImpNetwork {net:?} does not exist")
 }
 
 /// Status of a VM that cannot get an address (`why`: NetworkExhausted, NetworkNotFound or
