@@ -46,6 +46,36 @@ fn no_sweep() -> imp_operator::vm::Timing {
     }
 }
 
+/// Waits until the VM is held back for `why`: Pending, unbound, no address, Scheduled=False `why`.
+async fn wait_no_address(h: &Harness, name: &str, why: &str) {
+    let vm = h
+        .wait_vm(name, why, WAIT, |vm| {
+            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(why)
+        })
+        .await;
+    assert_eq!(phase_of(&vm), Some(VmPhase::Pending));
+    assert_eq!((node_of(&vm), allocation_of(&vm)), (None, None));
+    assert_eq!(
+        cond(&vm, condition::SCHEDULED),
+        Some(("False".into(), why.into()))
+    );
+}
+
+/// A node, a class, ImpNetwork `net` (203.0.113.0/29) and VM `vm1` on it, Scheduled.
+async fn scheduled_on_a_network(
+    prefix: &str,
+    timing: imp_operator::vm::Timing,
+) -> (Harness, String, String, imp_api::ImpVM) {
+    let mut h = Harness::start_with(prefix, timing).await;
+    let node = h.add_node("n", 8, 8192).await;
+    let class = h.add_class("c", 1, 512, None).await;
+    h.add_network("net", "203.0.113.0/29", "203.0.113.1").await;
+    h.create_vm("vm1", &class, "ephemeral", net_ref("net"))
+        .await;
+    let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    (h, node, class, vm)
+}
+
 /// Waits until the network's status records no allocation for `uid`.
 async fn wait_released(h: &Harness, net: &str, uid: &str, within: Duration) -> Duration {
     let started = Instant::now();
@@ -91,17 +121,7 @@ async fn scheduled_vms_get_distinct_addresses_in_the_binding() {
     // The network does not exist yet: Pending with the reason, then scheduled once it appears.
     h.create_vm("vm1", &class, "ephemeral", net_ref("net"))
         .await;
-    let vm = h
-        .wait_vm("vm1", "Pending NetworkNotFound", WAIT, |vm| {
-            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::NETWORK_NOT_FOUND)
-        })
-        .await;
-    assert_eq!(phase_of(&vm), Some(VmPhase::Pending));
-    assert_eq!(node_of(&vm), None);
-    assert_eq!(
-        cond(&vm, condition::SCHEDULED),
-        Some(("False".into(), reason::NETWORK_NOT_FOUND.into()))
-    );
+    wait_no_address(&h, "vm1", reason::NETWORK_NOT_FOUND).await;
     let note = h.wait_event("vm1", reason::NETWORK_NOT_FOUND, WAIT).await;
     assert!(note.contains("\"net\""), "{note}");
 
@@ -189,17 +209,7 @@ async fn exhausted_network_keeps_the_vm_pending_until_an_address_frees() {
 
     h.create_vm("second", &class, "ephemeral", net_ref("tiny"))
         .await;
-    let vm = h
-        .wait_vm("second", "Pending NetworkExhausted", WAIT, |vm| {
-            vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::NETWORK_EXHAUSTED)
-        })
-        .await;
-    assert_eq!(phase_of(&vm), Some(VmPhase::Pending));
-    assert_eq!((node_of(&vm), allocation_of(&vm)), (None, None));
-    assert_eq!(
-        cond(&vm, condition::SCHEDULED),
-        Some(("False".into(), reason::NETWORK_EXHAUSTED.into()))
-    );
+    wait_no_address(&h, "second", reason::NETWORK_EXHAUSTED).await;
     let note = h
         .wait_event("second", reason::NETWORK_EXHAUSTED, WAIT)
         .await;
@@ -262,13 +272,7 @@ async fn exhausted_network_keeps_the_vm_pending_until_an_address_frees() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn force_finalized_vm_gives_its_address_back() {
-    let mut h = Harness::start_with("vmnetforce", no_sweep()).await;
-    let node = h.add_node("n", 8, 8192).await;
-    let class = h.add_class("c", 1, 512, None).await;
-    h.add_network("net", "203.0.113.0/29", "203.0.113.1").await;
-    h.create_vm("vm1", &class, "ephemeral", net_ref("net"))
-        .await;
-    let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    let (mut h, node, class, vm) = scheduled_on_a_network("vmnetforce", no_sweep()).await;
     let (ip, _) = address(&vm);
     let uid = vm.uid().unwrap();
     h.agent_run("vm1").await;
@@ -305,13 +309,7 @@ async fn force_finalized_vm_gives_its_address_back() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn addresses_of_vms_that_vanished_are_swept() {
-    let mut h = Harness::start("vmnetsweep").await;
-    h.add_node("n", 8, 8192).await;
-    let class = h.add_class("c", 1, 512, None).await;
-    h.add_network("net", "203.0.113.0/29", "203.0.113.1").await;
-    h.create_vm("vm1", &class, "ephemeral", net_ref("net"))
-        .await;
-    let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    let (h, _, _, vm) = scheduled_on_a_network("vmnetsweep", fast_timing()).await;
     let (ip, _) = address(&vm);
 
     // An allocation whose VM does not exist (deleted while no operator ran).

@@ -1581,15 +1581,7 @@ mod tests {
         let p = run_net(&v, &HEALTHY, true, 1);
         assert!(!p.remove_finalizer && p.release.is_none());
         let mut v = apply(v, &p);
-        conditions::set(
-            &mut v.status.as_mut().unwrap().conditions,
-            condition::TORN_DOWN,
-            ConditionStatus::True,
-            reason::TEARDOWN_COMPLETE,
-            "",
-            None,
-            t(2),
-        );
+        torn_down(&mut v, 2);
         let p = run_net(&v, &HEALTHY, true, 2);
         assert!(p.remove_finalizer);
         assert_eq!(p.release.as_deref(), Some("net"));
@@ -1607,6 +1599,19 @@ mod tests {
         // Without a networkRef there is nothing to release.
         let v = deleting(vm("ephemeral", json!({})), 0);
         assert!(run_net(&v, &HEALTHY, true, 0).release.is_none());
+    }
+
+    /// The agent records teardown at `at`.
+    fn torn_down(v: &mut ImpVM, at: i64) {
+        conditions::set(
+            &mut v.status.as_mut().unwrap().conditions,
+            condition::TORN_DOWN,
+            ConditionStatus::True,
+            reason::TEARDOWN_COMPLETE,
+            "",
+            None,
+            t(at),
+        );
     }
 
     fn deleting(mut v: ImpVM, at: i64) -> ImpVM {
@@ -1638,15 +1643,7 @@ mod tests {
         let p = run(&v, &HEALTHY, 2);
         assert!(p.status.is_none() && p.notes.is_empty() && !p.remove_finalizer);
         // The agent records teardown.
-        conditions::set(
-            &mut v.status.as_mut().unwrap().conditions,
-            condition::TORN_DOWN,
-            ConditionStatus::True,
-            reason::TEARDOWN_COMPLETE,
-            "",
-            None,
-            t(3),
-        );
+        torn_down(&mut v, 3);
         let p = run(&v, &HEALTHY, 3);
         assert!(p.remove_finalizer);
         assert_eq!(p.notes[0].reason, reason::TORN_DOWN);

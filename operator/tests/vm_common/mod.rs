@@ -312,21 +312,7 @@ impl Harness {
 
     /// An ImpNetwork in the test's namespace (gone with it).
     pub async fn add_network(&self, name: &str, subnet: &str, gateway: &str) -> ImpNetwork {
-        let net = ImpNetwork::new(
-            name,
-            ImpNetworkSpec {
-                subnet: subnet.into(),
-                gateway: gateway.into(),
-                nat: None,
-                dns: vec![],
-                ipam: None,
-                egress: None,
-            },
-        );
-        self.networks()
-            .create(&PostParams::default(), &net)
-            .await
-            .unwrap()
+        create_network(&self.env, name, subnet, gateway).await
     }
 
     pub async fn create_vm(
@@ -588,6 +574,25 @@ async fn cleanup(client: &Client, ns: &str, classes: &[String]) {
                 .await;
         }
     }
+}
+
+/// Creates an ImpNetwork without NAT, DNS or egress rules in the test's namespace (gone with it).
+pub async fn create_network(env: &TestEnv, name: &str, subnet: &str, gateway: &str) -> ImpNetwork {
+    let net = ImpNetwork::new(
+        name,
+        ImpNetworkSpec {
+            subnet: subnet.into(),
+            gateway: gateway.into(),
+            nat: None,
+            dns: vec![],
+            ipam: None,
+            egress: None,
+        },
+    );
+    env.api::<ImpNetwork>()
+        .create(&PostParams::default(), &net)
+        .await
+        .unwrap()
 }
 
 fn node_condition(type_: &str, status: &str) -> Value {
