@@ -31,6 +31,9 @@ pub const ANNOTATION_RESET_RESTARTS: &str = "imp.dev/reset-restarts";
 pub const ANNOTATION_RUNNER_ID: &str = "imp.dev/github-runner-id";
 /// Annotation on a JIT Secret: the GitHub runner name the config registers.
 pub const ANNOTATION_RUNNER_NAME: &str = "imp.dev/github-runner-name";
+/// Annotation on an ImpVM: its built-in IPAM address `ADDR/PREFIX`, written by the operator together
+/// with the binding (spec.nodeName); the agent starts a VM with a networkRef only once it is there.
+pub const ANNOTATION_IP_ALLOCATION: &str = "imp.dev/ip-allocation";
 /// Key inside a JIT Secret holding the encoded runner config.
 pub const SECRET_KEY_JITCONFIG: &str = "jitconfig";
 /// Field manager used by the operator for server-side apply and status patches.
@@ -363,9 +366,13 @@ pub mod reason {
         /// imp-runtime refused a request body larger than its limit.
         BODY_TOO_LARGE = "BodyTooLarge" in [Runtime];
         /// ImpVM stays Pending / ImpNetwork not Ready: the built-in IPAM has no free address left.
-        NETWORK_EXHAUSTED = "NetworkExhausted" in [VmStatus, NetworkCondition(NETWORK_READY)];
+        NETWORK_EXHAUSTED = "NetworkExhausted" in [VmStatus, VmCondition(SCHEDULED_C), VmEvent, NetworkCondition(NETWORK_READY)];
         /// ImpNetwork Ready: the built-in IPAM has free addresses.
         ADDRESSES_AVAILABLE = "AddressesAvailable" in [NetworkCondition(NETWORK_READY)];
+        /// ImpVM stays Pending: the ImpNetwork its spec.networkRef names does not exist (yet).
+        NETWORK_NOT_FOUND = "NetworkNotFound" in [VmStatus, VmCondition(SCHEDULED_C), VmEvent];
+        /// ImpVM stays Pending: its ImpNetwork's subnet or gateway is unusable for the built-in IPAM.
+        NETWORK_INVALID = "NetworkInvalid" in [VmStatus, VmCondition(SCHEDULED_C), VmEvent];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

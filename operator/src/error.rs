@@ -21,6 +21,10 @@ pub enum Error {
     #[error("ImpNetwork {network} has no free address (capacity {capacity})")]
     NetworkExhausted { network: String, capacity: u32 },
 
+    /// Built-in IPAM: the ImpNetwork a VM names does not exist.
+    #[error("ImpNetwork {network} does not exist")]
+    NetworkNotFound { network: String },
+
     /// Built-in IPAM: the network's subnet/gateway cannot be used (the message names the field).
     #[error("ImpNetwork {network}: {message}")]
     NetworkInvalid { network: String, message: String },
@@ -35,6 +39,19 @@ impl Error {
             Error::MissingObjectKey(_) => "missing_object_key",
             Error::NetworkExhausted { .. } => "network_exhausted",
             Error::NetworkInvalid { .. } => "network_invalid",
+            Error::NetworkNotFound { .. } => "network_not_found",
+        }
+    }
+
+    /// The ImpVM reason for an address allocation failure that leaves the VM Pending; None for
+    /// errors that are not about the network (retried as reconcile errors).
+    pub fn network_reason(&self) -> Option<&'static str> {
+        use imp_api::names::reason;
+        match self {
+            Error::NetworkExhausted { .. } => Some(reason::NETWORK_EXHAUSTED),
+            Error::NetworkNotFound { .. } => Some(reason::NETWORK_NOT_FOUND),
+            Error::NetworkInvalid { .. } => Some(reason::NETWORK_INVALID),
+            Error::Kube(_) | Error::Conflict(_) | Error::MissingObjectKey(_) => None,
         }
     }
 
@@ -73,6 +90,15 @@ mod tests {
         assert_eq!(
             Error::MissingObjectKey(".metadata.uid").metric_label(),
             "missing_object_key"
+        );
+        assert_eq!(Error::Conflict("x".into()).network_reason(), None);
+        assert_eq!(
+            Error::NetworkExhausted {
+                network: "ns/n".into(),
+                capacity: 1
+            }
+            .network_reason(),
+            Some(imp_api::names::reason::NETWORK_EXHAUSTED)
         );
     }
 }

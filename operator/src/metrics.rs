@@ -48,6 +48,14 @@ pub struct PhaseLabels {
     pub phase: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NetworkAddressLabels {
+    /// `namespace/name` of the ImpNetwork.
+    pub network: String,
+    /// `allocated` or `free`.
+    pub state: String,
+}
+
 /// Metrics of the ImpVM controller.
 #[derive(Clone)]
 pub struct VmMetrics {
@@ -79,6 +87,10 @@ pub struct VmMetrics {
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
     /// `imp_operator_reconcile_errors_total{controller,error}`.
     pub reconcile_errors: Family<ErrorLabels, Counter>,
+    /// `imp_network_allocation_failures_total{reason}`: VMs whose address allocation failed.
+    pub network_allocation_failures: Family<ReasonLabels, Counter>,
+    /// `imp_network_addresses{network,state}`: built-in IPAM addresses allocated and free.
+    pub network_addresses: Family<NetworkAddressLabels, Gauge>,
 }
 
 impl Default for VmMetrics {
@@ -101,6 +113,8 @@ impl Default for VmMetrics {
                 Histogram::new(exponential_buckets(0.001, 2.0, 14))
             }),
             reconcile_errors: Family::default(),
+            network_allocation_failures: Family::default(),
+            network_addresses: Family::default(),
         }
     }
 }
@@ -173,6 +187,16 @@ impl VmMetrics {
             "Reconcile passes that failed, by error",
             self.reconcile_errors.clone(),
         );
+        registry.register(
+            "imp_network_allocation_failures",
+            "ImpVMs whose address could not be allocated, by reason",
+            self.network_allocation_failures.clone(),
+        );
+        registry.register(
+            "imp_network_addresses",
+            "Built-in IPAM addresses of each ImpNetwork, allocated and free",
+            self.network_addresses.clone(),
+        );
     }
 
     pub fn reconcile_failed(&self, controller: &str, error: &crate::error::Error) {
@@ -221,6 +245,17 @@ mod tests {
         metrics.node_lost.get_or_create(&reason).inc();
         metrics.budget_resets.get_or_create(&reason).inc();
         metrics
+            .network_allocation_failures
+            .get_or_create(&reason)
+            .inc();
+        metrics
+            .network_addresses
+            .get_or_create(&NetworkAddressLabels {
+                network: "ns/net".into(),
+                state: "free".into(),
+            })
+            .set(3);
+        metrics
             .restarts
             .get_or_create(&ModeLabels {
                 mode: "in-place".into(),
@@ -246,7 +281,7 @@ mod tests {
         let text = encode(&registry).unwrap();
         let families = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
         assert_eq!(
-            families, 14,
+            families, 16,
             "a family was added: give it a series above\n{text}"
         );
         for name in [

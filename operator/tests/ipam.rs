@@ -1,21 +1,23 @@
 //! Built-in IPAM on the real API server: two allocators with two clients (two operator
 //! processes, as far as the API server can tell) race for one network's addresses.
 
+mod vm_common;
+
 use std::collections::BTreeSet;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::Instant;
 
 use imp_api::ImpNetwork;
+use imp_api::ImpNetworkStatus;
 use imp_api::names::{condition, reason};
-use imp_api::{ImpNetworkSpec, ImpNetworkStatus};
 use imp_operator::error::Error;
 use imp_operator::ipam::Ipam;
 use imp_testkit::TestEnv;
 use imp_testkit::cluster::shared_kubeconfig;
 use imp_testkit::controlplane::config_from_kubeconfig;
-use kube::api::PostParams;
 use kube::{Api, Client};
+use vm_common::create_network;
 
 /// The network's Ready condition as (status, reason).
 fn ready(status: &ImpNetworkStatus) -> (&str, &str) {
@@ -30,24 +32,6 @@ fn ready(status: &ImpNetworkStatus) -> (&str, &str) {
 async fn second_client() -> Client {
     let config = config_from_kubeconfig(shared_kubeconfig()).await.unwrap();
     Client::try_from(config).unwrap()
-}
-
-async fn create_network(env: &TestEnv, name: &str, subnet: &str, gateway: &str) -> ImpNetwork {
-    let net = ImpNetwork::new(
-        name,
-        ImpNetworkSpec {
-            subnet: subnet.into(),
-            gateway: gateway.into(),
-            nat: None,
-            dns: vec![],
-            ipam: None,
-            egress: None,
-        },
-    );
-    env.api::<ImpNetwork>()
-        .create(&PostParams::default(), &net)
-        .await
-        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,5 +146,13 @@ async fn unusable_network_names_the_field() {
             assert!(message.starts_with("spec.subnet"), "{message}")
         }
         other => panic!("expected NetworkInvalid, got {other:?}"),
+    }
+    // A deletion is never held up by an unusable network: release still answers.
+    assert!(!ipam.release(&env.namespace, "v6", "u").await.unwrap());
+    match ipam.allocate(&env.namespace, "absent", "vm", "u").await {
+        Err(Error::NetworkNotFound { network }) => {
+            assert_eq!(network, format!("{}/absent", env.namespace))
+        }
+        other => panic!("expected NetworkNotFound, got {other:?}"),
     }
 }

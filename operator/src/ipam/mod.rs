@@ -12,12 +12,12 @@ use std::collections::{BTreeSet, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 
-use imp_api::ImpNetwork;
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{condition, reason};
+use imp_api::{ImpNetwork, ImpVM};
 use imp_api::{ImpNetworkStatus, IpAllocation};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::PostParams;
+use kube::api::{ListParams, PostParams};
 use kube::{Api, Client};
 
 use crate::error::{Error, Result};
@@ -52,60 +52,91 @@ impl Ipam {
     }
 
     /// The VM's address on `network` (the one it holds, else a new one); `NetworkExhausted`
-    /// when none is free (the network's Ready condition then says so too).
+    /// when none is free (the network's Ready condition then says so too), `NetworkNotFound`
+    /// when the network does not exist, `NetworkInvalid` when its subnet or gateway is unusable.
     pub async fn allocate(&self, ns: &str, network: &str, vm: &str, uid: &str) -> Result<Lease> {
-        let (ip, pool) = self
-            .update(ns, network, |pool, status| {
-                Ok(match alloc::allocate(pool, &status.allocations, uid) {
-                    Decision::Have(ip) => Ok(ip),
-                    Decision::Take(ip) => {
-                        status.allocations.insert(
-                            ip.to_string(),
-                            IpAllocation {
-                                vm: vm.to_owned(),
-                                uid: uid.to_owned(),
-                            },
-                        );
-                        Ok(ip)
-                    }
-                    Decision::Exhausted => Err(Error::NetworkExhausted {
-                        network: format!("{ns}/{network}"),
-                        capacity: pool.capacity(),
-                    }),
-                })
+        self.update(ns, network, nothing, |pool, status, ()| {
+            let pool = pool.map_err(|message| Error::NetworkInvalid {
+                network: format!("{ns}/{network}"),
+                message: message.to_owned(),
+            })?;
+            let lease = |ip| Lease {
+                ip,
+                prefix_len: pool.prefix_len(),
+                gateway: pool.gateway(),
+            };
+            // Exhaustion is Ok(Err): the refreshed Ready=False condition is still written.
+            Ok(match alloc::allocate(pool, &status.allocations, uid) {
+                Decision::Have(ip) => Ok(lease(ip)),
+                Decision::Take(ip) => {
+                    status.allocations.insert(
+                        ip.to_string(),
+                        IpAllocation {
+                            vm: vm.to_owned(),
+                            uid: uid.to_owned(),
+                        },
+                    );
+                    Ok(lease(ip))
+                }
+                Decision::Exhausted => Err(Error::NetworkExhausted {
+                    network: format!("{ns}/{network}"),
+                    capacity: pool.capacity(),
+                }),
             })
-            .await?;
-        Ok(Lease {
-            ip: ip?,
-            prefix_len: pool.prefix_len(),
-            gateway: pool.gateway(),
         })
+        .await?
     }
 
-    /// Free the address of VM `uid` (absent is fine); returns whether one was freed.
+    /// Free the address of VM `uid` (absent is fine); returns whether one was freed. Works on a
+    /// network whose subnet became unusable too, so a deletion is never held up by it.
     pub async fn release(&self, ns: &str, network: &str, uid: &str) -> Result<bool> {
-        self.update(ns, network, |_, status| {
+        self.update(ns, network, nothing, |_, status, ()| {
             let before = status.allocations.len();
             status.allocations.retain(|_, a| a.uid != uid);
             Ok(status.allocations.len() != before)
         })
         .await
-        .map(|(freed, _)| freed)
     }
 
     /// Free every address whose VM uid is not in `live`: VMs deleted or force-finalized
-    /// without a release reach here. Returns the freed addresses.
+    /// without a release reach here. Returns the freed addresses. `live` must have been read
+    /// after every allocation it could miss; [`Ipam::sweep`] guarantees that.
     pub async fn release_missing(
         &self,
         ns: &str,
         network: &str,
         live: &BTreeSet<String>,
     ) -> Result<Vec<String>> {
-        self.update(ns, network, |_, status| {
+        self.update(ns, network, nothing, |_, status, ()| {
             Ok(alloc::retain_live(&mut status.allocations, live))
         })
         .await
-        .map(|(freed, _)| freed)
+    }
+
+    /// [`Ipam::release_missing`] with the live set listed from the API server after each read
+    /// of the network: an allocation for a VM the list missed was written after the read, so
+    /// the write that would free it fails on the resourceVersion and is redone with a new list.
+    /// Every ImpVM of the namespace counts as live (whatever its networkRef says now), so an
+    /// existing VM's address is never freed under it.
+    pub async fn sweep(&self, ns: &str, network: &str) -> Result<Vec<String>> {
+        let vms: Api<ImpVM> = Api::namespaced(self.client.clone(), ns);
+        self.update(
+            ns,
+            network,
+            || async {
+                let list = vms
+                    .list_metadata(&ListParams::default())
+                    .await
+                    .map_err(|e| Error::from_kube(&format!("impvms in {ns}"), e))?;
+                Ok(list
+                    .items
+                    .into_iter()
+                    .filter_map(|m| m.metadata.uid)
+                    .collect::<BTreeSet<_>>())
+            },
+            |_, status, live| Ok(alloc::retain_live(&mut status.allocations, live)),
+        )
+        .await
     }
 
     fn lock(&self, ns: &str, network: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -116,40 +147,41 @@ impl Ipam {
             .clone()
     }
 
-    /// Read-modify-write of the network's status until it lands without a conflict. `f` may
-    /// run several times (once per attempt, on the freshly read status).
-    async fn update<T>(
+    /// Read-modify-write of the network's status until it lands without a conflict. Each
+    /// attempt reads the network, then runs `observe` (so what it sees is at least as new as
+    /// the read), then `f` on the freshly read status with the pool (`Err` names the fault of
+    /// an unusable subnet/gateway) and what `observe` returned.
+    async fn update<C, T, O: Future<Output = Result<C>>>(
         &self,
         ns: &str,
         network: &str,
-        f: impl Fn(&Pool, &mut ImpNetworkStatus) -> Result<T>,
-    ) -> Result<(T, Pool)> {
+        observe: impl Fn() -> O,
+        f: impl Fn(Result<&Pool, &str>, &mut ImpNetworkStatus, &C) -> Result<T>,
+    ) -> Result<T> {
         let lock = self.lock(ns, network);
         let _held = lock.lock().await;
         let api: Api<ImpNetwork> = Api::namespaced(self.client.clone(), ns);
         let what = format!("impnetwork {ns}/{network}");
         for _ in 0..MAX_CONFLICTS {
-            let mut net = api
-                .get(network)
-                .await
-                .map_err(|e| Error::from_kube(&what, e))?;
-            let pool = Pool::new(&net.spec.subnet, &net.spec.gateway).map_err(|message| {
-                Error::NetworkInvalid {
-                    network: format!("{ns}/{network}"),
-                    message,
+            let mut net = match api.get(network).await {
+                Ok(net) => net,
+                Err(kube::Error::Api(s)) if s.code == 404 => {
+                    return Err(Error::NetworkNotFound {
+                        network: format!("{ns}/{network}"),
+                    });
                 }
-            })?;
+                Err(e) => return Err(Error::from_kube(&what, e)),
+            };
+            let seen = observe().await?;
+            let pool = Pool::new(&net.spec.subnet, &net.spec.gateway);
             let old = net.status.clone().unwrap_or_default();
             let mut status = old.clone();
-            let out = f(&pool, &mut status)?;
-            refresh(
-                &pool,
-                &mut status,
-                net.metadata.generation,
-                Timestamp::now(),
-            );
+            let out = f(pool.as_ref().map_err(String::as_str), &mut status, &seen)?;
+            if let Ok(pool) = &pool {
+                refresh(pool, &mut status, net.metadata.generation, Timestamp::now());
+            }
             if status == old {
-                return Ok((out, pool));
+                return Ok(out);
             }
             net.status = Some(status);
             // replace carries metadata.resourceVersion: the server refuses it (409) if the
@@ -158,7 +190,7 @@ impl Ipam {
                 .replace_status(network, &PostParams::default(), &net)
                 .await
             {
-                Ok(_) => return Ok((out, pool)),
+                Ok(_) => return Ok(out),
                 Err(e) => match Error::from_kube(&what, e) {
                     Error::Conflict(_) => continue,
                     other => return Err(other),
@@ -167,6 +199,18 @@ impl Ipam {
         }
         Err(Error::Conflict(what))
     }
+}
+
+impl Lease {
+    /// The value of the VM's [`imp_api::names::ANNOTATION_IP_ALLOCATION`]: `ADDR/PREFIX`.
+    pub fn annotation(&self) -> String {
+        format!("{}/{}", self.ip, self.prefix_len)
+    }
+}
+
+/// The `observe` of an update that needs nothing besides the network.
+fn nothing() -> std::future::Ready<Result<()>> {
+    std::future::ready(Ok(()))
 }
 
 /// allocated, capacity and the Ready condition from the allocations.

@@ -17,6 +17,9 @@ pub struct Timing {
     pub resync: Duration,
     /// How often the per-phase and per-node backlog gauges are recomputed from the cache.
     pub gauge_refresh: Duration,
+    /// How often each ImpNetwork's allocations are swept for VMs that no longer exist (deleted
+    /// while the operator was down, or whose release failed).
+    pub ipam_sweep: Duration,
 }
 
 impl Default for Timing {
@@ -28,6 +31,7 @@ impl Default for Timing {
             unschedulable_retry: Duration::from_secs(15),
             resync: Duration::from_secs(300),
             gauge_refresh: Duration::from_secs(10),
+            ipam_sweep: Duration::from_secs(60),
         }
     }
 }

@@ -17,8 +17,11 @@ use std::{
 
 use futures::{StreamExt, TryStreamExt};
 use imp_api::{
-    ImpVM, ImpVMClass, VmPhase,
-    names::{ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP, lease_name, lease_node},
+    ImpNetwork, ImpVM, ImpVMClass, VmPhase,
+    names::{
+        ANNOTATION_IP_ALLOCATION, ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP, lease_name,
+        lease_node,
+    },
 };
 use k8s_openapi::{
     api::{coordination::v1::Lease, core::v1::Node},
@@ -46,7 +49,11 @@ use super::{
 };
 use crate::{
     error::{Error, Result},
-    metrics::{ModeLabels, NodeLabels, PhaseLabels, ReasonLabels, ResultLabels, VmMetrics},
+    ipam::Ipam,
+    metrics::{
+        ModeLabels, NetworkAddressLabels, NodeLabels, PhaseLabels, ReasonLabels, ResultLabels,
+        VmMetrics,
+    },
     scheduler::{self, NodeInfo, Resident, VmRequest},
 };
 
@@ -73,6 +80,8 @@ pub struct Context {
     nodes: Store<Node>,
     leases: Store<Lease>,
     classes: Store<ImpVMClass>,
+    networks: Store<ImpNetwork>,
+    ipam: Ipam,
     /// Held across choose-and-bind so two VMs cannot both take the last free slot of a node.
     assumed: Mutex<HashMap<String, Assumed>>,
     caches_ready: AtomicBool,
@@ -133,6 +142,17 @@ pub async fn run_vm_controller(
     )
     .default_backoff()
     .touched_objects();
+    let networks_api: Api<ImpNetwork> = match &config.vm_namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let (networks, network_writer) = reflector::store::<ImpNetwork>();
+    let network_events = reflector::reflector(
+        network_writer,
+        watcher(networks_api, watcher::Config::default()),
+    )
+    .default_backoff()
+    .touched_objects();
 
     let controller = Controller::new(vms_api, watcher::Config::default());
     let vms = controller.store();
@@ -144,7 +164,7 @@ pub async fn run_vm_controller(
         },
     );
     let ctx = Arc::new(Context {
-        client,
+        client: client.clone(),
         config,
         metrics,
         recorder,
@@ -152,6 +172,8 @@ pub async fn run_vm_controller(
         nodes: nodes.clone(),
         leases: leases.clone(),
         classes: classes.clone(),
+        networks: networks.clone(),
+        ipam: Ipam::new(client.clone()),
         assumed: Mutex::new(HashMap::new()),
         caches_ready: AtomicBool::new(false),
     });
@@ -159,7 +181,12 @@ pub async fn run_vm_controller(
     {
         // Deciding on half-filled caches would mistake a not-yet-listed node for a deleted one.
         let ctx = ctx.clone();
-        let (nodes, leases, classes) = (nodes.clone(), leases.clone(), classes.clone());
+        let (nodes, leases, classes, networks) = (
+            nodes.clone(),
+            leases.clone(),
+            classes.clone(),
+            networks.clone(),
+        );
         tokio::spawn(async move {
             // Not the ImpVM store: the applier already waits on it, and a store wakes only one waiter
             // (kube-runtime 5's DelayedInit is a oneshot), so a second waiter could stall one of the two.
@@ -177,6 +204,12 @@ pub async fn run_vm_controller(
                         debug!("ImpVMClass cache filled"),
                     )
                 },
+                async {
+                    (
+                        networks.wait_until_ready().await,
+                        debug!("ImpNetwork cache filled"),
+                    )
+                },
             );
             ctx.caches_ready.store(true, Ordering::SeqCst);
             ready.store(true, Ordering::SeqCst);
@@ -185,8 +218,9 @@ pub async fn run_vm_controller(
     }
 
     let _gauges = AbortOnDrop(tokio::spawn(refresh_gauges(ctx.clone())));
+    let _sweep = AbortOnDrop(tokio::spawn(sweep_allocations(ctx.clone())));
 
-    let (vms_n, vms_l, vms_c) = (vms.clone(), vms.clone(), vms.clone());
+    let (vms_n, vms_l, vms_c, vms_w) = (vms.clone(), vms.clone(), vms.clone(), vms.clone());
     controller
         .watches_stream(node_events, move |node: Node| {
             // Its VMs (health), and every unbound VM (capacity may have appeared).
@@ -203,6 +237,15 @@ pub async fn run_vm_controller(
         .watches_stream(class_events, move |class: ImpVMClass| {
             let name = class.name_any();
             refs(&vms_c, |vm| vm.spec.class_ref.name == name)
+        })
+        .watches_stream(network_events, move |net: ImpNetwork| {
+            // VMs waiting for an address: the network appeared, or one of its addresses was freed.
+            let (name, ns) = (net.name_any(), net.namespace());
+            refs(&vms_w, |vm| {
+                vm.namespace() == ns
+                    && vm.spec.network_ref.as_ref().is_some_and(|r| r.name == name)
+                    && decide::allocation(vm).is_none()
+            })
         })
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
@@ -243,6 +286,7 @@ fn gauge_counts(vms: &[Arc<ImpVM>]) -> (BTreeMap<String, i64>, BTreeMap<String, 
 /// Recomputes the gauges from the cache; series whose count dropped to nothing are removed.
 async fn refresh_gauges(ctx: Arc<Context>) {
     let (mut last_phases, mut last_backlog) = (BTreeMap::new(), BTreeMap::new());
+    let mut last_networks = BTreeMap::new();
     loop {
         tokio::time::sleep(ctx.config.timing.gauge_refresh).await;
         if !ctx.caches_ready.load(Ordering::SeqCst) {
@@ -273,6 +317,78 @@ async fn refresh_gauges(ctx: Arc<Context>) {
                 .set(*n);
         }
         (last_phases, last_backlog) = (phases, backlog);
+        last_networks = refresh_network_gauges(m, &ctx.networks.state(), &last_networks);
+    }
+}
+
+/// Per network (`namespace/name`): (allocated, free) as the network's status records them.
+fn network_counts(networks: &[Arc<ImpNetwork>]) -> BTreeMap<String, (i64, i64)> {
+    networks
+        .iter()
+        .filter_map(|n| {
+            let s = n.status.as_ref()?;
+            let (allocated, capacity) = (s.allocated?, s.capacity?);
+            let key = format!("{}/{}", n.namespace().unwrap_or_default(), n.name_any());
+            Some((
+                key,
+                (
+                    i64::from(allocated),
+                    i64::from(capacity.saturating_sub(allocated)),
+                ),
+            ))
+        })
+        .collect()
+}
+
+fn refresh_network_gauges(
+    m: &VmMetrics,
+    networks: &[Arc<ImpNetwork>],
+    last: &BTreeMap<String, (i64, i64)>,
+) -> BTreeMap<String, (i64, i64)> {
+    let counts = network_counts(networks);
+    let labels = |network: &str, state: &str| NetworkAddressLabels {
+        network: network.to_owned(),
+        state: state.to_owned(),
+    };
+    for gone in last.keys().filter(|k| !counts.contains_key(*k)) {
+        m.network_addresses.remove(&labels(gone, "allocated"));
+        m.network_addresses.remove(&labels(gone, "free"));
+    }
+    for (network, (allocated, free)) in &counts {
+        m.network_addresses
+            .get_or_create(&labels(network, "allocated"))
+            .set(*allocated);
+        m.network_addresses
+            .get_or_create(&labels(network, "free"))
+            .set(*free);
+    }
+    counts
+}
+
+/// Frees the addresses of VMs that no longer exist, per network with allocations. The release at
+/// finalizer removal covers the usual deletion; this covers VMs deleted while the operator was
+/// down and releases that failed.
+async fn sweep_allocations(ctx: Arc<Context>) {
+    loop {
+        tokio::time::sleep(ctx.config.timing.ipam_sweep).await;
+        if !ctx.caches_ready.load(Ordering::SeqCst) {
+            continue;
+        }
+        for net in ctx.networks.state() {
+            if net.status.as_ref().is_none_or(|s| s.allocations.is_empty()) {
+                continue;
+            }
+            let (ns, name) = (net.namespace().unwrap_or_default(), net.name_any());
+            match ctx.ipam.sweep(&ns, &name).await {
+                Ok(freed) if !freed.is_empty() => {
+                    info!(network = %format!("{ns}/{name}"), ?freed, "freed addresses of VMs that no longer exist")
+                }
+                Ok(_) | Err(Error::NetworkNotFound { .. }) => {}
+                Err(e) => {
+                    warn!(network = %format!("{ns}/{name}"), error = %e, "allocation sweep failed")
+                }
+            }
+        }
     }
 }
 
@@ -344,10 +460,18 @@ impl Context {
             Some(node) => self.node_health(node, now),
             None => NodeHealth::Healthy { recheck_at: None },
         };
+        let network_found = match (&vm.spec.network_ref, vm.namespace()) {
+            (Some(r), Some(ns)) => self
+                .networks
+                .get(&ObjectRef::new(&r.name).within(&ns))
+                .is_some(),
+            _ => false,
+        };
         let plan = decide::decide(&Input {
             vm,
             class: class.as_deref().map(|c| &c.spec),
             node: &node_health,
+            network_found,
             timing: &self.config.timing,
             now,
         });
@@ -363,6 +487,16 @@ impl Context {
             .ok_or(Error::MissingObjectKey(".metadata.resourceVersion"))?;
         let resync = Action::requeue(self.config.timing.resync);
 
+        if let Some(net) = &plan.release {
+            let ns = vm.namespace().unwrap_or_default();
+            let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
+            match self.ipam.release(&ns, net, &uid).await {
+                Ok(true) => info!(vm = %what, network = %net, "address released"),
+                // Nothing held, or the network itself is gone: nothing to free.
+                Ok(false) | Err(Error::NetworkNotFound { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
         if plan.add_finalizer || plan.remove_finalizer {
             let mut finalizers: Vec<String> = vm
                 .finalizers()
@@ -391,10 +525,25 @@ impl Context {
         }
 
         if let Some(request) = &plan.schedule {
-            return self.schedule(&api, vm, request, now).await;
+            return self
+                .schedule(&api, vm, request, plan.allocate.as_deref(), now)
+                .await;
         }
 
         let mut current = vm.clone();
+        if let Some(net) = &plan.allocate {
+            // Bound by the user: record the address; the next pass marks the VM Scheduled.
+            let lease = match self.allocate(vm, net).await {
+                Ok(lease) => lease,
+                Err(e) => return self.no_address(vm, net, e).await,
+            };
+            let patch = json!({"metadata": {"resourceVersion": rv,
+                "annotations": {ANNOTATION_IP_ALLOCATION: lease.annotation()}}});
+            current = api
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|e| Error::from_kube(&what, e))?;
+        }
         if plan.clear_node {
             let patch = json!({"metadata": {"resourceVersion": rv}, "spec": {"nodeName": null}});
             current = api
@@ -493,6 +642,7 @@ impl Context {
         api: &Api<ImpVM>,
         vm: &ImpVM,
         request: &VmRequest,
+        network: Option<&str>,
         now: Timestamp,
     ) -> Result<Action> {
         let name = vm.name_any();
@@ -518,8 +668,22 @@ impl Context {
         let residents = self.residents(&uid, &mut assumed);
         match scheduler::schedule(request, &nodes, &residents) {
             Ok(node) => {
-                let patch =
+                // The address goes in the binding's own write: the agent never sees the VM bound
+                // without it. Allocating under the lock keeps the node's capacity reserved.
+                let mut patch =
                     json!({"metadata": {"resourceVersion": rv}, "spec": {"nodeName": node}});
+                if let Some(net) = network {
+                    match self.allocate(vm, net).await {
+                        Ok(lease) => {
+                            patch["metadata"]["annotations"] =
+                                json!({ANNOTATION_IP_ALLOCATION: lease.annotation()})
+                        }
+                        Err(e) => {
+                            drop(assumed);
+                            return self.no_address(vm, net, e).await;
+                        }
+                    }
+                }
                 let patched = api
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
@@ -559,6 +723,39 @@ impl Context {
                 Ok(Action::requeue(self.config.timing.unschedulable_retry))
             }
         }
+    }
+
+    /// The VM's address on `net` (the one it holds, else a new one).
+    async fn allocate(&self, vm: &ImpVM, net: &str) -> Result<crate::ipam::Lease> {
+        let ns = vm
+            .namespace()
+            .ok_or(Error::MissingObjectKey(".metadata.namespace"))?;
+        let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
+        self.ipam.allocate(&ns, net, &vm.name_any(), &uid).await
+    }
+
+    /// Applies a failed allocation: a network verdict makes the VM Pending with its reason (Event
+    /// and metric when the verdict changes) and retries later; any other error is the pass's.
+    async fn no_address(&self, vm: &ImpVM, net: &str, err: Error) -> Result<Action> {
+        let Some(why) = err.network_reason() else {
+            return Err(err);
+        };
+        // The same words as the verdict decided from the cache, so a lagging cache flips nothing.
+        let message = match err {
+            Error::NetworkNotFound { .. } => decide::network_not_found_message(net),
+            _ => err.to_string(),
+        };
+        let (status, note) = decide::network_unavailable(vm, why, message, Timestamp::now());
+        if Some(&status) != vm.status.as_ref() {
+            self.write_status(&self.api(vm)?, vm.clone(), status)
+                .await?;
+        }
+        if let Some(note) = note {
+            info!(vm = %vm.name_any(), network = %net, reason = why, error = %err, "no address");
+            self.report(vm, &[note], &[Counted::NetworkAllocationFailed(why)])
+                .await;
+        }
+        Ok(Action::requeue(self.config.timing.unschedulable_retry))
     }
 
     fn attempt(&self, result: &str) {
@@ -603,6 +800,12 @@ impl Context {
                 Counted::Expired => m.expired.inc(),
                 Counted::FinalizerForced => m.finalizer_forced.inc(),
                 Counted::SpecInvalid => m.spec_invalid.inc(),
+                Counted::NetworkAllocationFailed(r) => m
+                    .network_allocation_failures
+                    .get_or_create(&ReasonLabels {
+                        reason: (*r).to_owned(),
+                    })
+                    .inc(),
             };
         }
         for note in notes {
@@ -678,6 +881,46 @@ mod tests {
             backlog.into_iter().collect::<Vec<_>>(),
             [("a".to_owned(), 2), ("b".to_owned(), 1)]
         );
+    }
+
+    #[test]
+    fn network_gauges_come_from_the_status_and_vanish_with_the_network() {
+        let net = |name: &str, status: serde_json::Value| -> Arc<ImpNetwork> {
+            Arc::new(
+                serde_json::from_value(
+                    json!({"apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork",
+                    "metadata": {"name": name, "namespace": "ns"},
+                    "spec": {"subnet": "192.0.2.0/24", "gateway": "192.0.2.1"}, "status": status}),
+                )
+                .unwrap(),
+            )
+        };
+        let nets = [
+            net("a", json!({"allocated": 3, "capacity": 253})),
+            net("full", json!({"allocated": 1, "capacity": 1})),
+            net("fresh", json!({})),
+        ];
+        let counts = network_counts(&nets);
+        assert_eq!(
+            counts.into_iter().collect::<Vec<_>>(),
+            [
+                ("ns/a".to_owned(), (3, 250)),
+                ("ns/full".to_owned(), (1, 0))
+            ]
+        );
+        let m = VmMetrics::default();
+        let last = refresh_network_gauges(&m, &nets, &BTreeMap::new());
+        let mut registry = prometheus_client::registry::Registry::default();
+        m.register(&mut registry);
+        let text = crate::metrics::encode(&registry).unwrap();
+        assert!(
+            text.contains("imp_network_addresses{network=\"ns/a\",state=\"free\"} 250"),
+            "{text}"
+        );
+        refresh_network_gauges(&m, &nets[1..2], &last);
+        let text = crate::metrics::encode(&registry).unwrap();
+        assert!(!text.contains("ns/a"), "{text}");
+        assert!(text.contains("imp_network_addresses{network=\"ns/full\",state=\"allocated\"} 1"));
     }
 
     #[test]

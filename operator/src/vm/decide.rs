@@ -13,7 +13,10 @@ use imp_api::{
     ImpVM, ImpVMClassSpec, ImpVMStatus, Lifecycle, OnExhaustion, ResolvedRestartPolicy,
     RestartMode, RestartPolicy, VmPhase,
     conditions::{self, ConditionStatus},
-    names::{ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP, condition, reason},
+    names::{
+        ANNOTATION_IP_ALLOCATION, ANNOTATION_RESET_RESTARTS, FINALIZER_VM_CLEANUP, condition,
+        reason,
+    },
 };
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 use kube::ResourceExt;
@@ -59,6 +62,8 @@ pub enum Counted {
     Expired,
     FinalizerForced,
     SpecInvalid,
+    /// The VM's address could not be allocated (NetworkExhausted, NetworkNotFound, NetworkInvalid).
+    NetworkAllocationFailed(&'static str),
 }
 
 /// What one reconcile pass should do, in the order the controller applies it.
@@ -67,6 +72,12 @@ pub struct Plan {
     pub add_finalizer: bool,
     /// Run the scheduler with this request, then apply [`bound`] or [`unschedulable`].
     pub schedule: Option<VmRequest>,
+    /// Allocate the VM's address on this ImpNetwork and record it in the allocation annotation:
+    /// in the binding's own write when [`Plan::schedule`] is set, else before anything else
+    /// (a VM bound by the user). A failure is applied with [`network_unavailable`].
+    pub allocate: Option<String>,
+    /// Free the VM's address on this ImpNetwork before the finalizer is removed.
+    pub release: Option<String>,
     /// Clear spec.nodeName (reschedule) before writing status.
     pub clear_node: bool,
     /// The full new status, when it differs from the observed one.
@@ -97,6 +108,8 @@ pub struct Input<'a> {
     pub class: Option<&'a ImpVMClassSpec>,
     /// Health of the node in spec.nodeName (ignored when unbound).
     pub node: &'a NodeHealth,
+    /// Whether the ImpNetwork named by spec.networkRef exists (ignored without a networkRef).
+    pub network_found: bool,
     pub timing: &'a Timing,
     pub now: Timestamp,
 }
@@ -134,6 +147,19 @@ pub fn request(vm: &ImpVM, class: &ImpVMClassSpec) -> VmRequest {
     }
 }
 
+/// The ImpNetwork the VM attaches to.
+fn network(vm: &ImpVM) -> Option<&str> {
+    vm.spec.network_ref.as_ref().map(|r| r.name.as_str())
+}
+
+/// The VM's recorded address (`ADDR/PREFIX`), see [`ANNOTATION_IP_ALLOCATION`].
+pub fn allocation(vm: &ImpVM) -> Option<&str> {
+    vm.annotations()
+        .get(ANNOTATION_IP_ALLOCATION)
+        .map(String::as_str)
+        .filter(|a| !a.is_empty())
+}
+
 fn has_finalizer(vm: &ImpVM) -> bool {
     vm.finalizers().iter().any(|f| f == FINALIZER_VM_CLEANUP)
 }
@@ -155,7 +181,12 @@ pub fn decide(i: &Input<'_>) -> Plan {
     let mut plan = Plan::default();
 
     if vm.metadata.deletion_timestamp.is_some() {
-        return cleanup(i, observed);
+        let mut plan = cleanup(i, observed);
+        if plan.remove_finalizer {
+            // Also when forced: the node is gone, so nothing uses the address any more.
+            plan.release = network(vm).map(str::to_owned);
+        }
+        return plan;
     }
     if !has_finalizer(vm) {
         plan.add_finalizer = true;
@@ -270,8 +301,65 @@ fn schedule_or_invalid(i: &Input<'_>, observed: ImpVMStatus, mut plan: Plan) -> 
         p.requeue_after = plan.requeue_after;
         return p;
     };
+    if let Some(net) = network(i.vm) {
+        if !i.network_found {
+            return network_missing(i, observed, net, plan);
+        }
+        plan.allocate = Some(net.to_owned());
+    }
     plan.schedule = Some(request(i.vm, class));
     plan
+}
+
+/// Pending with NetworkNotFound: decided here from the cache, without asking IPAM.
+fn network_missing(i: &Input<'_>, observed: ImpVMStatus, net: &str, mut plan: Plan) -> Plan {
+    let message = network_not_found_message(net);
+    let vm = ImpVM {
+        status: Some(observed.clone()),
+        ..i.vm.clone()
+    };
+    let (status, note) = network_unavailable(&vm, reason::NETWORK_NOT_FOUND, message, i.now);
+    plan.set_status(&observed, status);
+    if let Some(note) = note {
+        plan.notes.push(note);
+        plan.counted
+            .push(Counted::NetworkAllocationFailed(reason::NETWORK_NOT_FOUND));
+    }
+    plan.requeue_within(i.timing.unschedulable_retry);
+    plan
+}
+
+/// The message of NetworkNotFound.
+pub fn network_not_found_message(net: &str) -> String {
+    format!("spec.networkRef: ImpNetwork {net:?} does not exist")
+}
+
+/// Status of a VM that cannot get an address (`why`: NetworkExhausted, NetworkNotFound or
+/// NetworkInvalid): Pending, not bound. The Event only when the verdict changes, so the retries
+/// (every unschedulableRetry, and whenever the network changes) do not spam.
+pub fn network_unavailable(
+    vm: &ImpVM,
+    why: &'static str,
+    message: String,
+    now: Timestamp,
+) -> (ImpVMStatus, Option<Note>) {
+    let observed = vm.status.clone().unwrap_or_default();
+    let mut status = observed.clone();
+    status.phase = Some(VmPhase::Pending);
+    status.reason = Some(why.to_owned());
+    status.message = Some(message.clone());
+    conditions::set(
+        &mut status.conditions,
+        condition::SCHEDULED,
+        ConditionStatus::False,
+        why,
+        message.clone(),
+        vm.metadata.generation,
+        now,
+    );
+    let changed =
+        observed.reason.as_deref() != Some(why) || observed.message.as_deref() != Some(&message);
+    (status, changed.then(|| Note::warning(why, message)))
 }
 
 /// Status after binding the VM to `node`; also the scheduling latency to record (first binding only).
@@ -391,6 +479,15 @@ fn active_on_node(i: &Input<'_>, observed: ImpVMStatus, node: &str, mut plan: Pl
         }
     }
     if matches!(observed.phase, None | Some(VmPhase::Pending)) {
+        if let Some(net) = network(i.vm).filter(|_| allocation(i.vm).is_none()) {
+            // Bound by the user: the address first (the agent waits for it), Scheduled after.
+            if !i.network_found {
+                return network_missing(i, observed, net, plan);
+            }
+            plan.allocate = Some(net.to_owned());
+            plan.set_status(&observed, status);
+            return plan;
+        }
         // spec.nodeName set by the user, or the status half of our own binding did not land.
         let (s, note, _) = bound(
             &ImpVM {
@@ -732,6 +829,7 @@ mod tests {
             unschedulable_retry: Duration::from_secs(15),
             resync: Duration::from_secs(600),
             gauge_refresh: Duration::from_secs(10),
+            ipam_sweep: Duration::from_secs(60),
         }
     }
 
@@ -780,6 +878,7 @@ mod tests {
             vm,
             class: Some(&c),
             node,
+            network_found: true,
             timing: &timing(),
             now: t(now),
         })
@@ -837,6 +936,7 @@ mod tests {
             vm: &v,
             class: Some(&c),
             node: &HEALTHY,
+            network_found: true,
             timing: &timing(),
             now,
         });
@@ -883,6 +983,7 @@ mod tests {
             vm: &v,
             class: None,
             node: &HEALTHY,
+            network_found: true,
             timing: &timing(),
             now: t(1),
         });
@@ -907,6 +1008,7 @@ mod tests {
             vm: &v,
             class: None,
             node: &HEALTHY,
+            network_found: true,
             timing: &timing(),
             now: t(5),
         });
@@ -1331,6 +1433,187 @@ mod tests {
         assert!(!run(&fresh, &HEALTHY, 100_000).delete);
     }
 
+    fn with_network(mut v: ImpVM) -> ImpVM {
+        v.spec.network_ref = Some(imp_api::NetworkRef { name: "net".into() });
+        v
+    }
+
+    fn run_net(vm: &ImpVM, node: &NodeHealth, network_found: bool, now: i64) -> Plan {
+        let c = class();
+        decide(&Input {
+            vm,
+            class: Some(&c),
+            node,
+            network_found,
+            timing: &timing(),
+            now: t(now),
+        })
+    }
+
+    #[test]
+    fn scheduling_a_vm_with_a_network_allocates_in_the_binding() {
+        let v = with_network(vm("ephemeral", json!({})));
+        let p = run_net(&v, &HEALTHY, true, 1);
+        assert!(p.schedule.is_some());
+        assert_eq!(p.allocate.as_deref(), Some("net"));
+        assert!(p.status.is_none() && p.notes.is_empty());
+        // Without a networkRef nothing is allocated.
+        let p = run_net(&vm("ephemeral", json!({})), &HEALTHY, false, 1);
+        assert!(p.schedule.is_some() && p.allocate.is_none());
+    }
+
+    #[test]
+    fn missing_network_keeps_the_vm_pending_and_warns_once() {
+        let v = with_network(vm("ephemeral", json!({})));
+        let p = run_net(&v, &HEALTHY, false, 1);
+        assert!(p.schedule.is_none() && p.allocate.is_none());
+        let s = status(&p);
+        assert_eq!(s.phase, Some(VmPhase::Pending));
+        assert_eq!(s.reason.as_deref(), Some(reason::NETWORK_NOT_FOUND));
+        assert_eq!(
+            s.message.as_deref(),
+            Some("spec.networkRef: ImpNetwork \"net\" does not exist")
+        );
+        assert_eq!(
+            cond(s, condition::SCHEDULED).reason,
+            reason::NETWORK_NOT_FOUND
+        );
+        assert_eq!(p.notes.len(), 1);
+        assert!(p.notes[0].warning);
+        assert_eq!(
+            p.counted,
+            vec![Counted::NetworkAllocationFailed(reason::NETWORK_NOT_FOUND)]
+        );
+        assert_eq!(p.requeue_after, Some(Duration::from_secs(15)));
+        // Seen again: nothing to write or say, still retried.
+        let v = apply(v, &p);
+        let again = run_net(&v, &HEALTHY, false, 5);
+        assert!(again.status.is_none() && again.notes.is_empty() && again.counted.is_empty());
+        assert_eq!(again.requeue_after, Some(Duration::from_secs(15)));
+        // The network appears: scheduling with allocation resumes.
+        let p = run_net(&v, &HEALTHY, true, 9);
+        assert_eq!(p.allocate.as_deref(), Some("net"));
+    }
+
+    #[test]
+    fn network_unavailable_is_pending_and_warns_only_on_a_new_verdict() {
+        let v = vm("ephemeral", json!({}));
+        let msg = "ImpNetwork ns/net has no free address (capacity 1)".to_owned();
+        let (s, note) = network_unavailable(&v, reason::NETWORK_EXHAUSTED, msg.clone(), t(1));
+        assert_eq!(s.phase, Some(VmPhase::Pending));
+        assert_eq!(s.reason.as_deref(), Some(reason::NETWORK_EXHAUSTED));
+        let c = cond(&s, condition::SCHEDULED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str(), c.message.as_str()),
+            ("False", reason::NETWORK_EXHAUSTED, msg.as_str())
+        );
+        let note = note.expect("first verdict warns");
+        assert!(note.warning && note.reason == reason::NETWORK_EXHAUSTED);
+        let v = ImpVM {
+            status: Some(s.clone()),
+            ..v
+        };
+        let (s2, note) = network_unavailable(&v, reason::NETWORK_EXHAUSTED, msg, t(20));
+        assert!(note.is_none());
+        assert_eq!(s2, s, "a retry rewrites nothing");
+        let (_, note) = network_unavailable(&v, reason::NETWORK_INVALID, "x".into(), t(21));
+        assert!(note.is_some());
+    }
+
+    #[test]
+    fn a_user_bound_vm_gets_its_address_before_it_is_marked_scheduled() {
+        let mut v = with_network(vm("ephemeral", json!({})));
+        v.spec.node_name = Some("n1".into());
+        let p = run_net(&v, &HEALTHY, true, 1);
+        assert_eq!(p.allocate.as_deref(), Some("net"));
+        assert!(p.schedule.is_none());
+        assert!(p.notes.is_empty(), "no Scheduled Event yet: {p:?}");
+        assert_ne!(status(&p).phase, Some(VmPhase::Scheduled));
+        // With the annotation recorded, the next pass marks it Scheduled.
+        let mut v = apply(v, &p);
+        v.metadata.annotations = Some(
+            [(
+                ANNOTATION_IP_ALLOCATION.to_owned(),
+                "192.0.2.2/24".to_owned(),
+            )]
+            .into(),
+        );
+        let p = run_net(&v, &HEALTHY, true, 2);
+        assert!(p.allocate.is_none());
+        assert_eq!(status(&p).phase, Some(VmPhase::Scheduled));
+        // Bound by the user to a network that does not exist: Pending, said why.
+        let mut v = with_network(vm("ephemeral", json!({})));
+        v.spec.node_name = Some("n1".into());
+        let p = run_net(&v, &HEALTHY, false, 1);
+        assert!(p.allocate.is_none());
+        assert_eq!(
+            status(&p).reason.as_deref(),
+            Some(reason::NETWORK_NOT_FOUND)
+        );
+    }
+
+    #[test]
+    fn a_running_vm_keeps_its_address_and_allocates_nothing() {
+        let mut v = with_network(bound_vm("ephemeral", VmPhase::Running, json!({})));
+        v.metadata.annotations = Some(
+            [(
+                ANNOTATION_IP_ALLOCATION.to_owned(),
+                "192.0.2.2/24".to_owned(),
+            )]
+            .into(),
+        );
+        let p = run_net(&v, &HEALTHY, false, 1);
+        assert!(p.allocate.is_none() && p.release.is_none(), "{p:?}");
+    }
+
+    #[test]
+    fn the_address_is_released_exactly_when_the_finalizer_goes() {
+        // Never bound: at once.
+        let v = deleting(with_network(vm("ephemeral", json!({}))), 0);
+        let p = run_net(&v, &HEALTHY, true, 0);
+        assert!(p.remove_finalizer);
+        assert_eq!(p.release.as_deref(), Some("net"));
+        // Bound: not while the agent tears down, then with the finalizer.
+        let v = deleting(
+            with_network(bound_vm("ephemeral", VmPhase::Running, json!({}))),
+            0,
+        );
+        let p = run_net(&v, &HEALTHY, true, 1);
+        assert!(!p.remove_finalizer && p.release.is_none());
+        let mut v = apply(v, &p);
+        torn_down(&mut v, 2);
+        let p = run_net(&v, &HEALTHY, true, 2);
+        assert!(p.remove_finalizer);
+        assert_eq!(p.release.as_deref(), Some("net"));
+        // Forced on a lost node: released too; before the timeout, not.
+        let v = deleting(
+            with_network(bound_vm("ephemeral", VmPhase::Running, json!({}))),
+            0,
+        );
+        let v = apply(v.clone(), &run_net(&v, &lost(), true, 0));
+        assert!(run_net(&v, &lost(), true, 299).release.is_none());
+        let p = run_net(&v, &lost(), true, 300);
+        assert!(p.remove_finalizer);
+        assert_eq!(p.counted, vec![Counted::FinalizerForced]);
+        assert_eq!(p.release.as_deref(), Some("net"));
+        // Without a networkRef there is nothing to release.
+        let v = deleting(vm("ephemeral", json!({})), 0);
+        assert!(run_net(&v, &HEALTHY, true, 0).release.is_none());
+    }
+
+    /// The agent records teardown at `at`.
+    fn torn_down(v: &mut ImpVM, at: i64) {
+        conditions::set(
+            &mut v.status.as_mut().unwrap().conditions,
+            condition::TORN_DOWN,
+            ConditionStatus::True,
+            reason::TEARDOWN_COMPLETE,
+            "",
+            None,
+            t(at),
+        );
+    }
+
     fn deleting(mut v: ImpVM, at: i64) -> ImpVM {
         v.metadata.deletion_timestamp = Some(Time(t(at)));
         v
@@ -1360,15 +1643,7 @@ mod tests {
         let p = run(&v, &HEALTHY, 2);
         assert!(p.status.is_none() && p.notes.is_empty() && !p.remove_finalizer);
         // The agent records teardown.
-        conditions::set(
-            &mut v.status.as_mut().unwrap().conditions,
-            condition::TORN_DOWN,
-            ConditionStatus::True,
-            reason::TEARDOWN_COMPLETE,
-            "",
-            None,
-            t(3),
-        );
+        torn_down(&mut v, 3);
         let p = run(&v, &HEALTHY, 3);
         assert!(p.remove_finalizer);
         assert_eq!(p.notes[0].reason, reason::TORN_DOWN);

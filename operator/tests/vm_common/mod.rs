@@ -13,9 +13,9 @@ use std::{
 };
 
 use imp_api::{
-    ImpVM, ImpVMClass, ImpVMStatus, RestartPolicy, VmPhase,
+    ImpNetwork, ImpNetworkSpec, ImpVM, ImpVMClass, ImpVMStatus, RestartPolicy, VmPhase,
     conditions::{self, ConditionStatus},
-    names::{LABEL_NODE_ENABLED, condition, lease_name, reason},
+    names::{ANNOTATION_IP_ALLOCATION, LABEL_NODE_ENABLED, condition, lease_name, reason},
 };
 use imp_operator::{
     metrics::{VmMetrics, encode},
@@ -51,6 +51,7 @@ pub fn fast_timing() -> Timing {
         unschedulable_retry: Duration::from_millis(500),
         resync: Duration::from_secs(5),
         gauge_refresh: Duration::from_millis(200),
+        ipam_sweep: Duration::from_secs(1),
     }
 }
 
@@ -301,6 +302,15 @@ impl Harness {
         name
     }
 
+    pub fn networks(&self) -> Api<ImpNetwork> {
+        self.env.api()
+    }
+
+    /// An ImpNetwork in the test's namespace (gone with it).
+    pub async fn add_network(&self, name: &str, subnet: &str, gateway: &str) -> ImpNetwork {
+        create_network(&self.env, name, subnet, gateway).await
+    }
+
     /// Creates `vm` (see imp_testkit::fixtures::vm) in the test namespace.
     pub async fn create_vm(&self, vm: impl Into<ImpVM>) -> ImpVM {
         self.vms()
@@ -549,6 +559,25 @@ async fn cleanup(client: &Client, ns: &str, classes: &[String]) {
     }
 }
 
+/// Creates an ImpNetwork without NAT, DNS or egress rules in the test's namespace (gone with it).
+pub async fn create_network(env: &TestEnv, name: &str, subnet: &str, gateway: &str) -> ImpNetwork {
+    let net = ImpNetwork::new(
+        name,
+        ImpNetworkSpec {
+            subnet: subnet.into(),
+            gateway: gateway.into(),
+            nat: None,
+            dns: vec![],
+            ipam: None,
+            egress: None,
+        },
+    );
+    env.api::<ImpNetwork>()
+        .create(&PostParams::default(), &net)
+        .await
+        .unwrap()
+}
+
 fn node_condition(type_: &str, status: &str) -> Value {
     let now = Timestamp::now().to_string();
     json!({"type": type_, "status": status, "reason": "Test", "message": "set by test",
@@ -581,6 +610,13 @@ fn set_condition(s: &mut ImpVMStatus, type_: &str, status: ConditionStatus, reas
         None,
         Timestamp::now(),
     );
+}
+
+/// The VM's IPAM address annotation (`ADDR/PREFIX`).
+pub fn allocation_of(vm: &ImpVM) -> Option<&str> {
+    vm.annotations()
+        .get(ANNOTATION_IP_ALLOCATION)
+        .map(String::as_str)
 }
 
 pub fn node_of(vm: &ImpVM) -> Option<&str> {
