@@ -31,6 +31,9 @@ pub const ANNOTATION_RESET_RESTARTS: &str = "imp.dev/reset-restarts";
 pub const ANNOTATION_RUNNER_ID: &str = "imp.dev/github-runner-id";
 /// Annotation on a JIT Secret: the GitHub runner name the config registers.
 pub const ANNOTATION_RUNNER_NAME: &str = "imp.dev/github-runner-name";
+/// Annotation on an ImpVM: the address the operator's IPAM gave it, `ADDR/PREFIX` (e.g.
+/// `10.44.0.5/24`); the agent reads it to attach the VM, and writes `status.ip` at Running.
+pub const ANNOTATION_IP_ALLOCATION: &str = "imp.dev/ip-allocation";
 /// Key inside a JIT Secret holding the encoded runner config.
 pub const SECRET_KEY_JITCONFIG: &str = "jitconfig";
 /// Field manager used by the operator for server-side apply and status patches.

@@ -142,6 +142,21 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
     })
 }
 
+/// Whether any bridge named like Imp's exists (one link dump, no nft).
+pub async fn has_bridges(handle: &Handle) -> Result<bool, NetworkError> {
+    let msgs: Vec<LinkMessage> = handle
+        .link()
+        .get()
+        .execute()
+        .try_collect()
+        .await
+        .map_err(nl("dump links"))?;
+    Ok(msgs
+        .iter()
+        .map(link_from)
+        .any(|l| l.name.starts_with(super::BRIDGE_PREFIX) && l.kind.as_deref() == Some("bridge")))
+}
+
 async fn index_of(handle: &Handle, name: &str) -> Result<u32, NetworkError> {
     handle
         .link()

@@ -192,7 +192,10 @@ impl Harness {
             kernel: None,
             initrd: None,
             extra_boot_args: None,
-            network: network.then_some(NetworkSpec { guest_mac: None }),
+            network: network.then_some(NetworkSpec {
+                guest_mac: None,
+                attachment: None,
+            }),
         }
     }
 
