@@ -126,6 +126,9 @@ pub struct Harness {
     pub boot_timeout_secs: f64,
     /// More environment for imp-runtime (e.g. rootfs cache settings).
     pub extra_env: Vec<(String, String)>,
+    /// Run imp-runtime (and so its VMMs, TAPs and bridges) inside this network namespace
+    /// (`ip netns exec`, which also mounts that namespace's /sys); the test creates and removes it.
+    pub netns: Option<String>,
     runtime: Option<Child>,
     pub client: RuntimeClient,
     starts: u32,
@@ -163,6 +166,7 @@ impl Harness {
             behaviour: HashMap::new(),
             boot_timeout_secs: 20.0,
             extra_env: Vec::new(),
+            netns: None,
             runtime: None,
             dir,
             starts: 0,
@@ -206,7 +210,16 @@ impl Harness {
         let log =
             std::fs::File::create(self.dir.path().join(format!("runtime-{}.log", self.starts)))
                 .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp-runtime"));
+        let bin = env!("CARGO_BIN_EXE_imp-runtime");
+        let mut cmd = match &self.netns {
+            // `ip netns exec` execs the runtime: the child's pid is the runtime's.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin]);
+                c
+            }
+            None => Command::new(bin),
+        };
         cmd.env("IMP_RUNTIME_SOCKET", &self.socket)
             .env("IMP_STATE_DIR", &self.state_dir)
             .env("IMP_KERNEL", &self.kernel)
