@@ -16,23 +16,14 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
-use common::{Harness, is_root, simulator};
+use common::{Harness, TestNetwork, network_tests_can_run, simulator};
 use imp_api::names::reason;
 use imp_node::api::{NetworkAttachment, NetworkSpec, VmSpec, VmState};
 use imp_node::client::ClientError;
 use imp_node::network::{self, Port, bridge_name, vm_mac};
-
-fn run(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 fn output(cmd: &str, args: &[&str]) -> String {
     let out = Command::new(cmd).args(args).output().unwrap();
@@ -42,35 +33,6 @@ fn output(cmd: &str, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
-}
-
-fn available(tool: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {tool}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// Network namespaces, deleted (in reverse) on drop.
-#[derive(Default)]
-struct Namespaces(Vec<String>);
-
-impl Namespaces {
-    fn add(&mut self, name: &str) -> String {
-        run(&["netns", "add", name]);
-        self.0.push(name.to_owned());
-        run(&["-n", name, "link", "set", "lo", "up"]);
-        name.to_owned()
-    }
-}
-
-impl Drop for Namespaces {
-    fn drop(&mut self) {
-        for ns in self.0.iter().rev() {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
-    }
 }
 
 /// What the node namespace holds of Imp's: the bridge, each TAP and its bridge, the nft tables.
@@ -140,48 +102,15 @@ fn attached(h: &Harness, a: NetworkAttachment) -> VmSpec {
     }
 }
 
-/// The host's actions for `desired`, planned and applied from inside `ns` (empty: it matches).
-fn reconcile_in(ns: &str, desired: &[network::Attachment]) -> Vec<network::plan::Action> {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let fd = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
-            nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(network::reconcile(desired))
-                .unwrap()
-        })
-        .join()
-        .unwrap()
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
-    if !is_root() || !available("nft") {
-        let why = "needs root and nft (nftables)";
-        assert!(
-            std::env::var("IMP_REQUIRE_ROOT").as_deref() != Ok("1"),
-            "IMP_REQUIRE_ROOT=1 but this test {why}"
-        );
-        println!("skipped: {why}");
+    if !network_tests_can_run() {
         return;
     }
     let id = std::process::id();
     // Declared before the harness: dropped after it (runtime and VMMs are stopped first).
-    let mut nss = Namespaces::default();
-    let node = nss.add(&format!("imprn-node-{id}"));
-    let inet = nss.add(&format!("imprn-inet-{id}"));
-    run(&[
-        "-n", &node, "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", &inet,
-    ]);
-    run(&["-n", &node, "addr", "add", "192.0.2.2/24", "dev", "up0"]);
-    run(&["-n", &node, "link", "set", "up0", "up"]);
-    run(&["-n", &node, "route", "add", "default", "via", "192.0.2.1"]);
-    run(&["-n", &inet, "addr", "add", "192.0.2.1/24", "dev", "wan0"]);
-    run(&["-n", &inet, "link", "set", "wan0", "up"]);
+    let tn = TestNetwork::new("imprn");
+    let node = tn.node.clone();
 
     let mut h = Harness::new(simulator());
     h.netns = Some(node.clone());
@@ -261,11 +190,15 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
             })
             .collect(),
     }];
-    assert_eq!(
-        reconcile_in(&node, &desired),
-        [],
-        "a repeated reconcile must be a no-op"
-    );
+    let again = tn.in_node(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(network::reconcile(&desired))
+            .unwrap()
+    });
+    assert_eq!(again, [], "a repeated reconcile must be a no-op");
 
     // The first VM leaves: its TAP goes, the network stays for the second.
     h.client.delete(a).await.unwrap();
