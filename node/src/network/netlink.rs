@@ -71,7 +71,7 @@ fn write_sysctl(path: &Path, value: &str) -> Result<(), NetworkError> {
     })
 }
 
-pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
+async fn links(handle: &Handle) -> Result<Vec<Link>, NetworkError> {
     let msgs: Vec<LinkMessage> = handle
         .link()
         .get()
@@ -79,7 +79,11 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
         .try_collect()
         .await
         .map_err(nl("dump links"))?;
-    let mut links: Vec<Link> = msgs.iter().map(link_from).collect();
+    Ok(msgs.iter().map(link_from).collect())
+}
+
+pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
+    let mut links = links(handle).await?;
     let addrs: Vec<_> = handle
         .address()
         .get()
@@ -144,17 +148,7 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
 
 /// Whether any bridge named like Imp's exists (one link dump, no nft).
 pub async fn has_bridges(handle: &Handle) -> Result<bool, NetworkError> {
-    let msgs: Vec<LinkMessage> = handle
-        .link()
-        .get()
-        .execute()
-        .try_collect()
-        .await
-        .map_err(nl("dump links"))?;
-    Ok(msgs
-        .iter()
-        .map(link_from)
-        .any(|l| l.name.starts_with(super::BRIDGE_PREFIX) && l.kind.as_deref() == Some("bridge")))
+    Ok(links(handle).await?.iter().any(Link::is_imp_bridge))
 }
 
 async fn index_of(handle: &Handle, name: &str) -> Result<u32, NetworkError> {
