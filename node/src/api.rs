@@ -37,7 +37,8 @@ pub struct VmSpec {
     pub kernel: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initrd: Option<PathBuf>,
-    /// Appended to the runtime's default kernel command line (e.g. `ip=`, `imp.dns=`).
+    /// Appended to the runtime's default kernel command line (e.g. `imp.hostname=`; the network's
+    /// `imp.net=`/`imp.dns=` come from `network.attachment`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub extra_boot_args: Option<String>,
     /// A TAP-backed virtio-net interface.
@@ -45,11 +46,50 @@ pub struct VmSpec {
     pub network: Option<NetworkSpec>,
 }
 
+/// The VM's `eth0`: a TAP, and (with `attachment`) its place on an ImpNetwork's bridge.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NetworkSpec {
+    /// Default: derived from the VM uid (`network::vm_mac`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_mac: Option<String>,
+    /// The data plane (docs/network.md): bridge, address, NAT, isolation, and `imp.net` /
+    /// `imp.dns` on the kernel command line. Absent: a bare TAP with nothing behind it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attachment: Option<NetworkAttachment>,
+}
+
+/// What the node needs to put one VM on an ImpNetwork: the network's spec (as the agent read
+/// it) and the address the operator's IPAM gave the VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetworkAttachment {
+    /// The ImpNetwork's uid: names the bridge (two networks of one name in different namespaces
+    /// never share one).
+    pub network_id: String,
+    /// `namespace/name` of the ImpNetwork, for messages.
+    pub network_name: String,
+    /// The VM's address with the subnet's prefix, e.g. `10.44.0.5/24` (the IPAM annotation).
+    pub address: ipnet::Ipv4Net,
+    pub gateway: std::net::Ipv4Addr,
+    /// Resolvers for the guest's resolv.conf.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dns: Vec<std::net::Ipv4Addr>,
+    /// Guest MTU (default: the guest's, 1500).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtu: Option<u32>,
+    /// Masquerade traffic leaving through the egress interface.
+    #[serde(default)]
+    pub nat: bool,
+    /// Default: the interface of the node's IPv4 default route.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_interface: Option<String>,
+    /// Destinations the guest may reach (empty: everything not denied).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress_allow: Vec<ipnet::Ipv4Net>,
+    /// Destinations the guest may never reach; wins over `egress_allow`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress_deny: Vec<ipnet::Ipv4Net>,
 }
 
 /// Where a VM is in its life (also the inventory's `state` column).

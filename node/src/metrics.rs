@@ -35,6 +35,8 @@ pub struct Metrics {
     pub vms: Family<StateLabel, Gauge>,
     pub start_failures: Family<ReasonLabel, Counter>,
     pub recovered: Family<OutcomeLabel, Counter>,
+    /// Network reconciles (docs/network.md) that failed, by the failing step.
+    pub network_setup_failures: Family<ReasonLabel, Counter>,
     pub rootfs: RootfsMetrics,
 }
 
@@ -147,9 +149,16 @@ impl Metrics {
             "Inventory records handled at startup, by outcome (reattached, cleaned, exited, orphan_killed)",
             recovered.clone(),
         );
+        let network_setup_failures = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "imp_network_setup_failures",
+            "Network reconciles (bridge, TAP ports, nft rules) that failed, by failing step",
+            network_setup_failures.clone(),
+        );
         let rootfs = RootfsMetrics::new();
         rootfs.register(&mut registry);
         Self {
+            network_setup_failures,
             registry,
             rootfs,
             boot_latency,
@@ -200,6 +209,11 @@ mod tests {
             })
             .inc();
         m.recovered("reattached");
+        m.network_setup_failures
+            .get_or_create(&ReasonLabel {
+                reason: "no_egress".into(),
+            })
+            .inc();
         m.rootfs.hits.inc();
         m.rootfs.misses.inc();
         m.rootfs.build_duration.observe(3.0);
@@ -219,6 +233,7 @@ mod tests {
             "imp_runtime_vms{state=\"Running\"} 3",
             "imp_vm_start_failures_total{reason=\"KernelMissing\"} 1",
             "imp_runtime_recovered_vms_total{outcome=\"reattached\"} 1",
+            "imp_network_setup_failures_total{reason=\"no_egress\"} 1",
             "imp_rootfs_cache_hits_total 1",
             "imp_rootfs_cache_misses_total 1",
             "imp_rootfs_build_duration_seconds_count 1",
@@ -231,7 +246,7 @@ mod tests {
         }
         assert_eq!(
             imp_testkit::metrics::assert_every_family_documented(&text),
-            12,
+            13,
             "{text}"
         );
     }

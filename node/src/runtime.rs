@@ -21,6 +21,7 @@ use crate::cgroup::{CgroupConfig, CgroupError, VmCgroups};
 use crate::firecracker::{self, BootPlan, DriverError, Vmm, VmmFiles};
 use crate::inventory::{Inventory, InventoryError, VmRecord};
 use crate::metrics::{BackendLabel, Metrics, ReasonLabel, StateLabel};
+use crate::network::{self, NetworkError};
 use crate::procfs;
 use crate::qemu::{self, QemuConfig, QemuFiles, QemuVm};
 use crate::rootfs::store::{ImageSpec, RootfsError, RootfsStore, StoreConfig};
@@ -106,7 +107,7 @@ pub enum RuntimeError {
     #[error("the start of VM {uid} was cancelled: {detail}")]
     StartCancelled { uid: String, detail: String },
     #[error("network setup for VM {uid}: {source}")]
-    NetworkSetupFailed { uid: String, source: TapError },
+    NetworkSetupFailed { uid: String, source: NetworkError },
     #[error("cgroup of VM {uid}: {source}")]
     CgroupSetupFailed { uid: String, source: CgroupError },
     #[error("per-VM cgroups: {0}")]
@@ -221,6 +222,9 @@ pub struct Runtime {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Bring-ups in progress, by uid.
     inflight: Mutex<HashMap<String, InFlight>>,
+    /// Serialises the node's network reconciles, each computed from the whole inventory (see
+    /// `reconcile_network`).
+    net_lock: tokio::sync::Mutex<()>,
 }
 
 /// How often the serial logs are held to their cap: a guest writing at disk speed adds at most
@@ -246,6 +250,33 @@ fn writable_bytes(r: &VmRecord) -> u64 {
         .ok()
         .and_then(|s| s.writable_disk_bytes)
         .unwrap_or(0)
+}
+
+/// The row's ImpNetwork attachment, if its spec has one.
+fn attachment_of(r: &VmRecord) -> Option<crate::api::NetworkAttachment> {
+    serde_json::from_str::<VmSpec>(&r.spec_json)
+        .ok()
+        .and_then(|s| s.network)
+        .and_then(|n| n.attachment)
+}
+
+/// The rows whose VM is on a network bridge: every one being brought up or running. Failed rows
+/// released theirs; an Exited VM has nothing on its TAP any more (its row stays until DELETE,
+/// the TAP is detached meanwhile).
+fn network_ports(rows: &[VmRecord]) -> Vec<(String, [u8; 6], crate::api::NetworkAttachment)> {
+    rows.iter()
+        .filter(|r| {
+            matches!(
+                r.state,
+                VmState::Creating | VmState::Booting | VmState::Running
+            )
+        })
+        .filter_map(|r| {
+            let spec: VmSpec = serde_json::from_str(&r.spec_json).ok()?;
+            let a = spec.network.as_ref()?.attachment.clone()?;
+            Some((r.tap.clone()?, plan::guest_mac(&r.uid, &spec), a))
+        })
+        .collect()
 }
 
 impl Runtime {
@@ -283,6 +314,7 @@ impl Runtime {
             metrics,
             locks: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
+            net_lock: tokio::sync::Mutex::new(()),
         });
         rt.recover().await?;
         rt.readiness();
@@ -484,6 +516,13 @@ impl Runtime {
             .retain_vms(&holders)
             .await
             .map_err(RuntimeError::RootfsStore)?;
+        // Running VMs keep (or get back) their bridge port and rules; what cleaned-up rows
+        // held goes. A failure leaves the runtime serving: the next PUT or DELETE retries.
+        let net = self.net_lock.lock().await;
+        if let Err(e) = self.reconcile_network(&net, "(startup)").await {
+            tracing::warn!(error = %e, "network reconcile at startup failed");
+        }
+        drop(net);
         self.refresh_state_gauge().await;
         Ok(())
     }
@@ -507,9 +546,13 @@ impl Runtime {
             .kill()
             .await;
         }
+        let net = self.net_lock.lock().await;
         self.release_host_resources(r).await;
         let _ = std::fs::remove_dir_all(&r.dir);
         self.inventory.delete(&r.uid).await?;
+        if attachment_of(r).is_some() {
+            self.reconcile_network_after_release(&net, &r.uid).await;
+        }
         Ok(())
     }
 
@@ -536,6 +579,60 @@ impl Runtime {
             && let Err(e) = cg.remove(&r.uid)
         {
             tracing::warn!(uid = %r.uid, error = %e, "VM cgroup removal failed");
+        }
+    }
+
+    /// Make the node's bridges, TAP ports and nft rules match every networked VM of the
+    /// inventory (docs/network.md). The caller holds `net_lock` across this and the inventory
+    /// change it follows, so no other reconcile sees a half-made change (e.g. re-creates the
+    /// TAP of a VM whose removal deleted it a moment ago).
+    /// `uid` is the VM the reconcile is for (errors name it).
+    async fn reconcile_network(
+        &self,
+        _held: &tokio::sync::MutexGuard<'_, ()>,
+        uid: &str,
+    ) -> Result<(), RuntimeError> {
+        let rows = self.inventory.list().await?;
+        let ports = network_ports(&rows);
+        let desired = network::desired(ports.iter().map(|(t, m, a)| (t.clone(), *m, a)));
+        let started = Instant::now();
+        match network::reconcile(&desired).await {
+            Ok(actions) => {
+                if !actions.is_empty() {
+                    tracing::info!(
+                        networks = desired.len(),
+                        vms = ports.len(),
+                        actions = actions.len(),
+                        seconds = started.elapsed().as_secs_f64(),
+                        "network reconciled"
+                    );
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.metrics
+                    .network_setup_failures
+                    .get_or_create(&ReasonLabel {
+                        reason: e.kind().into(),
+                    })
+                    .inc();
+                Err(RuntimeError::NetworkSetupFailed {
+                    uid: uid.into(),
+                    source: e,
+                })
+            }
+        }
+    }
+
+    /// A reconcile after a VM left (DELETE, failed start, restart clean-up): failures are
+    /// logged, not returned, since the VM is gone either way and the next reconcile retries.
+    async fn reconcile_network_after_release(
+        &self,
+        held: &tokio::sync::MutexGuard<'_, ()>,
+        uid: &str,
+    ) {
+        if let Err(e) = self.reconcile_network(held, uid).await {
+            tracing::warn!(uid, error = %e, "network reconcile after a VM left failed; the next one retries");
         }
     }
 
@@ -729,6 +826,7 @@ impl Runtime {
                 if let Some(vmm) = vmm {
                     vmm.kill().await;
                 }
+                let net = self.net_lock.lock().await;
                 self.release_host_resources(&rec).await;
                 self.metrics
                     .start_failures
@@ -739,6 +837,14 @@ impl Runtime {
                 self.inventory
                     .set_failed(&uid, e.reason(), &e.to_string())
                     .await?;
+                if spec
+                    .network
+                    .as_ref()
+                    .is_some_and(|n| n.attachment.is_some())
+                {
+                    self.reconcile_network_after_release(&net, &uid).await;
+                }
+                drop(net);
                 self.refresh_state_gauge().await;
                 Err(e)
             }
@@ -815,7 +921,7 @@ impl Runtime {
             })?;
         }
         if let Some(t) = &rec.tap {
-            tap::create(t).map_err(|source| {
+            let net_err = |source| {
                 (
                     RuntimeError::NetworkSetupFailed {
                         uid: uid.clone(),
@@ -823,10 +929,25 @@ impl Runtime {
                     },
                     None,
                 )
-            })?;
+            };
+            if spec
+                .network
+                .as_ref()
+                .is_some_and(|n| n.attachment.is_some())
+            {
+                // This VM's row is in the inventory (Creating): the reconcile adds its TAP to
+                // the bridge before the VMM opens it.
+                let net = self.net_lock.lock().await;
+                self.reconcile_network(&net, &uid)
+                    .await
+                    .map_err(|e| (e, None))?;
+            } else {
+                tap::create(t).map_err(|e| net_err(e.into()))?;
+            }
         }
         let files = files_of(rec);
         let plan = vm_plan(
+            &uid,
             spec,
             &HostFacts {
                 kernel,

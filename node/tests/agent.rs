@@ -87,21 +87,70 @@ struct World {
     dir: tempfile::TempDir,
 }
 
+/// A TCP forwarder from `127.0.0.1:<port>` in `net`'s node namespace to `target` in the test's
+/// own: a socket belongs to the namespace of the thread that created it, so the listener is
+/// made on a thread inside the node namespace and the outgoing connections here. Its threads
+/// end with the test process. Returns the `127.0.0.1:<port>` to use inside the namespace.
+fn forward_into(net: &common::TestNetwork, target: &str) -> String {
+    let listener = net.in_node(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+    let port = listener.local_addr().unwrap().port();
+    let target = target.to_owned();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(inside) = conn else { return };
+            let Ok(outside) = std::net::TcpStream::connect(&target) else {
+                continue;
+            };
+            for (mut from, mut to) in [
+                (inside.try_clone().unwrap(), outside.try_clone().unwrap()),
+                (outside, inside),
+            ] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+    format!("127.0.0.1:{port}")
+}
+
+/// A registry holding `ci/base:1`.
+async fn registry_with_base_image() -> Registry {
+    let registry = Registry::start(RegistryOptions::default()).await.unwrap();
+    let layer = LayerBlob::gzipped(
+        TarBuilder::new()
+            .dir("etc", 0o755)
+            .file("etc/os-release", b"ID=imp-test\n", 0o644)
+            .into_gzip(),
+    );
+    push_image(
+        &registry.host(),
+        "ci/base:1",
+        &[layer],
+        &PushAuth::Anonymous,
+    )
+    .await
+    .unwrap();
+    registry
+}
+
 impl World {
     async fn new(prefix: &str) -> World {
-        let registry = Registry::start(RegistryOptions::default()).await.unwrap();
-        let host = registry.host();
-        let layer = LayerBlob::gzipped(
-            TarBuilder::new()
-                .dir("etc", 0o755)
-                .file("etc/os-release", b"ID=imp-test\n", 0o644)
-                .into_gzip(),
-        );
-        push_image(&host, "ci/base:1", &[layer], &PushAuth::Anonymous)
-            .await
-            .unwrap();
+        Self::new_in(prefix, None).await
+    }
+
+    /// With `net`, the runtime runs in its node namespace and pulls through a forwarder
+    /// listening on `127.0.0.1` there (the registry stays in the test's namespace).
+    async fn new_in(prefix: &str, net: Option<&common::TestNetwork>) -> World {
+        let registry = registry_with_base_image().await;
+        let host = match net {
+            None => registry.host(),
+            Some(n) => forward_into(n, &registry.host()),
+        };
         let mut rt = Harness::new(simulator());
         rt.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
+        rt.netns = net.map(|n| n.node.clone());
         rt.start_runtime().await;
         let env = TestEnv::new(prefix).await;
         let node = format!("{}-node", env.namespace);
@@ -501,5 +550,103 @@ async fn vm_rebound_elsewhere_is_released_locally() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     drop(agent);
+    w.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn networked_vm_waits_for_its_address_then_runs_with_status_ip() {
+    if !common::network_tests_can_run() {
+        return;
+    }
+    // Declared first: dropped after the world (runtime, VMMs and registry stop first).
+    let tn = common::TestNetwork::new("impag");
+    let w = World::new_in("agent-net", Some(&tn)).await;
+    let net: imp_api::ImpNetwork = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork", "metadata": {"name": "runners"},
+        "spec": {"subnet": "198.51.100.0/24", "gateway": "198.51.100.1", "dns": ["192.0.2.1"],
+            "nat": {"enabled": true}}}))
+    .unwrap();
+    let net = w
+        .env
+        .api::<imp_api::ImpNetwork>()
+        .create(&PostParams::default(), &net)
+        .await
+        .unwrap();
+    let agent = w.agent(&w.runner_script(0), 1);
+    let mut spec = json!({"classRef": {"name": w.class}, "image": w.image,
+        "lifecycle": "ephemeral", "nodeName": w.node, "networkRef": {"name": "runners"}});
+    let vm: ImpVM = serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1",
+        "kind": "ImpVM", "metadata": {"name": "netvm",
+            "finalizers": [names::FINALIZER_VM_CLEANUP]}, "spec": spec.take()}))
+    .unwrap();
+    let vm = w.vms().create(&PostParams::default(), &vm).await.unwrap();
+    w.set_status("netvm", json!({"phase": VmPhase::Scheduled}))
+        .await;
+
+    // No allocation yet: the agent leaves it Scheduled and asks the runtime for nothing.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let now = w.vms().get("netvm").await.unwrap();
+    assert_eq!(
+        phase_of(&now),
+        Some(VmPhase::Scheduled),
+        "{:#?}",
+        now.status
+    );
+    assert!(
+        !runtime_has(&w.rt, &uid(&vm)).await,
+        "PUT without an address"
+    );
+    assert!(
+        agent.log().contains("waiting for the VM's address"),
+        "{}",
+        tail(&agent.log(), 20)
+    );
+
+    // The operator's IPAM records the address: the VM starts on the network.
+    w.vms()
+        .patch(
+            "netvm",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {
+                names::ANNOTATION_IP_ALLOCATION: "198.51.100.7/24"}}})),
+        )
+        .await
+        .unwrap();
+    let running = w.wait_phase("netvm", VmPhase::Running, &agent).await;
+    assert_eq!(
+        running.status.as_ref().unwrap().ip.as_deref(),
+        Some("198.51.100.7")
+    );
+    let st = w.rt.client.inspect(&uid(&vm)).await.unwrap();
+    let serial = std::fs::read_to_string(&st.serial_log).unwrap();
+    assert!(
+        serial.contains("imp.net=198.51.100.7/24,198.51.100.1 imp.dns=192.0.2.1"),
+        "{serial}"
+    );
+    let bridge = imp_node::network::bridge_name(&net.uid().unwrap());
+    let links = Command::new("ip")
+        .args(["-n", &tn.node, "-o", "link", "show", "dev", &bridge])
+        .output()
+        .unwrap();
+    assert!(
+        links.status.success(),
+        "no bridge {bridge} in the node namespace"
+    );
+
+    w.delete_and_wait_torn_down("netvm", &agent).await;
+    let links = Command::new("ip")
+        .args(["-n", &tn.node, "-o", "link", "show", "dev", &bridge])
+        .output()
+        .unwrap();
+    assert!(
+        !links.status.success(),
+        "bridge {bridge} left after teardown"
+    );
+    drop(agent);
+    let _ = w
+        .env
+        .api::<imp_api::ImpNetwork>()
+        .delete("runners", &DeleteParams::default())
+        .await;
     w.finish().await;
 }

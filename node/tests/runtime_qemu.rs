@@ -141,7 +141,10 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
         kernel: None,
         initrd: None,
         extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: network.then_some(imp_node::api::NetworkSpec { guest_mac: None }),
+        network: network.then_some(imp_node::api::NetworkSpec {
+            guest_mac: None,
+            attachment: None,
+        }),
     };
     let (code, st) = h
         .client

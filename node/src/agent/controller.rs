@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{self, condition, reason as api_reason};
-use imp_api::{ImpVM, ImpVMClass, Lifecycle, RunnerStatus, VmPhase};
+use imp_api::{ImpNetwork, ImpVM, ImpVMClass, Lifecycle, RunnerStatus, VmPhase};
 use imp_common::SecretString;
 use imp_guest::host::{self, HostClient, HostError};
 use imp_guest::protocol::{ErrorCode, Exec, Exited};
@@ -317,6 +317,28 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
     let name = vm.name_any();
     let ns = vm.namespace().unwrap_or_default();
     let uid = vm.uid().ok_or(Error::Missing(".metadata.uid"))?;
+    let address = match spec::allocation(&vm) {
+        Ok(spec::Allocation::Pending) => {
+            // The operator writes the annotation once IPAM allocated; that change is a watch
+            // event, which brings the VM back here.
+            info!(vm = %name, "waiting for the VM's address (annotation {})", names::ANNOTATION_IP_ALLOCATION);
+            return Ok(());
+        }
+        Ok(spec::Allocation::NoNetwork) => None,
+        Ok(spec::Allocation::Allocated(a)) => Some(a),
+        Err(e) => {
+            fail(
+                ctx,
+                api,
+                &name,
+                api_reason::NETWORK_SETUP_FAILED,
+                &e.to_string(),
+                |p| matches!(p, Some(VmPhase::Scheduled | VmPhase::Starting)),
+            )
+            .await?;
+            return Ok(());
+        }
+    };
     let starting = status::update(api, &name, |vm, s| {
         if vm.metadata.deletion_timestamp.is_some()
             || !matches!(s.phase, Some(VmPhase::Scheduled | VmPhase::Starting))
@@ -382,7 +404,30 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
             }
         }
     }
-    let spec = match spec::vm_spec(&vm, &class.spec, &pull) {
+    let mut attachment = None;
+    if let (Some(address), Some(r)) = (address, &vm.spec.network_ref) {
+        let networks: Api<ImpNetwork> = Api::namespaced(ctx.client.clone(), &ns);
+        let found = match networks.get_opt(&r.name).await? {
+            None => Err(format!("ImpNetwork {ns}/{} not found", r.name)),
+            Some(net) => spec::attachment(&net, address).map_err(|e| e.to_string()),
+        };
+        match found {
+            Ok(a) => attachment = Some(a),
+            Err(msg) => {
+                fail(
+                    ctx,
+                    api,
+                    &name,
+                    api_reason::NETWORK_SETUP_FAILED,
+                    &msg,
+                    starting_only,
+                )
+                .await?;
+                return Ok(());
+            }
+        }
+    }
+    let spec = match spec::vm_spec(&vm, &class.spec, &pull, attachment) {
         Ok(s) => s,
         Err(e) => {
             fail(
@@ -406,6 +451,8 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
                 }
                 let now = Timestamp::now();
                 s.phase = Some(VmPhase::Running);
+                // ARCHITECTURE §3: the agent reports the guest's address once it runs.
+                s.ip = address.map(|a| a.addr().to_string());
                 s.boot_complete_time = Some(Time(now));
                 s.first_running_time.get_or_insert(Time(now));
                 conditions::set(

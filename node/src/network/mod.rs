@@ -13,6 +13,7 @@ pub mod plan;
 
 use std::net::Ipv4Addr;
 
+use crate::api::NetworkAttachment;
 use crate::tap::{TapError, fnv1a};
 
 /// What a VM network needs from the node; built from the ImpNetwork spec.
@@ -66,17 +67,79 @@ impl VmNetwork {
         })
     }
 
+    /// The network half of a runtime VM spec's attachment.
+    pub fn from_attachment(a: &NetworkAttachment) -> Self {
+        Self {
+            id: a.network_id.clone(),
+            subnet: a.address.trunc(),
+            gateway: a.gateway,
+            nat: a.nat,
+            egress_interface: a.egress_interface.clone(),
+            egress_allow: a.egress_allow.clone(),
+            egress_deny: a.egress_deny.clone(),
+        }
+    }
+
     /// The guest's kernel command-line words for address `ip` (docs/network.md).
-    pub fn boot_args(&self, ip: Ipv4Addr, mtu: Option<u32>, dns: &[String]) -> String {
+    pub fn boot_args(
+        &self,
+        ip: Ipv4Addr,
+        mtu: Option<u32>,
+        dns: &[impl std::fmt::Display],
+    ) -> String {
         let mut out = format!("imp.net={ip}/{},{}", self.subnet.prefix_len(), self.gateway);
         if let Some(mtu) = mtu {
             out.push_str(&format!(",{mtu}"));
         }
         if !dns.is_empty() {
+            let dns: Vec<String> = dns.iter().map(ToString::to_string).collect();
             out.push_str(&format!(" imp.dns={}", dns.join(",")));
         }
         out
     }
+}
+
+/// The guest's kernel command-line words for a runtime VM spec's attachment.
+pub fn boot_args(a: &NetworkAttachment) -> String {
+    VmNetwork::from_attachment(a).boot_args(a.address.addr(), a.mtu, &a.dns)
+}
+
+/// The node's whole desired state from its VMs' attachments (TAP, guest MAC, attachment), one
+/// [`Attachment`] per network in first-seen order. A network's settings are taken from its
+/// first VM: VMs started after an ImpNetwork changed carry the new spec, and the older
+/// ones keep the address they booted with either way.
+pub fn desired<'a>(
+    vms: impl IntoIterator<Item = (String, [u8; 6], &'a NetworkAttachment)>,
+) -> Vec<Attachment> {
+    let mut out: Vec<Attachment> = Vec::new();
+    for (tap, mac, a) in vms {
+        let port = Port {
+            tap,
+            mac,
+            ip: a.address.addr(),
+        };
+        match out.iter_mut().find(|x| x.network.id == a.network_id) {
+            Some(x) => x.ports.push(port),
+            None => out.push(Attachment {
+                network: VmNetwork::from_attachment(a),
+                ports: vec![port],
+            }),
+        }
+    }
+    out
+}
+
+/// Parse a MAC written `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let parts: Vec<u8> = s
+        .split(':')
+        .map(|p| {
+            (p.len() == 2)
+                .then(|| u8::from_str_radix(p, 16).ok())
+                .flatten()
+        })
+        .collect::<Option<_>>()?;
+    parts.try_into().ok()
 }
 
 /// One VM's attachment: its TAP, the MAC the guest uses and the address IPAM gave it.
@@ -177,13 +240,38 @@ pub enum NetworkError {
     Nft { step: &'static str, message: String },
 }
 
+impl NetworkError {
+    /// Stable label of the failing step (the `reason` of `imp_network_setup_failures_total`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            NetworkError::Socket(_) | NetworkError::Netlink { .. } => "netlink",
+            NetworkError::NoEgress { .. } => "no_egress",
+            NetworkError::EgressMissing { .. } => "egress_missing",
+            NetworkError::BadGateway { .. }
+            | NetworkError::BadAddress { .. }
+            | NetworkError::BadSpec { .. }
+            | NetworkError::TapConflict { .. } => "bad_spec",
+            NetworkError::Tap(_) => "tap",
+            NetworkError::Sysctl { .. } => "sysctl",
+            NetworkError::Nft { .. } => "nft",
+        }
+    }
+}
+
 /// Observe, plan and apply until the host matches `desired`; returns the actions taken (empty
 /// when the host already matched: a repeated setup is a no-op).
+///
+/// With no VM desired and no `impbr*` bridge on the host there is nothing of Imp's to remove
+/// (the nft tables are created after a bridge and deleted before the last one), so nft is not
+/// even asked: a node without networked VMs needs neither `nft` nor the privilege to run it.
 pub async fn reconcile(desired: &[Attachment]) -> Result<Vec<plan::Action>, NetworkError> {
     plan::validate(desired)?;
     let (connection, handle, _) = rtnetlink::new_connection().map_err(NetworkError::Socket)?;
     let conn = tokio::spawn(connection);
     let result = async {
+        if desired.iter().all(|a| a.ports.is_empty()) && !netlink::has_bridges(&handle).await? {
+            return Ok(Vec::new());
+        }
         let observed = netlink::observe(&handle).await?;
         let actions = plan::plan(desired, &observed)?;
         for action in &actions {
@@ -215,6 +303,59 @@ mod tests {
         assert_eq!(bridge_mac("n")[0] & 0b11, 0b10);
         assert_ne!(bridge_mac("n"), vm_mac("n"));
         assert_eq!(format_mac(&[6, 0, 0xa, 0, 0, 0xff]), "06:00:0a:00:00:ff");
+    }
+
+    fn attached(network_id: &str, address: &str) -> NetworkAttachment {
+        NetworkAttachment {
+            network_id: network_id.into(),
+            network_name: format!("ns/{network_id}"),
+            address: address.parse().unwrap(),
+            gateway: "198.51.100.1".parse().unwrap(),
+            dns: vec![],
+            mtu: None,
+            nat: true,
+            egress_interface: None,
+            egress_allow: vec![],
+            egress_deny: vec![],
+        }
+    }
+
+    #[test]
+    fn desired_groups_vms_by_network_in_first_seen_order() {
+        let (a1, b1, a2) = (
+            attached("net-a", "198.51.100.10/24"),
+            attached("net-b", "198.51.100.20/25"),
+            attached("net-a", "198.51.100.11/24"),
+        );
+        let d = desired([
+            ("t1".to_string(), [6, 0, 0, 0, 0, 1], &a1),
+            ("t2".to_string(), [6, 0, 0, 0, 0, 2], &b1),
+            ("t3".to_string(), [6, 0, 0, 0, 0, 3], &a2),
+        ]);
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[0].network, VmNetwork::from_attachment(&a1));
+        assert_eq!(d[0].network.subnet, "198.51.100.0/24".parse().unwrap());
+        assert_eq!(
+            d[0].ports
+                .iter()
+                .map(|p| (p.tap.as_str(), p.ip.to_string()))
+                .collect::<Vec<_>>(),
+            [
+                ("t1", "198.51.100.10".to_string()),
+                ("t3", "198.51.100.11".to_string())
+            ]
+        );
+        assert_eq!(d[1].network.subnet, "198.51.100.0/25".parse().unwrap());
+        assert_eq!(d[1].ports[0].mac, [6, 0, 0, 0, 0, 2]);
+        assert!(desired(std::iter::empty()).is_empty());
+        assert_eq!(boot_args(&a1), "imp.net=198.51.100.10/24,198.51.100.1");
+        assert_eq!(
+            parse_mac("06:00:0a:00:00:ff"),
+            Some([6, 0, 0xa, 0, 0, 0xff])
+        );
+        for bad in ["06:00:0a:00:00", "06:00:0a:00:00:fff", "zz:00:0a:00:00:01"] {
+            assert_eq!(parse_mac(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -71,7 +71,7 @@ fn write_sysctl(path: &Path, value: &str) -> Result<(), NetworkError> {
     })
 }
 
-pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
+async fn links(handle: &Handle) -> Result<Vec<Link>, NetworkError> {
     let msgs: Vec<LinkMessage> = handle
         .link()
         .get()
@@ -79,7 +79,11 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
         .try_collect()
         .await
         .map_err(nl("dump links"))?;
-    let mut links: Vec<Link> = msgs.iter().map(link_from).collect();
+    Ok(msgs.iter().map(link_from).collect())
+}
+
+pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
+    let mut links = links(handle).await?;
     let addrs: Vec<_> = handle
         .address()
         .get()
@@ -140,6 +144,11 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
         ip_forward,
         nft: nft::observe().await?,
     })
+}
+
+/// Whether any bridge named like Imp's exists (one link dump, no nft).
+pub async fn has_bridges(handle: &Handle) -> Result<bool, NetworkError> {
+    Ok(links(handle).await?.iter().any(Link::is_imp_bridge))
 }
 
 async fn index_of(handle: &Handle, name: &str) -> Result<u32, NetworkError> {

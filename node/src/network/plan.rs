@@ -24,6 +24,13 @@ pub struct Link {
     pub ipv6_disabled: bool,
 }
 
+impl Link {
+    /// A bridge named like Imp's (`impbr*`): Imp's to keep or delete.
+    pub fn is_imp_bridge(&self) -> bool {
+        self.name.starts_with(super::BRIDGE_PREFIX) && self.kind.as_deref() == Some("bridge")
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Observed {
     pub links: Vec<Link>,
@@ -263,8 +270,7 @@ pub fn plan(desired: &[Attachment], observed: &Observed) -> Result<Vec<Action>, 
         actions.push(Action::ReplaceNft { rules });
     }
     for l in &observed.links {
-        let ours = l.name.starts_with(super::BRIDGE_PREFIX) && l.kind.as_deref() == Some("bridge");
-        if ours && !wanted_bridges.contains(&l.name) {
+        if l.is_imp_bridge() && !wanted_bridges.contains(&l.name) {
             actions.push(Action::DeleteBridge {
                 bridge: l.name.clone(),
             });

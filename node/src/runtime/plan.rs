@@ -5,6 +5,7 @@
 use std::path::PathBuf;
 
 use crate::api::{Backend, VmSpec};
+use crate::network;
 
 /// Guest CID of every VM: each VM has its own vsock device, so CIDs need not differ.
 pub const GUEST_CID: u32 = 3;
@@ -69,11 +70,15 @@ pub struct HostFacts {
     pub vsock: PathBuf,
 }
 
-pub fn vm_plan(spec: &VmSpec, host: &HostFacts, backend: Backend) -> VmPlan {
+pub fn vm_plan(uid: &str, spec: &VmSpec, host: &HostFacts, backend: Backend) -> VmPlan {
     let mut boot_args = default_boot_args(backend).to_string();
     if host.writable_disk.is_some() {
         boot_args.push(' ');
         boot_args.push_str(OVERLAY_ARG);
+    }
+    if let Some(a) = spec.network.as_ref().and_then(|n| n.attachment.as_ref()) {
+        boot_args.push(' ');
+        boot_args.push_str(&network::boot_args(a));
     }
     if let Some(extra) = &spec.extra_boot_args {
         boot_args.push(' ');
@@ -99,11 +104,7 @@ pub fn vm_plan(spec: &VmSpec, host: &HostFacts, backend: Backend) -> VmPlan {
         .map(|t| NicPlan {
             id: "eth0",
             tap: t.clone(),
-            mac: spec
-                .network
-                .as_ref()
-                .and_then(|n| n.guest_mac.clone())
-                .unwrap_or_else(|| default_mac(t)),
+            mac: network::format_mac(&guest_mac(uid, spec)),
         })
         .collect();
     VmPlan {
@@ -119,17 +120,14 @@ pub fn vm_plan(spec: &VmSpec, host: &HostFacts, backend: Backend) -> VmPlan {
     }
 }
 
-/// A locally administered unicast MAC derived from the TAP name (whose last 8 characters are
-/// hex, see `tap::tap_name`); `06:00:00:00:00:00` for a name that is not.
-pub fn default_mac(tap: &str) -> String {
-    let h = tap
-        .len()
-        .checked_sub(8)
-        .and_then(|i| tap.get(i..))
-        .and_then(|hex| u32::from_str_radix(hex, 16).ok())
-        .unwrap_or(0);
-    let b = h.to_be_bytes();
-    format!("06:00:{:02x}:{:02x}:{:02x}:{:02x}", b[0], b[1], b[2], b[3])
+/// The guest NIC's MAC: the spec's (checked by `validate`), else one derived from the VM uid,
+/// the same one the bridge's anti-spoofing rules expect (docs/network.md).
+pub fn guest_mac(uid: &str, spec: &VmSpec) -> [u8; 6] {
+    spec.network
+        .as_ref()
+        .and_then(|n| n.guest_mac.as_deref())
+        .and_then(network::parse_mac)
+        .unwrap_or_else(|| network::vm_mac(uid))
 }
 
 #[cfg(test)]
@@ -164,7 +162,7 @@ mod tests {
 
     #[test]
     fn bare_vm_boots_the_default_command_line_from_one_read_only_root() {
-        let p = vm_plan(&spec(), &host(), Backend::Firecracker);
+        let p = vm_plan("a", &spec(), &host(), Backend::Firecracker);
         assert_eq!(p.boot_args, DEFAULT_BOOT_ARGS);
         assert_eq!(
             p.drives,
@@ -183,17 +181,15 @@ mod tests {
     #[test]
     fn writable_drive_is_vdb_and_named_on_the_command_line_before_extra_args() {
         let mut s = spec();
-        s.extra_boot_args = Some("ip=192.0.2.2::192.0.2.1:255.255.255.0".into());
+        s.extra_boot_args = Some("imp.hostname=runner-1".into());
         let h = HostFacts {
             writable_disk: Some("/vms/a/writable.img".into()),
             ..host()
         };
-        let p = vm_plan(&s, &h, Backend::Firecracker);
+        let p = vm_plan("a", &s, &h, Backend::Firecracker);
         assert_eq!(
             p.boot_args,
-            format!(
-                "{DEFAULT_BOOT_ARGS} imp.overlay=/dev/vdb ip=192.0.2.2::192.0.2.1:255.255.255.0"
-            )
+            format!("{DEFAULT_BOOT_ARGS} imp.overlay=/dev/vdb imp.hostname=runner-1")
         );
         assert_eq!(p.drives.len(), 2);
         assert_eq!(p.drives[1].id, "writable");
@@ -201,21 +197,21 @@ mod tests {
     }
 
     #[test]
-    fn nic_takes_the_spec_mac_or_one_derived_from_the_tap() {
+    fn nic_takes_the_spec_mac_or_the_one_derived_from_the_vm_uid() {
         let mut s = spec();
-        s.network = Some(NetworkSpec { guest_mac: None });
+        s.network = Some(NetworkSpec {
+            guest_mac: None,
+            attachment: None,
+        });
         let h = HostFacts {
             tap: Some("imp0012abcdef".into()),
             ..host()
         };
-        assert_eq!(
-            vm_plan(&s, &h, Backend::Firecracker).nics[0].mac,
-            "06:00:12:ab:cd:ef"
-        );
-        s.network = Some(NetworkSpec {
-            guest_mac: Some("06:00:0a:00:00:02".into()),
-        });
-        let p = vm_plan(&s, &h, Backend::Firecracker);
+        let p = vm_plan("vm-1", &s, &h, Backend::Firecracker);
+        assert_eq!(p.nics[0].mac, network::format_mac(&network::vm_mac("vm-1")));
+        assert_eq!(p.boot_args, DEFAULT_BOOT_ARGS, "a bare TAP adds no words");
+        s.network.as_mut().unwrap().guest_mac = Some("06:00:0a:00:00:02".into());
+        let p = vm_plan("vm-1", &s, &h, Backend::Firecracker);
         assert_eq!(
             p.nics,
             vec![NicPlan {
@@ -224,22 +220,62 @@ mod tests {
                 mac: "06:00:0a:00:00:02".into()
             }]
         );
+        assert_eq!(guest_mac("vm-1", &s), [6, 0, 0xa, 0, 0, 2]);
+    }
+
+    #[test]
+    fn attached_vm_gets_imp_net_and_imp_dns_after_the_overlay_and_before_extra_args() {
+        let mut s = spec();
+        s.extra_boot_args = Some("imp.hostname=r".into());
+        s.network = Some(NetworkSpec {
+            guest_mac: None,
+            attachment: Some(crate::api::NetworkAttachment {
+                network_id: "net-uid".into(),
+                network_name: "ci/runners".into(),
+                address: "198.51.100.7/24".parse().unwrap(),
+                gateway: "198.51.100.1".parse().unwrap(),
+                dns: vec![
+                    "198.51.100.1".parse().unwrap(),
+                    "192.0.2.53".parse().unwrap(),
+                ],
+                mtu: Some(1400),
+                nat: true,
+                egress_interface: None,
+                egress_allow: vec![],
+                egress_deny: vec![],
+            }),
+        });
+        let h = HostFacts {
+            writable_disk: Some("/vms/a/writable.img".into()),
+            tap: Some("imp0012abcdef".into()),
+            ..host()
+        };
+        let p = vm_plan("a", &s, &h, Backend::Qemu);
+        assert_eq!(
+            p.boot_args,
+            format!(
+                "{QEMU_BOOT_ARGS} imp.overlay=/dev/vdb imp.net=198.51.100.7/24,198.51.100.1,1400 \
+                 imp.dns=198.51.100.1,192.0.2.53 imp.hostname=r"
+            )
+        );
+        // What the guest's own parser makes of it.
+        let guest = imp_guest::pid1::cmdline::parse(&p.boot_args).unwrap();
+        let net = guest.net.unwrap();
+        assert_eq!(
+            net.address,
+            "198.51.100.7".parse::<std::net::Ipv4Addr>().unwrap()
+        );
+        assert_eq!((net.prefix, net.mtu), (24, Some(1400)));
     }
 
     #[test]
     fn qemu_vms_boot_with_pci_and_the_same_guest_arguments() {
-        let p = vm_plan(&spec(), &host(), Backend::Qemu);
+        let p = vm_plan("a", &spec(), &host(), Backend::Qemu);
         assert!(!p.boot_args.contains("pci=off"), "{}", p.boot_args);
         assert!(p.boot_args.contains("init=/sbin/imp-guest imp.halt=reboot"));
         assert_eq!(
             p.drives,
-            vm_plan(&spec(), &host(), Backend::Firecracker).drives
+            vm_plan("a", &spec(), &host(), Backend::Firecracker).drives
         );
-    }
-
-    #[test]
-    fn default_mac_of_a_short_or_non_hex_name_is_all_zero_host_part() {
-        assert_eq!(default_mac("tap0"), "06:00:00:00:00:00");
-        assert_eq!(default_mac("impzzzzzzzz"), "06:00:00:00:00:00");
     }
 }

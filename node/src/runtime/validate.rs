@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::api::VmSpec;
+use crate::api::{NetworkAttachment, VmSpec};
 
 const MAX_UID_LEN: usize = 63;
 /// Firecracker's ceiling, kept for every backend so a spec means the same everywhere.
@@ -95,6 +95,78 @@ pub fn spec(spec: &VmSpec) -> Result<(), Invalid> {
                 format!("{mac:?} is not a MAC address"),
             ));
         }
+    }
+    if let Some(a) = spec.network.as_ref().and_then(|n| n.attachment.as_ref()) {
+        attachment(a)?;
+    }
+    Ok(())
+}
+
+/// The guest's parser accepts MTUs in this range (guest/src/pid1/cmdline.rs).
+const MTU_RANGE: std::ops::RangeInclusive<u32> = 68..=65535;
+const MAX_DNS: usize = 8;
+
+fn attachment(a: &NetworkAttachment) -> Result<(), Invalid> {
+    if a.network_id.is_empty() || a.network_id.len() > 253 {
+        return Err(invalid(
+            "network.attachment.network_id",
+            "1-253 characters (the ImpNetwork's uid)".into(),
+        ));
+    }
+    let subnet = a.address.trunc();
+    let host = |ip: &std::net::Ipv4Addr| {
+        subnet.contains(ip) && *ip != subnet.network() && *ip != subnet.broadcast()
+    };
+    if a.address.prefix_len() > 30 {
+        return Err(invalid(
+            "network.attachment.address",
+            format!("{}: the prefix must be at most 30", a.address),
+        ));
+    }
+    if !host(&a.gateway) {
+        return Err(invalid(
+            "network.attachment.gateway",
+            format!("{} is not a host address of {subnet}", a.gateway),
+        ));
+    }
+    if !host(&a.address.addr()) || a.address.addr() == a.gateway {
+        return Err(invalid(
+            "network.attachment.address",
+            format!(
+                "{} is not a host address of {subnet} other than the gateway",
+                a.address.addr()
+            ),
+        ));
+    }
+    if a.dns.len() > MAX_DNS {
+        return Err(invalid(
+            "network.attachment.dns",
+            format!("at most {MAX_DNS} resolvers"),
+        ));
+    }
+    if let Some(mtu) = a.mtu
+        && !MTU_RANGE.contains(&mtu)
+    {
+        return Err(invalid(
+            "network.attachment.mtu",
+            format!(
+                "{mtu} is outside {}..={}",
+                MTU_RANGE.start(),
+                MTU_RANGE.end()
+            ),
+        ));
+    }
+    if let Some(i) = &a.egress_interface
+        && (i.is_empty()
+            || i.len() > 15
+            || !i
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b)))
+    {
+        return Err(invalid(
+            "network.attachment.egress_interface",
+            format!("{i:?} is not an interface name"),
+        ));
     }
     Ok(())
 }
@@ -241,11 +313,74 @@ mod tests {
         assert_eq!(
             field_of(VmSpec {
                 network: Some(NetworkSpec {
-                    guest_mac: Some("06:00:0a:00:00".into())
+                    guest_mac: Some("06:00:0a:00:00".into()),
+                    attachment: None,
                 }),
                 ..ok_spec()
             }),
             "network.guest_mac"
+        );
+    }
+
+    fn attached(edit: impl FnOnce(&mut NetworkAttachment)) -> Result<(), Invalid> {
+        let mut a = NetworkAttachment {
+            network_id: "uid-1".into(),
+            network_name: "ci/runners".into(),
+            address: "198.51.100.7/24".parse().unwrap(),
+            gateway: "198.51.100.1".parse().unwrap(),
+            dns: vec!["198.51.100.1".parse().unwrap()],
+            mtu: Some(1500),
+            nat: true,
+            egress_interface: Some("eth0".into()),
+            egress_allow: vec![],
+            egress_deny: vec![],
+        };
+        edit(&mut a);
+        spec(&VmSpec {
+            network: Some(NetworkSpec {
+                guest_mac: None,
+                attachment: Some(a),
+            }),
+            ..ok_spec()
+        })
+    }
+
+    #[test]
+    fn each_bad_attachment_names_its_field() {
+        assert_eq!(attached(|_| {}), Ok(()));
+        let field = |edit: fn(&mut NetworkAttachment)| attached(edit).unwrap_err().field;
+        assert_eq!(
+            field(|a| a.network_id.clear()),
+            "network.attachment.network_id"
+        );
+        assert_eq!(
+            field(|a| a.gateway = "192.0.2.1".parse().unwrap()),
+            "network.attachment.gateway"
+        );
+        assert_eq!(
+            field(|a| a.gateway = "198.51.100.255".parse().unwrap()),
+            "network.attachment.gateway"
+        );
+        for bad in ["198.51.100.1/24", "198.51.100.0/24", "198.51.100.255/24"] {
+            let e = attached(|a| a.address = bad.parse().unwrap()).unwrap_err();
+            assert_eq!(e.field, "network.attachment.address", "{bad}");
+        }
+        assert_eq!(
+            field(|a| a.address = "198.51.100.1/31".parse().unwrap()),
+            "network.attachment.address"
+        );
+        assert_eq!(field(|a| a.mtu = Some(67)), "network.attachment.mtu");
+        assert_eq!(
+            field(|a| a.dns = vec!["192.0.2.1".parse().unwrap(); 9]),
+            "network.attachment.dns"
+        );
+        assert_eq!(
+            field(|a| a.egress_interface = Some("much-too-long-name".into())),
+            "network.attachment.egress_interface"
+        );
+        assert_eq!(
+            field(|a| a.egress_interface = Some("a/b".into())),
+            "network.attachment.egress_interface"
         );
     }
 

@@ -85,6 +85,9 @@ pub struct Harness {
     pub boot_timeout_secs: f64,
     /// More environment for imp-runtime (e.g. rootfs cache settings).
     pub extra_env: Vec<(String, String)>,
+    /// Run imp-runtime (and so its VMMs, TAPs and bridges) inside this network namespace
+    /// (`ip netns exec`, which also mounts that namespace's /sys); the test creates and removes it.
+    pub netns: Option<String>,
     runtime: Option<Child>,
     pub client: RuntimeClient,
     starts: u32,
@@ -122,6 +125,7 @@ impl Harness {
             behaviour: HashMap::new(),
             boot_timeout_secs: 20.0,
             extra_env: Vec::new(),
+            netns: None,
             runtime: None,
             dir,
             starts: 0,
@@ -151,7 +155,10 @@ impl Harness {
             kernel: None,
             initrd: None,
             extra_boot_args: None,
-            network: network.then_some(NetworkSpec { guest_mac: None }),
+            network: network.then_some(NetworkSpec {
+                guest_mac: None,
+                attachment: None,
+            }),
         }
     }
 
@@ -162,7 +169,16 @@ impl Harness {
         let log =
             std::fs::File::create(self.dir.path().join(format!("runtime-{}.log", self.starts)))
                 .unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_imp-runtime"));
+        let bin = env!("CARGO_BIN_EXE_imp-runtime");
+        let mut cmd = match &self.netns {
+            // `ip netns exec` execs the runtime: the child's pid is the runtime's.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin]);
+                c
+            }
+            None => Command::new(bin),
+        };
         cmd.env("IMP_RUNTIME_SOCKET", &self.socket)
             .env("IMP_STATE_DIR", &self.state_dir)
             .env("IMP_KERNEL", &self.kernel)
@@ -319,4 +335,87 @@ impl Drop for Harness {
 
 pub fn exists(p: &Path) -> bool {
     p.exists()
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A node namespace with an uplink to an "internet" namespace (node `up0` 192.0.2.2/24, default
+/// route via `wan0` 192.0.2.1), both created by the test and deleted on drop: where a runtime
+/// with networked VMs runs (`Harness::netns`). Drop it after the harness (declare it first).
+pub struct TestNetwork {
+    pub node: String,
+    pub inet: String,
+}
+
+impl TestNetwork {
+    pub fn new(prefix: &str) -> Self {
+        let id = std::process::id();
+        let net = TestNetwork {
+            node: format!("{prefix}-node-{id}"),
+            inet: format!("{prefix}-inet-{id}"),
+        };
+        for ns in [&net.node, &net.inet] {
+            ip(&["netns", "add", ns]);
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+        }
+        let (node, inet) = (net.node.as_str(), net.inet.as_str());
+        ip(&[
+            "-n", node, "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", inet,
+        ]);
+        ip(&["-n", node, "addr", "add", "192.0.2.2/24", "dev", "up0"]);
+        ip(&["-n", node, "link", "set", "up0", "up"]);
+        ip(&["-n", node, "route", "add", "default", "via", "192.0.2.1"]);
+        ip(&["-n", inet, "addr", "add", "192.0.2.1/24", "dev", "wan0"]);
+        ip(&["-n", inet, "link", "set", "wan0", "up"]);
+        net
+    }
+
+    /// Run `f` on a thread inside the node namespace (its sockets and child processes live
+    /// there); `f` may drive async code on its own runtime.
+    pub fn in_node<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let fd = std::fs::File::open(format!("/run/netns/{}", self.node)).unwrap();
+                nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+                f()
+            })
+            .join()
+            .unwrap()
+        })
+    }
+}
+
+impl Drop for TestNetwork {
+    fn drop(&mut self) {
+        for ns in [&self.inet, &self.node] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// Whether root-only network tests can run here; without root or `nft` they print why and
+/// return false, or fail under IMP_REQUIRE_ROOT=1.
+pub fn network_tests_can_run() -> bool {
+    let nft = Command::new("sh")
+        .args(["-c", "command -v nft"])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if is_root() && nft {
+        return true;
+    }
+    let why = "needs root and nft (nftables)";
+    assert!(
+        std::env::var("IMP_REQUIRE_ROOT").as_deref() != Ok("1"),
+        "IMP_REQUIRE_ROOT=1 but this test {why}"
+    );
+    println!("skipped: {why}");
+    false
 }
