@@ -397,7 +397,7 @@ impl Harness {
             s.boot_complete_time = Some(Time(now));
             s.first_running_time.get_or_insert(Time(now));
             s.ip = Some("10.64.0.2".into());
-            set_condition(
+            set_agent_condition(
                 s,
                 condition::READY,
                 ConditionStatus::True,
@@ -413,7 +413,7 @@ impl Harness {
             s.phase = Some(phase);
             s.reason = Some(reason.to_owned());
             s.message = Some("runner exited with code 1".into());
-            set_condition(
+            set_agent_condition(
                 s,
                 condition::READY,
                 ConditionStatus::False,
@@ -426,7 +426,7 @@ impl Harness {
     /// The agent finished teardown (process, TAP, IP, disk released).
     pub async fn agent_torn_down(&self, name: &str) -> ImpVM {
         self.agent_status(name, |s| {
-            set_condition(
+            set_agent_condition(
                 s,
                 condition::TORN_DOWN,
                 ConditionStatus::True,
@@ -600,7 +600,7 @@ pub fn cond(vm: &ImpVM, type_: &str) -> Option<(String, String)> {
 }
 
 /// Sets an ImpVM condition as the agent does (no message, no generation, now).
-fn set_condition(s: &mut ImpVMStatus, type_: &str, status: ConditionStatus, reason: &str) {
+fn set_agent_condition(s: &mut ImpVMStatus, type_: &str, status: ConditionStatus, reason: &str) {
     conditions::set(
         &mut s.conditions,
         type_,
