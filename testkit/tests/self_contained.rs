@@ -133,3 +133,47 @@ fn every_reference_file_has_its_origin_in_the_readme() {
         "reference files without a row (origin and licence) in reference/README.md: {unnamed:?}"
     );
 }
+
+/// A tracked symlink is part of the checkout only if it stays inside it: an absolute or escaping
+/// target (e.g. a worktree's `testenv/bin` pointing at another checkout) would make a clone read, and
+/// write, outside the repository.
+#[test]
+fn no_tracked_symlink_points_outside_the_checkout() {
+    let root = paths::workspace_root();
+    let mut escaping = Vec::new();
+    for file in tracked_files(&root) {
+        let path = root.join(&file);
+        let Ok(target) = std::fs::read_link(&path) else {
+            continue;
+        };
+        let parent = path.parent().expect("a tracked file has a parent");
+        let inside = !target.is_absolute() && path_is_below(&root, &parent.join(&target));
+        if !inside {
+            escaping.push(format!("{file} -> {}", target.display()));
+        }
+    }
+    assert!(
+        escaping.is_empty(),
+        "tracked symlinks that point outside the repository:\n{}",
+        escaping.join("\n")
+    );
+}
+
+/// Whether `path` (possibly with `..` parts, not resolved on disk) lies below `root`.
+fn path_is_below(root: &Path, path: &Path) -> bool {
+    let mut parts: Vec<std::ffi::OsString> = Vec::new();
+    for c in path.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                parts.pop();
+            }
+            std::path::Component::Normal(p) => parts.push(p.to_owned()),
+            std::path::Component::RootDir => parts.clear(),
+            _ => {}
+        }
+    }
+    let normal: std::path::PathBuf = std::iter::once(std::ffi::OsString::from("/"))
+        .chain(parts)
+        .collect();
+    normal.starts_with(root)
+}
