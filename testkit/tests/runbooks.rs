@@ -88,8 +88,8 @@ fn all_blocks() -> Vec<Block> {
     let mut blocks = Vec::new();
     for page in PAGES {
         let path = runbooks_dir().join(page);
-        let text =
-            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
         blocks.extend(sh_blocks(page, &text).unwrap_or_else(|e| panic!("runbooks/{e}")));
     }
     blocks
@@ -209,7 +209,9 @@ async fn runnable_commands_run_against_the_test_control_plane() {
     let mut opts = ControlPlaneOptions::in_temp_dir();
     // The chart installs Imp's CRDs (crds/), as on a real cluster.
     opts.install_imp_crds = false;
-    let cp = ControlPlane::start(opts).await.expect("start the control plane");
+    let cp = ControlPlane::start(opts)
+        .await
+        .expect("start the control plane");
     let work = tempfile::tempdir().unwrap();
     // Not a key GitHub issued: the Secret's content is never checked without GitHub.
     std::fs::write(
