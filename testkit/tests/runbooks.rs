@@ -123,44 +123,29 @@ fn markers_are_checked() {
     assert!(sh_blocks("p.md", "```sh\nx\n").is_err());
 }
 
-/// The Prometheus Operator's CRDs, reduced to what lets the chart's monitors and PrometheusRule be
-/// stored: a cluster with the Prometheus Operator has the full ones.
-const PROMETHEUS_OPERATOR_CRDS: &str = r#"
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata: {name: servicemonitors.monitoring.coreos.com}
-spec:
-  group: monitoring.coreos.com
-  scope: Namespaced
-  names: {kind: ServiceMonitor, listKind: ServiceMonitorList, plural: servicemonitors, singular: servicemonitor}
-  versions:
-    - {name: v1, served: true, storage: true, schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}}
----
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata: {name: podmonitors.monitoring.coreos.com}
-spec:
-  group: monitoring.coreos.com
-  scope: Namespaced
-  names: {kind: PodMonitor, listKind: PodMonitorList, plural: podmonitors, singular: podmonitor}
-  versions:
-    - {name: v1, served: true, storage: true, schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}}
----
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata: {name: prometheusrules.monitoring.coreos.com}
-spec:
-  group: monitoring.coreos.com
-  scope: Namespaced
-  names: {kind: PrometheusRule, listKind: PrometheusRuleList, plural: prometheusrules, singular: prometheusrule}
-  versions:
-    - {name: v1, served: true, storage: true, schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}}
----
-apiVersion: v1
-kind: Node
-metadata:
-  name: worker-1
-"#;
+/// The Prometheus Operator's CRDs (kind, plural), reduced to what lets the chart's monitors and
+/// PrometheusRule be stored: a cluster with the Prometheus Operator has the full ones.
+const PROMETHEUS_OPERATOR_KINDS: &[(&str, &str)] = &[
+    ("ServiceMonitor", "servicemonitors"),
+    ("PodMonitor", "podmonitors"),
+    ("PrometheusRule", "prometheusrules"),
+];
+
+/// The fixture objects: those CRDs and the Node the pages call worker-1 (runbooks/README.md).
+fn fixture_yaml() -> String {
+    let mut out = String::from("apiVersion: v1\nkind: Node\nmetadata: {name: worker-1}\n");
+    for (kind, plural) in PROMETHEUS_OPERATOR_KINDS {
+        let singular = kind.to_lowercase();
+        out.push_str(&format!(
+            "---\napiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\n\
+             metadata: {{name: {plural}.monitoring.coreos.com}}\nspec:\n  group: monitoring.coreos.com\n  \
+             scope: Namespaced\n  names: {{kind: {kind}, listKind: {kind}List, plural: {plural}, singular: {singular}}}\n  \
+             versions:\n    - {{name: v1, served: true, storage: true, schema: {{openAPIV3Schema: {{type: object, \
+             x-kubernetes-preserve-unknown-fields: true}}}}}}\n"
+        ));
+    }
+    out
+}
 
 fn digest_of(s: &str) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(s.as_bytes())))
@@ -222,7 +207,7 @@ async fn runnable_commands_run_against_the_test_control_plane() {
     let mut fixture = shell(work.path(), cp.kubeconfig_path());
     let out = fixture
         .args(["-c", "printf '%s' \"$0\" | kubectl apply -f -"])
-        .arg(PROMETHEUS_OPERATOR_CRDS)
+        .arg(fixture_yaml())
         .output()
         .unwrap();
     assert!(
@@ -230,11 +215,16 @@ async fn runnable_commands_run_against_the_test_control_plane() {
         "fixture: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let crds: Vec<String> = PROMETHEUS_OPERATOR_KINDS
+        .iter()
+        .map(|(_, plural)| format!("crd/{plural}.monitoring.coreos.com"))
+        .collect();
+    let wait = format!(
+        "kubectl wait --for=condition=Established --timeout=60s {}",
+        crds.join(" ")
+    );
     let out = shell(work.path(), cp.kubeconfig_path())
-        .args([
-            "-c",
-            "kubectl wait --for=condition=Established --timeout=60s crd/servicemonitors.monitoring.coreos.com crd/podmonitors.monitoring.coreos.com crd/prometheusrules.monitoring.coreos.com",
-        ])
+        .args(["-c", &wait])
         .output()
         .unwrap();
     assert!(out.status.success(), "fixture CRDs: {out:?}");
