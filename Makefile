@@ -2,10 +2,10 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint smoke clean-testenv
+.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint monitoring smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
-test: testenv lint unit guest-static guest-vm images chart-lint
+test: testenv lint unit guest-static guest-vm images chart-lint monitoring
 
 ## etcd, kube-apiserver, kube-controller-manager, kubectl and helm from their Go modules (incremental).
 testenv:
@@ -48,6 +48,13 @@ images: testenv guest-static
 ## file over them.
 chart-lint: testenv
 	for f in reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f reference/seed-examples/helm-values-seed.yaml -f "$$f" || exit 1; done
+
+## The Grafana dashboards and alert rules (helm/imp/dashboards, helm/imp/alerts): promtool parses every query
+## and runs the alert tests, then a real Prometheus scrapes a local smoke run and every panel must return
+## data. Needs Debian's prometheus (IMP_INSTALL_DEPS=1 installs it); skipped without it unless
+## IMP_REQUIRE_PROMETHEUS=1.
+monitoring: testenv
+	helm/monitoring-test.py
 
 ## The local smoke run: the runner lifecycle against the simulators and a real API server.
 smoke: testenv

@@ -59,6 +59,13 @@ cleanup() {
 trap cleanup EXIT
 # Runs "$@" every 0.5 s until it succeeds, for at most $1 seconds.
 wait_for() { local secs=$1; shift; for _ in $(seq 1 $((secs * 2))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
+# IMP_SMOKE_TARGETS_DIR (helm/monitoring-test.py): each process's metrics endpoint is written there as a
+# Prometheus file_sd target before it starts, and the processes stay up until a file `release` appears.
+target() {
+  [[ -n "${IMP_SMOKE_TARGETS_DIR:-}" ]] || return 0
+  printf '[{"targets":["%s"],"labels":{"job":"%s","namespace":"imp-system"%s}}]\n' "$2" "$1" "${3:+,\"node\":\"$3\"}" \
+    >"$IMP_SMOKE_TARGETS_DIR/.$1" && mv "$IMP_SMOKE_TARGETS_DIR/.$1" "$IMP_SMOKE_TARGETS_DIR/$1.json"
+}
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 "$repo/testenv/build.sh" >/dev/null || fail "testenv build (testenv/build.sh)"
@@ -74,6 +81,7 @@ kubectl() { "$repo/testenv/bin/kubectl" "$@"; }
 pass "control plane up (etcd, kube-apiserver, kube-controller-manager) with Imp's CRDs"
 
 op_port=$(free_port)
+target imp-operator "127.0.0.1:$op_port"
 "$bin/github-sim" --org acme --repo acme/app --secret-dir "$work/app" --webhook-url "http://127.0.0.1:$op_port/webhooks/github" \
   >"$work/sim.out" 2>"$work/sim.err" &
 pids+=($!)
@@ -150,12 +158,14 @@ pass "runner VM $vm scheduled onto smoke-node (phase $(kubectl get impvm "$vm" -
 # The node's two processes: imp-runtime (Firecracker simulator: imp-guest runs as a host process, so the
 # runner command is a host binary) and imp-agent, whose runner is imp-fake-runner against the GitHub simulator.
 : >"$work/vmlinux"
+runtime_metrics="127.0.0.1:$(free_port)" agent_port=$(free_port)
+target imp-runtime "$runtime_metrics" smoke-node
+target imp-agent "127.0.0.1:$agent_port" smoke-node
 IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_STATE_DIR="$work/node-state" IMP_KERNEL="$work/vmlinux" \
-  IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="127.0.0.1:$(free_port)" \
+  IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="$runtime_metrics" \
   IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >"$work/runtime.log" 2>&1 &
 pids+=($!); runtime_pid=$!
 wait_for 20 curl -sf --unix-socket "$work/runtime.sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
-agent_port=$(free_port)
 IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_HEARTBEAT_INTERVAL=2s \
   IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
   "$bin/imp-agent" >"$work/agent.log" 2>&1 &
@@ -182,6 +192,10 @@ pass "runner VM $vm deleted by the pool after TornDown; imp-runtime released it"
 replaced() { kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[*].metadata.name}' | tr ' ' '\n' | grep -v "^$vm\$" | grep -q .; }
 wait_for 30 replaced || fail "the pool did not replace the finished runner VM"
 pass "the pool replaced the runner (minIdle 1)"
+if [[ -n "${IMP_SMOKE_TARGETS_DIR:-}" ]]; then
+  : >"$IMP_SMOKE_TARGETS_DIR/holding"
+  wait_for 600 test -e "$IMP_SMOKE_TARGETS_DIR/release" || fail "no $IMP_SMOKE_TARGETS_DIR/release within 10 min"
+fi
 # SIGTERM is what the kubelet sends: each binary stops gracefully (exit 0, its "stopped" line), and its
 # log file, not a terminal, holds no ANSI escape codes.
 for name in agent runtime operator; do

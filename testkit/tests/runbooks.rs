@@ -1,0 +1,266 @@
+//! runbooks/: every runnable ` ```sh ` block runs against a real API server, and every reason Imp writes
+//! has a section in failures.md. Conventions (markers, variables): runbooks/README.md.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use imp_api::names::reason;
+use imp_testkit::{
+    controlplane::{ControlPlane, ControlPlaneOptions},
+    paths,
+};
+use sha2::{Digest, Sha256};
+
+/// The pages in the order an operator follows them (Day 2 reuses Day 0's values file).
+const PAGES: &[&str] = &[
+    "day0-install.md",
+    "day1-operations.md",
+    "day2-upgrades.md",
+    "failures.md",
+];
+/// Info-string markers of blocks that need more than the test control plane.
+const NEEDS: &[&str] = &["needs-github", "needs-node", "needs-cluster"];
+
+fn runbooks_dir() -> PathBuf {
+    paths::workspace_root().join("runbooks")
+}
+
+#[derive(Debug)]
+struct Block {
+    page: String,
+    line: usize,
+    /// `None`: runnable; `Some(marker)`: shown, not run.
+    needs: Option<String>,
+    script: String,
+}
+
+/// The ` ```sh ` blocks of one page. A `sh` block with an info string other than a NEEDS marker is an
+/// error naming its line.
+fn sh_blocks(page: &str, text: &str) -> Result<Vec<Block>, String> {
+    let mut blocks = Vec::new();
+    let mut lines = text.lines().enumerate();
+    while let Some((i, line)) = lines.next() {
+        let Some(info) = line.trim_start().strip_prefix("```") else {
+            continue;
+        };
+        let mut words = info.split_whitespace();
+        let lang = words.next();
+        let rest: Vec<&str> = words.collect();
+        let mut body = String::new();
+        let mut closed = false;
+        for (_, l) in lines.by_ref() {
+            if l.trim_start().starts_with("```") {
+                closed = true;
+                break;
+            }
+            body.push_str(l);
+            body.push('\n');
+        }
+        if !closed {
+            return Err(format!("{page}:{}: unclosed code block", i + 1));
+        }
+        if lang != Some("sh") {
+            continue;
+        }
+        let needs = match rest.as_slice() {
+            [] => None,
+            [marker] if NEEDS.contains(marker) => Some((*marker).to_owned()),
+            other => {
+                return Err(format!(
+                    "{page}:{}: sh block marked {other:?}; use one of {NEEDS:?} or none (runbooks/README.md)",
+                    i + 1
+                ));
+            }
+        };
+        blocks.push(Block {
+            page: page.to_owned(),
+            line: i + 1,
+            needs,
+            script: body,
+        });
+    }
+    Ok(blocks)
+}
+
+fn all_blocks() -> Vec<Block> {
+    let mut blocks = Vec::new();
+    for page in PAGES {
+        let path = runbooks_dir().join(page);
+        let text = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        blocks.extend(sh_blocks(page, &text).unwrap_or_else(|e| panic!("runbooks/{e}")));
+    }
+    blocks
+}
+
+#[test]
+fn every_reason_has_a_failure_section() {
+    let path = runbooks_dir().join("failures.md");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let missing: Vec<&str> = reason::ALL
+        .iter()
+        .map(|r| r.value)
+        .filter(|v| !text.lines().any(|l| l == format!("### `{v}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "runbooks/failures.md has no `### `Reason`` section for {missing:?} (imp_api::names::reason::ALL)"
+    );
+}
+
+#[test]
+fn markers_are_checked() {
+    let ok = "```sh\nkubectl get ns\n```\n```sh needs-github\ngh api /\n```\n```yaml\na: 1\n```\n";
+    let blocks = sh_blocks("p.md", ok).unwrap();
+    assert_eq!(blocks.len(), 2);
+    assert_eq!(blocks[0].needs, None);
+    assert_eq!(blocks[0].script, "kubectl get ns\n");
+    assert_eq!(blocks[1].needs.as_deref(), Some("needs-github"));
+    let err = sh_blocks("p.md", "text\n```sh needs-cloud\nx\n```\n").unwrap_err();
+    assert!(err.starts_with("p.md:2:"), "{err}");
+    assert!(sh_blocks("p.md", "```sh\nx\n").is_err());
+}
+
+/// The Prometheus Operator's CRDs (kind, plural), reduced to what lets the chart's monitors and
+/// PrometheusRule be stored: a cluster with the Prometheus Operator has the full ones.
+const PROMETHEUS_OPERATOR_KINDS: &[(&str, &str)] = &[
+    ("ServiceMonitor", "servicemonitors"),
+    ("PodMonitor", "podmonitors"),
+    ("PrometheusRule", "prometheusrules"),
+];
+
+/// The fixture objects: those CRDs and the Node the pages call worker-1 (runbooks/README.md).
+fn fixture_yaml() -> String {
+    let mut out = String::from("apiVersion: v1\nkind: Node\nmetadata: {name: worker-1}\n");
+    for (kind, plural) in PROMETHEUS_OPERATOR_KINDS {
+        let singular = kind.to_lowercase();
+        out.push_str(&format!(
+            "---\napiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\n\
+             metadata: {{name: {plural}.monitoring.coreos.com}}\nspec:\n  group: monitoring.coreos.com\n  \
+             scope: Namespaced\n  names: {{kind: {kind}, listKind: {kind}List, plural: {plural}, singular: {singular}}}\n  \
+             versions:\n    - {{name: v1, served: true, storage: true, schema: {{openAPIV3Schema: {{type: object, \
+             x-kubernetes-preserve-unknown-fields: true}}}}}}\n"
+        ));
+    }
+    out
+}
+
+fn digest_of(s: &str) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(s.as_bytes())))
+}
+
+fn chart_version() -> String {
+    let chart = std::fs::read_to_string(paths::chart_dir().join("Chart.yaml")).unwrap();
+    chart
+        .lines()
+        .find_map(|l| l.strip_prefix("version:"))
+        .map(|v| v.trim().trim_matches('"').to_owned())
+        .expect("helm/imp/Chart.yaml has a version")
+}
+
+/// bash with the runbooks' variables (runbooks/README.md), testenv/bin first on PATH, in `work`.
+fn shell(work: &Path, kubeconfig: &Path) -> Command {
+    let mut cmd = Command::new("bash");
+    let path = format!(
+        "{}:{}",
+        paths::testenv_bin_dir().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    cmd.current_dir(work)
+        .env("PATH", path)
+        .env("KUBECONFIG", kubeconfig)
+        .env("HELM_CACHE_HOME", work.join(".helm/cache"))
+        .env("HELM_CONFIG_HOME", work.join(".helm/config"))
+        .env("HELM_DATA_HOME", work.join(".helm/data"))
+        .env("CHART", paths::chart_dir())
+        .env("IMP_VERSION", chart_version())
+        .env("OPERATOR_DIGEST", digest_of("imp-operator"))
+        .env("AGENT_DIGEST", digest_of("imp-agent"))
+        .env("RUNTIME_DIGEST", digest_of("imp-runtime"))
+        .env("NODE", "worker-1")
+        .env("APP_ID", "123456")
+        .env("INSTALLATION_ID", "7890123")
+        .env("APP_KEY", work.join("imp-app.private-key.pem"))
+        .env("WEBHOOK_SECRET", uuid::Uuid::new_v4().simple().to_string())
+        .env("GITHUB_ORG", "acme");
+    cmd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn runnable_commands_run_against_the_test_control_plane() {
+    let blocks = all_blocks();
+    let mut opts = ControlPlaneOptions::in_temp_dir();
+    // The chart installs Imp's CRDs (crds/), as on a real cluster.
+    opts.install_imp_crds = false;
+    let cp = ControlPlane::start(opts)
+        .await
+        .expect("start the control plane");
+    let work = tempfile::tempdir().unwrap();
+    // Not a key GitHub issued: the Secret's content is never checked without GitHub.
+    std::fs::write(
+        work.path().join("imp-app.private-key.pem"),
+        "-----BEGIN RSA PRIVATE KEY-----\ntest\n-----END RSA PRIVATE KEY-----\n",
+    )
+    .unwrap();
+    let mut fixture = shell(work.path(), cp.kubeconfig_path());
+    let out = fixture
+        .args(["-c", "printf '%s' \"$0\" | kubectl apply -f -"])
+        .arg(fixture_yaml())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "fixture: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let crds: Vec<String> = PROMETHEUS_OPERATOR_KINDS
+        .iter()
+        .map(|(_, plural)| format!("crd/{plural}.monitoring.coreos.com"))
+        .collect();
+    let wait = format!(
+        "kubectl wait --for=condition=Established --timeout=60s {}",
+        crds.join(" ")
+    );
+    let out = shell(work.path(), cp.kubeconfig_path())
+        .args(["-c", &wait])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "fixture CRDs: {out:?}");
+
+    let (mut ran, mut shown) = (0, Vec::new());
+    for b in &blocks {
+        if let Some(needs) = &b.needs {
+            shown.push(format!("{}:{} ({needs})", b.page, b.line));
+            continue;
+        }
+        let out = shell(work.path(), cp.kubeconfig_path())
+            .args(["-euo", "pipefail", "-c", &b.script])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "runbooks/{}:{}: the block exited {}\n--- block\n{}--- stdout\n{}--- stderr\n{}",
+            b.page,
+            b.line,
+            out.status,
+            b.script,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ran += 1;
+    }
+    println!(
+        "ran {ran} runbook blocks; {} need more than the test control plane: {}",
+        shown.len(),
+        shown.join(", ")
+    );
+    assert!(ran >= 10, "only {ran} runnable blocks found in {PAGES:?}");
+    for page in PAGES.iter().filter(|p| **p != "failures.md") {
+        assert!(
+            blocks.iter().any(|b| b.page == *page && b.needs.is_none()),
+            "runbooks/{page} has no runnable block"
+        );
+    }
+}
