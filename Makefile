@@ -50,10 +50,11 @@ chart-lint: testenv
 	for f in reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f reference/seed-examples/helm-values-seed.yaml -f "$$f" || exit 1; done
 
 ## The local smoke run (root): the runner lifecycle against the simulators and a real API server, in a
-## network namespace of its own; prints a per-phase timeline (JSON in target/imp-smoke/report.json) and
-## fails if anything of its own is left. About 35 s on a warm tree (in make test: builds nothing new).
+## network namespace of its own; prints a per-phase timeline (JSON in target/imp-smoke/report.json), then
+## the chaos scenarios and their invariants (imp-chaos-check), and fails if anything of its own is left.
+## About 35 s without --chaos, 100 s with it, on a warm tree.
 smoke: testenv
-	smoke/imp-smoke.sh --local
+	smoke/imp-smoke.sh --local --chaos
 
 clean-testenv:
 	rm -rf testenv/bin

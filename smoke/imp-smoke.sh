@@ -10,13 +10,16 @@
 #       that nothing of its own is left (processes, links, nft tables, VM files, ImpVMs, JIT Secrets,
 #       IP allocations, GitHub registrations) and fails if anything is.
 #       --record FILE also writes the run as an asciicast v2 file (asciinema play FILE).
+#       --chaos adds the chaos scenarios (forged, duplicated, lost and reordered webhooks, GitHub 5xx and
+#       429 bursts, kill -9 of imp-agent, imp-runtime and imp-operator at the handoff phases) and checks
+#       the invariants over all of them (imp-chaos-check, testkit/src/chaos).
 #   smoke/imp-smoke.sh --cluster [--namespace imp-system] [--pool-namespace default --pool imp]
 #       Checks an installation on the current kubectl context: CRDs, operator, node agents, the pool's
 #       conditions. Then run smoke/workflow.yaml in a repository the pool serves.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 self="$repo/smoke/imp-smoke.sh"
-mode="" namespace="imp-system" pool_ns="default" pool="imp" record="" report="" work=""
+mode="" namespace="imp-system" pool_ns="default" pool="imp" record="" report="" work="" chaos=0
 passthru=()
 while (($#)); do
   case "$1" in
@@ -26,9 +29,10 @@ while (($#)); do
     --pool-namespace) pool_ns="$2"; passthru+=("$1" "$2"); shift ;;
     --pool) pool="$2"; passthru+=("$1" "$2"); shift ;;
     --record) record="$2"; shift ;;
+    --chaos) chaos=1; passthru+=("$1") ;;
     --report) report="$2"; passthru+=("$1" "$2"); shift ;;
     --inside) mode=inside; work="$2"; shift ;; # internal: the stages, run inside the smoke's netns
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "imp-smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -105,7 +109,8 @@ if [[ "$mode" == local ]]; then
   code=0
   # `ip netns exec`, not `nsenter --net`: it also mounts a sysfs of the namespace, and imp-runtime reads
   # links under /sys/class/net (under nsenter it saw the host's and skipped deleting its TAPs).
-  ip netns exec "$ns" "$self" --inside "$work" --report "$report" || code=$?
+  inner=(--inside "$work" --report "$report"); ((chaos)) && inner+=(--chaos)
+  ip netns exec "$ns" "$self" "${inner[@]}" || code=$?
 
   # The leak check: everything below must be gone after the stages, on success and on failure.
   leaks=()
@@ -219,17 +224,31 @@ pass "node smoke-node Ready with a fresh agent Lease"
 # runner command is a host binary) and imp-agent, whose runner is imp-fake-runner against the GitHub simulator.
 : >"$work/vmlinux"
 runtime_metrics="127.0.0.1:$(free_port)"
-IMP_RUNTIME_SOCKET="$runtime_sock" IMP_STATE_DIR="$work/node-state" IMP_KERNEL="$work/vmlinux" \
-  IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="$runtime_metrics" \
-  IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >"$work/runtime.log" 2>&1 &
-pids+=($!); runtime_pid=$!
-wait_for 20 curl -sf --unix-socket "$runtime_sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
 agent_port=$(free_port)
-IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$runtime_sock" IMP_HEARTBEAT_INTERVAL=2s \
-  IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
-  "$bin/imp-agent" >"$work/agent.log" 2>&1 &
-pids+=($!); agent_pid=$!
-wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
+# Each process starts through its function, so a chaos scenario can start it again after a kill -9
+# (logs append).
+start_runtime() {
+  IMP_RUNTIME_SOCKET="$runtime_sock" IMP_STATE_DIR="$work/node-state" IMP_KERNEL="$work/vmlinux" \
+    IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="$runtime_metrics" \
+    IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >>"$work/runtime.log" 2>&1 &
+  pids+=($!); runtime_pid=$!
+  wait_for 20 curl -sf --unix-socket "$runtime_sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
+}
+start_agent() {
+  IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$runtime_sock" IMP_HEARTBEAT_INTERVAL=2s \
+    IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
+    "$bin/imp-agent" >>"$work/agent.log" 2>&1 &
+  pids+=($!); agent_pid=$!
+  wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
+}
+start_operator() {
+  IMP_HTTP_ADDR="127.0.0.1:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
+    IMP_GITHUB_API_URL="$sim" "$bin/imp-operator" >>"$work/operator.log" 2>&1 &
+  pids+=($!); operator_pid=$!
+  wait_for 30 curl -sf "http://127.0.0.1:$op_port/readyz" || fail "imp-operator not ready: $(tail -3 "$work/operator.log")"
+}
+start_runtime
+start_agent
 pass "imp-runtime (Firecracker simulator) and imp-agent started for smoke-node"
 
 # The manifest's network moves to TEST-NET-1 (the smoke's namespace routes nothing else).
@@ -240,10 +259,7 @@ grep -q 'subnet: 192.0.2.0/24' "$work/runner-pool.yaml" || fail "smoke/manifests
 kubectl apply -f "$work/runner-pool.yaml" >/dev/null || fail "applying smoke/manifests/runner-pool.yaml (images pointed at the local registry)"
 pass "GitHub App Secret, webhook Secret, class, network (192.0.2.0/24) and runner pool accepted by the API server"
 
-IMP_HTTP_ADDR="127.0.0.1:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
-  IMP_GITHUB_API_URL="$sim" "$bin/imp-operator" >"$work/operator.log" 2>&1 &
-pids+=($!); operator_pid=$!
-wait_for 30 curl -sf "http://127.0.0.1:$op_port/readyz" || fail "imp-operator not ready: $(tail -3 "$work/operator.log")"
+start_operator
 pass "imp-operator ready (ImpVM controller, runner-pool controller, webhook receiver)"
 
 # minIdle 1: one runner VM with a one-time JIT config Secret owned by it, registered at the simulator.
@@ -300,6 +316,97 @@ timeline report --out "$report" --path simulated --vm "$vm" --replacement "$(rep
   --accepted-at "$accepted_at" --runtime-metrics "$work/runtime.metrics" || fail "the timeline misses phases (above)"
 pass "timeline of every phase (above; JSON in $report)"
 
+jobs_queued=("$job")
+jits=("$jitconfig")
+captured=("secret/$secret")
+if [[ $chaos == 1 ]]; then
+  # Chaos scenarios, cheapest on the simulators first. Each queues its job(s) and settles: every job
+  # completed and the pool back to an idle started runner. The invariants over all of them (nothing
+  # left, each job served by a runner of its own, no JIT config in any log) are checked after the
+  # pool is deleted, by imp-chaos-check.
+  # Records each new JIT config (in memory only) while its Secret exists, for the log check.
+  capture_jits() {
+    local s v
+    for s in $(kubectl get secret -l imp.dev/secret-kind=jitconfig -o name 2>/dev/null); do
+      [[ " ${captured[*]} " == *" $s "* ]] && continue
+      v=$(kubectl get "$s" -o jsonpath='{.data.jitconfig}' 2>/dev/null | base64 -d) || continue
+      [[ -n "$v" ]] && captured+=("$s") && jits+=("$v")
+    done
+  }
+  queue_job() { curl -sf -X POST -H 'content-type: application/json' -d '{"labels":["self-hosted","imp"]}' "$sim/_admin/jobs" | jq -r .id; }
+  idle_runner() {
+    kubectl get impvm -l imp.dev/runner-pool=imp -o json \
+      | jq -er '[.items[] | select(.metadata.deletionTimestamp == null and .status.runner.handoff == "Started")][0].metadata.name'
+  }
+  completed() { local j; for j; do [[ "$(curl -sf "$sim/_admin/jobs/$j" | jq -r .status)" == completed ]] || return 1; done; }
+  # settle SECS JOB...: the jobs completed and an idle runner started again.
+  settle() {
+    local until=$((SECONDS + $1)); shift
+    jobs_queued+=("$@")
+    until capture_jits; completed "$@" && idle_runner >/dev/null 2>&1; do
+      ((SECONDS < until)) || return 1
+      sleep 0.5
+    done
+  }
+  metric_at_least() { curl -sf "http://127.0.0.1:$op_port/metrics" | awk -v m="$1" -v n="$2" '$1 == m && $2 >= n {ok=1} END {exit !ok}'; }
+  sim_fault() { curl -sf -X POST -H 'content-type: application/json' -d "$2" "$sim/_admin/$1" >/dev/null; }
+  settled() { printf 'PASS  chaos: %s (settled in %ss)\n' "$1" "$((SECONDS - t0))"; }
+  why() { echo "jobs $(curl -sf "$sim/_admin/jobs" | jq -c '[.[] | {id, status}]'); VMs $(kubectl get impvm -o jsonpath='{range .items[*]}{.metadata.name}={.status.phase}/{.status.runner.handoff} {end}')"; }
+
+  t0=$SECONDS
+  vms_before=$(kubectl get impvm -o name | wc -l)
+  code=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'content-type: application/json' -H 'x-github-event: workflow_job' \
+    -H 'x-github-delivery: smoke-forged-1' -H 'x-hub-signature-256: sha256=0000000000000000000000000000000000000000000000000000000000000000' \
+    -d '{"action":"queued","workflow_job":{"id":4242,"labels":["self-hosted","imp"],"status":"queued"},"repository":{"full_name":"acme/app"}}' \
+    "http://127.0.0.1:$op_port/webhooks/github")
+  [[ $code == 401 ]] || fail "chaos forged webhook: answered $code, not 401"
+  wait_for 5 metric_at_least 'imp_webhook_deliveries_total{result="bad_signature"}' 1 || fail "chaos forged webhook: not counted as bad_signature"
+  sleep 2
+  [[ $(kubectl get impvm -o name | wc -l) == "$vms_before" ]] || fail "chaos forged webhook: the pool changed its VMs ($(why))"
+  settled "forged webhook (bad signature): 401, counted, no VM created"
+
+  t0=$SECONDS; sim_fault webhook-faults '{"fault":"duplicate","count":1}'; j=$(queue_job)
+  settle 90 "$j" || fail "chaos duplicated webhook: not settled: $(why)"
+  metric_at_least 'imp_webhook_deliveries_total{result="duplicate"}' 1 || fail "chaos duplicated webhook: the duplicate was not recognised"
+  settled "duplicated webhook: job $j served once, the duplicate delivery counted as duplicate"
+
+  t0=$SECONDS; sim_fault webhook-faults '{"fault":"drop","count":1}'; j=$(queue_job)
+  settle 90 "$j" || fail "chaos lost webhook: not settled: $(why)"
+  settled "lost webhook: job $j served by the warm runner anyway"
+
+  t0=$SECONDS; sim_fault webhook-faults '{"fault":"reorder","count":1}'; j1=$(queue_job); j2=$(queue_job)
+  settle 120 "$j1" "$j2" || fail "chaos reordered webhooks: not settled: $(why)"
+  settled "reordered webhooks: jobs $j1 and $j2 both served"
+
+  t0=$SECONDS; sim_fault faults '{"fault":{"kind":"server_error","status":503},"count":3,"path_contains":"generate-jitconfig"}'; j=$(queue_job)
+  settle 120 "$j" || fail "chaos GitHub 5xx burst: not settled: $(why)"
+  settled "GitHub 503 burst on generate-jitconfig (3 calls): job $j served, the replacement minted after the burst"
+
+  t0=$SECONDS; sim_fault faults '{"fault":{"kind":"rate_limit","retry_after_secs":1},"count":3}'; j=$(queue_job)
+  settle 120 "$j" || fail "chaos GitHub 429 burst: not settled: $(why)"
+  settled "GitHub 429 burst (3 calls, Retry-After 1): job $j served"
+
+  t0=$SECONDS; kill -KILL "$agent_pid"; wait "$agent_pid" 2>/dev/null || true; start_agent; j=$(queue_job)
+  settle 120 "$j" || fail "chaos kill -9 imp-agent after Started: not settled: $(why)"
+  settled "kill -9 imp-agent with its runner Started, restart: job $j served"
+
+  t0=$SECONDS; j=$(queue_job)
+  unsent() { kubectl get impvm -l imp.dev/runner-pool=imp -o json | jq -e '[.items[] | select(.spec.nodeName != null and .status.runner.handoff == null)] | length > 0'; }
+  wait_for 60 unsent || fail "chaos kill -9 imp-agent before Sent: no replacement VM before its handoff: $(why)"
+  kill -KILL "$agent_pid"; wait "$agent_pid" 2>/dev/null || true; sleep 1; start_agent
+  settle 120 "$j" || fail "chaos kill -9 imp-agent before Sent: not settled: $(why)"
+  settled "kill -9 imp-agent with a bound VM before its handoff, restart: job $j served, the VM handed off once"
+
+  t0=$SECONDS; kill -KILL "$runtime_pid"; wait "$runtime_pid" 2>/dev/null || true; start_runtime; j=$(queue_job)
+  settle 120 "$j" || fail "chaos kill -9 imp-runtime after Started: not settled: $(why)"
+  settled "kill -9 imp-runtime with a Started runner, restart (reattach): job $j served"
+
+  t0=$SECONDS; j=$(queue_job); wait_for 60 completed "$j" || fail "chaos kill -9 imp-operator: job $j not served: $(why)"
+  kill -KILL "$operator_pid"; wait "$operator_pid" 2>/dev/null || true; start_operator
+  settle 120 "$j" || fail "chaos kill -9 imp-operator during the replacement: not settled: $(why)"
+  settled "kill -9 imp-operator right after a job finished (teardown and replacement pending), restart: job $j served, pool replenished"
+fi
+
 # Teardown the way an operator would: delete the pool, and everything it made must go.
 kubectl delete imprp imp --wait=false >/dev/null
 wait_for 60 no_vms || fail "ImpVMs left after deleting the pool: $(kubectl get impvm -o name | tr '\n' ' ')"
@@ -327,6 +434,11 @@ for name in agent runtime operator; do
   if grep -q $'\x1b\[' "$log"; then fail "imp-$name wrote ANSI escape codes into $log"; fi
 done
 pass "imp-agent, imp-runtime and imp-operator stopped on SIGTERM with exit 0; their logs hold no escape codes"
+# The chaos invariants over the whole run, from imp_testkit::chaos (the JIT configs go through stdin).
+job_args=(); for j in "${jobs_queued[@]}"; do job_args+=(--job "$j"); done
+printf '%s\n' "${jits[@]}" | "$bin/imp-chaos-check" --sim "$sim" "${job_args[@]}" --state-dir "$work/node-state" \
+  --logs "$work" --skip "$work/cp" --jit-configs-stdin || fail "invariants broken (VIOLATION lines above)"
+pass "invariants hold over ${#jobs_queued[@]} job(s) and ${#jits[@]} JIT config(s) (imp-chaos-check)"
 # Every log of the run: the processes' own, the VMs' console and VMM logs (etcd's data is not a log).
 logs=$(find "$work" -path "$work/cp" -prune -o -type f \( -name '*.log' -o -name '*.out' -o -name '*.err' -o -name '*.jsonl' \) -print)
 leaked=$(grep -lF -- "$jitconfig" $logs || true)
