@@ -319,11 +319,20 @@ pass "timeline of every phase (above; JSON in $report)"
 jobs_queued=("$job")
 jits=("$jitconfig")
 captured=("secret/$secret")
+# imp-chaos-check [--settled] over every job queued and JIT config seen so far (through stdin: never
+# on argv or disk).
+invariants() {
+  local job_args=() j
+  for j in "${jobs_queued[@]}"; do job_args+=(--job "$j"); done
+  printf '%s\n' "${jits[@]}" | "$bin/imp-chaos-check" "$@" --sim "$sim" "${job_args[@]}" --state-dir "$work/node-state" \
+    --logs "$work" --skip "$work/cp" --jit-configs-stdin
+}
 if [[ $chaos == 1 ]]; then
   # Chaos scenarios, cheapest on the simulators first. Each queues its job(s) and settles: every job
-  # completed and the pool back to an idle started runner. The invariants over all of them (nothing
-  # left, each job served by a runner of its own, no JIT config in any log) are checked after the
-  # pool is deleted, by imp-chaos-check.
+  # completed and the pool back to an idle started runner; then imp-chaos-check --settled (every
+  # registration, JIT Secret, IP allocation and TAP belongs to a live VM; each job served by a runner
+  # of its own; no JIT config in any log). After the pool is deleted, imp-chaos-check checks that
+  # nothing of any scenario is left.
   # Records each new JIT config (in memory only) while its Secret exists, for the log check.
   capture_jits() {
     local s v
@@ -339,18 +348,24 @@ if [[ $chaos == 1 ]]; then
       | jq -er '[.items[] | select(.metadata.deletionTimestamp == null and .status.runner.handoff == "Started")][0].metadata.name'
   }
   completed() { local j; for j; do [[ "$(curl -sf "$sim/_admin/jobs/$j" | jq -r .status)" == completed ]] || return 1; done; }
-  # settle SECS JOB...: the jobs completed and an idle runner started again.
+  # settle SECS JOB...: the jobs completed, no VM being deleted, and an idle runner started again.
+  none_deleting() { kubectl get impvm -o json | jq -e '[.items[] | select(.metadata.deletionTimestamp != null)] | length == 0'; }
   settle() {
     local until=$((SECONDS + $1)); shift
     jobs_queued+=("$@")
-    until capture_jits; completed "$@" && idle_runner >/dev/null 2>&1; do
+    until capture_jits; completed "$@" && none_deleting >/dev/null 2>&1 && idle_runner >/dev/null 2>&1; do
       ((SECONDS < until)) || return 1
       sleep 0.5
     done
   }
   metric_at_least() { curl -sf "http://127.0.0.1:$op_port/metrics" | awk -v m="$1" -v n="$2" '$1 == m && $2 >= n {ok=1} END {exit !ok}'; }
   sim_fault() { curl -sf -X POST -H 'content-type: application/json' -d "$2" "$sim/_admin/$1" >/dev/null; }
-  settled() { printf 'PASS  chaos: %s (settled in %ss)\n' "$1" "$((SECONDS - t0))"; }
+  # After every scenario: the settled-state invariants (whatever exists belongs to a live VM).
+  settled() {
+    local took=$((SECONDS - t0))
+    invariants --settled >"$work/check.out" 2>&1 || fail "chaos $1: invariants broken: $(cat "$work/check.out")"
+    printf 'PASS  chaos: %s (settled in %ss; invariants hold)\n' "$1" "$took"
+  }
   why() { echo "jobs $(curl -sf "$sim/_admin/jobs" | jq -c '[.[] | {id, status}]'); VMs $(kubectl get impvm -o jsonpath='{range .items[*]}{.metadata.name}={.status.phase}/{.status.runner.handoff} {end}')"; }
 
   t0=$SECONDS
@@ -434,10 +449,8 @@ for name in agent runtime operator; do
   if grep -q $'\x1b\[' "$log"; then fail "imp-$name wrote ANSI escape codes into $log"; fi
 done
 pass "imp-agent, imp-runtime and imp-operator stopped on SIGTERM with exit 0; their logs hold no escape codes"
-# The chaos invariants over the whole run, from imp_testkit::chaos (the JIT configs go through stdin).
-job_args=(); for j in "${jobs_queued[@]}"; do job_args+=(--job "$j"); done
-printf '%s\n' "${jits[@]}" | "$bin/imp-chaos-check" --sim "$sim" "${job_args[@]}" --state-dir "$work/node-state" \
-  --logs "$work" --skip "$work/cp" --jit-configs-stdin || fail "invariants broken (VIOLATION lines above)"
+# The chaos invariants over the whole run, from imp_testkit::chaos.
+invariants || fail "invariants broken (VIOLATION lines above)"
 pass "invariants hold over ${#jobs_queued[@]} job(s) and ${#jits[@]} JIT config(s) (imp-chaos-check)"
 # Every log of the run: the processes' own, the VMs' console and VMM logs (etcd's data is not a log).
 logs=$(find "$work" -path "$work/cp" -prune -o -type f \( -name '*.log' -o -name '*.out' -o -name '*.err' -o -name '*.jsonl' \) -print)

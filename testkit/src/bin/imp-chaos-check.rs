@@ -38,6 +38,10 @@ struct Args {
     /// Read JIT configs from stdin, one a line.
     #[arg(long)]
     jit_configs_stdin: bool,
+    /// The pool still runs: check that whatever exists belongs to a live VM (instead of that
+    /// nothing is left).
+    #[arg(long)]
+    settled: bool,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -61,7 +65,20 @@ async fn main() -> anyhow::Result<()> {
         Vec::new()
     };
     o.logs_with_jit = chaos::observe::files_containing(&args.logs, &args.skip, &secrets);
-    let violations = chaos::check(&o);
+    let violations = if args.settled {
+        chaos::check_settled(&o)
+    } else {
+        chaos::check(&o)
+    };
+    if violations.is_empty() && args.settled {
+        println!(
+            "settled invariants hold: {} job(s) served by runners of their own; every registration, JIT Secret, IP allocation and TAP belongs to one of {} live VM(s); {} JIT config(s) in no log",
+            o.jobs.len(),
+            o.vms.len(),
+            secrets.len()
+        );
+        return Ok(());
+    }
     if violations.is_empty() {
         println!(
             "invariants hold: {} job(s) served by runners of their own; no ImpVM, JIT Secret, registration, IP allocation, VMM process, imp link, nft table or VM file left; {} JIT config(s) in no log",

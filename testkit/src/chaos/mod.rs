@@ -27,11 +27,27 @@ pub struct Job {
     pub runner_id: Option<u64>,
 }
 
+/// An ImpVM as the settled-state invariants need it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Vm {
+    pub name: String,
+    /// `spec.runnerConfigSecret`.
+    pub secret: Option<String>,
+    /// The GitHub runner name recorded for it (annotation or status).
+    pub runner_name: Option<String>,
+    /// `status.runner.handoff`.
+    pub handoff: Option<String>,
+    /// `spec.nodeName` is set.
+    pub bound: bool,
+}
+
 /// Everything the invariants speak about, after a scenario settled.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Observed {
     /// ImpVMs left in the namespace.
     pub impvms: Vec<String>,
+    /// The same ImpVMs (not being deleted), with what the settled-state invariants compare.
+    pub vms: Vec<Vm>,
     /// JIT config Secrets (label `imp.dev/secret-kind=jitconfig`) left in the namespace.
     pub jit_secrets: Vec<String>,
     /// Runners still registered at GitHub.
@@ -77,6 +93,17 @@ pub enum Violation {
         jobs: Vec<u64>,
     },
     JitConfigInLog(PathBuf),
+    /// Settled, pool present: a registration no live VM owns.
+    OrphanRegistration(String),
+    /// Settled: a JIT Secret that is no unstarted VM's.
+    OrphanSecret(String),
+    /// Settled: an IP allocation of no live VM.
+    OrphanAllocation(String),
+    /// Settled: more TAPs than bound VMs.
+    ExtraTaps {
+        taps: Vec<String>,
+        bound_vms: usize,
+    },
 }
 
 impl fmt::Display for Violation {
@@ -98,6 +125,20 @@ impl fmt::Display for Violation {
                 write!(f, "runner {runner_id} ran {} jobs: {jobs:?}", jobs.len())
             }
             Violation::JitConfigInLog(p) => write!(f, "a JIT config appears in {}", p.display()),
+            Violation::OrphanRegistration(n) => {
+                write!(f, "runner {n} registered at GitHub for no live VM")
+            }
+            Violation::OrphanSecret(n) => {
+                write!(f, "JIT Secret {n} belongs to no VM awaiting its handoff")
+            }
+            Violation::OrphanAllocation(a) => write!(f, "IP allocation {a} of no live VM"),
+            Violation::ExtraTaps { taps, bound_vms } => {
+                write!(
+                    f,
+                    "{} TAPs for {bound_vms} bound VM(s): {taps:?}",
+                    taps.len()
+                )
+            }
         }
     }
 }
@@ -107,6 +148,68 @@ impl fmt::Display for Violation {
 pub fn check(o: &Observed) -> Vec<Violation> {
     let mut v = Vec::new();
     v.extend(o.impvms.iter().cloned().map(Violation::LeakedImpVm));
+    leaks_and_jobs(o, &mut v);
+    v
+}
+
+/// The invariants of a settled scenario whose pool still runs: whatever exists belongs to a live
+/// VM (registrations, JIT Secrets only of VMs before their handoff, IP allocations, at most one
+/// TAP per bound VM), every job queued so far was served by a runner of its own, no JIT config
+/// reached a log. VMM processes and VM files are the live VMs' own here, so they are not checked.
+pub fn check_settled(o: &Observed) -> Vec<Violation> {
+    let mut v = Vec::new();
+    let runners: Vec<&str> = o
+        .vms
+        .iter()
+        .filter_map(|m| m.runner_name.as_deref())
+        .collect();
+    v.extend(
+        o.registrations
+            .iter()
+            .filter(|r| !runners.contains(&r.as_str()))
+            .cloned()
+            .map(Violation::OrphanRegistration),
+    );
+    let awaiting: Vec<&str> = o
+        .vms
+        .iter()
+        .filter(|m| m.handoff.is_none() || m.handoff.as_deref() == Some("Sent"))
+        .filter_map(|m| m.secret.as_deref())
+        .collect();
+    v.extend(
+        o.jit_secrets
+            .iter()
+            .filter(|s| !awaiting.contains(&s.as_str()))
+            .cloned()
+            .map(Violation::OrphanSecret),
+    );
+    let names: Vec<&str> = o.vms.iter().map(|m| m.name.as_str()).collect();
+    v.extend(
+        o.allocations
+            .iter()
+            .filter(|a| {
+                !a.rsplit(" -> ")
+                    .next()
+                    .is_some_and(|vm| names.contains(&vm))
+            })
+            .cloned()
+            .map(Violation::OrphanAllocation),
+    );
+    let taps: Vec<String> = o
+        .links
+        .iter()
+        .filter(|l| !l.starts_with("impbr"))
+        .cloned()
+        .collect();
+    let bound_vms = o.vms.iter().filter(|m| m.bound).count();
+    if taps.len() > bound_vms {
+        v.push(Violation::ExtraTaps { taps, bound_vms });
+    }
+    jobs_and_logs(o, &mut v);
+    v
+}
+
+fn leaks_and_jobs(o: &Observed, v: &mut Vec<Violation>) {
     v.extend(o.jit_secrets.iter().cloned().map(Violation::LeakedSecret));
     v.extend(
         o.registrations
@@ -129,6 +232,10 @@ pub fn check(o: &Observed) -> Vec<Violation> {
     v.extend(o.links.iter().cloned().map(Violation::LeakedLink));
     v.extend(o.nft_tables.iter().cloned().map(Violation::LeakedNftTable));
     v.extend(o.vm_files.iter().cloned().map(Violation::LeakedVmFile));
+    jobs_and_logs(o, v);
+}
+
+fn jobs_and_logs(o: &Observed, v: &mut Vec<Violation>) {
     let mut by_runner: std::collections::BTreeMap<u64, Vec<u64>> = Default::default();
     for j in &o.jobs {
         if j.status != "completed" {
@@ -154,7 +261,6 @@ pub fn check(o: &Observed) -> Vec<Violation> {
             .cloned()
             .map(Violation::JitConfigInLog),
     );
-    v
 }
 
 #[cfg(test)]
@@ -252,6 +358,62 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(check(&o), vec![Violation::JobWithoutRunner(4)]);
+    }
+
+    fn vm(name: &str, runner: &str, handoff: Option<&str>) -> Vm {
+        Vm {
+            name: name.into(),
+            secret: Some(format!("{name}-jit")),
+            runner_name: Some(runner.into()),
+            handoff: handoff.map(Into::into),
+            bound: true,
+        }
+    }
+
+    #[test]
+    fn a_settled_pool_owns_everything_that_exists() {
+        let o = Observed {
+            impvms: vec!["a".into(), "b".into()],
+            vms: vec![vm("a", "run-a", Some("Started")), vm("b", "run-b", None)],
+            registrations: vec!["run-a".into(), "run-b".into()],
+            jit_secrets: vec!["b-jit".into()],
+            allocations: vec!["net/192.0.2.2 -> a".into(), "net/192.0.2.3 -> b".into()],
+            links: vec!["impbr1".into(), "imp1".into(), "imp2".into()],
+            vmm_processes: vec![Process {
+                pid: 1,
+                cmdline: "fc".into(),
+            }],
+            jobs: vec![job(1, "completed", Some(9))],
+            ..Default::default()
+        };
+        assert_eq!(check_settled(&o), vec![]);
+        // Torn down, the same state is all leaks.
+        assert_eq!(check(&o).len(), 2 + 2 + 1 + 2 + 1 + 3);
+    }
+
+    #[test]
+    fn settled_orphans_are_named() {
+        let o = Observed {
+            vms: vec![vm("a", "run-a", Some("Started"))],
+            registrations: vec!["run-a".into(), "run-gone".into()],
+            jit_secrets: vec!["a-jit".into(), "x-jit".into()],
+            allocations: vec!["net/192.0.2.9 -> gone".into()],
+            links: vec!["impbr1".into(), "imp1".into(), "imp2".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            check_settled(&o),
+            vec![
+                Violation::OrphanRegistration("run-gone".into()),
+                Violation::OrphanSecret("a-jit".into()),
+                Violation::OrphanSecret("x-jit".into()),
+                Violation::OrphanAllocation("net/192.0.2.9 -> gone".into()),
+                Violation::ExtraTaps {
+                    taps: vec!["imp1".into(), "imp2".into()],
+                    bound_vms: 1
+                },
+            ]
+        );
     }
 
     #[test]

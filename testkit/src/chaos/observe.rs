@@ -9,18 +9,38 @@ use imp_api::{ImpNetwork, ImpVM, names};
 use k8s_openapi::api::core::v1::Secret;
 use kube::{Api, Client, ResourceExt, api::ListParams};
 
-use super::{Job, Observed, Process};
+use super::{Job, Observed, Process, Vm};
 use crate::github::AdminClient;
 
 /// ImpVMs, JIT Secrets and IP allocations left in `namespace`.
 pub async fn kubernetes(client: &Client, namespace: &str, o: &mut Observed) -> anyhow::Result<()> {
     let vms: Api<ImpVM> = Api::namespaced(client.clone(), namespace);
-    o.impvms = vms
+    let vms = vms
         .list(&ListParams::default())
         .await
         .context("listing ImpVMs")?
-        .into_iter()
-        .map(|v| v.name_any())
+        .items;
+    o.impvms = vms.iter().map(|v| v.name_any()).collect();
+    o.vms = vms
+        .iter()
+        .filter(|v| v.metadata.deletion_timestamp.is_none())
+        .map(|v| {
+            let runner = v.status.as_ref().and_then(|s| s.runner.as_ref());
+            Vm {
+                name: v.name_any(),
+                secret: v.spec.runner_config_secret.clone(),
+                runner_name: v
+                    .annotations()
+                    .get(names::ANNOTATION_RUNNER_NAME)
+                    .cloned()
+                    .or_else(|| runner.and_then(|r| r.runner_name.clone())),
+                handoff: runner
+                    .and_then(|r| r.handoff)
+                    .and_then(|h| serde_json::to_value(h).ok())
+                    .and_then(|h| h.as_str().map(str::to_owned)),
+                bound: v.spec.node_name.is_some(),
+            }
+        })
         .collect();
     let secrets: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let jit = format!("{}={}", names::LABEL_SECRET_KIND, names::SECRET_KIND_JIT);
