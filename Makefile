@@ -52,7 +52,7 @@ chart-lint: testenv
 ## The local smoke run (root): the runner lifecycle against the simulators and a real API server, in a
 ## network namespace of its own; prints a per-phase timeline (JSON in target/imp-smoke/report.json), then
 ## the chaos scenarios and their invariants (imp-chaos-check), and fails if anything of its own is left.
-## About 35 s without --chaos, 100 s with it, on a warm tree.
+## About 35 s without --chaos, 2 min with it, on a warm tree. IMP_INSTALL_DEPS=1 installs its Debian packages.
 smoke: testenv
 	smoke/imp-smoke.sh --local --chaos
 

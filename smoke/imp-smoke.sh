@@ -76,10 +76,18 @@ if [[ "$mode" == local ]]; then
     "fake runner run as processes in the smoke's network namespace and no kernel boots (the real-guest" \
     "path through imp-runtime's QEMU backend is not part of this smoke yet)"
   [[ $EUID == 0 ]] || fail "the local smoke needs root (a network namespace, imp-runtime's bridge, TAPs and nft tables)"
-  for tool in ip nft python3 curl jq; do
-    command -v "$tool" >/dev/null || fail "$tool not on PATH (Debian packages iproute2, nftables, python3, curl, jq)"
+  # tool:Debian package. IMP_INSTALL_DEPS=1 (CI sets it) installs what is missing.
+  missing=()
+  for need in ip:iproute2 nft:nftables python3:python3 curl:curl jq:jq docker-registry:docker-registry; do
+    command -v "${need%%:*}" >/dev/null || missing+=("${need#*:}")
   done
-  command -v docker-registry >/dev/null || fail "docker-registry not on PATH (Debian package docker-registry)"
+  if ((${#missing[@]})) && [[ "${IMP_INSTALL_DEPS:-}" == 1 ]]; then
+    echo "imp-smoke: installing ${missing[*]}"
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || fail "apt-get install ${missing[*]}"
+    missing=()
+  fi
+  ((${#missing[@]} == 0)) || fail "missing Debian packages: ${missing[*]} (apt-get install them, or IMP_INSTALL_DEPS=1)"
   work="$(mktemp -d /tmp/imp-smoke.XXXXXX)"
   ns="imp-smoke-$$"
   passed=0
