@@ -5,7 +5,7 @@
    (helm/imp/alerts/imp-alerts.yaml) parses (`promtool check rules`) and names only metrics listed in
    docs/metrics.md; the dashboards have the datasource, namespace, pool and node variables.
 2. `promtool test rules helm/alerts.test.yaml`.
-3. A real Prometheus (Debian's, on 127.0.0.1, data in a temp dir) scrapes the processes of a local smoke
+3. A real Prometheus (Debian's, on 127.0.0.1 of the smoke's own network namespace, data in a temp dir) scrapes the processes of a local smoke
    run (smoke/imp-smoke.sh --local with IMP_SMOKE_TARGETS_DIR); every panel must return at least one
    finite value, and every variable query at least one label value. A panel that returns nothing fails
    the test with its title. The table of panels, queries and values is printed.
@@ -15,6 +15,7 @@ SKIPPED line and exits 0, unless IMP_REQUIRE_PROMETHEUS=1 makes that a failure. 
 steps 1 and 2 only (no smoke run).
 """
 
+import ctypes
 import json
 import math
 import os
@@ -45,6 +46,10 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 class Failure(Exception):
     pass
+
+
+# setns(2): the network namespace flag.
+CLONE_NEWNET = 0x40000000
 
 
 def log(msg):
@@ -267,6 +272,28 @@ def stop(p):
         p.wait()
 
 
+def enter_netns(name):
+    """Moves this (single-threaded) process into the named network namespace and returns a descriptor of
+    the one it left: the smoke's processes listen on the 127.0.0.1 of their own namespace, so Prometheus
+    (a child, inheriting it) and the queries must run there too."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    previous = os.open("/proc/self/ns/net", os.O_RDONLY)
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise Failure(f"setns into network namespace {name}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+    return previous
+
+
+def leave_netns(previous):
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(previous, CLONE_NEWNET) != 0:
+        raise Failure(f"setns back to the test's network namespace: {os.strerror(ctypes.get_errno())}")
+    os.close(previous)
+
+
 def check_live(prometheus, panels, variables, work):
     targets = work / "targets"
     targets.mkdir()
@@ -277,10 +304,18 @@ def check_live(prometheus, panels, variables, work):
                             "file_sd_configs": [{"files": [str(targets / "*.json")], "refresh_interval": "1s"}]}],
     }))
     procs = {}
+    previous_ns = None
     started = time.time()
     prom_log = open(work / "prometheus.log", "w")
     smoke_log = open(work / "smoke.log", "w")
     try:
+        log("starting smoke/imp-smoke.sh --local")
+        procs["smoke"] = subprocess.Popen(
+            [str(REPO / "smoke/imp-smoke.sh"), "--local"], cwd=REPO,
+            env=dict(os.environ, IMP_SMOKE_TARGETS_DIR=str(targets)),
+            stdout=smoke_log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for("the smoke's network namespace (smoke.log)", 900, (targets / "netns").exists, procs)
+        previous_ns = enter_netns((targets / "netns").read_text().strip())
         procs["prometheus"] = subprocess.Popen(
             [prometheus, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{port}"],
@@ -293,11 +328,8 @@ def check_live(prometheus, panels, variables, work):
             except OSError:
                 return False
         wait_for("Prometheus ready", 60, ready, procs)
-        log(f"Prometheus {base} up; starting smoke/imp-smoke.sh --local")
-        procs["smoke"] = subprocess.Popen(
-            [str(REPO / "smoke/imp-smoke.sh"), "--local"], cwd=REPO,
-            env=dict(os.environ, IMP_SMOKE_TARGETS_DIR=str(targets)),
-            stdout=smoke_log, stderr=subprocess.STDOUT, start_new_session=True)
+        log(f"Prometheus {base} up in the smoke's network namespace")
+        (targets / "scraper-ready").touch()
         wait_for("the smoke run to reach its hold (smoke.log)", 900, (targets / "holding").exists, procs)
 
         def all_up():
@@ -333,6 +365,8 @@ def check_live(prometheus, panels, variables, work):
         print(flush=True)
         if empty:
             raise Failure("panels returned no finite value against the smoke run: " + "; ".join(empty))
+        # Prometheus runs in the smoke's namespace: it stops before the smoke's leak check.
+        stop(procs.pop("prometheus"))
         (targets / "release").touch()
         code = procs["smoke"].wait(120)
         if code != 0:
@@ -345,6 +379,8 @@ def check_live(prometheus, panels, variables, work):
         raise
     finally:
         # Released, the smoke run finishes its last stage and removes its work dir itself.
+        if "prometheus" in procs:
+            stop(procs.pop("prometheus"))
         (targets / "release").touch()
         if "smoke" in procs:
             try:
@@ -353,6 +389,8 @@ def check_live(prometheus, panels, variables, work):
                 pass
         for p in procs.values():
             stop(p)
+        if previous_ns is not None:
+            leave_netns(previous_ns)
         prom_log.close()
         smoke_log.close()
 

@@ -1,31 +1,52 @@
 #!/usr/bin/env bash
 # Imp smoke test for a harmless job.
 #
-#   smoke/imp-smoke.sh --local
-#       The whole runner lifecycle on this machine: a real API server (testenv), the GitHub simulator,
-#       the Firecracker simulator, and Imp's own binaries. Each stage prints PASS or FAIL with the reason.
+#   smoke/imp-smoke.sh --local [--record FILE] [--report FILE]
+#       The whole runner lifecycle on this machine (root): a real API server (testenv), the GitHub
+#       simulator, a local registry, imp-runtime, imp-agent and imp-operator, all inside a network
+#       namespace the smoke creates (TEST-NET addresses only). Each stage prints PASS or FAIL; then a
+#       per-phase timeline read from the ImpVM's status fields, Events, the simulator's job record and
+#       metrics (JSON report: --report, default target/imp-smoke/report.json). The run ends by checking
+#       that nothing of its own is left (processes, links, nft tables, VM files, ImpVMs, JIT Secrets,
+#       IP allocations, GitHub registrations) and fails if anything is.
+#       --record FILE also writes the run as an asciicast v2 file (asciinema play FILE).
+#       --chaos adds the chaos scenarios (forged, duplicated, lost and reordered webhooks, GitHub 5xx and
+#       429 bursts, kill -9 of imp-agent, imp-runtime and imp-operator at the handoff phases) and checks
+#       the invariants over all of them (imp-chaos-check, testkit/src/chaos).
 #   smoke/imp-smoke.sh --cluster [--namespace imp-system] [--pool-namespace default --pool imp]
 #       Checks an installation on the current kubectl context: CRDs, operator, node agents, the pool's
 #       conditions. Then run smoke/workflow.yaml in a repository the pool serves.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-mode="" namespace="imp-system" pool_ns="default" pool="imp"
+self="$repo/smoke/imp-smoke.sh"
+mode="" namespace="imp-system" pool_ns="default" pool="imp" record="" report="" work="" chaos=0
+passthru=()
 while (($#)); do
   case "$1" in
-    --local) mode=local ;;
-    --cluster) mode=cluster ;;
-    --namespace) namespace="$2"; shift ;;
-    --pool-namespace) pool_ns="$2"; shift ;;
-    --pool) pool="$2"; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    --local) mode=local; passthru+=("$1") ;;
+    --cluster) mode=cluster; passthru+=("$1") ;;
+    --namespace) namespace="$2"; passthru+=("$1" "$2"); shift ;;
+    --pool-namespace) pool_ns="$2"; passthru+=("$1" "$2"); shift ;;
+    --pool) pool="$2"; passthru+=("$1" "$2"); shift ;;
+    --record) record="$2"; shift ;;
+    --chaos) chaos=1; passthru+=("$1") ;;
+    --report) report="$2"; passthru+=("$1" "$2"); shift ;;
+    --inside) mode=inside; work="$2"; shift ;; # internal: the stages, run inside the smoke's netns
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "imp-smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 [[ -n "$mode" ]] || { echo "imp-smoke: choose --local or --cluster (see --help)" >&2; exit 2; }
+if [[ -n "$record" && -z "${IMP_SMOKE_RECORDING:-}" ]]; then
+  export IMP_SMOKE_RECORDING=1
+  exec python3 "$repo/smoke/asciicast.py" "$record" "$self" "${passthru[@]}"
+fi
 
 pass() { printf 'PASS  %s\n' "$*"; }
 fail() { printf 'FAIL  %s\n' "$*" >&2; exit 1; }
+# Runs "$@" every 0.2 s until it succeeds, for at most $1 seconds.
+wait_for() { local until=$((SECONDS + $1)); shift; until "$@" >/dev/null 2>&1; do ((SECONDS < until)) || return 1; sleep 0.2; done; }
 
 if [[ "$mode" == cluster ]]; then
   kubectl version >/dev/null 2>&1 || fail "kubectl cannot reach the cluster of the current context"
@@ -46,19 +67,112 @@ if [[ "$mode" == cluster ]]; then
   exit 0
 fi
 
-# --local
-work="$(mktemp -d /tmp/imp-smoke.XXXXXX)"
+bin="${CARGO_TARGET_DIR:-$repo/target}/debug"
+report="${report:-${CARGO_TARGET_DIR:-$repo/target}/imp-smoke/report.json}"
+
+if [[ "$mode" == local ]]; then
+  # The first line says which guest path runs.
+  echo "imp-smoke: SIMULATED guest path: imp-runtime drives the Firecracker simulator, so imp-guest and the" \
+    "fake runner run as processes in the smoke's network namespace and no kernel boots (the real-guest" \
+    "path through imp-runtime's QEMU backend is not part of this smoke yet)"
+  [[ $EUID == 0 ]] || fail "the local smoke needs root (a network namespace, imp-runtime's bridge, TAPs and nft tables)"
+  # tool:Debian package. IMP_INSTALL_DEPS=1 (CI sets it) installs what is missing.
+  missing=()
+  for need in ip:iproute2 nft:nftables python3:python3 curl:curl jq:jq docker-registry:docker-registry; do
+    command -v "${need%%:*}" >/dev/null || missing+=("${need#*:}")
+  done
+  if ((${#missing[@]})) && [[ "${IMP_INSTALL_DEPS:-}" == 1 ]]; then
+    echo "imp-smoke: installing ${missing[*]}"
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+      || fail "apt-get install ${missing[*]}"
+    missing=()
+  fi
+  ((${#missing[@]} == 0)) || fail "missing Debian packages: ${missing[*]} (apt-get install them, or IMP_INSTALL_DEPS=1)"
+  work="$(mktemp -d /tmp/imp-smoke.XXXXXX)"
+  ns="imp-smoke-$$"
+  passed=0
+  # Whatever the stages left in the namespace is killed by pid (all of it is the smoke's own), then the
+  # namespace goes, taking any link or nft table with it. Logs stay when anything failed.
+  outer_cleanup() {
+    local pid
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    ip netns del "$ns" 2>/dev/null || true
+    if [[ $passed == 1 ]]; then rm -rf "$work"; else echo "imp-smoke: logs kept in $work" >&2; fi
+  }
+  trap outer_cleanup EXIT
+  "$repo/testenv/build.sh" >/dev/null || fail "testenv build (testenv/build.sh)"
+  (cd "$repo" && cargo build -q -p imp-operator -p imp-node -p imp-testkit -p imp-guest --bins) || fail "cargo build"
+  pass "binaries built"
+  # The namespace's "uplink" is one end of a veth pair whose other end stays in the namespace too
+  # (TEST-NET-2): it holds the default route, so imp-runtime's masquerade has an egress interface,
+  # and nothing leaves the namespace.
+  ip netns add "$ns" || fail "creating network namespace $ns"
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link add uplink0 type veth peer name uplink1
+  ip -n "$ns" addr add 198.51.100.2/24 dev uplink0
+  ip -n "$ns" link set uplink1 up
+  ip -n "$ns" link set uplink0 up
+  ip -n "$ns" route add default via 198.51.100.1
+  pass "network namespace $ns (lo, uplink0 198.51.100.2/24, default route via 198.51.100.1)"
+  # IMP_SMOKE_TARGETS_DIR (helm/monitoring-test.py): the scraper runs inside this namespace (the smoke's
+  # processes listen on its 127.0.0.1); it is told the name and the smoke waits until it is ready.
+  if [[ -n "${IMP_SMOKE_TARGETS_DIR:-}" ]]; then
+    echo "$ns" >"$IMP_SMOKE_TARGETS_DIR/netns"
+    for _ in $(seq 1 120); do [[ -e "$IMP_SMOKE_TARGETS_DIR/scraper-ready" ]] && break; sleep 0.5; done
+    [[ -e "$IMP_SMOKE_TARGETS_DIR/scraper-ready" ]] || fail "no $IMP_SMOKE_TARGETS_DIR/scraper-ready within 60 s"
+  fi
+  code=0
+  # `ip netns exec`, not `nsenter --net`: it also mounts a sysfs of the namespace, and imp-runtime reads
+  # links under /sys/class/net (under nsenter it saw the host's and skipped deleting its TAPs).
+  inner=(--inside "$work" --report "$report"); ((chaos)) && inner+=(--chaos)
+  ip netns exec "$ns" "$self" "${inner[@]}" || code=$?
+
+  # The leak check: everything below must be gone after the stages, on success and on failure.
+  leaks=()
+  for pid in $(ip netns pids "$ns"); do leaks+=("process $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)"); done
+  for link in $(ip -n "$ns" -o link show | awk -F': ' '{print $2}' | cut -d@ -f1); do
+    [[ "$link" == lo || "$link" == uplink0 || "$link" == uplink1 ]] || leaks+=("link $link in $ns")
+  done
+  while read -r table; do [[ -n "$table" ]] && leaks+=("nft $table in $ns"); done \
+    < <(ip netns exec "$ns" nft list tables)
+  for f in /proc/[0-9]*/cmdline; do
+    grep -qF "$work" "$f" 2>/dev/null && leaks+=("process ${f//[^0-9]/} outside $ns: $(tr '\0' ' ' <"$f")")
+  done
+  for d in "$work/node-state/vms" "$work/node-state/tmp"; do
+    [[ -d "$d" ]] && for f in "$d"/*; do [[ -e "$f" ]] && leaks+=("file $f"); done
+  done
+  for leak in "${leaks[@]}"; do printf 'LEAK  %s\n' "$leak" >&2; done
+  ((code == 0)) || exit "$code"
+  ((${#leaks[@]} == 0)) || fail "the smoke left ${#leaks[@]} thing(s) of its own behind (listed above)"
+  pass "nothing left: no process, link, nft table or VM file of the smoke (ImpVMs, Secrets, registrations and IP allocations checked above)"
+  passed=1
+  echo "imp-smoke --local: all stages passed; timeline in $report"
+  exit 0
+fi
+
+# --inside: the stages, in the smoke's network namespace.
 pids=()
-passed=0
-# Logs (operator, agent, runtime, registry, GitHub simulator) are kept when a stage fails.
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+torn_down=0
+runtime_sock="$work/runtime.sock"
+# On any exit: delete the pool while operator, agent and runtime still run (so VMs, TAPs and
+# registrations go the way they go in production), then DELETE what the runtime still holds, then stop
+# every process this script started.
+inner_cleanup() {
+  local p uid
+  if [[ $torn_down == 0 ]] && declare -F kubectl >/dev/null; then
+    kubectl delete imprp imp --wait=false >/dev/null 2>&1 || true
+    wait_for 30 no_vms || true
+  fi
+  if [[ -S "$runtime_sock" ]]; then
+    for uid in $(curl -sf --unix-socket "$runtime_sock" http://imp/v1/vms | jq -r '.vms[].uid' 2>/dev/null); do
+      curl -sf -X DELETE --unix-socket "$runtime_sock" "http://imp/v1/vms/$uid" >/dev/null || true
+    done
+  fi
+  for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill "${pids[i]}" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  if [[ $passed == 1 ]]; then rm -rf "$work"; else echo "imp-smoke: logs kept in $work" >&2; fi
 }
-trap cleanup EXIT
-# Runs "$@" every 0.5 s until it succeeds, for at most $1 seconds.
-wait_for() { local secs=$1; shift; for _ in $(seq 1 $((secs * 2))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done; return 1; }
+trap inner_cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 # IMP_SMOKE_TARGETS_DIR (helm/monitoring-test.py): each process's metrics endpoint is written there as a
 # Prometheus file_sd target before it starts, and the processes stay up until a file `release` appears.
 target() {
@@ -66,19 +180,22 @@ target() {
   printf '[{"targets":["%s"],"labels":{"job":"%s","namespace":"imp-system"%s}}]\n' "$2" "$1" "${3:+,\"node\":\"$3\"}" \
     >"$IMP_SMOKE_TARGETS_DIR/.$1" && mv "$IMP_SMOKE_TARGETS_DIR/.$1" "$IMP_SMOKE_TARGETS_DIR/$1.json"
 }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-
-"$repo/testenv/build.sh" >/dev/null || fail "testenv build (testenv/build.sh)"
-(cd "$repo" && cargo build -q -p imp-operator -p imp-node -p imp-testkit -p imp-guest --bins) || fail "cargo build"
-bin="${CARGO_TARGET_DIR:-$repo/target}/debug"
-pass "binaries built"
+timeline() { python3 "$repo/smoke/timeline.py" "$@"; }
 
 "$bin/imp-testenv" up --dir "$work/cp" >"$work/testenv.out" 2>"$work/testenv.err" &
 pids+=($!)
 wait_for 60 grep -q '^KUBECONFIG=' "$work/testenv.out" || fail "control plane did not start: $(tail -5 "$work/testenv.err")"
 export KUBECONFIG="$work/cp/kubeconfig"
 kubectl() { "$repo/testenv/bin/kubectl" "$@"; }
+no_vms() { [[ -z "$(kubectl get impvm -o name)" ]]; }
 pass "control plane up (etcd, kube-apiserver, kube-controller-manager) with Imp's CRDs"
+# Every version of every ImpVM and every Event, as the API server had them: the timeline's record.
+timeline watch "$work/impvms.jsonl" -- "$repo/testenv/bin/kubectl" get --raw \
+  '/apis/imp.dev/v1alpha1/namespaces/default/impvms?watch=1&timeoutSeconds=1800' 2>"$work/watch-impvms.err" &
+pids+=($!)
+timeline watch "$work/events.jsonl" -- "$repo/testenv/bin/kubectl" get --raw \
+  '/apis/events.k8s.io/v1/namespaces/default/events?watch=1&timeoutSeconds=1800' 2>"$work/watch-events.err" &
+pids+=($!)
 
 op_port=$(free_port)
 target imp-operator "127.0.0.1:$op_port"
@@ -93,7 +210,6 @@ kubectl create secret generic imp-github-app --from-file="$work/app/app-id" \
   --from-file="$work/app/installation-id" --from-file="$work/app/private-key" >/dev/null
 kubectl create secret generic imp-webhook --from-literal=webhook-secret=imp-sim-webhook-secret >/dev/null
 # The pool's images, served by a local registry (Debian's docker-registry) for imp-runtime's rootfs cache.
-command -v docker-registry >/dev/null || fail "docker-registry not on PATH (Debian package docker-registry)"
 reg_port=$(free_port)
 printf 'version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: %s\nhttp:\n  addr: 127.0.0.1:%s\n' \
   "$work/registry" "$reg_port" >"$work/registry.yml"
@@ -105,32 +221,6 @@ base_img=$("$bin/imp-push-image" "127.0.0.1:$reg_port" imp-dev/runner-base:smoke
 runner_img=$("$bin/imp-push-image" "127.0.0.1:$reg_port" imp-dev/actions-runner:smoke opt/runner/VERSION=smoke) \
   || fail "pushing the runner image to the local registry"
 pass "images pushed to a local registry ($base_img, $runner_img)"
-sed -e "s#ghcr.io/imp-dev/runner-base:ubuntu-24.04#$base_img#" -e "s#ghcr.io/imp-dev/actions-runner:2#$runner_img#" \
-  "$repo/smoke/manifests/runner-pool.yaml" >"$work/runner-pool.yaml"
-kubectl apply -f "$work/runner-pool.yaml" >/dev/null || fail "applying smoke/manifests/runner-pool.yaml (images pointed at the local registry)"
-pass "GitHub App Secret, webhook Secret, class, network and runner pool accepted by the API server"
-
-IMP_HTTP_ADDR="127.0.0.1:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
-  IMP_GITHUB_API_URL="$sim" "$bin/imp-operator" >"$work/operator.log" 2>&1 &
-pids+=($!); operator_pid=$!
-wait_for 30 curl -sf "http://127.0.0.1:$op_port/readyz" || fail "imp-operator not ready: $(tail -3 "$work/operator.log")"
-pass "imp-operator ready (ImpVM controller, runner-pool controller, webhook receiver)"
-
-# minIdle 1: one runner VM with a one-time JIT config Secret owned by it, registered at the simulator.
-minted_vm() { kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[?(@.spec.runnerConfigSecret)].metadata.name}' | grep -q .; }
-wait_for 30 minted_vm || fail "no runner VM with a JIT Secret: $(kubectl describe imprp imp | tail -5)"
-vm=$(kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[?(@.spec.runnerConfigSecret)].metadata.name}' | cut -d' ' -f1)
-secret=$(kubectl get impvm "$vm" -o jsonpath='{.spec.runnerConfigSecret}')
-owner=$(kubectl get secret "$secret" -o jsonpath='{.metadata.ownerReferences[0].name}')
-[[ "$owner" == "$vm" ]] || fail "JIT Secret $secret is owned by '$owner', not by $vm"
-curl -sf "$sim/_admin/runners" | grep -q '"name"' || fail "no runner registered at the GitHub simulator"
-pass "runner VM $vm with JIT Secret $secret (owned by the VM; runner registered at GitHub)"
-
-curl -sf -X POST -H 'content-type: application/json' -d '{"labels":["self-hosted","imp"]}' "$sim/_admin/jobs" >/dev/null \
-  || fail "queueing a job at the simulator"
-accepted() { curl -sf "http://127.0.0.1:$op_port/metrics" | grep -E '^imp_webhook_deliveries_total\{result="accepted"\} [1-9]'; }
-wait_for 20 accepted || fail "the queued workflow_job webhook was not accepted: $(grep -i webhook "$work/operator.log" | tail -3)"
-pass "job queued with labels [self-hosted, imp]; signed workflow_job webhook accepted by the operator"
 
 # A node as the scheduler sees it: labelled, Ready, untainted, with a fresh agent heartbeat Lease.
 now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -151,51 +241,233 @@ spec:
 NODE
 kubectl patch node smoke-node --type=json -p '[{"op":"replace","path":"/spec/taints","value":[]}]' >/dev/null
 kubectl patch node smoke-node --subresource=status --type=merge -p '{"status":{"allocatable":{"cpu":"8","memory":"16Gi"},"capacity":{"cpu":"8","memory":"16Gi"},"conditions":[{"type":"Ready","status":"True","reason":"KubeletReady","message":"smoke","lastHeartbeatTime":"'"$now"'","lastTransitionTime":"'"$now"'"}]}}' >/dev/null
-bound() { [[ "$(kubectl get impvm "$vm" -o jsonpath='{.spec.nodeName}')" == smoke-node ]]; }
-wait_for 30 bound || fail "runner VM $vm not scheduled: $(kubectl get impvm "$vm" -o jsonpath='{.status.conditions}')"
-pass "runner VM $vm scheduled onto smoke-node (phase $(kubectl get impvm "$vm" -o jsonpath='{.status.phase}'))"
+pass "node smoke-node Ready with a fresh agent Lease"
 
-# The node's two processes: imp-runtime (Firecracker simulator: imp-guest runs as a host process, so the
+# The node's two processes: imp-runtime (Firecracker simulator: imp-guest runs as a process here, so the
 # runner command is a host binary) and imp-agent, whose runner is imp-fake-runner against the GitHub simulator.
 : >"$work/vmlinux"
-runtime_metrics="127.0.0.1:$(free_port)" agent_port=$(free_port)
+runtime_metrics="127.0.0.1:$(free_port)"
+agent_port=$(free_port)
 target imp-runtime "$runtime_metrics" smoke-node
 target imp-agent "127.0.0.1:$agent_port" smoke-node
-IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_STATE_DIR="$work/node-state" IMP_KERNEL="$work/vmlinux" \
-  IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="$runtime_metrics" \
-  IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >"$work/runtime.log" 2>&1 &
-pids+=($!); runtime_pid=$!
-wait_for 20 curl -sf --unix-socket "$work/runtime.sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
-IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$work/runtime.sock" IMP_HEARTBEAT_INTERVAL=2s \
-  IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
-  "$bin/imp-agent" >"$work/agent.log" 2>&1 &
-pids+=($!); agent_pid=$!
-wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
+# Each process starts through its function, so a chaos scenario can start it again after a kill -9
+# (logs append).
+start_runtime() {
+  IMP_RUNTIME_SOCKET="$runtime_sock" IMP_STATE_DIR="$work/node-state" IMP_KERNEL="$work/vmlinux" \
+    IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_GUEST_BIN="$bin/imp-guest" IMP_METRICS_ADDR="$runtime_metrics" \
+    IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >>"$work/runtime.log" 2>&1 &
+  pids+=($!); runtime_pid=$!
+  wait_for 20 curl -sf --unix-socket "$runtime_sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
+}
+start_agent() {
+  IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$runtime_sock" IMP_HEARTBEAT_INTERVAL=2s \
+    IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
+    "$bin/imp-agent" >>"$work/agent.log" 2>&1 &
+  pids+=($!); agent_pid=$!
+  wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
+}
+start_operator() {
+  IMP_HTTP_ADDR="127.0.0.1:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
+    IMP_GITHUB_API_URL="$sim" "$bin/imp-operator" >>"$work/operator.log" 2>&1 &
+  pids+=($!); operator_pid=$!
+  wait_for 30 curl -sf "http://127.0.0.1:$op_port/readyz" || fail "imp-operator not ready: $(tail -3 "$work/operator.log")"
+}
+start_runtime
+start_agent
 pass "imp-runtime (Firecracker simulator) and imp-agent started for smoke-node"
 
+# The manifest's network moves to TEST-NET-1 (the smoke's namespace routes nothing else).
+sed -e "s#ghcr.io/imp-dev/runner-base:ubuntu-24.04#$base_img#" -e "s#ghcr.io/imp-dev/actions-runner:2#$runner_img#" \
+  -e 's#subnet: 10.60.0.0/24#subnet: 192.0.2.0/24#' -e 's#gateway: 10.60.0.1#gateway: 192.0.2.1#' \
+  -e 's#dns: \[1.1.1.1\]#dns: [203.0.113.53]#' "$repo/smoke/manifests/runner-pool.yaml" >"$work/runner-pool.yaml"
+grep -q 'subnet: 192.0.2.0/24' "$work/runner-pool.yaml" || fail "smoke/manifests/runner-pool.yaml: the network's subnet is no longer 10.60.0.0/24 (the smoke rewrites it to TEST-NET-1)"
+kubectl apply -f "$work/runner-pool.yaml" >/dev/null || fail "applying smoke/manifests/runner-pool.yaml (images pointed at the local registry)"
+pass "GitHub App Secret, webhook Secret, class, network (192.0.2.0/24) and runner pool accepted by the API server"
+
+start_operator
+pass "imp-operator ready (ImpVM controller, runner-pool controller, webhook receiver)"
+
+# minIdle 1: one runner VM with a one-time JIT config Secret owned by it, registered at the simulator.
+minted_vm() { kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[?(@.spec.runnerConfigSecret)].metadata.name}' | grep -q .; }
+wait_for 30 minted_vm || fail "no runner VM with a JIT Secret: $(kubectl describe imprp imp | tail -5)"
+vm=$(kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[?(@.spec.runnerConfigSecret)].metadata.name}' | cut -d' ' -f1)
+secret=$(kubectl get impvm "$vm" -o jsonpath='{.spec.runnerConfigSecret}')
 vm_uid=$(kubectl get impvm "$vm" -o jsonpath='{.metadata.uid}')
-phase_is() { [[ "$(kubectl get impvm "$vm" -o jsonpath='{.status.phase}')" == "$1" ]]; }
-# The agent's log is the record here: the pool deletes a finished VM within moments.
-started() { grep -q "runner Started recorded vm=$vm " "$work/agent.log"; }
-wait_for 60 started || fail "runner VM $vm: no handoff Started (phase $(kubectl get impvm "$vm" -o jsonpath='{.status.phase}/{.status.reason}: {.status.message}' 2>/dev/null)): $(tail -3 "$work/agent.log")"
-pass "runner VM $vm booted (rootfs built from the registry images) and handed its JIT config: handoff Started"
+owner=$(kubectl get secret "$secret" -o jsonpath='{.metadata.ownerReferences[0].name}')
+[[ "$owner" == "$vm" ]] || fail "JIT Secret $secret is owned by '$owner', not by $vm"
+# Held in memory only, to prove at the end that no log of the run carries it.
+jitconfig=$(kubectl get secret "$secret" -o jsonpath='{.data.jitconfig}' | base64 -d)
+[[ -n "$jitconfig" ]] || fail "JIT Secret $secret has no jitconfig key"
+curl -sf "$sim/_admin/runners" | jq -e 'length > 0' >/dev/null || fail "no runner registered at the GitHub simulator"
+pass "runner VM $vm with JIT Secret $secret (owned by the VM; runner registered at GitHub)"
+
+# From here the ImpVM's recorded versions are the evidence: the pool deletes a finished VM within moments.
+seen() { timeline field "$work/impvms.jsonl" "$@"; }
+vm_state() { kubectl get impvm "$vm" -o jsonpath='{.status.phase}/{.status.reason}: {.status.message}' 2>/dev/null; }
+wait_for 30 seen "$vm" status.scheduledTime || fail "runner VM $vm not scheduled: $(kubectl get impvm "$vm" -o jsonpath='{.status.conditions}')"
+pass "runner VM $vm scheduled onto smoke-node"
+wait_for 60 seen "$vm" status.bootCompleteTime || fail "runner VM $vm: no guest Hello ($(vm_state)): $(tail -3 "$work/agent.log")"
+pass "runner VM $vm booted (rootfs built from the registry images): guest Hello at $(seen "$vm" status.bootCompleteTime)"
+wait_for 30 seen "$vm" status.runner.handoff Started || fail "runner VM $vm: no handoff Started ($(vm_state)): $(tail -3 "$work/agent.log")"
+pass "runner VM $vm handed its JIT config: handoff Started (runner id $(seen "$vm" status.runner.runnerId))"
 secret_gone() { ! kubectl get secret "$secret" >/dev/null 2>&1; }
 wait_for 10 secret_gone || fail "JIT Secret $secret still exists after the handoff"
 pass "JIT Secret $secret deleted after Started"
-exited_ok() { grep -q "runner exited vm=$vm code=Some(0) " "$work/agent.log"; }
-wait_for 90 exited_ok || fail "the runner did not exit 0 (phase $(kubectl get impvm "$vm" -o jsonpath='{.status.phase}/{.status.reason}' 2>/dev/null)): $(tail -3 "$work/agent.log")"
-pass "imp-fake-runner took the job, completed it and exited 0: VM Succeeded"
-gone() { ! kubectl get impvm "$vm" >/dev/null 2>&1; }
-wait_for 60 gone || fail "runner VM $vm not deleted after success (TornDown: $(kubectl get impvm "$vm" -o jsonpath='{.status.conditions[?(@.type=="TornDown")].status}'))"
-curl -sf --unix-socket "$work/runtime.sock" http://imp/v1/vms | grep -q "$vm_uid" && fail "imp-runtime still holds $vm_uid after teardown"
+
+job=$(curl -sf -X POST -H 'content-type: application/json' -d '{"labels":["self-hosted","imp"]}' "$sim/_admin/jobs" | jq -r .id) \
+  || fail "queueing a job at the simulator"
+accepted() { curl -sf "http://127.0.0.1:$op_port/metrics" | grep -qE '^imp_webhook_deliveries_total\{result="accepted"\} [1-9]'; }
+wait_for 20 accepted || fail "the queued workflow_job webhook was not accepted: $(grep -i webhook "$work/operator.log" | tail -3)"
+accepted_at=$(date +%s.%N)
+pass "job $job queued with labels [self-hosted, imp]; signed workflow_job webhook accepted by the operator"
+job_status() { [[ "$(curl -sf "$sim/_admin/jobs/$job" | jq -r .status)" == "$1" ]]; }
+wait_for 60 job_status completed || fail "job $job not completed (status $(curl -sf "$sim/_admin/jobs/$job" | jq -r .status); VM $(vm_state))"
+wait_for 30 seen "$vm" status.runner.exitCode 0 || fail "the runner did not exit 0 ($(vm_state)): $(tail -3 "$work/agent.log")"
+pass "imp-fake-runner took job $job on $vm, completed it and exited 0"
+vm_deleted() { ! kubectl get impvm "$vm" >/dev/null 2>&1; }
+wait_for 60 vm_deleted || fail "runner VM $vm not deleted after success (TornDown: $(kubectl get impvm "$vm" -o jsonpath='{.status.conditions[?(@.type=="TornDown")].status}'))"
+curl -sf --unix-socket "$runtime_sock" http://imp/v1/vms | grep -q "$vm_uid" && fail "imp-runtime still holds $vm_uid after teardown"
 pass "runner VM $vm deleted by the pool after TornDown; imp-runtime released it"
-replaced() { kubectl get impvm -l imp.dev/runner-pool=imp -o jsonpath='{.items[*].metadata.name}' | tr ' ' '\n' | grep -v "^$vm\$" | grep -q .; }
-wait_for 30 replaced || fail "the pool did not replace the finished runner VM"
-pass "the pool replaced the runner (minIdle 1)"
+replacement() { timeline replacement "$work/impvms.jsonl" "$vm" status.runner.startedTime; }
+wait_for 60 replacement || fail "the pool did not replace the finished runner VM with a started runner"
+pass "the pool replaced the runner (minIdle 1): $(replacement) is idle with its runner started"
 if [[ -n "${IMP_SMOKE_TARGETS_DIR:-}" ]]; then
   : >"$IMP_SMOKE_TARGETS_DIR/holding"
   wait_for 600 test -e "$IMP_SMOKE_TARGETS_DIR/release" || fail "no $IMP_SMOKE_TARGETS_DIR/release within 10 min"
 fi
+
+# The timeline, from what the API server, the simulator and the runtime recorded.
+curl -sf "$sim/_admin/jobs" >"$work/jobs.json"
+curl -sf "http://$runtime_metrics/metrics" >"$work/runtime.metrics" || true
+mkdir -p "$(dirname "$report")"
+timeline report --out "$report" --path simulated --vm "$vm" --replacement "$(replacement)" --job "$job" \
+  --impvms "$work/impvms.jsonl" --events "$work/events.jsonl" --jobs "$work/jobs.json" \
+  --accepted-at "$accepted_at" --runtime-metrics "$work/runtime.metrics" || fail "the timeline misses phases (above)"
+pass "timeline of every phase (above; JSON in $report)"
+
+jobs_queued=("$job")
+jits=("$jitconfig")
+captured=("secret/$secret")
+# imp-chaos-check [--settled] over every job queued and JIT config seen so far (through stdin: never
+# on argv or disk).
+invariants() {
+  local job_args=() j
+  for j in "${jobs_queued[@]}"; do job_args+=(--job "$j"); done
+  printf '%s\n' "${jits[@]}" | "$bin/imp-chaos-check" "$@" --sim "$sim" "${job_args[@]}" --state-dir "$work/node-state" \
+    --logs "$work" --skip "$work/cp" --jit-configs-stdin
+}
+if [[ $chaos == 1 ]]; then
+  # Chaos scenarios, cheapest on the simulators first. Each queues its job(s) and settles: every job
+  # completed and the pool back to an idle started runner; then imp-chaos-check --settled (every
+  # registration, JIT Secret, IP allocation and TAP belongs to a live VM; each job served by a runner
+  # of its own; no JIT config in any log). After the pool is deleted, imp-chaos-check checks that
+  # nothing of any scenario is left.
+  # Records each new JIT config (in memory only) while its Secret exists, for the log check.
+  capture_jits() {
+    local s v
+    for s in $(kubectl get secret -l imp.dev/secret-kind=jitconfig -o name 2>/dev/null); do
+      [[ " ${captured[*]} " == *" $s "* ]] && continue
+      v=$(kubectl get "$s" -o jsonpath='{.data.jitconfig}' 2>/dev/null | base64 -d) || continue
+      [[ -n "$v" ]] && captured+=("$s") && jits+=("$v")
+    done
+  }
+  queue_job() { curl -sf -X POST -H 'content-type: application/json' -d '{"labels":["self-hosted","imp"]}' "$sim/_admin/jobs" | jq -r .id; }
+  idle_runner() {
+    kubectl get impvm -l imp.dev/runner-pool=imp -o json \
+      | jq -er '[.items[] | select(.metadata.deletionTimestamp == null and .status.runner.handoff == "Started")][0].metadata.name'
+  }
+  completed() { local j; for j; do [[ "$(curl -sf "$sim/_admin/jobs/$j" | jq -r .status)" == completed ]] || return 1; done; }
+  # settle SECS JOB...: the jobs completed, no VM being deleted, and an idle runner started again.
+  none_deleting() { kubectl get impvm -o json | jq -e '[.items[] | select(.metadata.deletionTimestamp != null)] | length == 0'; }
+  settle() {
+    local until=$((SECONDS + $1)); shift
+    jobs_queued+=("$@")
+    until capture_jits; completed "$@" && none_deleting >/dev/null 2>&1 && idle_runner >/dev/null 2>&1; do
+      ((SECONDS < until)) || return 1
+      sleep 0.5
+    done
+  }
+  metric_at_least() { curl -sf "http://127.0.0.1:$op_port/metrics" | awk -v m="$1" -v n="$2" '$1 == m && $2 >= n {ok=1} END {exit !ok}'; }
+  sim_fault() { curl -sf -X POST -H 'content-type: application/json' -d "$2" "$sim/_admin/$1" >/dev/null; }
+  # After every scenario: the settled-state invariants (whatever exists belongs to a live VM).
+  settled() {
+    local took=$((SECONDS - t0))
+    invariants --settled >"$work/check.out" 2>&1 || fail "chaos $1: invariants broken: $(cat "$work/check.out")"
+    printf 'PASS  chaos: %s (settled in %ss; invariants hold)\n' "$1" "$took"
+  }
+  why() { echo "jobs $(curl -sf "$sim/_admin/jobs" | jq -c '[.[] | {id, status}]'); VMs $(kubectl get impvm -o jsonpath='{range .items[*]}{.metadata.name}={.status.phase}/{.status.runner.handoff} {end}')"; }
+
+  t0=$SECONDS
+  vms_before=$(kubectl get impvm -o name | wc -l)
+  code=$(curl -s -o /dev/null -w '%{http_code}' -X POST -H 'content-type: application/json' -H 'x-github-event: workflow_job' \
+    -H 'x-github-delivery: smoke-forged-1' -H 'x-hub-signature-256: sha256=0000000000000000000000000000000000000000000000000000000000000000' \
+    -d '{"action":"queued","workflow_job":{"id":4242,"labels":["self-hosted","imp"],"status":"queued"},"repository":{"full_name":"acme/app"}}' \
+    "http://127.0.0.1:$op_port/webhooks/github")
+  [[ $code == 401 ]] || fail "chaos forged webhook: answered $code, not 401"
+  wait_for 5 metric_at_least 'imp_webhook_deliveries_total{result="bad_signature"}' 1 || fail "chaos forged webhook: not counted as bad_signature"
+  sleep 2
+  [[ $(kubectl get impvm -o name | wc -l) == "$vms_before" ]] || fail "chaos forged webhook: the pool changed its VMs ($(why))"
+  settled "forged webhook (bad signature): 401, counted, no VM created"
+
+  t0=$SECONDS; sim_fault webhook-faults '{"fault":"duplicate","count":1}'; j=$(queue_job)
+  settle 90 "$j" || fail "chaos duplicated webhook: not settled: $(why)"
+  metric_at_least 'imp_webhook_deliveries_total{result="duplicate"}' 1 || fail "chaos duplicated webhook: the duplicate was not recognised"
+  settled "duplicated webhook: job $j served once, the duplicate delivery counted as duplicate"
+
+  t0=$SECONDS; sim_fault webhook-faults '{"fault":"drop","count":1}'; j=$(queue_job)
+  settle 90 "$j" || fail "chaos lost webhook: not settled: $(why)"
+  settled "lost webhook: job $j served by the warm runner anyway"
+
+  t0=$SECONDS; sim_fault webhook-faults '{"fault":"reorder","count":1}'; j1=$(queue_job); j2=$(queue_job)
+  settle 120 "$j1" "$j2" || fail "chaos reordered webhooks: not settled: $(why)"
+  settled "reordered webhooks: jobs $j1 and $j2 both served"
+
+  t0=$SECONDS; sim_fault faults '{"fault":{"kind":"server_error","status":503},"count":3,"path_contains":"generate-jitconfig"}'; j=$(queue_job)
+  settle 120 "$j" || fail "chaos GitHub 5xx burst: not settled: $(why)"
+  settled "GitHub 503 burst on generate-jitconfig (3 calls): job $j served, the replacement minted after the burst"
+
+  t0=$SECONDS; sim_fault faults '{"fault":{"kind":"rate_limit","retry_after_secs":1},"count":3}'; j=$(queue_job)
+  settle 120 "$j" || fail "chaos GitHub 429 burst: not settled: $(why)"
+  settled "GitHub 429 burst (3 calls, Retry-After 1): job $j served"
+
+  t0=$SECONDS; kill -KILL "$agent_pid"; wait "$agent_pid" 2>/dev/null || true; start_agent; j=$(queue_job)
+  settle 120 "$j" || fail "chaos kill -9 imp-agent after Started: not settled: $(why)"
+  settled "kill -9 imp-agent with its runner Started, restart: job $j served"
+
+  t0=$SECONDS; j=$(queue_job)
+  unsent() { kubectl get impvm -l imp.dev/runner-pool=imp -o json | jq -e '[.items[] | select(.spec.nodeName != null and .status.runner.handoff == null)] | length > 0'; }
+  wait_for 60 unsent || fail "chaos kill -9 imp-agent before Sent: no replacement VM before its handoff: $(why)"
+  kill -KILL "$agent_pid"; wait "$agent_pid" 2>/dev/null || true; sleep 1; start_agent
+  settle 120 "$j" || fail "chaos kill -9 imp-agent before Sent: not settled: $(why)"
+  settled "kill -9 imp-agent with a bound VM before its handoff, restart: job $j served, the VM handed off once"
+
+  t0=$SECONDS; kill -KILL "$runtime_pid"; wait "$runtime_pid" 2>/dev/null || true; start_runtime; j=$(queue_job)
+  settle 120 "$j" || fail "chaos kill -9 imp-runtime after Started: not settled: $(why)"
+  settled "kill -9 imp-runtime with a Started runner, restart (reattach): job $j served"
+
+  t0=$SECONDS; j=$(queue_job); wait_for 60 completed "$j" || fail "chaos kill -9 imp-operator: job $j not served: $(why)"
+  kill -KILL "$operator_pid"; wait "$operator_pid" 2>/dev/null || true; start_operator
+  settle 120 "$j" || fail "chaos kill -9 imp-operator during the replacement: not settled: $(why)"
+  settled "kill -9 imp-operator right after a job finished (teardown and replacement pending), restart: job $j served, pool replenished"
+fi
+
+# Teardown the way an operator would: delete the pool, and everything it made must go.
+kubectl delete imprp imp --wait=false >/dev/null
+wait_for 60 no_vms || fail "ImpVMs left after deleting the pool: $(kubectl get impvm -o name | tr '\n' ' ')"
+pool_gone() { ! kubectl get imprp imp >/dev/null 2>&1; }
+wait_for 30 pool_gone || fail "pool imp still exists (finalizer): $(kubectl get imprp imp -o jsonpath='{.status.conditions}')"
+torn_down=1
+runtime_empty() { curl -sf --unix-socket "$runtime_sock" http://imp/v1/vms | jq -e '.vms | length == 0'; }
+wait_for 30 runtime_empty || fail "imp-runtime still holds VMs after the pool went: $(curl -sf --unix-socket "$runtime_sock" http://imp/v1/vms)"
+jit=$(kubectl get secret -l imp.dev/secret-kind=jitconfig -o name)
+[[ -z "$jit" ]] || fail "JIT Secrets left: $jit"
+runners=$(curl -sf "$sim/_admin/runners" | jq -r 'map(.name) | join(" ")')
+[[ -z "$runners" ]] || fail "runners still registered at GitHub: $runners"
+allocations=$(kubectl get impnetwork runners -o json | jq -c '.status.allocations // {}')
+[[ "$allocations" == "{}" ]] || fail "IP allocations left on ImpNetwork runners: $allocations"
+kubectl delete -f "$work/runner-pool.yaml" --ignore-not-found >/dev/null
+pass "pool deleted: no ImpVM, JIT Secret, runtime VM, GitHub registration or IP allocation left"
+
 # SIGTERM is what the kubelet sends: each binary stops gracefully (exit 0, its "stopped" line), and its
 # log file, not a terminal, holds no ANSI escape codes.
 for name in agent runtime operator; do
@@ -206,5 +478,11 @@ for name in agent runtime operator; do
   if grep -q $'\x1b\[' "$log"; then fail "imp-$name wrote ANSI escape codes into $log"; fi
 done
 pass "imp-agent, imp-runtime and imp-operator stopped on SIGTERM with exit 0; their logs hold no escape codes"
-passed=1
-echo "imp-smoke --local: all stages passed"
+# The chaos invariants over the whole run, from imp_testkit::chaos.
+invariants || fail "invariants broken (VIOLATION lines above)"
+pass "invariants hold over ${#jobs_queued[@]} job(s) and ${#jits[@]} JIT config(s) (imp-chaos-check)"
+# Every log of the run: the processes' own, the VMs' console and VMM logs (etcd's data is not a log).
+logs=$(find "$work" -path "$work/cp" -prune -o -type f \( -name '*.log' -o -name '*.out' -o -name '*.err' -o -name '*.jsonl' \) -print)
+leaked=$(grep -lF -- "$jitconfig" $logs || true)
+[[ -z "$leaked" ]] || fail "the JIT config appears in: $leaked"
+pass "the JIT config appears in none of the run's $(wc -w <<<"$logs") log files"

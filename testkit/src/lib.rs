@@ -3,6 +3,7 @@
 pub mod binlog;
 pub mod bins;
 pub mod certs;
+pub mod chaos;
 pub mod cluster;
 pub mod controlplane;
 pub mod ext4;
