@@ -205,8 +205,9 @@ fn reconcile(node: &str, desired: &[Attachment]) -> (Vec<network::plan::Action>,
             .build()
             .unwrap();
         let start = Instant::now();
-        let actions = rt.block_on(network::reconcile(desired)).unwrap();
-        (actions, start.elapsed())
+        let done = rt.block_on(network::reconcile(desired)).unwrap();
+        assert!(done.failed.is_empty(), "{:?}", done.failed);
+        (done.actions, start.elapsed())
     })
 }
 
