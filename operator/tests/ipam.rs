@@ -168,7 +168,13 @@ async fn parallel_exhaustion_and_reuse_from_two_clients() {
     create_network(&env, "half", "203.0.113.0/25", "203.0.113.1").await;
     let a = Arc::new(Ipam::new(env.client.clone()));
     let b = Arc::new(Ipam::new(second_client().await));
-    let pick = |i: usize| if i % 2 == 0 { a.clone() } else { b.clone() };
+    let pick = |i: usize| {
+        if i.is_multiple_of(2) {
+            a.clone()
+        } else {
+            b.clone()
+        }
+    };
 
     let round = |range: std::ops::Range<usize>| {
         let tasks: Vec<_> = range
