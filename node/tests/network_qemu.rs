@@ -31,7 +31,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use common::{Backend, Harness, TestNetwork, network_tests_can_run};
+use common::{
+    Backend, Harness, TestNetwork, busybox_layer, dnsmasq_argv, network_tests_can_run, output,
+};
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
 use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
@@ -41,21 +43,10 @@ use imp_node::rootfs::store::ImageSpec;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
 use imp_testkit::registry::{Registry, RegistryOptions};
-use imp_testkit::tarball::TarBuilder;
 
 const BIG: usize = 20 << 20;
 const GATEWAY: &str = "198.51.100.1";
 const WEB: &str = "192.0.2.80";
-
-fn output(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
 
 /// Background processes of the test (dnsmasq, httpds), killed on drop.
 #[derive(Default)]
@@ -103,17 +94,7 @@ fn web_root(dir: &Path) {
 
 /// The guests' base: Debian's static busybox as /bin/sh and every command the checks use.
 fn layers() -> Vec<Vec<u8>> {
-    let busybox = std::fs::read("/bin/busybox").unwrap();
-    vec![
-        TarBuilder::new()
-            .dir("bin", 0o755)
-            .file("bin/busybox", &busybox, 0o755)
-            .symlink("bin/sh", "busybox")
-            .dir("etc", 0o755)
-            .file("etc/passwd", b"root:x:0:0::/:/bin/sh\n", 0o644)
-            .dir("tmp", 0o1777)
-            .into_gzip(),
-    ]
+    vec![busybox_layer().dir("tmp", 0o1777).into_gzip()]
 }
 
 fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
@@ -324,21 +305,8 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
     );
     let www = files.path().join("www");
     web_root(&www);
-    children.spawn(
-        inet,
-        &[
-            "dnsmasq",
-            "--keep-in-foreground",
-            "--no-resolv",
-            "--no-hosts",
-            "--conf-file=/dev/null",
-            "--pid-file",
-            "--bind-interfaces",
-            "--listen-address=192.0.2.1",
-            &format!("--address=/web.test/{WEB}"),
-            "--user=root",
-        ],
-    );
+    let dns = dnsmasq_argv("192.0.2.1", "web.test", WEB);
+    children.spawn(inet, &dns.iter().map(String::as_str).collect::<Vec<_>>());
     let www_s = www.display().to_string();
     children.spawn(
         inet,

@@ -16,24 +16,13 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Instant;
 
-use common::{Harness, TestNetwork, network_tests_can_run, simulator};
+use common::{Harness, TestNetwork, network_tests_can_run, output, simulator};
 use imp_api::names::reason;
 use imp_node::api::{NetworkAttachment, NetworkSpec, VmSpec, VmState};
 use imp_node::client::ClientError;
 use imp_node::network::{self, Port, bridge_name, vm_mac};
-
-fn output(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
 
 /// What the node namespace holds of Imp's: the bridge, each TAP and its bridge, the nft tables.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -25,19 +25,12 @@ use imp_node::rootfs::store::ImageSpec;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu::{self, Drive};
 use imp_testkit::registry::{Registry, RegistryOptions};
-use imp_testkit::tarball::TarBuilder;
 
 /// A base with a static busybox as /bin/sh and a stand-in for the runner: it checks that its
 /// JIT config arrived and exits with a code of its own.
 fn layers() -> Vec<Vec<u8>> {
-    let busybox = std::fs::read("/bin/busybox").unwrap();
     vec![
-        TarBuilder::new()
-            .dir("bin", 0o755)
-            .file("bin/busybox", &busybox, 0o755)
-            .symlink("bin/sh", "busybox")
-            .dir("etc", 0o755)
-            .file("etc/passwd", b"root:x:0:0::/:/bin/sh\n", 0o644)
+        common::busybox_layer()
             .dir("opt", 0o755)
             .dir("opt/actions-runner", 0o755)
             .file(

@@ -419,3 +419,44 @@ pub fn network_tests_can_run() -> bool {
     println!("skipped: {why}");
     false
 }
+
+/// `cmd args`, which must succeed: its stdout.
+pub fn output(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// dnsmasq as the "internet"'s DNS server: in the foreground, on `listen` only, answering
+/// nothing but `name` -> `address` (no upstream, no hosts file, no config).
+pub fn dnsmasq_argv(listen: &str, name: &str, address: &str) -> Vec<String> {
+    [
+        "dnsmasq",
+        "--keep-in-foreground",
+        "--no-resolv",
+        "--no-hosts",
+        "--conf-file=/dev/null",
+        "--pid-file",
+        "--bind-interfaces",
+        &format!("--listen-address={listen}"),
+        &format!("--address=/{name}/{address}"),
+        "--user=root",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// An image layer with Debian's static busybox as /bin/sh and a root user; callers add theirs.
+pub fn busybox_layer() -> imp_testkit::tarball::TarBuilder {
+    let busybox = std::fs::read("/bin/busybox").unwrap();
+    imp_testkit::tarball::TarBuilder::new()
+        .dir("bin", 0o755)
+        .file("bin/busybox", &busybox, 0o755)
+        .symlink("bin/sh", "busybox")
+        .dir("etc", 0o755)
+        .file("etc/passwd", b"root:x:0:0::/:/bin/sh\n", 0o644)
+}
