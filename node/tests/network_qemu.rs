@@ -31,9 +31,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use common::{
-    Backend, Harness, TestNetwork, busybox_layer, dnsmasq_argv, network_tests_can_run, output,
-};
+use common::{Harness, TestNetwork, busybox_layer, dnsmasq_argv, network_tests_can_run, output};
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
 use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
@@ -331,22 +329,8 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
         &["busybox", "httpd", "-f", "-p", "0.0.0.0:9100", "-h", &www_s],
     );
 
-    let mut h = Harness::new(Backend::Qemu {
-        qemu: s.qemu.clone(),
-        vhost: s.vhost.clone(),
-        kernel: s.kernel.clone(),
-        initrd,
-        guest: s.guest_bin.clone(),
-    });
+    let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.netns = Some(node.clone());
-    h.boot_timeout_secs = 240.0;
-    h.extra_env.extend([
-        ("IMP_INSECURE_REGISTRIES".to_string(), registry.host()),
-        (
-            "IMP_QEMU_ACCEL".to_string(),
-            std::env::var("IMP_QEMU_ACCEL").unwrap_or_else(|_| "tcg".into()),
-        ),
-    ]);
     h.start_runtime().await;
 
     let net_id = format!("net-uid-{id}");
@@ -494,14 +478,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
             .zip(&attachments)
             .map(|((uid, _), at)| (h.tap_for(uid), vm_mac(uid), at)),
     );
-    let again = tn.in_node(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(network::reconcile(&desired))
-            .unwrap()
-    });
+    let again = tn.reconcile(&desired);
     assert!(
         again.actions.is_empty() && again.failed.is_empty(),
         "a repeated setup must be a no-op: {again:?}"

@@ -179,15 +179,7 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
             })
             .collect(),
     }];
-    let again = tn.in_node(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(network::reconcile(&desired))
-            .unwrap()
-            .actions
-    });
+    let again = tn.reconcile(&desired).actions;
     assert_eq!(again, [], "a repeated reconcile must be a no-op");
 
     // The first VM leaves: its TAP goes, the network stays for the second.

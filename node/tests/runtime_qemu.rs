@@ -15,7 +15,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{Backend, Harness, is_root};
+use common::{Harness, is_root};
 use http::StatusCode;
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
@@ -104,21 +104,7 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
     let registry = Registry::start(RegistryOptions::default()).await.unwrap();
     let base = push_gzip_image(&registry.host(), "imp/runner-base:qemu", layers()).await;
 
-    let mut h = Harness::new(Backend::Qemu {
-        qemu: s.qemu.clone(),
-        vhost: s.vhost.clone(),
-        kernel: s.kernel.clone(),
-        initrd: initrd.clone(),
-        guest: s.guest_bin.clone(),
-    });
-    h.boot_timeout_secs = 240.0;
-    h.extra_env.extend([
-        ("IMP_INSECURE_REGISTRIES".to_string(), registry.host()),
-        (
-            "IMP_QEMU_ACCEL".to_string(),
-            std::env::var("IMP_QEMU_ACCEL").unwrap_or_else(|_| "tcg".into()),
-        ),
-    ]);
+    let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
     let network = is_root();
     let spec = VmSpec {

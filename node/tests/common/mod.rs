@@ -236,6 +236,27 @@ impl Harness {
         }
     }
 
+    /// imp-runtime's QEMU backend (`IMP_QEMU_ACCEL`, default TCG: slow boots, so a long boot
+    /// timeout) with images from the (insecure, local) registry at `registry`.
+    pub fn qemu(s: &imp_testkit::qemu::Setup, initrd: &Path, registry: String) -> Self {
+        let mut h = Harness::new(Backend::Qemu {
+            qemu: s.qemu.clone(),
+            vhost: s.vhost.clone(),
+            kernel: s.kernel.clone(),
+            initrd: initrd.to_owned(),
+            guest: s.guest_bin.clone(),
+        });
+        h.boot_timeout_secs = 240.0;
+        h.extra_env.extend([
+            ("IMP_INSECURE_REGISTRIES".to_string(), registry),
+            (
+                "IMP_QEMU_ACCEL".to_string(),
+                std::env::var("IMP_QEMU_ACCEL").unwrap_or_else(|_| "tcg".into()),
+            ),
+        ]);
+        h
+    }
+
     pub fn runtime_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("runtime-{}.log", self.starts)))
             .unwrap_or_default()
@@ -388,6 +409,23 @@ impl TestNetwork {
             })
             .join()
             .unwrap()
+        })
+    }
+}
+
+impl TestNetwork {
+    /// `network::reconcile(desired)` run inside the node namespace.
+    pub fn reconcile(
+        &self,
+        desired: &[imp_node::network::Attachment],
+    ) -> imp_node::network::Reconciled {
+        self.in_node(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(imp_node::network::reconcile(desired))
+                .unwrap()
         })
     }
 }
