@@ -5,7 +5,10 @@
 # end (node/tests/rootfs_qemu.rs): images pushed to a local registry, built into one cached
 # base, two VMs booted from it. Then imp-runtime's QEMU backend through its socket API
 # (node/tests/runtime_qemu.rs): PUT, Hello, Exec, kill -9 + reattach, DELETE, with the boot
-# time and RSS measurements it prints (MEASURE lines).
+# time and RSS measurements it prints (MEASURE lines). Then VM networking with two real guests
+# through imp-runtime (node/tests/network_qemu.rs): NAT, DNS, isolation, restart, teardown, with
+# NAT throughput/latency (MEASURE lines); it needs root, nft and dnsmasq, and as root it fails
+# instead of skipping.
 #
 # Needs qemu-system-x86_64, a kernel in /boot (or IMP_QEMU_KERNEL) with its modules, a static
 # /bin/busybox, cpio, e2fsprogs, docker-registry and vhost-device-vsock. IMP_INSTALL_DEPS=1
@@ -27,6 +30,8 @@ if [ "${IMP_INSTALL_DEPS:-0}" = 1 ]; then
     command -v cpio >/dev/null || pkgs+=(cpio)
     command -v debugfs >/dev/null || pkgs+=(e2fsprogs)
     command -v docker-registry >/dev/null || pkgs+=(docker-registry)
+    command -v nft >/dev/null || pkgs+=(nftables)
+    command -v dnsmasq >/dev/null || pkgs+=(dnsmasq-base)
     if [ ${#pkgs[@]} -gt 0 ]; then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${pkgs[@]}"
@@ -43,3 +48,6 @@ cargo test -p imp-guest --test qemu --test firecracker -- --nocapture
 cargo test -p imp-node --test rootfs_qemu -- --nocapture
 # imp-runtime with --backend qemu, end to end.
 cargo test -p imp-node --test runtime_qemu -- --nocapture
+# VM networking with real guests (root: the TAPs, bridge and nft rules live in test netns).
+IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
+    cargo test -p imp-node --test network_qemu -- --nocapture

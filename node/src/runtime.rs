@@ -586,7 +586,9 @@ impl Runtime {
     /// inventory (docs/network.md). The caller holds `net_lock` across this and the inventory
     /// change it follows, so no other reconcile sees a half-made change (e.g. re-creates the
     /// TAP of a VM whose removal deleted it a moment ago).
-    /// `uid` is the VM the reconcile is for (errors name it).
+    /// `uid` is the VM the reconcile is for: it fails only for a node-wide failure or one of
+    /// that VM's network or port; failures of other networks are logged (their own VMs' starts
+    /// report them) and never block this one.
     async fn reconcile_network(
         &self,
         _held: &tokio::sync::MutexGuard<'_, ()>,
@@ -596,32 +598,37 @@ impl Runtime {
         let ports = network_ports(&rows);
         let desired = network::desired(ports.iter().map(|(t, m, a)| (t.clone(), *m, a)));
         let started = Instant::now();
-        match network::reconcile(&desired).await {
-            Ok(actions) => {
-                if !actions.is_empty() {
-                    tracing::info!(
-                        networks = desired.len(),
-                        vms = ports.len(),
-                        actions = actions.len(),
-                        seconds = started.elapsed().as_secs_f64(),
-                        "network reconciled"
-                    );
-                }
-                Ok(())
-            }
-            Err(e) => {
-                self.metrics
-                    .network_setup_failures
-                    .get_or_create(&ReasonLabel {
-                        reason: e.kind().into(),
-                    })
-                    .inc();
-                Err(RuntimeError::NetworkSetupFailed {
-                    uid: uid.into(),
-                    source: e,
+        let fail = |e: network::NetworkError| {
+            self.metrics
+                .network_setup_failures
+                .get_or_create(&ReasonLabel {
+                    reason: e.kind().into(),
                 })
+                .inc();
+            RuntimeError::NetworkSetupFailed {
+                uid: uid.into(),
+                source: e,
             }
+        };
+        let mut done = network::reconcile(&desired).await.map_err(fail)?;
+        if !done.actions.is_empty() {
+            tracing::info!(
+                networks = desired.len(),
+                vms = ports.len(),
+                actions = done.actions.len(),
+                seconds = started.elapsed().as_secs_f64(),
+                "network reconciled"
+            );
         }
+        let mine = rows
+            .iter()
+            .find(|r| r.uid == uid)
+            .and_then(|r| Some((r.tap.clone()?, attachment_of(r)?.network_id)))
+            .and_then(|(tap, network)| done.take_failure(&network, &tap));
+        for f in &done.failed {
+            tracing::warn!(network = %f.network, tap = ?f.tap, error = %f.error, "network not set up; other networks were");
+        }
+        mine.map_or(Ok(()), |f| Err(fail(f.error)))
     }
 
     /// A reconcile after a VM left (DELETE, failed start, restart clean-up): failures are

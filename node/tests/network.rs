@@ -13,6 +13,8 @@
 //! fails instead under IMP_REQUIRE_ROOT=1. Every namespace, process and listener is removed on
 //! drop, also when an assertion fails.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::{Child, Command, Stdio};
@@ -20,6 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use common::output;
 use imp_node::network::{self, Attachment, Port, VmNetwork, bridge_name, vm_mac};
 
 const UNREACHABLE_WAIT: Duration = Duration::from_millis(700);
@@ -31,16 +34,6 @@ fn run(cmd: &str, args: &[&str]) {
         "{cmd} {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn output(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
 }
 
 fn available(tool: &str) -> bool {
@@ -205,8 +198,9 @@ fn reconcile(node: &str, desired: &[Attachment]) -> (Vec<network::plan::Action>,
             .build()
             .unwrap();
         let start = Instant::now();
-        let actions = rt.block_on(network::reconcile(desired)).unwrap();
-        (actions, start.elapsed())
+        let done = rt.block_on(network::reconcile(desired)).unwrap();
+        assert!(done.failed.is_empty(), "{:?}", done.failed);
+        (done.actions, start.elapsed())
     })
 }
 
@@ -349,21 +343,8 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
 
     // The "internet": DNS, HTTP and a UDP sink that reports the sources it saw.
     let mut dns = Command::new("ip");
-    dns.args([
-        "netns",
-        "exec",
-        &inet,
-        "dnsmasq",
-        "--keep-in-foreground",
-        "--no-resolv",
-        "--no-hosts",
-        "--conf-file=/dev/null",
-        "--pid-file",
-        "--bind-interfaces",
-        "--listen-address=192.0.2.1",
-        "--address=/web.test/192.0.2.1",
-        "--user=root",
-    ]);
+    dns.args(["netns", "exec", &inet])
+        .args(common::dnsmasq_argv("192.0.2.1", "web.test", "192.0.2.1"));
     w.children.push(
         dns.stdout(Stdio::null())
             .stderr(Stdio::null())

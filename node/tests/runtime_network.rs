@@ -16,27 +16,16 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Instant;
 
-use common::{Harness, TestNetwork, network_tests_can_run, simulator};
+use common::{Harness, TestNetwork, network_tests_can_run, output, simulator};
 use imp_api::names::reason;
 use imp_node::api::{NetworkAttachment, NetworkSpec, VmSpec, VmState};
 use imp_node::client::ClientError;
 use imp_node::network::{self, Port, bridge_name, vm_mac};
 
-fn output(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 /// What the node namespace holds of Imp's: the bridge, each TAP and its bridge, the nft tables.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Host {
     bridge: Option<String>,
     /// (TAP, its `ip -d link` line mentions `master <bridge>` and `isolated on`)
@@ -190,14 +179,7 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
             })
             .collect(),
     }];
-    let again = tn.in_node(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(network::reconcile(&desired))
-            .unwrap()
-    });
+    let again = tn.reconcile(&desired).actions;
     assert_eq!(again, [], "a repeated reconcile must be a no-op");
 
     // The first VM leaves: its TAP goes, the network stays for the second.
@@ -206,7 +188,7 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
         host(&node, &bridge, &taps),
         Host {
             taps: vec![(tap_b.clone(), true)],
-            ..up
+            ..up.clone()
         }
     );
     // The last one leaves: nothing of Imp's is left.
@@ -246,4 +228,69 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
     );
     h.client.delete("netc").await.unwrap();
     assert_eq!(host(&node, &bridge, &[&h.tap_for("netc")]), gone);
+
+    // One broken network never blocks another: VM x runs on a second network whose egress
+    // is `up1`; up1 disappears; a VM of the first network still starts, and x keeps its port
+    // and every isolation rule (without a way out) until it leaves.
+    let ip = |args: &[&str]| output("ip", &[&["-n", node.as_str()], args].concat());
+    ip(&["link", "add", "up1", "type", "veth", "peer", "name", "up1p"]);
+    ip(&["link", "set", "up1", "up"]);
+    let net2 = format!("net2-uid-{id}");
+    let bridge2 = bridge_name(&net2);
+    let on_up1 = NetworkAttachment {
+        address: "203.0.113.10/24".parse().unwrap(),
+        gateway: "203.0.113.1".parse().unwrap(),
+        egress_interface: Some("up1".into()),
+        egress_deny: vec![],
+        ..attachment(&net2, "203.0.113.10/24")
+    };
+    let (_, st) = h
+        .client
+        .ensure_running("netx", &attached(&h, on_up1))
+        .await
+        .unwrap_or_else(|e| panic!("PUT netx: {e}\n{}", h.runtime_log()));
+    assert_eq!(st.state, VmState::Running);
+    ip(&["link", "del", "up1"]);
+    let (_, st) = h
+        .client
+        .ensure_running(
+            "nety",
+            &attached(&h, attachment(&net_id, "198.51.100.13/24")),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("a broken network blocked another: {e}\n{}", h.runtime_log()));
+    assert_eq!(st.state, VmState::Running);
+    assert!(
+        h.runtime_log()
+            .contains("network not set up; other networks were"),
+        "{}",
+        h.runtime_log()
+    );
+    let (tap_x, tap_y) = (h.tap_for("netx"), h.tap_for("nety"));
+    assert_eq!(
+        host(&node, &bridge, &[&tap_y]),
+        Host {
+            taps: vec![(tap_y.clone(), true)],
+            ..up
+        }
+    );
+    assert_eq!(
+        host(&node, &bridge2, &[&tap_x]).taps,
+        [(tap_x.clone(), true)]
+    );
+    let rules = output("ip", &["netns", "exec", &node, "nft", "list", "ruleset"]);
+    let x_mac = network::format_mac(&vm_mac("netx"));
+    assert!(
+        rules.contains(&x_mac),
+        "x lost its anti-spoofing rules:\n{rules}"
+    );
+    assert!(
+        !rules.contains("\"up1\""),
+        "no way out through the vanished up1:\n{rules}"
+    );
+    for uid in ["netx", "nety"] {
+        h.client.delete(uid).await.unwrap();
+    }
+    assert_eq!(host(&node, &bridge, &[&tap_y]), gone);
+    assert_eq!(host(&node, &bridge2, &[&tap_x]), gone);
 }

@@ -15,7 +15,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{Backend, Harness, is_root};
+use common::{Harness, is_root};
 use http::StatusCode;
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
@@ -25,19 +25,12 @@ use imp_node::rootfs::store::ImageSpec;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu::{self, Drive};
 use imp_testkit::registry::{Registry, RegistryOptions};
-use imp_testkit::tarball::TarBuilder;
 
 /// A base with a static busybox as /bin/sh and a stand-in for the runner: it checks that its
 /// JIT config arrived and exits with a code of its own.
 fn layers() -> Vec<Vec<u8>> {
-    let busybox = std::fs::read("/bin/busybox").unwrap();
     vec![
-        TarBuilder::new()
-            .dir("bin", 0o755)
-            .file("bin/busybox", &busybox, 0o755)
-            .symlink("bin/sh", "busybox")
-            .dir("etc", 0o755)
-            .file("etc/passwd", b"root:x:0:0::/:/bin/sh\n", 0o644)
+        common::busybox_layer()
             .dir("opt", 0o755)
             .dir("opt/actions-runner", 0o755)
             .file(
@@ -111,21 +104,7 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
     let registry = Registry::start(RegistryOptions::default()).await.unwrap();
     let base = push_gzip_image(&registry.host(), "imp/runner-base:qemu", layers()).await;
 
-    let mut h = Harness::new(Backend::Qemu {
-        qemu: s.qemu.clone(),
-        vhost: s.vhost.clone(),
-        kernel: s.kernel.clone(),
-        initrd: initrd.clone(),
-        guest: s.guest_bin.clone(),
-    });
-    h.boot_timeout_secs = 240.0;
-    h.extra_env.extend([
-        ("IMP_INSECURE_REGISTRIES".to_string(), registry.host()),
-        (
-            "IMP_QEMU_ACCEL".to_string(),
-            std::env::var("IMP_QEMU_ACCEL").unwrap_or_else(|_| "tcg".into()),
-        ),
-    ]);
+    let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
     let network = is_root();
     let spec = VmSpec {

@@ -156,3 +156,88 @@ async fn unusable_network_names_the_field() {
         other => panic!("expected NetworkNotFound, got {other:?}"),
     }
 }
+
+/// Two allocators race past the end of a /25: exactly its capacity is handed out, once each,
+/// the rest is NetworkExhausted; addresses freed by both in parallel are what a second
+/// parallel round gets, again without a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_exhaustion_and_reuse_from_two_clients() {
+    let env = TestEnv::new("ipam-race").await;
+    let ns = env.namespace.clone();
+    // 126 host addresses minus the gateway.
+    create_network(&env, "half", "203.0.113.0/25", "203.0.113.1").await;
+    let a = Arc::new(Ipam::new(env.client.clone()));
+    let b = Arc::new(Ipam::new(second_client().await));
+    let pick = |i: usize| {
+        if i.is_multiple_of(2) {
+            a.clone()
+        } else {
+            b.clone()
+        }
+    };
+
+    let round = |range: std::ops::Range<usize>| {
+        let tasks: Vec<_> = range
+            .map(|i| {
+                let (ipam, ns) = (pick(i), ns.clone());
+                tokio::spawn(async move {
+                    let uid = format!("uid-{i}");
+                    let got = ipam.allocate(&ns, "half", &format!("vm-{i}"), &uid).await;
+                    (uid, got)
+                })
+            })
+            .collect();
+        async move {
+            let mut out = Vec::new();
+            for t in tasks {
+                out.push(t.await.unwrap());
+            }
+            out
+        }
+    };
+    let (mut held, mut exhausted) = (Vec::new(), 0);
+    for (uid, got) in round(0..200).await {
+        match got {
+            Ok(lease) => held.push((uid, lease.ip)),
+            Err(Error::NetworkExhausted { capacity, .. }) => {
+                assert_eq!(capacity, 125);
+                exhausted += 1;
+            }
+            Err(e) => panic!("{uid}: {e}"),
+        }
+    }
+    let ips: BTreeSet<Ipv4Addr> = held.iter().map(|(_, ip)| *ip).collect();
+    assert_eq!((held.len(), ips.len(), exhausted), (125, 125, 75));
+    let api: Api<ImpNetwork> = env.api();
+    let status = api.get("half").await.unwrap().status.unwrap();
+    assert_eq!(status.allocated, Some(125));
+    assert_eq!(ready(&status), ("False", reason::NETWORK_EXHAUSTED));
+
+    // 50 released in parallel by both allocators, then 50 new VMs in parallel.
+    let freed: Vec<(String, Ipv4Addr)> = held.drain(..50).collect();
+    let releases: Vec<_> = freed
+        .iter()
+        .enumerate()
+        .map(|(i, (uid, _))| {
+            let (ipam, ns, uid) = (pick(i), ns.clone(), uid.clone());
+            tokio::spawn(async move { ipam.release(&ns, "half", &uid).await.unwrap() })
+        })
+        .collect();
+    for r in releases {
+        assert!(r.await.unwrap(), "a held address was released");
+    }
+    let mut reused = BTreeSet::new();
+    for (uid, got) in round(1000..1050).await {
+        assert!(reused.insert(got.unwrap_or_else(|e| panic!("{uid}: {e}")).ip));
+    }
+    let freed_ips: BTreeSet<Ipv4Addr> = freed.iter().map(|(_, ip)| *ip).collect();
+    assert_eq!(reused, freed_ips, "the freed addresses, each once");
+    let status = api.get("half").await.unwrap().status.unwrap();
+    assert_eq!(status.allocated, Some(125));
+    let uids: BTreeSet<&str> = status
+        .allocations
+        .values()
+        .map(|a| a.uid.as_str())
+        .collect();
+    assert_eq!(uids.len(), 125, "one address per VM");
+}

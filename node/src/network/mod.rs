@@ -104,10 +104,15 @@ pub fn boot_args(a: &NetworkAttachment) -> String {
     VmNetwork::from_attachment(a).boot_args(a.address.addr(), a.mtu, &a.dns)
 }
 
-/// The node's whole desired state from its VMs' attachments (TAP, guest MAC, attachment), one
-/// [`Attachment`] per network in first-seen order. A network's settings are taken from its
-/// first VM: VMs started after an ImpNetwork changed carry the new spec, and the older
-/// ones keep the address they booted with either way.
+/// The node's whole desired state from its VMs' attachments (TAP, guest MAC, attachment), in
+/// the order the VMs were created; one [`Attachment`] per network in first-seen order.
+///
+/// Each VM carries the ImpNetwork spec of its start. The layout (subnet, gateway) is the
+/// oldest VM's: the running guests' addresses and routes are on their kernel command lines and
+/// cannot follow a change, so a VM whose address does not fit fails alone. The policy (NAT,
+/// egress interface, `spec.egress`) is the newest VM's: node-side rules only, applied to every
+/// VM of the network on the node, so a change of them reaches the running VMs with the next
+/// VM of that network started there (docs/network.md, "Changes of an ImpNetwork").
 pub fn desired<'a>(
     vms: impl IntoIterator<Item = (String, [u8; 6], &'a NetworkAttachment)>,
 ) -> Vec<Attachment> {
@@ -119,7 +124,15 @@ pub fn desired<'a>(
             ip: a.address.addr(),
         };
         match out.iter_mut().find(|x| x.network.id == a.network_id) {
-            Some(x) => x.ports.push(port),
+            Some(x) => {
+                let newest = VmNetwork::from_attachment(a);
+                x.network = VmNetwork {
+                    subnet: x.network.subnet,
+                    gateway: x.network.gateway,
+                    ..newest
+                };
+                x.ports.push(port);
+            }
             None => out.push(Attachment {
                 network: VmNetwork::from_attachment(a),
                 ports: vec![port],
@@ -258,26 +271,63 @@ impl NetworkError {
     }
 }
 
-/// Observe, plan and apply until the host matches `desired`; returns the actions taken (empty
-/// when the host already matched: a repeated setup is a no-op).
+/// What a reconcile did, and which networks (or single VM ports) it could not set up.
+#[derive(Debug, Default)]
+pub struct Reconciled {
+    /// Every action taken; empty when the host already matched (a repeated setup is a no-op).
+    pub actions: Vec<plan::Action>,
+    pub failed: Vec<plan::Failure>,
+}
+
+impl Reconciled {
+    /// Take the failure that concerns the VM with `tap` on `network`, if any.
+    pub fn take_failure(&mut self, network: &str, tap: &str) -> Option<plan::Failure> {
+        let at = self.failed.iter().position(|f| f.concerns(network, tap))?;
+        Some(self.failed.remove(at))
+    }
+}
+
+/// Observe, plan and apply until the host matches `desired`, network by network: a network
+/// that cannot be set up (bad spec, missing egress, a failing netlink step) is reported in
+/// [`Reconciled::failed`] and the others are set up all the same. `Err` only for what is
+/// node-wide: netlink unusable, forwarding, the nft tables.
 ///
 /// With no VM desired and no `impbr*` bridge on the host there is nothing of Imp's to remove
 /// (the nft tables are created after a bridge and deleted before the last one), so nft is not
 /// even asked: a node without networked VMs needs neither `nft` nor the privilege to run it.
-pub async fn reconcile(desired: &[Attachment]) -> Result<Vec<plan::Action>, NetworkError> {
-    plan::validate(desired)?;
+pub async fn reconcile(desired: &[Attachment]) -> Result<Reconciled, NetworkError> {
     let (connection, handle, _) = rtnetlink::new_connection().map_err(NetworkError::Socket)?;
     let conn = tokio::spawn(connection);
     let result = async {
         if desired.iter().all(|a| a.ports.is_empty()) && !netlink::has_bridges(&handle).await? {
-            return Ok(Vec::new());
+            return Ok(Reconciled::default());
         }
         let observed = netlink::observe(&handle).await?;
-        let actions = plan::plan(desired, &observed)?;
-        for action in &actions {
-            netlink::execute(&handle, action).await?;
+        let plan = plan::plan(desired, &observed);
+        let mut done = Reconciled {
+            actions: Vec::new(),
+            failed: plan.failed,
+        };
+        for (network, actions) in plan.networks {
+            for action in actions {
+                if let Err(error) = netlink::execute(&handle, &action).await {
+                    // The rest of this network's steps depend on the failed one; the next
+                    // reconcile observes again and retries from where this one stopped.
+                    done.failed.push(plan::Failure {
+                        network,
+                        tap: None,
+                        error,
+                    });
+                    break;
+                }
+                done.actions.push(action);
+            }
         }
-        Ok(actions)
+        for action in plan.node {
+            netlink::execute(&handle, &action).await?;
+            done.actions.push(action);
+        }
+        Ok(done)
     }
     .await;
     conn.abort();
@@ -356,6 +406,34 @@ mod tests {
         for bad in ["06:00:0a:00:00", "06:00:0a:00:00:fff", "zz:00:0a:00:00:01"] {
             assert_eq!(parse_mac(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn desired_takes_the_layout_from_the_oldest_vm_and_the_policy_from_the_newest() {
+        let old = attached("net-a", "198.51.100.10/24");
+        let new = NetworkAttachment {
+            address: "198.51.100.11/25".parse().unwrap(),
+            gateway: "198.51.100.126".parse().unwrap(),
+            nat: false,
+            egress_interface: Some("up1".into()),
+            egress_allow: vec!["192.0.2.0/24".parse().unwrap()],
+            egress_deny: vec!["203.0.113.0/24".parse().unwrap()],
+            ..attached("net-a", "198.51.100.11/25")
+        };
+        let d = desired([
+            ("t1".to_string(), [6, 0, 0, 0, 0, 1], &old),
+            ("t2".to_string(), [6, 0, 0, 0, 0, 2], &new),
+        ]);
+        assert_eq!(d.len(), 1);
+        assert_eq!(
+            d[0].network,
+            VmNetwork {
+                subnet: "198.51.100.0/24".parse().unwrap(),
+                gateway: "198.51.100.1".parse().unwrap(),
+                ..VmNetwork::from_attachment(&new)
+            }
+        );
+        assert_eq!(d[0].ports.len(), 2);
     }
 
     #[test]

@@ -92,7 +92,9 @@ fn verdict(v: &str) -> Value {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resolved<'a> {
     pub bridge: String,
-    pub egress: String,
+    /// `None`: the egress cannot be resolved (a failed network): its guests keep every
+    /// isolation rule and get no way out, rather than losing their rules.
+    pub egress: Option<String>,
     pub attachment: &'a super::Attachment,
 }
 
@@ -113,10 +115,10 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
         let from_br = || meta("iifname", "==", br.clone());
         let to_br = || meta("oifname", "==", br.clone());
         // From the subnet on this bridge, out the egress interface.
-        let outbound = || {
+        let outbound = |egress: &str| {
             vec![
                 from_br(),
-                meta("oifname", "==", json!(n.egress)),
+                meta("oifname", "==", json!(egress)),
                 payload("ip", "saddr", "==", prefix(&spec.subnet)),
             ]
         };
@@ -167,12 +169,14 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
                 "spec.egress.allow",
             );
         }
-        rule(
-            Family::Inet,
-            "forward",
-            [outbound(), vec![verdict("accept")]].concat(),
-            "guests out the egress interface",
-        );
+        if let Some(egress) = &n.egress {
+            rule(
+                Family::Inet,
+                "forward",
+                [outbound(egress), vec![verdict("accept")]].concat(),
+                "guests out the egress interface",
+            );
+        }
         rule(
             Family::Inet,
             "forward",
@@ -191,11 +195,13 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
             vec![to_br(), verdict("drop")],
             "no connections into guests",
         );
-        if spec.nat {
+        if spec.nat
+            && let Some(egress) = &n.egress
+        {
             rule(
                 Family::Inet,
                 "postrouting",
-                [outbound(), vec![verdict("masquerade")]].concat(),
+                [outbound(egress), vec![verdict("masquerade")]].concat(),
                 "outbound NAT",
             );
         }
@@ -433,7 +439,7 @@ mod tests {
     fn resolved(a: &Attachment) -> Vec<Resolved<'_>> {
         vec![Resolved {
             bridge: "impbr0000000001".into(),
-            egress: "eth0".into(),
+            egress: Some("eth0".into()),
             attachment: a,
         }]
     }

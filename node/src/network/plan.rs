@@ -88,9 +88,55 @@ pub enum Action {
     },
 }
 
-/// Refuse inconsistent desired state before touching anything.
-pub fn validate(desired: &[Attachment]) -> Result<(), NetworkError> {
+/// A network, or one VM's port on it, that cannot be set up this round, and why. Every other
+/// network (and every other port of this one) is still set up: one broken ImpNetwork, or one
+/// VM with a bad address, never blocks the rest of the node.
+#[derive(Debug)]
+pub struct Failure {
+    pub network: String,
+    /// The one port at fault (its VM fails, the network's other VMs keep theirs); `None`: the
+    /// whole network.
+    pub tap: Option<String>,
+    pub error: NetworkError,
+}
+
+impl Failure {
+    /// Whether this failure is (also) the one of the VM with `tap` on `network`.
+    pub fn concerns(&self, network: &str, tap: &str) -> bool {
+        self.network == network && self.tap.as_deref().is_none_or(|t| t == tap)
+    }
+}
+
+/// What to do, per network (executed network by network, so a failing step of one does not
+/// stop the others), then node-wide; plus what cannot be done.
+#[derive(Debug, Default)]
+pub struct Plan {
+    /// (network id, its link actions), in desired order.
+    pub networks: Vec<(String, Vec<Action>)>,
+    /// After every network: forwarding, the nft tables, bridges no network wants.
+    pub node: Vec<Action>,
+    pub failed: Vec<Failure>,
+}
+
+impl Plan {
+    /// Every action in execution order.
+    pub fn actions(&self) -> Vec<Action> {
+        self.networks
+            .iter()
+            .flat_map(|(_, a)| a)
+            .chain(&self.node)
+            .cloned()
+            .collect()
+    }
+}
+
+/// Split desired state into what can be set up and what is inconsistent, before anything is
+/// touched: a network with a bad gateway is left out whole (its bridge, if any, goes: no
+/// guest keeps a port without rules); a port with a bad or duplicate address, or a TAP wanted
+/// by two networks (the later loses it), is left out alone.
+pub fn validate(desired: &[Attachment]) -> (Vec<Attachment>, Vec<Failure>) {
     let mut taps: BTreeMap<&str, &str> = BTreeMap::new();
+    let (mut valid, mut failed) = (Vec::new(), Vec::new());
     for a in desired {
         let n = &a.network;
         let subnet = n.subnet.trunc();
@@ -98,65 +144,96 @@ pub fn validate(desired: &[Attachment]) -> Result<(), NetworkError> {
             subnet.contains(ip) && *ip != subnet.network() && *ip != subnet.broadcast()
         };
         if !host(&n.gateway) || subnet.prefix_len() > 30 {
-            return Err(NetworkError::BadGateway {
+            failed.push(Failure {
                 network: n.id.clone(),
-                gateway: n.gateway,
-                subnet: n.subnet,
+                tap: None,
+                error: NetworkError::BadGateway {
+                    network: n.id.clone(),
+                    gateway: n.gateway,
+                    subnet: n.subnet,
+                },
             });
+            continue;
         }
         let mut ips = BTreeSet::new();
+        let mut ports = Vec::new();
         for p in &a.ports {
+            let port_failure = |error| Failure {
+                network: n.id.clone(),
+                tap: Some(p.tap.clone()),
+                error,
+            };
             if !host(&p.ip) || p.ip == n.gateway || !ips.insert(p.ip) {
-                return Err(NetworkError::BadAddress {
+                failed.push(port_failure(NetworkError::BadAddress {
                     network: n.id.clone(),
                     ip: p.ip,
                     subnet: n.subnet,
-                });
+                }));
+                continue;
             }
-            if let Some(other) = taps.insert(&p.tap, &n.id) {
-                return Err(NetworkError::TapConflict {
+            if let Some(other) = taps.get(p.tap.as_str()) {
+                failed.push(port_failure(NetworkError::TapConflict {
                     tap: p.tap.clone(),
-                    a: other.to_owned(),
+                    a: (*other).to_owned(),
                     b: n.id.clone(),
-                });
+                }));
+                continue;
             }
+            taps.insert(&p.tap, &n.id);
+            ports.push(p.clone());
         }
+        valid.push(Attachment {
+            network: n.clone(),
+            ports,
+        });
     }
-    Ok(())
+    (valid, failed)
 }
 
-/// The actions that make the host match `desired`, in execution order; empty if it does.
-/// Networks without ports on this node are not set up (and torn down if present).
-pub fn plan(desired: &[Attachment], observed: &Observed) -> Result<Vec<Action>, NetworkError> {
+/// The actions that make the host match `desired` (validated first), in execution order; no
+/// actions if it does. Networks without ports on this node are not set up (and torn down if
+/// present). A network whose egress interface cannot be resolved still gets its bridge, ports
+/// and isolation rules, without a way out, and is reported failed.
+pub fn plan(desired: &[Attachment], observed: &Observed) -> Plan {
+    let (desired, mut failed) = validate(desired);
     let by_name: BTreeMap<&str, &Link> = observed
         .links
         .iter()
         .map(|l| (l.name.as_str(), l))
         .collect();
-    let mut actions = Vec::new();
+    let mut networks = Vec::new();
     let mut resolved = Vec::new();
     let mut wanted_bridges = BTreeSet::new();
 
     for a in desired.iter().filter(|a| !a.ports.is_empty()) {
         let n = &a.network;
+        let mut actions = Vec::new();
         let bridge = bridge_name(&n.id);
         wanted_bridges.insert(bridge.clone());
-        let egress =
-            match &n.egress_interface {
-                Some(i) if by_name.contains_key(i.as_str()) => i.clone(),
-                Some(i) => {
-                    return Err(NetworkError::EgressMissing {
+        let egress = match &n.egress_interface {
+            Some(i) if by_name.contains_key(i.as_str()) => Ok(i.clone()),
+            Some(i) => Err(NetworkError::EgressMissing {
+                network: n.id.clone(),
+                interface: i.clone(),
+            }),
+            None => {
+                observed
+                    .default_route_interface
+                    .clone()
+                    .ok_or_else(|| NetworkError::NoEgress {
                         network: n.id.clone(),
-                        interface: i.clone(),
-                    });
-                }
-                None => observed.default_route_interface.clone().ok_or_else(|| {
-                    NetworkError::NoEgress {
-                        network: n.id.clone(),
-                    }
-                })?,
-            };
-
+                    })
+            }
+        };
+        let egress = egress
+            .map_err(|error| {
+                failed.push(Failure {
+                    network: n.id.clone(),
+                    tap: None,
+                    error,
+                })
+            })
+            .ok();
         let mac = bridge_mac(&n.id);
         let br = by_name.get(bridge.as_str()).copied();
         let gw = ipnet::Ipv4Net::new(n.gateway, n.subnet.prefix_len()).expect("prefix <= 32");
@@ -256,8 +333,10 @@ pub fn plan(desired: &[Attachment], observed: &Observed) -> Result<Vec<Action>, 
             egress,
             attachment: a,
         });
+        networks.push((n.id.clone(), actions));
     }
 
+    let mut actions = Vec::new();
     if !resolved.is_empty() && !observed.ip_forward {
         actions.push(Action::EnableForwarding);
     }
@@ -276,7 +355,11 @@ pub fn plan(desired: &[Attachment], observed: &Observed) -> Result<Vec<Action>, 
             });
         }
     }
-    Ok(actions)
+    Plan {
+        networks,
+        node: actions,
+        failed,
+    }
 }
 
 #[cfg(test)]
@@ -416,10 +499,12 @@ mod tests {
     }
 
     fn converge(desired: &[Attachment], obs: Observed) -> (Vec<Action>, Observed) {
-        let actions = plan(desired, &obs).unwrap();
+        let p = plan(desired, &obs);
+        assert!(p.failed.is_empty(), "{:?}", p.failed);
+        let actions = p.actions();
         let after = simulate(desired, obs, &actions);
         assert_eq!(
-            plan(desired, &after).unwrap(),
+            plan(desired, &after).actions(),
             [],
             "a second plan must be empty after {actions:?}"
         );
@@ -457,7 +542,7 @@ mod tests {
     fn matching_host_is_a_no_op_and_drift_is_repaired_precisely() {
         let d = one(vec![port("imptap1", "192.0.2.10")]);
         let (_, good) = converge(&d, fresh());
-        assert_eq!(plan(&d, &good).unwrap(), []);
+        assert_eq!(plan(&d, &good).actions(), []);
         let br = bridge_name("n1");
         let mut drift = good.clone();
         let b = drift.links.iter_mut().find(|l| l.name == br).unwrap();
@@ -487,7 +572,7 @@ mod tests {
                     tap: "imptap1".into()
                 },
                 Action::ReplaceNft {
-                    rules: match &plan(&d, &fresh()).unwrap().last() {
+                    rules: match &plan(&d, &fresh()).actions().last() {
                         Some(Action::ReplaceNft { rules }) => rules.clone(),
                         other => panic!("{other:?}"),
                     }
@@ -559,7 +644,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            plan(&[], &obs).unwrap(),
+            plan(&[], &obs).actions(),
             [Action::DeleteBridge {
                 bridge: "impbr00000000ff".into()
             }]
@@ -601,58 +686,165 @@ mod tests {
         }));
     }
 
+    fn whys(actions: &[Action]) -> Vec<&'static str> {
+        actions
+            .iter()
+            .find_map(|a| match a {
+                Action::ReplaceNft { rules } => Some(rules.iter().map(|r| r.why).collect()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
     #[test]
     fn egress_resolution_and_its_failures() {
         let mut d = one(vec![port("imptap1", "192.0.2.10")]);
         let mut obs = fresh();
         obs.default_route_interface = None;
+        let p = plan(&d, &obs);
         assert!(
-            matches!(plan(&d, &obs), Err(NetworkError::NoEgress { network }) if network == "n1")
+            matches!(&p.failed[..], [Failure { network, tap: None, error: NetworkError::NoEgress { .. } }] if network == "n1"),
+            "{:?}",
+            p.failed
         );
+        // Still set up, isolated, with no way out: its running guests keep their rules.
+        let actions = p.actions();
+        assert!(actions.contains(&Action::CreateBridge {
+            bridge: bridge_name("n1"),
+            mac: bridge_mac("n1")
+        }));
+        let w = whys(&actions);
+        assert!(w.contains(&"guests reach no address of the node"), "{w:?}");
+        assert!(w.contains(&"guest IPv4 source only"), "{w:?}");
+        assert!(!w.contains(&"guests out the egress interface"), "{w:?}");
+        assert!(!w.contains(&"outbound NAT"), "{w:?}");
         d[0].network.egress_interface = Some("eth7".into());
-        assert!(
-            matches!(plan(&d, &obs), Err(NetworkError::EgressMissing { interface, .. }) if interface == "eth7")
-        );
+        assert!(matches!(
+            &plan(&d, &obs).failed[..],
+            [Failure { error: NetworkError::EgressMissing { interface, .. }, .. }] if interface == "eth7"
+        ));
         d[0].network.egress_interface = Some("eth0".into());
-        assert!(plan(&d, &obs).is_ok());
+        let p = plan(&d, &obs);
+        assert!(p.failed.is_empty());
+        assert!(whys(&p.actions()).contains(&"outbound NAT"));
         // A network without VMs here needs no egress at all.
-        assert_eq!(plan(&one(vec![]), &obs).unwrap(), []);
+        let p = plan(&one(vec![]), &obs);
+        assert!(p.actions().is_empty() && p.failed.is_empty());
     }
 
     #[test]
-    fn validate_rejects_bad_desired_state() {
+    fn one_broken_network_does_not_block_another() {
+        let mut broken = net("n1", "192.0.2.0/25", "192.0.2.1");
+        broken.egress_interface = Some("eth7".into());
+        let d = vec![
+            Attachment {
+                network: broken,
+                ports: vec![port("imptap1", "192.0.2.10")],
+            },
+            Attachment {
+                network: net("n2", "192.0.2.128/25", "192.0.2.129"),
+                ports: vec![port("imptap2", "192.0.2.130")],
+            },
+            // A bad gateway: left out whole, its bridge goes.
+            Attachment {
+                network: net("n3", "198.51.100.0/24", "198.51.100.0"),
+                ports: vec![port("imptap3", "198.51.100.10")],
+            },
+        ];
+        let mut obs = fresh();
+        obs.links.push(Link {
+            name: bridge_name("n3"),
+            index: 50,
+            kind: Some("bridge".into()),
+            ..Default::default()
+        });
+        let p = plan(&d, &obs);
+        let failed: Vec<_> = p
+            .failed
+            .iter()
+            .map(|f| (f.network.as_str(), f.tap.is_none()))
+            .collect();
+        assert_eq!(failed, [("n3", true), ("n1", true)]);
+        assert!(p.failed[0].concerns("n3", "imptap3") && !p.failed[0].concerns("n2", "imptap2"));
+        let ids: Vec<_> = p.networks.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["n1", "n2"]);
+        let actions = p.actions();
+        assert!(actions.contains(&Action::Attach {
+            tap: "imptap2".into(),
+            bridge: bridge_name("n2")
+        }));
+        assert!(actions.contains(&Action::DeleteBridge {
+            bridge: bridge_name("n3")
+        }));
+        assert!(
+            !actions
+                .iter()
+                .any(|a| matches!(a, Action::CreateTap { tap } if tap == "imptap3"))
+        );
+        // n2's way out is there, n1's is not.
+        let rules = match actions
+            .iter()
+            .find(|a| matches!(a, Action::ReplaceNft { .. }))
+        {
+            Some(Action::ReplaceNft { rules }) => rules.clone(),
+            other => panic!("{other:?}"),
+        };
+        let out_of = |b: &str| {
+            rules.iter().any(|r| {
+                r.why == "guests out the egress interface" && r.expr[0].to_string().contains(b)
+            })
+        };
+        assert!(out_of(&bridge_name("n2")) && !out_of(&bridge_name("n1")));
+    }
+
+    #[test]
+    fn validate_leaves_out_bad_networks_and_bad_ports_alone() {
         let bad_gw = vec![Attachment {
             network: net("n1", "192.0.2.0/24", "192.0.2.0"),
             ports: vec![],
         }];
+        let (valid, failed) = validate(&bad_gw);
+        assert!(valid.is_empty());
         assert!(matches!(
-            validate(&bad_gw),
-            Err(NetworkError::BadGateway { .. })
+            &failed[..],
+            [Failure {
+                tap: None,
+                error: NetworkError::BadGateway { .. },
+                ..
+            }]
         ));
         for ip in ["192.0.2.1", "192.0.2.255", "198.51.100.5"] {
-            let d = one(vec![port("imptap1", ip)]);
+            let d = one(vec![port("imptap1", ip), port("imptap2", "192.0.2.20")]);
+            let (valid, failed) = validate(&d);
+            assert_eq!(valid[0].ports, [port("imptap2", "192.0.2.20")], "{ip}");
             assert!(
-                matches!(validate(&d), Err(NetworkError::BadAddress { .. })),
-                "{ip}"
+                matches!(&failed[..], [Failure { tap: Some(t), error: NetworkError::BadAddress { .. }, .. }] if t == "imptap1"),
+                "{ip}: {failed:?}"
             );
         }
         let dup = one(vec![
             port("imptap1", "192.0.2.10"),
             port("imptap2", "192.0.2.10"),
         ]);
+        let (valid, failed) = validate(&dup);
+        assert_eq!(valid[0].ports, [port("imptap1", "192.0.2.10")]);
         assert!(matches!(
-            validate(&dup),
-            Err(NetworkError::BadAddress { .. })
+            &failed[..],
+            [Failure { tap: Some(t), error: NetworkError::BadAddress { .. }, .. }] if t == "imptap2"
         ));
         let mut two = one(vec![port("imptap1", "192.0.2.10")]);
         two.push(Attachment {
             network: net("n2", "198.51.100.0/24", "198.51.100.1"),
             ports: vec![port("imptap1", "198.51.100.10")],
         });
+        let (valid, failed) = validate(&two);
+        assert_eq!((valid[0].ports.len(), valid[1].ports.len()), (1, 0));
         assert!(matches!(
-            validate(&two),
-            Err(NetworkError::TapConflict { .. })
+            &failed[..],
+            [Failure { network, error: NetworkError::TapConflict { .. }, .. }] if network == "n2"
         ));
-        assert!(validate(&one(vec![port("imptap1", "192.0.2.10")])).is_ok());
+        let ok = one(vec![port("imptap1", "192.0.2.10")]);
+        assert_eq!(validate(&ok).0, ok);
+        assert!(validate(&ok).1.is_empty());
     }
 }

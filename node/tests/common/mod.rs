@@ -236,6 +236,27 @@ impl Harness {
         }
     }
 
+    /// imp-runtime's QEMU backend (`IMP_QEMU_ACCEL`, default TCG: slow boots, so a long boot
+    /// timeout) with images from the (insecure, local) registry at `registry`.
+    pub fn qemu(s: &imp_testkit::qemu::Setup, initrd: &Path, registry: String) -> Self {
+        let mut h = Harness::new(Backend::Qemu {
+            qemu: s.qemu.clone(),
+            vhost: s.vhost.clone(),
+            kernel: s.kernel.clone(),
+            initrd: initrd.to_owned(),
+            guest: s.guest_bin.clone(),
+        });
+        h.boot_timeout_secs = 240.0;
+        h.extra_env.extend([
+            ("IMP_INSECURE_REGISTRIES".to_string(), registry),
+            (
+                "IMP_QEMU_ACCEL".to_string(),
+                std::env::var("IMP_QEMU_ACCEL").unwrap_or_else(|_| "tcg".into()),
+            ),
+        ]);
+        h
+    }
+
     pub fn runtime_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join(format!("runtime-{}.log", self.starts)))
             .unwrap_or_default()
@@ -392,6 +413,23 @@ impl TestNetwork {
     }
 }
 
+impl TestNetwork {
+    /// `network::reconcile(desired)` run inside the node namespace.
+    pub fn reconcile(
+        &self,
+        desired: &[imp_node::network::Attachment],
+    ) -> imp_node::network::Reconciled {
+        self.in_node(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(imp_node::network::reconcile(desired))
+                .unwrap()
+        })
+    }
+}
+
 impl Drop for TestNetwork {
     fn drop(&mut self) {
         for ns in [&self.inet, &self.node] {
@@ -418,4 +456,45 @@ pub fn network_tests_can_run() -> bool {
     );
     println!("skipped: {why}");
     false
+}
+
+/// `cmd args`, which must succeed: its stdout.
+pub fn output(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// dnsmasq as the "internet"'s DNS server: in the foreground, on `listen` only, answering
+/// nothing but `name` -> `address` (no upstream, no hosts file, no config).
+pub fn dnsmasq_argv(listen: &str, name: &str, address: &str) -> Vec<String> {
+    [
+        "dnsmasq",
+        "--keep-in-foreground",
+        "--no-resolv",
+        "--no-hosts",
+        "--conf-file=/dev/null",
+        "--pid-file",
+        "--bind-interfaces",
+        &format!("--listen-address={listen}"),
+        &format!("--address=/{name}/{address}"),
+        "--user=root",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// An image layer with Debian's static busybox as /bin/sh and a root user; callers add theirs.
+pub fn busybox_layer() -> imp_testkit::tarball::TarBuilder {
+    let busybox = std::fs::read("/bin/busybox").unwrap();
+    imp_testkit::tarball::TarBuilder::new()
+        .dir("bin", 0o755)
+        .file("bin/busybox", &busybox, 0o755)
+        .symlink("bin/sh", "busybox")
+        .dir("etc", 0o755)
+        .file("etc/passwd", b"root:x:0:0::/:/bin/sh\n", 0o644)
 }
