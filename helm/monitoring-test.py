@@ -15,6 +15,7 @@ SKIPPED line and exits 0, unless IMP_REQUIRE_PROMETHEUS=1 makes that a failure. 
 steps 1 and 2 only (no smoke run).
 """
 
+import concurrent.futures
 import ctypes
 import json
 import math
@@ -237,8 +238,10 @@ def free_port():
 
 
 def get_json(url):
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
+    def get():
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.load(r)
+    return in_smoke_ns(get)
 
 
 def query(base, expr):
@@ -273,28 +276,28 @@ def stop(p):
 
 
 def enter_netns(name):
-    """Moves this (single-threaded) process into the named network namespace and returns a descriptor of
-    the one it left: the smoke's processes listen on the 127.0.0.1 of their own namespace, so Prometheus
-    (a child, inheriting it) and the queries must run there too."""
+    """Moves the calling thread (setns is per thread) into the named network namespace."""
     libc = ctypes.CDLL(None, use_errno=True)
-    previous = os.open("/proc/self/ns/net", os.O_RDONLY)
     fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     try:
         if libc.setns(fd, CLONE_NEWNET) != 0:
-            raise Failure(f"setns into network namespace {name}: {os.strerror(ctypes.get_errno())}")
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
     finally:
         os.close(fd)
-    return previous
 
 
-def leave_netns(previous):
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(previous, CLONE_NEWNET) != 0:
-        raise Failure(f"setns back to the test's network namespace: {os.strerror(ctypes.get_errno())}")
-    os.close(previous)
+# The smoke's processes listen on the 127.0.0.1 of the smoke's own network namespace, so Prometheus and
+# the queries run there: on one worker thread that entered it (Prometheus, started from that thread,
+# inherits it). The process itself stays outside: the smoke kills whatever is left in its namespace.
+IN_SMOKE_NS = None
+
+
+def in_smoke_ns(fn, *args, **kwargs):
+    return IN_SMOKE_NS.submit(fn, *args, **kwargs).result() if IN_SMOKE_NS else fn(*args, **kwargs)
 
 
 def check_live(prometheus, panels, variables, work):
+    global IN_SMOKE_NS
     targets = work / "targets"
     targets.mkdir()
     port = free_port()
@@ -304,7 +307,6 @@ def check_live(prometheus, panels, variables, work):
                             "file_sd_configs": [{"files": [str(targets / "*.json")], "refresh_interval": "1s"}]}],
     }))
     procs = {}
-    previous_ns = None
     started = time.time()
     prom_log = open(work / "prometheus.log", "w")
     smoke_log = open(work / "smoke.log", "w")
@@ -315,8 +317,10 @@ def check_live(prometheus, panels, variables, work):
             env=dict(os.environ, IMP_SMOKE_TARGETS_DIR=str(targets)),
             stdout=smoke_log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_for("the smoke's network namespace (smoke.log)", 900, (targets / "netns").exists, procs)
-        previous_ns = enter_netns((targets / "netns").read_text().strip())
-        procs["prometheus"] = subprocess.Popen(
+        IN_SMOKE_NS = concurrent.futures.ThreadPoolExecutor(
+            1, initializer=enter_netns, initargs=((targets / "netns").read_text().strip(),))
+        procs["prometheus"] = in_smoke_ns(
+            subprocess.Popen,
             [prometheus, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{port}"],
             stdout=prom_log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -324,8 +328,8 @@ def check_live(prometheus, panels, variables, work):
 
         def ready():
             try:
-                return urllib.request.urlopen(f"{base}/-/ready", timeout=2).status == 200
-            except OSError:
+                return get_json(f"{base}/api/v1/status/buildinfo")["status"] == "success"
+            except (OSError, ValueError):
                 return False
         wait_for("Prometheus ready", 60, ready, procs)
         log(f"Prometheus {base} up in the smoke's network namespace")
@@ -389,8 +393,9 @@ def check_live(prometheus, panels, variables, work):
                 pass
         for p in procs.values():
             stop(p)
-        if previous_ns is not None:
-            leave_netns(previous_ns)
+        if IN_SMOKE_NS:
+            IN_SMOKE_NS.shutdown()
+            IN_SMOKE_NS = None
         prom_log.close()
         smoke_log.close()
 
