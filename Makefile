@@ -7,7 +7,8 @@ CARGO ?= cargo
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
 test: testenv lint unit guest-static guest-vm images chart-lint
 
-## etcd, kube-apiserver, kube-controller-manager, kubectl and helm from their Go modules (incremental).
+## etcd, kube-apiserver, kube-controller-manager, kubectl, helm, kubelet and kube-scheduler from their Go
+## modules (incremental).
 testenv:
 	testenv/build.sh
 
