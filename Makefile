@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint smoke clean-testenv
+.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint real-node smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
 test: testenv lint unit guest-static guest-vm images chart-lint
@@ -17,7 +17,9 @@ lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-## Unit and integration tests; integration tests start their own control plane on 127.0.0.1.
+## Unit and integration tests; integration tests start their own control plane on 127.0.0.1. Includes
+## testkit/tests/real_node.rs (`make real-node` alone): the chart on a real kubelet + containerd node,
+## skipped with the reason where the host cannot (IMP_REQUIRE_REAL_NODE=1 makes that a failure).
 unit: testenv
 	$(CARGO) test --workspace --locked --no-fail-fast
 
@@ -49,6 +51,11 @@ images: testenv guest-static
 ## file over them.
 chart-lint: testenv
 	for f in reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f reference/seed-examples/helm-values-seed.yaml -f "$$f" || exit 1; done
+
+## The chart installed from oci:// onto a real node (kubelet, containerd, runc, CNI bridge) in a network
+## namespace of its own; docs/real-node.md.
+real-node: testenv
+	$(CARGO) test -p imp-testkit --locked --test real_node -- --nocapture
 
 ## The local smoke run: the runner lifecycle against the simulators and a real API server.
 smoke: testenv

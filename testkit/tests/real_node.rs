@@ -381,21 +381,30 @@ fn restarts(p: &Pod) -> Vec<i32> {
         .unwrap_or_default()
 }
 
-/// The Ready pod of `component` on `node` (panics with every pod's state otherwise).
+/// The Ready pod of `component` on `node`, waiting up to 3 minutes (helm's --wait does not cover every
+/// DaemonSet: it may count a DaemonSet whose status is not updated yet); panics with every pod's state.
 async fn ready_pod_on(pods: &Api<Pod>, component: &str, node: &str) -> Pod {
-    let list = pods
-        .list(&ListParams::default().labels(&format!("app.kubernetes.io/component={component}")))
-        .await
-        .expect("list pods");
-    let found = list.items.into_iter().find(|p| {
-        pod_ready(p) && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
-    });
-    match found {
-        Some(p) => p,
-        None => panic!(
-            "no Ready {component} pod on {node}: {}",
-            describe_pods(pods).await
-        ),
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let list = pods
+            .list(
+                &ListParams::default().labels(&format!("app.kubernetes.io/component={component}")),
+            )
+            .await
+            .expect("list pods");
+        let found = list.items.into_iter().find(|p| {
+            pod_ready(p) && p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+        });
+        if let Some(p) = found {
+            return p;
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "no Ready {component} pod on {node}: {}",
+                describe_pods(pods).await
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
