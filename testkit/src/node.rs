@@ -549,9 +549,7 @@ impl Drop for RealNode {
             }
         }
         unmount_under(&self.dir);
-        for hierarchy in cgroup_hierarchies() {
-            remove_cgroup_tree(&hierarchy.join(self.cgroup_root.trim_start_matches('/')));
-        }
+        remove_cgroup_everywhere(self.cgroup_root.trim_start_matches('/'));
         // The kubelet links each container's log into /var/log/containers (a fixed path).
         let pod_logs = self.dir.join("pod-logs");
         if let Ok(entries) = std::fs::read_dir("/var/log/containers") {
@@ -598,8 +596,23 @@ fn cgroup_pids(dir: &Path) -> Vec<i32> {
     pids
 }
 
+/// Kills every process in the cgroup `name` (relative to each hierarchy's root, e.g. the runtime's VM
+/// cgroup parent, which only this test's pods created) and removes it from every hierarchy.
+pub fn remove_cgroup_everywhere(name: &str) {
+    let pids: Vec<i32> = cgroup_hierarchies()
+        .into_iter()
+        .flat_map(|h| cgroup_pids(&h.join(name)))
+        .collect();
+    if !pids.is_empty() {
+        kill_where(|pid| pids.contains(&pid));
+    }
+    for h in cgroup_hierarchies() {
+        remove_cgroup_tree(&h.join(name));
+    }
+}
+
 /// Removes a cgroup directory and its children, deepest first (rmdir: a cgroup holds no files).
-pub fn remove_cgroup_tree(dir: &Path) {
+fn remove_cgroup_tree(dir: &Path) {
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         if e.file_type().is_ok_and(|t| t.is_dir()) {
             remove_cgroup_tree(&e.path());

@@ -156,6 +156,7 @@ async fn scenario(id: &str) {
     let kernel = work.join("vmlinux");
     std::fs::write(&kernel, b"").expect("write the kernel placeholder file");
     let vm_cgroup_parent = format!("imp-vms-{id}");
+    let _vm_cgroups = RemoveCgroupOnDrop(vm_cgroup_parent.clone());
     let sets = [
         format!("agent.env.kernelPath={}", kernel.display()),
         format!("agent.env.fcBinPath={}", built[3].display()),
@@ -350,9 +351,6 @@ async fn scenario(id: &str) {
         leftover_cgroups.is_empty(),
         "VM cgroups with processes after uninstall: {leftover_cgroups:?}"
     );
-    for h in node::cgroup_hierarchies() {
-        node::remove_cgroup_tree(&h.join(&vm_cgroup_parent));
-    }
     drop(real_node);
     drop(registry);
     drop(cp);
@@ -405,6 +403,16 @@ async fn ready_pod_on(pods: &Api<Pod>, component: &str, node: &str) -> Pod {
             );
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The runtime's VM cgroup parent (created on the host by the runtime pod), removed with anything in it
+/// also when the test fails.
+struct RemoveCgroupOnDrop(String);
+
+impl Drop for RemoveCgroupOnDrop {
+    fn drop(&mut self) {
+        node::remove_cgroup_everywhere(&self.0);
     }
 }
 
