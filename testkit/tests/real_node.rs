@@ -257,6 +257,13 @@ async fn scenario(id: &str) {
         ready_pod_on(&pods, component, &node_name).await;
     }
     let runtime_before = ready_pod_on(&pods, "runtime", &node_name).await;
+    // What each component said on a real node (read from the kubelet's pod log directory).
+    for component in ["operator", "agent", "runtime"] {
+        println!(
+            "real_node: imp-{component} log (last lines):\n{}",
+            container_log_tail(real_node.dir(), component, 8)
+        );
+    }
 
     // The upgrade changes the runtime's pod template; OnDelete keeps the running pod (and so its VMs).
     let t4 = Instant::now();
@@ -414,6 +421,25 @@ impl Drop for RemoveCgroupOnDrop {
     fn drop(&mut self) {
         node::remove_cgroup_everywhere(&self.0);
     }
+}
+
+/// The last lines of the first log file of container `container` under the kubelet's pod log directory
+/// (`<podLogsDir>/<ns>_<pod>_<uid>/<container>/0.log`).
+fn container_log_tail(node_dir: &Path, container: &str, lines: usize) -> String {
+    let pod_logs = node_dir.join("pod-logs");
+    std::fs::read_dir(&pod_logs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|pod| pod.path().join(container).join("0.log"))
+        .find(|log| log.is_file())
+        .map(|log| imp_testkit::process::log_tail(&log, lines))
+        .unwrap_or_else(|| {
+            format!(
+                "(no log of container {container} under {})",
+                pod_logs.display()
+            )
+        })
 }
 
 fn cgroup_empty(dir: &Path) -> bool {
