@@ -176,7 +176,7 @@ impl ControlPlane {
             free_apiserver_port,
             kcm_port,
             scheduler_port,
-        ] = free_ports::<5>()?;
+        ] = free_ports::<5>().map_err(io_err("choose free ports on 127.0.0.1"))?;
         let (bind, advertise, apiserver_port, service_cidr, extra_sans) = match &opts.pod_access {
             None => (
                 "127.0.0.1".to_owned(),
@@ -501,14 +501,13 @@ pub async fn install_crds(
 }
 
 /// `N` distinct free TCP ports on 127.0.0.1 (held together while choosing so they differ).
-fn free_ports<const N: usize>() -> Result<[u16; N], ControlPlaneError> {
+pub(crate) fn free_ports<const N: usize>() -> std::io::Result<[u16; N]> {
     let listeners: Vec<TcpListener> = (0..N)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .map_err(io_err("bind a free port on 127.0.0.1"))?;
+        .collect::<Result<_, _>>()?;
     let mut ports = [0u16; N];
     for (port, l) in ports.iter_mut().zip(&listeners) {
-        *port = l.local_addr().map_err(io_err("read a bound port"))?.port();
+        *port = l.local_addr()?.port();
     }
     Ok(ports)
 }

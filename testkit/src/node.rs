@@ -363,7 +363,8 @@ impl RealNode {
         node.wait_for("containerd", |n| n.containerd_socket.exists())
             .await?;
 
-        let [port, healthz_port] = free_ports::<2>()?;
+        let [port, healthz_port] =
+            crate::controlplane::free_ports::<2>().map_err(io_err("choose the kubelet's ports"))?;
         let kubelet_config = write(
             &dir.join("kubelet.yaml"),
             &kubelet_config(
@@ -663,18 +664,6 @@ fn unescape_mount_path(s: &str) -> PathBuf {
 fn write(path: &Path, content: &str) -> Result<PathBuf, NodeError> {
     std::fs::write(path, content).map_err(io_err(format!("write {}", path.display())))?;
     Ok(path.to_path_buf())
-}
-
-fn free_ports<const N: usize>() -> Result<[u16; N], NodeError> {
-    let listeners: Vec<std::net::TcpListener> = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .map_err(io_err("bind a free port"))?;
-    let mut ports = [0u16; N];
-    for (port, l) in ports.iter_mut().zip(&listeners) {
-        *port = l.local_addr().map_err(io_err("read a bound port"))?.port();
-    }
-    Ok(ports)
 }
 
 /// containerd 1.6 (config version 2): its own root, state and socket under `dir`; the CRI plugin with
