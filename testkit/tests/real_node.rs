@@ -130,6 +130,20 @@ async fn scenario(id: &str) {
         ],
     )
     .expect("build the component binaries");
+    // The runtime image carries the static imp-guest (images/components/build.sh refuses without it).
+    let target_dir = bins::profile_dir()
+        .expect("profile dir")
+        .parent()
+        .expect("target dir")
+        .to_path_buf();
+    let static_guest = target_dir.join("x86_64-unknown-linux-gnu/release/imp-guest");
+    if !static_guest.is_file() {
+        node::run(
+            Command::new(paths::workspace_root().join("guest/check-static.sh"))
+                .env("CARGO_TARGET_DIR", &target_dir),
+        )
+        .expect("guest/check-static.sh (the static imp-guest for the runtime image)");
+    }
     let t2 = Instant::now();
     let images = work.join("images");
     let out = Command::new(paths::workspace_root().join("images/components/build.sh"))
@@ -137,6 +151,8 @@ async fn scenario(id: &str) {
         .arg(built[0].parent().expect("profile dir"))
         .arg("--out")
         .arg(&images)
+        .arg("--guest")
+        .arg(&static_guest)
         .args(["--push", &format!("{reg}/imp-dev")])
         .output()
         .expect("run images/components/build.sh");
