@@ -2,12 +2,13 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint monitoring smoke clean-testenv
+.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint monitoring real-node smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
 test: testenv lint unit guest-static guest-vm images chart-lint monitoring smoke
 
-## etcd, kube-apiserver, kube-controller-manager, kubectl and helm from their Go modules (incremental).
+## etcd, kube-apiserver, kube-controller-manager, kubectl, helm, kubelet and kube-scheduler from their Go
+## modules (incremental).
 testenv:
 	testenv/build.sh
 
@@ -16,7 +17,9 @@ lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
-## Unit and integration tests; integration tests start their own control plane on 127.0.0.1.
+## Unit and integration tests; integration tests start their own control plane on 127.0.0.1. Includes
+## testkit/tests/real_node.rs (`make real-node` alone): the chart on a real kubelet + containerd node,
+## skipped with the reason where the host cannot (IMP_REQUIRE_REAL_NODE=1 makes that a failure).
 unit: testenv
 	$(CARGO) test --workspace --locked --no-fail-fast
 
@@ -55,6 +58,11 @@ chart-lint: testenv
 ## IMP_REQUIRE_PROMETHEUS=1.
 monitoring: testenv
 	helm/monitoring-test.py
+
+## The chart installed from oci:// onto a real node (kubelet, containerd, runc, CNI bridge) in a network
+## namespace of its own; docs/real-node.md.
+real-node: testenv
+	$(CARGO) test -p imp-testkit --locked --test real_node -- --nocapture
 
 ## The local smoke run (root): the runner lifecycle against the simulators and a real API server, in a
 ## network namespace of its own; prints a per-phase timeline (JSON in target/imp-smoke/report.json), then

@@ -175,10 +175,18 @@ if [ -z "$bins" ]; then
     (cd "$repo" && cargo build -q -p imp-operator -p imp-node --bins)
     bins="$target_dir/debug"
 fi
+# The runtime image carries the static imp-guest (guest/check-static.sh; the Makefile's images target
+# builds it first and passes it here).
+guest_args=()
+[ -z "${IMP_GUEST_STATIC_BIN:-}" ] || guest_args=(--guest "$IMP_GUEST_STATIC_BIN")
 start=$(date +%s)
-"$components" --bin-dir "$bins" --out "$t/comp1" --tag test >/dev/null
+"$components" --bin-dir "$bins" --out "$t/comp1" --tag test "${guest_args[@]}" >/dev/null
 took=$(($(date +%s) - start))
-"$components" --bin-dir "$bins" --out "$t/comp2" --tag test >/dev/null
+"$components" --bin-dir "$bins" --out "$t/comp2" --tag test "${guest_args[@]}" >/dev/null
+if "$components" --bin-dir "$bins" --out "$t/comp-noguest" --only imp-runtime --guest "$t/no-such-guest" 2>"$t/noguest.err"; then
+    fail "the runtime image was built without imp-guest"
+fi
+grep -q "imp-runtime needs the static imp-guest" "$t/noguest.err" || fail "no clear error without imp-guest: $(cat "$t/noguest.err")"
 cmp -s "$t/comp1/digests" "$t/comp2/digests" ||
     fail "two component builds differ: $(diff "$t/comp1/digests" "$t/comp2/digests")"
 for name in imp-operator imp-agent imp-runtime; do
@@ -207,6 +215,12 @@ for name in imp-operator imp-agent imp-runtime; do
         chroot "$root" /usr/sbin/mkfs.ext4 -q -F -d /tmp/src /tmp/probe.ext4 4M >"$t/tool" 2>&1 ||
             fail "mkfs.ext4 -d in the runtime image: $(cat "$t/tool")"
         chroot "$root" /usr/sbin/nft --version >"$t/tool" 2>&1 || fail "nft in the runtime image: $(cat "$t/tool")"
+        # IMP_GUEST_BIN's default: copied into every VM's root filesystem.
+        [ -x "$root/usr/local/lib/imp/imp-guest" ] || fail "the runtime image lacks /usr/local/lib/imp/imp-guest"
+        if [ -n "${IMP_GUEST_STATIC_BIN:-}" ]; then
+            cmp -s "$IMP_GUEST_STATIC_BIN" "$root/usr/local/lib/imp/imp-guest" ||
+                fail "the runtime image's imp-guest is not $IMP_GUEST_STATIC_BIN"
+        fi
         chroot "$root" /usr/sbin/ip -V >"$t/tool" 2>&1 || fail "ip in the runtime image: $(cat "$t/tool")"
         # The chart's KVM preflight script needs /bin/sh, [ -c ] and sleep.
         chroot "$root" /bin/sh -c '[ ! -c /nonexistent ] && exec sleep 0' || fail "/bin/sh or sleep in the runtime image"

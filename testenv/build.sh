@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds the test control plane (etcd, kube-apiserver, kube-controller-manager, kubectl, helm) from their
-# Go modules into testenv/bin/. A binary is rebuilt only when it is missing or its module pin (go.mod/go.sum)
-# changed, so a warm run costs a few hashes. Go's own build and module caches make a rebuild after a pin
-# change incremental.
+# Builds the test control plane (etcd, kube-apiserver, kube-controller-manager, kubectl, helm) and the
+# real-node binaries (kubelet, kube-scheduler; module node/) from their Go modules into testenv/bin/. A
+# binary is rebuilt only when it is missing or its module pin (go.mod/go.sum) changed, so a warm run costs
+# a few hashes. Go's own build and module caches make a rebuild after a pin change incremental.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin="$here/bin"
@@ -13,6 +13,13 @@ mkdir -p "$bin"
 k8s_version="$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$here/kube/go.mod")"
 helm_version="$(awk '$1 == "require" && $2 == "helm.sh/helm/v3" {print $3}' "$here/helm/go.mod")"
 k8s_minor="$(cut -d. -f2 <<<"$k8s_version")"
+# The node module exists so that adding kubelet does not change the control plane's pin; both must build
+# the same Kubernetes release.
+node_k8s_version="$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" {print $3}' "$here/node/go.mod")"
+if [[ "$node_k8s_version" != "$k8s_version" ]]; then
+  echo "testenv: node/go.mod pins k8s.io/kubernetes $node_k8s_version, kube/go.mod $k8s_version; they must match" >&2
+  exit 1
+fi
 kube_ldflags="-X k8s.io/component-base/version.gitVersion=$k8s_version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$k8s_minor -X k8s.io/component-base/version.gitTreeState=clean -X k8s.io/client-go/pkg/version.gitVersion=$k8s_version -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$k8s_minor"
 helm_ldflags="-X helm.sh/helm/v3/internal/version.version=$helm_version -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$k8s_minor"
 
@@ -22,12 +29,14 @@ components=(
   "kube-apiserver kube k8s.io/kubernetes/cmd/kube-apiserver"
   "kube-controller-manager kube k8s.io/kubernetes/cmd/kube-controller-manager"
   "kubectl kube k8s.io/kubernetes/cmd/kubectl"
+  "kubelet node k8s.io/kubernetes/cmd/kubelet"
+  "kube-scheduler node k8s.io/kubernetes/cmd/kube-scheduler"
   "helm helm helm.sh/helm/v3/cmd/helm"
 )
 
 ldflags_of() {
   case "$1" in
-    kube) echo "$kube_ldflags" ;;
+    kube | node) echo "$kube_ldflags" ;;
     helm) echo "$helm_ldflags" ;;
     *) echo "" ;;
   esac

@@ -4,8 +4,10 @@
 # `ldd` lists at their paths and the dynamic loader, so the binary runs from the image's root alone.
 #   imp-operator, imp-agent  run as 65532:65532 (User in the image config; /etc/passwd names it)
 #   imp-runtime              runs as root (TAP devices, /dev/kvm) and carries what it runs: mkfs.ext4
-#                            (e2fsprogs, with /etc/mke2fs.conf), ip (iproute2), nft (nftables), and
-#                            busybox (static: /bin/sh and sleep for the chart's KVM preflight)
+#                            (e2fsprogs, with /etc/mke2fs.conf), ip (iproute2), nft (nftables),
+#                            busybox (static: /bin/sh and sleep for the chart's KVM preflight), and the
+#                            static imp-guest at /usr/local/lib/imp/imp-guest (IMP_GUEST_BIN's default),
+#                            which it copies into every VM's root filesystem
 #
 # Usage:
 #   images/components/build.sh --out DIR [--bin-dir DIR] [--tag TAG] [--only NAME]... [--push PREFIX]
@@ -16,6 +18,8 @@
 #                   --locked -p imp-operator -p imp-node --bins`, then target/release
 #   --tag TAG       ref name in each index.json (default: the workspace version, e.g. 0.1.0)
 #   --only NAME     build only this image (repeatable)
+#   --guest PATH    the static imp-guest for the runtime image (default: the one guest/check-static.sh
+#                   builds, <target>/x86_64-unknown-linux-gnu/release/imp-guest); required for imp-runtime
 #   --repository P  registry prefix the images will be pulled from (default ghcr.io/imp-dev), for
 #                   values.yaml
 #   --push PREFIX   then copy each to docker://PREFIX/<name>:TAG with skopeo (plain HTTP allowed),
@@ -35,13 +39,14 @@ need() { command -v "$1" >/dev/null || die "needs $1 (Debian package: $2)"; }
 
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 all=(imp-operator imp-agent imp-runtime)
-out="" bin_dir="" tag="" push="" repository="" only=()
+out="" bin_dir="" tag="" push="" repository="" guest="" only=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) out="${2:?--out needs a directory}"; shift 2 ;;
         --bin-dir) bin_dir="${2:?--bin-dir needs a directory}"; shift 2 ;;
         --tag) tag="${2:?--tag needs a value}"; shift 2 ;;
         --only) only+=("${2:?--only needs an image name}"); shift 2 ;;
+        --guest) guest="${2:?--guest needs the static imp-guest}"; shift 2 ;;
         --push) push="${2:?--push needs HOST:PORT/PREFIX}"; shift 2 ;;
         --repository) repository="${2:?--repository needs a registry prefix}"; shift 2 ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -74,6 +79,13 @@ fi
 for n in "${only[@]}"; do
     [ -x "$bin_dir/$n" ] || die "$bin_dir/$n is not an executable (cargo build -p imp-operator -p imp-node --bins)"
 done
+# The runtime copies imp-guest into every VM's root filesystem: an image without it cannot boot a VM.
+if [[ " ${only[*]} " == *" imp-runtime "* ]]; then
+    guest="${guest:-${CARGO_TARGET_DIR:-$repo/target}/x86_64-unknown-linux-gnu/release/imp-guest}"
+    [ -x "$guest" ] || die "imp-runtime needs the static imp-guest: $guest is not an executable (guest/check-static.sh builds it; or --guest PATH)"
+    readelf -l "$guest" | grep -q 'program interpreter' &&
+        die "--guest $guest is dynamically linked: VM root filesystems may have no libc (guest/check-static.sh)"
+fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
@@ -129,6 +141,8 @@ for name in "${only[@]}"; do
         put_elf "$root" "$busybox" /bin/busybox
         ln -s busybox "$root/bin/sh"
         ln -s busybox "$root/bin/sleep"
+        mkdir -p "$root/usr/local/lib/imp"
+        cp "$guest" "$root/usr/local/lib/imp/imp-guest"
     fi
     # Normalised modes: no group/other write; /tmp sticky and world-writable.
     chmod -R u+rwX,go+rX,go-w "$root"

@@ -19,6 +19,12 @@ pub struct ControlPlaneCerts {
 
 impl ControlPlaneCerts {
     pub fn generate() -> Result<Self, rcgen::Error> {
+        Self::generate_with_sans(&[])
+    }
+
+    /// Like [`Self::generate`], with more names (IP addresses or DNS names) on the serving certificate:
+    /// a real node's pods reach the API server at the `kubernetes` Service's address.
+    pub fn generate_with_sans(extra_sans: &[String]) -> Result<Self, rcgen::Error> {
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         ca_params.key_usages = vec![
@@ -32,8 +38,9 @@ impl ControlPlaneCerts {
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
 
         let serving_key = KeyPair::generate()?;
-        let mut serving =
-            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()])?;
+        let mut sans = vec!["127.0.0.1".to_owned(), "localhost".to_owned()];
+        sans.extend(extra_sans.iter().cloned());
+        let mut serving = CertificateParams::new(sans)?;
         serving
             .distinguished_name
             .push(DnType::CommonName, "kube-apiserver");

@@ -82,6 +82,26 @@ pub struct ControlPlaneOptions {
     pub install_imp_crds: bool,
     /// Where etcd, kube-apiserver and kube-controller-manager are (default: [`paths::testenv_bin_dir`]).
     pub bin_dir: PathBuf,
+    /// The controllers kube-controller-manager runs (`--controllers`).
+    pub controllers: Vec<String>,
+    /// Run kube-scheduler (testenv/bin/kube-scheduler): Deployments' and DaemonSets' pods get nodes.
+    pub scheduler: bool,
+    /// For pods on a real node ([`crate::node`]): the API server listens on every address of its network
+    /// namespace, advertises this one and is served under the `kubernetes` Service.
+    pub pod_access: Option<PodAccess>,
+}
+
+/// How pods on a real node reach the API server. There is no kube-proxy: the `kubernetes` Service's
+/// ClusterIP (the first address of `service_cidr`) is an address of the node's own network namespace, and
+/// the API server listens on port 443 there, so in-cluster clients connect to it directly.
+#[derive(Clone, Debug)]
+pub struct PodAccess {
+    /// `--advertise-address` (the node's IP): the `kubernetes` Endpoints.
+    pub advertise_address: std::net::Ipv4Addr,
+    /// `--service-cluster-ip-range`.
+    pub service_cidr: String,
+    /// The `kubernetes` Service's ClusterIP (on the serving certificate).
+    pub service_ip: std::net::Ipv4Addr,
 }
 
 impl ControlPlaneOptions {
@@ -98,6 +118,9 @@ impl ControlPlaneOptions {
             controller_manager: true,
             install_imp_crds: true,
             bin_dir: paths::testenv_bin_dir(),
+            controllers: vec!["garbagecollector".to_owned(), "namespace".to_owned()],
+            scheduler: false,
+            pod_access: None,
         }
     }
 }
@@ -120,7 +143,11 @@ impl ControlPlane {
     /// answers /readyz and the CRDs are established.
     pub async fn start(opts: ControlPlaneOptions) -> Result<Self, ControlPlaneError> {
         let bin = |name: &str| opts.bin_dir.join(name);
-        for name in ["etcd", "kube-apiserver", "kube-controller-manager"] {
+        let scheduler = opts.scheduler.then_some("kube-scheduler");
+        for name in ["etcd", "kube-apiserver", "kube-controller-manager"]
+            .into_iter()
+            .chain(scheduler)
+        {
             let path = bin(name);
             if !path.is_file() {
                 return Err(ControlPlaneError::BinaryMissing {
@@ -143,8 +170,34 @@ impl ControlPlane {
             processes: Vec::new(),
         };
 
-        let [etcd_client, etcd_peer, apiserver_port, kcm_port] = free_ports::<4>()?;
-        let certs = ControlPlaneCerts::generate()?;
+        let [
+            etcd_client,
+            etcd_peer,
+            free_apiserver_port,
+            kcm_port,
+            scheduler_port,
+        ] = free_ports::<5>().map_err(io_err("choose free ports on 127.0.0.1"))?;
+        let (bind, advertise, apiserver_port, service_cidr, extra_sans) = match &opts.pod_access {
+            None => (
+                "127.0.0.1".to_owned(),
+                "127.0.0.1".to_owned(),
+                free_apiserver_port,
+                "10.96.0.0/24".to_owned(),
+                Vec::new(),
+            ),
+            Some(access) => (
+                "0.0.0.0".to_owned(),
+                access.advertise_address.to_string(),
+                443,
+                access.service_cidr.clone(),
+                vec![
+                    access.advertise_address.to_string(),
+                    access.service_ip.to_string(),
+                    "kubernetes.default.svc".to_owned(),
+                ],
+            ),
+        };
+        let certs = ControlPlaneCerts::generate_with_sans(&extra_sans)?;
         let token = format!(
             "{}{}",
             uuid::Uuid::new_v4().simple(),
@@ -196,12 +249,7 @@ impl ControlPlane {
         let mut apiserver = Command::new(bin("kube-apiserver"));
         apiserver
             .args(["--etcd-servers", &etcd_url])
-            .args([
-                "--bind-address",
-                "127.0.0.1",
-                "--advertise-address",
-                "127.0.0.1",
-            ])
+            .args(["--bind-address", &bind, "--advertise-address", &advertise])
             .args(["--secure-port", &apiserver_port.to_string()])
             .arg(format!("--tls-cert-file={}", serving_cert.display()))
             .arg(format!("--tls-private-key-file={}", serving_key.display()))
@@ -213,7 +261,9 @@ impl ControlPlane {
                 sa_key.display()
             ))
             .args(["--service-account-issuer", "https://imp-testenv.invalid"])
-            .args(["--service-cluster-ip-range", "10.96.0.0/24"])
+            .args(["--service-cluster-ip-range", &service_cidr])
+            // Logs and exec reach a kubelet at its node IP: there is no DNS for node names.
+            .arg("--kubelet-preferred-address-types=InternalIP")
             .args(["--authorization-mode", "RBAC"])
             // As on real clusters: the runtime DaemonSet is privileged.
             .arg("--allow-privileged=true")
@@ -240,13 +290,36 @@ impl ControlPlane {
             kcm.arg(format!("--kubeconfig={kubeconfig}"))
                 .arg(format!("--authentication-kubeconfig={kubeconfig}"))
                 .arg(format!("--authorization-kubeconfig={kubeconfig}"))
-                .args(["--controllers", "garbagecollector,namespace"])
+                .args(["--controllers", &opts.controllers.join(",")])
+                // The token and root-CA controllers (when listed) sign with and publish these.
+                .arg(format!(
+                    "--service-account-private-key-file={}",
+                    sa_key.display()
+                ))
+                .arg(format!("--root-ca-file={}", ca.display()))
                 .args(["--leader-elect=false", "--bind-address", "127.0.0.1"])
                 .args(["--secure-port", &kcm_port.to_string()])
                 .arg(format!("--cert-dir={}", dir.join("kcm-certs").display()))
                 .args(["--profiling=false", "--v=1"]);
             cp.spawn("kube-controller-manager", kcm)?;
             cp.wait_tcp("kube-controller-manager", kcm_port).await?;
+        }
+        if opts.scheduler {
+            let kubeconfig = cp.kubeconfig_path.display().to_string();
+            let mut scheduler = Command::new(bin("kube-scheduler"));
+            scheduler
+                .arg(format!("--kubeconfig={kubeconfig}"))
+                .arg(format!("--authentication-kubeconfig={kubeconfig}"))
+                .arg(format!("--authorization-kubeconfig={kubeconfig}"))
+                .args(["--leader-elect=false", "--bind-address", "127.0.0.1"])
+                .args(["--secure-port", &scheduler_port.to_string()])
+                .arg(format!(
+                    "--cert-dir={}",
+                    dir.join("scheduler-certs").display()
+                ))
+                .args(["--profiling=false", "--v=1"]);
+            cp.spawn("kube-scheduler", scheduler)?;
+            cp.wait_tcp("kube-scheduler", scheduler_port).await?;
         }
         Ok(cp)
     }
@@ -428,14 +501,13 @@ pub async fn install_crds(
 }
 
 /// `N` distinct free TCP ports on 127.0.0.1 (held together while choosing so they differ).
-fn free_ports<const N: usize>() -> Result<[u16; N], ControlPlaneError> {
+pub(crate) fn free_ports<const N: usize>() -> std::io::Result<[u16; N]> {
     let listeners: Vec<TcpListener> = (0..N)
         .map(|_| TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<_, _>>()
-        .map_err(io_err("bind a free port on 127.0.0.1"))?;
+        .collect::<Result<_, _>>()?;
     let mut ports = [0u16; N];
     for (port, l) in ports.iter_mut().zip(&listeners) {
-        *port = l.local_addr().map_err(io_err("read a bound port"))?.port();
+        *port = l.local_addr()?.port();
     }
     Ok(ports)
 }

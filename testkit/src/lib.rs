@@ -11,6 +11,7 @@ pub mod firecracker;
 pub mod fixtures;
 pub mod github;
 pub mod metrics;
+pub mod node;
 pub mod oci;
 pub mod paths;
 pub mod process;

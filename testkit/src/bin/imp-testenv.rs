@@ -67,6 +67,7 @@ async fn main() -> ExitCode {
                 controller_manager: true,
                 install_imp_crds: !no_crds,
                 bin_dir: paths::testenv_bin_dir(),
+                ..ControlPlaneOptions::in_temp_dir()
             };
             let cp = match ControlPlane::start(opts).await {
                 Ok(cp) => cp,
