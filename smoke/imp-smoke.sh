@@ -129,7 +129,10 @@ if [[ "$mode" == local ]]; then
 
   # The leak check: everything below must be gone after the stages, on success and on failure.
   leaks=()
-  for pid in $(ip netns pids "$ns"); do leaks+=("process $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)"); done
+  # A process killed by the stages' cleanup may still be exiting (or a zombie until PID 1 reaps it):
+  # up to 5 s for the namespace to empty before what is left counts as left behind.
+  for _ in $(seq 1 10); do [[ -z "$(ip netns pids "$ns")" ]] && break; sleep 0.5; done
+  for pid in $(ip netns pids "$ns"); do leaks+=("process $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) ($(awk '/^State:/{print $2, $3}' "/proc/$pid/status" 2>/dev/null))"); done
   for link in $(ip -n "$ns" -o link show | awk -F': ' '{print $2}' | cut -d@ -f1); do
     [[ "$link" == lo || "$link" == uplink0 || "$link" == uplink1 ]] || leaks+=("link $link in $ns")
   done
