@@ -1,7 +1,7 @@
 //! The VM's TAP device: created with iproute2 before Firecracker opens it, deleted on teardown,
-//! and its cumulative byte counters (Runtime.LinkStats) from sysfs.
+//! and its cumulative byte counters (Runtime.LinkStats), all through iproute2 (netlink) in the
+//! runtime's own network namespace.
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use serde::{Deserialize, Serialize};
@@ -15,15 +15,14 @@ pub enum TapError {
     BadName(String),
     #[error("`ip {args}` failed: {message}")]
     Ip { args: String, message: String },
-    #[error("read {path}: {source}")]
-    Stats {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("link {0} does not exist")]
+    NoSuchLink(String),
+    #[error("`ip -j -s link show dev {link}` has no counter {counter}")]
+    Stats { link: String, counter: String },
 }
 
 /// Cumulative counters of the host side of a TAP: rx = bytes the guest sent, tx = bytes sent to
-/// the guest (the host's view, as in /sys/class/net/<tap>/statistics).
+/// the guest (the host's view: the link's stats64).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LinkStats {
     pub rx_bytes: u64,
@@ -64,32 +63,60 @@ fn check(name: &str) -> Result<(), TapError> {
     }
 }
 
-fn ip(args: &[&str]) -> Result<(), TapError> {
-    let out = Command::new("ip")
+fn ip_output(args: &[&str]) -> Result<std::process::Output, TapError> {
+    Command::new("ip")
         .args(args)
         .output()
         .map_err(|e| TapError::Ip {
             args: args.join(" "),
             message: e.to_string(),
-        })?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(TapError::Ip {
-            args: args.join(" "),
-            message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
         })
+}
+
+fn ip_failed(args: &[&str], out: &std::process::Output) -> TapError {
+    TapError::Ip {
+        args: args.join(" "),
+        message: String::from_utf8_lossy(&out.stderr).trim().to_string(),
     }
 }
 
-pub fn exists(name: &str) -> bool {
-    PathBuf::from("/sys/class/net").join(name).exists()
+fn ip(args: &[&str]) -> Result<(), TapError> {
+    let out = ip_output(args)?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(ip_failed(args, &out))
+    }
+}
+
+/// The link as iproute2 reports it over netlink in this process's network namespace (`None`: no
+/// such link). Not sysfs: a process moved into a namespace with `nsenter --net` keeps the sysfs of
+/// the namespace it came from, and would then see (or miss) the wrong links.
+fn show(name: &str) -> Result<Option<serde_json::Value>, TapError> {
+    let args = ["-j", "-s", "link", "show", "dev", name];
+    let out = ip_output(&args)?;
+    if !out.status.success() {
+        if String::from_utf8_lossy(&out.stderr).contains("does not exist") {
+            return Ok(None);
+        }
+        return Err(ip_failed(&args, &out));
+    }
+    let links: Vec<serde_json::Value> =
+        serde_json::from_slice(&out.stdout).map_err(|e| TapError::Ip {
+            args: args.join(" "),
+            message: format!("unreadable JSON: {e}"),
+        })?;
+    Ok(links.into_iter().next())
+}
+
+pub fn exists(name: &str) -> Result<bool, TapError> {
+    check(name)?;
+    Ok(show(name)?.is_some())
 }
 
 /// Create the TAP (idempotent: an existing one from an interrupted attempt is reused) and set it up.
 pub fn create(name: &str) -> Result<(), TapError> {
-    check(name)?;
-    if !exists(name) {
+    if !exists(name)? {
         ip(&["tuntap", "add", "dev", name, "mode", "tap"])?;
     }
     ip(&["link", "set", "dev", name, "up"])
@@ -97,8 +124,7 @@ pub fn create(name: &str) -> Result<(), TapError> {
 
 /// Delete the TAP; absent is fine.
 pub fn delete(name: &str) -> Result<(), TapError> {
-    check(name)?;
-    if !exists(name) {
+    if !exists(name)? {
         return Ok(());
     }
     ip(&["link", "del", "dev", name])
@@ -106,26 +132,18 @@ pub fn delete(name: &str) -> Result<(), TapError> {
 
 pub fn stats(name: &str) -> Result<LinkStats, TapError> {
     check(name)?;
-    let read = |counter: &str| {
-        let path = PathBuf::from("/sys/class/net")
-            .join(name)
-            .join("statistics")
-            .join(counter);
-        std::fs::read_to_string(&path)
-            .map_err(|source| TapError::Stats {
-                path: path.clone(),
-                source,
-            })
-            .and_then(|s| {
-                s.trim().parse().map_err(|_| TapError::Stats {
-                    path,
-                    source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not a number"),
-                })
+    let link = show(name)?.ok_or_else(|| TapError::NoSuchLink(name.into()))?;
+    let counter = |dir: &str| {
+        link.pointer(&format!("/stats64/{dir}/bytes"))
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| TapError::Stats {
+                link: name.into(),
+                counter: format!("stats64.{dir}.bytes"),
             })
     };
     Ok(LinkStats {
-        rx_bytes: read("rx_bytes")?,
-        tx_bytes: read("tx_bytes")?,
+        rx_bytes: counter("rx")?,
+        tx_bytes: counter("tx")?,
     })
 }
 
