@@ -314,6 +314,11 @@ async fn a_runner_that_never_comes_online_is_replaced_and_the_job_served() {
         h.metric("imp_runner_deadline_replacements_total{reason=\"RunnerNeverOnline\"}"),
         1.0
     );
+    // The VM that served the job is cleaned up and its job phase observed.
+    h.wait("the job phase observed", WAIT, || async {
+        (h.metric("imp_runner_vm_phase_seconds_count{phase=\"job\"}") == 1.0).then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

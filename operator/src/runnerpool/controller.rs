@@ -46,9 +46,9 @@ use super::{
     classify::{RunnerState, classify, runner_started, start_failure},
     decide::{
         Creds, Deadlines, Done, Input, JitSecretFacts, MintAction, PoolPlan, RequeueInput,
-        RunnerFacts, StartFacts, StatusInput, VmFacts, account_start_failures,
+        RunnerFacts, StartFacts, StatusInput, VmFacts, VmTimes, account_start_failures,
         after_store_conflict, credentials_invalid, decide, mint_action, needs_listing, orphans,
-        pool_status, requeue_after,
+        phase_spans, pool_status, requeue_after,
     },
     demand::{JobState, JobUpdate, PoolKey, PoolRoute},
     plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
@@ -217,6 +217,20 @@ fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>) -> VmFacts {
             .and_then(|s| s.runner.as_ref())
             .and_then(|r| r.started_time.as_ref())
             .map(|t| t.0),
+    }
+}
+
+fn vm_times(vm: &ImpVM) -> VmTimes {
+    let status = vm.status.as_ref();
+    let runner = status.and_then(|s| s.runner.as_ref());
+    VmTimes {
+        created: vm.creation_timestamp().map(|t| t.0),
+        scheduled: status.and_then(|s| s.scheduled_time.as_ref()).map(|t| t.0),
+        boot_complete: status
+            .and_then(|s| s.boot_complete_time.as_ref())
+            .map(|t| t.0),
+        runner_started: runner.and_then(|r| r.started_time.as_ref()).map(|t| t.0),
+        runner_exited: runner.and_then(|r| r.exited_time.as_ref()).map(|t| t.0),
     }
 }
 
@@ -562,9 +576,18 @@ impl Ctx {
         let p = &pp.plan;
         let mut pending = false;
         let mut done = Done::default();
+        let by_name: HashMap<&str, &ImpVM> = vms.iter().map(|v| (v.name_any_ref(), v)).collect();
         for r in &p.cleanup {
             match self.remove(key, app, scope, r).await {
-                Removed::Done => done.cleaned += 1,
+                Removed::Done => {
+                    done.cleaned += 1;
+                    // Each finished VM is cleaned up once: its phases are observed then.
+                    if let Some(vm) = by_name.get(r.name.as_str()) {
+                        for (phase, d) in phase_spans(&vm_times(vm)) {
+                            self.shared.metrics.vm_phase(phase, d);
+                        }
+                    }
+                }
                 Removed::Pending => pending = true,
             }
         }
@@ -618,7 +641,6 @@ impl Ctx {
                 .await;
             }
         }
-        let by_name: HashMap<&str, &ImpVM> = vms.iter().map(|v| (v.name_any_ref(), v)).collect();
         let mut mint_failed = false;
         if let (Some(app), Some(scope)) = (app, scope) {
             for name in &p.mint {

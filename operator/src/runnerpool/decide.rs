@@ -432,6 +432,41 @@ pub fn needs_listing(
     reap_due || vms.iter().any(|v| online_suspect(v, d, confirmed, now))
 }
 
+/// The timestamps of one runner VM's life, from its ImpVM.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmTimes {
+    pub created: Option<Timestamp>,
+    pub scheduled: Option<Timestamp>,
+    pub boot_complete: Option<Timestamp>,
+    pub runner_started: Option<Timestamp>,
+    pub runner_exited: Option<Timestamp>,
+}
+
+/// Values of the `phase` label of `imp_runner_vm_phase_seconds`, in life order.
+pub const VM_PHASES: [&str; 4] = ["scheduling", "booting", "handoff", "job"];
+
+/// How long a finished runner VM spent in each phase it went through: created -> scheduled
+/// (`scheduling`), scheduled -> guest booted (`booting`), booted -> runner Started (`handoff`), Started
+/// -> runner exited (`job`). A phase whose end (or start) was never recorded is left out, as is one whose
+/// clock ran backwards (clock skew between operator and node).
+pub fn phase_spans(t: &VmTimes) -> Vec<(&'static str, Duration)> {
+    let points = [
+        t.created,
+        t.scheduled,
+        t.boot_complete,
+        t.runner_started,
+        t.runner_exited,
+    ];
+    VM_PHASES
+        .iter()
+        .zip(points.windows(2))
+        .filter_map(|(phase, w)| {
+            let (from, to) = (w[0]?, w[1]?);
+            (to >= from).then(|| (*phase, elapsed(from, to)))
+        })
+        .collect()
+}
+
 /// Everything one pass of a live pool depends on.
 pub struct Input<'a> {
     pub vms: &'a [VmFacts],
@@ -1014,6 +1049,58 @@ mod tests {
         });
         assert!(p.replace.is_empty() && p.seen_online.is_empty());
         assert_eq!(p.plan.create, 0);
+    }
+
+    #[test]
+    fn phase_spans_follow_the_vms_life_and_skip_what_is_missing() {
+        let all = VmTimes {
+            created: Some(t(0)),
+            scheduled: Some(t(1)),
+            boot_complete: Some(t(4)),
+            runner_started: Some(t(5)),
+            runner_exited: Some(t(65)),
+        };
+        let secs = |v: Vec<(&'static str, Duration)>| -> Vec<(&'static str, u64)> {
+            v.into_iter().map(|(p, d)| (p, d.as_secs())).collect()
+        };
+        assert_eq!(
+            secs(phase_spans(&all)),
+            vec![
+                ("scheduling", 1),
+                ("booting", 3),
+                ("handoff", 1),
+                ("job", 60)
+            ]
+        );
+        // Failed while booting: no handoff, no job.
+        let failed = VmTimes {
+            runner_started: None,
+            runner_exited: None,
+            ..all
+        };
+        assert_eq!(
+            secs(phase_spans(&failed)),
+            vec![("scheduling", 1), ("booting", 3)]
+        );
+        // No boot record (older agent): neither neighbour of it is measured.
+        let no_boot = VmTimes {
+            boot_complete: None,
+            ..all
+        };
+        assert_eq!(
+            secs(phase_spans(&no_boot)),
+            vec![("scheduling", 1), ("job", 60)]
+        );
+        // Skewed clocks: a negative span is dropped, not clamped to zero.
+        let skewed = VmTimes {
+            scheduled: Some(t(-5)),
+            ..all
+        };
+        assert_eq!(
+            secs(phase_spans(&skewed)),
+            vec![("booting", 9), ("handoff", 1), ("job", 60)]
+        );
+        assert!(phase_spans(&VmTimes::default()).is_empty());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::metrics::{ControllerLabels, ErrorLabels, ReasonLabels, ResultLabels};
+use crate::metrics::{ControllerLabels, ErrorLabels, PhaseLabels, ReasonLabels, ResultLabels};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolStateLabels {
@@ -39,6 +39,9 @@ pub struct PoolMetrics {
     pub deadline_replacements: Family<ReasonLabels, Counter>,
     /// `imp_runner_orphans_reaped_total`: registrations without a VM deleted by the reaper.
     pub orphans_reaped: Counter,
+    /// `imp_runner_vm_phase_seconds{phase}`: time finished runner VMs spent per phase
+    /// ([`super::decide::VM_PHASES`]).
+    pub vm_phase: Family<PhaseLabels, Histogram>,
     /// The operator's reconcile metrics (`imp_operator_reconcile_*`), shared with the VM controller by
     /// [`PoolMetrics::sharing_reconcile`]; registered there, not here.
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
@@ -58,6 +61,10 @@ impl Default for PoolMetrics {
             vm_start_failures: Family::default(),
             deadline_replacements: Family::default(),
             orphans_reaped: Counter::default(),
+            // 0.1 s .. ~27 min: scheduling takes milliseconds, boots seconds, jobs minutes.
+            vm_phase: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.1, 2.0, 14))
+            }),
             reconcile_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.001, 2.0, 14))
             }),
@@ -106,6 +113,14 @@ impl PoolMetrics {
         self.orphans_reaped.inc();
     }
 
+    pub fn vm_phase(&self, phase: &str, d: std::time::Duration) {
+        self.vm_phase
+            .get_or_create(&PhaseLabels {
+                phase: phase.to_owned(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "imp_runner_pool_runners",
@@ -141,6 +156,11 @@ impl PoolMetrics {
             "imp_runner_deadline_replacements",
             "Runner VMs replaced past a deadline, by reason (BootDeadlineExceeded, RunnerNeverOnline)",
             self.deadline_replacements.clone(),
+        );
+        registry.register(
+            "imp_runner_vm_phase_seconds",
+            "Time finished runner VMs spent per phase (scheduling, booting, handoff, job)",
+            self.vm_phase.clone(),
         );
         registry.register(
             "imp_runner_orphans_reaped",
@@ -215,6 +235,7 @@ mod tests {
             .inc();
         m.deadline_replacement(imp_api::names::reason::RUNNER_NEVER_ONLINE);
         m.orphan_reaped();
+        m.vm_phase("booting", std::time::Duration::from_secs(3));
         let text = crate::metrics::encode(&registry).unwrap();
         for want in [
             "imp_runner_pool_runners{pool=\"ns/p\",state=\"idle\"} 3",
@@ -226,6 +247,7 @@ mod tests {
             "imp_runner_vm_start_failures_total{reason=\"RootfsRejected\"} 1",
             "imp_runner_deadline_replacements_total{reason=\"RunnerNeverOnline\"} 1",
             "imp_runner_orphans_reaped_total 1",
+            "imp_runner_vm_phase_seconds_count{phase=\"booting\"} 1",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }
