@@ -7,7 +7,10 @@ mod pool_common;
 
 use std::time::{Duration, Instant};
 
-use imp_api::names::{ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, reason};
+use imp_api::{
+    VmPhase,
+    names::{ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, reason},
+};
 use imp_common::ExposeSecret;
 use imp_operator::github::{AppCredentials, GithubApp, JitRequest, RunnerScope, runner_name};
 use imp_operator::runnerpool::PoolTiming;
@@ -75,6 +78,22 @@ async fn wait_deregistered(h: &PoolHarness, id: u64, within: Duration) -> Durati
     start.elapsed()
 }
 
+async fn delete_pool_and_wait(h: &PoolHarness, pool: &str) {
+    h.pools()
+        .delete(pool, &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait(&format!("pool {pool} gone"), WAIT, || async {
+        h.pools()
+            .get_opt(pool)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+}
+
 fn runner_id(vm: &imp_api::ImpVM) -> u64 {
     vm.annotations()[ANNOTATION_RUNNER_ID].parse().unwrap()
 }
@@ -96,7 +115,7 @@ async fn registrations_left_by_a_failed_mint_or_a_hand_deleted_vm_are_reaped() {
             h.sim.runners().first().map(|r| r.id)
         })
         .await;
-    h.wait("MintFailed", WAIT, || async {
+    h.wait(reason::MINT_FAILED, WAIT, || async {
         h.events("reap")
             .await
             .iter()
@@ -195,19 +214,7 @@ async fn deleting_a_pool_removes_its_registrations_before_the_finalizer_goes() {
     let (stray, _) = stray_registration(&h, "gone", "0123456789ab").await;
     // Another pool's registration in the same organization is not touched.
     let (other, _) = stray_registration(&h, "other", "0123456789ab").await;
-    h.pools()
-        .delete("gone", &DeleteParams::default())
-        .await
-        .unwrap();
-    h.wait("pool gone", WAIT, || async {
-        h.pools()
-            .get_opt("gone")
-            .await
-            .unwrap()
-            .is_none()
-            .then_some(())
-    })
-    .await;
+    delete_pool_and_wait(&h, "gone").await;
     for id in vms.iter().map(runner_id).chain([stray]) {
         assert!(!registered(&h, id), "runner {id} left at GitHub");
     }
@@ -238,19 +245,7 @@ async fn a_pool_deleted_after_its_app_secret_says_what_stays_at_github() {
         .await
         .unwrap();
     let started = Instant::now();
-    h.pools()
-        .delete("orphaned", &DeleteParams::default())
-        .await
-        .unwrap();
-    h.wait("pool gone", WAIT, || async {
-        h.pools()
-            .get_opt("orphaned")
-            .await
-            .unwrap()
-            .is_none()
-            .then_some(())
-    })
-    .await;
+    delete_pool_and_wait(&h, "orphaned").await;
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "no wait for a deletion timeout that cannot help"
@@ -333,7 +328,7 @@ async fn a_vm_that_never_boots_is_replaced_after_its_boot_deadline() {
     let vms = h.wait_minted("bd", 1, WAIT).await;
     let stuck = vms[0].clone();
     // Scheduled (as the operator writes it), then the node never gets it Running.
-    let patch = json!({"status": {"phase": "Scheduled",
+    let patch = json!({"status": {"phase": VmPhase::Scheduled,
         "scheduledTime": k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now())}});
     h.vms()
         .patch_status(

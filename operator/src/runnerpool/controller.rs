@@ -843,13 +843,7 @@ impl Ctx {
             } => {
                 info!(pool = %key, vm = %vm_name, "adopting the JIT Secret this VM already owns");
                 return self
-                    .attach(
-                        key,
-                        &vm_name,
-                        &secret_name,
-                        runner_id.as_deref(),
-                        runner_name.as_deref(),
-                    )
+                    .attach(key, &vm_name, &secret_name, &runner_id, &runner_name)
                     .await;
             }
             MintAction::Conflict => {
@@ -941,13 +935,7 @@ impl Ctx {
                     } => {
                         self.deregister(key, app, scope, minted.runner_id).await;
                         return self
-                            .attach(
-                                key,
-                                &vm_name,
-                                &secret_name,
-                                runner_id.as_deref(),
-                                runner_name.as_deref(),
-                            )
+                            .attach(key, &vm_name, &secret_name, &runner_id, &runner_name)
                             .await;
                     }
                     _ => {
@@ -975,8 +963,8 @@ impl Ctx {
             key,
             &vm_name,
             &secret_name,
-            Some(&runner_id),
-            Some(&minted.runner_name),
+            &Some(runner_id),
+            &Some(minted.runner_name.clone()),
         )
         .await?;
         debug!(pool = %key, vm = %vm_name, runner_id = minted.runner_id, runner_name = %minted.runner_name, "runner minted");
@@ -988,8 +976,8 @@ impl Ctx {
         key: &PoolKey,
         vm: &str,
         secret: &str,
-        runner_id: Option<&str>,
-        runner: Option<&str>,
+        runner_id: &Option<String>,
+        runner: &Option<String>,
     ) -> Result<()> {
         let patch = json!({
             "metadata": {"annotations": {ANNOTATION_RUNNER_ID: runner_id, ANNOTATION_RUNNER_NAME: runner}},

@@ -85,12 +85,7 @@ impl PoolMetrics {
     }
 
     pub fn reconcile_failed(&self, controller: &str, error: &crate::error::Error) {
-        self.reconcile_errors
-            .get_or_create(&ErrorLabels {
-                controller: controller.to_owned(),
-                error: error.metric_label().to_owned(),
-            })
-            .inc();
+        crate::metrics::count_reconcile_error(&self.reconcile_errors, controller, error);
     }
 
     pub fn reconcile_took(&self, controller: &str, d: std::time::Duration) {
