@@ -360,3 +360,35 @@ async fn a_vm_that_never_boots_is_replaced_after_its_boot_deadline() {
         1.0
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pools_of_one_scope_share_the_reapers_listing() {
+    let reap = Duration::from_secs(2);
+    let h = PoolHarness::start_with("pool-reapshare", timing(reap)).await;
+    let pools = ["s1", "s2", "s3", "s4"];
+    for p in pools {
+        h.create_pool(p, json!({"maxRunners": 1})).await;
+    }
+    let listings =
+        || h.metric("imp_github_requests_total{operation=\"list_runners\",status=\"2xx\"}");
+    h.wait("a first listing", WAIT, || async {
+        (listings() >= 1.0).then_some(())
+    })
+    .await;
+    let (start, before) = (Instant::now(), listings());
+    tokio::time::sleep(4 * reap).await;
+    let intervals = start.elapsed().as_secs_f64() / reap.as_secs_f64();
+    let calls = listings() - before;
+    // Each pool reaps every interval; a listing is reused for half an interval, so shared that is at
+    // most two listings per interval (and one more for an interval begun), not one per pool.
+    println!(
+        "{calls} listings in {intervals:.1} reaper intervals for {} pools",
+        pools.len()
+    );
+    assert!(calls >= 2.0, "the reaper ran: {calls} listings");
+    assert!(
+        calls <= 2.0 * intervals.ceil() + 1.0,
+        "{calls} listings in {intervals:.1} intervals for {} pools",
+        pools.len()
+    );
+}

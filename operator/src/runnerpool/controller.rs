@@ -47,8 +47,8 @@ use super::{
     decide::{
         Creds, Deadlines, Done, Input, JitSecretFacts, MintAction, PoolPlan, RequeueInput,
         RunnerFacts, StartFacts, StatusInput, VmFacts, VmTimes, account_start_failures,
-        after_store_conflict, credentials_invalid, decide, mint_action, needs_listing, orphans,
-        phase_spans, pool_status, requeue_after,
+        after_store_conflict, credentials_invalid, decide, mint_action, needs_listing,
+        online_suspect, orphans, phase_spans, pool_status, requeue_after,
     },
     demand::{JobState, JobUpdate, PoolKey, PoolRoute},
     plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
@@ -91,7 +91,17 @@ struct Ctx {
     /// Wakes the sweep when a pool's App becomes known (first pass after start or a fix), so demand
     /// lost while the operator was down is rebuilt at once rather than one interval later.
     sweep_now: tokio::sync::Notify,
+    /// The last runner listing of each (App installation, scope), shared by the pools of that scope so
+    /// the reaper costs about two paginated listings per scope and `reap_interval`, not one per pool. Held
+    /// across the call (single flight): pools due at the same moment wait for one listing.
+    listings: tokio::sync::Mutex<HashMap<ListingKey, (Instant, Runners)>>,
 }
+
+/// One listing of a scope's runners, shared between pools.
+type Runners = Arc<Vec<RunnerFacts>>;
+
+/// (App id, installation id, scope).
+type ListingKey = (u64, u64, RunnerScope);
 
 /// Runs the pool controller and the queued-job sweep until the watches end (or the task is dropped).
 pub async fn run_runnerpool_controller(
@@ -126,6 +136,7 @@ pub async fn run_runnerpool_controller(
         recorder,
         memory: Mutex::new(HashMap::new()),
         sweep_now: tokio::sync::Notify::new(),
+        listings: tokio::sync::Mutex::new(HashMap::new()),
         config,
     });
     let sweep = sweep_loop(ctx.clone());
@@ -195,7 +206,7 @@ enum Removed {
 }
 
 /// GitHub's runners of the pool's scope and the runner names existing VMs hold (read after the listing).
-type Listing = (Vec<RunnerFacts>, HashSet<String>);
+type Listing = (Runners, HashSet<String>);
 
 /// What the pass observed of one VM, for the decision.
 fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>) -> VmFacts {
@@ -358,19 +369,37 @@ impl Ctx {
     /// GitHub's runners of the scope, then the runner names held by every ImpVM of a pool of this name
     /// in the managed namespaces (same-named pools elsewhere share the name pattern), except VMs
     /// controlled by `except_owner`. Listing GitHub first means a registration minted meanwhile has its
-    /// VM (created before any mint) in the second read. None if either read failed.
+    /// VM (created before any mint) in the second read; that holds for any listing taken before the read,
+    /// so another pool's listing of the scope younger than half a `reap_interval` is reused unless `fresh`
+    /// (judging a deadline needs GitHub's current view). None if either read failed.
     async fn observe_runners(
         &self,
         key: &PoolKey,
         app: &GithubApp,
         scope: &RunnerScope,
         except_owner: Option<&str>,
+        fresh: bool,
     ) -> Option<Listing> {
-        let runners = match app.list_runners(scope).await {
-            Ok(r) => r.iter().map(RunnerFacts::from).collect(),
-            Err(e) => {
-                warn!(pool = %key, error = %e, "listing the pool's runners at GitHub failed");
-                return None;
+        let lkey: ListingKey = (app.app_id(), app.installation_id(), scope.clone());
+        // Half an interval: a pool reaping with a listing that old still removes every orphan within
+        // 1.5 intervals of its orphaning, and a scope is listed at most about twice per interval.
+        let reuse_within = self.config.timing.reap_interval / 2;
+        let runners = {
+            let mut l = self.listings.lock().await;
+            l.retain(|_, (at, _)| at.elapsed() < reuse_within);
+            match l.get(&lkey).filter(|_| !fresh) {
+                Some((_, r)) => r.clone(),
+                None => match app.list_runners(scope).await {
+                    Ok(r) => {
+                        let r: Runners = Arc::new(r.iter().map(RunnerFacts::from).collect());
+                        l.insert(lkey, (Instant::now(), r.clone()));
+                        r
+                    }
+                    Err(e) => {
+                        warn!(pool = %key, error = %e, "listing the pool's runners at GitHub failed");
+                        return None;
+                    }
+                },
             }
         };
         let vms: Api<ImpVM> = match &self.config.namespace {
@@ -496,7 +525,10 @@ impl Ctx {
             (Some(app), Some(scope))
                 if needs_listing(&facts, &deadlines, &confirmed, reap_due, wall) =>
             {
-                self.observe_runners(key, app, scope, None).await
+                let judging = facts
+                    .iter()
+                    .any(|f| online_suspect(f, &deadlines, &confirmed, wall));
+                self.observe_runners(key, app, scope, None, judging).await
             }
             _ => None,
         };
@@ -1180,7 +1212,7 @@ impl Ctx {
         if let (Some(app), Some(scope)) = (app.as_ref(), scope.as_ref()) {
             // Registrations without a VM (failed mints, VMs deleted by hand) go before the finalizer.
             match self
-                .observe_runners(key, app, scope, pool.uid().as_deref())
+                .observe_runners(key, app, scope, pool.uid().as_deref(), true)
                 .await
             {
                 Some((runners, held)) => {
