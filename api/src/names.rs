@@ -373,6 +373,15 @@ pub mod reason {
         NETWORK_NOT_FOUND = "NetworkNotFound" in [VmStatus, VmCondition(SCHEDULED_C), VmEvent];
         /// ImpVM stays Pending: its ImpNetwork's subnet or gateway is unusable for the built-in IPAM.
         NETWORK_INVALID = "NetworkInvalid" in [VmStatus, VmCondition(SCHEDULED_C), VmEvent];
+        // runner pool (issue 16a): deadlines and the registration reaper.
+        /// Warning: a runner VM's runner started but GitHub never saw it online within the deadline; the VM is replaced and its registration deleted.
+        RUNNER_NEVER_ONLINE = "RunnerNeverOnline" in [PoolEvent];
+        /// Warning: a runner VM was scheduled but its runner did not start within the boot deadline; the VM is replaced and its registration deleted.
+        BOOT_DEADLINE_EXCEEDED = "BootDeadlineExceeded" in [PoolEvent];
+        /// GitHub runner registrations of the pool without a VM (a failed mint, a VM deleted by hand) were deleted by the reaper.
+        ORPHAN_RUNNERS_DELETED = "OrphanRunnersDeleted" in [PoolEvent];
+        /// Warning: the pool is deleted after its App Secret: its runner registrations cannot be deleted and stay at GitHub until removed by hand.
+        REGISTRATIONS_ABANDONED = "RegistrationsAbandoned" in [PoolEvent];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

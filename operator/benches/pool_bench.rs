@@ -360,6 +360,11 @@ async fn bench(n: u32) -> anyhow::Result<()> {
         vm_list.len(),
         started_count.load(Ordering::SeqCst)
     );
+    let calls = sim.stats().api_requests;
+    println!(
+        "  GitHub API calls: {calls} ({:.2} per runner)",
+        calls as f64 / f64::from(n.max(1))
+    );
     println!(
         "  operator peak RSS (VmHWM): {:.1} MiB (at start: {:.1} MiB)",
         peak as f64 / 1024.0,

@@ -5,9 +5,13 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum Error {
-    /// A request to the Kubernetes API failed (other than a write conflict).
-    #[error("Kubernetes API request failed: {0}")]
-    Kube(#[source] kube::Error),
+    /// A request to the Kubernetes API failed (other than a write conflict); `what` names the request.
+    #[error("Kubernetes API request failed ({what}): {source}")]
+    Kube {
+        what: String,
+        #[source]
+        source: kube::Error,
+    },
 
     /// A write raced with another writer (resourceVersion precondition failed); the newer object is re-read.
     #[error("write conflict on {0}: the object changed since it was read")]
@@ -28,18 +32,37 @@ pub enum Error {
     /// Built-in IPAM: the network's subnet/gateway cannot be used (the message names the field).
     #[error("ImpNetwork {network}: {message}")]
     NetworkInvalid { network: String, message: String },
+
+    /// Runner pool: GitHub refused or failed a JIT config mint for the VM.
+    #[error("minting a JIT config for VM {vm} failed: {source}")]
+    Mint {
+        vm: String,
+        #[source]
+        source: crate::github::GithubError,
+    },
+
+    /// Runner pool: the VM's JIT Secret name is taken by a Secret the VM does not own.
+    #[error("Secret {secret} exists and is not owned by VM {vm}")]
+    JitSecretConflict { secret: String, vm: String },
+
+    /// Runner pool: the VM was minted before but its JIT Secret is gone (a VM is never minted twice).
+    #[error("VM {vm} was minted but its JIT Secret is gone")]
+    JitConfigLost { vm: String },
 }
 
 impl Error {
     /// A short, stable label for metrics.
     pub fn metric_label(&self) -> &'static str {
         match self {
-            Error::Kube(_) => "kube_api",
+            Error::Kube { .. } => "kube_api",
             Error::Conflict(_) => "conflict",
             Error::MissingObjectKey(_) => "missing_object_key",
             Error::NetworkExhausted { .. } => "network_exhausted",
             Error::NetworkInvalid { .. } => "network_invalid",
             Error::NetworkNotFound { .. } => "network_not_found",
+            Error::Mint { .. } => "jit_mint",
+            Error::JitSecretConflict { .. } => "jit_secret_conflict",
+            Error::JitConfigLost { .. } => "jit_config_lost",
         }
     }
 
@@ -51,15 +74,29 @@ impl Error {
             Error::NetworkExhausted { .. } => Some(reason::NETWORK_EXHAUSTED),
             Error::NetworkNotFound { .. } => Some(reason::NETWORK_NOT_FOUND),
             Error::NetworkInvalid { .. } => Some(reason::NETWORK_INVALID),
-            Error::Kube(_) | Error::Conflict(_) | Error::MissingObjectKey(_) => None,
+            Error::Kube { .. }
+            | Error::Conflict(_)
+            | Error::MissingObjectKey(_)
+            | Error::Mint { .. }
+            | Error::JitSecretConflict { .. }
+            | Error::JitConfigLost { .. } => None,
         }
+    }
+
+    /// `from_kube` as a closure for `map_err`.
+    pub fn kube(what: impl Into<String>) -> impl FnOnce(kube::Error) -> Self {
+        let what = what.into();
+        move |e| Self::from_kube(&what, e)
     }
 
     /// Maps a kube error, singling out 409 Conflict (an expected race, retried at once).
     pub fn from_kube(what: &str, e: kube::Error) -> Self {
         match &e {
             kube::Error::Api(s) if s.code == 409 => Error::Conflict(what.to_owned()),
-            _ => Error::Kube(e),
+            _ => Error::Kube {
+                what: what.to_owned(),
+                source: e,
+            },
         }
     }
 }

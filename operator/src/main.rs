@@ -129,7 +129,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let client = kube::Client::try_default().await?;
     let vm_metrics = VmMetrics::default();
     let github_metrics = GithubMetrics::default();
-    let pool_metrics = PoolMetrics::default();
+    let pool_metrics = PoolMetrics::sharing_reconcile(&vm_metrics);
     let mut registry = Registry::default();
     vm_metrics.register(&mut registry);
     github_metrics.register(&mut registry);

@@ -200,13 +200,22 @@ impl VmMetrics {
     }
 
     pub fn reconcile_failed(&self, controller: &str, error: &crate::error::Error) {
-        self.reconcile_errors
-            .get_or_create(&ErrorLabels {
-                controller: controller.to_owned(),
-                error: error.metric_label().to_owned(),
-            })
-            .inc();
+        count_reconcile_error(&self.reconcile_errors, controller, error);
     }
+}
+
+/// Counts a failed reconcile pass of `controller` under the error's [`crate::error::Error::metric_label`].
+pub fn count_reconcile_error(
+    errors: &Family<ErrorLabels, Counter>,
+    controller: &str,
+    error: &crate::error::Error,
+) {
+    errors
+        .get_or_create(&ErrorLabels {
+            controller: controller.to_owned(),
+            error: error.metric_label().to_owned(),
+        })
+        .inc();
 }
 
 /// Renders a registry in the Prometheus text format.

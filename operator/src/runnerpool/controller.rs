@@ -1,11 +1,14 @@
 //! The pool controller: watches ImpVMRunnerPools and the ImpVMs they own, and is woken by demand
-//! changes from the webhook receiver and the sweep. Each pass lists the pool's VMs (a consistent read,
-//! so the pass always sees its own earlier creations), classifies them, asks [`plan`] what to do, does
-//! it, and writes status. One pass per pool at a time (kube-runtime guarantees it), so minting for a VM
-//! cannot race with itself.
+//! changes from the webhook receiver and the sweep. Each pass observes (the pool's VMs through a
+//! consistent read, so it always sees its own earlier creations; its App; its demand; and GitHub's
+//! runner listing when the reaper is due or a deadline needs judging), asks [`decide`] for a
+//! [`PoolPlan`], and executes it: deregistrations and VM deletions, mints and creations, Events,
+//! counters, the status write and the requeue. One pass per pool at a time (kube-runtime guarantees
+//! it), so minting for a VM cannot race with itself.
 //!
 //! Idempotency across restarts comes from the API objects: a VM's JIT Secret `impvm-<uid>-jit`, owned by
-//! that VM, and the runner id/name annotations on the VM prove it was minted; a VM is never minted twice.
+//! that VM, and the runner id/name annotations on the VM prove it was minted; a VM is never minted twice
+//! ([`mint_action`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -13,18 +16,15 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use imp_api::{
-    ImpVM, ImpVMRunnerPool, ImpVMRunnerPoolStatus, ImpVMSpec, Lifecycle, conditions,
+    ImpVM, ImpVMRunnerPool, ImpVMSpec, Lifecycle,
     names::{
         ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL,
-        LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, condition, jit_secret_name,
-        reason,
+        LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, jit_secret_name, reason,
     },
 };
 use imp_common::ExposeSecret;
 use k8s_openapi::{
-    ByteString,
-    api::core::v1::Secret,
-    apimachinery::pkg::apis::meta::v1::{OwnerReference, Time},
+    ByteString, api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::OwnerReference,
     jiff::Timestamp,
 };
 use kube::{
@@ -44,56 +44,25 @@ use tracing::{debug, info, warn};
 use super::{
     PoolControllerConfig, PoolShared,
     classify::{RunnerState, classify, runner_started, start_failure},
+    decide::{
+        Creds, Deadlines, Done, Input, JitSecretFacts, MintAction, PoolPlan, RequeueInput,
+        RunnerFacts, StartFacts, StatusInput, VmFacts, VmTimes, account_start_failures,
+        after_store_conflict, credentials_invalid, decide, mint_action, needs_listing,
+        online_suspect, orphans, phase_spans, pool_status, requeue_after,
+    },
     demand::{JobState, JobUpdate, PoolKey, PoolRoute},
-    plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Plan, Removal, plan},
+    plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
 };
+use crate::error::{Error, Result};
 use crate::github::{
     DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
 };
 use crate::metrics::ReasonLabels;
 
-/// Errors of one pass. Messages never carry a JIT config (its type is redacted).
-#[derive(Debug, thiserror::Error)]
-pub enum PoolError {
-    #[error("Kubernetes API request failed ({what}): {source}")]
-    Kube {
-        what: String,
-        #[source]
-        source: kube::Error,
-    },
-    #[error("object is missing {0}")]
-    MissingObjectKey(&'static str),
-}
+/// The `controller` label of the reconcile metrics.
+pub const CONTROLLER: &str = "impvmrunnerpool";
 
-impl PoolError {
-    pub fn metric_label(&self) -> &'static str {
-        match self {
-            PoolError::Kube { .. } => "kube_api",
-            PoolError::MissingObjectKey(_) => "missing_object_key",
-        }
-    }
-}
-
-fn kube_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> PoolError {
-    let what = what.into();
-    move |source| PoolError::Kube { what, source }
-}
-
-type Result<T, E = PoolError> = std::result::Result<T, E>;
-
-/// Whether the pool's App credentials were last seen working.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-enum Creds {
-    #[default]
-    Unknown,
-    Valid,
-    Invalid {
-        reason: &'static str,
-        message: String,
-    },
-}
-
-/// Per-pool memory of the controller (lost on restart, rebuilt from the API objects).
+/// Per-pool memory of the controller (lost on restart, rebuilt from the API objects and GitHub).
 #[derive(Debug, Default)]
 struct PoolMemory {
     /// Consecutive failed mints, and the wait they impose.
@@ -107,6 +76,10 @@ struct PoolMemory {
     github: Option<(GithubApp, RunnerScope)>,
     /// A sweep covered this pool since the operator started (its demand is known).
     swept: bool,
+    /// Runner ids of the pool's VMs GitHub listed online or busy: their online deadline is met.
+    confirmed_online: HashSet<u64>,
+    /// Last GitHub runner listing of the pool (the reaper's clock).
+    last_listing: Option<Instant>,
 }
 
 struct Ctx {
@@ -118,7 +91,17 @@ struct Ctx {
     /// Wakes the sweep when a pool's App becomes known (first pass after start or a fix), so demand
     /// lost while the operator was down is rebuilt at once rather than one interval later.
     sweep_now: tokio::sync::Notify,
+    /// The last runner listing of each (App installation, scope), shared by the pools of that scope so
+    /// the reaper costs about two paginated listings per scope and `reap_interval`, not one per pool. Held
+    /// across the call (single flight): pools due at the same moment wait for one listing.
+    listings: tokio::sync::Mutex<HashMap<ListingKey, (Instant, Runners)>>,
 }
+
+/// One listing of a scope's runners, shared between pools.
+type Runners = Arc<Vec<RunnerFacts>>;
+
+/// (App id, installation id, scope).
+type ListingKey = (u64, u64, RunnerScope);
 
 /// Runs the pool controller and the queued-job sweep until the watches end (or the task is dropped).
 pub async fn run_runnerpool_controller(
@@ -153,6 +136,7 @@ pub async fn run_runnerpool_controller(
         recorder,
         memory: Mutex::new(HashMap::new()),
         sweep_now: tokio::sync::Notify::new(),
+        listings: tokio::sync::Mutex::new(HashMap::new()),
         config,
     });
     let sweep = sweep_loop(ctx.clone());
@@ -173,18 +157,28 @@ pub async fn run_runnerpool_controller(
     }
 }
 
-fn error_policy(pool: Arc<ImpVMRunnerPool>, err: &PoolError, ctx: Arc<Ctx>) -> Action {
+fn error_policy(pool: Arc<ImpVMRunnerPool>, err: &Error, ctx: Arc<Ctx>) -> Action {
     warn!(pool = %pool.name_any(), namespace = pool.namespace().unwrap_or_default(), error = %err, "pool reconcile failed");
+    ctx.shared.metrics.reconcile_failed(CONTROLLER, err);
     Action::requeue(ctx.config.timing.retry.min(Duration::from_secs(5)))
 }
 
 async fn reconcile(pool: Arc<ImpVMRunnerPool>, ctx: Arc<Ctx>) -> Result<Action> {
+    let started = Instant::now();
+    let result = reconcile_pool(&pool, &ctx).await;
+    ctx.shared
+        .metrics
+        .reconcile_took(CONTROLLER, started.elapsed());
+    result
+}
+
+async fn reconcile_pool(pool: &ImpVMRunnerPool, ctx: &Ctx) -> Result<Action> {
     let ns = pool
         .namespace()
-        .ok_or(PoolError::MissingObjectKey(".metadata.namespace"))?;
+        .ok_or(Error::MissingObjectKey(".metadata.namespace"))?;
     let key = PoolKey::new(ns, pool.name_any());
     if pool.metadata.deletion_timestamp.is_some() {
-        return ctx.cleanup(&pool, &key).await;
+        return ctx.cleanup(pool, &key).await;
     }
     if !pool
         .finalizers()
@@ -197,19 +191,11 @@ async fn reconcile(pool: Arc<ImpVMRunnerPool>, ctx: Arc<Ctx>) -> Result<Action> 
         ctx.pools(&key)
             .patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(kube_err(format!("add finalizer to pool {key}")))?;
+            .map_err(Error::kube(format!("add finalizer to pool {key}")))?;
         // The patch comes back through the watch and triggers the real pass.
         return Ok(Action::await_change());
     }
-    ctx.apply(&pool, &key).await
-}
-
-/// What one pass changed (status is the observation at the start of the pass plus these).
-#[derive(Clone, Copy)]
-struct Done {
-    created: u32,
-    retired: u32,
-    cleaned: u32,
+    ctx.apply(pool, &key).await
 }
 
 /// What happened to one removal.
@@ -217,6 +203,55 @@ enum Removed {
     Done,
     /// Still registered (busy, or GitHub failed): try again later.
     Pending,
+}
+
+/// GitHub's runners of the pool's scope and the runner names existing VMs hold (read after the listing).
+type Listing = (Runners, HashSet<String>);
+
+/// What the pass observed of one VM, for the decision.
+fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>) -> VmFacts {
+    let ann = vm.annotations();
+    let name = ann.get(ANNOTATION_RUNNER_NAME).map(String::as_str);
+    let status = vm.status.as_ref();
+    VmFacts {
+        vm: ObservedVm {
+            name: vm.name_any(),
+            state: classify(vm, name, busy_runners),
+            runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
+            created: vm
+                .creation_timestamp()
+                .map(|t| t.0.as_second())
+                .unwrap_or_default(),
+        },
+        scheduled: status.and_then(|s| s.scheduled_time.as_ref()).map(|t| t.0),
+        runner_started: status
+            .and_then(|s| s.runner.as_ref())
+            .and_then(|r| r.started_time.as_ref())
+            .map(|t| t.0),
+    }
+}
+
+fn vm_times(vm: &ImpVM) -> VmTimes {
+    let status = vm.status.as_ref();
+    let runner = status.and_then(|s| s.runner.as_ref());
+    VmTimes {
+        created: vm.creation_timestamp().map(|t| t.0),
+        scheduled: status.and_then(|s| s.scheduled_time.as_ref()).map(|t| t.0),
+        boot_complete: status
+            .and_then(|s| s.boot_complete_time.as_ref())
+            .map(|t| t.0),
+        runner_started: runner.and_then(|r| r.started_time.as_ref()).map(|t| t.0),
+        runner_exited: runner.and_then(|r| r.exited_time.as_ref()).map(|t| t.0),
+    }
+}
+
+fn secret_facts(secret: &Secret, uid: &str) -> JitSecretFacts {
+    let ann = secret.annotations();
+    JitSecretFacts {
+        owned_by_vm: owned_by(secret, uid),
+        runner_id: ann.get(ANNOTATION_RUNNER_ID).cloned(),
+        runner_name: ann.get(ANNOTATION_RUNNER_NAME).cloned(),
+    }
 }
 
 impl Ctx {
@@ -233,6 +268,13 @@ impl Ctx {
     fn memory<T>(&self, key: &PoolKey, f: impl FnOnce(&mut PoolMemory) -> T) -> T {
         let mut m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
         f(m.entry(key.clone()).or_default())
+    }
+
+    fn deadlines(&self) -> Deadlines {
+        Deadlines {
+            boot: self.config.timing.boot_deadline,
+            online: self.config.timing.runner_online_deadline,
+        }
     }
 
     async fn event(&self, pool: &ImpVMRunnerPool, warning: bool, reason: &str, note: String) {
@@ -305,15 +347,13 @@ impl Ctx {
     }
 
     async fn list_vms(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Vec<ImpVM>> {
-        let uid = pool
-            .uid()
-            .ok_or(PoolError::MissingObjectKey(".metadata.uid"))?;
+        let uid = pool.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
         let lp = ListParams::default().labels(&format!("{LABEL_RUNNER_POOL}={}", key.name));
         let list = self
             .vms(key)
             .list(&lp)
             .await
-            .map_err(kube_err(format!("list VMs of pool {key}")))?;
+            .map_err(Error::kube(format!("list VMs of pool {key}")))?;
         // Only VMs this pool object controls (not leftovers of an earlier pool of the same name).
         Ok(list
             .items
@@ -326,11 +366,81 @@ impl Ctx {
             .collect())
     }
 
-    async fn apply(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Action> {
-        let timing = &self.config.timing;
-        let app = self.app(pool, key).await;
-        let scope = scope_of(pool);
-        match &app {
+    /// GitHub's runners of the scope, then the runner names held by every ImpVM of a pool of this name
+    /// in the managed namespaces (same-named pools elsewhere share the name pattern), except VMs
+    /// controlled by `except_owner`. Listing GitHub first means a registration minted meanwhile has its
+    /// VM (created before any mint) in the second read; that holds for any listing taken before the read,
+    /// so another pool's listing of the scope younger than half a `reap_interval` is reused unless `fresh`
+    /// (judging a deadline needs GitHub's current view). None if either read failed.
+    async fn observe_runners(
+        &self,
+        key: &PoolKey,
+        app: &GithubApp,
+        scope: &RunnerScope,
+        except_owner: Option<&str>,
+        fresh: bool,
+    ) -> Option<Listing> {
+        let lkey: ListingKey = (app.app_id(), app.installation_id(), scope.clone());
+        // Half an interval: a pool reaping with a listing that old still removes every orphan within
+        // 1.5 intervals of its orphaning, and a scope is listed at most about twice per interval.
+        let reuse_within = self.config.timing.reap_interval / 2;
+        let runners = {
+            let mut l = self.listings.lock().await;
+            l.retain(|_, (at, _)| at.elapsed() < reuse_within);
+            match l.get(&lkey).filter(|_| !fresh) {
+                Some((_, r)) => r.clone(),
+                None => match app.list_runners(scope).await {
+                    Ok(r) => {
+                        let r: Runners = Arc::new(r.iter().map(RunnerFacts::from).collect());
+                        l.insert(lkey, (Instant::now(), r.clone()));
+                        r
+                    }
+                    Err(e) => {
+                        warn!(pool = %key, error = %e, "listing the pool's runners at GitHub failed");
+                        return None;
+                    }
+                },
+            }
+        };
+        let vms: Api<ImpVM> = match &self.config.namespace {
+            Some(ns) => Api::namespaced(self.client.clone(), ns),
+            None => Api::all(self.client.clone()),
+        };
+        let lp = ListParams::default().labels(&format!("{LABEL_RUNNER_POOL}={}", key.name));
+        let list = match vms.list(&lp).await {
+            Ok(l) => l,
+            Err(e) => {
+                warn!(pool = %key, error = %e, "listing runner VMs for the reaper failed");
+                return None;
+            }
+        };
+        let held = list
+            .items
+            .iter()
+            .filter(|vm| {
+                except_owner.is_none_or(|owner| {
+                    !vm.owner_references()
+                        .iter()
+                        .any(|o| o.controller == Some(true) && o.uid == owner)
+                })
+            })
+            .flat_map(|vm| {
+                let by_uid = vm.uid().map(|uid| runner_name(&key.name, &uid));
+                let recorded = vm.annotations().get(ANNOTATION_RUNNER_NAME).cloned();
+                by_uid.into_iter().chain(recorded)
+            })
+            .collect();
+        Some((runners, held))
+    }
+
+    /// Records the App (for the sweep) or why there is none; wakes the sweep when the App is new.
+    fn remember_app(
+        &self,
+        key: &PoolKey,
+        app: &Result<GithubApp, Creds>,
+        scope: &Option<RunnerScope>,
+    ) {
+        match app {
             Ok(a) => {
                 let first = self.memory(key, |m| {
                     let first = m.github.is_none();
@@ -349,6 +459,14 @@ impl Ctx {
                 m.creds = c.clone();
             }),
         }
+    }
+
+    async fn apply(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Action> {
+        let timing = &self.config.timing;
+        // Observe.
+        let app = self.app(pool, key).await;
+        let scope = scope_of(pool);
+        self.remember_app(key, &app, &scope);
         if let Some(scope) = scope.clone() {
             let route = PoolRoute {
                 labels: pool.spec.github.labels.clone(),
@@ -357,164 +475,265 @@ impl Ctx {
             };
             self.shared.demand().upsert_pool(key.clone(), route);
         }
-
         let vms = self.list_vms(pool, key).await?;
         let demand = self.shared.demand().pool_demand(key);
         let now = Instant::now();
         let wall = Timestamp::now();
-        let mut observed = Vec::with_capacity(vms.len());
-        let mut started_runners = Vec::new();
-        for vm in &vms {
-            let ann = vm.annotations();
-            let name = ann.get(ANNOTATION_RUNNER_NAME).map(String::as_str);
-            let state = classify(vm, name, &demand.busy_runners);
-            if let Some(name) = name
-                && let Some(t) = vm
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.runner.as_ref())
-                    .and_then(|r| r.started_time.as_ref())
-            {
-                started_runners.push((name.to_owned(), t.0));
-            }
-            observed.push(ObservedVm {
-                name: vm.name_any(),
-                state,
-                runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
-                created: vm
-                    .creation_timestamp()
-                    .map(|t| t.0.as_second())
-                    .unwrap_or_default(),
-            });
-        }
+        let facts: Vec<VmFacts> = vms
+            .iter()
+            .map(|vm| vm_facts(vm, &demand.busy_runners))
+            .collect();
+        let started_runners = vms
+            .iter()
+            .filter_map(|vm| {
+                let name = vm.annotations().get(ANNOTATION_RUNNER_NAME)?;
+                let t = vm.status.as_ref()?.runner.as_ref()?.started_time.as_ref()?;
+                Some((name.clone(), t.0))
+            })
+            .collect();
         self.credit_pickups(key, started_runners, now, wall);
         self.note_start_failures(pool, key, &vms).await;
 
-        let demand_known = self.memory(key, |m| m.swept);
-        let (mint_block, creds) = self.memory(key, |m| {
+        let deadlines = self.deadlines();
+        let live_ids: HashSet<u64> = facts.iter().filter_map(|f| f.vm.runner_id).collect();
+        let (mint_block, creds, confirmed, reap_due, demand_known) = self.memory(key, |m| {
+            m.confirmed_online.retain(|id| live_ids.contains(id));
             let block = match (&m.creds, &app) {
                 (Creds::Invalid { .. }, _) | (_, Err(_)) => Some(MintBlock::CredentialsInvalid),
                 _ if m.mint_backoff.active(now) => Some(MintBlock::Backoff),
                 _ if m.start_backoff.active(now) => Some(MintBlock::StartFailing),
                 _ => None,
             };
-            (block, m.creds.clone())
+            let reap_due = m
+                .last_listing
+                .is_none_or(|t| now.duration_since(t) >= timing.reap_interval);
+            (
+                block,
+                m.creds.clone(),
+                m.confirmed_online.clone(),
+                reap_due,
+                m.swept,
+            )
         });
         let mint_block = if scope.is_none() {
             Some(MintBlock::CredentialsInvalid)
         } else {
             mint_block
         };
-        let p = plan(&Observed {
-            vms: &observed,
+        let app = app.ok();
+        let listing = match (&app, &scope) {
+            (Some(app), Some(scope))
+                if needs_listing(&facts, &deadlines, &confirmed, reap_due, wall) =>
+            {
+                let judging = facts
+                    .iter()
+                    .any(|f| online_suspect(f, &deadlines, &confirmed, wall));
+                self.observe_runners(key, app, scope, None, judging).await
+            }
+            _ => None,
+        };
+
+        // Decide.
+        let pp = decide(&Input {
+            vms: &facts,
             scaling: &pool.spec.scaling,
             queued: demand.queued,
             mint_block,
-            deleting: false,
             demand_known,
+            deadlines,
+            confirmed_online: &confirmed,
+            listing: listing.as_ref().map(|(r, h)| (r.as_slice(), h)),
+            pool_name: &key.name,
+            now: wall,
         });
-        debug!(pool = %key, ?p.counts, desired = p.desired, create = p.create, retire = p.retire.len(), cleanup = p.cleanup.len(), "plan");
+        let p = &pp.plan;
+        debug!(pool = %key, ?p.counts, desired = p.desired, create = p.create, retire = p.retire.len(), cleanup = p.cleanup.len(), replace = pp.replace.len(), reap = pp.reap.delete.len(), "plan");
+        self.memory(key, |m| {
+            m.confirmed_online.extend(pp.seen_online.iter().copied());
+            if listing.is_some() {
+                m.last_listing = Some(now);
+            }
+        });
 
-        let app = app.ok();
-        let by_name: HashMap<&str, &ImpVM> = vms.iter().map(|v| (v.name_any_ref(), v)).collect();
-        let mut pending = false;
-        let mut cleaned = 0u32;
-        for r in &p.cleanup {
-            match self.remove(key, app.as_ref(), scope.as_ref(), r).await {
-                Removed::Done => cleaned += 1,
-                Removed::Pending => pending = true,
-            }
-        }
-        let mut retired = 0u32;
-        for r in &p.retire {
-            match self.remove(key, app.as_ref(), scope.as_ref(), r).await {
-                Removed::Done => retired += 1,
-                Removed::Pending => pending = true,
-            }
-        }
-        let mut created = 0u32;
-        let mut mint_failed = false;
-        if let (Some(app), Some(scope)) = (app.as_ref(), scope.as_ref()) {
-            for name in &p.mint {
-                if let Some(vm) = by_name.get(name.as_str())
-                    && self.mint(pool, key, app, scope, vm).await.is_err()
-                {
-                    mint_failed = true;
-                    break;
-                }
-            }
-            if !mint_failed && p.create > 0 {
-                let results: Vec<bool> = futures::stream::iter(0..p.create)
-                    .map(|_| self.create_runner(pool, key, app, scope))
-                    .buffer_unordered(self.config.create_concurrency.max(1))
-                    .collect()
-                    .await;
-                created = results.iter().filter(|ok| **ok).count() as u32;
-                mint_failed = results.iter().any(|ok| !ok);
-            }
-        }
-        if created > 0 {
-            info!(pool = %key, created, desired = p.desired, "scaled up");
-            self.event(
-                pool,
-                false,
-                reason::SCALED_UP,
-                format!("Created {created} runner VM(s); desired {}", p.desired),
-            )
+        // Execute.
+        let (pending, done, mint_failed) = self
+            .execute(pool, key, app.as_ref(), scope.as_ref(), &vms, &pp)
             .await;
-        }
-        if retired > 0 {
-            info!(pool = %key, retired, desired = p.desired, "scaled down");
-            self.event(
-                pool,
-                false,
-                reason::SCALED_DOWN,
-                format!("Retired {retired} idle runner(s); desired {}", p.desired),
-            )
-            .await;
-        }
-        if cleaned > 0 {
-            self.event(
-                pool,
-                false,
-                reason::RUNNERS_CLEANED_UP,
-                format!("Deleted {cleaned} finished runner VM(s)"),
-            )
-            .await;
-        }
-
         let creds_now = self.memory(key, |m| m.creds.clone());
         if creds_now != creds
             && let Creds::Invalid { reason, message } = &creds_now
         {
             self.event(pool, true, reason, message.clone()).await;
         }
-        let done = Done {
-            created,
-            retired,
-            cleaned,
-        };
-        self.write_status(pool, key, &p, &done, &creds_now, mint_failed)
+        self.write_status(pool, key, &pp, done, &creds_now, mint_failed)
             .await?;
+        let (backoffs, last_listing) = self.memory(key, |m| {
+            (
+                [m.mint_backoff.until(), m.start_backoff.until()],
+                m.last_listing,
+            )
+        });
+        let after = Instant::now();
+        Ok(Action::requeue(requeue_after(&RequeueInput {
+            resync: timing.resync,
+            retry: timing.retry,
+            scaling_requeue: timing.scaling_requeue,
+            pending,
+            backoffs: backoffs
+                .into_iter()
+                .flatten()
+                .filter(|t| *t > after)
+                .map(|t| t - after)
+                .collect(),
+            scaling_pending: p.limited == Some(Limit::ScaleUpStep)
+                || (done.created > 0 && p.desired > p.counts.live() + done.created),
+            next_deadline: pp.next_deadline,
+            next_reap: last_listing.map_or(Duration::ZERO, |t| {
+                timing.reap_interval.saturating_sub(after.duration_since(t))
+            }),
+        })))
+    }
 
-        let backoffs = self.memory(key, |m| [m.mint_backoff.until(), m.start_backoff.until()]);
-        let mut next = timing.resync;
-        if pending {
-            next = next.min(timing.retry);
+    /// Carries out a live pool's plan; returns whether something is left to retry, what was done, and
+    /// whether a mint failed.
+    async fn execute(
+        &self,
+        pool: &ImpVMRunnerPool,
+        key: &PoolKey,
+        app: Option<&GithubApp>,
+        scope: Option<&RunnerScope>,
+        vms: &[ImpVM],
+        pp: &PoolPlan,
+    ) -> (bool, Done, bool) {
+        let p = &pp.plan;
+        let mut pending = false;
+        let mut done = Done::default();
+        let by_name: HashMap<&str, &ImpVM> = vms.iter().map(|v| (v.name_any_ref(), v)).collect();
+        for r in &p.cleanup {
+            match self.remove(key, app, scope, r).await {
+                Removed::Done => {
+                    done.cleaned += 1;
+                    // Each finished VM is cleaned up once: its phases are observed then.
+                    if let Some(vm) = by_name.get(r.name.as_str()) {
+                        for (phase, d) in phase_spans(&vm_times(vm)) {
+                            self.shared.metrics.vm_phase(phase, d);
+                        }
+                    }
+                }
+                Removed::Pending => pending = true,
+            }
         }
-        for t in backoffs
-            .into_iter()
-            .flatten()
-            .filter(|t| *t > Instant::now())
-        {
-            next = next.min(t - Instant::now() + Duration::from_millis(10));
+        for (r, why) in &pp.replace {
+            match self.remove(key, app, scope, r).await {
+                Removed::Done => {
+                    done.cleaned += 1;
+                    self.shared.metrics.deadline_replacement(why.metric_label());
+                    let d = self.deadlines();
+                    let within = match why {
+                        super::decide::Overdue::BootDeadlineExceeded => d.boot,
+                        super::decide::Overdue::RunnerNeverOnline => d.online,
+                    };
+                    warn!(pool = %key, vm = %r.name, reason = why.reason(), "runner VM past its deadline; replaced");
+                    self.event(pool, true, why.reason(), format!("Runner VM {} missed its deadline ({within:?}); its registration was deleted and the VM replaced", r.name)).await;
+                }
+                Removed::Pending => pending = true,
+            }
         }
-        if p.limited == Some(Limit::ScaleUpStep)
-            || (created > 0 && p.desired > p.counts.live() + created)
-        {
-            next = next.min(timing.scaling_requeue);
+        for r in &p.retire {
+            match self.remove(key, app, scope, r).await {
+                Removed::Done => done.retired += 1,
+                Removed::Pending => pending = true,
+            }
         }
-        Ok(Action::requeue(next))
+        if let (Some(app), Some(scope)) = (app, scope) {
+            if pp.reap.busy > 0 {
+                debug!(pool = %key, busy = pp.reap.busy, "orphan registrations running a job are left alone");
+            }
+            let mut reaped = Vec::new();
+            for (id, name) in &pp.reap.delete {
+                if self.deregister(key, app, scope, *id).await {
+                    self.shared.metrics.orphan_reaped();
+                    reaped.push(name.as_str());
+                } else {
+                    pending = true;
+                }
+            }
+            if !reaped.is_empty() {
+                info!(pool = %key, count = reaped.len(), "orphan runner registrations deleted");
+                self.event(
+                    pool,
+                    false,
+                    reason::ORPHAN_RUNNERS_DELETED,
+                    format!(
+                        "Deleted {} runner registration(s) without a VM: {}",
+                        reaped.len(),
+                        reaped.join(", ")
+                    ),
+                )
+                .await;
+            }
+        }
+        let mut mint_failed = false;
+        if let (Some(app), Some(scope)) = (app, scope) {
+            for name in &p.mint {
+                if let Some(vm) = by_name.get(name.as_str())
+                    && let Err(e) = self.mint(pool, key, app, scope, vm).await
+                {
+                    debug!(pool = %key, vm = %name, error = %e, "mint failed");
+                    mint_failed = true;
+                    break;
+                }
+            }
+            if !mint_failed && p.create > 0 {
+                let results: Vec<Result<()>> = futures::stream::iter(0..p.create)
+                    .map(|_| self.create_runner(pool, key, app, scope))
+                    .buffer_unordered(self.config.create_concurrency.max(1))
+                    .collect()
+                    .await;
+                done.created = results.iter().filter(|r| r.is_ok()).count() as u32;
+                if let Some(e) = results.iter().find_map(|r| r.as_ref().err()) {
+                    debug!(pool = %key, error = %e, "creating a runner failed");
+                    mint_failed = true;
+                }
+            }
+        }
+        if done.created > 0 {
+            info!(pool = %key, created = done.created, desired = p.desired, "scaled up");
+            self.event(
+                pool,
+                false,
+                reason::SCALED_UP,
+                format!(
+                    "Created {} runner VM(s); desired {}",
+                    done.created, p.desired
+                ),
+            )
+            .await;
+        }
+        if done.retired > 0 {
+            info!(pool = %key, retired = done.retired, desired = p.desired, "scaled down");
+            self.event(
+                pool,
+                false,
+                reason::SCALED_DOWN,
+                format!(
+                    "Retired {} idle runner(s); desired {}",
+                    done.retired, p.desired
+                ),
+            )
+            .await;
+        }
+        let finished = done.cleaned - done.cleaned.min(pp.replace.len() as u32);
+        if finished > 0 {
+            self.event(
+                pool,
+                false,
+                reason::RUNNERS_CLEANED_UP,
+                format!("Deleted {finished} finished runner VM(s)"),
+            )
+            .await;
+        }
+        (pending, done, mint_failed)
     }
 
     /// Pickup latency of every job whose runner is known and Started: from learning of the job to that
@@ -540,6 +759,36 @@ impl Ctx {
         }
     }
 
+    /// Deregisters one runner, counting the result; true when it is gone at GitHub.
+    async fn deregister(
+        &self,
+        key: &PoolKey,
+        app: &GithubApp,
+        scope: &RunnerScope,
+        id: u64,
+    ) -> bool {
+        match app.delete_runner(scope, id).await {
+            Ok(DeleteOutcome::Deleted) => {
+                self.shared.metrics.deregistration("deleted");
+                true
+            }
+            Ok(DeleteOutcome::AlreadyGone) => {
+                self.shared.metrics.deregistration("already_gone");
+                true
+            }
+            Err(e) if e.class() == ErrorClass::Busy => {
+                self.shared.metrics.deregistration("busy");
+                debug!(pool = %key, runner_id = id, "runner busy; kept");
+                false
+            }
+            Err(e) => {
+                self.shared.metrics.deregistration("error");
+                warn!(pool = %key, runner_id = id, error = %e, "deregistering runner failed");
+                false
+            }
+        }
+    }
+
     /// Deregisters the VM's runner if it has one (a busy runner keeps its VM), then deletes the VM.
     async fn remove(
         &self,
@@ -552,80 +801,51 @@ impl Ctx {
             let (Some(app), Some(scope)) = (app, scope) else {
                 return Removed::Pending;
             };
-            match app.delete_runner(scope, id).await {
-                Ok(DeleteOutcome::Deleted) => self.shared.metrics.deregistration("deleted"),
-                Ok(DeleteOutcome::AlreadyGone) => {
-                    self.shared.metrics.deregistration("already_gone")
-                }
-                Err(e) if e.class() == ErrorClass::Busy => {
-                    self.shared.metrics.deregistration("busy");
-                    debug!(pool = %key, vm = %r.name, runner_id = id, "runner busy; kept");
-                    return Removed::Pending;
-                }
-                Err(e) => {
-                    self.shared.metrics.deregistration("error");
-                    warn!(pool = %key, vm = %r.name, runner_id = id, error = %e, "deregistering runner failed");
-                    return Removed::Pending;
-                }
+            if !self.deregister(key, app, scope, id).await {
+                return Removed::Pending;
             }
         }
+        self.delete_vm(key, &r.name).await
+    }
+
+    async fn delete_vm(&self, key: &PoolKey, name: &str) -> Removed {
         match self
             .vms(key)
-            .delete(&r.name, &DeleteParams::background())
+            .delete(name, &DeleteParams::background())
             .await
         {
             Ok(_) => {
-                info!(pool = %key, vm = %r.name, runner_id = ?r.runner_id, "runner VM deleted");
+                info!(pool = %key, vm = %name, "runner VM deleted");
                 Removed::Done
             }
             Err(kube::Error::Api(s)) if s.code == 404 => Removed::Done,
             Err(e) => {
-                warn!(pool = %key, vm = %r.name, error = %e, "deleting runner VM failed");
+                warn!(pool = %key, vm = %name, error = %e, "deleting runner VM failed");
                 Removed::Pending
             }
         }
     }
 
-    async fn deregister_only(
-        &self,
-        key: &PoolKey,
-        app: &GithubApp,
-        scope: &RunnerScope,
-        r: &Removal,
-    ) {
-        if let Some(id) = r.runner_id
-            && let Err(e) = app.delete_runner(scope, id).await
-        {
-            warn!(pool = %key, runner_id = id, error = %e, "deregistering surplus runner failed");
-        }
-    }
-
-    /// Creates one runner VM and mints its config; false if either failed.
+    /// Creates one runner VM and mints its config.
     async fn create_runner(
         &self,
         pool: &ImpVMRunnerPool,
         key: &PoolKey,
         app: &GithubApp,
         scope: &RunnerScope,
-    ) -> bool {
-        let vm = match runner_vm(pool) {
-            Ok(vm) => vm,
-            Err(e) => {
-                warn!(pool = %key, error = %e, "building runner VM failed");
-                return false;
-            }
-        };
-        match self.vms(key).create(&PostParams::default(), &vm).await {
-            Ok(created) => self.mint(pool, key, app, scope, &created).await.is_ok(),
-            Err(e) => {
-                warn!(pool = %key, error = %e, "creating runner VM failed");
-                false
-            }
-        }
+    ) -> Result<()> {
+        let vm = runner_vm(pool)?;
+        let created = self
+            .vms(key)
+            .create(&PostParams::default(), &vm)
+            .await
+            .map_err(Error::kube(format!("create a runner VM of pool {key}")))?;
+        self.mint(pool, key, app, scope, &created).await
     }
 
-    /// Gives `vm` its JIT config: adopts a Secret this VM already owns, else mints one. On failure the
-    /// VM is deleted (it could never run a job) and the pool backs off.
+    /// Gives `vm` its JIT config as [`mint_action`] says: adopts a Secret this VM already owns, else
+    /// mints one. A VM that can never get a config (conflict, lost config, failed mint) is deleted and
+    /// its registration, if any, removed.
     async fn mint(
         &self,
         pool: &ImpVMRunnerPool,
@@ -633,54 +853,65 @@ impl Ctx {
         app: &GithubApp,
         scope: &RunnerScope,
         vm: &ImpVM,
-    ) -> Result<(), ()> {
+    ) -> Result<()> {
         let vm_name = vm.name_any();
-        let Some(uid) = vm.uid() else { return Err(()) };
+        let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
         let secret_name = jit_secret_name(&uid);
         let secrets = self.secrets(key);
-        match secrets.get_opt(&secret_name).await {
-            Ok(Some(existing)) => {
-                if owned_by(&existing, &uid) {
-                    let ann = existing.annotations();
-                    let (id, name) = (
-                        ann.get(ANNOTATION_RUNNER_ID).cloned(),
-                        ann.get(ANNOTATION_RUNNER_NAME).cloned(),
-                    );
-                    info!(pool = %key, vm = %vm_name, "adopting the JIT Secret this VM already owns");
-                    return self
-                        .attach(key, &vm_name, &secret_name, id.as_deref(), name.as_deref())
-                        .await
-                        .map_err(|_| ());
-                }
-                self.event(pool, true, reason::SECRET_CONFLICT, format!("Secret {secret_name} exists and is not owned by VM {vm_name}; deleting the VM")).await;
-                let _ = self
-                    .vms(key)
-                    .delete(&vm_name, &DeleteParams::background())
+        let existing = secrets
+            .get_opt(&secret_name)
+            .await
+            .map_err(Error::kube(format!("read JIT Secret {secret_name}")))?;
+        let action = mint_action(
+            existing.as_ref().map(|s| secret_facts(s, &uid)).as_ref(),
+            vm.annotations()
+                .get(ANNOTATION_RUNNER_ID)
+                .map(String::as_str),
+        );
+        match action {
+            MintAction::Adopt {
+                runner_id,
+                runner_name,
+            } => {
+                info!(pool = %key, vm = %vm_name, "adopting the JIT Secret this VM already owns");
+                return self
+                    .attach(key, &vm_name, &secret_name, &runner_id, &runner_name)
                     .await;
-                return Err(());
             }
-            Ok(None) => {}
-            Err(e) => {
-                warn!(pool = %key, vm = %vm_name, error = %e, "reading JIT Secret failed");
-                return Err(());
+            MintAction::Conflict => {
+                let err = Error::JitSecretConflict {
+                    secret: secret_name,
+                    vm: vm_name.clone(),
+                };
+                self.event(
+                    pool,
+                    true,
+                    reason::SECRET_CONFLICT,
+                    format!("{err}; deleting the VM"),
+                )
+                .await;
+                self.delete_vm(key, &vm_name).await;
+                return Err(err);
             }
-        }
-        if vm.annotations().contains_key(ANNOTATION_RUNNER_ID) {
-            // Minted before and its Secret is gone: never mint twice for one VM. Replace the VM.
-            let id = vm.annotations()[ANNOTATION_RUNNER_ID].parse().ok();
-            self.event(
-                pool,
-                true,
-                reason::JIT_CONFIG_LOST,
-                format!("VM {vm_name} was minted but its JIT Secret is gone; replacing the VM"),
-            )
-            .await;
-            let r = Removal {
-                name: vm_name,
-                runner_id: id,
-            };
-            self.remove(key, Some(app), Some(scope), &r).await;
-            return Err(());
+            MintAction::Lost { runner_id } => {
+                let err = Error::JitConfigLost {
+                    vm: vm_name.clone(),
+                };
+                self.event(
+                    pool,
+                    true,
+                    reason::JIT_CONFIG_LOST,
+                    format!("{err}; replacing the VM"),
+                )
+                .await;
+                let r = Removal {
+                    name: vm_name,
+                    runner_id,
+                };
+                self.remove(key, Some(app), Some(scope), &r).await;
+                return Err(err);
+            }
+            MintAction::Mint => {}
         }
 
         let runner = runner_name(&key.name, &uid);
@@ -701,7 +932,10 @@ impl Ctx {
             Ok(m) => m,
             Err(e) => {
                 self.mint_failed(pool, key, &vm_name, &e).await;
-                return Err(());
+                return Err(Error::Mint {
+                    vm: vm_name,
+                    source: e,
+                });
             }
         };
         self.shared
@@ -713,106 +947,60 @@ impl Ctx {
             m.creds = Creds::Valid;
         });
         let runner_id = minted.runner_id.to_string();
-        let secret = Secret {
-            metadata: ObjectMeta {
-                name: Some(secret_name.clone()),
-                namespace: Some(key.namespace.clone()),
-                labels: Some(BTreeMap::from([
-                    (LABEL_SECRET_KIND.to_owned(), SECRET_KIND_JIT.to_owned()),
-                    (LABEL_RUNNER_POOL.to_owned(), key.name.clone()),
-                ])),
-                annotations: Some(BTreeMap::from([
-                    (ANNOTATION_RUNNER_ID.to_owned(), runner_id.clone()),
-                    (
-                        ANNOTATION_RUNNER_NAME.to_owned(),
-                        minted.runner_name.clone(),
-                    ),
-                ])),
-                owner_references: Some(vec![OwnerReference {
-                    api_version: "imp.dev/v1alpha1".into(),
-                    kind: "ImpVM".into(),
-                    name: vm_name.clone(),
-                    uid: uid.clone(),
-                    controller: Some(true),
-                    block_owner_deletion: Some(true),
-                }]),
-                ..ObjectMeta::default()
-            },
-            type_: Some("Opaque".into()),
-            data: Some(BTreeMap::from([(
-                SECRET_KEY_JITCONFIG.to_owned(),
-                ByteString(
-                    minted
-                        .encoded_jit_config
-                        .expose_secret()
-                        .as_bytes()
-                        .to_vec(),
-                ),
-            )])),
-            ..Secret::default()
+        let secret = jit_secret(key, &secret_name, &vm_name, &uid, &minted);
+        let lost = Removal {
+            name: vm_name.clone(),
+            runner_id: Some(minted.runner_id),
         };
-        let stored = match secrets.create(&PostParams::default(), &secret).await {
-            Ok(_) => true,
+        match secrets.create(&PostParams::default(), &secret).await {
+            Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 409 => {
-                // Written meanwhile by someone else. Reuse it only if this VM owns it; either way
-                // the registration just minted is surplus.
-                let r = Removal {
-                    name: vm_name.clone(),
-                    runner_id: Some(minted.runner_id),
-                };
-                if let Ok(Some(existing)) = secrets.get_opt(&secret_name).await
-                    && owned_by(&existing, &uid)
-                {
-                    self.deregister_only(key, app, scope, &r).await;
-                    let ann = existing.annotations();
-                    return self
-                        .attach(
-                            key,
-                            &vm_name,
-                            &secret_name,
-                            ann.get(ANNOTATION_RUNNER_ID).map(String::as_str),
-                            ann.get(ANNOTATION_RUNNER_NAME).map(String::as_str),
-                        )
-                        .await
-                        .map_err(|_| ());
+                // Written meanwhile by an earlier attempt or someone else: what is there decides;
+                // either way the registration just minted is surplus.
+                let now_there = secrets.get_opt(&secret_name).await.ok().flatten();
+                match after_store_conflict(
+                    now_there.as_ref().map(|s| secret_facts(s, &uid)).as_ref(),
+                ) {
+                    MintAction::Adopt {
+                        runner_id,
+                        runner_name,
+                    } => {
+                        self.deregister(key, app, scope, minted.runner_id).await;
+                        return self
+                            .attach(key, &vm_name, &secret_name, &runner_id, &runner_name)
+                            .await;
+                    }
+                    _ => {
+                        self.remove(key, Some(app), Some(scope), &lost).await;
+                        return Err(Error::JitSecretConflict {
+                            secret: secret_name,
+                            vm: vm_name,
+                        });
+                    }
                 }
-                false
             }
             Err(e) => {
+                // The minted registration has no home: deregister it and replace the VM.
                 warn!(pool = %key, vm = %vm_name, error = %e, "storing JIT Secret failed");
-                false
-            }
-        };
-        if !stored {
-            // The minted registration has no home: deregister it and replace the VM.
-            let r = Removal {
-                name: vm_name,
-                runner_id: Some(minted.runner_id),
-            };
-            self.remove(key, Some(app), Some(scope), &r).await;
-            return Err(());
-        }
-        match self
-            .attach(
-                key,
-                &vm_name,
-                &secret_name,
-                Some(&runner_id),
-                Some(&minted.runner_name),
-            )
-            .await
-        {
-            Ok(()) => {
-                debug!(pool = %key, vm = %vm_name, runner_id = minted.runner_id, runner_name = %minted.runner_name, "runner minted");
-                Ok(())
-            }
-            Err(e) => {
-                warn!(pool = %key, vm = %vm_name, error = %e, "recording the JIT Secret on the VM failed");
-                // The Secret (owned by the VM) proves the mint: the next pass adopts it, or the
-                // garbage collector removes it with the VM.
-                Err(())
+                self.remove(key, Some(app), Some(scope), &lost).await;
+                return Err(Error::from_kube(
+                    &format!("store JIT Secret {secret_name}"),
+                    e,
+                ));
             }
         }
+        // On failure the Secret (owned by the VM) proves the mint: the next pass adopts it, or the
+        // garbage collector removes it with the VM.
+        self.attach(
+            key,
+            &vm_name,
+            &secret_name,
+            &Some(runner_id),
+            &Some(minted.runner_name.clone()),
+        )
+        .await?;
+        debug!(pool = %key, vm = %vm_name, runner_id = minted.runner_id, runner_name = %minted.runner_name, "runner minted");
+        Ok(())
     }
 
     async fn attach(
@@ -820,52 +1008,47 @@ impl Ctx {
         key: &PoolKey,
         vm: &str,
         secret: &str,
-        runner_id: Option<&str>,
-        runner: Option<&str>,
+        runner_id: &Option<String>,
+        runner: &Option<String>,
     ) -> Result<()> {
         let patch = json!({
             "metadata": {"annotations": {ANNOTATION_RUNNER_ID: runner_id, ANNOTATION_RUNNER_NAME: runner}},
             "spec": {"runnerConfigSecret": secret},
         });
-        match self
-            .vms(key)
+        self.vms(key)
             .patch(vm, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-        {
-            Ok(_) => Ok(()),
-            Err(e) => Err(PoolError::Kube {
-                what: format!("record JIT Secret on VM {vm}"),
-                source: e,
-            }),
-        }
+            .map_err(Error::kube(format!("record JIT Secret on VM {vm}")))?;
+        Ok(())
     }
 
-    /// Counts VMs that failed before their runner started (once each) into the start backoff,
-    /// with an Event naming the VM and its reason; a runner that starts resets it.
+    /// Counts VMs that failed before their runner started ([`account_start_failures`]), with an Event
+    /// naming the VM and its reason.
     async fn note_start_failures(&self, pool: &ImpVMRunnerPool, key: &PoolKey, vms: &[ImpVM]) {
         let timing = &self.config.timing;
-        let present: HashSet<String> = vms.iter().filter_map(|v| v.uid()).collect();
-        let mut fresh = Vec::new();
-        self.memory(key, |m| {
-            m.counted_start_failures.retain(|u| present.contains(u));
-            if vms.iter().any(runner_started) {
-                m.start_backoff.reset();
-            }
-            for vm in vms {
-                let (Some(uid), Some(reason)) = (vm.uid(), start_failure(vm)) else {
-                    continue;
-                };
-                if m.counted_start_failures.insert(uid) {
-                    let wait = m.start_backoff.fail(
-                        Instant::now(),
-                        timing.start_backoff,
-                        timing.start_backoff_max,
-                    );
-                    fresh.push((vm.name_any(), reason, wait, m.start_backoff.failures()));
-                }
-            }
+        let facts: Vec<StartFacts> = vms
+            .iter()
+            .filter_map(|vm| {
+                Some(StartFacts {
+                    uid: vm.uid()?,
+                    name: vm.name_any(),
+                    failure: start_failure(vm),
+                    runner_started: runner_started(vm),
+                })
+            })
+            .collect();
+        let fresh = self.memory(key, |m| {
+            account_start_failures(
+                &mut m.counted_start_failures,
+                &mut m.start_backoff,
+                &facts,
+                Instant::now(),
+                timing.start_backoff,
+                timing.start_backoff_max,
+            )
         });
-        for (vm, reason, wait, n) in fresh {
+        for f in fresh {
+            let (vm, reason, wait, n) = (f.vm, f.reason, f.wait, f.consecutive);
             warn!(pool = %key, vm, reason, consecutive = n, backoff = ?wait, "runner VM failed before its runner started; delaying the next VM");
             self.shared
                 .metrics
@@ -897,14 +1080,7 @@ impl Ctx {
             let wait =
                 m.mint_backoff
                     .fail(Instant::now(), timing.mint_backoff, timing.mint_backoff_max);
-            if matches!(
-                e.metric_label(),
-                "credentials"
-                    | "unauthorized"
-                    | "forbidden"
-                    | "enterprise_scope_unsupported"
-                    | "runner_group_not_found"
-            ) {
+            if credentials_invalid(e) {
                 m.creds = Creds::Invalid {
                     reason: reason::CREDENTIALS_INVALID,
                     message: e.to_string(),
@@ -913,11 +1089,7 @@ impl Ctx {
             wait
         });
         warn!(pool = %key, vm, error = %e, backoff = ?wait, "minting JIT config failed; deleting the VM");
-        if let Err(err) = self.vms(key).delete(vm, &DeleteParams::background()).await
-            && !matches!(&err, kube::Error::Api(s) if s.code == 404)
-        {
-            warn!(pool = %key, vm, error = %err, "deleting VM after failed mint failed");
-        }
+        self.delete_vm(key, vm).await;
         self.event(
             pool,
             true,
@@ -931,99 +1103,22 @@ impl Ctx {
         &self,
         pool: &ImpVMRunnerPool,
         key: &PoolKey,
-        p: &Plan,
-        done: &Done,
+        pp: &PoolPlan,
+        done: Done,
         creds: &Creds,
         mint_failed: bool,
     ) -> Result<()> {
-        let c = &p.counts;
-        let Done {
-            created,
-            retired,
-            cleaned,
-        } = *done;
-        let scaled = created + retired + cleaned > 0;
         let old = pool.status.clone().unwrap_or_default();
-        let now = Time(Timestamp::now());
-        let gen_ = pool.metadata.generation;
-        let idle = c.idle.saturating_sub(retired);
-        let booting = c.booting + c.unminted + created;
-        let total = (c.total() + created).saturating_sub(retired + cleaned);
-        let (cv, cr, cm) = match creds {
-            Creds::Valid => (
-                Some(true),
-                reason::MINTED,
-                "A JIT runner config was minted with the App credentials".to_owned(),
-            ),
-            Creds::Unknown => (
-                None,
-                reason::NOT_YET_USED,
-                "No JIT config minted yet".to_owned(),
-            ),
-            Creds::Invalid { reason, message } => (Some(false), *reason, message.clone()),
-        };
-        let ready = c.idle + c.busy >= p.desired && !matches!(creds, Creds::Invalid { .. });
-        let limited = p.limited.or(mint_failed.then_some(Limit::MintBackoff));
-        let mut conditions = old.conditions.clone();
-        let mut cond = |type_: &str, ok: Option<bool>, reason: &str, message: String| {
-            conditions::set(
-                &mut conditions,
-                type_,
-                ok.into(),
-                reason,
-                message,
-                gen_,
-                now.0,
-            );
-        };
-        cond(condition::CREDENTIALS_VALID, cv, cr, cm);
-        cond(
-            condition::READY,
-            Some(ready),
-            if ready {
-                reason::RUNNERS_AVAILABLE
-            } else {
-                reason::RUNNERS_PENDING
-            },
-            format!("{} idle + {} busy of {} desired", c.idle, c.busy, p.desired),
-        );
-        cond(
-            condition::AT_CAPACITY,
-            Some(p.at_capacity),
-            if p.at_capacity {
-                reason::MAX_RUNNERS_REACHED
-            } else {
-                reason::BELOW_MAX_RUNNERS
-            },
-            format!(
-                "{} of maxRunners {}",
-                c.live(),
-                pool.spec.scaling.max_runners
-            ),
-        );
-        cond(
-            condition::SCALING_LIMITED,
-            Some(limited.is_some()),
-            limited.map_or(reason::NOT_LIMITED, Limit::reason),
-            match limited {
-                Some(l) => format!("scaling held back by {}", l.reason()),
-                None => "scaling follows demand".to_owned(),
-            },
-        );
-        let status = ImpVMRunnerPoolStatus {
-            observed_generation: gen_,
-            desired: p.desired,
-            idle,
-            busy: c.busy,
-            booting,
-            total,
-            last_scale_time: if scaled {
-                Some(now)
-            } else {
-                old.last_scale_time.clone()
-            },
-            conditions,
-        };
+        let status = pool_status(&StatusInput {
+            old: &old,
+            plan: &pp.plan,
+            done,
+            creds,
+            mint_failed,
+            generation: pool.metadata.generation,
+            max_runners: pool.spec.scaling.max_runners,
+            now: Timestamp::now(),
+        });
         let m = &self.shared.metrics;
         let label = key.to_string();
         for (state, v) in [
@@ -1042,11 +1137,13 @@ impl Ctx {
         self.pools(key)
             .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
-            .map_err(kube_err(format!("write status of pool {key}")))?;
+            .map_err(Error::kube(format!("write status of pool {key}")))?;
         Ok(())
     }
 
-    /// The pool is being deleted: deregister every runner and delete every VM, then let it go.
+    /// The pool is being deleted: deregister every runner (those of its VMs, then any registration of
+    /// the pool left without a VM), delete every VM, then let it go. Without its App Secret nothing can
+    /// be deregistered: an Event names what stays at GitHub and the pool goes at once.
     async fn cleanup(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Action> {
         if !pool
             .finalizers()
@@ -1056,9 +1153,32 @@ impl Ctx {
             self.forget(key);
             return Ok(Action::await_change());
         }
-        let app = self.app(pool, key).await.ok();
+        let app = self.app(pool, key).await;
         let scope = scope_of(pool);
         let vms = self.list_vms(pool, key).await?;
+        if let Err(Creds::Invalid {
+            reason: why,
+            message,
+        }) = &app
+            && *why == reason::SECRET_NOT_FOUND
+        {
+            let stranded: Vec<&str> = vms
+                .iter()
+                .filter_map(|vm| {
+                    vm.annotations()
+                        .get(ANNOTATION_RUNNER_NAME)
+                        .map(String::as_str)
+                })
+                .collect();
+            self.event(pool, true, reason::REGISTRATIONS_ABANDONED, format!("{message}: the pool's runner registrations cannot be deleted and stay at GitHub until removed by hand (known: {}; registrations without a VM are not known)", if stranded.is_empty() { "none".to_owned() } else { stranded.join(", ") })).await;
+            for vm in &vms {
+                if vm.metadata.deletion_timestamp.is_none() {
+                    self.delete_vm(key, &vm.name_any()).await;
+                }
+            }
+            return self.release(pool, key).await;
+        }
+        let app = app.ok();
         let observed: Vec<ObservedVm> = vms
             .iter()
             .map(|vm| ObservedVm {
@@ -1089,6 +1209,26 @@ impl Ctx {
                 pending += 1;
             }
         }
+        if let (Some(app), Some(scope)) = (app.as_ref(), scope.as_ref()) {
+            // Registrations without a VM (failed mints, VMs deleted by hand) go before the finalizer.
+            match self
+                .observe_runners(key, app, scope, pool.uid().as_deref(), true)
+                .await
+            {
+                Some((runners, held)) => {
+                    let reap = orphans(&key.name, &runners, &held);
+                    pending += reap.busy;
+                    for (id, _) in &reap.delete {
+                        if self.deregister(key, app, scope, *id).await {
+                            self.shared.metrics.orphan_reaped();
+                        } else {
+                            pending += 1;
+                        }
+                    }
+                }
+                None => pending += 1,
+            }
+        }
         let deleted_for = pool
             .metadata
             .deletion_timestamp
@@ -1102,12 +1242,14 @@ impl Ctx {
         if pending > 0 {
             self.event(pool, true, reason::CLEANUP_TIMED_OUT, format!("{pending} runner(s) could not be deregistered within {:?}; their VMs are deleted, the registrations may remain at GitHub", self.config.timing.deletion_timeout)).await;
             for r in &p.cleanup {
-                let _ = self
-                    .vms(key)
-                    .delete(&r.name, &DeleteParams::background())
-                    .await;
+                self.delete_vm(key, &r.name).await;
             }
         }
+        self.release(pool, key).await
+    }
+
+    /// Removes the pool's finalizer and forgets it.
+    async fn release(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Action> {
         let finalizers: Vec<String> = pool
             .finalizers()
             .iter()
@@ -1122,7 +1264,12 @@ impl Ctx {
         {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(kube_err(format!("remove finalizer of pool {key}"))(e)),
+            Err(e) => {
+                return Err(Error::from_kube(
+                    &format!("remove finalizer of pool {key}"),
+                    e,
+                ));
+            }
         }
         info!(pool = %key, "pool cleaned up");
         self.forget(key);
@@ -1136,6 +1283,58 @@ impl Ctx {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(key);
+    }
+}
+
+/// The JIT Secret of a VM: owned by the VM (deleted with it), labelled for the pool, carrying the runner
+/// id and name.
+fn jit_secret(
+    key: &PoolKey,
+    secret_name: &str,
+    vm_name: &str,
+    uid: &str,
+    minted: &crate::github::JitRunner,
+) -> Secret {
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(secret_name.to_owned()),
+            namespace: Some(key.namespace.clone()),
+            labels: Some(BTreeMap::from([
+                (LABEL_SECRET_KIND.to_owned(), SECRET_KIND_JIT.to_owned()),
+                (LABEL_RUNNER_POOL.to_owned(), key.name.clone()),
+            ])),
+            annotations: Some(BTreeMap::from([
+                (
+                    ANNOTATION_RUNNER_ID.to_owned(),
+                    minted.runner_id.to_string(),
+                ),
+                (
+                    ANNOTATION_RUNNER_NAME.to_owned(),
+                    minted.runner_name.clone(),
+                ),
+            ])),
+            owner_references: Some(vec![OwnerReference {
+                api_version: "imp.dev/v1alpha1".into(),
+                kind: "ImpVM".into(),
+                name: vm_name.to_owned(),
+                uid: uid.to_owned(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]),
+            ..ObjectMeta::default()
+        },
+        type_: Some("Opaque".into()),
+        data: Some(BTreeMap::from([(
+            SECRET_KEY_JITCONFIG.to_owned(),
+            ByteString(
+                minted
+                    .encoded_jit_config
+                    .expose_secret()
+                    .as_bytes()
+                    .to_vec(),
+            ),
+        )])),
+        ..Secret::default()
     }
 }
 
@@ -1169,11 +1368,11 @@ fn scope_of(pool: &ImpVMRunnerPool) -> Option<RunnerScope> {
 }
 
 /// A new runner VM of `pool`: generateName `<pool>-`, ephemeral, labelled, controlled by the pool.
-pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM, PoolError> {
+pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
     let name = pool.name_any();
     let owner = pool
         .controller_owner_ref(&())
-        .ok_or(PoolError::MissingObjectKey(".metadata.uid"))?;
+        .ok_or(Error::MissingObjectKey(".metadata.uid"))?;
     let t = &pool.spec.template;
     let meta = t.metadata.clone().unwrap_or_default();
     let mut labels = meta.labels;

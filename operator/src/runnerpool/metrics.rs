@@ -7,7 +7,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::metrics::{ReasonLabels, ResultLabels};
+use crate::metrics::{ControllerLabels, ErrorLabels, PhaseLabels, ReasonLabels, ResultLabels};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolStateLabels {
@@ -35,6 +35,17 @@ pub struct PoolMetrics {
     /// `imp_runner_vm_start_failures_total{reason}`: runner VMs that failed before their runner
     /// started, by the VM's failure reason.
     pub vm_start_failures: Family<ReasonLabels, Counter>,
+    /// `imp_runner_deadline_replacements_total{reason}`: `BootDeadlineExceeded`, `RunnerNeverOnline`.
+    pub deadline_replacements: Family<ReasonLabels, Counter>,
+    /// `imp_runner_orphans_reaped_total`: registrations without a VM deleted by the reaper.
+    pub orphans_reaped: Counter,
+    /// `imp_runner_vm_phase_seconds{phase}`: time finished runner VMs spent per phase
+    /// ([`super::decide::VM_PHASES`]).
+    pub vm_phase: Family<PhaseLabels, Histogram>,
+    /// The operator's reconcile metrics (`imp_operator_reconcile_*`), shared with the VM controller by
+    /// [`PoolMetrics::sharing_reconcile`]; registered there, not here.
+    pub reconcile_duration: Family<ControllerLabels, Histogram>,
+    pub reconcile_errors: Family<ErrorLabels, Counter>,
 }
 
 impl Default for PoolMetrics {
@@ -48,11 +59,63 @@ impl Default for PoolMetrics {
             job_pickup_latency: Histogram::new(exponential_buckets(0.25, 2.0, 14)),
             deregistrations: Family::default(),
             vm_start_failures: Family::default(),
+            deadline_replacements: Family::default(),
+            orphans_reaped: Counter::default(),
+            // 0.1 s .. ~27 min: scheduling takes milliseconds, boots seconds, jobs minutes.
+            vm_phase: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.1, 2.0, 14))
+            }),
+            reconcile_duration: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.001, 2.0, 14))
+            }),
+            reconcile_errors: Family::default(),
         }
     }
 }
 
 impl PoolMetrics {
+    /// Pool metrics whose reconcile duration and errors land in the VM controller's series (labelled
+    /// `controller="impvmrunnerpool"`).
+    pub fn sharing_reconcile(vm: &crate::metrics::VmMetrics) -> Self {
+        PoolMetrics {
+            reconcile_duration: vm.reconcile_duration.clone(),
+            reconcile_errors: vm.reconcile_errors.clone(),
+            ..PoolMetrics::default()
+        }
+    }
+
+    pub fn reconcile_failed(&self, controller: &str, error: &crate::error::Error) {
+        crate::metrics::count_reconcile_error(&self.reconcile_errors, controller, error);
+    }
+
+    pub fn reconcile_took(&self, controller: &str, d: std::time::Duration) {
+        self.reconcile_duration
+            .get_or_create(&ControllerLabels {
+                controller: controller.to_owned(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
+    pub fn deadline_replacement(&self, reason: &str) {
+        self.deadline_replacements
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn orphan_reaped(&self) {
+        self.orphans_reaped.inc();
+    }
+
+    pub fn vm_phase(&self, phase: &str, d: std::time::Duration) {
+        self.vm_phase
+            .get_or_create(&PhaseLabels {
+                phase: phase.to_owned(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "imp_runner_pool_runners",
@@ -83,6 +146,21 @@ impl PoolMetrics {
             "imp_runner_job_pickup_latency_seconds",
             "Time from learning of a queued job to a runner of its pool reaching Started",
             self.job_pickup_latency.clone(),
+        );
+        registry.register(
+            "imp_runner_deadline_replacements",
+            "Runner VMs replaced past a deadline, by reason (BootDeadlineExceeded, RunnerNeverOnline)",
+            self.deadline_replacements.clone(),
+        );
+        registry.register(
+            "imp_runner_vm_phase_seconds",
+            "Time finished runner VMs spent per phase (scheduling, booting, handoff, job)",
+            self.vm_phase.clone(),
+        );
+        registry.register(
+            "imp_runner_orphans_reaped",
+            "GitHub runner registrations without a VM deleted by the reaper",
+            self.orphans_reaped.clone(),
         );
         registry.register(
             "imp_runner_deregistrations",
@@ -150,6 +228,9 @@ mod tests {
                 reason: imp_api::names::reason::ROOTFS_REJECTED.into(),
             })
             .inc();
+        m.deadline_replacement(imp_api::names::reason::RUNNER_NEVER_ONLINE);
+        m.orphan_reaped();
+        m.vm_phase("booting", std::time::Duration::from_secs(3));
         let text = crate::metrics::encode(&registry).unwrap();
         for want in [
             "imp_runner_pool_runners{pool=\"ns/p\",state=\"idle\"} 3",
@@ -159,6 +240,9 @@ mod tests {
             "imp_runner_job_pickup_latency_seconds_count 1",
             "imp_runner_deregistrations_total{result=\"deleted\"} 1",
             "imp_runner_vm_start_failures_total{reason=\"RootfsRejected\"} 1",
+            "imp_runner_deadline_replacements_total{reason=\"RunnerNeverOnline\"} 1",
+            "imp_runner_orphans_reaped_total 1",
+            "imp_runner_vm_phase_seconds_count{phase=\"booting\"} 1",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }

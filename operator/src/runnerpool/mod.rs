@@ -1,11 +1,13 @@
 //! ImpVMRunnerPool: keeps the right number of ephemeral runner VMs, each with a one-time JIT config in a
 //! Secret owned by its VM, and cleans up after every job. Pure parts: [`classify`] (what a runner VM is
-//! doing), [`plan`] (what to do about it), [`demand`] (jobs from webhooks and the sweep). I/O: [`controller`]
-//! (reconcile and the queued-job sweep). The webhook receiver is in [`crate::webhook`]. See
+//! doing), [`plan`] (how many runners), [`decide`] (the whole pass: mint policy, deadlines, the
+//! registration reaper, status), [`demand`] (jobs from webhooks and the sweep). I/O: [`controller`]
+//! (observe, execute, and the queued-job sweep). The webhook receiver is in [`crate::webhook`]. See
 //! docs/runner-pool.md.
 
 pub mod classify;
 pub mod controller;
+pub mod decide;
 pub mod demand;
 pub mod metrics;
 pub mod plan;
@@ -48,6 +50,14 @@ pub struct PoolTiming {
     pub debounce: Duration,
     /// A deleted pool whose runners cannot be deregistered (busy, GitHub down) lets go after this long.
     pub deletion_timeout: Duration,
+    /// How often each pool's runners are listed at GitHub and registrations without a VM deleted.
+    pub reap_interval: Duration,
+    /// A minted VM scheduled this long ago whose runner has not started is replaced
+    /// (`BootDeadlineExceeded`).
+    pub boot_deadline: Duration,
+    /// A runner Started this long ago that GitHub never listed online (or busy) is replaced
+    /// (`RunnerNeverOnline`).
+    pub runner_online_deadline: Duration,
 }
 
 impl Default for PoolTiming {
@@ -63,6 +73,9 @@ impl Default for PoolTiming {
             resync: Duration::from_secs(300),
             debounce: Duration::from_millis(100),
             deletion_timeout: Duration::from_secs(600),
+            reap_interval: Duration::from_secs(120),
+            boot_deadline: Duration::from_secs(600),
+            runner_online_deadline: Duration::from_secs(300),
         }
     }
 }

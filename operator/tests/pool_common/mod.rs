@@ -95,6 +95,7 @@ pub fn fast_timing() -> PoolTiming {
         resync: Duration::from_secs(5),
         debounce: Duration::from_millis(50),
         deletion_timeout: Duration::from_secs(30),
+        ..PoolTiming::default()
     }
 }
 

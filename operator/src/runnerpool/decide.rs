@@ -1,0 +1,1136 @@
+//! The pool controller's decisions as pure functions: observed facts in (the pool's VMs, GitHub's runner
+//! listing when one was taken, the demand, the controller's memory), a [`PoolPlan`] out. The controller
+//! ([`super::controller`]) observes, calls [`decide`], and executes; nothing here does I/O.
+//!
+//! Besides the scaling [`plan`](super::plan), this module owns the policies the executor used to decide
+//! inline: what to do about a VM's JIT Secret ([`mint_action`]), which GitHub errors mean the
+//! credentials are bad ([`credentials_invalid`]), the pool's status and conditions ([`pool_status`]),
+//! start-failure accounting ([`account_start_failures`]), the deadlines ([`overdue`]) and the
+//! registration reaper ([`orphans`]).
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use imp_api::{
+    ImpVMRunnerPoolStatus, Scaling, conditions,
+    names::{condition, reason},
+};
+use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
+
+use super::classify::RunnerState;
+use super::plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Plan, Removal, plan};
+use crate::github::{GithubError, Runner, runner_name};
+
+/// Whether the pool's App credentials were last seen working.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Creds {
+    #[default]
+    Unknown,
+    Valid,
+    Invalid {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+/// GitHub errors that no retry fixes: the App's key, installation, permissions or the pool's scope or
+/// runner group are wrong. The pool stops minting until its App Secret changes.
+pub fn credentials_invalid(e: &GithubError) -> bool {
+    matches!(
+        e,
+        GithubError::Credentials(_)
+            | GithubError::Unauthorized { .. }
+            | GithubError::Forbidden { .. }
+            | GithubError::EnterpriseScopeUnsupported
+            | GithubError::RunnerGroupNotFound { .. }
+    )
+}
+
+/// What the API server holds at a VM's JIT Secret name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JitSecretFacts {
+    /// The Secret's controller is this VM.
+    pub owned_by_vm: bool,
+    pub runner_id: Option<String>,
+    pub runner_name: Option<String>,
+}
+
+/// What to do about a VM that needs its JIT config recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MintAction {
+    /// The VM already owns a Secret (an earlier pass minted and stored it, then failed to record it):
+    /// record that one.
+    Adopt {
+        runner_id: Option<String>,
+        runner_name: Option<String>,
+    },
+    /// The name is taken by a Secret the VM does not own: the VM can never get a config; delete it.
+    Conflict,
+    /// The VM was minted before (it carries a runner id) and its Secret is gone: never mint twice;
+    /// deregister that runner and replace the VM.
+    Lost { runner_id: Option<u64> },
+    /// Mint a new config.
+    Mint,
+}
+
+/// The mint policy. `vm_runner_id` is the runner id annotation on the VM, if any.
+pub fn mint_action(existing: Option<&JitSecretFacts>, vm_runner_id: Option<&str>) -> MintAction {
+    match (existing, vm_runner_id) {
+        (Some(s), _) if s.owned_by_vm => MintAction::Adopt {
+            runner_id: s.runner_id.clone(),
+            runner_name: s.runner_name.clone(),
+        },
+        (Some(_), _) => MintAction::Conflict,
+        (None, Some(id)) => MintAction::Lost {
+            runner_id: id.parse().ok(),
+        },
+        (None, None) => MintAction::Mint,
+    }
+}
+
+/// Storing a freshly minted Secret answered 409: what is there now decides. A Secret the VM owns was
+/// written by an earlier attempt: adopt it and deregister the registration just minted. Anything else
+/// leaves the new registration without a home: deregister it and replace the VM.
+pub fn after_store_conflict(existing: Option<&JitSecretFacts>) -> MintAction {
+    match mint_action(existing, None) {
+        adopt @ MintAction::Adopt { .. } => adopt,
+        _ => MintAction::Conflict,
+    }
+}
+
+/// What one pass changed (status is the observation at the start of the pass plus these).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Done {
+    pub created: u32,
+    pub retired: u32,
+    pub cleaned: u32,
+}
+
+/// Inputs of [`pool_status`].
+pub struct StatusInput<'a> {
+    pub old: &'a ImpVMRunnerPoolStatus,
+    pub plan: &'a Plan,
+    pub done: Done,
+    pub creds: &'a Creds,
+    /// A mint failed this pass (the pool backs off even if the plan was not limited).
+    pub mint_failed: bool,
+    pub generation: Option<i64>,
+    pub max_runners: u32,
+    pub now: Timestamp,
+}
+
+/// The pool's status after a pass: counts from the plan's observation adjusted by what the pass did,
+/// and the CredentialsValid, Ready, AtCapacity and ScalingLimited conditions.
+pub fn pool_status(i: &StatusInput) -> ImpVMRunnerPoolStatus {
+    let (c, p) = (&i.plan.counts, i.plan);
+    let Done {
+        created,
+        retired,
+        cleaned,
+    } = i.done;
+    let (cv, cr, cm) = match i.creds {
+        Creds::Valid => (
+            Some(true),
+            reason::MINTED,
+            "A JIT runner config was minted with the App credentials".to_owned(),
+        ),
+        Creds::Unknown => (
+            None,
+            reason::NOT_YET_USED,
+            "No JIT config minted yet".to_owned(),
+        ),
+        Creds::Invalid { reason, message } => (Some(false), *reason, message.clone()),
+    };
+    let ready = c.idle + c.busy >= p.desired && !matches!(i.creds, Creds::Invalid { .. });
+    let limited = p.limited.or(i.mint_failed.then_some(Limit::MintBackoff));
+    let mut conds = i.old.conditions.clone();
+    let mut cond = |type_: &str, ok: Option<bool>, reason: &str, message: String| {
+        conditions::set(
+            &mut conds,
+            type_,
+            ok.into(),
+            reason,
+            message,
+            i.generation,
+            i.now,
+        );
+    };
+    cond(condition::CREDENTIALS_VALID, cv, cr, cm);
+    cond(
+        condition::READY,
+        Some(ready),
+        if ready {
+            reason::RUNNERS_AVAILABLE
+        } else {
+            reason::RUNNERS_PENDING
+        },
+        format!("{} idle + {} busy of {} desired", c.idle, c.busy, p.desired),
+    );
+    cond(
+        condition::AT_CAPACITY,
+        Some(p.at_capacity),
+        if p.at_capacity {
+            reason::MAX_RUNNERS_REACHED
+        } else {
+            reason::BELOW_MAX_RUNNERS
+        },
+        format!("{} of maxRunners {}", c.live(), i.max_runners),
+    );
+    cond(
+        condition::SCALING_LIMITED,
+        Some(limited.is_some()),
+        limited.map_or(reason::NOT_LIMITED, Limit::reason),
+        match limited {
+            Some(l) => format!("scaling held back by {}", l.reason()),
+            None => "scaling follows demand".to_owned(),
+        },
+    );
+    ImpVMRunnerPoolStatus {
+        observed_generation: i.generation,
+        desired: p.desired,
+        idle: c.idle.saturating_sub(retired),
+        busy: c.busy,
+        booting: c.booting + c.unminted + created,
+        total: (c.total() + created).saturating_sub(retired + cleaned),
+        last_scale_time: if created + retired + cleaned > 0 {
+            Some(Time(i.now))
+        } else {
+            i.old.last_scale_time.clone()
+        },
+        conditions: conds,
+    }
+}
+
+/// One VM as start-failure accounting sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartFacts {
+    pub uid: String,
+    pub name: String,
+    /// [`super::classify::start_failure`].
+    pub failure: Option<String>,
+    /// [`super::classify::runner_started`].
+    pub runner_started: bool,
+}
+
+/// A VM newly counted as a start failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartFailure {
+    pub vm: String,
+    pub reason: String,
+    /// The wait it imposes before the next VM.
+    pub wait: Duration,
+    /// Start failures in a row, this one included.
+    pub consecutive: u32,
+}
+
+/// Counts VMs that failed before their runner started into `backoff`, each once (`counted` remembers
+/// uids; VMs gone from `vms` are forgotten); any started runner resets the backoff first.
+pub fn account_start_failures(
+    counted: &mut HashSet<String>,
+    backoff: &mut Backoff,
+    vms: &[StartFacts],
+    now: Instant,
+    base: Duration,
+    max: Duration,
+) -> Vec<StartFailure> {
+    let present: HashSet<&str> = vms.iter().map(|v| v.uid.as_str()).collect();
+    counted.retain(|u| present.contains(u.as_str()));
+    if vms.iter().any(|v| v.runner_started) {
+        backoff.reset();
+    }
+    let mut fresh = Vec::new();
+    for vm in vms {
+        let Some(reason) = &vm.failure else { continue };
+        if counted.insert(vm.uid.clone()) {
+            let wait = backoff.fail(now, base, max);
+            fresh.push(StartFailure {
+                vm: vm.name.clone(),
+                reason: reason.clone(),
+                wait,
+                consecutive: backoff.failures(),
+            });
+        }
+    }
+    fresh
+}
+
+/// How long a runner VM may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Deadlines {
+    /// From the VM's scheduling to its runner's handoff Started.
+    pub boot: Duration,
+    /// From the runner's Started to GitHub listing it online (or busy).
+    pub online: Duration,
+}
+
+/// Why a VM is replaced before its run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Overdue {
+    BootDeadlineExceeded,
+    RunnerNeverOnline,
+}
+
+impl Overdue {
+    pub fn reason(self) -> &'static str {
+        match self {
+            Overdue::BootDeadlineExceeded => reason::BOOT_DEADLINE_EXCEEDED,
+            Overdue::RunnerNeverOnline => reason::RUNNER_NEVER_ONLINE,
+        }
+    }
+    /// The `reason` label of `imp_runner_deadline_replacements_total`.
+    pub fn metric_label(self) -> &'static str {
+        self.reason()
+    }
+}
+
+/// One runner VM as the decision sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmFacts {
+    pub vm: ObservedVm,
+    /// When the VM was bound to a node (`status.scheduledTime`).
+    pub scheduled: Option<Timestamp>,
+    /// The runner's handoff Started (`status.runner.startedTime`).
+    pub runner_started: Option<Timestamp>,
+}
+
+/// A runner registration as GitHub lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerFacts {
+    pub id: u64,
+    pub name: String,
+    pub online: bool,
+    pub busy: bool,
+    pub ephemeral: bool,
+}
+
+impl From<&Runner> for RunnerFacts {
+    fn from(r: &Runner) -> Self {
+        RunnerFacts {
+            id: r.id,
+            name: r.name.clone(),
+            online: r.status.eq_ignore_ascii_case("online"),
+            busy: r.busy,
+            ephemeral: r.ephemeral,
+        }
+    }
+}
+
+fn elapsed(since: Timestamp, now: Timestamp) -> Duration {
+    now.duration_since(since).try_into().unwrap_or_default()
+}
+
+/// A started runner whose online deadline passed and that was never seen online: GitHub's listing is
+/// needed to judge it.
+pub fn online_suspect(
+    v: &VmFacts,
+    d: &Deadlines,
+    confirmed: &HashSet<u64>,
+    now: Timestamp,
+) -> bool {
+    v.vm.state == RunnerState::Idle
+        && v.vm.runner_id.is_some_and(|id| !confirmed.contains(&id))
+        && v.runner_started
+            .is_some_and(|t| elapsed(t, now) >= d.online)
+}
+
+/// Whether the VM is past a deadline. `listing` is GitHub's runners by id, when taken this pass; without
+/// it no runner is judged never-online.
+pub fn overdue(
+    v: &VmFacts,
+    d: &Deadlines,
+    confirmed: &HashSet<u64>,
+    listing: Option<&HashMap<u64, RunnerFacts>>,
+    now: Timestamp,
+) -> Option<Overdue> {
+    match v.vm.state {
+        // Minted and scheduled but the runner never started: the boot (or handoff) is stuck. A VM not
+        // yet scheduled waits for capacity, which a replacement would not find either.
+        RunnerState::Booting if v.scheduled.is_some_and(|t| elapsed(t, now) >= d.boot) => {
+            Some(Overdue::BootDeadlineExceeded)
+        }
+        RunnerState::Idle if online_suspect(v, d, confirmed, now) => {
+            let listing = listing?;
+            let seen =
+                v.vm.runner_id
+                    .and_then(|id| listing.get(&id))
+                    .is_some_and(|r| r.online || r.busy);
+            (!seen).then_some(Overdue::RunnerNeverOnline)
+        }
+        _ => None,
+    }
+}
+
+/// The earliest time from `now` at which a VM crosses a deadline (to requeue the pass then).
+pub fn next_deadline(
+    vms: &[VmFacts],
+    d: &Deadlines,
+    confirmed: &HashSet<u64>,
+    now: Timestamp,
+) -> Option<Duration> {
+    vms.iter()
+        .filter_map(|v| match v.vm.state {
+            RunnerState::Booting => v.scheduled.map(|t| d.boot.saturating_sub(elapsed(t, now))),
+            RunnerState::Idle if v.vm.runner_id.is_some_and(|id| !confirmed.contains(&id)) => v
+                .runner_started
+                .map(|t| d.online.saturating_sub(elapsed(t, now))),
+            _ => None,
+        })
+        .filter(|w| !w.is_zero())
+        .min()
+}
+
+/// Characters of the VM uid in the runner names the pool mints ([`runner_name`]).
+const RUNNER_UID_CHARS: usize = 12;
+
+/// If `name` is a runner name this pool mints ([`runner_name`]: the pool name, shortened to fit, a dash
+/// and 12 alphanumerics of the VM uid), the uid part. Hand-made names like `<pool>-1` never match.
+fn pool_runner_suffix<'a>(pool: &str, name: &'a str) -> Option<&'a str> {
+    let (_, suffix) = name.rsplit_once('-')?;
+    (suffix.len() == RUNNER_UID_CHARS
+        && suffix.chars().all(|c| c.is_ascii_alphanumeric())
+        && runner_name(pool, suffix) == name)
+        .then_some(suffix)
+}
+
+/// Registrations to delete, from the reaper.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reap {
+    /// (runner id, name) of registrations without a VM.
+    pub delete: Vec<(u64, String)>,
+    /// Registrations without a VM that are running a job: left alone (GitHub refuses anyway).
+    pub busy: u32,
+}
+
+/// The reaper's rule: an ephemeral registration whose name is one this pool mints and that no VM holds
+/// (`held`: the runner names of every existing ImpVM of same-named pools, which the caller reads after
+/// GitHub's listing so a registration minted meanwhile has its VM in it) is an orphan. Busy orphans
+/// are kept. Persistent runners and other names are never touched.
+pub fn orphans(pool: &str, runners: &[RunnerFacts], held: &HashSet<String>) -> Reap {
+    let mut reap = Reap::default();
+    for r in runners {
+        if !r.ephemeral || pool_runner_suffix(pool, &r.name).is_none() || held.contains(&r.name) {
+            continue;
+        }
+        if r.busy {
+            reap.busy += 1;
+        } else {
+            reap.delete.push((r.id, r.name.clone()));
+        }
+    }
+    reap
+}
+
+/// Whether this pass should list the pool's runners at GitHub: the reaper is due, or a started runner
+/// needs its online deadline judged.
+pub fn needs_listing(
+    vms: &[VmFacts],
+    d: &Deadlines,
+    confirmed: &HashSet<u64>,
+    reap_due: bool,
+    now: Timestamp,
+) -> bool {
+    reap_due || vms.iter().any(|v| online_suspect(v, d, confirmed, now))
+}
+
+/// The timestamps of one runner VM's life, from its ImpVM.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmTimes {
+    pub created: Option<Timestamp>,
+    pub scheduled: Option<Timestamp>,
+    pub boot_complete: Option<Timestamp>,
+    pub runner_started: Option<Timestamp>,
+    pub runner_exited: Option<Timestamp>,
+}
+
+/// Values of the `phase` label of `imp_runner_vm_phase_seconds`, in life order.
+pub const VM_PHASES: [&str; 4] = ["scheduling", "booting", "handoff", "job"];
+
+/// How long a finished runner VM spent in each phase it went through: created -> scheduled
+/// (`scheduling`), scheduled -> guest booted (`booting`), booted -> runner Started (`handoff`), Started
+/// -> runner exited (`job`). A phase whose end (or start) was never recorded is left out, as is one whose
+/// clock ran backwards (clock skew between operator and node).
+pub fn phase_spans(t: &VmTimes) -> Vec<(&'static str, Duration)> {
+    let points = [
+        t.created,
+        t.scheduled,
+        t.boot_complete,
+        t.runner_started,
+        t.runner_exited,
+    ];
+    VM_PHASES
+        .iter()
+        .zip(points.windows(2))
+        .filter_map(|(phase, w)| {
+            let (from, to) = (w[0]?, w[1]?);
+            (to >= from).then(|| (*phase, elapsed(from, to)))
+        })
+        .collect()
+}
+
+/// Everything one pass of a live pool depends on.
+pub struct Input<'a> {
+    pub vms: &'a [VmFacts],
+    pub scaling: &'a Scaling,
+    pub queued: u32,
+    pub mint_block: Option<MintBlock>,
+    pub demand_known: bool,
+    pub deadlines: Deadlines,
+    /// Runner ids GitHub has listed online or busy before.
+    pub confirmed_online: &'a HashSet<u64>,
+    /// GitHub's listing of the pool's scope, when taken this pass, with the runner names held by VMs.
+    pub listing: Option<(&'a [RunnerFacts], &'a HashSet<String>)>,
+    pub pool_name: &'a str,
+    pub now: Timestamp,
+}
+
+/// What one pass of a live pool should do.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolPlan {
+    /// Scaling: creates, mints, retirements, cleanup of finished VMs.
+    pub plan: Plan,
+    /// VMs past a deadline: deregister, delete (the plan already counts them as gone and replaces them).
+    pub replace: Vec<(Removal, Overdue)>,
+    /// Orphan registrations to delete.
+    pub reap: Reap,
+    /// Runner ids newly seen online or busy (remembered so they are never judged again).
+    pub seen_online: Vec<u64>,
+    /// Requeue by then to judge the next deadline.
+    pub next_deadline: Option<Duration>,
+}
+
+pub fn decide(i: &Input) -> PoolPlan {
+    let by_id: Option<HashMap<u64, RunnerFacts>> = i
+        .listing
+        .map(|(rs, _)| rs.iter().map(|r| (r.id, r.clone())).collect());
+    let mut out = PoolPlan::default();
+    let mut observed = Vec::with_capacity(i.vms.len());
+    for v in i.vms {
+        let mut vm = v.vm.clone();
+        if let Some(why) = overdue(v, &i.deadlines, i.confirmed_online, by_id.as_ref(), i.now) {
+            out.replace.push((
+                Removal {
+                    name: vm.name.clone(),
+                    runner_id: vm.runner_id,
+                },
+                why,
+            ));
+            // Counted as finished so the plan creates its replacement in the same pass.
+            vm.state = RunnerState::Terminal;
+        } else if let (Some(id), Some(by_id)) = (vm.runner_id, by_id.as_ref())
+            && !i.confirmed_online.contains(&id)
+            && by_id.get(&id).is_some_and(|r| r.online || r.busy)
+        {
+            out.seen_online.push(id);
+        }
+        observed.push(vm);
+    }
+    out.plan = plan(&Observed {
+        vms: &observed,
+        scaling: i.scaling,
+        queued: i.queued,
+        mint_block: i.mint_block,
+        deleting: false,
+        demand_known: i.demand_known,
+    });
+    out.plan
+        .cleanup
+        .retain(|c| !out.replace.iter().any(|(r, _)| r.name == c.name));
+    if let Some((runners, held)) = i.listing {
+        out.reap = orphans(i.pool_name, runners, held);
+    }
+    let mut confirmed = i.confirmed_online.clone();
+    confirmed.extend(out.seen_online.iter().copied());
+    out.next_deadline = next_deadline(i.vms, &i.deadlines, &confirmed, i.now);
+    out
+}
+
+/// When the next pass should run, from what this one left: retries, backoffs, a scale-up still held
+/// back, the next deadline and the reaper.
+pub struct RequeueInput {
+    pub resync: Duration,
+    pub retry: Duration,
+    pub scaling_requeue: Duration,
+    /// A removal or call failed and should be retried.
+    pub pending: bool,
+    /// Time left on the mint and start backoffs.
+    pub backoffs: Vec<Duration>,
+    /// Scaling is held back by scaleUpStep, or creations fell short of desired.
+    pub scaling_pending: bool,
+    pub next_deadline: Option<Duration>,
+    pub next_reap: Duration,
+}
+
+pub fn requeue_after(r: &RequeueInput) -> Duration {
+    let mut next = r.resync.min(r.next_reap);
+    if r.pending {
+        next = next.min(r.retry);
+    }
+    for b in &r.backoffs {
+        next = next.min(*b + Duration::from_millis(10));
+    }
+    if let Some(d) = r.next_deadline {
+        next = next.min(d + Duration::from_millis(10));
+    }
+    if r.scaling_pending {
+        next = next.min(r.scaling_requeue);
+    }
+    next
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use RunnerState::*;
+
+    const D: Deadlines = Deadlines {
+        boot: Duration::from_secs(600),
+        online: Duration::from_secs(300),
+    };
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + secs).unwrap()
+    }
+
+    fn facts(name: &str, state: RunnerState, id: Option<u64>) -> VmFacts {
+        VmFacts {
+            vm: ObservedVm {
+                name: name.into(),
+                state,
+                runner_id: id,
+                created: 0,
+            },
+            scheduled: None,
+            runner_started: None,
+        }
+    }
+
+    fn runner(id: u64, name: &str, online: bool, busy: bool) -> RunnerFacts {
+        RunnerFacts {
+            id,
+            name: name.into(),
+            online,
+            busy,
+            ephemeral: true,
+        }
+    }
+
+    fn secret(owned: bool) -> JitSecretFacts {
+        JitSecretFacts {
+            owned_by_vm: owned,
+            runner_id: Some("7".into()),
+            runner_name: Some("p-abc".into()),
+        }
+    }
+
+    #[test]
+    fn mint_policy_adopts_refuses_replaces_or_mints() {
+        let adopt = MintAction::Adopt {
+            runner_id: Some("7".into()),
+            runner_name: Some("p-abc".into()),
+        };
+        assert_eq!(mint_action(Some(&secret(true)), None), adopt);
+        // An owned Secret wins even when the VM was annotated: it is the proof of the mint.
+        assert_eq!(mint_action(Some(&secret(true)), Some("7")), adopt);
+        assert_eq!(
+            mint_action(Some(&secret(false)), None),
+            MintAction::Conflict
+        );
+        assert_eq!(
+            mint_action(Some(&secret(false)), Some("7")),
+            MintAction::Conflict
+        );
+        assert_eq!(
+            mint_action(None, Some("42")),
+            MintAction::Lost {
+                runner_id: Some(42)
+            }
+        );
+        assert_eq!(
+            mint_action(None, Some("junk")),
+            MintAction::Lost { runner_id: None }
+        );
+        assert_eq!(mint_action(None, None), MintAction::Mint);
+        assert_eq!(after_store_conflict(Some(&secret(true))), adopt);
+        assert_eq!(
+            after_store_conflict(Some(&secret(false))),
+            MintAction::Conflict
+        );
+        assert_eq!(after_store_conflict(None), MintAction::Conflict);
+    }
+
+    #[test]
+    fn only_configuration_errors_invalidate_credentials() {
+        use crate::github::errors::Operation;
+        let op = Operation::GenerateJitConfig;
+        let invalid = [
+            GithubError::Unauthorized {
+                operation: op,
+                message: "m".into(),
+                hint: "h".into(),
+            },
+            GithubError::Forbidden {
+                operation: op,
+                message: "m".into(),
+                hint: "h".into(),
+            },
+            GithubError::EnterpriseScopeUnsupported,
+            GithubError::RunnerGroupNotFound {
+                org: "o".into(),
+                name: "g".into(),
+            },
+        ];
+        for e in &invalid {
+            assert!(credentials_invalid(e), "{e}");
+        }
+        let transient = [
+            GithubError::Server {
+                operation: op,
+                status: 502,
+            },
+            GithubError::Timeout {
+                operation: op,
+                after: Duration::from_secs(1),
+            },
+            GithubError::Conflict {
+                operation: op,
+                message: "exists".into(),
+            },
+            GithubError::RunnerBusy { runner_id: 1 },
+        ];
+        for e in &transient {
+            assert!(!credentials_invalid(e), "{e}");
+        }
+    }
+
+    fn status_of(
+        plan: &Plan,
+        done: Done,
+        creds: &Creds,
+        mint_failed: bool,
+    ) -> ImpVMRunnerPoolStatus {
+        pool_status(&StatusInput {
+            old: &ImpVMRunnerPoolStatus::default(),
+            plan,
+            done,
+            creds,
+            mint_failed,
+            generation: Some(3),
+            max_runners: 4,
+            now: t(0),
+        })
+    }
+
+    fn cond<'a>(
+        s: &'a ImpVMRunnerPoolStatus,
+        type_: &str,
+    ) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+        conditions::find(&s.conditions, type_).expect(type_)
+    }
+
+    #[test]
+    fn status_counts_what_the_pass_did_and_derives_conditions() {
+        let mut p = Plan {
+            desired: 3,
+            ..Plan::default()
+        };
+        p.counts.idle = 2;
+        p.counts.busy = 1;
+        p.counts.unminted = 1;
+        p.counts.terminal = 2;
+        let s = status_of(
+            &p,
+            Done {
+                created: 1,
+                retired: 1,
+                cleaned: 2,
+            },
+            &Creds::Valid,
+            false,
+        );
+        // total: 4 live + 2 terminal + 1 created - 1 retired - 2 cleaned.
+        assert_eq!(
+            (s.desired, s.idle, s.busy, s.booting, s.total),
+            (3, 1, 1, 2, 4)
+        );
+        assert_eq!(s.observed_generation, Some(3));
+        assert!(s.last_scale_time.is_some());
+        assert_eq!(cond(&s, condition::READY).reason, reason::RUNNERS_AVAILABLE);
+        assert_eq!(
+            cond(&s, condition::CREDENTIALS_VALID).reason,
+            reason::MINTED
+        );
+        assert_eq!(
+            cond(&s, condition::SCALING_LIMITED).reason,
+            reason::NOT_LIMITED
+        );
+        assert_eq!(
+            cond(&s, condition::AT_CAPACITY).reason,
+            reason::BELOW_MAX_RUNNERS
+        );
+
+        let invalid = Creds::Invalid {
+            reason: reason::SECRET_NOT_FOUND,
+            message: "App Secret `a` not found".into(),
+        };
+        let s = status_of(&p, Done::default(), &invalid, false);
+        assert_eq!(s.last_scale_time, None, "nothing changed");
+        assert_eq!(
+            cond(&s, condition::READY).reason,
+            reason::RUNNERS_PENDING,
+            "bad credentials are never ready"
+        );
+        let c = cond(&s, condition::CREDENTIALS_VALID);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", reason::SECRET_NOT_FOUND)
+        );
+
+        let s = status_of(&p, Done::default(), &Creds::Unknown, true);
+        assert_eq!(cond(&s, condition::CREDENTIALS_VALID).status, "Unknown");
+        assert_eq!(
+            cond(&s, condition::SCALING_LIMITED).reason,
+            reason::MINT_BACKOFF
+        );
+        p.limited = Some(Limit::MaxRunners);
+        p.at_capacity = true;
+        let s = status_of(&p, Done::default(), &Creds::Valid, true);
+        assert_eq!(
+            cond(&s, condition::SCALING_LIMITED).reason,
+            reason::MAX_RUNNERS,
+            "the plan's limit wins"
+        );
+        assert_eq!(
+            cond(&s, condition::AT_CAPACITY).reason,
+            reason::MAX_RUNNERS_REACHED
+        );
+    }
+
+    #[test]
+    fn start_failures_count_once_and_a_started_runner_resets() {
+        let now = Instant::now();
+        let (base, max) = (Duration::from_secs(10), Duration::from_secs(300));
+        let fail = |uid: &str| StartFacts {
+            uid: uid.into(),
+            name: format!("vm-{uid}"),
+            failure: Some(reason::ROOTFS_REJECTED.into()),
+            runner_started: false,
+        };
+        let (mut counted, mut b) = (HashSet::new(), Backoff::default());
+        let fresh = account_start_failures(
+            &mut counted,
+            &mut b,
+            &[fail("a"), fail("b")],
+            now,
+            base,
+            max,
+        );
+        assert_eq!(fresh.len(), 2);
+        assert_eq!(
+            (fresh[1].consecutive, fresh[1].wait),
+            (2, Duration::from_secs(20))
+        );
+        assert_eq!(fresh[0].reason, reason::ROOTFS_REJECTED);
+        // Seen again: not counted again.
+        assert!(
+            account_start_failures(
+                &mut counted,
+                &mut b,
+                &[fail("a"), fail("b")],
+                now,
+                base,
+                max
+            )
+            .is_empty()
+        );
+        assert_eq!(b.failures(), 2);
+        // "a" is gone (forgotten); a runner started on "c": the backoff resets before "d" counts.
+        let ok = StartFacts {
+            uid: "c".into(),
+            name: "vm-c".into(),
+            failure: None,
+            runner_started: true,
+        };
+        let fresh = account_start_failures(
+            &mut counted,
+            &mut b,
+            &[fail("b"), ok, fail("d")],
+            now,
+            base,
+            max,
+        );
+        assert_eq!(fresh.len(), 1);
+        assert_eq!((fresh[0].vm.as_str(), fresh[0].consecutive), ("vm-d", 1));
+        assert!(!counted.contains("a"));
+    }
+
+    #[test]
+    fn boot_deadline_counts_from_scheduling() {
+        let none = HashSet::new();
+        let mut v = facts("a", Booting, Some(1));
+        assert_eq!(
+            overdue(&v, &D, &none, None, t(10_000)),
+            None,
+            "never scheduled: waits for capacity"
+        );
+        v.scheduled = Some(t(0));
+        assert_eq!(overdue(&v, &D, &none, None, t(599)), None);
+        assert_eq!(
+            overdue(&v, &D, &none, None, t(600)),
+            Some(Overdue::BootDeadlineExceeded)
+        );
+        assert_eq!(
+            next_deadline(std::slice::from_ref(&v), &D, &none, t(590)),
+            Some(Duration::from_secs(10))
+        );
+        for state in [Unminted, Busy, Terminal, Deleting] {
+            v.vm.state = state;
+            assert_eq!(overdue(&v, &D, &none, None, t(10_000)), None, "{state:?}");
+        }
+    }
+
+    #[test]
+    fn never_online_needs_githubs_listing_and_spares_seen_runners() {
+        let mut v = facts("a", Idle, Some(1));
+        v.runner_started = Some(t(0));
+        let none = HashSet::new();
+        let offline: HashMap<u64, RunnerFacts> = [(1, runner(1, "p-a", false, false))].into();
+        let online: HashMap<u64, RunnerFacts> = [(1, runner(1, "p-a", true, false))].into();
+        let busy: HashMap<u64, RunnerFacts> = [(1, runner(1, "p-a", false, true))].into();
+        let gone = HashMap::new();
+        assert_eq!(
+            overdue(&v, &D, &none, Some(&offline), t(299)),
+            None,
+            "before the deadline"
+        );
+        assert!(!online_suspect(&v, &D, &none, t(299)));
+        assert!(online_suspect(&v, &D, &none, t(300)));
+        assert_eq!(
+            overdue(&v, &D, &none, None, t(300)),
+            None,
+            "no listing, no verdict"
+        );
+        assert_eq!(
+            overdue(&v, &D, &none, Some(&offline), t(300)),
+            Some(Overdue::RunnerNeverOnline)
+        );
+        assert_eq!(
+            overdue(&v, &D, &none, Some(&gone), t(300)),
+            Some(Overdue::RunnerNeverOnline)
+        );
+        assert_eq!(overdue(&v, &D, &none, Some(&online), t(300)), None);
+        assert_eq!(overdue(&v, &D, &none, Some(&busy), t(300)), None);
+        let seen: HashSet<u64> = [1].into();
+        assert_eq!(
+            overdue(&v, &D, &seen, Some(&offline), t(300)),
+            None,
+            "seen online once: never judged again"
+        );
+        assert!(!online_suspect(&v, &D, &seen, t(300)));
+        assert_eq!(
+            next_deadline(std::slice::from_ref(&v), &D, &seen, t(0)),
+            None
+        );
+        assert_eq!(
+            next_deadline(std::slice::from_ref(&v), &D, &none, t(100)),
+            Some(Duration::from_secs(200))
+        );
+    }
+
+    #[test]
+    fn the_reaper_deletes_only_this_pools_idle_ephemeral_orphans() {
+        let uid = "0123456789ab";
+        let mine = runner_name("p", uid);
+        let held_name = runner_name("p", "ffffffffffff");
+        let held: HashSet<String> = [held_name.clone()].into();
+        let mut persistent = runner(5, &runner_name("p", "aaaaaaaaaaaa"), false, false);
+        persistent.ephemeral = false;
+        let runners = vec![
+            runner(1, &mine, false, false),
+            runner(2, &held_name, false, false),
+            runner(3, &runner_name("other", uid), false, false),
+            runner(4, &runner_name("p", "bbbbbbbbbbbb"), true, true),
+            persistent,
+            runner(6, "p-", false, false),
+            runner(7, "p-handmade-runner", false, false),
+            runner(8, &runner_name("p", "cccccccccccc"), true, false),
+        ];
+        let reap = orphans("p", &runners, &held);
+        let ids: Vec<u64> = reap.delete.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, vec![1, 8], "an idle online orphan goes too");
+        assert_eq!(reap.busy, 1);
+        // A pool named like another's prefix does not claim its runners.
+        assert!(orphans("p-x", &runners, &HashSet::new()).delete.is_empty());
+        // Long pool names are shortened in runner names; the rule follows.
+        let long = "a".repeat(70);
+        let n = runner_name(&long, uid);
+        assert_eq!(
+            orphans(&long, &[runner(9, &n, false, false)], &HashSet::new())
+                .delete
+                .len(),
+            1
+        );
+    }
+
+    #[test]
+    fn listing_is_taken_when_the_reaper_is_due_or_a_deadline_needs_it() {
+        let none = HashSet::new();
+        let mut v = facts("a", Idle, Some(1));
+        v.runner_started = Some(t(0));
+        let vms = [v];
+        assert!(needs_listing(&vms, &D, &none, true, t(0)));
+        assert!(!needs_listing(&vms, &D, &none, false, t(10)));
+        assert!(needs_listing(&vms, &D, &none, false, t(300)));
+        assert!(!needs_listing(&vms, &D, &[1].into(), false, t(300)));
+    }
+
+    fn scaling(min_idle: u32, max: u32) -> Scaling {
+        Scaling {
+            min_idle: Some(min_idle),
+            max_runners: max,
+            scale_up_step: Some(10),
+        }
+    }
+
+    #[test]
+    fn an_overdue_vm_is_replaced_in_the_same_pass() {
+        let mut stuck = facts("stuck", Idle, Some(1));
+        stuck.runner_started = Some(t(0));
+        let mut ok = facts("ok", Idle, Some(2));
+        ok.runner_started = Some(t(0));
+        let vms = [stuck, ok];
+        let runners = vec![
+            runner(1, "p-1", false, false),
+            runner(2, "p-2", true, false),
+        ];
+        let held = HashSet::new();
+        let sc = scaling(0, 2);
+        let none = HashSet::new();
+        let p = decide(&Input {
+            vms: &vms,
+            scaling: &sc,
+            queued: 2,
+            mint_block: None,
+            demand_known: true,
+            deadlines: D,
+            confirmed_online: &none,
+            listing: Some((&runners, &held)),
+            pool_name: "p",
+            now: t(301),
+        });
+        assert_eq!(p.replace.len(), 1);
+        assert_eq!(
+            p.replace[0].0,
+            Removal {
+                name: "stuck".into(),
+                runner_id: Some(1)
+            }
+        );
+        assert_eq!(p.replace[0].1.reason(), reason::RUNNER_NEVER_ONLINE);
+        assert!(p.plan.cleanup.is_empty(), "replaced, not cleaned up twice");
+        assert_eq!((p.plan.desired, p.plan.create), (2, 1));
+        assert_eq!(p.seen_online, vec![2]);
+        assert_eq!(p.next_deadline, None);
+        assert!(
+            p.reap.delete.is_empty(),
+            "p-1 / p-2 are not names this pool mints"
+        );
+        // Without a listing, the stuck runner waits for one and the next deadline is now.
+        let p = decide(&Input {
+            vms: &vms,
+            scaling: &sc,
+            queued: 2,
+            mint_block: None,
+            demand_known: true,
+            deadlines: D,
+            confirmed_online: &none,
+            listing: None,
+            pool_name: "p",
+            now: t(301),
+        });
+        assert!(p.replace.is_empty() && p.seen_online.is_empty());
+        assert_eq!(p.plan.create, 0);
+    }
+
+    #[test]
+    fn phase_spans_follow_the_vms_life_and_skip_what_is_missing() {
+        let all = VmTimes {
+            created: Some(t(0)),
+            scheduled: Some(t(1)),
+            boot_complete: Some(t(4)),
+            runner_started: Some(t(5)),
+            runner_exited: Some(t(65)),
+        };
+        let secs = |v: Vec<(&'static str, Duration)>| -> Vec<(&'static str, u64)> {
+            v.into_iter().map(|(p, d)| (p, d.as_secs())).collect()
+        };
+        assert_eq!(
+            secs(phase_spans(&all)),
+            vec![
+                ("scheduling", 1),
+                ("booting", 3),
+                ("handoff", 1),
+                ("job", 60)
+            ]
+        );
+        // Failed while booting: no handoff, no job.
+        let failed = VmTimes {
+            runner_started: None,
+            runner_exited: None,
+            ..all
+        };
+        assert_eq!(
+            secs(phase_spans(&failed)),
+            vec![("scheduling", 1), ("booting", 3)]
+        );
+        // No boot record (older agent): neither neighbour of it is measured.
+        let no_boot = VmTimes {
+            boot_complete: None,
+            ..all
+        };
+        assert_eq!(
+            secs(phase_spans(&no_boot)),
+            vec![("scheduling", 1), ("job", 60)]
+        );
+        // Skewed clocks: a negative span is dropped, not clamped to zero.
+        let skewed = VmTimes {
+            scheduled: Some(t(-5)),
+            ..all
+        };
+        assert_eq!(
+            secs(phase_spans(&skewed)),
+            vec![("booting", 9), ("handoff", 1), ("job", 60)]
+        );
+        assert!(phase_spans(&VmTimes::default()).is_empty());
+    }
+
+    #[test]
+    fn requeue_takes_the_soonest_need() {
+        let base = RequeueInput {
+            resync: Duration::from_secs(300),
+            retry: Duration::from_secs(10),
+            scaling_requeue: Duration::from_millis(200),
+            pending: false,
+            backoffs: vec![],
+            scaling_pending: false,
+            next_deadline: None,
+            next_reap: Duration::from_secs(120),
+        };
+        assert_eq!(requeue_after(&base), Duration::from_secs(120));
+        let r = RequeueInput {
+            pending: true,
+            ..base
+        };
+        assert_eq!(requeue_after(&r), Duration::from_secs(10));
+        let r = RequeueInput {
+            backoffs: vec![Duration::from_secs(3)],
+            next_deadline: Some(Duration::from_secs(5)),
+            ..r
+        };
+        assert_eq!(requeue_after(&r), Duration::from_millis(3010));
+        let r = RequeueInput {
+            scaling_pending: true,
+            ..r
+        };
+        assert_eq!(requeue_after(&r), Duration::from_millis(200));
+    }
+}
