@@ -373,6 +373,29 @@ pub mod reason {
         NETWORK_NOT_FOUND = "NetworkNotFound" in [VmStatus, VmCondition(SCHEDULED_C), VmEvent];
         /// ImpVM stays Pending: its ImpNetwork's subnet or gateway is unusable for the built-in IPAM.
         NETWORK_INVALID = "NetworkInvalid" in [VmStatus, VmCondition(SCHEDULED_C), VmEvent];
+        // agent (issue 15): the handoff's binding rule, guest containment, lifecycle Events.
+        /// The Secret spec.runnerConfigSecret names is not controlled by this VM (owner reference uid); it is left untouched.
+        RUNNER_CONFIG_NOT_OWNED = "RunnerConfigNotOwned" in [VmStatus, VmEvent];
+        /// The Secret spec.runnerConfigSecret names lacks Imp's JIT label; it is left untouched.
+        RUNNER_CONFIG_NOT_JIT = "RunnerConfigNotJit" in [VmStatus, VmEvent];
+        /// A VM naming a runnerConfigSecret is not controlled by an ImpVMRunnerPool; no config is handed to it.
+        RUNNER_VM_NOT_POOLED = "RunnerVmNotPooled" in [VmStatus, VmEvent];
+        /// The guest sent more unsolicited frames than a connection allows; the agent disconnected it.
+        GUEST_BUDGET_EXCEEDED = "GuestBudgetExceeded" in [VmStatus, VmEvent];
+        /// The guest did not answer a re-query of its runner within the answer timeout.
+        GUEST_UNRESPONSIVE = "GuestUnresponsive" in [VmStatus, VmEvent];
+        /// imp-agent asked imp-runtime to boot the VM.
+        BOOT_REQUESTED = "BootRequested" in [VmEvent];
+        /// The VM runs and its guest agent answered.
+        VM_RUNNING = "VmRunning" in [VmEvent];
+        /// The runner config was handed to the guest and the runner started; the JIT Secret is deleted.
+        HANDED_OFF = "HandedOff" in [VmEvent];
+        /// Warning: the VM failed on this node (the message names its reason).
+        VM_FAILED = "VmFailed" in [VmEvent];
+        /// The runner exited (the message has its exit code).
+        RUNNER_FINISHED = "RunnerFinished" in [VmEvent];
+        /// imp-agent released the VM's process, TAP, address and disk in imp-runtime.
+        TORN_DOWN_EVENT = "TornDownOnNode" in [VmEvent];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{Harness, simulator};
 use imp_api::names::{self, condition, reason};
-use imp_api::{HandoffState, ImpVM, ImpVMClass, VmPhase, conditions};
+use imp_api::{HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, VmPhase, conditions};
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
@@ -19,7 +19,7 @@ use imp_testkit::{TestEnv, fixtures};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 
 const JIT: &str = "eyJqaXQiOiJzM2NyM3QtY29uZmlnLWZvci10ZXN0In0=-JITSECRET-7f3a9c";
@@ -230,13 +230,68 @@ impl World {
             .unwrap()
     }
 
-    async fn jit_secret(&self, name: &str) {
-        let s = fixtures::jit_secret(name, JIT, 42, "imp-test-runner");
+    /// The namespace's ImpVMRunnerPool (created on first use; no operator runs here, the test
+    /// plays it): what a runner VM's controlling owner must be.
+    async fn pool(&self) -> ImpVMRunnerPool {
+        let pools: Api<ImpVMRunnerPool> = self.env.api();
+        if let Some(p) = pools.get_opt("pool").await.unwrap() {
+            return p;
+        }
+        let p = fixtures::pool("pool").class(&self.class).image(&self.image);
+        pools
+            .create(&PostParams::default(), &p.build())
+            .await
+            .unwrap()
+    }
+
+    /// A JIT Secret `name` controlled by `owner` (as the pool mints it), holding `config`.
+    async fn jit_secret_for(&self, name: &str, owner: &ImpVM, config: &str) {
+        let mut s = fixtures::jit_secret(name, config, 42, "imp-test-runner");
+        s.metadata.owner_references = Some(vec![owner.controller_owner_ref(&()).unwrap()]);
         self.env
             .api::<Secret>()
             .create(&PostParams::default(), &s)
             .await
             .unwrap();
+    }
+
+    /// A runner VM as the pool makes one (controlled by the pool, its label), bound here, with
+    /// its own JIT Secret `secret` holding `config`; then phase Scheduled.
+    async fn runner_vm_with(&self, name: &str, secret: &str, config: &str) -> ImpVM {
+        let pool = self.pool().await;
+        let vm = fixtures::vm(name)
+            .runner_of(&pool)
+            .class(&self.class)
+            .image(&self.image)
+            .bound(&self.node)
+            .finalizer(imp_api::names::FINALIZER_VM_CLEANUP)
+            .runner_config(secret);
+        let vm = self
+            .vms()
+            .create(&PostParams::default(), &vm.build())
+            .await
+            .unwrap();
+        self.jit_secret_for(secret, &vm, config).await;
+        self.set_status(name, json!({"phase": VmPhase::Scheduled}))
+            .await
+    }
+
+    async fn runner_vm(&self, name: &str, secret: &str) -> ImpVM {
+        self.runner_vm_with(name, secret, JIT).await
+    }
+
+    /// The Events on ImpVM `name` (events.k8s.io), as (reason, note).
+    async fn events_of(&self, name: &str) -> Vec<(String, String)> {
+        let events: Api<k8s_openapi::api::events::v1::Event> = self.env.api();
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
     }
 
     async fn secret_exists(&self, name: &str) -> bool {
@@ -412,8 +467,7 @@ async fn reqwest_get(url: &str) -> String {
 async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_succeeds() {
     let w = World::new("agent-handoff").await;
     let agent = w.agent(&w.runner_script(0), 1);
-    w.jit_secret("jit-a").await;
-    w.bound_vm("runner-a", &w.image, Some("jit-a")).await;
+    w.runner_vm("runner-a", "jit-a").await;
     let vm = w.wait_phase("runner-a", VmPhase::Succeeded, &agent).await;
     let r = vm.status.as_ref().unwrap().runner.clone().unwrap();
     assert_eq!(r.handoff, Some(HandoffState::Exited));
@@ -437,6 +491,20 @@ async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_suc
         "JIT config in the agent log"
     );
     assert!(!serde_json::to_string(&vm).unwrap().contains("JITSECRET"));
+    // The lifecycle as Events, none of them carrying the config.
+    let events = w.events_of("runner-a").await;
+    for r in [
+        reason::BOOT_REQUESTED,
+        reason::VM_RUNNING,
+        reason::HANDED_OFF,
+        reason::RUNNER_FINISHED,
+    ] {
+        assert!(
+            events.iter().any(|(er, _)| er == r),
+            "no {r} Event: {events:?}"
+        );
+    }
+    assert!(!format!("{events:?}").contains("JITSECRET"));
     // Terminal: the instance is released; deletion records TornDown.
     w.delete_and_wait_torn_down("runner-a", &agent).await;
     assert!(!runtime_has(&w.rt, &uid(&vm)).await);
@@ -448,8 +516,7 @@ async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_suc
 async fn runner_exit_non_zero_fails_the_vm() {
     let w = World::new("agent-exit").await;
     let agent = w.agent(&w.runner_script(3), 1);
-    w.jit_secret("jit-b").await;
-    w.bound_vm("runner-b", &w.image, Some("jit-b")).await;
+    w.runner_vm("runner-b", "jit-b").await;
     let vm = w.wait_phase("runner-b", VmPhase::Failed, &agent).await;
     let s = vm.status.as_ref().unwrap();
     assert_eq!(
@@ -466,8 +533,7 @@ async fn runner_exit_non_zero_fails_the_vm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sent_without_started_at_startup_is_ambiguous_and_never_replayed() {
     let w = World::new("agent-ambig").await;
-    w.jit_secret("jit-c").await;
-    let vm = w.bound_vm("runner-c", &w.image, Some("jit-c")).await;
+    let vm = w.runner_vm("runner-c", "jit-c").await;
     // A previous agent booted the VM, recorded Sent, and died before Started.
     let spec = w.rt.spec(false);
     w.rt.client.ensure_running(&uid(&vm), &spec).await.unwrap();
@@ -648,5 +714,164 @@ async fn networked_vm_waits_for_its_address_then_runs_with_status_ip() {
         .api::<imp_api::ImpNetwork>()
         .delete("runners", &DeleteParams::default())
         .await;
+    w.finish().await;
+}
+
+/// A client that impersonates `user` (the admin kubeconfig may impersonate anyone).
+async fn client_as(env: &TestEnv, user: &str) -> kube::Client {
+    let kc = kube::config::Kubeconfig::read_from(env.kubeconfig_path()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    config.auth_info.impersonate = Some(user.to_owned());
+    kube::Client::try_from(config).unwrap()
+}
+
+/// Namespace RBAC for `user`: ImpVMs (create, read, update, patch, delete), no Secrets.
+async fn grant_impvms_only(env: &TestEnv, user: &str) {
+    let role: k8s_openapi::api::rbac::v1::Role = serde_json::from_value(json!({
+        "metadata": {"name": "impvm-user"},
+        "rules": [{"apiGroups": ["imp.dev"], "resources": ["impvms"],
+                   "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}]}))
+    .unwrap();
+    env.api::<k8s_openapi::api::rbac::v1::Role>()
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "impvm-user"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "impvm-user"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}))
+    .unwrap();
+    env.api::<k8s_openapi::api::rbac::v1::RoleBinding>()
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_naming_another_vms_jit_secret_never_receives_it() {
+    let w = World::new("agent-bind").await;
+    let agent = w.agent(&w.runner_script(0), 1);
+    // The victim: a pool's runner VM with its Secret, not bound to this node (yet), so the
+    // agent leaves it alone and its Secret must survive whatever the thieves do.
+    let pool = w.pool().await;
+    let victim = fixtures::vm("victim")
+        .runner_of(&pool)
+        .class(&w.class)
+        .image(&w.image);
+    let victim = w
+        .vms()
+        .create(
+            &PostParams::default(),
+            &victim.runner_config("victim-jit").build(),
+        )
+        .await
+        .unwrap();
+    w.jit_secret_for("victim-jit", &victim, JIT).await;
+
+    // A namespace user who may create ImpVMs but not read Secrets.
+    let user = "mallory";
+    grant_impvms_only(&w.env, user).await;
+    let as_user = client_as(&w.env, user).await;
+    let user_secrets: Api<Secret> = Api::namespaced(as_user.clone(), &w.env.namespace);
+    match user_secrets.get("victim-jit").await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("the user can read the Secret: {other:?}"),
+    }
+    let user_vms: Api<ImpVM> = Api::namespaced(as_user, &w.env.namespace);
+    // Thief 1 passes as a pool's runner (label and owner reference are only metadata) and
+    // names the victim's Secret. Thief 2 does not even pretend.
+    let thief = |name: &str, pooled: bool| {
+        let mut b = fixtures::vm(name)
+            .class(&w.class)
+            .image(&w.image)
+            .bound(&w.node)
+            .finalizer(imp_api::names::FINALIZER_VM_CLEANUP)
+            .runner_config("victim-jit");
+        if pooled {
+            b = b.runner_of(&pool);
+        }
+        b.build()
+    };
+    for (name, pooled) in [("thief-pooled", true), ("thief-plain", false)] {
+        user_vms
+            .create(&PostParams::default(), &thief(name, pooled))
+            .await
+            .unwrap();
+        w.set_status(name, json!({"phase": VmPhase::Scheduled}))
+            .await;
+    }
+    for (name, want) in [
+        ("thief-pooled", reason::RUNNER_CONFIG_NOT_OWNED),
+        ("thief-plain", reason::RUNNER_VM_NOT_POOLED),
+    ] {
+        let vm = w.wait_phase(name, VmPhase::Failed, &agent).await;
+        let s = vm.status.as_ref().unwrap();
+        assert_eq!(s.reason.as_deref(), Some(want), "{name}: {s:#?}");
+        assert!(
+            s.runner.as_ref().and_then(|r| r.handoff).is_none(),
+            "{name}: {s:#?}"
+        );
+        let events = w.events_of(name).await;
+        assert!(
+            events
+                .iter()
+                .any(|(r, note)| r == reason::VM_FAILED && note.starts_with(want)),
+            "{name}: {events:?}"
+        );
+    }
+    assert!(
+        w.secret_exists("victim-jit").await,
+        "the victim's Secret was deleted"
+    );
+    assert_eq!(w.got_config(), None, "a thief's runner received the config");
+    assert!(!agent.log().contains("JITSECRET"));
+
+    // The name cannot be swapped after the fact (CEL transition rule), by anyone.
+    for api in [&user_vms, &w.vms()] {
+        let err = api
+            .patch(
+                "thief-pooled",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": {"runnerConfigSecret": "other"}})),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("runnerConfigSecret cannot change"),
+            "{err}"
+        );
+        let err = api
+            .patch(
+                "thief-pooled",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": {"runnerConfigSecret": null}})),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("runnerConfigSecret cannot change"),
+            "{err}"
+        );
+    }
+    // Setting it once (the pool's mint) stays allowed.
+    let fresh = fixtures::vm("fresh")
+        .class(&w.class)
+        .image(&w.image)
+        .build();
+    w.vms()
+        .create(&PostParams::default(), &fresh)
+        .await
+        .unwrap();
+    w.vms()
+        .patch(
+            "fresh",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"runnerConfigSecret": "victim-jit"}})),
+        )
+        .await
+        .unwrap();
+    drop(agent);
     w.finish().await;
 }

@@ -2,9 +2,11 @@
 //! its node, drives imp-runtime through its socket, performs the runner handoff over vsock, writes
 //! the agent's part of ImpVM status and renews the node's heartbeat Lease.
 //!
-//! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`spec`]
+//! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`binding`]
+//! (whose JIT config a VM may receive), [`spec`]
 //! (ImpVM -> runtime spec). I/O: [`controller`], [`status`], [`lease`], [`http`].
 
+pub mod binding;
 pub mod controller;
 pub mod decide;
 pub mod handoff;
@@ -38,6 +40,9 @@ pub struct AgentConfig {
     pub poll_interval: Duration,
     /// How often runtime VMs no longer bound here are looked for.
     pub sweep_interval: Duration,
+    /// How long one request to a guest (an Exec, a probe, a metrics query) may go unanswered
+    /// before the guest counts as unresponsive.
+    pub guest_answer_timeout: Duration,
 }
 
 impl AgentConfig {
@@ -50,6 +55,7 @@ impl AgentConfig {
             runner_command: DEFAULT_RUNNER_COMMAND.into(),
             poll_interval: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(15),
+            guest_answer_timeout: imp_guest::host::DEFAULT_ANSWER_TIMEOUT,
         }
     }
 }
