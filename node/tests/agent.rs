@@ -31,7 +31,14 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(env: &TestEnv, rt: &Harness, node: &str, runner_command: &Path, n: u32) -> Agent {
+    fn start(
+        env: &TestEnv,
+        rt: &Harness,
+        node: &str,
+        runner_command: &Path,
+        n: u32,
+        extra_env: &[(&str, &str)],
+    ) -> Agent {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -44,6 +51,7 @@ impl Agent {
             .env("IMP_SWEEP_INTERVAL", "1s")
             .env("IMP_HTTP_ADDR", format!("127.0.0.1:{port}"))
             .env("IMP_RUNNER_COMMAND", runner_command)
+            .envs(extra_env.iter().copied())
             .env(
                 "IMP_LOG",
                 "debug,hyper=info,kube_client=info,tower=info,h2=info,rustls=info",
@@ -68,6 +76,18 @@ impl Agent {
 
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Resident set size of the agent process, bytes (/proc/<pid>/status VmRSS).
+    fn rss(&self) -> u64 {
+        let pid = self.child.as_ref().expect("agent running").id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS in /proc/<pid>/status");
+        kib * 1024
     }
 }
 
@@ -143,12 +163,20 @@ impl World {
     /// With `net`, the runtime runs in its node namespace and pulls through a forwarder
     /// listening on `127.0.0.1` there (the registry stays in the test's namespace).
     async fn new_in(prefix: &str, net: Option<&common::TestNetwork>) -> World {
+        Self::new_with(prefix, net, simulator()).await
+    }
+
+    async fn new_with(
+        prefix: &str,
+        net: Option<&common::TestNetwork>,
+        backend: common::Backend,
+    ) -> World {
         let registry = registry_with_base_image().await;
         let host = match net {
             None => registry.host(),
             Some(n) => forward_into(n, &registry.host()),
         };
-        let mut rt = Harness::new(simulator());
+        let mut rt = Harness::new(backend);
         rt.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
         rt.netns = net.map(|n| n.node.clone());
         rt.start_runtime().await;
@@ -197,7 +225,7 @@ impl World {
     }
 
     fn agent(&self, runner: &Path, n: u32) -> Agent {
-        Agent::start(&self.env, &self.rt, &self.node, runner, n)
+        Agent::start(&self.env, &self.rt, &self.node, runner, n, &[])
     }
 
     /// Creates a VM bound to the test node in phase Scheduled (as the operator leaves it), with
@@ -873,5 +901,244 @@ async fn a_vm_naming_another_vms_jit_secret_never_receives_it() {
         .await
         .unwrap();
     drop(agent);
+    w.finish().await;
+}
+
+/// How a hostile guest behaves once it said Hello.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Hostility {
+    /// Answers the first Exec with Started, then sends 500 unsolicited frames of about 1 MiB.
+    Flood,
+    /// Answers the first Exec with Started; never answers a repeat of it (the re-query).
+    SilentRequery,
+}
+
+const FLOOD_FRAMES: u32 = 500;
+
+/// A wrapper used as IMP_GUEST_BIN: the first VM to boot after `arm()` gets a hostile guest
+/// served by this test process (the wrapper hands its socket path over and sleeps; it dies with
+/// the simulator), every other VM the real imp-guest.
+struct HostileGuests {
+    dir: tempfile::TempDir,
+}
+
+impl HostileGuests {
+    fn new() -> (HostileGuests, common::Backend) {
+        let common::Backend::Simulator { simulator, guest } = simulator() else {
+            unreachable!("simulator() is the simulator")
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let wrapper = dir.path().join("guest-wrapper.sh");
+        std::fs::write(
+            &wrapper,
+            format!(
+                "#!/bin/sh\nif mv {d}/armed {d}/claimed-$$ 2>/dev/null; then\n  printf '%s' \"$3\" > {d}/sock.tmp && mv {d}/sock.tmp {d}/sock\n  exec sleep 3600\nfi\nexec {real} \"$@\"\n",
+                d = dir.path().display(),
+                real = guest.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let backend = common::Backend::Simulator {
+            simulator,
+            guest: wrapper,
+        };
+        (HostileGuests { dir }, backend)
+    }
+
+    /// The next guest to start is hostile; serve it from this process. Returns the count of
+    /// flood frames written so far.
+    fn arm(&self, how: Hostility) -> std::sync::Arc<std::sync::atomic::AtomicU32> {
+        let d = self.dir.path().to_owned();
+        std::fs::write(d.join("armed"), "").unwrap();
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counter = sent.clone();
+        tokio::spawn(async move {
+            let sock = loop {
+                if let Ok(p) = std::fs::read_to_string(d.join("sock")) {
+                    break PathBuf::from(p);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+            let started_once = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (counter, started_once) = (counter.clone(), started_once.clone());
+                tokio::spawn(async move {
+                    let _ = serve_hostile(stream, how, &counter, &started_once).await;
+                });
+            }
+        });
+        sent
+    }
+}
+
+async fn serve_hostile(
+    stream: tokio::net::UnixStream,
+    how: Hostility,
+    sent: &std::sync::atomic::AtomicU32,
+    started_once: &std::sync::atomic::AtomicBool,
+) -> Result<(), imp_guest::frame::FrameError> {
+    use imp_guest::frame::{FrameReader, FrameWriter, MAX_FRAME_BYTES};
+    use imp_guest::protocol::{
+        GuestToHost, Hello, HostToGuest, Output, OutputStream, PROTOCOL_VERSION, Started,
+    };
+    use std::sync::atomic::Ordering;
+    let (rd, wr) = stream.into_split();
+    let (mut rd, mut wr) = (FrameReader::new(rd), FrameWriter::new(wr));
+    wr.write(&GuestToHost::Hello(Hello {
+        protocol: PROTOCOL_VERSION,
+        agent_version: "hostile".into(),
+        boot_id: "hostile-boot".into(),
+    }))
+    .await?;
+    while let Some(msg) = rd.read::<HostToGuest>().await? {
+        let HostToGuest::Exec(req) = msg else {
+            continue;
+        };
+        if started_once.swap(true, Ordering::SeqCst) && how == Hostility::SilentRequery {
+            continue; // the re-query: never answered
+        }
+        wr.write(&GuestToHost::Started(Started {
+            id: req.id.clone(),
+            pid: 4242,
+        }))
+        .await?;
+        if how == Hostility::Flood {
+            let frame = GuestToHost::Output(Output {
+                id: "nobody-asked".into(),
+                stream: OutputStream::Stdout,
+                data_b64: "A".repeat(MAX_FRAME_BYTES - 128),
+            });
+            for _ in 0..FLOOD_FRAMES {
+                wr.write(&frame).await?;
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A runner command that records its config under `<dir>/got-<config>` and exits 0 after `secs`.
+fn slow_runner(dir: &Path, secs: u32) -> PathBuf {
+    let path = dir.join("slow-runner.sh");
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/sh\nsleep {secs}\n: > {d}/finished-\"$ACTIONS_RUNNER_INPUT_JITCONFIG\"\nexit 0\n",
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_flooding_unsolicited_frames_is_cut_off_and_failed_while_others_run_on() {
+    let (hostile, backend) = HostileGuests::new();
+    let w = World::new_with("agent-flood", None, backend).await;
+    let runner = slow_runner(w.dir.path(), 8);
+    let agent = w.agent(&runner, 1);
+    // A well-behaved neighbour, running its job through the flood.
+    w.runner_vm_with("good", "good-jit", "good").await;
+    w.wait_vm("good", "Started", Duration::from_secs(60), &agent, |vm| {
+        vm.status
+            .as_ref()
+            .and_then(|s| s.runner.as_ref())
+            .and_then(|r| r.handoff)
+            == Some(HandoffState::Started)
+    })
+    .await;
+    let before = agent.rss();
+    let sent = hostile.arm(Hostility::Flood);
+    w.runner_vm_with("flood", "flood-jit", "flood").await;
+    let vm = w.wait_phase("flood", VmPhase::Failed, &agent).await;
+    let after = agent.rss();
+    let s = vm.status.as_ref().unwrap();
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::GUEST_BUDGET_EXCEEDED),
+        "{s:#?}"
+    );
+    // The config was handed over (Started) before the guest turned hostile.
+    assert_eq!(
+        s.runner.as_ref().unwrap().handoff,
+        Some(HandoffState::Started)
+    );
+    let n = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        n < FLOOD_FRAMES,
+        "the agent read all {n} frames of the flood"
+    );
+    let growth = after.saturating_sub(before);
+    println!(
+        "agent RSS before the flood {} MiB, after {} MiB (+{} KiB); flood frames written before the cut: {n}",
+        before >> 20,
+        after >> 20,
+        growth >> 10
+    );
+    // Bound: 32 dropped frames are read one at a time (1 MiB each, freed), and the queue holds
+    // none of them. 24 MiB leaves room for the allocator keeping freed pages.
+    assert!(growth < 24 << 20, "agent RSS grew by {growth} bytes");
+    let events = w.events_of("flood").await;
+    assert!(
+        events
+            .iter()
+            .any(|(r, n)| r == reason::VM_FAILED && n.starts_with(reason::GUEST_BUDGET_EXCEEDED)),
+        "{events:?}"
+    );
+    // The neighbour is unaffected: its job finishes and the VM succeeds.
+    w.wait_phase("good", VmPhase::Succeeded, &agent).await;
+    assert!(w.dir.path().join("finished-good").exists());
+    drop(agent);
+    drop(hostile);
+    w.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_never_answers_the_requery_fails_its_vm_after_the_answer_timeout() {
+    let (hostile, backend) = HostileGuests::new();
+    let w = World::new_with("agent-silent", None, backend).await;
+    let runner = w.runner_script(0);
+    let timeout = [("IMP_GUEST_ANSWER_TIMEOUT", "2s")];
+    let mut first = Agent::start(&w.env, &w.rt, &w.node, &runner, 1, &timeout);
+    let _sent = hostile.arm(Hostility::SilentRequery);
+    w.runner_vm("silent", "silent-jit").await;
+    w.wait_vm("silent", "Started", Duration::from_secs(60), &first, |vm| {
+        vm.status
+            .as_ref()
+            .and_then(|s| s.runner.as_ref())
+            .and_then(|r| r.handoff)
+            == Some(HandoffState::Started)
+    })
+    .await;
+    // The agent restarts: the new one reattaches by repeating the Exec id, which this guest
+    // never answers.
+    first.kill9();
+    let started = Instant::now();
+    let agent = Agent::start(&w.env, &w.rt, &w.node, &runner, 2, &timeout);
+    let vm = w.wait_phase("silent", VmPhase::Failed, &agent).await;
+    let s = vm.status.as_ref().unwrap();
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::GUEST_UNRESPONSIVE),
+        "{s:#?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(45),
+        "{:?}",
+        started.elapsed()
+    );
+    // A plain VM on the same node (real guest) still boots and runs.
+    w.bound_vm("plain", &w.image, None).await;
+    w.wait_phase("plain", VmPhase::Running, &agent).await;
+    drop(agent);
+    drop(hostile);
     w.finish().await;
 }
