@@ -1142,3 +1142,58 @@ async fn a_guest_that_never_answers_the_requery_fails_its_vm_after_the_answer_ti
     drop(hostile);
     w.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_started_write_and_a_failed_secret_delete_are_retried() {
+    use imp_testkit::faultproxy::{Fault, FaultProxy};
+    let w = World::new("agent-faults").await;
+    let proxy = FaultProxy::start(w.env.client.clone(), w.dir.path())
+        .await
+        .unwrap();
+    // One 500 on the status write that records Started, one on the JIT Secret's DELETE.
+    proxy.inject(Fault {
+        method: http::Method::PUT,
+        matches: Box::new(|path, body| {
+            path.ends_with("/impvms/runner-f/status")
+                && String::from_utf8_lossy(body).contains(r#""handoff":"Started""#)
+        }),
+        times: 1,
+    });
+    proxy.inject(Fault {
+        method: http::Method::DELETE,
+        matches: Box::new(|path, _| path.ends_with("/secrets/jit-f")),
+        times: 1,
+    });
+    let kubeconfig = proxy.kubeconfig().display().to_string();
+    let runner = slow_runner(w.dir.path(), 3);
+    let agent = Agent::start(
+        &w.env,
+        &w.rt,
+        &w.node,
+        &runner,
+        1,
+        &[("KUBECONFIG", kubeconfig.as_str())],
+    );
+    w.runner_vm_with("runner-f", "jit-f", "faulty").await;
+    // The job keeps running: never ambiguous, it finishes and the VM succeeds.
+    let vm = w.wait_phase("runner-f", VmPhase::Succeeded, &agent).await;
+    let r = vm.status.as_ref().unwrap().runner.clone().unwrap();
+    assert_eq!(r.handoff, Some(HandoffState::Exited));
+    assert!(w.dir.path().join("finished-faulty").exists());
+    assert!(!w.secret_exists("jit-f").await, "JIT Secret not deleted");
+    let injected = proxy.injected();
+    assert_eq!(injected.len(), 2, "{injected:?}");
+    let log = agent.log();
+    assert!(
+        log.contains("recording Started failed; retrying"),
+        "{}",
+        tail(&log, 40)
+    );
+    assert!(
+        log.contains("deleting the JIT config Secret failed; retrying"),
+        "{}",
+        tail(&log, 40)
+    );
+    drop(agent);
+    w.finish().await;
+}

@@ -6,6 +6,7 @@ pub mod certs;
 pub mod cluster;
 pub mod controlplane;
 pub mod ext4;
+pub mod faultproxy;
 pub mod firecracker;
 pub mod fixtures;
 pub mod github;
