@@ -396,6 +396,10 @@ pub mod reason {
         RUNNER_FINISHED = "RunnerFinished" in [VmEvent];
         /// imp-agent released the VM's process, TAP, address and disk in imp-runtime.
         TORN_DOWN_EVENT = "TornDownOnNode" in [VmEvent];
+        /// Ready=False: the class's readiness probe failed failureThreshold times in a row inside the guest.
+        READINESS_PROBE_FAILED = "ReadinessProbeFailed" in [VmCondition(READY), VmEvent];
+        /// Ready=True again: the class's readiness probe passed after failing.
+        READINESS_PROBE_PASSED = "ReadinessProbePassed" in [VmCondition(READY), VmEvent];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

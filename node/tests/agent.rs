@@ -1197,3 +1197,177 @@ async fn a_failed_started_write_and_a_failed_secret_delete_are_retried() {
     drop(agent);
     w.finish().await;
 }
+
+/// A plain HTTP server on 127.0.0.1 answering 200 or 500 as `healthy` says (the host-process
+/// guest probes the host's loopback). Returns its port.
+async fn health_server(healthy: std::sync::Arc<std::sync::atomic::AtomicBool>) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let ok = healthy.load(std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let line = if ok {
+                    "HTTP/1.1 200 OK"
+                } else {
+                    "HTTP/1.1 500 Internal Server Error"
+                };
+                let _ = s
+                    .write_all(
+                        format!("{line}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                            .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+fn ready_reason(vm: &ImpVM) -> Option<(String, String)> {
+    vm.status
+        .as_ref()
+        .and_then(|s| conditions::find(&s.conditions, condition::READY))
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_probe_flips_ready_and_guest_metrics_come_and_go_with_the_vm() {
+    use std::sync::atomic::Ordering;
+    let w = World::new("agent-probe").await;
+    let healthy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let port = health_server(healthy.clone()).await;
+    let class = format!("{}-probed", w.env.namespace);
+    let mut c = fixtures::class(&class)
+        .vcpu(1)
+        .memory_mib(128)
+        .disk_gib(1)
+        .readiness_http("/healthz", port)
+        .build();
+    let probe = c
+        .spec
+        .probes
+        .as_mut()
+        .unwrap()
+        .readiness_probe
+        .as_mut()
+        .unwrap();
+    probe.period_seconds = Some(1);
+    probe.failure_threshold = Some(2);
+    Api::<ImpVMClass>::all(w.env.client.clone())
+        .create(&PostParams::default(), &c)
+        .await
+        .unwrap();
+    let agent = Agent::start(
+        &w.env,
+        &w.rt,
+        &w.node,
+        &w.runner_script(0),
+        1,
+        &[("IMP_GUEST_METRICS_INTERVAL", "1s")],
+    );
+    let vm = fixtures::vm("probed")
+        .class(&class)
+        .image(&w.image)
+        .bound(&w.node)
+        .finalizer(imp_api::names::FINALIZER_VM_CLEANUP);
+    w.vms()
+        .create(&PostParams::default(), &vm.build())
+        .await
+        .unwrap();
+    w.set_status("probed", json!({"phase": VmPhase::Scheduled}))
+        .await;
+    w.wait_phase("probed", VmPhase::Running, &agent).await;
+
+    // Guest metrics with the seed's names and labels naming the VM, its namespace and node.
+    let series = format!(
+        "vm=\"probed\",namespace=\"{}\",node=\"{}\"",
+        w.env.namespace, w.node
+    );
+    let started = Instant::now();
+    loop {
+        let m = reqwest_get(&format!("{}/metrics", agent.http)).await;
+        if [
+            "imp_vm_guest_memory_used_bytes",
+            "imp_vm_guest_disk_used_bytes",
+        ]
+        .iter()
+        .all(|n| m.contains(&format!("{n}{{{series}}}")))
+        {
+            imp_testkit::metrics::assert_every_family_documented(&m);
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no guest metrics:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // Failing probes: Ready=False after failureThreshold (2) in a row, then True on a pass.
+    healthy.store(false, Ordering::SeqCst);
+    let vm = w
+        .wait_vm(
+            "probed",
+            "Ready=False",
+            Duration::from_secs(20),
+            &agent,
+            |vm| ready_reason(vm).is_some_and(|(s, _)| s == "False"),
+        )
+        .await;
+    assert_eq!(
+        ready_reason(&vm).unwrap().1,
+        reason::READINESS_PROBE_FAILED,
+        "{:#?}",
+        vm.status
+    );
+    assert_eq!(
+        phase_of(&vm),
+        Some(VmPhase::Running),
+        "a probe failure does not stop the VM"
+    );
+    healthy.store(true, Ordering::SeqCst);
+    let vm = w
+        .wait_vm(
+            "probed",
+            "Ready=True",
+            Duration::from_secs(20),
+            &agent,
+            |vm| ready_reason(vm).is_some_and(|(s, _)| s == "True"),
+        )
+        .await;
+    assert_eq!(ready_reason(&vm).unwrap().1, reason::READINESS_PROBE_PASSED);
+    let events = w.events_of("probed").await;
+    for r in [
+        reason::READINESS_PROBE_FAILED,
+        reason::READINESS_PROBE_PASSED,
+    ] {
+        assert!(
+            events.iter().any(|(er, _)| er == r),
+            "no {r} Event: {events:?}"
+        );
+    }
+
+    // The VM goes: so do its series.
+    w.delete_and_wait_torn_down("probed", &agent).await;
+    let started = Instant::now();
+    loop {
+        let m = reqwest_get(&format!("{}/metrics", agent.http)).await;
+        if !m.contains(&series) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "guest series left:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    drop(agent);
+    let _ = Api::<ImpVMClass>::all(w.env.client.clone())
+        .delete(&class, &DeleteParams::default())
+        .await;
+    w.finish().await;
+}

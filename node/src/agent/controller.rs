@@ -30,6 +30,7 @@ use super::binding::{self, Unbound};
 use super::decide::{self, Action, InFlight, RuntimeFacts, VmFacts};
 use super::handoff::{self, Event as HandoffEvent, Handoff};
 use super::metrics::AgentMetrics;
+use super::monitor;
 use super::spec;
 use super::status::{self, Written};
 use crate::api::VmState;
@@ -61,6 +62,8 @@ pub struct Context {
     pub metrics: AgentMetrics,
     recorder: Recorder,
     tasks: Mutex<HashMap<String, (InFlight, JoinHandle<()>)>>,
+    /// Per Running VM: probes and guest metrics ([`monitor`]), beside the runner task.
+    monitors: Mutex<HashMap<String, JoinHandle<()>>>,
 }
 
 impl Context {
@@ -79,11 +82,12 @@ impl Context {
             config,
             metrics,
             tasks: Mutex::new(HashMap::new()),
+            monitors: Mutex::new(HashMap::new()),
         })
     }
 
     /// An Event on `vm`. Best effort: a lost Event never fails the lifecycle it reports.
-    async fn event(&self, vm: &ImpVM, warning: bool, reason: &str, note: String) {
+    pub(super) async fn event(&self, vm: &ImpVM, warning: bool, reason: &str, note: String) {
         let ev = KubeEvent {
             type_: if warning {
                 EventType::Warning
@@ -116,6 +120,20 @@ impl Context {
         if let Some((_, h)) = self.tasks.lock().unwrap().remove(uid) {
             h.abort();
         }
+        if let Some(h) = self.monitors.lock().unwrap().remove(uid) {
+            h.abort();
+        }
+    }
+
+    /// Starts `vm`'s monitor unless one runs; it ends by itself when the VM leaves Running.
+    fn ensure_monitor(self: &Arc<Self>, api: &Api<ImpVM>, vm: &ImpVM, uid: &str) {
+        let mut monitors = self.monitors.lock().unwrap();
+        if monitors.get(uid).is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        let (ctx, api, vm) = (self.clone(), api.clone(), vm.clone());
+        let handle = tokio::spawn(async move { monitor::run(&ctx, &api, vm).await });
+        monitors.insert(uid.to_owned(), handle);
     }
 
     fn spawn(
@@ -220,6 +238,9 @@ async fn reconcile(obj: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Requeue, Error>
     let action = decide::decide(&facts, &rt, in_flight);
     if action != Action::Nothing {
         info!(vm = %format!("{ns}/{name}"), phase = ?facts.phase, runtime = ?rt, ?in_flight, ?action, "acting");
+    }
+    if facts.phase == Some(VmPhase::Running) && !facts.deleting && rt == RuntimeFacts::Running {
+        ctx.ensure_monitor(&api, &vm, &uid);
     }
     execute(&ctx, &api, vm, &uid, action).await?;
     Ok(Requeue::requeue(ctx.config.poll_interval))
@@ -552,7 +573,7 @@ fn runner_exec(ctx: &Context, vm: &ImpVM, uid: &str, env: BTreeMap<String, Secre
     }
 }
 
-async fn connect(ctx: &Context, uid: &str) -> Result<HostClient, Error> {
+pub(super) async fn connect(ctx: &Context, uid: &str) -> Result<HostClient, Error> {
     let info = ctx.runtime.vsock(uid).await?;
     let deadline = tokio::time::Instant::now() + GUEST_CONNECT_TIMEOUT;
     let mut client = host::connect(&info.path, info.guest_agent_port, deadline).await?;

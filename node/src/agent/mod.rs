@@ -13,6 +13,7 @@ pub mod handoff;
 pub mod http;
 pub mod lease;
 pub mod metrics;
+pub mod monitor;
 pub mod spec;
 pub mod status;
 
@@ -43,6 +44,8 @@ pub struct AgentConfig {
     /// How long one request to a guest (an Exec, a probe, a metrics query) may go unanswered
     /// before the guest counts as unresponsive.
     pub guest_answer_timeout: Duration,
+    /// How often a Running VM's guest is asked for its memory and disk use.
+    pub guest_metrics_interval: Duration,
 }
 
 impl AgentConfig {
@@ -56,6 +59,7 @@ impl AgentConfig {
             poll_interval: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(15),
             guest_answer_timeout: imp_guest::host::DEFAULT_ANSWER_TIMEOUT,
+            guest_metrics_interval: Duration::from_secs(30),
         }
     }
 }

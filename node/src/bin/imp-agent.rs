@@ -42,6 +42,9 @@ struct Args {
     /// How long one request to a guest (Exec, probe, metrics) may go unanswered, e.g. "30s".
     #[arg(long, env = "IMP_GUEST_ANSWER_TIMEOUT", default_value = "30s", value_parser = imp_api::parse_duration)]
     guest_answer_timeout: Duration,
+    /// How often a Running VM's guest is asked for its memory and disk use, e.g. "30s".
+    #[arg(long, env = "IMP_GUEST_METRICS_INTERVAL", default_value = "30s", value_parser = imp_api::parse_duration)]
+    guest_metrics_interval: Duration,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -76,6 +79,7 @@ async fn main() -> ExitCode {
         poll_interval: args.poll_interval,
         sweep_interval: args.sweep_interval,
         guest_answer_timeout: args.guest_answer_timeout,
+        guest_metrics_interval: args.guest_metrics_interval,
     };
     tracing::info!(node = %config.node_name, socket = %config.runtime_socket.display(), "imp-agent starting");
     let run = imp_node::agent::run(
