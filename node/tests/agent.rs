@@ -1371,3 +1371,54 @@ async fn readiness_probe_flips_ready_and_guest_metrics_come_and_go_with_the_vm()
         .await;
     w.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_stops_while_imp_runtime_is_down_and_resumes_with_it() {
+    let mut w = World::new("agent-rtdown").await;
+    let agent = w.agent(&w.runner_script(0), 1);
+    let leases: Api<Lease> = w.env.api();
+    let lease_name = names::lease_name(&w.node);
+    let renewed = |l: &Lease| {
+        l.spec
+            .as_ref()
+            .and_then(|s| s.renew_time.clone())
+            .unwrap()
+            .0
+    };
+    let started = Instant::now();
+    let first = loop {
+        if let Some(l) = leases.get_opt(&lease_name).await.unwrap() {
+            break renewed(&l);
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "no Lease");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    w.rt.kill9_runtime();
+    // Within one interval (1 s) plus a renewal in flight, renewals stop.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let held = renewed(&leases.get(&lease_name).await.unwrap());
+    assert!(held >= first);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let still = renewed(&leases.get(&lease_name).await.unwrap());
+    assert_eq!(
+        still, held,
+        "the Lease was renewed while imp-runtime was down"
+    );
+    assert!(
+        agent.log().contains("imp-runtime does not answer"),
+        "{}",
+        tail(&agent.log(), 20)
+    );
+    // The runtime returns: so does the heartbeat.
+    w.rt.start_runtime().await;
+    let started = Instant::now();
+    while renewed(&leases.get(&lease_name).await.unwrap()) == held {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "heartbeat did not resume"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(agent);
+    w.finish().await;
+}

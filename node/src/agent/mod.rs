@@ -82,6 +82,7 @@ pub async fn run(
         config.node_name.clone(),
         config.heartbeat_interval,
         metrics.clone(),
+        crate::client::RuntimeClient::new(&config.runtime_socket),
     ));
     let ctx = controller::Context::new(client, config, metrics.clone());
     let result = tokio::select! {
