@@ -400,6 +400,8 @@ pub mod reason {
         READINESS_PROBE_FAILED = "ReadinessProbeFailed" in [VmCondition(READY), VmEvent];
         /// Ready=True again: the class's readiness probe passed after failing.
         READINESS_PROBE_PASSED = "ReadinessProbePassed" in [VmCondition(READY), VmEvent];
+        /// Warning: a VM claims the pool (label, owner reference) but its spec is not the pool's template; deleted, never minted for.
+        FOREIGN_RUNNER_VM = "ForeignRunnerVm" in [PoolEvent];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

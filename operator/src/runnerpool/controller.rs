@@ -636,6 +636,20 @@ impl Ctx {
     ) -> Result<(), ()> {
         let vm_name = vm.name_any();
         let Some(uid) = vm.uid() else { return Err(()) };
+        if !from_template(pool, vm) {
+            // A VM anyone with ImpVM RBAC made to look like ours (label, owner reference): never
+            // hand it a registration of this pool (issue 15).
+            let note = format!(
+                "VM {vm_name} claims this pool but its spec is not the pool's template; deleting it"
+            );
+            self.event(pool, true, reason::FOREIGN_RUNNER_VM, note)
+                .await;
+            let _ = self
+                .vms(key)
+                .delete(&vm_name, &DeleteParams::background())
+                .await;
+            return Err(());
+        }
         let secret_name = jit_secret_name(&uid);
         let secrets = self.secrets(key);
         match secrets.get_opt(&secret_name).await {
@@ -1168,6 +1182,14 @@ fn scope_of(pool: &ImpVMRunnerPool) -> Option<RunnerScope> {
     }
 }
 
+/// Whether `vm`'s spec is what [`runner_vm`] makes of `pool` (scheduling and the mint's own field aside).
+fn from_template(pool: &ImpVMRunnerPool, vm: &ImpVM) -> bool {
+    let mut have = vm.spec.clone();
+    have.node_name = None;
+    have.runner_config_secret = None;
+    runner_vm(pool).is_ok_and(|want| want.spec == have)
+}
+
 /// A new runner VM of `pool`: generateName `<pool>-`, ephemeral, labelled, controlled by the pool.
 pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM, PoolError> {
     let name = pool.name_any();
@@ -1334,5 +1356,29 @@ impl Ctx {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod from_template_tests {
+    use super::*;
+
+    #[test]
+    fn only_a_vm_of_the_pools_template_is_minted_for() {
+        let mut pool = imp_testkit::fixtures::pool("p").build();
+        pool.metadata.uid = Some("pool-uid".into());
+        let mut vm = runner_vm(&pool).unwrap();
+        assert!(from_template(&pool, &vm));
+        vm.spec.node_name = Some("n".into());
+        vm.spec.runner_config_secret = Some("s".into());
+        assert!(
+            from_template(&pool, &vm),
+            "scheduling and the mint do not count"
+        );
+        vm.spec.image = "registry.example/mine:1".into();
+        assert!(
+            !from_template(&pool, &vm),
+            "another image is not the pool's runner"
+        );
     }
 }
