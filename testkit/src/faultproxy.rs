@@ -12,11 +12,14 @@ use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http_body_util::BodyExt;
 
+/// Picks requests by path (query excluded) and body.
+pub type Matcher = Box<dyn Fn(&str, &[u8]) -> bool + Send + Sync>;
+
 /// Fail the next `times` requests with `method` whose path (query excluded) and body satisfy
 /// `matches`.
 pub struct Fault {
     pub method: http::Method,
-    pub matches: Box<dyn Fn(&str, &[u8]) -> bool + Send + Sync>,
+    pub matches: Matcher,
     pub times: u32,
 }
 
