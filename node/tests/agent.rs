@@ -206,18 +206,13 @@ impl World {
     /// A runner command that records its environment and argv, then exits with `code`.
     fn runner_script(&self, code: i32) -> PathBuf {
         let d = self.dir.path();
-        let path = d.join(format!("runner-{code}.sh"));
-        std::fs::write(
-            &path,
-            format!(
+        executable(
+            &d.join(format!("runner-{code}.sh")),
+            &format!(
                 "#!/bin/sh\nprintf '%s' \"$ACTIONS_RUNNER_INPUT_JITCONFIG\" > {d}/got-config\necho \"$0 $*\" > {d}/argv\nexit {code}\n",
                 d = d.display()
             ),
         )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        path
     }
 
     fn got_config(&self) -> Option<String> {
@@ -322,6 +317,26 @@ impl World {
             .collect()
     }
 
+    /// Waits for an Event on `name` with `reason` whose note starts with `note` (Events are
+    /// published after the status write they report); returns every Event on `name`.
+    async fn wait_event(&self, name: &str, reason: &str, note: &str) -> Vec<(String, String)> {
+        let started = Instant::now();
+        loop {
+            let events = self.events_of(name).await;
+            if events
+                .iter()
+                .any(|(r, n)| r == reason && n.starts_with(note))
+            {
+                return events;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "{name}: no {reason} Event with a note starting {note:?}: {events:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     async fn secret_exists(&self, name: &str) -> bool {
         self.env
             .api::<Secret>()
@@ -355,6 +370,35 @@ impl World {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Waits for condition Ready = `want` ("True"/"False"); returns the VM and its reason.
+    async fn wait_ready(&self, name: &str, want: &str, agent: &Agent) -> (ImpVM, String) {
+        let what = format!("Ready={want}");
+        let vm = self
+            .wait_vm(name, &what, Duration::from_secs(20), agent, |vm| {
+                ready_reason(vm).is_some_and(|(s, _)| s == want)
+            })
+            .await;
+        let why = ready_reason(&vm).unwrap().1;
+        (vm, why)
+    }
+
+    async fn wait_handoff(&self, name: &str, state: HandoffState, agent: &Agent) -> ImpVM {
+        self.wait_vm(
+            name,
+            &format!("{state:?}"),
+            Duration::from_secs(60),
+            agent,
+            |vm| {
+                vm.status
+                    .as_ref()
+                    .and_then(|s| s.runner.as_ref())
+                    .and_then(|r| r.handoff)
+                    == Some(state)
+            },
+        )
+        .await
     }
 
     async fn wait_phase(&self, name: &str, phase: VmPhase, agent: &Agent) -> ImpVM {
@@ -520,18 +564,15 @@ async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_suc
     );
     assert!(!serde_json::to_string(&vm).unwrap().contains("JITSECRET"));
     // The lifecycle as Events, none of them carrying the config.
-    let events = w.events_of("runner-a").await;
     for r in [
         reason::BOOT_REQUESTED,
         reason::VM_RUNNING,
         reason::HANDED_OFF,
         reason::RUNNER_FINISHED,
     ] {
-        assert!(
-            events.iter().any(|(er, _)| er == r),
-            "no {r} Event: {events:?}"
-        );
+        w.wait_event("runner-a", r, "").await;
     }
+    let events = w.events_of("runner-a").await;
     assert!(!format!("{events:?}").contains("JITSECRET"));
     // Terminal: the instance is released; deletion records TornDown.
     w.delete_and_wait_torn_down("runner-a", &agent).await;
@@ -841,13 +882,7 @@ async fn a_vm_naming_another_vms_jit_secret_never_receives_it() {
             s.runner.as_ref().and_then(|r| r.handoff).is_none(),
             "{name}: {s:#?}"
         );
-        let events = w.events_of(name).await;
-        assert!(
-            events
-                .iter()
-                .any(|(r, note)| r == reason::VM_FAILED && note.starts_with(want)),
-            "{name}: {events:?}"
-        );
+        w.wait_event(name, reason::VM_FAILED, want).await;
     }
     assert!(
         w.secret_exists("victim-jit").await,
@@ -928,18 +963,14 @@ impl HostileGuests {
             unreachable!("simulator() is the simulator")
         };
         let dir = tempfile::tempdir().unwrap();
-        let wrapper = dir.path().join("guest-wrapper.sh");
-        std::fs::write(
-            &wrapper,
-            format!(
+        let wrapper = executable(
+            &dir.path().join("guest-wrapper.sh"),
+            &format!(
                 "#!/bin/sh\nif mv {d}/armed {d}/claimed-$$ 2>/dev/null; then\n  printf '%s' \"$3\" > {d}/sock.tmp && mv {d}/sock.tmp {d}/sock\n  exec sleep 3600\nfi\nexec {real} \"$@\"\n",
                 d = dir.path().display(),
                 real = guest.display()
             ),
-        )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        );
         let backend = common::Backend::Simulator {
             simulator,
             guest: wrapper,
@@ -1025,18 +1056,21 @@ async fn serve_hostile(
 
 /// A runner command that records its config under `<dir>/got-<config>` and exits 0 after `secs`.
 fn slow_runner(dir: &Path, secs: u32) -> PathBuf {
-    let path = dir.join("slow-runner.sh");
-    std::fs::write(
-        &path,
-        format!(
+    executable(
+        &dir.join("slow-runner.sh"),
+        &format!(
             "#!/bin/sh\nsleep {secs}\n: > {d}/finished-\"$ACTIONS_RUNNER_INPUT_JITCONFIG\"\nexit 0\n",
             d = dir.display()
         ),
     )
-    .unwrap();
+}
+
+/// Writes `script` to `path`, mode 0755.
+fn executable(path: &Path, script: &str) -> PathBuf {
+    std::fs::write(path, script).unwrap();
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    path
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1047,14 +1081,7 @@ async fn a_guest_flooding_unsolicited_frames_is_cut_off_and_failed_while_others_
     let agent = w.agent(&runner, 1);
     // A well-behaved neighbour, running its job through the flood.
     w.runner_vm_with("good", "good-jit", "good").await;
-    w.wait_vm("good", "Started", Duration::from_secs(60), &agent, |vm| {
-        vm.status
-            .as_ref()
-            .and_then(|s| s.runner.as_ref())
-            .and_then(|r| r.handoff)
-            == Some(HandoffState::Started)
-    })
-    .await;
+    w.wait_handoff("good", HandoffState::Started, &agent).await;
     let before = agent.rss();
     let sent = hostile.arm(Hostility::Flood);
     w.runner_vm_with("flood", "flood-jit", "flood").await;
@@ -1086,13 +1113,8 @@ async fn a_guest_flooding_unsolicited_frames_is_cut_off_and_failed_while_others_
     // Bound: 32 dropped frames are read one at a time (1 MiB each, freed), and the queue holds
     // none of them. 24 MiB leaves room for the allocator keeping freed pages.
     assert!(growth < 24 << 20, "agent RSS grew by {growth} bytes");
-    let events = w.events_of("flood").await;
-    assert!(
-        events
-            .iter()
-            .any(|(r, n)| r == reason::VM_FAILED && n.starts_with(reason::GUEST_BUDGET_EXCEEDED)),
-        "{events:?}"
-    );
+    w.wait_event("flood", reason::VM_FAILED, reason::GUEST_BUDGET_EXCEEDED)
+        .await;
     // The neighbour is unaffected: its job finishes and the VM succeeds.
     w.wait_phase("good", VmPhase::Succeeded, &agent).await;
     assert!(w.dir.path().join("finished-good").exists());
@@ -1110,14 +1132,8 @@ async fn a_guest_that_never_answers_the_requery_fails_its_vm_after_the_answer_ti
     let mut first = Agent::start(&w.env, &w.rt, &w.node, &runner, 1, &timeout);
     let _sent = hostile.arm(Hostility::SilentRequery);
     w.runner_vm("silent", "silent-jit").await;
-    w.wait_vm("silent", "Started", Duration::from_secs(60), &first, |vm| {
-        vm.status
-            .as_ref()
-            .and_then(|s| s.runner.as_ref())
-            .and_then(|r| r.handoff)
-            == Some(HandoffState::Started)
-    })
-    .await;
+    w.wait_handoff("silent", HandoffState::Started, &first)
+        .await;
     // The agent restarts: the new one reattaches by repeating the Exec id, which this guest
     // never answers.
     first.kill9();
@@ -1309,46 +1325,21 @@ async fn readiness_probe_flips_ready_and_guest_metrics_come_and_go_with_the_vm()
 
     // Failing probes: Ready=False after failureThreshold (2) in a row, then True on a pass.
     healthy.store(false, Ordering::SeqCst);
-    let vm = w
-        .wait_vm(
-            "probed",
-            "Ready=False",
-            Duration::from_secs(20),
-            &agent,
-            |vm| ready_reason(vm).is_some_and(|(s, _)| s == "False"),
-        )
-        .await;
-    assert_eq!(
-        ready_reason(&vm).unwrap().1,
-        reason::READINESS_PROBE_FAILED,
-        "{:#?}",
-        vm.status
-    );
+    let (vm, why) = w.wait_ready("probed", "False", &agent).await;
+    assert_eq!(why, reason::READINESS_PROBE_FAILED, "{:#?}", vm.status);
     assert_eq!(
         phase_of(&vm),
         Some(VmPhase::Running),
         "a probe failure does not stop the VM"
     );
     healthy.store(true, Ordering::SeqCst);
-    let vm = w
-        .wait_vm(
-            "probed",
-            "Ready=True",
-            Duration::from_secs(20),
-            &agent,
-            |vm| ready_reason(vm).is_some_and(|(s, _)| s == "True"),
-        )
-        .await;
-    assert_eq!(ready_reason(&vm).unwrap().1, reason::READINESS_PROBE_PASSED);
-    let events = w.events_of("probed").await;
+    let (_, why) = w.wait_ready("probed", "True", &agent).await;
+    assert_eq!(why, reason::READINESS_PROBE_PASSED);
     for r in [
         reason::READINESS_PROBE_FAILED,
         reason::READINESS_PROBE_PASSED,
     ] {
-        assert!(
-            events.iter().any(|(er, _)| er == r),
-            "no {r} Event: {events:?}"
-        );
+        w.wait_event("probed", r, "").await;
     }
 
     // The VM goes: so do its series.
