@@ -395,7 +395,7 @@ pub mod reason {
         /// The runner exited (the message has its exit code).
         RUNNER_FINISHED = "RunnerFinished" in [VmEvent];
         /// imp-agent released the VM's process, TAP, address and disk in imp-runtime.
-        TORN_DOWN_EVENT = "TornDownOnNode" in [VmEvent];
+        TORN_DOWN_ON_NODE = "TornDownOnNode" in [VmEvent];
         /// Ready=False: the class's readiness probe failed failureThreshold times in a row inside the guest.
         READINESS_PROBE_FAILED = "ReadinessProbeFailed" in [VmCondition(READY), VmEvent];
         /// Ready=True again: the class's readiness probe passed after failing.

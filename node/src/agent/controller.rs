@@ -336,7 +336,7 @@ async fn record_torn_down(ctx: &Context, api: &Api<ImpVM>, name: &str) -> Result
         ctx.metrics.teardown();
         info!(vm = %name, "recorded TornDown=True");
         let note = "process, TAP, address and per-VM disk released on this node".into();
-        ctx.event(&vm, false, api_reason::TORN_DOWN_EVENT, note)
+        ctx.event(&vm, false, api_reason::TORN_DOWN_ON_NODE, note)
             .await;
     }
     Ok(())
