@@ -382,6 +382,35 @@ pub mod reason {
         ORPHAN_RUNNERS_DELETED = "OrphanRunnersDeleted" in [PoolEvent];
         /// Warning: the pool is deleted after its App Secret: its runner registrations cannot be deleted and stay at GitHub until removed by hand.
         REGISTRATIONS_ABANDONED = "RegistrationsAbandoned" in [PoolEvent];
+        // agent (issue 15): the handoff's binding rule, guest containment, lifecycle Events.
+        /// The Secret spec.runnerConfigSecret names is not controlled by this VM (owner reference uid); it is left untouched.
+        RUNNER_CONFIG_NOT_OWNED = "RunnerConfigNotOwned" in [VmStatus, VmEvent];
+        /// The Secret spec.runnerConfigSecret names lacks Imp's JIT label; it is left untouched.
+        RUNNER_CONFIG_NOT_JIT = "RunnerConfigNotJit" in [VmStatus, VmEvent];
+        /// A VM naming a runnerConfigSecret is not controlled by an ImpVMRunnerPool; no config is handed to it.
+        RUNNER_VM_NOT_POOLED = "RunnerVmNotPooled" in [VmStatus, VmEvent];
+        /// The guest sent more unsolicited frames than a connection allows; the agent disconnected it.
+        GUEST_BUDGET_EXCEEDED = "GuestBudgetExceeded" in [VmStatus, VmEvent];
+        /// The guest did not answer a re-query of its runner within the answer timeout.
+        GUEST_UNRESPONSIVE = "GuestUnresponsive" in [VmStatus, VmEvent];
+        /// imp-agent asked imp-runtime to boot the VM.
+        BOOT_REQUESTED = "BootRequested" in [VmEvent];
+        /// The VM runs and its guest agent answered.
+        VM_RUNNING = "VmRunning" in [VmEvent];
+        /// The runner config was handed to the guest and the runner started; the JIT Secret is deleted.
+        HANDED_OFF = "HandedOff" in [VmEvent];
+        /// Warning: the VM failed on this node (the message names its reason).
+        VM_FAILED = "VmFailed" in [VmEvent];
+        /// The runner exited (the message has its exit code).
+        RUNNER_FINISHED = "RunnerFinished" in [VmEvent];
+        /// imp-agent released the VM's process, TAP, address and disk in imp-runtime.
+        TORN_DOWN_ON_NODE = "TornDownOnNode" in [VmEvent];
+        /// Ready=False: the class's readiness probe failed failureThreshold times in a row inside the guest.
+        READINESS_PROBE_FAILED = "ReadinessProbeFailed" in [VmCondition(READY), VmEvent];
+        /// Ready=True again: the class's readiness probe passed after failing.
+        READINESS_PROBE_PASSED = "ReadinessProbePassed" in [VmCondition(READY), VmEvent];
+        /// Warning: a VM claims the pool (label, owner reference) but its spec is not the pool's template; deleted, never minted for.
+        FOREIGN_RUNNER_VM = "ForeignRunnerVm" in [PoolEvent];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

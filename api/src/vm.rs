@@ -56,6 +56,10 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
     selectable = ".spec.nodeName"
 )]
 #[serde(rename_all = "camelCase")]
+// The agent hands a JIT config only to the VM whose Secret it is (docs/agent.md "Binding rule"); a
+// name that can be swapped after the check would undo that, so it is fixed once set.
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.runnerConfigSecret) && self.runnerConfigSecret == oldSelf.runnerConfigSecret)")
+    .message("runnerConfigSecret cannot change or be removed once set").field_path(".runnerConfigSecret"))]
 pub struct ImpVMSpec {
     /// The ImpVMClass giving size and behaviour.
     pub class_ref: ClassRef,

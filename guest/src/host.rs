@@ -4,7 +4,7 @@
 //! Firecracker simulator. Firecracker's hybrid vsock: connect to the VM's `uds_path`, write
 //! `CONNECT <port>\n`, read `OK <assigned>\n`; from then on the stream is the guest port.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -24,6 +24,17 @@ const MAX_HANDSHAKE_LINE: usize = 64;
 const RETRY_MIN: Duration = Duration::from_millis(20);
 const RETRY_MAX: Duration = Duration::from_millis(500);
 
+/// How long one request (an Exec, a probe, a metrics query) may wait for its answer by default.
+pub const DEFAULT_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Frames nobody asked for (an answer to no request, an event of a process this connection did
+/// not start, a second `Exited`, an undecodable frame) that one connection tolerates. One more and
+/// the client gives up on the guest: it runs the job as root and may be hostile.
+pub const MAX_UNEXPECTED_FRAMES: u32 = 32;
+/// Expected events (`Exited` of an exec of this connection, `Output` of a streamed one) held
+/// while the caller waits for something else. With frames capped at 1 MiB this bounds the
+/// client's memory; an event past it counts as unexpected.
+pub const MAX_QUEUED_EVENTS: usize = 16;
+
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
     #[error("no Hello from the guest via {path} before the deadline (last attempt: {last})")]
@@ -40,6 +51,15 @@ pub enum HostError {
     Guest(ErrorMsg),
     #[error("unexpected answer from the guest: {0}")]
     Unexpected(String),
+    #[error(
+        "guest sent {count} frames nobody asked for (last: {last}); the connection was dropped"
+    )]
+    BudgetExceeded { count: u32, last: String },
+    #[error("guest did not answer {request} within {after:?}")]
+    NoAnswer {
+        request: &'static str,
+        after: Duration,
+    },
     #[error(transparent)]
     Frame(#[from] FrameError),
     #[error("i/o on the guest connection: {0}")]
@@ -59,6 +79,12 @@ impl HostError {
 /// A connected, greeted guest agent. Requests on one client are sequential (`&mut self`); for
 /// concurrent work (e.g. waiting for an exit while probing) open another connection: the agent
 /// serves any number, all sharing one exec table.
+///
+/// The guest is not trusted: every request's answer is awaited at most
+/// [`answer_timeout`](Self::set_answer_timeout), at most [`MAX_QUEUED_EVENTS`] events are held,
+/// and frames nobody asked for are counted and dropped until [`MAX_UNEXPECTED_FRAMES`], after
+/// which every call fails with [`HostError::BudgetExceeded`]. Memory stays bounded by the queue
+/// and one frame (1 MiB) whatever the guest sends.
 #[derive(Debug)]
 pub struct HostClient {
     reader: FrameReader<OwnedReadHalf>,
@@ -66,6 +92,23 @@ pub struct HostClient {
     hello: Hello,
     /// Asynchronous events (`Exited`, `Output`) read while waiting for an answer.
     events: VecDeque<GuestToHost>,
+    answer_timeout: Duration,
+    /// Exec ids sent on this connection: their `Exited` (once) is expected.
+    execs: HashSet<String>,
+    /// Of those, the ones with `stream_output`: their `Output` is expected.
+    streamed: HashSet<String>,
+    /// Exec ids whose `Exited` was already read: a second one is unexpected.
+    exited: HashSet<String>,
+    unexpected: u32,
+    /// Set once the budget is exceeded: the connection is not read any more.
+    over_budget: Option<String>,
+}
+
+/// What the client does with a frame that is not the answer it waits for.
+#[derive(Debug, PartialEq, Eq)]
+enum Fate {
+    Queue,
+    Drop,
 }
 
 /// Connect through Firecracker's hybrid vsock at `uds_path` to guest `port`, retrying (the VM
@@ -193,7 +236,68 @@ impl HostClient {
             writer: FrameWriter::new(wr),
             hello,
             events: VecDeque::new(),
+            answer_timeout: DEFAULT_ANSWER_TIMEOUT,
+            execs: HashSet::new(),
+            streamed: HashSet::new(),
+            exited: HashSet::new(),
+            unexpected: 0,
+            over_budget: None,
         })
+    }
+
+    /// How long [`exec`](Self::exec), [`probe`](Self::probe) and [`metrics`](Self::metrics) wait
+    /// for their answer ([`HostError::NoAnswer`] after that). [`wait_exited`](Self::wait_exited)
+    /// has no bound of its own: a job runs as long as it runs.
+    pub fn set_answer_timeout(&mut self, timeout: Duration) {
+        self.answer_timeout = timeout;
+    }
+
+    /// Frames nobody asked for, dropped so far on this connection.
+    pub fn unexpected_frames(&self) -> u32 {
+        self.unexpected
+    }
+
+    fn fate(&self, msg: &GuestToHost) -> Fate {
+        let expected = match msg {
+            GuestToHost::Exited(e) => {
+                self.execs.contains(&e.id)
+                    && !self.exited.contains(&e.id)
+                    && !self
+                        .events
+                        .iter()
+                        .any(|q| matches!(q, GuestToHost::Exited(x) if x.id == e.id))
+            }
+            GuestToHost::Output(o) => self.streamed.contains(&o.id),
+            _ => false,
+        };
+        if expected && self.events.len() < MAX_QUEUED_EVENTS {
+            Fate::Queue
+        } else {
+            Fate::Drop
+        }
+    }
+
+    /// Counts a dropped frame; past the budget the connection is given up.
+    fn drop_frame(&mut self, what: String) -> Result<(), HostError> {
+        self.unexpected += 1;
+        if self.unexpected > MAX_UNEXPECTED_FRAMES {
+            self.over_budget = Some(what.clone());
+            return Err(HostError::BudgetExceeded {
+                count: self.unexpected,
+                last: what,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_budget(&self) -> Result<(), HostError> {
+        match &self.over_budget {
+            Some(last) => Err(HostError::BudgetExceeded {
+                count: self.unexpected,
+                last: last.clone(),
+            }),
+            None => Ok(()),
+        }
     }
 
     pub fn hello(&self) -> &Hello {
@@ -224,37 +328,52 @@ impl HostClient {
             .ok_or(HostError::Closed)
     }
 
-    /// Read until `pick` accepts a frame; frames it declines are queued as events.
+    /// Read until `pick` accepts a frame; of the frames it declines, expected events are queued
+    /// and the rest counted and dropped (undecodable but whole frames included).
     async fn answer<T>(
         &mut self,
         mut pick: impl FnMut(&GuestToHost) -> bool,
         take: impl Fn(GuestToHost) -> Option<T>,
     ) -> Result<T, HostError> {
+        self.check_budget()?;
         loop {
-            let msg = self.read_wire().await?;
+            let msg = match self.reader.read::<GuestToHost>().await {
+                Ok(Some(m)) => m,
+                Ok(None) => return Err(HostError::Closed),
+                Err(e) if e.is_recoverable() => {
+                    self.drop_frame(e.to_string())?;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
             if pick(&msg) {
                 return take(msg)
                     .ok_or_else(|| HostError::Unexpected("answer did not match".into()));
             }
-            self.events.push_back(msg);
+            match self.fate(&msg) {
+                Fate::Queue => self.events.push_back(msg),
+                Fate::Drop => self.drop_frame(type_name(&msg))?,
+            }
         }
     }
 
     /// Start (or, for a known id, re-query) a process. Returns its `Started`; an `Exited`
     /// that follows (already finished, or later) is collected by [`wait_exited`](Self::wait_exited).
     pub async fn exec(&mut self, req: Exec) -> Result<Started, HostError> {
+        self.check_budget()?;
         let id = req.id.clone();
+        self.execs.insert(id.clone());
+        if req.stream_output {
+            self.streamed.insert(id.clone());
+        }
         self.send(&HostToGuest::Exec(req)).await?;
-        let answer = self
-            .answer(
-                |m| match m {
-                    GuestToHost::Started(s) => s.id == id,
-                    GuestToHost::Error(e) => e.id.as_deref().is_none_or(|eid| eid == id),
-                    _ => false,
-                },
-                Some,
-            )
-            .await?;
+        let pick = |m: &GuestToHost| match m {
+            GuestToHost::Started(s) => s.id == id,
+            GuestToHost::Error(e) => e.id.as_deref().is_none_or(|eid| eid == id),
+            _ => false,
+        };
+        let after = self.answer_timeout;
+        let answer = within("the Exec", after, self.answer(pick, Some)).await?;
         match answer {
             GuestToHost::Started(s) => Ok(s),
             GuestToHost::Error(e) => Err(HostError::Guest(e)),
@@ -270,27 +389,29 @@ impl HostClient {
             .position(|m| matches!(m, GuestToHost::Exited(e) if e.id == id))
             && let Some(GuestToHost::Exited(e)) = self.events.remove(pos)
         {
+            self.exited.insert(e.id.clone());
             return Ok(e);
         }
-        self.answer(
-            |m| matches!(m, GuestToHost::Exited(e) if e.id == id),
-            |m| match m {
-                GuestToHost::Exited(e) => Some(e),
-                _ => None,
-            },
-        )
-        .await
+        let e = self
+            .answer(
+                |m| matches!(m, GuestToHost::Exited(e) if e.id == id),
+                |m| match m {
+                    GuestToHost::Exited(e) => Some(e),
+                    _ => None,
+                },
+            )
+            .await?;
+        self.exited.insert(e.id.clone());
+        Ok(e)
     }
 
     pub async fn probe(&mut self, req: HttpProbe) -> Result<ProbeResult, HostError> {
+        self.check_budget()?;
         self.send(&HostToGuest::HttpProbe(req)).await?;
-        match self
-            .answer(
-                |m| matches!(m, GuestToHost::ProbeResult(_) | GuestToHost::Error(_)),
-                Some,
-            )
-            .await?
-        {
+        let pick =
+            |m: &GuestToHost| matches!(m, GuestToHost::ProbeResult(_) | GuestToHost::Error(_));
+        let after = self.answer_timeout;
+        match within("the probe", after, self.answer(pick, Some)).await? {
             GuestToHost::ProbeResult(r) => Ok(r),
             GuestToHost::Error(e) => Err(HostError::Guest(e)),
             other => Err(HostError::Unexpected(type_name(&other))),
@@ -298,14 +419,12 @@ impl HostClient {
     }
 
     pub async fn metrics(&mut self) -> Result<GuestMetrics, HostError> {
+        self.check_budget()?;
         self.send(&HostToGuest::Metrics).await?;
-        match self
-            .answer(
-                |m| matches!(m, GuestToHost::GuestMetrics(_) | GuestToHost::Error(_)),
-                Some,
-            )
-            .await?
-        {
+        let pick =
+            |m: &GuestToHost| matches!(m, GuestToHost::GuestMetrics(_) | GuestToHost::Error(_));
+        let after = self.answer_timeout;
+        match within("the metrics query", after, self.answer(pick, Some)).await? {
             GuestToHost::GuestMetrics(r) => Ok(r),
             GuestToHost::Error(e) => Err(HostError::Guest(e)),
             other => Err(HostError::Unexpected(type_name(&other))),
@@ -318,6 +437,18 @@ impl HostClient {
     }
 }
 
+/// `fut` within `after`, else [`HostError::NoAnswer`]. Reads are cancel safe, so the connection
+/// stays aligned on a frame boundary after a timeout.
+async fn within<T>(
+    request: &'static str,
+    after: Duration,
+    fut: impl Future<Output = Result<T, HostError>>,
+) -> Result<T, HostError> {
+    tokio::time::timeout(after, fut)
+        .await
+        .unwrap_or(Err(HostError::NoAnswer { request, after }))
+}
+
 fn type_name(msg: &GuestToHost) -> String {
     serde_json::to_value(msg)
         .ok()
@@ -328,6 +459,188 @@ fn type_name(msg: &GuestToHost) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::frame::{MAX_FRAME_BYTES, encode};
+    use crate::protocol::{Output, OutputStream};
+    use tokio::net::UnixListener;
+
+    /// A fake guest on a Unix socket: says Hello, then runs `script` on the accepted stream.
+    async fn fake_guest<F, Fut>(script: F) -> (tempfile::TempDir, HostClient)
+    where
+        F: FnOnce(UnixStream) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send,
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("guest.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let hello = GuestToHost::Hello(Hello {
+                protocol: PROTOCOL_VERSION,
+                agent_version: "fake".into(),
+                boot_id: "b".into(),
+            });
+            s.write_all(&encode(&hello).unwrap()).await.unwrap();
+            script(s).await;
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let client = connect_unix(&path, deadline).await.unwrap();
+        (dir, client)
+    }
+
+    fn exec(id: &str, stream_output: bool) -> Exec {
+        Exec {
+            id: id.into(),
+            argv: vec!["runner".into()],
+            env: Default::default(),
+            cwd: None,
+            uid: None,
+            gid: None,
+            timeout_s: None,
+            stream_output,
+            poweroff_on_exit: false,
+        }
+    }
+
+    async fn send(s: &mut UnixStream, msg: GuestToHost) -> std::io::Result<()> {
+        s.write_all(&encode(&msg).unwrap()).await
+    }
+
+    /// Reads (and discards) one host frame: the Exec.
+    async fn read_request(s: &mut UnixStream) {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).await.unwrap();
+        let mut body = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut body).await.unwrap();
+    }
+
+    fn output(id: &str, bytes: usize) -> GuestToHost {
+        GuestToHost::Output(Output {
+            id: id.into(),
+            stream: OutputStream::Stdout,
+            data_b64: "A".repeat(bytes),
+        })
+    }
+
+    fn exited(id: &str) -> GuestToHost {
+        GuestToHost::Exited(Exited {
+            id: id.into(),
+            code: Some(0),
+            signal: None,
+            timed_out: false,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_unsolicited_megabyte_frames_ends_in_budget_exceeded() {
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counter = sent.clone();
+        let (_dir, mut client) = fake_guest(move |mut s| async move {
+            read_request(&mut s).await;
+            let started = GuestToHost::Started(Started {
+                id: "runner".into(),
+                pid: 7,
+            });
+            send(&mut s, started).await.unwrap();
+            // 500 frames just under the 1 MiB cap, for a process nobody started here.
+            let frame = output("not-mine", MAX_FRAME_BYTES - 100);
+            for _ in 0..500 {
+                if send(&mut s, frame.clone()).await.is_err() {
+                    return; // the host gave up on us
+                }
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            let _ = send(&mut s, exited("runner")).await;
+        })
+        .await;
+        assert_eq!(client.exec(exec("runner", false)).await.unwrap().pid, 7);
+        let err = client.wait_exited("runner").await.unwrap_err();
+        match &err {
+            HostError::BudgetExceeded { count, last } => {
+                assert_eq!(*count, MAX_UNEXPECTED_FRAMES + 1);
+                assert_eq!(last, "output");
+            }
+            other => panic!("expected BudgetExceeded, got {other:?}"),
+        }
+        assert!(client.events.is_empty(), "unsolicited frames were queued");
+        // Nothing more is read from this guest: every further call fails at once.
+        assert!(matches!(
+            client.wait_exited("runner").await,
+            Err(HostError::BudgetExceeded { .. })
+        ));
+        assert!(matches!(
+            client.metrics().await,
+            Err(HostError::BudgetExceeded { .. })
+        ));
+        drop(client);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let n = sent.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(n < 500, "the host read all {n} frames");
+    }
+
+    #[tokio::test]
+    async fn a_guest_that_never_answers_times_out_per_request() {
+        let (_dir, mut client) = fake_guest(|mut s| async move {
+            read_request(&mut s).await;
+            // Hold the connection open, answer nothing.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        })
+        .await;
+        client.set_answer_timeout(Duration::from_millis(300));
+        let started = std::time::Instant::now();
+        let err = client.exec(exec("runner", false)).await.unwrap_err();
+        assert!(
+            matches!(err, HostError::NoAnswer { request: "the Exec", after } if after == Duration::from_millis(300)),
+            "{err:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn expected_events_are_queued_and_duplicates_and_strays_are_counted() {
+        let (_dir, mut client) = fake_guest(|mut s| async move {
+            read_request(&mut s).await; // Exec "a" (streamed)
+            read_request(&mut s).await; // Exec "b"
+            let started = |id: &str| {
+                GuestToHost::Started(Started {
+                    id: id.into(),
+                    pid: 1,
+                })
+            };
+            send(&mut s, started("a")).await.unwrap();
+            // While the host waits for b's Started: a's output and exit (expected), a stray
+            // Started, a second Exited of a, an undecodable frame.
+            send(&mut s, output("a", 8)).await.unwrap();
+            send(&mut s, exited("a")).await.unwrap();
+            send(&mut s, exited("a")).await.unwrap();
+            send(&mut s, started("zzz")).await.unwrap();
+            s.write_all(&[0, 0, 0, 2, b'{', b'}']).await.unwrap();
+            send(&mut s, started("b")).await.unwrap();
+            send(&mut s, exited("a")).await.unwrap();
+            send(&mut s, exited("b")).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        })
+        .await;
+        // Both requests are written before any answer is read (as two callers would).
+        client.execs.insert("a".into());
+        client.streamed.insert("a".into());
+        client
+            .send(&HostToGuest::Exec(exec("a", true)))
+            .await
+            .unwrap();
+        assert_eq!(client.exec(exec("b", false)).await.unwrap().id, "b");
+        // Queued: a's Output and one Exited. Dropped: Started(a) (no answer is queued, only
+        // events), the second Exited(a), Started(zzz), `{}`.
+        assert_eq!(client.events.len(), 2, "{:?}", client.events);
+        assert_eq!(client.unexpected_frames(), 4);
+        assert!(matches!(
+            client.recv().await.unwrap(),
+            GuestToHost::Output(_)
+        ));
+        assert_eq!(client.wait_exited("a").await.unwrap().id, "a");
+        assert_eq!(client.wait_exited("b").await.unwrap().id, "b");
+        // Once a's exit was read, a third Exited(a) is a stray as well.
+        assert_eq!(client.unexpected_frames(), 5);
+    }
 
     #[test]
     fn ok_line() {

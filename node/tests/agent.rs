@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{Harness, simulator};
 use imp_api::names::{self, condition, reason};
-use imp_api::{HandoffState, ImpVM, ImpVMClass, VmPhase, conditions};
+use imp_api::{HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, VmPhase, conditions};
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
@@ -19,7 +19,7 @@ use imp_testkit::{TestEnv, fixtures};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, ResourceExt};
+use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 
 const JIT: &str = "eyJqaXQiOiJzM2NyM3QtY29uZmlnLWZvci10ZXN0In0=-JITSECRET-7f3a9c";
@@ -31,7 +31,14 @@ struct Agent {
 }
 
 impl Agent {
-    fn start(env: &TestEnv, rt: &Harness, node: &str, runner_command: &Path, n: u32) -> Agent {
+    fn start(
+        env: &TestEnv,
+        rt: &Harness,
+        node: &str,
+        runner_command: &Path,
+        n: u32,
+        extra_env: &[(&str, &str)],
+    ) -> Agent {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -44,6 +51,7 @@ impl Agent {
             .env("IMP_SWEEP_INTERVAL", "1s")
             .env("IMP_HTTP_ADDR", format!("127.0.0.1:{port}"))
             .env("IMP_RUNNER_COMMAND", runner_command)
+            .envs(extra_env.iter().copied())
             .env(
                 "IMP_LOG",
                 "debug,hyper=info,kube_client=info,tower=info,h2=info,rustls=info",
@@ -68,6 +76,18 @@ impl Agent {
 
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Resident set size of the agent process, bytes (/proc/<pid>/status VmRSS).
+    fn rss(&self) -> u64 {
+        let pid = self.child.as_ref().expect("agent running").id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS in /proc/<pid>/status");
+        kib * 1024
     }
 }
 
@@ -143,12 +163,20 @@ impl World {
     /// With `net`, the runtime runs in its node namespace and pulls through a forwarder
     /// listening on `127.0.0.1` there (the registry stays in the test's namespace).
     async fn new_in(prefix: &str, net: Option<&common::TestNetwork>) -> World {
+        Self::new_with(prefix, net, simulator()).await
+    }
+
+    async fn new_with(
+        prefix: &str,
+        net: Option<&common::TestNetwork>,
+        backend: common::Backend,
+    ) -> World {
         let registry = registry_with_base_image().await;
         let host = match net {
             None => registry.host(),
             Some(n) => forward_into(n, &registry.host()),
         };
-        let mut rt = Harness::new(simulator());
+        let mut rt = Harness::new(backend);
         rt.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
         rt.netns = net.map(|n| n.node.clone());
         rt.start_runtime().await;
@@ -178,18 +206,13 @@ impl World {
     /// A runner command that records its environment and argv, then exits with `code`.
     fn runner_script(&self, code: i32) -> PathBuf {
         let d = self.dir.path();
-        let path = d.join(format!("runner-{code}.sh"));
-        std::fs::write(
-            &path,
-            format!(
+        executable(
+            &d.join(format!("runner-{code}.sh")),
+            &format!(
                 "#!/bin/sh\nprintf '%s' \"$ACTIONS_RUNNER_INPUT_JITCONFIG\" > {d}/got-config\necho \"$0 $*\" > {d}/argv\nexit {code}\n",
                 d = d.display()
             ),
         )
-        .unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        path
     }
 
     fn got_config(&self) -> Option<String> {
@@ -197,7 +220,7 @@ impl World {
     }
 
     fn agent(&self, runner: &Path, n: u32) -> Agent {
-        Agent::start(&self.env, &self.rt, &self.node, runner, n)
+        Agent::start(&self.env, &self.rt, &self.node, runner, n, &[])
     }
 
     /// Creates a VM bound to the test node in phase Scheduled (as the operator leaves it), with
@@ -230,13 +253,88 @@ impl World {
             .unwrap()
     }
 
-    async fn jit_secret(&self, name: &str) {
-        let s = fixtures::jit_secret(name, JIT, 42, "imp-test-runner");
+    /// The namespace's ImpVMRunnerPool (created on first use; no operator runs here, the test
+    /// plays it): what a runner VM's controlling owner must be.
+    async fn pool(&self) -> ImpVMRunnerPool {
+        let pools: Api<ImpVMRunnerPool> = self.env.api();
+        if let Some(p) = pools.get_opt("pool").await.unwrap() {
+            return p;
+        }
+        let p = fixtures::pool("pool").class(&self.class).image(&self.image);
+        pools
+            .create(&PostParams::default(), &p.build())
+            .await
+            .unwrap()
+    }
+
+    /// A JIT Secret `name` controlled by `owner` (as the pool mints it), holding `config`.
+    async fn jit_secret_for(&self, name: &str, owner: &ImpVM, config: &str) {
+        let mut s = fixtures::jit_secret(name, config, 42, "imp-test-runner");
+        s.metadata.owner_references = Some(vec![owner.controller_owner_ref(&()).unwrap()]);
         self.env
             .api::<Secret>()
             .create(&PostParams::default(), &s)
             .await
             .unwrap();
+    }
+
+    /// A runner VM as the pool makes one (controlled by the pool, its label), bound here, with
+    /// its own JIT Secret `secret` holding `config`; then phase Scheduled.
+    async fn runner_vm_with(&self, name: &str, secret: &str, config: &str) -> ImpVM {
+        let pool = self.pool().await;
+        let vm = fixtures::vm(name)
+            .runner_of(&pool)
+            .class(&self.class)
+            .image(&self.image)
+            .bound(&self.node)
+            .finalizer(imp_api::names::FINALIZER_VM_CLEANUP)
+            .runner_config(secret);
+        let vm = self
+            .vms()
+            .create(&PostParams::default(), &vm.build())
+            .await
+            .unwrap();
+        self.jit_secret_for(secret, &vm, config).await;
+        self.set_status(name, json!({"phase": VmPhase::Scheduled}))
+            .await
+    }
+
+    async fn runner_vm(&self, name: &str, secret: &str) -> ImpVM {
+        self.runner_vm_with(name, secret, JIT).await
+    }
+
+    /// The Events on ImpVM `name` (events.k8s.io), as (reason, note).
+    async fn events_of(&self, name: &str) -> Vec<(String, String)> {
+        let events: Api<k8s_openapi::api::events::v1::Event> = self.env.api();
+        events
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
+    }
+
+    /// Waits for an Event on `name` with `reason` whose note starts with `note` (Events are
+    /// published after the status write they report); returns every Event on `name`.
+    async fn wait_event(&self, name: &str, reason: &str, note: &str) -> Vec<(String, String)> {
+        let started = Instant::now();
+        loop {
+            let events = self.events_of(name).await;
+            if events
+                .iter()
+                .any(|(r, n)| r == reason && n.starts_with(note))
+            {
+                return events;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(15),
+                "{name}: no {reason} Event with a note starting {note:?}: {events:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     async fn secret_exists(&self, name: &str) -> bool {
@@ -272,6 +370,35 @@ impl World {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// Waits for condition Ready = `want` ("True"/"False"); returns the VM and its reason.
+    async fn wait_ready(&self, name: &str, want: &str, agent: &Agent) -> (ImpVM, String) {
+        let what = format!("Ready={want}");
+        let vm = self
+            .wait_vm(name, &what, Duration::from_secs(20), agent, |vm| {
+                ready_reason(vm).is_some_and(|(s, _)| s == want)
+            })
+            .await;
+        let why = ready_reason(&vm).unwrap().1;
+        (vm, why)
+    }
+
+    async fn wait_handoff(&self, name: &str, state: HandoffState, agent: &Agent) -> ImpVM {
+        self.wait_vm(
+            name,
+            &format!("{state:?}"),
+            Duration::from_secs(60),
+            agent,
+            |vm| {
+                vm.status
+                    .as_ref()
+                    .and_then(|s| s.runner.as_ref())
+                    .and_then(|r| r.handoff)
+                    == Some(state)
+            },
+        )
+        .await
     }
 
     async fn wait_phase(&self, name: &str, phase: VmPhase, agent: &Agent) -> ImpVM {
@@ -412,8 +539,7 @@ async fn reqwest_get(url: &str) -> String {
 async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_succeeds() {
     let w = World::new("agent-handoff").await;
     let agent = w.agent(&w.runner_script(0), 1);
-    w.jit_secret("jit-a").await;
-    w.bound_vm("runner-a", &w.image, Some("jit-a")).await;
+    w.runner_vm("runner-a", "jit-a").await;
     let vm = w.wait_phase("runner-a", VmPhase::Succeeded, &agent).await;
     let r = vm.status.as_ref().unwrap().runner.clone().unwrap();
     assert_eq!(r.handoff, Some(HandoffState::Exited));
@@ -437,6 +563,17 @@ async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_suc
         "JIT config in the agent log"
     );
     assert!(!serde_json::to_string(&vm).unwrap().contains("JITSECRET"));
+    // The lifecycle as Events, none of them carrying the config.
+    for r in [
+        reason::BOOT_REQUESTED,
+        reason::VM_RUNNING,
+        reason::HANDED_OFF,
+        reason::RUNNER_FINISHED,
+    ] {
+        w.wait_event("runner-a", r, "").await;
+    }
+    let events = w.events_of("runner-a").await;
+    assert!(!format!("{events:?}").contains("JITSECRET"));
     // Terminal: the instance is released; deletion records TornDown.
     w.delete_and_wait_torn_down("runner-a", &agent).await;
     assert!(!runtime_has(&w.rt, &uid(&vm)).await);
@@ -448,8 +585,7 @@ async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_suc
 async fn runner_exit_non_zero_fails_the_vm() {
     let w = World::new("agent-exit").await;
     let agent = w.agent(&w.runner_script(3), 1);
-    w.jit_secret("jit-b").await;
-    w.bound_vm("runner-b", &w.image, Some("jit-b")).await;
+    w.runner_vm("runner-b", "jit-b").await;
     let vm = w.wait_phase("runner-b", VmPhase::Failed, &agent).await;
     let s = vm.status.as_ref().unwrap();
     assert_eq!(
@@ -466,8 +602,7 @@ async fn runner_exit_non_zero_fails_the_vm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sent_without_started_at_startup_is_ambiguous_and_never_replayed() {
     let w = World::new("agent-ambig").await;
-    w.jit_secret("jit-c").await;
-    let vm = w.bound_vm("runner-c", &w.image, Some("jit-c")).await;
+    let vm = w.runner_vm("runner-c", "jit-c").await;
     // A previous agent booted the VM, recorded Sent, and died before Started.
     let spec = w.rt.spec(false);
     w.rt.client.ensure_running(&uid(&vm), &spec).await.unwrap();
@@ -648,5 +783,633 @@ async fn networked_vm_waits_for_its_address_then_runs_with_status_ip() {
         .api::<imp_api::ImpNetwork>()
         .delete("runners", &DeleteParams::default())
         .await;
+    w.finish().await;
+}
+
+/// A client that impersonates `user` (the admin kubeconfig may impersonate anyone).
+async fn client_as(env: &TestEnv, user: &str) -> kube::Client {
+    let kc = kube::config::Kubeconfig::read_from(env.kubeconfig_path()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap();
+    config.auth_info.impersonate = Some(user.to_owned());
+    kube::Client::try_from(config).unwrap()
+}
+
+/// Namespace RBAC for `user`: ImpVMs (create, read, update, patch, delete), no Secrets.
+async fn grant_impvms_only(env: &TestEnv, user: &str) {
+    let role: k8s_openapi::api::rbac::v1::Role = serde_json::from_value(json!({
+        "metadata": {"name": "impvm-user"},
+        "rules": [{"apiGroups": ["imp.dev"], "resources": ["impvms"],
+                   "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]}]}))
+    .unwrap();
+    env.api::<k8s_openapi::api::rbac::v1::Role>()
+        .create(&PostParams::default(), &role)
+        .await
+        .unwrap();
+    let binding: k8s_openapi::api::rbac::v1::RoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": "impvm-user"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "impvm-user"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]}))
+    .unwrap();
+    env.api::<k8s_openapi::api::rbac::v1::RoleBinding>()
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_naming_another_vms_jit_secret_never_receives_it() {
+    let w = World::new("agent-bind").await;
+    let agent = w.agent(&w.runner_script(0), 1);
+    // The victim: a pool's runner VM with its Secret, not bound to this node (yet), so the
+    // agent leaves it alone and its Secret must survive whatever the thieves do.
+    let pool = w.pool().await;
+    let victim = fixtures::vm("victim")
+        .runner_of(&pool)
+        .class(&w.class)
+        .image(&w.image);
+    let victim = w
+        .vms()
+        .create(
+            &PostParams::default(),
+            &victim.runner_config("victim-jit").build(),
+        )
+        .await
+        .unwrap();
+    w.jit_secret_for("victim-jit", &victim, JIT).await;
+
+    // A namespace user who may create ImpVMs but not read Secrets.
+    let user = "mallory";
+    grant_impvms_only(&w.env, user).await;
+    let as_user = client_as(&w.env, user).await;
+    let user_secrets: Api<Secret> = Api::namespaced(as_user.clone(), &w.env.namespace);
+    match user_secrets.get("victim-jit").await {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 403, "{s:?}"),
+        other => panic!("the user can read the Secret: {other:?}"),
+    }
+    let user_vms: Api<ImpVM> = Api::namespaced(as_user, &w.env.namespace);
+    // Thief 1 passes as a pool's runner (label and owner reference are only metadata) and
+    // names the victim's Secret. Thief 2 does not even pretend.
+    let thief = |name: &str, pooled: bool| {
+        let mut b = fixtures::vm(name)
+            .class(&w.class)
+            .image(&w.image)
+            .bound(&w.node)
+            .finalizer(imp_api::names::FINALIZER_VM_CLEANUP)
+            .runner_config("victim-jit");
+        if pooled {
+            b = b.runner_of(&pool);
+        }
+        b.build()
+    };
+    for (name, pooled) in [("thief-pooled", true), ("thief-plain", false)] {
+        user_vms
+            .create(&PostParams::default(), &thief(name, pooled))
+            .await
+            .unwrap();
+        w.set_status(name, json!({"phase": VmPhase::Scheduled}))
+            .await;
+    }
+    for (name, want) in [
+        ("thief-pooled", reason::RUNNER_CONFIG_NOT_OWNED),
+        ("thief-plain", reason::RUNNER_VM_NOT_POOLED),
+    ] {
+        let vm = w.wait_phase(name, VmPhase::Failed, &agent).await;
+        let s = vm.status.as_ref().unwrap();
+        assert_eq!(s.reason.as_deref(), Some(want), "{name}: {s:#?}");
+        assert!(
+            s.runner.as_ref().and_then(|r| r.handoff).is_none(),
+            "{name}: {s:#?}"
+        );
+        w.wait_event(name, reason::VM_FAILED, want).await;
+    }
+    assert!(
+        w.secret_exists("victim-jit").await,
+        "the victim's Secret was deleted"
+    );
+    assert_eq!(w.got_config(), None, "a thief's runner received the config");
+    assert!(!agent.log().contains("JITSECRET"));
+
+    // The name cannot be swapped after the fact (CEL transition rule), by anyone.
+    for api in [&user_vms, &w.vms()] {
+        let err = api
+            .patch(
+                "thief-pooled",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": {"runnerConfigSecret": "other"}})),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("runnerConfigSecret cannot change"),
+            "{err}"
+        );
+        let err = api
+            .patch(
+                "thief-pooled",
+                &PatchParams::default(),
+                &Patch::Merge(&json!({"spec": {"runnerConfigSecret": null}})),
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("runnerConfigSecret cannot change"),
+            "{err}"
+        );
+    }
+    // Setting it once (the pool's mint) stays allowed.
+    let fresh = fixtures::vm("fresh")
+        .class(&w.class)
+        .image(&w.image)
+        .build();
+    w.vms()
+        .create(&PostParams::default(), &fresh)
+        .await
+        .unwrap();
+    w.vms()
+        .patch(
+            "fresh",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"runnerConfigSecret": "victim-jit"}})),
+        )
+        .await
+        .unwrap();
+    drop(agent);
+    w.finish().await;
+}
+
+/// How a hostile guest behaves once it said Hello.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Hostility {
+    /// Answers the first Exec with Started, then sends 500 unsolicited frames of about 1 MiB.
+    Flood,
+    /// Answers the first Exec with Started; never answers a repeat of it (the re-query).
+    SilentRequery,
+}
+
+const FLOOD_FRAMES: u32 = 500;
+
+/// A wrapper used as IMP_GUEST_BIN: the first VM to boot after `arm()` gets a hostile guest
+/// served by this test process (the wrapper hands its socket path over and sleeps; it dies with
+/// the simulator), every other VM the real imp-guest.
+struct HostileGuests {
+    dir: tempfile::TempDir,
+}
+
+impl HostileGuests {
+    fn new() -> (HostileGuests, common::Backend) {
+        let common::Backend::Simulator { simulator, guest } = simulator() else {
+            unreachable!("simulator() is the simulator")
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let wrapper = executable(
+            &dir.path().join("guest-wrapper.sh"),
+            &format!(
+                "#!/bin/sh\nif mv {d}/armed {d}/claimed-$$ 2>/dev/null; then\n  printf '%s' \"$3\" > {d}/sock.tmp && mv {d}/sock.tmp {d}/sock\n  exec sleep 3600\nfi\nexec {real} \"$@\"\n",
+                d = dir.path().display(),
+                real = guest.display()
+            ),
+        );
+        let backend = common::Backend::Simulator {
+            simulator,
+            guest: wrapper,
+        };
+        (HostileGuests { dir }, backend)
+    }
+
+    /// The next guest to start is hostile; serve it from this process. Returns the count of
+    /// flood frames written so far.
+    fn arm(&self, how: Hostility) -> std::sync::Arc<std::sync::atomic::AtomicU32> {
+        let d = self.dir.path().to_owned();
+        std::fs::write(d.join("armed"), "").unwrap();
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counter = sent.clone();
+        tokio::spawn(async move {
+            let sock = loop {
+                if let Ok(p) = std::fs::read_to_string(d.join("sock")) {
+                    break PathBuf::from(p);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            let listener = tokio::net::UnixListener::bind(&sock).unwrap();
+            let started_once = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (counter, started_once) = (counter.clone(), started_once.clone());
+                tokio::spawn(async move {
+                    let _ = serve_hostile(stream, how, &counter, &started_once).await;
+                });
+            }
+        });
+        sent
+    }
+}
+
+async fn serve_hostile(
+    stream: tokio::net::UnixStream,
+    how: Hostility,
+    sent: &std::sync::atomic::AtomicU32,
+    started_once: &std::sync::atomic::AtomicBool,
+) -> Result<(), imp_guest::frame::FrameError> {
+    use imp_guest::frame::{FrameReader, FrameWriter, MAX_FRAME_BYTES};
+    use imp_guest::protocol::{
+        GuestToHost, Hello, HostToGuest, Output, OutputStream, PROTOCOL_VERSION, Started,
+    };
+    use std::sync::atomic::Ordering;
+    let (rd, wr) = stream.into_split();
+    let (mut rd, mut wr) = (FrameReader::new(rd), FrameWriter::new(wr));
+    wr.write(&GuestToHost::Hello(Hello {
+        protocol: PROTOCOL_VERSION,
+        agent_version: "hostile".into(),
+        boot_id: "hostile-boot".into(),
+    }))
+    .await?;
+    while let Some(msg) = rd.read::<HostToGuest>().await? {
+        let HostToGuest::Exec(req) = msg else {
+            continue;
+        };
+        if started_once.swap(true, Ordering::SeqCst) && how == Hostility::SilentRequery {
+            continue; // the re-query: never answered
+        }
+        wr.write(&GuestToHost::Started(Started {
+            id: req.id.clone(),
+            pid: 4242,
+        }))
+        .await?;
+        if how == Hostility::Flood {
+            let frame = GuestToHost::Output(Output {
+                id: "nobody-asked".into(),
+                stream: OutputStream::Stdout,
+                data_b64: "A".repeat(MAX_FRAME_BYTES - 128),
+            });
+            for _ in 0..FLOOD_FRAMES {
+                wr.write(&frame).await?;
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A runner command that records its config under `<dir>/got-<config>` and exits 0 after `secs`.
+fn slow_runner(dir: &Path, secs: u32) -> PathBuf {
+    executable(
+        &dir.join("slow-runner.sh"),
+        &format!(
+            "#!/bin/sh\nsleep {secs}\n: > {d}/finished-\"$ACTIONS_RUNNER_INPUT_JITCONFIG\"\nexit 0\n",
+            d = dir.display()
+        ),
+    )
+}
+
+/// Writes `script` to `path`, mode 0755.
+fn executable(path: &Path, script: &str) -> PathBuf {
+    std::fs::write(path, script).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_flooding_unsolicited_frames_is_cut_off_and_failed_while_others_run_on() {
+    let (hostile, backend) = HostileGuests::new();
+    let w = World::new_with("agent-flood", None, backend).await;
+    let runner = slow_runner(w.dir.path(), 8);
+    let agent = w.agent(&runner, 1);
+    // A well-behaved neighbour, running its job through the flood.
+    w.runner_vm_with("good", "good-jit", "good").await;
+    w.wait_handoff("good", HandoffState::Started, &agent).await;
+    let before = agent.rss();
+    let sent = hostile.arm(Hostility::Flood);
+    w.runner_vm_with("flood", "flood-jit", "flood").await;
+    let vm = w.wait_phase("flood", VmPhase::Failed, &agent).await;
+    let after = agent.rss();
+    let s = vm.status.as_ref().unwrap();
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::GUEST_BUDGET_EXCEEDED),
+        "{s:#?}"
+    );
+    // The config was handed over (Started) before the guest turned hostile.
+    assert_eq!(
+        s.runner.as_ref().unwrap().handoff,
+        Some(HandoffState::Started)
+    );
+    let n = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        n < FLOOD_FRAMES,
+        "the agent read all {n} frames of the flood"
+    );
+    let growth = after.saturating_sub(before);
+    println!(
+        "agent RSS before the flood {} MiB, after {} MiB (+{} KiB); flood frames written before the cut: {n}",
+        before >> 20,
+        after >> 20,
+        growth >> 10
+    );
+    // Bound: 32 dropped frames are read one at a time (1 MiB each, freed), and the queue holds
+    // none of them. 24 MiB leaves room for the allocator keeping freed pages.
+    assert!(growth < 24 << 20, "agent RSS grew by {growth} bytes");
+    w.wait_event("flood", reason::VM_FAILED, reason::GUEST_BUDGET_EXCEEDED)
+        .await;
+    // The neighbour is unaffected: its job finishes and the VM succeeds.
+    w.wait_phase("good", VmPhase::Succeeded, &agent).await;
+    assert!(w.dir.path().join("finished-good").exists());
+    drop(agent);
+    drop(hostile);
+    w.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_never_answers_the_requery_fails_its_vm_after_the_answer_timeout() {
+    let (hostile, backend) = HostileGuests::new();
+    let w = World::new_with("agent-silent", None, backend).await;
+    let runner = w.runner_script(0);
+    let timeout = [("IMP_GUEST_ANSWER_TIMEOUT", "2s")];
+    let mut first = Agent::start(&w.env, &w.rt, &w.node, &runner, 1, &timeout);
+    let _sent = hostile.arm(Hostility::SilentRequery);
+    w.runner_vm("silent", "silent-jit").await;
+    w.wait_handoff("silent", HandoffState::Started, &first)
+        .await;
+    // The agent restarts: the new one reattaches by repeating the Exec id, which this guest
+    // never answers.
+    first.kill9();
+    let started = Instant::now();
+    let agent = Agent::start(&w.env, &w.rt, &w.node, &runner, 2, &timeout);
+    let vm = w.wait_phase("silent", VmPhase::Failed, &agent).await;
+    let s = vm.status.as_ref().unwrap();
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::GUEST_UNRESPONSIVE),
+        "{s:#?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(45),
+        "{:?}",
+        started.elapsed()
+    );
+    // A plain VM on the same node (real guest) still boots and runs.
+    w.bound_vm("plain", &w.image, None).await;
+    w.wait_phase("plain", VmPhase::Running, &agent).await;
+    drop(agent);
+    drop(hostile);
+    w.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_started_write_and_a_failed_secret_delete_are_retried() {
+    use imp_testkit::faultproxy::{Fault, FaultProxy};
+    let w = World::new("agent-faults").await;
+    let proxy = FaultProxy::start(w.env.client.clone(), w.dir.path())
+        .await
+        .unwrap();
+    // One 500 on the status write that records Started, one on the JIT Secret's DELETE.
+    proxy.inject(Fault {
+        method: http::Method::PUT,
+        matches: Box::new(|path, body| {
+            path.ends_with("/impvms/runner-f/status")
+                && String::from_utf8_lossy(body).contains(r#""handoff":"Started""#)
+        }),
+        times: 1,
+    });
+    proxy.inject(Fault {
+        method: http::Method::DELETE,
+        matches: Box::new(|path, _| path.ends_with("/secrets/jit-f")),
+        times: 1,
+    });
+    let kubeconfig = proxy.kubeconfig().display().to_string();
+    let runner = slow_runner(w.dir.path(), 3);
+    let agent = Agent::start(
+        &w.env,
+        &w.rt,
+        &w.node,
+        &runner,
+        1,
+        &[("KUBECONFIG", kubeconfig.as_str())],
+    );
+    w.runner_vm_with("runner-f", "jit-f", "faulty").await;
+    // The job keeps running: never ambiguous, it finishes and the VM succeeds.
+    let vm = w.wait_phase("runner-f", VmPhase::Succeeded, &agent).await;
+    let r = vm.status.as_ref().unwrap().runner.clone().unwrap();
+    assert_eq!(r.handoff, Some(HandoffState::Exited));
+    assert!(w.dir.path().join("finished-faulty").exists());
+    assert!(!w.secret_exists("jit-f").await, "JIT Secret not deleted");
+    let injected = proxy.injected();
+    assert_eq!(injected.len(), 2, "{injected:?}");
+    let log = agent.log();
+    assert!(
+        log.contains("recording Started failed; retrying"),
+        "{}",
+        tail(&log, 40)
+    );
+    assert!(
+        log.contains("deleting the JIT config Secret failed; retrying"),
+        "{}",
+        tail(&log, 40)
+    );
+    drop(agent);
+    w.finish().await;
+}
+
+/// A plain HTTP server on 127.0.0.1 answering 200 or 500 as `healthy` says (the host-process
+/// guest probes the host's loopback). Returns its port.
+async fn health_server(healthy: std::sync::Arc<std::sync::atomic::AtomicBool>) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let ok = healthy.load(std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let line = if ok {
+                    "HTTP/1.1 200 OK"
+                } else {
+                    "HTTP/1.1 500 Internal Server Error"
+                };
+                let _ = s
+                    .write_all(
+                        format!("{line}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                            .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    port
+}
+
+fn ready_reason(vm: &ImpVM) -> Option<(String, String)> {
+    vm.status
+        .as_ref()
+        .and_then(|s| conditions::find(&s.conditions, condition::READY))
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_probe_flips_ready_and_guest_metrics_come_and_go_with_the_vm() {
+    use std::sync::atomic::Ordering;
+    let w = World::new("agent-probe").await;
+    let healthy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let port = health_server(healthy.clone()).await;
+    let class = format!("{}-probed", w.env.namespace);
+    let mut c = fixtures::class(&class)
+        .vcpu(1)
+        .memory_mib(128)
+        .disk_gib(1)
+        .readiness_http("/healthz", port)
+        .build();
+    let probe = c
+        .spec
+        .probes
+        .as_mut()
+        .unwrap()
+        .readiness_probe
+        .as_mut()
+        .unwrap();
+    probe.period_seconds = Some(1);
+    probe.failure_threshold = Some(2);
+    Api::<ImpVMClass>::all(w.env.client.clone())
+        .create(&PostParams::default(), &c)
+        .await
+        .unwrap();
+    let agent = Agent::start(
+        &w.env,
+        &w.rt,
+        &w.node,
+        &w.runner_script(0),
+        1,
+        &[("IMP_GUEST_METRICS_INTERVAL", "1s")],
+    );
+    let vm = fixtures::vm("probed")
+        .class(&class)
+        .image(&w.image)
+        .bound(&w.node)
+        .finalizer(imp_api::names::FINALIZER_VM_CLEANUP);
+    w.vms()
+        .create(&PostParams::default(), &vm.build())
+        .await
+        .unwrap();
+    w.set_status("probed", json!({"phase": VmPhase::Scheduled}))
+        .await;
+    w.wait_phase("probed", VmPhase::Running, &agent).await;
+
+    // Guest metrics with the seed's names and labels naming the VM, its namespace and node.
+    let series = format!(
+        "vm=\"probed\",namespace=\"{}\",node=\"{}\"",
+        w.env.namespace, w.node
+    );
+    let started = Instant::now();
+    loop {
+        let m = reqwest_get(&format!("{}/metrics", agent.http)).await;
+        if [
+            "imp_vm_guest_memory_used_bytes",
+            "imp_vm_guest_disk_used_bytes",
+        ]
+        .iter()
+        .all(|n| m.contains(&format!("{n}{{{series}}}")))
+        {
+            imp_testkit::metrics::assert_every_family_documented(&m);
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no guest metrics:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // Failing probes: Ready=False after failureThreshold (2) in a row, then True on a pass.
+    healthy.store(false, Ordering::SeqCst);
+    let (vm, why) = w.wait_ready("probed", "False", &agent).await;
+    assert_eq!(why, reason::READINESS_PROBE_FAILED, "{:#?}", vm.status);
+    assert_eq!(
+        phase_of(&vm),
+        Some(VmPhase::Running),
+        "a probe failure does not stop the VM"
+    );
+    healthy.store(true, Ordering::SeqCst);
+    let (_, why) = w.wait_ready("probed", "True", &agent).await;
+    assert_eq!(why, reason::READINESS_PROBE_PASSED);
+    for r in [
+        reason::READINESS_PROBE_FAILED,
+        reason::READINESS_PROBE_PASSED,
+    ] {
+        w.wait_event("probed", r, "").await;
+    }
+
+    // The VM goes: so do its series.
+    w.delete_and_wait_torn_down("probed", &agent).await;
+    let started = Instant::now();
+    loop {
+        let m = reqwest_get(&format!("{}/metrics", agent.http)).await;
+        if !m.contains(&series) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "guest series left:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    drop(agent);
+    let _ = Api::<ImpVMClass>::all(w.env.client.clone())
+        .delete(&class, &DeleteParams::default())
+        .await;
+    w.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_stops_while_imp_runtime_is_down_and_resumes_with_it() {
+    let mut w = World::new("agent-rtdown").await;
+    let agent = w.agent(&w.runner_script(0), 1);
+    let leases: Api<Lease> = w.env.api();
+    let lease_name = names::lease_name(&w.node);
+    let renewed = |l: &Lease| {
+        l.spec
+            .as_ref()
+            .and_then(|s| s.renew_time.clone())
+            .unwrap()
+            .0
+    };
+    let started = Instant::now();
+    let first = loop {
+        if let Some(l) = leases.get_opt(&lease_name).await.unwrap() {
+            break renewed(&l);
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "no Lease");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    w.rt.kill9_runtime();
+    // Within one interval (1 s) plus a renewal in flight, renewals stop.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let held = renewed(&leases.get(&lease_name).await.unwrap());
+    assert!(held >= first);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let still = renewed(&leases.get(&lease_name).await.unwrap());
+    assert_eq!(
+        still, held,
+        "the Lease was renewed while imp-runtime was down"
+    );
+    assert!(
+        agent.log().contains("imp-runtime does not answer"),
+        "{}",
+        tail(&agent.log(), 20)
+    );
+    // The runtime returns: so does the heartbeat.
+    w.rt.start_runtime().await;
+    let started = Instant::now();
+    while renewed(&leases.get(&lease_name).await.unwrap()) == held {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "heartbeat did not resume"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(agent);
     w.finish().await;
 }

@@ -48,6 +48,10 @@ pub enum Error {
     /// Runner pool: the VM was minted before but its JIT Secret is gone (a VM is never minted twice).
     #[error("VM {vm} was minted but its JIT Secret is gone")]
     JitConfigLost { vm: String },
+
+    /// Runner pool: a VM claims the pool (label, owner reference) but its spec is not the pool's template.
+    #[error("VM {vm} claims this pool but its spec is not the pool's template")]
+    ForeignRunnerVm { vm: String },
 }
 
 impl Error {
@@ -63,6 +67,7 @@ impl Error {
             Error::Mint { .. } => "jit_mint",
             Error::JitSecretConflict { .. } => "jit_secret_conflict",
             Error::JitConfigLost { .. } => "jit_config_lost",
+            Error::ForeignRunnerVm { .. } => "foreign_runner_vm",
         }
     }
 
@@ -79,7 +84,8 @@ impl Error {
             | Error::MissingObjectKey(_)
             | Error::Mint { .. }
             | Error::JitSecretConflict { .. }
-            | Error::JitConfigLost { .. } => None,
+            | Error::JitConfigLost { .. }
+            | Error::ForeignRunnerVm { .. } => None,
         }
     }
 

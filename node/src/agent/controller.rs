@@ -13,21 +13,24 @@ use futures::StreamExt;
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{self, condition, reason as api_reason};
 use imp_api::{ImpNetwork, ImpVM, ImpVMClass, Lifecycle, RunnerStatus, VmPhase};
-use imp_common::SecretString;
+use imp_common::{Backoff, SecretString};
 use imp_guest::host::{self, HostClient, HostError};
 use imp_guest::protocol::{ErrorCode, Exec, Exited};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::{Controller, controller::Action as Requeue, watcher};
-use kube::{Api, Client, ResourceExt, api::DeleteParams, api::ListParams};
+use kube::{Api, Client, Resource, ResourceExt, api::DeleteParams, api::ListParams};
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
 use super::AgentConfig;
+use super::binding::{self, Unbound};
 use super::decide::{self, Action, InFlight, RuntimeFacts, VmFacts};
-use super::handoff::{self, Handoff};
+use super::handoff::{self, Event as HandoffEvent, Handoff};
 use super::metrics::AgentMetrics;
+use super::monitor;
 use super::spec;
 use super::status::{self, Written};
 use crate::api::VmState;
@@ -37,6 +40,8 @@ use crate::client::{ClientError, RuntimeClient};
 pub const JITCONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
 const GUEST_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 const EXEC_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Between attempts of a write that must not be given up (Started, the Secret delete).
+const WRITE_RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -55,18 +60,48 @@ pub struct Context {
     pub config: AgentConfig,
     pub runtime: RuntimeClient,
     pub metrics: AgentMetrics,
+    recorder: Recorder,
     tasks: Mutex<HashMap<String, (InFlight, JoinHandle<()>)>>,
+    /// Per Running VM: probes and guest metrics ([`monitor`]), beside the runner task.
+    monitors: Mutex<HashMap<String, JoinHandle<()>>>,
 }
 
 impl Context {
     pub fn new(client: Client, config: AgentConfig, metrics: AgentMetrics) -> Arc<Self> {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: names::MANAGER_AGENT.into(),
+                instance: Some(config.node_name.clone()),
+            },
+        );
         Arc::new(Self {
             runtime: RuntimeClient::new(&config.runtime_socket),
+            recorder,
             client,
             config,
             metrics,
             tasks: Mutex::new(HashMap::new()),
+            monitors: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// An Event on `vm`. Best effort: a lost Event never fails the lifecycle it reports.
+    pub(super) async fn event(&self, vm: &ImpVM, warning: bool, reason: &str, note: String) {
+        let ev = KubeEvent {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.to_owned(),
+            note: Some(note),
+            action: reason.to_owned(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
+            warn!(vm = %vm.name_any(), reason, error = %e, "publishing Event failed");
+        }
     }
 
     fn in_flight(&self, uid: &str) -> Option<InFlight> {
@@ -85,6 +120,20 @@ impl Context {
         if let Some((_, h)) = self.tasks.lock().unwrap().remove(uid) {
             h.abort();
         }
+        if let Some(h) = self.monitors.lock().unwrap().remove(uid) {
+            h.abort();
+        }
+    }
+
+    /// Starts `vm`'s monitor unless one runs; it ends by itself when the VM leaves Running.
+    fn ensure_monitor(self: &Arc<Self>, api: &Api<ImpVM>, vm: &ImpVM, uid: &str) {
+        let mut monitors = self.monitors.lock().unwrap();
+        if monitors.get(uid).is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        let (ctx, api, vm) = (self.clone(), api.clone(), vm.clone());
+        let handle = tokio::spawn(async move { monitor::run(&ctx, &api, vm).await });
+        monitors.insert(uid.to_owned(), handle);
     }
 
     fn spawn(
@@ -190,6 +239,9 @@ async fn reconcile(obj: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Requeue, Error>
     if action != Action::Nothing {
         info!(vm = %format!("{ns}/{name}"), phase = ?facts.phase, runtime = ?rt, ?in_flight, ?action, "acting");
     }
+    if facts.phase == Some(VmPhase::Running) && !facts.deleting && rt == RuntimeFacts::Running {
+        ctx.ensure_monitor(&api, &vm, &uid);
+    }
     execute(&ctx, &api, vm, &uid, action).await?;
     Ok(Requeue::requeue(ctx.config.poll_interval))
 }
@@ -280,9 +332,12 @@ async fn record_torn_down(ctx: &Context, api: &Api<ImpVM>, name: &str) -> Result
         true
     })
     .await?;
-    if matches!(written, Written::Done(_)) {
+    if let Written::Done(vm) = written {
         ctx.metrics.teardown();
         info!(vm = %name, "recorded TornDown=True");
+        let note = "process, TAP, address and per-VM disk released on this node".into();
+        ctx.event(&vm, false, api_reason::TORN_DOWN_ON_NODE, note)
+            .await;
     }
     Ok(())
 }
@@ -304,12 +359,14 @@ async fn fail(
         true
     })
     .await?;
-    let done = matches!(written, Written::Done(_));
-    if done {
-        ctx.metrics.vm_failed(reason);
-        warn!(vm = %name, reason, message, "VM failed");
-    }
-    Ok(done)
+    let Written::Done(vm) = written else {
+        return Ok(false);
+    };
+    ctx.metrics.vm_failed(reason);
+    warn!(vm = %name, reason, message, "VM failed");
+    let note = format!("{reason}: {message}");
+    ctx.event(&vm, true, api_reason::VM_FAILED, note).await;
+    Ok(true)
 }
 
 /// Starting (+bootStartTime), PUT the spec, then Running (+times, Ready) or Failed.
@@ -366,9 +423,9 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
         true
     })
     .await?;
-    if matches!(starting, Written::Refused) {
+    let Written::Done(starting) = starting else {
         return Ok(());
-    }
+    };
     let starting_only = |p: Option<VmPhase>| p == Some(VmPhase::Starting);
     let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
     let Some(class) = classes.get_opt(&vm.spec.class_ref.name).await? else {
@@ -443,6 +500,9 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
         }
     };
     info!(vm = %name, image = %vm.spec.image, "asking imp-runtime to start the VM");
+    let note = format!("booting {} on node {}", vm.spec.image, ctx.config.node_name);
+    ctx.event(&starting, false, api_reason::BOOT_REQUESTED, note)
+        .await;
     match ctx.runtime.ensure_running(&uid, &spec).await {
         Ok((_, st)) if st.state == VmState::Running => {
             let written = status::update(api, &name, |vm, s| {
@@ -467,11 +527,17 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
                 true
             })
             .await?;
-            if matches!(written, Written::Done(_)) {
+            if let Written::Done(running) = written {
                 if let Some(b) = st.boot_seconds {
                     ctx.metrics.boot(b);
                 }
                 info!(vm = %name, boot_seconds = ?st.boot_seconds, "VM running");
+                let note = match st.boot_seconds {
+                    Some(b) => format!("the guest agent answered after {b:.2}s"),
+                    None => "the guest agent answered".into(),
+                };
+                ctx.event(&running, false, api_reason::VM_RUNNING, note)
+                    .await;
             }
         }
         Ok((_, st)) => {
@@ -507,28 +573,132 @@ fn runner_exec(ctx: &Context, vm: &ImpVM, uid: &str, env: BTreeMap<String, Secre
     }
 }
 
-async fn connect(ctx: &Context, uid: &str) -> Result<HostClient, Error> {
+pub(super) async fn connect(ctx: &Context, uid: &str) -> Result<HostClient, Error> {
     let info = ctx.runtime.vsock(uid).await?;
     let deadline = tokio::time::Instant::now() + GUEST_CONNECT_TIMEOUT;
-    Ok(host::connect(&info.path, info.guest_agent_port, deadline).await?)
+    let mut client = host::connect(&info.path, info.guest_agent_port, deadline).await?;
+    client.set_answer_timeout(ctx.config.guest_answer_timeout);
+    Ok(client)
 }
 
-async fn delete_secret(ctx: &Context, ns: &str, name: &str) -> Result<(), Error> {
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-    match secrets.delete(name, &DeleteParams::default()).await {
-        Ok(_) => info!(secret = %format!("{ns}/{name}"), "deleted the JIT config Secret"),
-        Err(kube::Error::Api(s)) if s.code == 404 => {}
-        Err(e) => return Err(e.into()),
+/// Retries `op` with a capped backoff until it succeeds. Only where giving up is worse than
+/// waiting: the Started write after the Exec (else a running job turns ambiguous) and the JIT
+/// Secret's delete (else a used one-time config stays readable).
+async fn until_ok<T, Fut>(what: &str, vm: &str, mut op: impl FnMut() -> Fut) -> T
+where
+    Fut: Future<Output = Result<T, Error>>,
+{
+    let mut attempt = 0;
+    loop {
+        match op().await {
+            Ok(t) => return t,
+            Err(e) => {
+                let delay = WRITE_RETRY.delay(attempt);
+                warn!(vm, error = %e, ?delay, "{what} failed; retrying");
+                tokio::time::sleep(delay).await;
+                attempt = attempt.saturating_add(1);
+            }
+        }
     }
-    Ok(())
+}
+
+/// Deletes `vm`'s JIT Secret if it is bound to `vm` (the binding rule: never another VM's), with
+/// the uid it was checked at as precondition. Retried until it succeeds; a Secret already gone
+/// or not bound is left as it is.
+async fn delete_bound_secret(ctx: &Context, vm: &ImpVM) {
+    let (Some(secret), Some(uid)) = (vm.spec.runner_config_secret.clone(), vm.uid()) else {
+        return;
+    };
+    let ns = vm.namespace().unwrap_or_default();
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let vm_name = vm.name_any();
+    until_ok("deleting the JIT config Secret", &vm_name, || async {
+        let Some(found) = secrets.get_opt(&secret).await? else {
+            return Ok(());
+        };
+        if let Err(e) = binding::check_secret(&found, &uid) {
+            warn!(vm = %vm_name, error = %e, "not deleting a Secret this VM is not bound to");
+            return Ok(());
+        }
+        let dp = DeleteParams {
+            preconditions: found.uid().map(|u| kube::api::Preconditions {
+                uid: Some(u),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match secrets.delete(&secret, &dp).await {
+            Ok(_) => info!(secret = %format!("{ns}/{secret}"), "deleted the JIT config Secret"),
+            // Gone, or replaced by another object of that name since it was checked.
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    })
+    .await;
 }
 
 fn runner_status(s: &mut imp_api::ImpVMStatus) -> &mut RunnerStatus {
     s.runner.get_or_insert_with(Default::default)
 }
 
-/// The handoff (unless `resume`) and the wait for the runner's exit.
+/// The handoff state recorded in `s`, moved by `event` when the state machine allows it to
+/// `to`; `false` (the write is refused) otherwise. Every handoff write goes through here.
+fn transition(s: &mut imp_api::ImpVMStatus, event: HandoffEvent, to: Handoff) -> bool {
+    let r = runner_status(s);
+    match handoff::step(Handoff::from_status(r.handoff), event) {
+        Ok(next) if next == to => {
+            r.handoff = next.to_status();
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Refuses the handoff to a VM the config was not minted for: Failed with the binding rule's
+/// reason, an Event, and the Secret left exactly as it is.
+async fn refuse(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM, e: &Unbound) -> Result<(), Error> {
+    ctx.metrics.handoff("unbound");
+    let msg = e.to_string();
+    fail(ctx, api, &vm.name_any(), e.reason(), &msg, |p| {
+        p == Some(VmPhase::Running)
+    })
+    .await?;
+    Ok(())
+}
+
+/// A guest that broke its contract (flooded the connection, or stopped answering): Failed with
+/// the guest's reason. `None` for errors that are no such breach.
+fn guest_breach(e: &Error) -> Option<&'static str> {
+    match e {
+        Error::Guest(HostError::BudgetExceeded { .. }) => Some(api_reason::GUEST_BUDGET_EXCEEDED),
+        Error::Guest(HostError::NoAnswer { .. }) => Some(api_reason::GUEST_UNRESPONSIVE),
+        _ => None,
+    }
+}
+
+/// The handoff (unless `resume`) and the wait for the runner's exit. A guest that breaks its
+/// contract fails the VM with its own reason (the VM is then released: terminal phase).
 async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Result<(), Error> {
+    match runner_inner(ctx, api, &vm, resume).await {
+        Err(e) if let Some(reason) = guest_breach(&e) => {
+            let msg = e.to_string();
+            fail(ctx, api, &vm.name_any(), reason, &msg, |p| {
+                p == Some(VmPhase::Running)
+            })
+            .await?;
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+async fn runner_inner(
+    ctx: &Context,
+    api: &Api<ImpVM>,
+    vm: &ImpVM,
+    resume: bool,
+) -> Result<(), Error> {
     let name = vm.name_any();
     let ns = vm.namespace().unwrap_or_default();
     let uid = vm.uid().ok_or(Error::Missing(".metadata.uid"))?;
@@ -538,18 +708,28 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
         .clone()
         .ok_or(Error::Missing("spec.runnerConfigSecret"))?;
     let exec_id = handoff::exec_id(&uid);
+    if !resume && let Err(e) = binding::check_vm(vm) {
+        return refuse(ctx, api, vm, &e).await;
+    }
     let mut client = connect(ctx, &uid).await?;
     if resume {
         // Same boot (a guest reboot ends the Firecracker process): the id is known to the guest,
         // so this re-queries the runner and never spawns. No config is sent.
         let started = client
-            .exec(runner_exec(ctx, &vm, &uid, BTreeMap::new()))
+            .exec(runner_exec(ctx, vm, &uid, BTreeMap::new()))
             .await?;
         info!(vm = %name, pid = started.pid, "reattached to the runner");
+        // A previous agent may have died between Started and the delete.
+        delete_bound_secret(ctx, vm).await;
     } else {
         let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
         let read_at = Instant::now();
         let secret = secrets.get_opt(&secret_name).await?;
+        if let Some(s) = &secret
+            && let Err(e) = binding::check_secret(s, &uid)
+        {
+            return refuse(ctx, api, vm, &e).await;
+        }
         let annotations = secret
             .as_ref()
             .map(|s| s.annotations().clone())
@@ -576,15 +756,13 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
         };
         // Record Sent before the config leaves the host.
         let sent = status::update(api, &name, |vm, s| {
-            let handoff = s.runner.as_ref().and_then(|r| r.handoff);
-            if vm.metadata.deletion_timestamp.is_some()
-                || s.phase != Some(VmPhase::Running)
-                || handoff.is_some()
-            {
+            if vm.metadata.deletion_timestamp.is_some() || s.phase != Some(VmPhase::Running) {
+                return false;
+            }
+            if !transition(s, HandoffEvent::SentRecorded, Handoff::Sent) {
                 return false;
             }
             let r = runner_status(s);
-            r.handoff = handoff::Handoff::Sent.to_status();
             r.exec_id = Some(exec_id.clone());
             r.sent_time = Some(Time(Timestamp::now()));
             r.runner_id = annotations
@@ -601,27 +779,40 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
         let env = BTreeMap::from([(JITCONFIG_ENV.to_owned(), config)]);
         let answer = tokio::time::timeout(
             EXEC_ANSWER_TIMEOUT,
-            client.exec(runner_exec(ctx, &vm, &uid, env)),
+            client.exec(runner_exec(ctx, vm, &uid, env)),
         )
         .await;
         match answer {
             Ok(Ok(started)) => {
-                status::update(api, &name, |_, s| {
-                    let r = runner_status(s);
-                    if r.handoff != Handoff::Sent.to_status() {
-                        return false;
-                    }
-                    r.handoff = Handoff::Started.to_status();
-                    r.pid = Some(i64::from(started.pid));
-                    r.started_time = Some(Time(Timestamp::now()));
-                    true
+                // The runner runs: this write must not be lost to a passing API error, or the
+                // next reconcile would find Sent and declare a running job ambiguous.
+                let pid = i64::from(started.pid);
+                let written = until_ok("recording Started", &name, || async {
+                    let w = status::update(api, &name, |_, s| {
+                        if !transition(s, HandoffEvent::Started, Handoff::Started) {
+                            return false;
+                        }
+                        let r = runner_status(s);
+                        r.pid = Some(pid);
+                        r.started_time = Some(Time(Timestamp::now()));
+                        true
+                    })
+                    .await?;
+                    Ok::<_, Error>(w)
                 })
-                .await?;
+                .await;
                 ctx.metrics.handoff("started");
                 ctx.metrics
                     .handoff_duration(read_at.elapsed().as_secs_f64());
                 info!(vm = %name, pid = started.pid, "runner Started recorded");
-                delete_secret(ctx, &ns, &secret_name).await?;
+                if let Written::Done(now) = &written {
+                    let note =
+                        format!("runner started in the guest (pid {pid}); JIT Secret deleted");
+                    delete_bound_secret(ctx, vm).await;
+                    ctx.event(now, false, api_reason::HANDED_OFF, note).await;
+                } else {
+                    delete_bound_secret(ctx, vm).await;
+                }
             }
             Ok(Err(HostError::Guest(e))) if e.code == ErrorCode::SpawnFailed => {
                 // Definitely not started: the config was not used.
@@ -635,22 +826,22 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
                     |p| p == Some(VmPhase::Running),
                 )
                 .await?;
-                delete_secret(ctx, &ns, &secret_name).await?;
+                delete_bound_secret(ctx, vm).await;
                 return Ok(());
             }
             Ok(Err(e)) => {
                 warn!(vm = %name, error = %e, "guest connection lost after Sent: the handoff is ambiguous");
-                declare_ambiguous(ctx, api, &vm).await?;
+                declare_ambiguous(ctx, api, vm).await?;
                 return Ok(());
             }
             Err(_) => {
                 warn!(vm = %name, "no answer to the Exec within {EXEC_ANSWER_TIMEOUT:?}: the handoff is ambiguous");
-                declare_ambiguous(ctx, api, &vm).await?;
+                declare_ambiguous(ctx, api, vm).await?;
                 return Ok(());
             }
         }
     }
-    let exited = wait_exited(ctx, &vm, &uid, &exec_id, client).await?;
+    let exited = wait_exited(ctx, vm, &uid, &exec_id, client).await?;
     let Some(exited) = exited else {
         return Ok(()); // the VM ended without reporting; the next reconcile decides.
     };
@@ -659,8 +850,10 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
         if vm.metadata.deletion_timestamp.is_some() || s.phase != Some(VmPhase::Running) {
             return false;
         }
+        if !transition(s, HandoffEvent::Exited, Handoff::Exited) {
+            return false;
+        }
         let r = runner_status(s);
-        r.handoff = Handoff::Exited.to_status();
         r.exit_code = exited.code;
         r.exited_time = Some(Time(Timestamp::now()));
         match &outcome {
@@ -687,21 +880,28 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
         true
     })
     .await?;
-    if matches!(written, Written::Done(_)) {
-        match &outcome {
-            Ok(()) => ctx.metrics.runner_exit("succeeded"),
-            Err((reason, _)) => {
+    if let Written::Done(now) = written {
+        let note = match &outcome {
+            Ok(()) => {
+                ctx.metrics.runner_exit("succeeded");
+                "runner exited with code 0".to_owned()
+            }
+            Err((reason, message)) => {
                 ctx.metrics.runner_exit("failed");
                 ctx.metrics.vm_failed(reason);
+                format!("{reason}: {message}")
             }
-        }
+        };
         info!(vm = %name, code = ?exited.code, signal = ?exited.signal, "runner exited");
+        ctx.event(&now, outcome.is_err(), api_reason::RUNNER_FINISHED, note)
+            .await;
     }
     Ok(())
 }
 
 /// Waits for the runner's `Exited`, reconnecting (and re-asking with the same id, which never
-/// spawns) when the connection breaks. `None` when the VM ended without reporting.
+/// spawns) when the connection breaks. `None` when the VM ended without reporting. A guest that
+/// floods the connection is not reconnected to: its budget error ends the wait.
 async fn wait_exited(
     ctx: &Context,
     vm: &ImpVM,
@@ -712,6 +912,7 @@ async fn wait_exited(
     loop {
         match client.wait_exited(exec_id).await {
             Ok(e) => return Ok(Some(e)),
+            Err(e @ HostError::BudgetExceeded { .. }) => return Err(e.into()),
             Err(e) => {
                 debug!(uid, error = %e, "lost the guest connection while waiting for the runner");
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -731,13 +932,12 @@ async fn wait_exited(
 /// instance is then released (terminal phase), which stops any runner the config may have reached.
 async fn declare_ambiguous(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM) -> Result<(), Error> {
     let name = vm.name_any();
-    let ns = vm.namespace().unwrap_or_default();
     let written = status::update(api, &name, |vm, s| {
-        let r = s.runner.get_or_insert_with(Default::default);
-        if r.handoff != Handoff::Sent.to_status() || vm.metadata.deletion_timestamp.is_some() {
+        if vm.metadata.deletion_timestamp.is_some()
+            || !transition(s, HandoffEvent::ConnectionLost, Handoff::Ambiguous)
+        {
             return false;
         }
-        r.handoff = Handoff::Ambiguous.to_status();
         if !s.phase.is_some_and(|p| p.is_terminal()) {
             status::mark_failed(
                 s,
@@ -750,14 +950,19 @@ async fn declare_ambiguous(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM) -> Resul
         true
     })
     .await?;
-    if matches!(written, Written::Done(_)) {
+    if let Written::Done(now) = written {
         ctx.metrics.handoff("ambiguous");
         ctx.metrics.vm_failed(api_reason::HANDOFF_AMBIGUOUS);
         warn!(vm = %name, "handoff ambiguous: VM failed, config not replayed");
+        let note = format!(
+            "{}: the runner config was sent but its start was never confirmed",
+            api_reason::HANDOFF_AMBIGUOUS
+        );
+        ctx.event(&now, true, api_reason::VM_FAILED, note).await;
     }
-    if let Some(secret) = &vm.spec.runner_config_secret {
-        delete_secret(ctx, &ns, secret).await?;
-    }
+    // Only a Secret bound to this VM: a forged status (Sent on a VM naming another VM's
+    // Secret) must not make the agent delete the victim's config.
+    delete_bound_secret(ctx, vm).await;
     Ok(())
 }
 

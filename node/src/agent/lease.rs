@@ -1,5 +1,8 @@
 //! The heartbeat Lease `imp-node-<node>` in the operator's namespace (docs/vm-lifecycle.md rule 5):
-//! created if missing, `spec.renewTime` renewed every heartbeat interval.
+//! created if missing, `spec.renewTime` renewed every heartbeat interval, but only while
+//! imp-runtime answers: a node whose runtime is down cannot run VMs, so its heartbeat goes stale
+//! and the operator stops scheduling onto it and, past its finalizer timeout, releases the VMs
+//! deleted meanwhile (docs/agent.md "Node truth").
 
 use std::time::Duration;
 
@@ -11,6 +14,7 @@ use kube::{Api, Client, api::PostParams};
 use tracing::{debug, warn};
 
 use super::metrics::AgentMetrics;
+use crate::client::RuntimeClient;
 
 /// `leaseDurationSeconds` advertised: four missed renewals (informational; the operator applies
 /// its own staleness threshold).
@@ -53,16 +57,32 @@ pub async fn renew(api: &Api<Lease>, node: &str, interval: Duration) -> Result<(
     Ok(())
 }
 
-/// Renews forever, every `interval` (a failed renewal is retried after a short pause).
+/// Renews forever, every `interval`, while `runtime` answers (a failed renewal, or a runtime
+/// that does not answer, is retried after a short pause).
 pub async fn heartbeat(
     client: Client,
     namespace: String,
     node: String,
     interval: Duration,
     metrics: AgentMetrics,
+    runtime: RuntimeClient,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &namespace);
+    let mut runtime_was_down = false;
     loop {
+        if let Err(e) = runtime.capacity().await {
+            if !runtime_was_down {
+                warn!(error = %e, "imp-runtime does not answer: the heartbeat is held until it does");
+            }
+            runtime_was_down = true;
+            metrics.heartbeat_failed();
+            tokio::time::sleep(interval.min(Duration::from_secs(1))).await;
+            continue;
+        }
+        if runtime_was_down {
+            tracing::info!("imp-runtime answers again: heartbeat resumed");
+            runtime_was_down = false;
+        }
         match renew(&api, &node, interval).await {
             Ok(()) => {
                 metrics.heartbeat_ok();

@@ -19,6 +19,14 @@ pub struct ReasonLabel {
     pub reason: String,
 }
 
+/// Identifies a VM's guest series.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GuestLabels {
+    pub vm: String,
+    pub namespace: String,
+    pub node: String,
+}
+
 #[derive(Clone)]
 pub struct AgentMetrics {
     inner: Arc<Inner>,
@@ -36,6 +44,8 @@ struct Inner {
     teardowns: Counter,
     backlog: Gauge,
     reconcile_errors: Counter,
+    guest_memory_used: Family<GuestLabels, Gauge>,
+    guest_disk_used: Family<GuestLabels, Gauge>,
 }
 
 impl Default for AgentMetrics {
@@ -58,7 +68,19 @@ impl AgentMetrics {
             teardowns: Counter::default(),
             backlog: Gauge::default(),
             reconcile_errors: Counter::default(),
+            guest_memory_used: Family::default(),
+            guest_disk_used: Family::default(),
         };
+        inner.registry.register(
+            "imp_vm_guest_memory_used_bytes",
+            "Guest memory in use (MemTotal - MemAvailable), as the guest agent last reported it",
+            inner.guest_memory_used.clone(),
+        );
+        inner.registry.register(
+            "imp_vm_guest_disk_used_bytes",
+            "Used bytes of the guest's root filesystem, as the guest agent last reported it",
+            inner.guest_disk_used.clone(),
+        );
         inner.registry.register(
             "imp_agent_heartbeat_timestamp_seconds",
             "Unix time of the last successful renewal of this node's heartbeat Lease",
@@ -167,6 +189,24 @@ impl AgentMetrics {
     pub fn backlog(&self, n: i64) {
         self.inner.backlog.set(n);
     }
+    pub fn guest(&self, labels: &GuestLabels, memory_used: u64, disk_used: u64) {
+        let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.inner
+            .guest_memory_used
+            .get_or_create(labels)
+            .set(clamp(memory_used));
+        self.inner
+            .guest_disk_used
+            .get_or_create(labels)
+            .set(clamp(disk_used));
+    }
+
+    /// Drops a VM's guest series (the VM left Running or is gone).
+    pub fn forget_guest(&self, labels: &GuestLabels) {
+        self.inner.guest_memory_used.remove(labels);
+        self.inner.guest_disk_used.remove(labels);
+    }
+
     pub fn reconcile_error(&self) {
         self.inner.reconcile_errors.inc();
     }
@@ -189,6 +229,12 @@ mod tests {
         m.teardown();
         m.backlog(2);
         m.reconcile_error();
+        let labels = GuestLabels {
+            vm: "v".into(),
+            namespace: "ns".into(),
+            node: "n".into(),
+        };
+        m.guest(&labels, 1024, 2048);
         let text = m.encode();
         for want in [
             "imp_agent_heartbeat_failures_total 1",
@@ -200,6 +246,8 @@ mod tests {
             "imp_agent_teardowns_total 1",
             "imp_agent_backlog_vms 2",
             "imp_agent_reconcile_errors_total 1",
+            "imp_vm_guest_memory_used_bytes{vm=\"v\",namespace=\"ns\",node=\"n\"} 1024",
+            "imp_vm_guest_disk_used_bytes{vm=\"v\",namespace=\"ns\",node=\"n\"} 2048",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }
@@ -209,8 +257,10 @@ mod tests {
         );
         assert_eq!(
             imp_testkit::metrics::assert_every_family_documented(&text),
-            10,
+            12,
             "{text}"
         );
+        m.forget_guest(&labels);
+        assert!(!m.encode().contains("vm=\"v\""));
     }
 }

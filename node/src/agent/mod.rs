@@ -2,15 +2,18 @@
 //! its node, drives imp-runtime through its socket, performs the runner handoff over vsock, writes
 //! the agent's part of ImpVM status and renews the node's heartbeat Lease.
 //!
-//! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`spec`]
+//! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`binding`]
+//! (whose JIT config a VM may receive), [`spec`]
 //! (ImpVM -> runtime spec). I/O: [`controller`], [`status`], [`lease`], [`http`].
 
+pub mod binding;
 pub mod controller;
 pub mod decide;
 pub mod handoff;
 pub mod http;
 pub mod lease;
 pub mod metrics;
+pub mod monitor;
 pub mod spec;
 pub mod status;
 
@@ -38,6 +41,11 @@ pub struct AgentConfig {
     pub poll_interval: Duration,
     /// How often runtime VMs no longer bound here are looked for.
     pub sweep_interval: Duration,
+    /// How long one request to a guest (an Exec, a probe, a metrics query) may go unanswered
+    /// before the guest counts as unresponsive.
+    pub guest_answer_timeout: Duration,
+    /// How often a Running VM's guest is asked for its memory and disk use.
+    pub guest_metrics_interval: Duration,
 }
 
 impl AgentConfig {
@@ -50,6 +58,8 @@ impl AgentConfig {
             runner_command: DEFAULT_RUNNER_COMMAND.into(),
             poll_interval: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(15),
+            guest_answer_timeout: imp_guest::host::DEFAULT_ANSWER_TIMEOUT,
+            guest_metrics_interval: Duration::from_secs(30),
         }
     }
 }
@@ -72,6 +82,7 @@ pub async fn run(
         config.node_name.clone(),
         config.heartbeat_interval,
         metrics.clone(),
+        crate::client::RuntimeClient::new(&config.runtime_socket),
     ));
     let ctx = controller::Context::new(client, config, metrics.clone());
     let result = tokio::select! {

@@ -39,6 +39,12 @@ struct Args {
     /// How often runtime VMs no longer bound to this node are released, e.g. "15s".
     #[arg(long, env = "IMP_SWEEP_INTERVAL", default_value = "15s", value_parser = imp_api::parse_duration)]
     sweep_interval: Duration,
+    /// How long one request to a guest (Exec, probe, metrics) may go unanswered, e.g. "30s".
+    #[arg(long, env = "IMP_GUEST_ANSWER_TIMEOUT", default_value = "30s", value_parser = imp_api::parse_duration)]
+    guest_answer_timeout: Duration,
+    /// How often a Running VM's guest is asked for its memory and disk use, e.g. "30s".
+    #[arg(long, env = "IMP_GUEST_METRICS_INTERVAL", default_value = "30s", value_parser = imp_api::parse_duration)]
+    guest_metrics_interval: Duration,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -72,6 +78,8 @@ async fn main() -> ExitCode {
         runner_command: args.runner_command,
         poll_interval: args.poll_interval,
         sweep_interval: args.sweep_interval,
+        guest_answer_timeout: args.guest_answer_timeout,
+        guest_metrics_interval: args.guest_metrics_interval,
     };
     tracing::info!(node = %config.node_name, socket = %config.runtime_socket.display(), "imp-agent starting");
     let run = imp_node::agent::run(

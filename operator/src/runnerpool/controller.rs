@@ -856,6 +856,22 @@ impl Ctx {
     ) -> Result<()> {
         let vm_name = vm.name_any();
         let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
+        if !from_template(pool, vm) {
+            // A VM anyone with ImpVM RBAC made to look like ours (label, owner reference): never
+            // hand it a registration of this pool (issue 15).
+            let err = Error::ForeignRunnerVm {
+                vm: vm_name.clone(),
+            };
+            self.event(
+                pool,
+                true,
+                reason::FOREIGN_RUNNER_VM,
+                format!("{err}; deleting it"),
+            )
+            .await;
+            self.delete_vm(key, &vm_name).await;
+            return Err(err);
+        }
         let secret_name = jit_secret_name(&uid);
         let secrets = self.secrets(key);
         let existing = secrets
@@ -1367,6 +1383,14 @@ fn scope_of(pool: &ImpVMRunnerPool) -> Option<RunnerScope> {
     }
 }
 
+/// Whether `vm`'s spec is what [`runner_vm`] makes of `pool` (scheduling and the mint's own field aside).
+fn from_template(pool: &ImpVMRunnerPool, vm: &ImpVM) -> bool {
+    let mut have = vm.spec.clone();
+    have.node_name = None;
+    have.runner_config_secret = None;
+    runner_vm(pool).is_ok_and(|want| want.spec == have)
+}
+
 /// A new runner VM of `pool`: generateName `<pool>-`, ephemeral, labelled, controlled by the pool.
 pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
     let name = pool.name_any();
@@ -1533,5 +1557,29 @@ impl Ctx {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod from_template_tests {
+    use super::*;
+
+    #[test]
+    fn only_a_vm_of_the_pools_template_is_minted_for() {
+        let mut pool = imp_testkit::fixtures::pool("p").build();
+        pool.metadata.uid = Some("pool-uid".into());
+        let mut vm = runner_vm(&pool).unwrap();
+        assert!(from_template(&pool, &vm));
+        vm.spec.node_name = Some("n".into());
+        vm.spec.runner_config_secret = Some("s".into());
+        assert!(
+            from_template(&pool, &vm),
+            "scheduling and the mint do not count"
+        );
+        vm.spec.image = "registry.example/mine:1".into();
+        assert!(
+            !from_template(&pool, &vm),
+            "another image is not the pool's runner"
+        );
     }
 }
