@@ -334,35 +334,54 @@ def check_live(prometheus, panels, variables, work):
         wait_for("Prometheus ready", 60, ready, procs)
         log(f"Prometheus {base} up in the smoke's network namespace")
         (targets / "scraper-ready").touch()
-        wait_for("the smoke run to reach its hold (smoke.log)", 900, (targets / "holding").exists, procs)
+        def discovered_then_holding():
+            # The smoke starts its processes once Prometheus has discovered all three targets.
+            if not (targets / "targets-seen").exists():
+                try:
+                    if len(get_json(f"{base}/api/v1/targets")["data"]["activeTargets"]) == 3:
+                        (targets / "targets-seen").touch()
+                except (OSError, ValueError, KeyError):
+                    pass
+            return (targets / "holding").exists()
+        wait_for("the smoke run to reach its hold (smoke.log)", 900, discovered_then_holding, procs)
 
         def all_up():
             active = get_json(f"{base}/api/v1/targets")["data"]["activeTargets"]
             return len(active) == 3 and all(t["health"] == "up" for t in active)
         wait_for("Prometheus scraping operator, agent and runtime", 30, all_up, procs)
-        time.sleep(3)  # a few more scrapes after the last stage
-        rate_interval = f"{int(time.time() - started) + 60}s"
-        rows, empty = [], []
-        for dash, title, tgts in panels:
-            finite = False
-            for ref, expr in tgts:
-                result = query(base, substitute(expr, rate_interval))
-                values = []
-                for s in result:
-                    v = float(s["value"][1])
-                    finite |= math.isfinite(v)
-                    labels = ",".join(f"{k}={v2}" for k, v2 in sorted(s["metric"].items()))
-                    values.append(f"{{{labels}}} {s['value'][1]}")
-                rows.append((title, ref, expr, "; ".join(values) if values else "(no series)"))
-            if not finite:
-                empty.append(title)
-        for dash, name, q in variables:
-            selector, label = label_values_query(q)
-            result = query(base, f"count by ({label}) ({substitute(selector, rate_interval)})")
-            got = sorted(s["metric"].get(label, "") for s in result if s["metric"].get(label))
-            rows.append((f"variable {name}", "-", q, ", ".join(got) if got else "(no values)"))
-            if not got:
-                empty.append(f"variable {name}")
+        def evaluate():
+            rate_interval = f"{int(time.time() - started) + 60}s"
+            rows, empty = [], []
+            for dash, title, tgts in panels:
+                finite = False
+                for ref, expr in tgts:
+                    result = query(base, substitute(expr, rate_interval))
+                    values = []
+                    for s in result:
+                        v = float(s["value"][1])
+                        finite |= math.isfinite(v)
+                        labels = ",".join(f"{k}={v2}" for k, v2 in sorted(s["metric"].items()))
+                        values.append(f"{{{labels}}} {s['value'][1]}")
+                    rows.append((title, ref, expr, "; ".join(values) if values else "(no series)"))
+                if not finite:
+                    empty.append(title)
+            for dash, name, q in variables:
+                selector, label = label_values_query(q)
+                result = query(base, f"count by ({label}) ({substitute(selector, rate_interval)})")
+                got = sorted(s["metric"].get(label, "") for s in result if s["metric"].get(label))
+                rows.append((f"variable {name}", "-", q, ", ".join(got) if got else "(no values)"))
+                if not got:
+                    empty.append(f"variable {name}")
+            return rows, empty
+
+        # Gauges are refreshed periodically (the operator's every 10 s): evaluate until every panel has
+        # data or 45 s have passed.
+        deadline = time.monotonic() + 45
+        while True:
+            time.sleep(3)
+            rows, empty = evaluate()
+            if not empty or time.monotonic() > deadline:
+                break
         print("\n| Panel | Query | Expression | Value in the smoke run |\n|---|---|---|---|")
         for title, ref, expr, value in rows:
             print(f"| {title} | {ref} | `{expr}` | {value} |")

@@ -201,7 +201,16 @@ timeline watch "$work/events.jsonl" -- "$repo/testenv/bin/kubectl" get --raw \
 pids+=($!)
 
 op_port=$(free_port)
+runtime_metrics="127.0.0.1:$(free_port)"
+agent_port=$(free_port)
 target imp-operator "127.0.0.1:$op_port"
+target imp-runtime "$runtime_metrics" smoke-node
+target imp-agent "127.0.0.1:$agent_port" smoke-node
+# Prometheus applies discovered targets at most every 5 s: the processes start once it has all three,
+# so their first samples precede anything they count.
+if [[ -n "${IMP_SMOKE_TARGETS_DIR:-}" ]]; then
+  wait_for 60 test -e "$IMP_SMOKE_TARGETS_DIR/targets-seen" || fail "no $IMP_SMOKE_TARGETS_DIR/targets-seen within 60 s"
+fi
 "$bin/github-sim" --org acme --repo acme/app --secret-dir "$work/app" --webhook-url "http://127.0.0.1:$op_port/webhooks/github" \
   >"$work/sim.out" 2>"$work/sim.err" &
 pids+=($!)
@@ -249,10 +258,6 @@ pass "node smoke-node Ready with a fresh agent Lease"
 # The node's two processes: imp-runtime (Firecracker simulator: imp-guest runs as a process here, so the
 # runner command is a host binary) and imp-agent, whose runner is imp-fake-runner against the GitHub simulator.
 : >"$work/vmlinux"
-runtime_metrics="127.0.0.1:$(free_port)"
-agent_port=$(free_port)
-target imp-runtime "$runtime_metrics" smoke-node
-target imp-agent "127.0.0.1:$agent_port" smoke-node
 # Each process starts through its function, so a chaos scenario can start it again after a kill -9
 # (logs append).
 start_runtime() {
