@@ -126,7 +126,7 @@ impl Shared {
             m.next_job_id += 1;
             let job = SimJob {
                 id,
-                run_id: 2_202_229_000 + id,
+                run_id: spec.run_id.unwrap_or(2_202_229_000 + id),
                 repository: spec
                     .repository
                     .unwrap_or_else(|| self.config.repos.first().cloned().unwrap_or_default()),
@@ -350,6 +350,39 @@ impl GithubSim {
 
     pub fn job(&self, id: u64) -> Option<SimJob> {
         self.shared.model().jobs.get(&id).cloned()
+    }
+
+    /// A runner outside Imp (e.g. GitHub-hosted) takes the queued job: in progress under
+    /// `runner_name`; emits the `in_progress` webhook. None if the job is not queued.
+    pub fn start_job(&self, id: u64, runner_name: &str) -> Option<SimJob> {
+        let job = {
+            let mut m = self.shared.model();
+            let job = m.jobs.get_mut(&id).filter(|j| j.status == JobStatus::Queued)?;
+            job.status = JobStatus::InProgress;
+            job.started_at = Some(Utc::now());
+            job.runner_name = Some(runner_name.to_string());
+            job.clone()
+        };
+        self.shared.emit(&job, "in_progress");
+        Some(job)
+    }
+
+    /// Completes the job (cancelled while queued, or finished by a runner outside Imp); emits
+    /// the `completed` webhook. None if it is unknown or already completed.
+    pub fn complete_job(&self, id: u64, conclusion: &str) -> Option<SimJob> {
+        let job = {
+            let mut m = self.shared.model();
+            let job = m
+                .jobs
+                .get_mut(&id)
+                .filter(|j| j.status != JobStatus::Completed)?;
+            job.status = JobStatus::Completed;
+            job.conclusion = Some(conclusion.to_string());
+            job.completed_at = Some(Utc::now());
+            job.clone()
+        };
+        self.shared.emit(&job, "completed");
+        Some(job)
     }
 
     pub fn jobs(&self) -> Vec<SimJob> {
