@@ -35,6 +35,8 @@ pub struct PoolMetrics {
     /// `imp_runner_vm_start_failures_total{reason}`: runner VMs that failed before their runner
     /// started, by the VM's failure reason.
     pub vm_start_failures: Family<ReasonLabels, Counter>,
+    /// `imp_runner_demand_jobs_evicted_total`, `imp_runner_demand_jobs` (issue 16b).
+    pub demand: super::demand::DemandMetrics,
 }
 
 impl Default for PoolMetrics {
@@ -48,6 +50,7 @@ impl Default for PoolMetrics {
             job_pickup_latency: Histogram::new(exponential_buckets(0.25, 2.0, 14)),
             deregistrations: Family::default(),
             vm_start_failures: Family::default(),
+            demand: Default::default(),
         }
     }
 }
@@ -89,6 +92,7 @@ impl PoolMetrics {
             "GitHub runner deregistrations by result",
             self.deregistrations.clone(),
         );
+        self.demand.register(registry);
     }
 
     pub fn delivery(&self, result: &str) {
