@@ -357,7 +357,10 @@ impl GithubSim {
     pub fn start_job(&self, id: u64, runner_name: &str) -> Option<SimJob> {
         let job = {
             let mut m = self.shared.model();
-            let job = m.jobs.get_mut(&id).filter(|j| j.status == JobStatus::Queued)?;
+            let job = m
+                .jobs
+                .get_mut(&id)
+                .filter(|j| j.status == JobStatus::Queued)?;
             job.status = JobStatus::InProgress;
             job.started_at = Some(Utc::now());
             job.runner_name = Some(runner_name.to_string());

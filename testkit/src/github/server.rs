@@ -279,8 +279,8 @@ async fn with_etag(resp: Response, if_none_match: Option<&str>) -> Response {
     if let Ok(v) = HeaderValue::from_str(&etag) {
         parts.headers.insert(http::header::ETAG, v);
     }
-    let matches = if_none_match
-        .is_some_and(|h| h.split(',').any(|t| t.trim() == etag || t.trim() == "*"));
+    let matches =
+        if_none_match.is_some_and(|h| h.split(',').any(|t| t.trim() == etag || t.trim() == "*"));
     if matches {
         parts.status = StatusCode::NOT_MODIFIED;
         parts.headers.remove(http::header::CONTENT_TYPE);

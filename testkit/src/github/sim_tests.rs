@@ -444,7 +444,10 @@ async fn runs_follow_their_jobs_and_conditional_gets_are_free() {
     // One job started: the whole run is in progress, its other jobs still queued.
     assert!(runs("queued").await.is_empty());
     assert_eq!(runs("in_progress").await, vec![first.run_id]);
-    let jobs_path = format!("/repos/octo-org/octo-repo/actions/runs/{}/jobs", first.run_id);
+    let jobs_path = format!(
+        "/repos/octo-org/octo-repo/actions/runs/{}/jobs",
+        first.run_id
+    );
     let r = req(&sim, Method::GET, &jobs_path, Some(&tok), None).await;
     let statuses: Vec<String> = r.json()["jobs"]
         .as_array()
