@@ -79,7 +79,8 @@ impl IntervalCause {
 
 /// How long until the next sweep: at least `min`; long enough that the last sweep's charged calls
 /// stay within the share and its requests within the rate cap; until the reset while the remaining
-/// calls are down to the reserve.
+/// calls are down to the reserve. First fetches (nothing to revalidate yet) are a one-time cost and
+/// do not stretch the interval: the reserve rule (and the sweep stopping at the reserve) bounds them.
 pub fn next_sweep_interval(
     budget: &SweepBudget,
     min: Duration,
@@ -94,7 +95,10 @@ pub fn next_sweep_interval(
         }
     };
     consider(
-        Duration::from_secs_f64(last.charged as f64 * 3600.0 / budget.charged_per_hour(limit)),
+        Duration::from_secs_f64(
+            last.charged.saturating_sub(last.first) as f64 * 3600.0
+                / budget.charged_per_hour(limit),
+        ),
         IntervalCause::PrimaryShare,
     );
     consider(
@@ -121,6 +125,7 @@ mod tests {
         CallCount {
             charged,
             revalidated,
+            first: 0,
         }
     }
 
@@ -160,6 +165,22 @@ mod tests {
         // Unknown limit: GitHub's default of 5,000 is assumed.
         let (d, _) = next_sweep_interval(&b, MIN, calls(500, 0), None);
         assert_eq!(d, Duration::from_secs(720));
+    }
+
+    #[test]
+    fn a_cold_cache_is_a_one_time_cost() {
+        let b = SweepBudget::default();
+        // The first sweep of 1,000 repositories: 2,010 first fetches, 10 changed.
+        let cold = CallCount {
+            charged: 2020,
+            revalidated: 0,
+            first: 2010,
+        };
+        let (d, cause) = next_sweep_interval(&b, MIN, cold, rate(5000, 2900, 3000));
+        assert_eq!(
+            (d, cause),
+            (Duration::from_secs(202), IntervalCause::RequestRate)
+        );
     }
 
     #[test]

@@ -489,6 +489,9 @@ impl GithubApp {
             return Ok(resp);
         }
         calls.charged += 1;
+        if etag.is_none() {
+            calls.first += 1;
+        }
         match resp.headers.get(http::header::ETAG) {
             Some(etag) => self.etags().store(
                 path,

@@ -9,11 +9,13 @@ use bytes::Bytes;
 use http::HeaderValue;
 
 /// What a series of calls cost: `charged` answers spent the rate limit, `revalidated` ones (304)
-/// did not.
+/// did not. `first` of the charged had no remembered answer to revalidate (a cold cache: the first
+/// sweep after a start, or new repositories and runs); the budget treats them as a one-time cost.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CallCount {
     pub charged: u64,
     pub revalidated: u64,
+    pub first: u64,
 }
 
 impl CallCount {
@@ -24,6 +26,7 @@ impl CallCount {
     pub fn add(&mut self, other: CallCount) {
         self.charged += other.charged;
         self.revalidated += other.revalidated;
+        self.first += other.first;
     }
 }
 
@@ -168,11 +171,13 @@ mod tests {
         let mut a = CallCount {
             charged: 2,
             revalidated: 3,
+            first: 1,
         };
         a.add(CallCount {
             charged: 1,
             revalidated: 0,
+            first: 1,
         });
-        assert_eq!((a.charged, a.revalidated, a.total()), (3, 3, 6));
+        assert_eq!((a.charged, a.revalidated, a.first, a.total()), (3, 3, 2, 6));
     }
 }

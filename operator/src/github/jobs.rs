@@ -58,6 +58,9 @@ pub struct SweepListing {
     pub jobs: Vec<(String, WorkflowJob)>,
     /// Repositories whose listing failed (their jobs are left as they are).
     pub failed: Vec<(String, GithubError)>,
+    /// Repositories not listed because the rate limit was down to the reserve left to minting
+    /// (listed by a later sweep; their jobs are left as they are).
+    pub deferred: Vec<String>,
     /// What the sweep cost.
     pub calls: CallCount,
 }
@@ -137,7 +140,8 @@ impl GithubApp {
     }
 
     /// One sweep of this App: the repositories of `orgs` the installation can access plus `repos`,
-    /// each listed with [`GithubApp::list_active_jobs`]. Fails only if the repository list does.
+    /// each listed with [`GithubApp::list_active_jobs`], stopping when the rate limit's remaining
+    /// calls are down to the reserve left to minting. Fails only if the repository list does.
     pub async fn sweep_jobs(
         &self,
         orgs: &HashSet<String>,
@@ -154,7 +158,16 @@ impl GithubApp {
                     .is_some_and(|(o, _)| orgs.contains(&o.to_ascii_lowercase()))
             }));
         }
+        let budget = &self.inner.config.sweep_budget;
         for repo in all {
+            if !out.deferred.is_empty()
+                || self
+                    .rate_state()
+                    .is_some_and(|r| r.remaining <= budget.reserve(r.limit))
+            {
+                out.deferred.push(repo);
+                continue;
+            }
             let Some((owner, name)) = repo.split_once('/') else {
                 continue;
             };
@@ -171,6 +184,15 @@ impl GithubApp {
 }
 
 impl GithubApp {
+    /// Charged calls per hour the sweep may spend, under the limit GitHub last reported (or the
+    /// default 5,000 before any answer).
+    pub fn sweep_budget_per_hour(&self) -> f64 {
+        let limit = self
+            .rate_state()
+            .map_or(super::budget::DEFAULT_RATE_LIMIT, |r| r.limit);
+        self.inner.config.sweep_budget.charged_per_hour(limit)
+    }
+
     /// Records what a sweep cost (the `imp_github_sweep_*` gauges) and returns how long until this
     /// App's next sweep may run: at least `min`, within the sweep's budget ([`next_sweep_interval`]).
     pub fn record_sweep(&self, calls: CallCount, min: Duration) -> Duration {
@@ -195,10 +217,9 @@ impl GithubApp {
         m.sweep_interval
             .get_or_create(&app)
             .set(next.as_secs() as i64);
-        let limit = rate.map_or(super::budget::DEFAULT_RATE_LIMIT, |r| r.limit);
         m.sweep_budget
             .get_or_create(&app)
-            .set(budget.charged_per_hour(limit) as i64);
+            .set(self.sweep_budget_per_hour() as i64);
         let projected = calls.charged as f64 * 3600.0 / next.as_secs_f64().max(1.0);
         m.sweep_projected.get_or_create(&app).set(projected as i64);
         tracing::debug!(

@@ -1292,7 +1292,14 @@ impl Ctx {
             for (repo, e) in &listing.failed {
                 warn!(repository = %repo, error = %e, "sweep: listing active jobs failed");
             }
-            let complete = listing.failed.is_empty();
+            if !listing.deferred.is_empty() {
+                warn!(
+                    app_id = app.app_id(),
+                    deferred = listing.deferred.len(),
+                    "sweep: rate limit down to the reserve left to minting; repositories deferred"
+                );
+            }
+            let complete = listing.failed.is_empty() && listing.deferred.is_empty();
             next = next.max(app.record_sweep(listing.calls, min));
             let changed = {
                 let mut d = self.shared.demand();
