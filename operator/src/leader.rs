@@ -11,6 +11,10 @@
 
 use std::time::{Duration, Instant};
 
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
@@ -259,6 +263,50 @@ pub async fn run_elector(
         let _ = leading.send(false);
         release(&api, &cfg).await;
     }
+}
+
+/// Middleware for the webhook receiver: a standby must not answer a delivery 2xx, or its demand
+/// would be lost (GitHub shows the delivery failed; the leader's sweep finds the job).
+pub async fn leader_only(
+    State(leading): State<watch::Receiver<bool>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if *leading.borrow() {
+        next.run(req).await
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "standby: not the leader").into_response()
+    }
+}
+
+/// Runs `work` once we lead, until it ends or leadership is lost (an error either way: a leader's
+/// work never ends on its own, and a former leader must exit rather than resume with stale state).
+pub async fn while_leading(
+    mut leading: watch::Receiver<bool>,
+    work: impl std::future::Future<Output = ()>,
+) -> Result<(), LeadershipEnded> {
+    if leading.wait_for(|l| *l).await.is_err() {
+        return Err(LeadershipEnded::ElectorStopped);
+    }
+    info!("leading: starting the controllers");
+    tokio::select! {
+        () = work => Err(LeadershipEnded::WorkStopped),
+        r = leading.wait_for(|l| !*l) => Err(match r {
+            Ok(_) => LeadershipEnded::Lost,
+            Err(_) => LeadershipEnded::ElectorStopped,
+        }),
+    }
+}
+
+/// Why [`while_leading`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LeadershipEnded {
+    #[error("the leader elector stopped")]
+    ElectorStopped,
+    #[error("lost the leader Lease")]
+    Lost,
+    #[error("a controller stopped")]
+    WorkStopped,
 }
 
 #[cfg(test)]

@@ -19,18 +19,13 @@ use std::{
 };
 
 use axum::{
-    Router,
-    extract::{Request, State},
-    http::StatusCode,
-    middleware::{self, Next},
-    response::{IntoResponse, Response},
-    routing::get,
+    Router, extract::State, http::StatusCode, middleware, response::IntoResponse, routing::get,
 };
 use clap::Parser;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
-    leader::{ElectionConfig, run_elector},
+    leader::{ElectionConfig, leader_only, run_elector, while_leading},
     metrics::{VmMetrics, encode},
     runnerpool::{
         PoolControllerConfig, PoolMetrics, PoolShared, SecretKeySelector, run_runnerpool_controller,
@@ -119,20 +114,6 @@ async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
     }
 }
 
-/// A standby must not answer a delivery 2xx: its demand would be lost (GitHub shows the delivery
-/// failed; the leader's sweep finds the job).
-async fn leader_only(
-    State(leading): State<watch::Receiver<bool>>,
-    req: Request,
-    next: Next,
-) -> Response {
-    if *leading.borrow() {
-        next.run(req).await
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "standby: not the leader").into_response()
-    }
-}
-
 fn router(state: HttpState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
@@ -174,7 +155,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     github_metrics.register(&mut registry);
     pool_metrics.register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
-    let (leading_tx, mut leading) = watch::channel(false);
+    let (leading_tx, leading) = watch::channel(false);
     let state = HttpState {
         registry: Arc::new(registry),
         ready: ready.clone(),
@@ -221,23 +202,18 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let _ = release_rx.await;
     }));
 
-    let lead = async {
-        if leading.wait_for(|l| *l).await.is_err() {
-            anyhow::bail!("the leader elector stopped");
-        }
-        info!("leading: starting the controllers");
-        let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
-        let pools = run_runnerpool_controller(client, pool_config, shared);
+    let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
+    let pools = run_runnerpool_controller(client, pool_config, shared);
+    let lead = while_leading(leading, async {
         tokio::select! {
-            () = vms => anyhow::bail!("the ImpVM controller stopped"),
-            () = pools => anyhow::bail!("the runner pool controller stopped"),
-            _ = leading.wait_for(|l| !*l) => anyhow::bail!("lost the leader Lease"),
+            () = vms => error!("the ImpVM controller stopped"),
+            () = pools => error!("the runner pool controller stopped"),
         }
-    };
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.recv());
     let result = tokio::select! {
         r = server => r.map_err(anyhow::Error::from),
-        r = lead => r,
+        r = lead => r.map_err(anyhow::Error::from),
     };
     // The controllers are dropped (cancelled at an await point) before the Lease is released, so the
     // successor never overlaps them; it reconciles from what the API server holds.
