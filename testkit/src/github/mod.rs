@@ -124,27 +124,8 @@ impl Shared {
             let mut m = self.model();
             let id = m.next_job_id;
             m.next_job_id += 1;
-            let job = SimJob {
-                id,
-                run_id: spec.run_id.unwrap_or(2_202_229_000 + id),
-                repository: spec
-                    .repository
-                    .unwrap_or_else(|| self.config.repos.first().cloned().unwrap_or_default()),
-                name: spec.name.unwrap_or_else(|| "build".into()),
-                workflow_name: spec.workflow_name.unwrap_or_else(|| "CI".into()),
-                labels: spec.labels,
-                status: JobStatus::Queued,
-                conclusion: None,
-                runner_id: None,
-                runner_name: None,
-                runner_group_id: None,
-                runner_group_name: None,
-                created_at: Utc::now(),
-                started_at: None,
-                completed_at: None,
-                head_sha: "3484a3fb816e0859fd6e1cea078d76385ff50625".into(),
-                head_branch: "main".into(),
-            };
+            let default_repo = self.config.repos.first().cloned().unwrap_or_default();
+            let job = SimJob::queued(id, spec, &default_repo);
             m.jobs.insert(id, job.clone());
             job
         };

@@ -106,6 +106,33 @@ pub struct SimJob {
     pub head_branch: String,
 }
 
+impl SimJob {
+    /// A newly queued job `id` from `spec` (its own run unless `spec.run_id`).
+    pub fn queued(id: u64, spec: JobSpec, default_repository: &str) -> SimJob {
+        SimJob {
+            id,
+            run_id: spec.run_id.unwrap_or(2_202_229_000 + id),
+            repository: spec
+                .repository
+                .unwrap_or_else(|| default_repository.to_owned()),
+            name: spec.name.unwrap_or_else(|| "build".into()),
+            workflow_name: spec.workflow_name.unwrap_or_else(|| "CI".into()),
+            labels: spec.labels,
+            status: JobStatus::Queued,
+            conclusion: None,
+            runner_id: None,
+            runner_name: None,
+            runner_group_id: None,
+            runner_group_name: None,
+            created_at: Utc::now(),
+            started_at: None,
+            completed_at: None,
+            head_sha: "3484a3fb816e0859fd6e1cea078d76385ff50625".into(),
+            head_branch: "main".into(),
+        }
+    }
+}
+
 /// What to queue (the admin API's `POST /_admin/jobs` body).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct JobSpec {
@@ -325,23 +352,8 @@ mod tests {
 
     fn job(status: JobStatus) -> SimJob {
         SimJob {
-            id: 1,
-            run_id: 1,
-            repository: "o/r".into(),
-            name: "build".into(),
-            workflow_name: "CI".into(),
-            labels: vec![],
             status,
-            conclusion: None,
-            runner_id: None,
-            runner_name: None,
-            runner_group_id: None,
-            runner_group_name: None,
-            created_at: Utc::now(),
-            started_at: None,
-            completed_at: None,
-            head_sha: String::new(),
-            head_branch: String::new(),
+            ..SimJob::queued(1, JobSpec::default(), "o/r")
         }
     }
 
