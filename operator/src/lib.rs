@@ -1,6 +1,7 @@
 pub mod error;
 pub mod github;
 pub mod ipam;
+pub mod leader;
 pub mod metrics;
 pub mod runnerpool;
 pub mod scheduler;

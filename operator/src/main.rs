@@ -1,6 +1,13 @@
 //! imp-operator: the cluster-level coordinator. Runs the ImpVM controller (scheduling and lifecycle), the
 //! runner-pool controller with its queued-job sweep, and an HTTP server with /metrics, /healthz, /readyz and
 //! the GitHub webhook receiver (POST /webhooks/github).
+//!
+//! Only the leader (a coordination.k8s.io Lease, [`imp_operator::leader`]) runs the controllers, so only it
+//! schedules, creates VMs and mints. Only the leader is Ready (the webhook Service routes to it alone) and a
+//! standby answers deliveries 503, so every delivery answered 2xx went into the leader's demand; a new
+//! leader's first sweep rebuilds demand at once. A leader that stops leading exits: its in-memory demand and
+//! backoff must not outlive its term. On SIGTERM the controllers stop first, then the Lease is released so
+//! the successor takes over within one retry period.
 
 use std::{
     net::SocketAddr,
@@ -11,11 +18,14 @@ use std::{
     },
 };
 
-use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
+use axum::{
+    Router, extract::State, http::StatusCode, middleware, response::IntoResponse, routing::get,
+};
 use clap::Parser;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
+    leader::{ElectionConfig, leader_only, run_elector, while_leading},
     metrics::{VmMetrics, encode},
     runnerpool::{
         PoolControllerConfig, PoolMetrics, PoolShared, SecretKeySelector, run_runnerpool_controller,
@@ -24,6 +34,7 @@ use imp_operator::{
     webhook::webhook_router,
 };
 use prometheus_client::registry::Registry;
+use tokio::sync::{oneshot, watch};
 use tracing::{error, info};
 
 #[derive(Parser, Debug)]
@@ -54,6 +65,12 @@ struct Args {
     /// JIT runner configs minted per minute per GitHub App (GitHub's own limits apply above this).
     #[arg(long, env = "IMP_JIT_MINTS_PER_MINUTE", default_value_t = 150, value_parser = clap::value_parser!(u32).range(1..))]
     jit_mints_per_minute: u32,
+    /// The leader-election Lease, in `--namespace` (docs/rbac.md grants exactly this name).
+    #[arg(long, env = "IMP_LEADER_LEASE", default_value = "imp-operator-leader")]
+    leader_lease: String,
+    /// This candidate's identity in the Lease (the pod name; the chart sets it).
+    #[arg(long, env = "IMP_POD_NAME")]
+    pod_name: Option<String>,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -62,6 +79,7 @@ struct Args {
 struct HttpState {
     registry: Arc<Registry>,
     ready: Arc<AtomicBool>,
+    leading: watch::Receiver<bool>,
 }
 
 async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
@@ -84,7 +102,9 @@ async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
-    if s.ready.load(Ordering::SeqCst) {
+    if !*s.leading.borrow() {
+        (StatusCode::SERVICE_UNAVAILABLE, "standby: not the leader")
+    } else if s.ready.load(Ordering::SeqCst) {
         (StatusCode::OK, "ready")
     } else {
         (
@@ -135,9 +155,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
     github_metrics.register(&mut registry);
     pool_metrics.register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
+    let (leading_tx, leading) = watch::channel(false);
     let state = HttpState {
         registry: Arc::new(registry),
         ready: ready.clone(),
+        leading: leading.clone(),
     };
 
     let listener = tokio::net::TcpListener::bind(args.http_addr).await?;
@@ -163,17 +185,40 @@ async fn run(args: Args) -> anyhow::Result<()> {
             key: "webhook-secret".into(),
         });
     }
-    let app = router(state).merge(webhook_router(shared.clone()));
+    let webhooks = webhook_router(shared.clone())
+        .layer(middleware::from_fn_with_state(leading.clone(), leader_only));
+    let app = router(state).merge(webhooks);
+
+    // Without a pod name (outside the chart), a random identity keeps two processes apart.
+    let identity = args
+        .pod_name
+        .clone()
+        .filter(|n| !n.is_empty())
+        .unwrap_or_else(|| format!("imp-operator-{:016x}", rand::random::<u64>()));
+    let election = ElectionConfig::new(&args.namespace, &args.leader_lease, &identity);
+    info!(lease = %args.leader_lease, identity = %identity, "campaigning for leadership");
+    let (release_tx, release_rx) = oneshot::channel::<()>();
+    let elector = tokio::spawn(run_elector(client.clone(), election, leading_tx, async {
+        let _ = release_rx.await;
+    }));
+
     let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
     let pools = run_runnerpool_controller(client, pool_config, shared);
+    let lead = while_leading(leading, async {
+        tokio::select! {
+            () = vms => error!("the ImpVM controller stopped"),
+            () = pools => error!("the runner pool controller stopped"),
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.recv());
-    tokio::select! {
-        r = server => r?,
-        () = vms => anyhow::bail!("the ImpVM controller stopped"),
-        () = pools => anyhow::bail!("the runner pool controller stopped"),
-    }
-    // Dropping the controllers cancels them at an await point; the next start reconciles from
-    // what the API server holds.
+    let result = tokio::select! {
+        r = server => r.map_err(anyhow::Error::from),
+        r = lead => r.map_err(anyhow::Error::from),
+    };
+    // The controllers are dropped (cancelled at an await point) before the Lease is released, so the
+    // successor never overlaps them; it reconciles from what the API server holds.
+    let _ = release_tx.send(());
+    let _ = elector.await;
     info!("imp-operator stopped");
-    Ok(())
+    result
 }

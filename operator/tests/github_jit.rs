@@ -484,10 +484,16 @@ async fn the_queued_job_sweep_finds_jobs_whose_webhook_was_lost() {
     let mut found = Vec::new();
     for full in &repos {
         let (owner, repo) = full.split_once('/').unwrap();
-        found.extend(app.list_queued_jobs(owner, repo).await.unwrap());
+        let mut calls = imp_operator::github::CallCount::default();
+        found.extend(app.list_active_jobs(owner, repo, &mut calls).await.unwrap());
     }
-    let ids: Vec<u64> = found.iter().map(|j| j.id).collect();
-    assert_eq!(ids, vec![a.id, b.id]);
+    // The in-progress job is listed with its runner; the sweep's demand keeps only the queued.
+    found.sort_by_key(|j| j.id);
+    let ids: Vec<(u64, &str)> = found.iter().map(|j| (j.id, j.status.as_str())).collect();
+    assert_eq!(
+        ids,
+        vec![(a.id, "queued"), (b.id, "queued"), (c.id, "in_progress")]
+    );
     assert_eq!(
         found[0].labels,
         vec!["imp".to_string(), "large".to_string()]
@@ -496,7 +502,11 @@ async fn the_queued_job_sweep_finds_jobs_whose_webhook_was_lost() {
     // Without the actions permission the sweep is forbidden, naming it.
     sim.set_permission("actions", None);
     let err = app
-        .list_queued_jobs("octo-org", "octo-repo")
+        .list_active_jobs(
+            "octo-org",
+            "octo-repo",
+            &mut imp_operator::github::CallCount::default(),
+        )
         .await
         .unwrap_err();
     assert!(err.to_string().contains("actions=read"), "{err}");

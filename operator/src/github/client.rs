@@ -14,10 +14,14 @@ use octocrab::service::middleware::retry::RetryConfig;
 use rand::Rng;
 
 use super::app_auth::{AccessTokenResponse, CachedToken, TokenCache, mint_app_jwt};
+use super::budget::RateState;
+use super::conditional::{CallCount, EtagCache};
 use super::credentials::AppCredentials;
-use super::errors::{CallContext, GithubError, Operation, classify, rate_limit_remaining};
+use super::errors::{
+    CallContext, GithubError, Operation, classify, header_i64, rate_limit_remaining,
+};
 use super::governor::MintGovernor;
-use super::metrics::{AppLabels, ErrorLabels, GithubMetrics, RequestLabels};
+use super::metrics::{AppLabels, ErrorLabels, GithubMetrics, OperationLabels, RequestLabels};
 use super::retry::RetryPolicy;
 use imp_common::{ExposeSecret, SecretString};
 
@@ -35,6 +39,8 @@ pub struct GithubConfig {
     pub jit_mints_per_minute: u32,
     /// Mint governor burst.
     pub jit_mint_burst: u32,
+    /// The queued-job sweep's share of the API (docs/github.md).
+    pub sweep_budget: super::budget::SweepBudget,
 }
 
 impl Default for GithubConfig {
@@ -46,6 +52,7 @@ impl Default for GithubConfig {
             token_refresh_margin: Duration::from_secs(5 * 60),
             jit_mints_per_minute: 150,
             jit_mint_burst: 20,
+            sweep_budget: super::budget::SweepBudget::default(),
         }
     }
 }
@@ -67,6 +74,10 @@ pub(crate) struct Inner {
     pub metrics: GithubMetrics,
     /// (org, group name or "" for the default group) -> id.
     pub groups: Mutex<HashMap<(String, String), u64>>,
+    /// Last answers of listings, for conditional requests.
+    etags: Mutex<EtagCache>,
+    /// The installation's primary limit as last seen: (limit, remaining, reset epoch seconds).
+    rate: Mutex<Option<(u64, u64, i64)>>,
 }
 
 /// A GitHub App installation client. Cheap to clone; clones share the token cache and governor.
@@ -120,6 +131,8 @@ impl GithubApp {
                 governor,
                 metrics,
                 groups: Mutex::new(HashMap::new()),
+                etags: Mutex::new(EtagCache::default()),
+                rate: Mutex::new(None),
             }),
         })
     }
@@ -134,6 +147,27 @@ impl GithubApp {
 
     pub fn metrics(&self) -> &GithubMetrics {
         &self.inner.metrics
+    }
+
+    /// The installation's primary rate limit as the last answer reported it.
+    pub fn rate_state(&self) -> Option<RateState> {
+        let (limit, remaining, reset) =
+            (*self.inner.rate.lock().unwrap_or_else(|e| e.into_inner()))?;
+        let reset_in = (reset - chrono::Utc::now().timestamp()).max(0) as u64;
+        Some(RateState {
+            limit,
+            remaining,
+            reset_in: Duration::from_secs(reset_in),
+        })
+    }
+
+    /// Answers remembered for conditional requests.
+    pub fn etag_entries(&self) -> usize {
+        self.inner
+            .etags
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 
     fn app_labels(&self) -> AppLabels {
@@ -170,6 +204,7 @@ impl GithubApp {
                     &path,
                     None,
                     jwt.expose_secret(),
+                    None,
                 )
                 .await;
             let err = match result {
@@ -242,6 +277,7 @@ impl GithubApp {
         path: &str,
         body: Option<&serde_json::Value>,
         auth: &str,
+        if_none_match: Option<&HeaderValue>,
     ) -> Result<ApiResponse, GithubError> {
         let mut authz = HeaderValue::from_str(&format!("Bearer {auth}")).map_err(|_| {
             GithubError::InvalidRequest("credential is not a valid header value".into())
@@ -254,6 +290,9 @@ impl GithubApp {
             .header(http::header::ACCEPT, "application/vnd.github+json")
             .header("x-github-api-version", "2022-11-28")
             .header(http::header::USER_AGENT, "imp-operator");
+        if let Some(etag) = if_none_match {
+            req = req.header(http::header::IF_NONE_MATCH, etag);
+        }
         let body = match body {
             Some(v) => {
                 req = req.header(http::header::CONTENT_TYPE, "application/json");
@@ -317,6 +356,17 @@ impl GithubApp {
                         .rate_limit_remaining
                         .get_or_create(&self.app_labels())
                         .set(remaining);
+                    let limit = header_i64(&r.headers, "x-ratelimit-limit");
+                    let reset = header_i64(&r.headers, "x-ratelimit-reset");
+                    if let (Some(limit), Some(reset)) = (limit, reset) {
+                        self.inner
+                            .metrics
+                            .rate_limit_limit
+                            .get_or_create(&self.app_labels())
+                            .set(limit);
+                        *self.inner.rate.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some((limit.max(0) as u64, remaining.max(0) as u64, reset));
+                    }
                 }
                 tracing::debug!(operation = %op, %method, path, status = r.status.as_u16(), "GitHub call");
             }
@@ -337,6 +387,20 @@ impl GithubApp {
         body: Option<&serde_json::Value>,
         accept: &[StatusCode],
     ) -> Result<ApiResponse, GithubError> {
+        self.call_conditional(ctx, method, path, body, accept, None)
+            .await
+    }
+
+    /// [`GithubApp::call`] with an `If-None-Match` (a 304 is returned, not an error).
+    async fn call_conditional(
+        &self,
+        ctx: &CallContext,
+        method: Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+        accept: &[StatusCode],
+        if_none_match: Option<&HeaderValue>,
+    ) -> Result<ApiResponse, GithubError> {
         let mut retry = 0;
         let mut reauthenticated = false;
         loop {
@@ -348,10 +412,14 @@ impl GithubApp {
                     path,
                     body,
                     token.expose_secret(),
+                    if_none_match,
                 )
                 .await;
             let err = match result {
                 Ok(r) if r.status.is_success() || accept.contains(&r.status) => return Ok(r),
+                Ok(r) if r.status == StatusCode::NOT_MODIFIED && if_none_match.is_some() => {
+                    return Ok(r);
+                }
                 Ok(r) => classify(
                     ctx,
                     r.status,
@@ -386,8 +454,62 @@ impl GithubApp {
         self.record_error(err)
     }
 
+    /// GETs `path` as a conditional request when an answer is remembered: a 304 (free on the rate
+    /// limit) is served from the cache. Counts what it cost into `calls`.
+    pub(crate) async fn get_revalidated(
+        &self,
+        ctx: &CallContext,
+        path: &str,
+        calls: &mut CallCount,
+    ) -> Result<ApiResponse, GithubError> {
+        let etag = self.etags().etag(path);
+        let mut resp = self
+            .call_conditional(ctx, Method::GET, path, None, &[], etag.as_ref())
+            .await?;
+        if resp.status == StatusCode::NOT_MODIFIED {
+            calls.revalidated += 1;
+            self.inner
+                .metrics
+                .not_modified
+                .get_or_create(&OperationLabels {
+                    operation: ctx.operation.as_str().to_string(),
+                })
+                .inc();
+            let Some(hit) = self.etags().revalidated(path) else {
+                // Evicted meanwhile: ask again without the condition.
+                self.etags().forget(path);
+                calls.charged += 1;
+                return self.call(ctx, Method::GET, path, None, &[]).await;
+            };
+            resp.status = StatusCode::OK;
+            resp.body = hit.body;
+            if let Some(link) = hit.link {
+                resp.headers.insert(http::header::LINK, link);
+            }
+            return Ok(resp);
+        }
+        calls.charged += 1;
+        if etag.is_none() {
+            calls.first += 1;
+        }
+        match resp.headers.get(http::header::ETAG) {
+            Some(etag) => self.etags().store(
+                path,
+                etag.clone(),
+                resp.body.clone(),
+                resp.headers.get(http::header::LINK).cloned(),
+            ),
+            None => self.etags().forget(path),
+        }
+        Ok(resp)
+    }
+
+    fn etags(&self) -> std::sync::MutexGuard<'_, EtagCache> {
+        self.inner.etags.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// GETs `first_path` and every following page (`Link: rel="next"`, at most `max_pages`),
-    /// collecting the array under `key`.
+    /// collecting the array under `key`. Pages are revalidated with their ETags.
     pub(crate) async fn get_all_pages<T: serde::de::DeserializeOwned>(
         &self,
         ctx: &CallContext,
@@ -395,10 +517,23 @@ impl GithubApp {
         key: &str,
         max_pages: usize,
     ) -> Result<Vec<T>, GithubError> {
+        self.get_all_pages_counted(ctx, first_path, key, max_pages, &mut CallCount::default())
+            .await
+    }
+
+    /// [`GithubApp::get_all_pages`], counting what it cost into `calls`.
+    pub(crate) async fn get_all_pages_counted<T: serde::de::DeserializeOwned>(
+        &self,
+        ctx: &CallContext,
+        first_path: String,
+        key: &str,
+        max_pages: usize,
+        calls: &mut CallCount,
+    ) -> Result<Vec<T>, GithubError> {
         let mut path = first_path;
         let mut all = Vec::new();
         for _ in 0..max_pages {
-            let resp = self.call(ctx, Method::GET, &path, None, &[]).await?;
+            let resp = self.get_revalidated(ctx, &path, calls).await?;
             let decode = |message: String| {
                 self.record(GithubError::Decode {
                     operation: ctx.operation,

@@ -196,7 +196,7 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     v.trim().parse::<u64>().ok().map(Duration::from_secs)
 }
 
-fn header_i64(headers: &HeaderMap, name: &str) -> Option<i64> {
+pub(crate) fn header_i64(headers: &HeaderMap, name: &str) -> Option<i64> {
     headers.get(name)?.to_str().ok()?.trim().parse().ok()
 }
 

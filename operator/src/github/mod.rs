@@ -23,7 +23,9 @@
 
 pub mod app_auth;
 pub mod apps;
+pub mod budget;
 pub mod client;
+pub mod conditional;
 pub mod credentials;
 pub mod errors;
 pub mod governor;
@@ -37,14 +39,16 @@ pub mod scope;
 
 pub use app_auth::{AppClaims, mint_app_jwt};
 pub use apps::GithubApps;
+pub use budget::{IntervalCause, RateState, SweepBudget, next_sweep_interval};
 pub use client::{GithubApp, GithubConfig};
+pub use conditional::{CallCount, EtagCache};
 pub use credentials::{
     AppCredentials, CredentialsError, KEY_APP_ID, KEY_INSTALLATION_ID, KEY_PRIVATE_KEY,
 };
 pub use errors::{ErrorClass, GithubError, Operation, RateLimitKind};
 pub use governor::{MintGovernor, TokenBucket};
 pub use jit::{JitRequest, JitRunner, runner_name};
-pub use jobs::WorkflowJob;
+pub use jobs::{SweepListing, WorkflowJob};
 pub use metrics::GithubMetrics;
 pub use retry::RetryPolicy;
 pub use runner_groups::{DEFAULT_RUNNER_GROUP_ID, RunnerGroup};

@@ -50,7 +50,7 @@ use super::{
         after_store_conflict, credentials_invalid, decide, mint_action, needs_listing,
         online_suspect, orphans, phase_spans, pool_status, requeue_after,
     },
-    demand::{JobState, JobUpdate, PoolKey, PoolRoute},
+    demand::{PoolKey, PoolRoute, sweep_updates},
     plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
 };
 use crate::error::{Error, Result};
@@ -1439,15 +1439,15 @@ type AppSweep = (GithubApp, HashSet<String>, HashSet<String>, Vec<PoolKey>);
 /// webhooks were lost raise demand within one interval; also expires old jobs and refreshes the global
 /// webhook secret.
 async fn sweep_loop(ctx: Arc<Ctx>) {
-    let mut tick = tokio::time::interval(ctx.config.timing.sweep_interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first sweep runs at once; later ones as the API budget allows (github::budget).
+    let mut next = Duration::ZERO;
     loop {
         tokio::select! {
-            _ = tick.tick() => {}
+            () = tokio::time::sleep(next) => {}
             () = ctx.sweep_now.notified() => {}
         }
         ctx.refresh_global_secret().await;
-        ctx.sweep_once().await;
+        next = ctx.sweep_once().await;
     }
 }
 
@@ -1475,8 +1475,9 @@ impl Ctx {
         }
     }
 
-    /// One sweep over every App the pools use.
-    pub(crate) async fn sweep_once(&self) {
+    /// One sweep over every App the pools use; returns the wait before the next one (the longest
+    /// any App's budget asks for).
+    pub(crate) async fn sweep_once(&self) -> Duration {
         let pools: Vec<(PoolKey, GithubApp, RunnerScope)> = {
             let m = self.memory.lock().unwrap_or_else(|e| e.into_inner());
             m.iter()
@@ -1500,48 +1501,39 @@ impl Ctx {
                 RunnerScope::Enterprise { .. } => {}
             }
         }
-        for (_, (app, orgs, mut repos, keys)) in by_app {
+        let min = self.config.timing.sweep_interval;
+        let mut next = min;
+        for (_, (app, orgs, repos, keys)) in by_app {
             let started = Instant::now();
-            if !orgs.is_empty() {
-                match app.list_installation_repositories().await {
-                    Ok(all) => repos.extend(all.into_iter().filter(|r| {
-                        r.split_once('/')
-                            .is_some_and(|(o, _)| orgs.contains(&o.to_ascii_lowercase()))
-                    })),
-                    Err(e) => {
-                        warn!(app_id = app.app_id(), error = %e, "sweep: listing repositories failed");
-                        continue;
-                    }
-                }
-            }
-            let mut listed = Vec::new();
-            let mut queued = Vec::new();
-            let mut complete = true;
-            for repo in repos {
-                let Some((owner, name)) = repo.split_once('/') else {
+            let listing = match app.sweep_jobs(&orgs, &repos).await {
+                Ok(l) => l,
+                Err(e) => {
+                    warn!(app_id = app.app_id(), error = %e, "sweep: listing repositories failed");
                     continue;
-                };
-                match app.list_queued_jobs(owner, name).await {
-                    Ok(jobs) => {
-                        queued.extend(jobs.into_iter().map(|j| JobUpdate {
-                            id: j.id,
-                            state: JobState::parse(&j.status).unwrap_or(JobState::Queued),
-                            repository: repo.clone(),
-                            labels: j.labels,
-                            runner_name: j.runner_name,
-                        }));
-                        listed.push(repo);
-                    }
-                    Err(e) => {
-                        complete = false;
-                        warn!(repository = %repo, error = %e, "sweep: listing queued jobs failed")
-                    }
                 }
+            };
+            for (repo, e) in &listing.failed {
+                warn!(repository = %repo, error = %e, "sweep: listing active jobs failed");
             }
+            if !listing.deferred.is_empty() {
+                warn!(
+                    app_id = app.app_id(),
+                    deferred = listing.deferred.len(),
+                    "sweep: rate limit down to the reserve left to minting; repositories deferred"
+                );
+            }
+            let complete = listing.failed.is_empty() && listing.deferred.is_empty();
+            next = next.max(app.record_sweep(listing.calls, min));
             let changed = {
                 let mut d = self.shared.demand();
-                let changed = d.observe_sweep(&listed, queued, started, Instant::now());
-                d.expire_jobs(Instant::now());
+                let now = Instant::now();
+                let changed = d.observe_sweep(
+                    &listing.repositories,
+                    sweep_updates(listing.jobs),
+                    started,
+                    now,
+                );
+                d.expire_jobs(now);
                 changed
             };
             for key in changed {
@@ -1557,6 +1549,7 @@ impl Ctx {
                 }
             }
         }
+        next
     }
 }
 

@@ -1,13 +1,22 @@
 //! In-memory demand of every pool: the workflow jobs learnt from webhooks and the queued-job sweep,
-//! which pool each job is routed to, and the delivery-id de-duplication set. Nothing here is persisted:
-//! after an operator restart the sweep rebuilds the queued jobs and in_progress webhooks rebuild the
-//! busy runners (docs/runner-pool.md). Pure state transitions; the webhook receiver and the controller
-//! hold it behind a mutex.
+//! which pool each job is routed to, and the de-duplication set of deliveries (by id and by body
+//! digest). Nothing here is persisted: after an operator restart the sweep rebuilds the queued jobs and
+//! the busy runners (it lists every job of active runs) (docs/runner-pool.md). Pure state transitions;
+//! the webhook receiver and the controller hold it behind a mutex.
+//!
+//! Tenants are kept apart: a delivery changes only jobs of pools that accept its signing secret, and the
+//! sweep (GitHub's own view) re-routes a job whose recorded pool is not the one its listed labels route
+//! to. Memory is bounded: at most `max_jobs` active and `max_completed` completed jobs are kept; the
+//! oldest go first and are counted in `imp_runner_demand_jobs_evicted_total`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use crate::github::RunnerScope;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::github::{RunnerScope, WorkflowJob};
 
 /// `namespace/name` of an ImpVMRunnerPool.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -49,9 +58,12 @@ pub enum JobState {
 }
 
 impl JobState {
+    /// A webhook action or a job status. `waiting` (an environment approval), `pending` and
+    /// `requested` are not demand: GitHub sends `queued` once the job can run, and a runner booted
+    /// earlier would idle for as long as the approval takes (docs/github.md).
     pub fn parse(s: &str) -> Option<Self> {
         match s {
-            "queued" | "waiting" => Some(JobState::Queued),
+            "queued" => Some(JobState::Queued),
             "in_progress" => Some(JobState::InProgress),
             "completed" => Some(JobState::Completed),
             _ => None,
@@ -76,6 +88,8 @@ pub struct Job {
     pub updated_at: Instant,
     /// A Started runner was credited to this job (pickup latency observed).
     pub picked_up: bool,
+    /// Consecutive complete sweeps of its repository that did not list it (while queued).
+    pub misses: u8,
 }
 
 /// One observation of a job (a webhook or a sweep entry).
@@ -108,6 +122,13 @@ pub struct DemandLimits {
     pub completed_ttl: Duration,
     /// A job not updated for this long is dropped (a lost completed webhook must not pin demand).
     pub job_ttl: Duration,
+    /// Queued and in-progress jobs kept; beyond, the least recently updated is evicted.
+    pub max_jobs: usize,
+    /// Completed jobs kept (they only guard against reordered deliveries); oldest evicted first.
+    pub max_completed: usize,
+    /// A queued job missing from this many consecutive complete sweeps is gone (one listing may
+    /// lag behind GitHub's own state).
+    pub sweep_misses_to_drop: u8,
 }
 
 impl Default for DemandLimits {
@@ -117,8 +138,43 @@ impl Default for DemandLimits {
             delivery_ttl: Duration::from_secs(6 * 3600),
             completed_ttl: Duration::from_secs(3600),
             job_ttl: Duration::from_secs(24 * 3600),
+            max_jobs: 20_000,
+            max_completed: 20_000,
+            sweep_misses_to_drop: 2,
         }
     }
+}
+
+/// Metrics of the demand state (registered by [`super::PoolMetrics`]). Clones share the series.
+#[derive(Clone, Debug, Default)]
+pub struct DemandMetrics {
+    /// `imp_runner_demand_jobs_evicted_total`: jobs forgotten because the job map was full.
+    pub evicted: Counter,
+    /// `imp_runner_demand_jobs`: jobs held (all states).
+    pub jobs: Gauge,
+}
+
+impl DemandMetrics {
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "imp_runner_demand_jobs_evicted",
+            "Workflow jobs forgotten because the bounded job map was full (oldest first)",
+            self.evicted.clone(),
+        );
+        registry.register(
+            "imp_runner_demand_jobs",
+            "Workflow jobs held in the operator's demand state",
+            self.jobs.clone(),
+        );
+    }
+}
+
+/// A delivery's identity for de-duplication: its id and the SHA-256 of its body (a replayed body
+/// under a new id is still a duplicate).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum DeliveryKey {
+    Id(String),
+    Digest([u8; 32]),
 }
 
 /// The demand state of all pools.
@@ -127,9 +183,15 @@ pub struct Demand {
     limits: DemandLimits,
     pools: BTreeMap<PoolKey, PoolRoute>,
     jobs: HashMap<u64, Job>,
-    deliveries: HashSet<String>,
-    delivery_order: VecDeque<(Instant, String)>,
+    /// Insertion order of active and of completed jobs (ids may be stale: checked on eviction).
+    active_order: VecDeque<u64>,
+    completed_order: VecDeque<u64>,
+    /// Jobs held per tier: (active, completed).
+    held: (usize, usize),
+    deliveries: HashSet<DeliveryKey>,
+    delivery_order: VecDeque<(Instant, DeliveryKey)>,
     global_secret: Option<Vec<u8>>,
+    metrics: DemandMetrics,
 }
 
 impl Default for Demand {
@@ -165,10 +227,20 @@ impl Demand {
             limits,
             pools: BTreeMap::new(),
             jobs: HashMap::new(),
+            active_order: VecDeque::new(),
+            completed_order: VecDeque::new(),
+            held: (0, 0),
             deliveries: HashSet::new(),
             delivery_order: VecDeque::new(),
             global_secret: None,
+            metrics: DemandMetrics::default(),
         }
+    }
+
+    /// Reports into shared `metrics`.
+    pub fn with_metrics(mut self, metrics: DemandMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// Registers or updates a pool (the controller does this every pass). Jobs waiting without a pool
@@ -236,26 +308,42 @@ impl Demand {
         self.pools
             .iter()
             .filter(|(_, r)| scope_covers(&r.scope, repository) && labels_match(labels, &r.labels))
-            .filter(|(_, r)| match signed_with {
-                None => true,
-                Some(s) => match &r.webhook_secret {
-                    Some(own) => own.as_slice() == s,
-                    None => self.global_secret.as_deref() == Some(s),
-                },
-            })
+            .filter(|(_, r)| signed_with.is_none_or(|s| self.route_accepts(r, s)))
             .min_by_key(|(k, r)| (r.labels.len(), (*k).clone()))
             .map(|(k, _)| k.clone())
     }
 
-    /// Remembers a delivery id; false if it was seen within the TTL.
-    pub fn first_delivery(&mut self, id: &str, now: Instant) -> bool {
+    /// Does a delivery signed with `secret` speak for the pool: its own secret, or the global one
+    /// for a pool without its own.
+    fn route_accepts(&self, route: &PoolRoute, secret: &[u8]) -> bool {
+        match &route.webhook_secret {
+            Some(own) => own.as_slice() == secret,
+            None => self.global_secret.as_deref() == Some(secret),
+        }
+    }
+
+    /// Does the pool accept deliveries signed with `secret`? (An unknown pool accepts none.)
+    pub fn accepts(&self, pool: &PoolKey, secret: &[u8]) -> bool {
+        self.pools
+            .get(pool)
+            .is_some_and(|r| self.route_accepts(r, secret))
+    }
+
+    /// Remembers a delivery by id and body digest; false if either was seen within the TTL.
+    pub fn first_delivery(&mut self, id: &str, body_digest: [u8; 32], now: Instant) -> bool {
         self.expire_deliveries(now);
-        if self.deliveries.contains(id) {
+        let keys = [
+            DeliveryKey::Id(id.to_owned()),
+            DeliveryKey::Digest(body_digest),
+        ];
+        if keys.iter().any(|k| self.deliveries.contains(k)) {
             return false;
         }
-        self.deliveries.insert(id.to_owned());
-        self.delivery_order.push_back((now, id.to_owned()));
-        while self.delivery_order.len() > self.limits.max_deliveries {
+        for k in keys {
+            self.deliveries.insert(k.clone());
+            self.delivery_order.push_back((now, k));
+        }
+        while self.delivery_order.len() > self.limits.max_deliveries.saturating_mul(2) {
             if let Some((_, old)) = self.delivery_order.pop_front() {
                 self.deliveries.remove(&old);
             }
@@ -275,25 +363,55 @@ impl Demand {
     }
 
     /// Applies a job observation; returns the pool whose demand changed (to reconcile it).
-    /// `signed_with` restricts routing of a new job (see [`Demand::route`]).
+    /// `signed_with` is the secret that verified a delivery (None for the sweep): it restricts the
+    /// routing of a new job (see [`Demand::route`]), and a known job changes only if its pool accepts
+    /// that secret, so one tenant's deliveries cannot touch another's jobs.
     pub fn observe(
         &mut self,
         u: JobUpdate,
         signed_with: Option<&[u8]>,
         now: Instant,
     ) -> Option<PoolKey> {
-        if let Some(job) = self.jobs.get_mut(&u.id) {
-            if u.state < job.state || (u.state == job.state && u.runner_name == job.runner_name) {
-                // Stale or repeated: keep what we know, but it is still alive.
-                job.updated_at = now;
+        if let Some(job) = self.jobs.get(&u.id) {
+            let allowed = match (signed_with, &job.pool) {
+                (None, _) => true,
+                (Some(s), Some(p)) => self.accepts(p, s),
+                // Known without a pool (the sweep found it first): the delivery may route it.
+                (Some(s), None) => self.route(&job.repository, &job.labels, Some(s)).is_some(),
+            };
+            if !allowed {
                 return None;
             }
+            let reroute = job.pool.is_none();
+            let pool = if reroute {
+                self.route(&job.repository, &job.labels, signed_with)
+            } else {
+                job.pool.clone()
+            };
+            let job = self.jobs.get_mut(&u.id).expect("checked above");
+            job.updated_at = now;
+            if u.state == JobState::Queued || u.state == JobState::InProgress {
+                job.misses = 0;
+            }
+            let was_routed = !reroute || pool.is_none();
+            job.pool = pool;
+            if u.state < job.state || (u.state == job.state && u.runner_name == job.runner_name) {
+                // Stale or repeated: keep what we know, but it is still alive.
+                return if was_routed { None } else { job.pool.clone() };
+            }
+            let completed = u.state == JobState::Completed && job.state != JobState::Completed;
             job.state = u.state;
             if u.runner_name.is_some() {
                 job.runner_name = u.runner_name;
             }
-            job.updated_at = now;
-            return job.pool.clone();
+            let pool = job.pool.clone();
+            if completed {
+                self.completed_order.push_back(u.id);
+                self.held.0 = self.held.0.saturating_sub(1);
+                self.held.1 += 1;
+                self.bound_jobs();
+            }
+            return pool;
         }
         let pool = self.route(&u.repository, &u.labels, signed_with);
         if pool.is_none() && signed_with.is_some() {
@@ -301,63 +419,155 @@ impl Demand {
             // delivery it would have refused. The sweep finds such jobs once a pool serves them.
             return None;
         }
-        self.jobs.insert(
-            u.id,
-            Job {
-                id: u.id,
-                state: u.state,
-                repository: u.repository,
-                labels: u.labels,
-                runner_name: u.runner_name,
-                pool: pool.clone(),
-                learnt_at: now,
-                updated_at: now,
-                picked_up: false,
-            },
-        );
+        self.insert(Job {
+            id: u.id,
+            state: u.state,
+            repository: u.repository,
+            labels: u.labels,
+            runner_name: u.runner_name,
+            pool: pool.clone(),
+            learnt_at: now,
+            updated_at: now,
+            picked_up: false,
+            misses: 0,
+        });
         pool
     }
 
-    /// Applies a sweep: `queued` are the queued jobs listed for `repositories`, listing having begun
-    /// at `started`. Queued jobs of those repositories that the listing no longer shows and that
-    /// nothing updated since it began were picked up or cancelled while their webhooks were lost:
-    /// they stop counting. Returns the pools whose demand changed.
+    fn insert(&mut self, job: Job) {
+        if job.state == JobState::Completed {
+            self.completed_order.push_back(job.id);
+            self.held.1 += 1;
+        } else {
+            self.active_order.push_back(job.id);
+            self.held.0 += 1;
+        }
+        if let Some(old) = self.jobs.insert(job.id, job) {
+            // Replaced (not reached by observe, which updates known jobs): count it once.
+            self.uncount(&old);
+        }
+        self.bound_jobs();
+    }
+
+    fn uncount(&mut self, job: &Job) {
+        if job.state == JobState::Completed {
+            self.held.1 = self.held.1.saturating_sub(1);
+        } else {
+            self.held.0 = self.held.0.saturating_sub(1);
+        }
+    }
+
+    fn remove_job(&mut self, id: u64) -> Option<Job> {
+        let job = self.jobs.remove(&id)?;
+        self.uncount(&job);
+        Some(job)
+    }
+
+    /// Evicts the oldest jobs beyond the limits (completed ones by completion order, active ones by
+    /// insertion order) and drops stale entries of the order queues. Amortised O(1) per insert.
+    fn bound_jobs(&mut self) {
+        let jobs = &mut self.jobs;
+        let evicted = &self.metrics.evicted;
+        let mut evict =
+            |order: &mut VecDeque<u64>, held: &mut usize, completed: bool, max: usize| {
+                let is_member = |j: Option<&Job>| {
+                    j.is_some_and(|j| (j.state == JobState::Completed) == completed)
+                };
+                // Entries of jobs that left this tier (expired, completed, evicted) are stale.
+                if order.len() > max.saturating_mul(2).max(64) {
+                    order.retain(|id| is_member(jobs.get(id)));
+                }
+                while *held > max {
+                    let Some(id) = order.pop_front() else { break };
+                    if is_member(jobs.get(&id)) {
+                        jobs.remove(&id);
+                        evicted.inc();
+                        *held -= 1;
+                    }
+                }
+            };
+        evict(
+            &mut self.completed_order,
+            &mut self.held.1,
+            true,
+            self.limits.max_completed,
+        );
+        evict(
+            &mut self.active_order,
+            &mut self.held.0,
+            false,
+            self.limits.max_jobs,
+        );
+        self.metrics.jobs.set(self.jobs.len() as i64);
+    }
+
+    fn recount(&mut self) {
+        let completed = self
+            .jobs
+            .values()
+            .filter(|j| j.state == JobState::Completed)
+            .count();
+        self.held = (self.jobs.len() - completed, completed);
+    }
+
+    /// Applies a sweep: `observed` are the jobs listed for `repositories` (every job of their active
+    /// runs, any state), listing having begun at `started`. Each listed job is observed; one whose
+    /// recorded pool is not the pool its listed labels route to was routed by a delivery GitHub
+    /// contradicts and is routed again. A queued job of those repositories that the listing does
+    /// not show and that nothing updated since it began is missed; after `sweep_misses_to_drop`
+    /// consecutive misses it is gone (picked up or cancelled while its webhooks were lost).
+    /// Returns the pools whose demand changed.
     pub fn observe_sweep(
         &mut self,
         repositories: &[String],
-        queued: Vec<JobUpdate>,
+        observed: Vec<JobUpdate>,
         started: Instant,
         now: Instant,
     ) -> HashSet<PoolKey> {
         let mut changed = HashSet::new();
-        let listed: HashSet<u64> = queued.iter().map(|j| j.id).collect();
-        for u in queued {
-            let known = self.jobs.contains_key(&u.id);
-            if let Some(p) = self.observe(u, None, now)
-                && !known
+        let listed: HashSet<u64> = observed.iter().map(|j| j.id).collect();
+        for u in observed {
+            let routed = self.route(&u.repository, &u.labels, None);
+            match self.jobs.get(&u.id) {
+                None if u.state == JobState::Completed => continue,
+                Some(j) if routed.is_some() && j.pool != routed => {
+                    if let Some(old) = self.remove_job(u.id).and_then(|j| j.pool) {
+                        changed.insert(old);
+                    }
+                }
+                _ => {}
+            }
+            let before = self.jobs.get(&u.id).map(|j| (j.state, j.pool.clone()));
+            let pool = self.observe(u.clone(), None, now);
+            let after = self.jobs.get(&u.id).map(|j| (j.state, j.pool.clone()));
+            if let Some(p) = pool
+                && before != after
             {
                 changed.insert(p);
             }
         }
         let covered = |repo: &str| repositories.iter().any(|r| r.eq_ignore_ascii_case(repo));
-        let gone: Vec<u64> = self
-            .jobs
-            .values()
-            .filter(|j| {
-                j.state == JobState::Queued
-                    && !listed.contains(&j.id)
-                    && j.updated_at < started
-                    && covered(&j.repository)
-            })
-            .map(|j| j.id)
-            .collect();
+        let limit = self.limits.sweep_misses_to_drop.max(1);
+        let mut gone = Vec::new();
+        for j in self.jobs.values_mut().filter(|j| {
+            j.state == JobState::Queued
+                && !listed.contains(&j.id)
+                && j.updated_at < started
+                && covered(&j.repository)
+        }) {
+            j.misses = j.misses.saturating_add(1);
+            if j.misses >= limit {
+                gone.push(j.id);
+            }
+        }
         for id in gone {
-            if let Some(j) = self.jobs.remove(&id)
+            if let Some(j) = self.remove_job(id)
                 && let Some(p) = j.pool
             {
                 changed.insert(p);
             }
         }
+        self.bound_jobs();
         changed
     }
 
@@ -371,6 +581,8 @@ impl Demand {
                 _ => age < limits.job_ttl,
             }
         });
+        self.recount();
+        self.bound_jobs();
     }
 
     /// The demand of one pool.
@@ -419,6 +631,22 @@ impl Demand {
     pub fn delivery_count(&self) -> usize {
         self.deliveries.len()
     }
+}
+
+/// The sweep's listing as job observations: statuses that are not demand (`waiting`, `pending`,
+/// `requested`) are left out.
+pub fn sweep_updates(jobs: Vec<(String, WorkflowJob)>) -> Vec<JobUpdate> {
+    jobs.into_iter()
+        .filter_map(|(repository, j)| {
+            Some(JobUpdate {
+                id: j.id,
+                state: JobState::parse(&j.status)?,
+                repository,
+                labels: j.labels,
+                runner_name: j.runner_name.filter(|n| !n.is_empty()),
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -534,6 +762,10 @@ mod tests {
         assert_eq!(d.pool_demand(&key("p")).queued, 0);
     }
 
+    fn digest(n: u8) -> [u8; 32] {
+        [n; 32]
+    }
+
     #[test]
     fn deliveries_are_deduplicated_with_bounded_memory_and_ttl() {
         let mut d = Demand::new(DemandLimits {
@@ -542,16 +774,132 @@ mod tests {
             ..DemandLimits::default()
         });
         let t0 = Instant::now();
-        assert!(d.first_delivery("a", t0));
-        assert!(!d.first_delivery("a", t0));
-        assert!(d.first_delivery("b", t0));
-        assert!(d.first_delivery("c", t0));
-        assert_eq!(d.delivery_count(), 2);
+        assert!(d.first_delivery("a", digest(1), t0));
+        assert!(!d.first_delivery("a", digest(1), t0));
+        assert!(d.first_delivery("b", digest(2), t0));
+        assert!(d.first_delivery("c", digest(3), t0));
+        assert_eq!(d.delivery_count(), 4, "two deliveries, id and digest each");
         // "a" was evicted by size.
-        assert!(d.first_delivery("a", t0));
+        assert!(d.first_delivery("a", digest(1), t0));
         // Everything expires after the TTL.
-        assert!(d.first_delivery("c", t0 + Duration::from_secs(11)));
-        assert_eq!(d.delivery_count(), 1);
+        assert!(d.first_delivery("c", digest(3), t0 + Duration::from_secs(11)));
+        assert_eq!(d.delivery_count(), 2);
+    }
+
+    #[test]
+    fn a_replayed_body_under_a_new_id_is_a_duplicate() {
+        let mut d = Demand::default();
+        let t0 = Instant::now();
+        assert!(d.first_delivery("a", digest(1), t0));
+        assert!(!d.first_delivery("fresh-id", digest(1), t0), "same body");
+        assert!(!d.first_delivery("a", digest(9), t0), "same id");
+        assert!(d.first_delivery("b", digest(2), t0));
+    }
+
+    fn two_tenants() -> Demand {
+        let mut d = Demand::default();
+        d.upsert_pool(key("a"), route(&["imp", "a"], Some("A")));
+        d.upsert_pool(key("b"), route(&["imp", "b"], Some("B")));
+        d
+    }
+
+    fn with_state(mut u: JobUpdate, state: JobState, runner: Option<&str>) -> JobUpdate {
+        u.state = state;
+        u.runner_name = runner.map(str::to_owned);
+        u
+    }
+
+    #[test]
+    fn a_delivery_changes_only_jobs_of_pools_accepting_its_secret() {
+        let mut d = two_tenants();
+        let t0 = Instant::now();
+        assert_eq!(
+            d.observe(queued(1, &["imp", "b"]), Some(b"B"), t0),
+            Some(key("b"))
+        );
+        assert!(!d.accepts(&key("b"), b"A") && d.accepts(&key("b"), b"B"));
+        assert!(!d.accepts(&key("gone"), b"B"));
+        // A's secret cannot complete, start or re-queue B's job.
+        for (state, runner) in [
+            (JobState::Completed, None),
+            (JobState::InProgress, Some("a-x")),
+        ] {
+            let u = with_state(queued(1, &["imp", "b"]), state, runner);
+            assert_eq!(d.observe(u, Some(b"A"), t0), None);
+            assert_eq!(d.job(1).unwrap().state, JobState::Queued);
+        }
+        assert_eq!(d.pool_demand(&key("b")).queued, 1);
+        // B's own secret can.
+        let done = with_state(queued(1, &["imp", "b"]), JobState::Completed, None);
+        assert_eq!(d.observe(done, Some(b"B"), t0), Some(key("b")));
+        assert_eq!(d.pool_demand(&key("b")).queued, 0);
+    }
+
+    #[test]
+    fn a_job_the_sweep_found_first_is_routed_by_an_accepted_delivery_only() {
+        let mut d = two_tenants();
+        let t0 = Instant::now();
+        // The sweep found a job no pool serves yet: a delivery no pool accepts cannot claim it.
+        d.observe(queued(1, &["imp", "c"]), None, t0);
+        assert_eq!(d.job(1).unwrap().pool, None);
+        let start = with_state(queued(1, &["imp", "c"]), JobState::InProgress, Some("x"));
+        assert_eq!(d.observe(start, Some(b"A"), t0), None);
+        assert_eq!(d.job(1).unwrap().state, JobState::Queued);
+    }
+
+    #[test]
+    fn a_forged_record_is_rerouted_by_the_sweep() {
+        let mut d = two_tenants();
+        let t0 = Instant::now();
+        // Pool A's signer pre-sends a `completed` for a future job id with A's labels.
+        let forged = with_state(queued(7, &["imp", "a"]), JobState::Completed, None);
+        assert_eq!(d.observe(forged, Some(b"A"), t0), Some(key("a")));
+        // The real job is B's: B's delivery is refused (the record is A's) ...
+        let real = queued(7, &["imp", "b"]);
+        assert_eq!(d.observe(real.clone(), Some(b"B"), t0), None);
+        assert_eq!(d.pool_demand(&key("b")).queued, 0);
+        // ... but GitHub's own listing routes it to B: the record is replaced.
+        let t1 = t0 + Duration::from_secs(1);
+        let changed = d.observe_sweep(&s(&["acme/app"]), vec![real], t1, t1);
+        assert_eq!(changed, HashSet::from([key("a"), key("b")]));
+        assert_eq!(d.job(7).unwrap().pool, Some(key("b")));
+        assert_eq!(d.pool_demand(&key("b")).queued, 1);
+    }
+
+    #[test]
+    fn forged_future_jobs_leave_memory_bounded_and_count_evictions() {
+        let metrics = DemandMetrics::default();
+        let mut d = Demand::new(DemandLimits {
+            max_jobs: 100,
+            max_completed: 50,
+            ..DemandLimits::default()
+        })
+        .with_metrics(metrics.clone());
+        d.upsert_pool(key("a"), route(&["imp"], Some("A")));
+        let t0 = Instant::now();
+        d.observe(queued(1, &["imp"]), Some(b"A"), t0);
+        for id in 1_000..101_000u64 {
+            let u = with_state(queued(id, &["imp"]), JobState::Completed, None);
+            d.observe(u, Some(b"A"), t0);
+        }
+        assert_eq!(d.job_count(), 51, "the active job and 50 completed");
+        assert!(d.completed_order.len() <= 128, "order queue bounded too");
+        assert_eq!(metrics.evicted.get(), 100_000 - 50);
+        assert_eq!(metrics.jobs.get(), 51);
+        // The active tier is bounded on its own: completed floods never evict queued demand.
+        assert_eq!(d.pool_demand(&key("a")).queued, 1);
+        for id in 200_000..200_150u64 {
+            d.observe(queued(id, &["imp"]), Some(b"A"), t0);
+        }
+        assert_eq!(d.pool_demand(&key("a")).queued, 100);
+        assert!(d.job(1).is_none(), "the oldest active job went first");
+        // Completing jobs moves them between tiers without losing count.
+        for id in 200_100..200_150u64 {
+            let u = with_state(queued(id, &["imp"]), JobState::Completed, None);
+            d.observe(u, Some(b"A"), t0);
+        }
+        assert_eq!(d.pool_demand(&key("a")).queued, 50);
+        assert_eq!(d.job_count(), 100);
     }
 
     #[test]
@@ -568,7 +916,7 @@ mod tests {
     }
 
     #[test]
-    fn the_sweep_adds_lost_jobs_and_drops_vanished_ones() {
+    fn the_sweep_adds_lost_jobs_and_drops_vanished_ones_after_two_misses() {
         let mut d = Demand::default();
         d.upsert_pool(key("p"), route(&["imp"], None));
         let t0 = Instant::now();
@@ -587,21 +935,115 @@ mod tests {
             started + Duration::from_millis(5),
         );
         assert_eq!(changed, HashSet::from([key("p")]));
-        assert!(d.job(1).is_none(), "vanished from the queue");
+        assert_eq!(d.job(1).unwrap().misses, 1, "missed once: still demand");
         assert!(d.job(2).is_some(), "found by the sweep");
         assert!(d.job(3).is_some(), "newer than the listing");
-        assert_eq!(d.pool_demand(&key("p")).queued, 2);
+        assert_eq!(d.pool_demand(&key("p")).queued, 3);
         // Another repository's jobs are not judged by this listing.
         let mut other = queued(4, &["imp"]);
         other.repository = "acme/other".into();
         d.observe(other, None, t0);
-        d.observe_sweep(
+        let t1 = started + Duration::from_secs(1);
+        let changed = d.observe_sweep(
             &s(&["acme/app"]),
             vec![queued(2, &["imp"]), queued(3, &["imp"])],
-            started + Duration::from_secs(1),
-            started + Duration::from_secs(1),
+            t1,
+            t1,
         );
+        assert_eq!(changed, HashSet::from([key("p")]));
+        assert!(d.job(1).is_none(), "missed twice: gone");
         assert!(d.job(4).is_some());
+        assert_eq!(d.pool_demand(&key("p")).queued, 3);
+        // An unchanged listing changes nothing.
+        let t2 = t1 + Duration::from_secs(1);
+        let changed = d.observe_sweep(
+            &s(&["acme/app"]),
+            vec![queued(2, &["imp"]), queued(3, &["imp"])],
+            t2,
+            t2,
+        );
+        assert!(changed.is_empty());
+    }
+
+    #[test]
+    fn a_listing_showing_the_job_again_resets_its_misses() {
+        let mut d = Demand::default();
+        d.upsert_pool(key("p"), route(&["imp"], None));
+        let t0 = Instant::now();
+        d.observe(queued(1, &["imp"]), None, t0);
+        let repos = s(&["acme/app"]);
+        let at = |n| t0 + Duration::from_secs(n);
+        d.observe_sweep(&repos, vec![], at(1), at(1));
+        d.observe_sweep(&repos, vec![queued(1, &["imp"])], at(2), at(2));
+        d.observe_sweep(&repos, vec![], at(3), at(3));
+        assert_eq!(d.job(1).unwrap().misses, 1);
+    }
+
+    #[test]
+    fn queued_jobs_of_in_progress_runs_stay_demand() {
+        // One run: job 1 in progress on some runner, 2 and 3 queued. The listing of the
+        // in-progress run shows all three; the pool still wants 2.
+        let mut d = Demand::default();
+        d.upsert_pool(key("p"), route(&["imp"], None));
+        let t0 = Instant::now();
+        let listing = || {
+            vec![
+                with_state(queued(1, &["imp"]), JobState::InProgress, Some("p-1")),
+                queued(2, &["imp"]),
+                queued(3, &["imp"]),
+            ]
+        };
+        for n in 1..4 {
+            let t = t0 + Duration::from_secs(n);
+            d.observe_sweep(&s(&["acme/app"]), listing(), t, t);
+        }
+        let pd = d.pool_demand(&key("p"));
+        assert_eq!(pd.queued, 2);
+        assert_eq!(pd.busy_runners, HashSet::from(["p-1".to_string()]));
+        // A completed job of the run is evidence too: it stops counting at once.
+        let t = t0 + Duration::from_secs(9);
+        let mut l = listing();
+        l[1].state = JobState::Completed;
+        d.observe_sweep(&s(&["acme/app"]), l, t, t);
+        assert_eq!(d.pool_demand(&key("p")).queued, 1);
+    }
+
+    #[test]
+    fn sweep_updates_leave_out_jobs_that_are_not_demand() {
+        let job = |id, status: &str, runner: Option<&str>| {
+            (
+                "acme/app".to_string(),
+                WorkflowJob {
+                    id,
+                    run_id: 1,
+                    name: "build".into(),
+                    status: status.into(),
+                    labels: s(&["imp"]),
+                    created_at: None,
+                    runner_name: runner.map(str::to_owned),
+                },
+            )
+        };
+        let u = sweep_updates(vec![
+            job(1, "queued", Some("")),
+            job(2, "waiting", None),
+            job(3, "in_progress", Some("r")),
+            job(4, "pending", None),
+            job(5, "completed", Some("r")),
+        ]);
+        let got: Vec<(u64, JobState, Option<String>)> = u
+            .into_iter()
+            .map(|u| (u.id, u.state, u.runner_name))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, JobState::Queued, None),
+                (3, JobState::InProgress, Some("r".into())),
+                (5, JobState::Completed, Some("r".into())),
+            ]
+        );
+        assert_eq!(JobState::parse("waiting"), None);
     }
 
     #[test]

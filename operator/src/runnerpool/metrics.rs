@@ -46,6 +46,8 @@ pub struct PoolMetrics {
     /// [`PoolMetrics::sharing_reconcile`]; registered there, not here.
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
+    /// `imp_runner_demand_jobs_evicted_total`, `imp_runner_demand_jobs` (issue 16b).
+    pub demand: super::demand::DemandMetrics,
 }
 
 impl Default for PoolMetrics {
@@ -69,6 +71,7 @@ impl Default for PoolMetrics {
                 Histogram::new(exponential_buckets(0.001, 2.0, 14))
             }),
             reconcile_errors: Family::default(),
+            demand: Default::default(),
         }
     }
 }
@@ -167,6 +170,7 @@ impl PoolMetrics {
             "GitHub runner deregistrations by result",
             self.deregistrations.clone(),
         );
+        self.demand.register(registry);
     }
 
     pub fn delivery(&self, result: &str) {

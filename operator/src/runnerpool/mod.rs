@@ -139,7 +139,7 @@ impl PoolShared {
         limits: DemandLimits,
     ) -> Arc<Self> {
         Arc::new(PoolShared {
-            demand: Mutex::new(Demand::new(limits)),
+            demand: Mutex::new(Demand::new(limits).with_metrics(metrics.demand.clone())),
             metrics,
             apps,
             notify: Mutex::new(None),

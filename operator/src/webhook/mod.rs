@@ -1,8 +1,10 @@
 //! The GitHub webhook receiver: `POST /webhooks/github`. A delivery is accepted only with an
 //! `X-Hub-Signature-256` made with the global webhook secret or a pool's own; a bad signature answers
-//! 401 and changes nothing. `X-GitHub-Delivery` ids are de-duplicated. `workflow_job` deliveries update
-//! the pools' demand (queued jobs are routed to the pool whose labels contain all of the job's) and wake
-//! the pool controller. Outcomes are counted in `imp_webhook_deliveries_total{result}`.
+//! 401 and changes nothing. Deliveries are de-duplicated by `X-GitHub-Delivery` id and by body digest (a
+//! replayed body under a new id is a duplicate). `workflow_job` deliveries update the pools' demand
+//! (queued jobs are routed to the pool whose labels contain all of the job's) and wake the pool
+//! controller; a delivery changes only jobs of pools that accept the secret that verified it (another
+//! tenant's job answers `foreign`). Outcomes are counted in `imp_webhook_deliveries_total{result}`.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,7 +18,7 @@ use axum::{
 };
 use hmac::{Hmac, Mac};
 use serde::Deserialize;
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
 use crate::runnerpool::{
@@ -80,6 +82,8 @@ pub enum DeliveryResult {
     Duplicate,
     BadSignature,
     Unrouted,
+    /// Verified, but by a secret the job's pool does not accept: another tenant's job.
+    Foreign,
     Ignored,
     Malformed,
 }
@@ -91,6 +95,7 @@ impl DeliveryResult {
             DeliveryResult::Duplicate => "duplicate",
             DeliveryResult::BadSignature => "bad_signature",
             DeliveryResult::Unrouted => "unrouted",
+            DeliveryResult::Foreign => "foreign",
             DeliveryResult::Ignored => "ignored",
             DeliveryResult::Malformed => "malformed",
         }
@@ -100,7 +105,8 @@ impl DeliveryResult {
         match self {
             DeliveryResult::BadSignature => StatusCode::UNAUTHORIZED,
             DeliveryResult::Malformed => StatusCode::BAD_REQUEST,
-            // Unrouted and ignored deliveries are fine from GitHub's side: no redelivery wanted.
+            // Unrouted, foreign and ignored deliveries are fine from GitHub's side: no redelivery
+            // wanted.
             _ => StatusCode::OK,
         }
     }
@@ -155,12 +161,20 @@ pub fn handle(shared: &PoolShared, headers: &HeaderMap, body: &[u8]) -> Delivery
         return DeliveryResult::Ignored;
     };
     let now = Instant::now();
+    let digest: [u8; 32] = Sha256::digest(body).into();
     let mut d = shared.demand();
-    if !d.first_delivery(delivery, now) {
+    if !d.first_delivery(delivery, digest, now) {
         debug!(delivery, "duplicate delivery");
         return DeliveryResult::Duplicate;
     }
     let known_pool = d.job(payload.workflow_job.id).and_then(|j| j.pool.clone());
+    if let Some(pool) = &known_pool
+        && !d.accepts(pool, &signed_with)
+    {
+        warn!(delivery, job_id = payload.workflow_job.id, pool = %pool,
+            "workflow_job for another pool's job, signed with a secret that pool does not accept: ignored");
+        return DeliveryResult::Foreign;
+    }
     let update = JobUpdate {
         id: payload.workflow_job.id,
         state,
@@ -308,5 +322,33 @@ mod tests {
         let h = headers("g1", "workflow_job", &sign(b"global", &b));
         // Signature fine, but the only matching pool has its own secret.
         assert_eq!(handle(&s, &h, &b), DeliveryResult::Unrouted);
+    }
+
+    #[test]
+    fn another_pools_secret_cannot_touch_its_jobs_and_replays_are_duplicates() {
+        let s = shared();
+        s.demand().upsert_pool(
+            PoolKey::new("ns", "other"),
+            PoolRoute {
+                labels: vec!["self-hosted".into(), "imp".into(), "other".into()],
+                scope: RunnerScope::org("acme"),
+                webhook_secret: Some(b"other-secret".to_vec()),
+            },
+        );
+        let key = PoolKey::new("ns", "p");
+        let b = body("queued", 1, &["imp"], None);
+        let h = headers("q1", "workflow_job", &sign(b"pool-secret", &b));
+        assert_eq!(handle(&s, &h, &b), DeliveryResult::Accepted);
+        let done = body("completed", 1, &["imp"], None);
+        let h = headers("c1", "workflow_job", &sign(b"other-secret", &done));
+        assert_eq!(handle(&s, &h, &done), DeliveryResult::Foreign);
+        assert_eq!(s.demand().pool_demand(&key).queued, 1);
+        // The same body under a new delivery id is a replay.
+        let b2 = body("queued", 2, &["imp"], None);
+        let h = headers("q2", "workflow_job", &sign(b"pool-secret", &b2));
+        assert_eq!(handle(&s, &h, &b2), DeliveryResult::Accepted);
+        let h = headers("q2-replayed", "workflow_job", &sign(b"pool-secret", &b2));
+        assert_eq!(handle(&s, &h, &b2), DeliveryResult::Duplicate);
+        assert_eq!(s.demand().pool_demand(&key).queued, 2);
     }
 }

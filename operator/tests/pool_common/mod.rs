@@ -204,11 +204,16 @@ impl PoolHarness {
     /// Stops the operator and starts a new one: all in-memory state (demand, deliveries, backoff,
     /// metrics) is lost, as in a restart of the operator process.
     pub async fn restart_operator(&mut self) {
+        self.stop_operator().await;
+        self.start_operator().await;
+    }
+
+    /// Stops the harness's own operator (a test that runs operators of its own).
+    pub async fn stop_operator(&mut self) {
         for t in self.operator.drain(..) {
             t.abort();
             let _ = t.await;
         }
-        self.start_operator().await;
     }
 
     pub fn pools(&self) -> Api<ImpVMRunnerPool> {

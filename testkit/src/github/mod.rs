@@ -124,27 +124,8 @@ impl Shared {
             let mut m = self.model();
             let id = m.next_job_id;
             m.next_job_id += 1;
-            let job = SimJob {
-                id,
-                run_id: 2_202_229_000 + id,
-                repository: spec
-                    .repository
-                    .unwrap_or_else(|| self.config.repos.first().cloned().unwrap_or_default()),
-                name: spec.name.unwrap_or_else(|| "build".into()),
-                workflow_name: spec.workflow_name.unwrap_or_else(|| "CI".into()),
-                labels: spec.labels,
-                status: JobStatus::Queued,
-                conclusion: None,
-                runner_id: None,
-                runner_name: None,
-                runner_group_id: None,
-                runner_group_name: None,
-                created_at: Utc::now(),
-                started_at: None,
-                completed_at: None,
-                head_sha: "3484a3fb816e0859fd6e1cea078d76385ff50625".into(),
-                head_branch: "main".into(),
-            };
+            let default_repo = self.config.repos.first().cloned().unwrap_or_default();
+            let job = SimJob::queued(id, spec, &default_repo);
             m.jobs.insert(id, job.clone());
             job
         };
@@ -350,6 +331,42 @@ impl GithubSim {
 
     pub fn job(&self, id: u64) -> Option<SimJob> {
         self.shared.model().jobs.get(&id).cloned()
+    }
+
+    /// A runner outside Imp (e.g. GitHub-hosted) takes the queued job: in progress under
+    /// `runner_name`; emits the `in_progress` webhook. None if the job is not queued.
+    pub fn start_job(&self, id: u64, runner_name: &str) -> Option<SimJob> {
+        let job = {
+            let mut m = self.shared.model();
+            let job = m
+                .jobs
+                .get_mut(&id)
+                .filter(|j| j.status == JobStatus::Queued)?;
+            job.status = JobStatus::InProgress;
+            job.started_at = Some(Utc::now());
+            job.runner_name = Some(runner_name.to_string());
+            job.clone()
+        };
+        self.shared.emit(&job, "in_progress");
+        Some(job)
+    }
+
+    /// Completes the job (cancelled while queued, or finished by a runner outside Imp); emits
+    /// the `completed` webhook. None if it is unknown or already completed.
+    pub fn complete_job(&self, id: u64, conclusion: &str) -> Option<SimJob> {
+        let job = {
+            let mut m = self.shared.model();
+            let job = m
+                .jobs
+                .get_mut(&id)
+                .filter(|j| j.status != JobStatus::Completed)?;
+            job.status = JobStatus::Completed;
+            job.conclusion = Some(conclusion.to_string());
+            job.completed_at = Some(Utc::now());
+            job.clone()
+        };
+        self.shared.emit(&job, "completed");
+        Some(job)
     }
 
     pub fn jobs(&self) -> Vec<SimJob> {

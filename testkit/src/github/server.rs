@@ -19,7 +19,7 @@ use super::Shared;
 use super::jwt::verify_app_jwt;
 use super::model::{
     Fault, FaultRule, JobSpec, JobStatus, RateWindow, SimRunner, SimScope, WebhookFault,
-    labels_match, random_token,
+    labels_match, random_token, run_status,
 };
 use super::runner_protocol::JitConfigPayload;
 
@@ -141,6 +141,12 @@ fn auth_value(headers: &HeaderMap) -> Option<String> {
 /// Fault injection, the primary rate limit and the `x-ratelimit-*` headers of every REST answer.
 async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
+    let conditional_get = req.method() == axum::http::Method::GET;
+    let if_none_match = req
+        .headers()
+        .get(http::header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let fault = {
         let mut m = shared.model();
         m.stats.api_requests += 1;
@@ -192,7 +198,7 @@ async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
         }
         None => {}
     }
-    let (window, charged) = {
+    let (mut window, charged) = {
         let mut m = shared.model();
         let w = m.rate.entry(principal.clone()).or_insert(RateWindow {
             limit,
@@ -221,9 +227,23 @@ async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
             ApiError::new(StatusCode::FORBIDDEN, msg).into_response()
         }
         None => {
-            let resp = next.run(req).await;
+            let mut resp = next.run(req).await;
             if let Some(Fault::DelayAnswer { millis }) = fault {
                 tokio::time::sleep(Duration::from_millis(millis)).await;
+            }
+            if conditional_get && resp.status() == StatusCode::OK {
+                resp = with_etag(resp, if_none_match.as_deref()).await;
+            }
+            let mut m = shared.model();
+            if resp.status() == StatusCode::NOT_MODIFIED {
+                // GitHub does not charge an authorized conditional request answered 304.
+                m.stats.not_modified += 1;
+                if let Some(w) = m.rate.get_mut(&principal) {
+                    w.used = w.used.saturating_sub(1);
+                    window = w.clone();
+                }
+            } else if principal != "unauthenticated" {
+                m.stats.charged_requests += 1;
             }
             resp
         }
@@ -245,6 +265,29 @@ async fn api_layer(State(shared): S, req: Request, next: Next) -> Response {
         uuid::Uuid::new_v4().simple().to_string().to_uppercase(),
     );
     resp
+}
+
+/// GitHub's conditional requests: every 200 GET carries an `ETag` over its body; a request whose
+/// `If-None-Match` names the current one is answered 304 without a body.
+async fn with_etag(resp: Response, if_none_match: Option<&str>) -> Response {
+    use sha2::Digest;
+    let (mut parts, body) = resp.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, usize::MAX).await else {
+        return (StatusCode::INTERNAL_SERVER_ERROR, "reading the answer").into_response();
+    };
+    let etag = format!("W/\"{}\"", hex::encode(&sha2::Sha256::digest(&bytes)[..16]));
+    if let Ok(v) = HeaderValue::from_str(&etag) {
+        parts.headers.insert(http::header::ETAG, v);
+    }
+    let matches =
+        if_none_match.is_some_and(|h| h.split(',').any(|t| t.trim() == etag || t.trim() == "*"));
+    if matches {
+        parts.status = StatusCode::NOT_MODIFIED;
+        parts.headers.remove(http::header::CONTENT_TYPE);
+        parts.headers.remove(http::header::CONTENT_LENGTH);
+        return Response::from_parts(parts, axum::body::Body::empty());
+    }
+    Response::from_parts(parts, axum::body::Body::from(bytes))
 }
 
 fn require_token(shared: &Shared, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -732,37 +775,53 @@ async fn repo_runs(
         return Err(ApiError::not_found());
     };
     let api = format!("https://api.github.com/repos/{full}/actions/runs");
-    let runs: Vec<Value> = shared
-        .model()
-        .jobs
-        .values()
-        .filter(|j| j.repository.eq_ignore_ascii_case(&full))
-        .filter(|j| {
-            q.status
-                .as_deref()
-                .is_none_or(|s| s == job_status_str(j.status))
-        })
-        .map(|j| {
-            json!({
-                "id": j.run_id,
-                "name": j.workflow_name,
-                "node_id": format!("WFR_{}", j.run_id),
-                "head_branch": j.head_branch,
-                "head_sha": j.head_sha,
-                "run_number": j.run_id % 10_000,
-                "run_attempt": 1,
-                "event": "push",
-                "status": job_status_str(j.status),
-                "conclusion": j.conclusion,
-                "workflow_id": 161_335,
-                "url": format!("{api}/{}", j.run_id),
-                "html_url": format!("https://github.com/{full}/actions/runs/{}", j.run_id),
-                "jobs_url": format!("{api}/{}/jobs", j.run_id),
-                "created_at": j.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-                "updated_at": j.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    let runs: Vec<Value> = {
+        let m = shared.model();
+        let mut by_run: std::collections::BTreeMap<u64, Vec<&super::model::SimJob>> =
+            Default::default();
+        for j in m.jobs.values() {
+            if j.repository.eq_ignore_ascii_case(&full) {
+                by_run.entry(j.run_id).or_default().push(j);
+            }
+        }
+        by_run
+            .into_iter()
+            // Newest first, as GitHub lists runs.
+            .rev()
+            .filter_map(|(run_id, jobs)| {
+                let status = run_status(jobs.iter().copied());
+                if q.status.as_deref().is_some_and(|s| s != job_status_str(status)) {
+                    return None;
+                }
+                let first = jobs[0];
+                let conclusion = (status == JobStatus::Completed).then(|| {
+                    if jobs.iter().all(|j| j.conclusion.as_deref() == Some("success")) {
+                        "success"
+                    } else {
+                        "failure"
+                    }
+                });
+                Some(json!({
+                    "id": run_id,
+                    "name": first.workflow_name,
+                    "node_id": format!("WFR_{run_id}"),
+                    "head_branch": first.head_branch,
+                    "head_sha": first.head_sha,
+                    "run_number": run_id % 10_000,
+                    "run_attempt": 1,
+                    "event": "push",
+                    "status": job_status_str(status),
+                    "conclusion": conclusion,
+                    "workflow_id": 161_335,
+                    "url": format!("{api}/{run_id}"),
+                    "html_url": format!("https://github.com/{full}/actions/runs/{run_id}"),
+                    "jobs_url": format!("{api}/{run_id}/jobs"),
+                    "created_at": first.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                    "updated_at": first.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                }))
             })
-        })
-        .collect();
+            .collect()
+    };
     let total = runs.len();
     let pq = PageQuery {
         per_page: q.per_page,

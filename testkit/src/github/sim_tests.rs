@@ -412,3 +412,83 @@ async fn jit_configs_advertise_the_runner_url_and_the_runner_can_override_it() {
     let ran = run_fake_runner(&encoded, &opts).await.unwrap();
     assert_eq!(ran.id, job.id);
 }
+
+#[tokio::test]
+async fn runs_follow_their_jobs_and_conditional_gets_are_free() {
+    let sim = sim_with(|_| {}).await;
+    let tok = token(&sim).await;
+    let spec = |run_id| super::JobSpec {
+        labels: vec!["imp".into()],
+        run_id,
+        ..Default::default()
+    };
+    let first = sim.queue_job(spec(None));
+    let second = sim.queue_job(spec(Some(first.run_id)));
+    sim.queue_job(spec(Some(first.run_id)));
+    let runs = |status: &'static str| {
+        let (sim, tok) = (&sim, tok.clone());
+        async move {
+            let path = format!("/repos/octo-org/octo-repo/actions/runs?status={status}");
+            let r = req(sim, Method::GET, &path, Some(&tok), None).await;
+            assert_eq!(r.status, StatusCode::OK);
+            r.json()["workflow_runs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["id"].as_u64().unwrap())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(runs("queued").await, vec![first.run_id]);
+    sim.start_job(second.id, "hosted-1").unwrap();
+    // One job started: the whole run is in progress, its other jobs still queued.
+    assert!(runs("queued").await.is_empty());
+    assert_eq!(runs("in_progress").await, vec![first.run_id]);
+    let jobs_path = format!(
+        "/repos/octo-org/octo-repo/actions/runs/{}/jobs",
+        first.run_id
+    );
+    let r = req(&sim, Method::GET, &jobs_path, Some(&tok), None).await;
+    let statuses: Vec<String> = r.json()["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["status"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(statuses, vec!["queued", "in_progress", "queued"]);
+
+    // ETag revalidation: 304 without a body, not charged; a change serves 200 with a new ETag.
+    let etag = r.headers["etag"].to_str().unwrap().to_string();
+    let conditional = |etag: String| {
+        let (sim, tok, path) = (&sim, tok.clone(), jobs_path.clone());
+        async move {
+            HttpClient::default()
+                .send(
+                    Method::GET,
+                    &format!("{}{path}", sim.base_url()),
+                    &[
+                        ("authorization", format!("Bearer {tok}")),
+                        ("if-none-match", etag),
+                    ],
+                    None,
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let before = sim.installation_rate_remaining();
+    let charged = sim.stats().charged_requests;
+    let r = conditional(etag.clone()).await;
+    assert_eq!(r.status, StatusCode::NOT_MODIFIED);
+    assert!(r.body.is_empty());
+    assert_rate_headers(&r);
+    assert_eq!(sim.installation_rate_remaining(), before);
+    assert_eq!(sim.stats().charged_requests, charged);
+    assert_eq!(sim.stats().not_modified, 1);
+    sim.complete_job(first.id, "cancelled").unwrap();
+    let r = conditional(etag.clone()).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_ne!(r.headers["etag"].to_str().unwrap(), etag);
+    assert_eq!(sim.installation_rate_remaining(), before - 1);
+    assert_eq!(sim.stats().charged_requests, charged + 1);
+}

@@ -1,0 +1,175 @@
+//! Tenants kept apart at the webhook receiver, against the simulator and the real API server: a
+//! delivery signed with pool A's secret cannot change pool B's jobs, a replayed body under a new
+//! delivery id is a duplicate, and 100k forged future job ids leave the job map bounded.
+
+mod pool_common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use imp_operator::runnerpool::PoolKey;
+use imp_operator::webhook::{DeliveryResult, handle};
+use imp_testkit::fixtures;
+use imp_testkit::github::{JobSpec, http::HttpClient, sign_body};
+use kube::api::PostParams;
+use pool_common::*;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(30);
+const SECRET_A: &str = "tenant-a-webhook-secret";
+const TENANT_A: [&str; 3] = ["self-hosted", "imp", "tenant-a"];
+const TENANT_B: [&str; 3] = ["self-hosted", "imp", "tenant-b"];
+
+/// Pool `a` (labels TENANT_A, its own secret SECRET_A) and pool `b` (labels TENANT_B, the secret the
+/// simulator signs with).
+async fn two_tenants(h: &PoolHarness) {
+    h.create_secret(
+        "wh-a",
+        BTreeMap::from([("webhook-secret".to_string(), SECRET_A.to_string())]),
+    )
+    .await;
+    for (name, labels, secret) in [("a", TENANT_A, "wh-a"), ("b", TENANT_B, "webhook")] {
+        let pool = fixtures::pool(name)
+            .org(h.sim.org())
+            .app_secret(APP_SECRET)
+            .labels(&labels)
+            .class("runner")
+            .image("ghcr.io/imp/runner:1")
+            .scaling(serde_json::from_value(json!({"maxRunners": 4})).unwrap())
+            .webhook_secret(secret)
+            .build();
+        h.pools()
+            .create(&PostParams::default(), &pool)
+            .await
+            .unwrap();
+    }
+    for name in ["a", "b"] {
+        h.wait("pool status", WAIT, || async {
+            (h.pool_status(name).await.observed_generation == Some(1)).then_some(())
+        })
+        .await;
+    }
+}
+
+fn body(action: &str, id: u64, labels: &[&str]) -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "action": action,
+        "workflow_job": {"id": id, "run_id": id, "status": action, "labels": labels,
+                         "runner_name": null},
+        "repository": {"full_name": "octo-org/octo-repo"},
+    }))
+    .unwrap()
+}
+
+async fn post(url: &str, delivery: &str, secret: &str, body: Vec<u8>) -> (StatusCode, String) {
+    let headers = vec![
+        ("x-github-event", "workflow_job".to_string()),
+        ("x-github-delivery", delivery.to_string()),
+        ("content-type", "application/json".to_string()),
+        ("x-hub-signature-256", sign_body(secret, &body)),
+    ];
+    let r = HttpClient::new(Duration::from_secs(5))
+        .send(Method::POST, url, &headers, Some(body.into()))
+        .await
+        .unwrap();
+    (r.status, String::from_utf8_lossy(&r.body).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_completed_signed_with_another_pools_secret_changes_nothing() {
+    let h = PoolHarness::start("wh-iso").await;
+    two_tenants(&h).await;
+    let b = PoolKey::new(h.ns.clone(), "b");
+    let queued = body("queued", 42, &TENANT_B);
+    assert_eq!(
+        post(&h.webhook_url, "q-42", WEBHOOK_SECRET, queued.clone()).await,
+        (StatusCode::OK, "accepted".into())
+    );
+    h.wait_minted("b", 1, WAIT).await;
+    // Tenant A's secret verifies the signature, but job 42 is B's.
+    let forged = body("completed", 42, &TENANT_B);
+    assert_eq!(
+        post(&h.webhook_url, "c-42", SECRET_A, forged).await,
+        (StatusCode::OK, "foreign".into())
+    );
+    // A replay of B's delivery under a new id is a duplicate.
+    assert_eq!(
+        post(&h.webhook_url, "q-42-again", WEBHOOK_SECRET, queued).await,
+        (StatusCode::OK, "duplicate".into())
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(h.shared.demand().pool_demand(&b).queued, 1);
+    assert_eq!(h.runner_vms("b").await.len(), 1);
+    assert_eq!(h.runner_vms("a").await.len(), 0);
+    assert_eq!(
+        h.metric("imp_webhook_deliveries_total{result=\"foreign\"}"),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn forged_future_job_ids_leave_memory_bounded_and_cannot_suppress_another_pools_jobs() {
+    let timing = imp_operator::runnerpool::PoolTiming {
+        sweep_interval: Duration::from_secs(1),
+        ..fast_timing()
+    };
+    let h = PoolHarness::start_with("wh-flood", timing).await;
+    two_tenants(&h).await;
+    let sign = |delivery: &str, b: &[u8]| {
+        let mut m = HeaderMap::new();
+        m.insert("x-github-event", HeaderValue::from_static("workflow_job"));
+        m.insert(
+            "x-github-delivery",
+            HeaderValue::from_str(delivery).unwrap(),
+        );
+        m.insert(
+            "x-hub-signature-256",
+            HeaderValue::from_str(&sign_body(SECRET_A, b)).unwrap(),
+        );
+        m
+    };
+    // Tenant A floods `completed` for 100k future job ids (in process: the receiver's handler).
+    let t = std::time::Instant::now();
+    for id in 50_000_000..50_100_000u64 {
+        let b = body("completed", id, &TENANT_A);
+        assert_eq!(
+            handle(&h.shared, &sign(&format!("f-{id}"), &b), &b),
+            DeliveryResult::Accepted
+        );
+    }
+    let held = h.shared.demand().job_count();
+    let evicted = h.metric("imp_runner_demand_jobs_evicted_total");
+    eprintln!(
+        "100k forged completed deliveries in {:?}: {held} jobs held, {evicted} evicted",
+        t.elapsed()
+    );
+    assert!(held <= 20_000, "bounded: {held}");
+    assert_eq!(evicted, (100_000 - held) as f64);
+    assert_eq!(h.metric("imp_runner_demand_jobs"), held as f64);
+
+    // Tenant A pre-sends `completed` for the next job ids the simulator will hand out...
+    let next = h.sim.queue_job(JobSpec {
+        labels: TENANT_B.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    });
+    let b_key = PoolKey::new(h.ns.clone(), "b");
+    h.wait_minted("b", 1, WAIT).await;
+    for id in next.id + 1..next.id + 4 {
+        let b = body("completed", id, &TENANT_A);
+        handle(&h.shared, &sign(&format!("pre-{id}"), &b), &b);
+    }
+    // ... then B's real job with such an id arrives: its delivery is refused (the record is A's),
+    // but the sweep, GitHub's own view, routes it to B.
+    let real = h.sim.queue_job(JobSpec {
+        labels: TENANT_B.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    });
+    assert_eq!(real.id, next.id + 1);
+    h.wait("B's second job served", WAIT, || async {
+        (h.shared.demand().pool_demand(&b_key).queued == 2).then_some(())
+    })
+    .await;
+    h.wait_minted("b", 2, WAIT).await;
+    assert_eq!(h.runner_vms("a").await.len(), 0);
+}
