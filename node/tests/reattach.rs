@@ -174,7 +174,7 @@ async fn kill9_restart_reattaches_running_and_cleans_half_made() {
                 "{uid}'s directory survived"
             );
             assert!(
-                !imp_node::tap::exists(&h.tap_for(uid)),
+                !imp_node::tap::exists(&h.tap_for(uid)).unwrap(),
                 "{uid}'s TAP survived"
             );
         }
@@ -249,7 +249,10 @@ async fn kill9_restart_reattaches_running_and_cleans_half_made() {
             "files left"
         );
         for uid in ["running", "dies", "pre-start", "booting"] {
-            assert!(!imp_node::tap::exists(&h.tap_for(uid)), "TAP of {uid} left");
+            assert!(
+                !imp_node::tap::exists(&h.tap_for(uid)).unwrap(),
+                "TAP of {uid} left"
+            );
         }
     }
 }

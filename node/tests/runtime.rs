@@ -148,7 +148,10 @@ async fn create_inspect_linkstats_vsock_snapshot_delete() {
             "{name}: VM process still runs after DELETE"
         );
         assert!(!h.vms_dir().join(uid).exists(), "VM directory left behind");
-        assert!(!imp_node::tap::exists(&h.tap_for(uid)), "TAP left behind");
+        assert!(
+            !imp_node::tap::exists(&h.tap_for(uid)).unwrap(),
+            "TAP left behind"
+        );
         let e = h.client.inspect(uid).await.unwrap_err();
         assert_eq!(e.reason(), Some(reason::NOT_FOUND));
         h.client.delete(uid).await.expect("DELETE is idempotent");
@@ -365,7 +368,7 @@ async fn boot_failures_carry_precise_reasons_and_release_everything() {
             })
             .await;
         }
-        assert!(!imp_node::tap::exists(&h.tap_for(uid)));
+        assert!(!imp_node::tap::exists(&h.tap_for(uid)).unwrap());
         // A repeated PUT reports the recorded failure and starts nothing.
         let e2 = h.client.ensure_running(uid, &spec).await.unwrap_err();
         assert_eq!(e2.reason(), Some(reason));

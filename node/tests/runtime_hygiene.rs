@@ -376,7 +376,10 @@ async fn a_put_dropped_mid_pull_then_deleted_leaves_nothing_and_a_clean_cache() 
     assert!(h.client.inspect("stalled").await.is_err(), "no row");
     assert!(h.vmm_processes().is_empty(), "no process");
     assert!(!h.vms_dir().join("stalled").exists(), "no VM files");
-    assert!(!imp_node::tap::exists(&h.tap_for("stalled")), "no TAP");
+    assert!(
+        !imp_node::tap::exists(&h.tap_for("stalled")).unwrap(),
+        "no TAP"
+    );
     assert_eq!(
         entries(&tmp),
         Vec::<std::path::PathBuf>::new(),
