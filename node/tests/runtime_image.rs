@@ -27,6 +27,7 @@ fn image_spec(h: &Harness, base: &str, password: &str) -> VmSpec {
                 username: USER.into(),
                 password: SecretString::from(password),
             }),
+            pull_policy: None,
         }),
         ..h.spec(false)
     }

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod oci;
 pub mod paths;
 pub mod process;
+pub mod proxy;
 pub mod qemu;
 pub mod registry;
 pub mod tarball;

@@ -11,6 +11,7 @@ pub mod handoff;
 pub mod http;
 pub mod lease;
 pub mod metrics;
+pub mod prebuild;
 pub mod spec;
 pub mod status;
 
@@ -73,6 +74,7 @@ pub async fn run(
         config.heartbeat_interval,
         metrics.clone(),
     ));
+    let _prebuild = prebuild::spawn(client.clone(), &config);
     let ctx = controller::Context::new(client, config, metrics.clone());
     let result = tokio::select! {
         r = http::serve(listener, metrics) => r,
