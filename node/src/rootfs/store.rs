@@ -1,10 +1,13 @@
 //! The image store: from an image request (base reference, optional runner layer image, pull
 //! credentials) to a cached read-only ext4 base image, with a reference per VM.
 //!
-//! acquire = resolve both references (manifest digests, layer descriptors) -> content key ->
-//! under a per-key lock (concurrent requests for one key build once): hit, or fetch every layer
-//! with digest and size verified, flatten them in order into a private work directory, inject
-//! the guest agent and the mount points, `mkfs.ext4 -d`, rename into `images/<key>.ext4`, index.
+//! acquire = (`IfNotPresent`: the image these references were built or resolved from, for these
+//! credentials, without asking the registry) or resolve both references (manifest digests,
+//! layer descriptors) -> content key -> under a per-key lock (concurrent requests for one key
+//! build once): hit, or fetch every layer with digest and size verified while applying the
+//! verified ones in order into a private work directory, inject the guest agent and the mount
+//! points, `mkfs.ext4 -d`, rename into `images/<key>.ext4`, index. prebuild is acquire without
+//! a VM reference (docs/rootfs.md, Pre-build).
 //! release drops the VM's reference; garbage collection deletes unreferenced images, least
 //! recently used first, while the cache is over its byte budget.
 
@@ -686,9 +689,10 @@ impl RootfsStore {
 
     /// Fetch, flatten, inject, mkfs. Every attempt has a work directory of its own (a build
     /// abandoned by a cancelled request may still be flattening when the next attempt of the
-    /// same key starts), removed whatever happens: with this future if it is dropped during
-    /// the fetches, by the blocking flatten/mkfs step otherwise. The image is made inside it
-    /// and renamed into `images/` only by an attempt that is still wanted.
+    /// same key starts), removed whatever happens: by this future until the blocking step
+    /// starts, by that step from then on (it ends as soon as the fetches stop, also when this
+    /// future is dropped). The image is made inside it and renamed into `images/` only by an
+    /// attempt that is still wanted.
     async fn build(
         &self,
         key: &str,
