@@ -676,6 +676,12 @@ async fn the_agent_prebuilds_the_images_of_pools_its_node_serves() {
         .image(&w.image)
         .build();
     pool.spec.template.spec.node_selector = Some([select].into());
+    // No kubelet reports this Node Ready, so the node lifecycle controller taints it not-ready
+    // (NoSchedule); the pool tolerates every taint, as the scheduler's rules require here.
+    pool.spec.template.spec.tolerations = Some(vec![k8s_openapi::api::core::v1::Toleration {
+        operator: Some("Exists".into()),
+        ..Default::default()
+    }]);
     let pools: Api<ImpVMRunnerPool> = w.env.api();
     pools.create(&PostParams::default(), &pool).await.unwrap();
 
@@ -693,8 +699,13 @@ async fn the_agent_prebuilds_the_images_of_pools_its_node_serves() {
                 }
                 assert!(
                     started.elapsed() < Duration::from_secs(90),
-                    "{want} not reached:\n{m}\nagent log tail:\n{}\nruntime log tail:\n{}",
-                    tail(&agent.log(), 40),
+                    "{want} not reached:\n{m}\nagent log (pre-build lines):\n{}\nruntime log tail:\n{}",
+                    agent
+                        .log()
+                        .lines()
+                        .filter(|l| !l.contains("heartbeat renewed"))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
                     tail(&rt.runtime_log(), 20)
                 );
                 tokio::time::sleep(Duration::from_millis(200)).await;

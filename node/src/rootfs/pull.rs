@@ -165,7 +165,7 @@ pub struct Puller {
 
 /// Whether a fetched blob must survive a crash once `fetch_layer` returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Durability {
+pub(crate) enum Durability {
     Synced,
     Scratch,
 }
@@ -430,20 +430,9 @@ impl Puller {
             .await
     }
 
-    /// `fetch_layer` into a build's scratch directory, with every check, but no fsync: the blob
-    /// lives only as long as the build, and a crash deletes the whole directory anyway.
-    pub async fn fetch_layer_scratch(
-        &self,
-        image: &ResolvedImage,
-        layer: &LayerRef,
-        auth: &RegistryAuth,
-        dest: &Path,
-    ) -> Result<(), PullError> {
-        self.fetch_layer_with(image, layer, auth, dest, Durability::Scratch)
-            .await
-    }
-
-    async fn fetch_layer_with(
+    /// `fetch_layer`, durable or not: a build's scratch blob lives only as long as the build
+    /// (a crash deletes its whole directory), so it is not fsynced; every check is the same.
+    pub(crate) async fn fetch_layer_with(
         &self,
         image: &ResolvedImage,
         layer: &LayerRef,

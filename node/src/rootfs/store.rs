@@ -28,7 +28,7 @@ use super::auth::{AuthError, PullCredentials, RegistryAuth};
 use super::cache::{self, CacheEntry, CacheIndex, RECIPE};
 use super::ext4::{self, Ext4Error};
 use super::flatten::{FlattenError, Flattener, Limits};
-use super::pull::{LayerRef, PullConfig, PullError, Puller, ResolvedImage};
+use super::pull::{Durability, LayerRef, PullConfig, PullError, Puller, ResolvedImage};
 use crate::metrics::{OutcomeLabel, ReasonLabel, RootfsMetrics};
 
 /// Where the guest agent goes in every image (ARCHITECTURE §5: the kernel runs it as init).
@@ -791,7 +791,7 @@ impl RootfsStore {
                 let dest = blob_path(&f.layer.digest);
                 let fut = async move {
                     self.puller
-                        .fetch_layer_scratch(f.image, f.layer, f.auth, &dest)
+                        .fetch_layer_with(f.image, f.layer, f.auth, &dest, Durability::Scratch)
                         .await
                         .map_err(|source| RootfsError::Pull {
                             reference: f.image.reference.clone(),
