@@ -15,6 +15,7 @@ pub mod names;
 mod network;
 mod pool;
 mod restart;
+mod scheduling;
 mod vm;
 
 pub use class::*;
@@ -22,6 +23,7 @@ pub use duration::*;
 pub use network::*;
 pub use pool::*;
 pub use restart::*;
+pub use scheduling::*;
 pub use vm::*;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

@@ -9,7 +9,7 @@ use k8s_openapi::{
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::{ClassRef, KubeDuration, NetworkRef};
+use crate::{ClassRef, KubeDuration, NetworkRef, PullPolicy};
 
 /// Keeps enough idle runner VMs registered at GitHub for the jobs whose labels it serves.
 #[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
@@ -123,6 +123,9 @@ pub struct RunnerVmTemplateSpec {
     pub runner_image: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// Kubernetes' `imagePullPolicy` for the runner VMs' images (see ImpVM `imagePullPolicy`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<PullPolicy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_ref: Option<NetworkRef>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

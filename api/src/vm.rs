@@ -73,6 +73,11 @@ pub struct ImpVMSpec {
     /// Secrets in this namespace with registry credentials (kubernetes.io/dockerconfigjson).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_pull_secrets: Vec<LocalObjectReference>,
+    /// When the node asks the registry again for an image it has built (Kubernetes' meaning).
+    /// Default as Kubernetes': `Always` for a `:latest` or untagged reference, `IfNotPresent`
+    /// otherwise (digest references included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<PullPolicy>,
     /// The ImpNetwork the VM attaches to; without it the VM has no network interface.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_ref: Option<NetworkRef>,
@@ -145,6 +150,52 @@ pub struct ClassRef {
 pub struct NetworkRef {
     #[schemars(length(min = 1, max = 253))]
     pub name: String,
+}
+
+/// Kubernetes' `imagePullPolicy`, for the rootfs cache (docs/rootfs.md). `Never` is not offered:
+/// a node cannot be preloaded with images by hand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum PullPolicy {
+    /// Resolve the references at the registry for every VM (a moved tag is rebuilt); an image
+    /// built from the same layers is still a cache hit.
+    Always,
+    /// Use an image already built on the node from these exact references (and credentials that
+    /// may read it) without asking the registry; resolve only when there is none.
+    IfNotPresent,
+}
+
+impl PullPolicy {
+    /// Kubernetes' default for `reference` when the field is unset: `Always` when the tag is
+    /// `latest` or missing and no digest pins it, `IfNotPresent` otherwise.
+    pub fn default_for(reference: &str) -> PullPolicy {
+        if reference.contains('@') {
+            return PullPolicy::IfNotPresent;
+        }
+        // The tag follows the last ':' after the last '/' (a ':' before it is a registry port).
+        let name = reference.rsplit('/').next().unwrap_or(reference);
+        match name.rsplit_once(':') {
+            Some((_, tag)) if tag != "latest" => PullPolicy::IfNotPresent,
+            _ => PullPolicy::Always,
+        }
+    }
+
+    /// The policy in force for a VM whose image references are `references`: the field, or the
+    /// strictest default over them (one `latest` reference makes the VM `Always`).
+    pub fn effective<'a>(
+        set: Option<PullPolicy>,
+        references: impl IntoIterator<Item = &'a str>,
+    ) -> PullPolicy {
+        set.unwrap_or_else(|| {
+            if references
+                .into_iter()
+                .any(|r| PullPolicy::default_for(r) == PullPolicy::Always)
+            {
+                PullPolicy::Always
+            } else {
+                PullPolicy::IfNotPresent
+            }
+        })
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
@@ -291,4 +342,42 @@ pub struct GuestStatus {
     pub disk_used_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sample_time: Option<Time>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PullPolicy::{self, Always, IfNotPresent};
+
+    #[test]
+    fn pull_policy_defaults_as_kubernetes() {
+        for (reference, want) in [
+            ("ubuntu", Always),
+            ("ubuntu:latest", Always),
+            ("registry.example:5000/ci/ubuntu", Always),
+            ("registry.example:5000/ci/ubuntu:latest", Always),
+            ("registry.example:5000/ci/ubuntu:24.04", IfNotPresent),
+            ("ubuntu:24.04", IfNotPresent),
+            (
+                "registry.example:5000/ci/ubuntu@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+                IfNotPresent,
+            ),
+            (
+                "ubuntu:latest@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+                IfNotPresent,
+            ),
+        ] {
+            assert_eq!(PullPolicy::default_for(reference), want, "{reference}");
+        }
+    }
+
+    #[test]
+    fn effective_policy_is_the_field_or_the_strictest_default() {
+        assert_eq!(PullPolicy::effective(None, ["a:1", "b:2"]), IfNotPresent);
+        assert_eq!(PullPolicy::effective(None, ["a:1", "b"]), Always);
+        assert_eq!(
+            PullPolicy::effective(Some(IfNotPresent), ["b"]),
+            IfNotPresent
+        );
+        assert_eq!(PullPolicy::effective(Some(Always), ["a:1"]), Always);
+    }
 }

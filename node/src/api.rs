@@ -177,6 +177,29 @@ pub struct Capacity {
     pub writable_used_bytes: u64,
 }
 
+/// Body of `POST /v1/images`: build the base image of `image` ahead of its first VM (the agent
+/// asks for the pools the node can serve). The answer comes once the image is built, or found.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrebuildRequest {
+    pub image: ImageSpec,
+}
+
+/// Answer of `POST /v1/images`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrebuildStatus {
+    /// The image's content key (`docs/rootfs.md`).
+    pub key: String,
+    /// It was already built (nothing was pulled).
+    pub hit: bool,
+    /// The references were resolved at the registry (false: `IfNotPresent` found the image,
+    /// or the registry was unreachable and an image built from the same references stands in).
+    pub resolved: bool,
+    /// Still in the cache after garbage collection; false when the image alone does not fit
+    /// the cache budget (the first VM builds it again).
+    pub cached: bool,
+}
+
 /// Body of `POST /v1/vms/{uid}/snapshot` (optional).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

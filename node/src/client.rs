@@ -9,8 +9,10 @@ use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
 use crate::api::{
-    Capacity, ErrorBody, LinkStats, SnapshotInfo, VmList, VmSpec, VmStatus, VsockInfo,
+    Capacity, ErrorBody, LinkStats, PrebuildRequest, PrebuildStatus, SnapshotInfo, VmList, VmSpec,
+    VmStatus, VsockInfo,
 };
+use crate::rootfs::store::ImageSpec;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -162,6 +164,16 @@ impl RuntimeClient {
             .json(Method::GET, &format!("/v1/vms/{uid}/vsock"), None)
             .await?
             .1)
+    }
+
+    /// `POST /v1/images`: build `image`'s base image ahead of its first VM; answers once it is
+    /// built (or found), which for a cold multi-GiB image takes minutes.
+    pub async fn prebuild(&self, image: &ImageSpec) -> Result<PrebuildStatus, ClientError> {
+        let body = serde_json::to_vec(&PrebuildRequest {
+            image: image.clone(),
+        })
+        .expect("request serialises");
+        Ok(self.json(Method::POST, "/v1/images", Some(body)).await?.1)
     }
 
     /// `GET /v1/capacity`: the writable-drive budget and its use.

@@ -50,6 +50,10 @@ pub struct RootfsMetrics {
     pub cache_bytes: Gauge,
     pub cache_images: Gauge,
     pub evictions: Counter,
+    /// `POST /v1/images` answers: `built`, `cached` (already there) or `failed`.
+    pub prebuilds: Family<OutcomeLabel, Counter>,
+    /// Pre-builds being resolved or built right now.
+    pub prebuilds_in_progress: Gauge,
 }
 
 impl RootfsMetrics {
@@ -65,6 +69,8 @@ impl RootfsMetrics {
             cache_bytes: Gauge::default(),
             cache_images: Gauge::default(),
             evictions: Counter::default(),
+            prebuilds: Family::default(),
+            prebuilds_in_progress: Gauge::default(),
         }
     }
 
@@ -103,6 +109,16 @@ impl RootfsMetrics {
             "imp_rootfs_cache_evictions",
             "Unreferenced base images deleted to keep the cache under its size budget",
             self.evictions.clone(),
+        );
+        registry.register(
+            "imp_rootfs_prebuilds",
+            "Base images built ahead of their first VM (POST /v1/images), by outcome",
+            self.prebuilds.clone(),
+        );
+        registry.register(
+            "imp_rootfs_prebuilds_in_progress",
+            "Pre-builds being resolved or built now",
+            self.prebuilds_in_progress.clone(),
         );
     }
 }
@@ -226,6 +242,13 @@ mod tests {
         m.rootfs.cache_bytes.set(1 << 20);
         m.rootfs.cache_images.set(1);
         m.rootfs.evictions.inc();
+        m.rootfs
+            .prebuilds
+            .get_or_create(&OutcomeLabel {
+                outcome: "built".into(),
+            })
+            .inc();
+        m.rootfs.prebuilds_in_progress.set(2);
         let text = m.encode();
         for want in [
             "imp_vm_boot_latency_seconds_count 1",
@@ -240,13 +263,15 @@ mod tests {
             "imp_rootfs_build_failures_total{reason=\"RootfsRejected\"} 1",
             "imp_rootfs_cache_bytes 1048576",
             "imp_rootfs_cache_images 1",
+            "imp_rootfs_prebuilds_total{outcome=\"built\"} 1",
+            "imp_rootfs_prebuilds_in_progress 2",
             "imp_rootfs_cache_evictions_total 1",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }
         assert_eq!(
             imp_testkit::metrics::assert_every_family_documented(&text),
-            13,
+            15,
             "{text}"
         );
     }

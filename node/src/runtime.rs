@@ -16,7 +16,10 @@ use std::time::Duration;
 use imp_api::names::reason;
 use tokio::time::Instant;
 
-use crate::api::{Backend, Failure, LinkStats, Readiness, SnapshotInfo, VmSpec, VmState, VmStatus};
+use crate::api::{
+    Backend, Failure, LinkStats, PrebuildRequest, PrebuildStatus, Readiness, SnapshotInfo, VmSpec,
+    VmState, VmStatus,
+};
 use crate::cgroup::{CgroupConfig, CgroupError, VmCgroups};
 use crate::firecracker::{self, BootPlan, DriverError, Vmm, VmmFiles};
 use crate::inventory::{Inventory, InventoryError, VmRecord};
@@ -121,6 +124,12 @@ pub enum RuntimeError {
         uid: String,
         source: Box<RootfsError>,
     },
+    /// A pre-build (`POST /v1/images`) failed.
+    #[error("pre-build of image {image}: {source}")]
+    Prebuild {
+        image: String,
+        source: Box<RootfsError>,
+    },
     #[error("link stats of VM {uid}: {source}")]
     LinkStats { uid: String, source: TapError },
     #[error("snapshot of VM {uid}: {source}")]
@@ -167,7 +176,9 @@ impl RuntimeError {
             RuntimeError::DiskSetupFailed { .. } | RuntimeError::WritableDrive { .. } => {
                 reason::DISK_SETUP_FAILED
             }
-            RuntimeError::Rootfs { source, .. } => source.reason(),
+            RuntimeError::Rootfs { source, .. } | RuntimeError::Prebuild { source, .. } => {
+                source.reason()
+            }
             RuntimeError::LinkStats { .. } => reason::LINK_STATS_UNAVAILABLE,
             RuntimeError::Snapshot { .. } => reason::SNAPSHOT_FAILED,
             RuntimeError::SnapshotUnsupported { .. } => reason::SNAPSHOT_UNSUPPORTED,
@@ -664,6 +675,25 @@ impl Runtime {
             .await?
             .map(|r| VmStatus::from(&r))
             .ok_or_else(|| RuntimeError::NotFound(uid.into()))
+    }
+
+    /// `POST /v1/images`: the base image of `req.image` built (or found) ahead of its first
+    /// VM, under the same cache, pull policy and credential rules as a VM's.
+    pub async fn prebuild(&self, req: &PrebuildRequest) -> Result<PrebuildStatus, RuntimeError> {
+        validate::image(&req.image).map_err(RuntimeError::InvalidSpec)?;
+        let failed = |source| RuntimeError::Prebuild {
+            image: req.image.base.clone(),
+            source: Box::new(source),
+        };
+        let got = self.rootfs.prebuild(&req.image).await.map_err(failed)?;
+        let cached = self.rootfs.is_cached(&got.key).await.map_err(failed)?;
+        tracing::info!(key = %got.key, base = %req.image.base, runner = ?req.image.runner, hit = got.hit, resolved = got.resolved, cached, "pre-built base image");
+        Ok(PrebuildStatus {
+            key: got.key,
+            hit: got.hit,
+            resolved: got.resolved,
+            cached,
+        })
     }
 
     pub async fn list(&self) -> Result<Vec<VmStatus>, RuntimeError> {

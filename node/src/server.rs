@@ -14,8 +14,8 @@ use axum::{Json, Router};
 use imp_api::names::reason;
 
 use crate::api::{
-    Capacity, ErrorBody, LinkStats, MAX_BODY_BYTES, Readiness, SnapshotInfo, SnapshotRequest,
-    VmList, VmSpec, VmStatus, VsockInfo,
+    Capacity, ErrorBody, LinkStats, MAX_BODY_BYTES, PrebuildRequest, PrebuildStatus, Readiness,
+    SnapshotInfo, SnapshotRequest, VmList, VmSpec, VmStatus, VsockInfo,
 };
 use crate::runtime::{Ensured, Runtime, RuntimeError};
 
@@ -47,6 +47,7 @@ impl From<RuntimeError> for ApiError {
             | RuntimeError::DiskSetupFailed { .. }
             | RuntimeError::WritableDrive { .. }
             | RuntimeError::Rootfs { .. }
+            | RuntimeError::Prebuild { .. }
             | RuntimeError::StartCancelled { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::LinkStats { .. }
             | RuntimeError::Snapshot { .. }
@@ -145,6 +146,27 @@ async fn snapshot(
     Ok(Json(rt.snapshot(&uid, resume).await?))
 }
 
+/// The build runs in a task of its own: an agent that goes away (a restart) does not abandon it.
+async fn prebuild(
+    State(rt): Rt,
+    body: Result<Json<PrebuildRequest>, JsonRejection>,
+) -> Result<Json<PrebuildStatus>, ApiError> {
+    let Json(req) = body.map_err(bad_json)?;
+    let built = tokio::spawn(async move { rt.prebuild(&req).await })
+        .await
+        .map_err(|e| {
+            ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ErrorBody {
+                    error: reason::ROOTFS_BUILD_FAILED.into(),
+                    message: format!("the pre-build task failed: {e}"),
+                    field: None,
+                },
+            )
+        })??;
+    Ok(Json(built))
+}
+
 async fn capacity(State(rt): Rt) -> Result<Json<Capacity>, ApiError> {
     let (used, budget) = rt.disk_usage().await?;
     Ok(Json(Capacity {
@@ -193,6 +215,7 @@ pub fn router(rt: Arc<Runtime>) -> Router {
     Router::new()
         .route("/v1/vms", get(list_vms))
         .route("/v1/capacity", get(capacity))
+        .route("/v1/images", post(prebuild))
         .route("/v1/vms/{uid}", get(get_vm).put(put_vm).delete(delete_vm))
         .route("/v1/vms/{uid}/linkstats", get(linkstats))
         .route("/v1/vms/{uid}/vsock", get(vsock))

@@ -1413,3 +1413,110 @@ async fn the_heartbeat_stops_while_imp_runtime_is_down_and_resumes_with_it() {
     drop(agent);
     w.finish().await;
 }
+
+/// The agent pre-builds the image of each pool its node can serve, before any VM asks for it:
+/// at start, and again when the pool's image changes (docs/rootfs.md, Pre-build). The pool
+/// selects this test's Node by a label of its own, so agents of other tests never build it.
+#[tokio::test]
+async fn the_agent_prebuilds_the_images_of_pools_its_node_serves() {
+    use imp_api::ImpVMRunnerPool;
+    use k8s_openapi::api::core::v1::Node;
+    let w = World::new("prebuild").await;
+    let select = ("imp-test/prebuild".to_string(), w.env.namespace.clone());
+    let nodes: Api<Node> = Api::all(w.env.client.clone());
+    let mut node = Node::default();
+    node.metadata.name = Some(w.node.clone());
+    node.metadata.labels = Some(
+        [
+            (names::LABEL_NODE_ENABLED.to_string(), "true".to_string()),
+            select.clone(),
+        ]
+        .into(),
+    );
+    nodes.create(&PostParams::default(), &node).await.unwrap();
+    let mut pool = fixtures::pool("pre")
+        .namespace(&w.env.namespace)
+        .image(&w.image)
+        .build();
+    pool.spec.template.spec.node_selector = Some([select].into());
+    // No kubelet reports this Node Ready, so the node lifecycle controller taints it not-ready
+    // (NoSchedule); the pool tolerates every taint, as the scheduler's rules require here.
+    pool.spec.template.spec.tolerations = Some(vec![k8s_openapi::api::core::v1::Toleration {
+        operator: Some("Exists".into()),
+        ..Default::default()
+    }]);
+    let pools: Api<ImpVMRunnerPool> = w.env.api();
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+
+    let agent = w.agent(&w.runner_script(0), 0);
+    let built = |n: u32| format!("imp_rootfs_prebuilds_total{{outcome=\"built\"}} {n}");
+    let wait_built = |n: u32| {
+        let want = built(n);
+        let (rt, agent) = (&w.rt, &agent);
+        async move {
+            let started = Instant::now();
+            loop {
+                let m = rt.metrics().await;
+                if m.contains(&want) {
+                    return;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(90),
+                    "{want} not reached:\n{m}\nagent log (pre-build lines):\n{}\nruntime log tail:\n{}",
+                    agent
+                        .log()
+                        .lines()
+                        .filter(|l| !l.contains("heartbeat renewed"))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                    tail(&rt.runtime_log(), 20)
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    wait_built(1).await;
+    assert_eq!(runtime_images(&w.rt), 1, "the pre-built image is cached");
+
+    // The pool rolls to a new image: built again, without any VM.
+    let layer = LayerBlob::gzipped(
+        TarBuilder::new()
+            .file("etc-rolled", b"v2", 0o644)
+            .into_gzip(),
+    );
+    push_image(
+        &w._registry.host(),
+        "ci/base:2",
+        &[layer],
+        &PushAuth::Anonymous,
+    )
+    .await
+    .unwrap();
+    let rolled = w.image.replace("ci/base:1", "ci/base:2");
+    pools
+        .patch(
+            "pre",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"template": {"spec": {"image": rolled}}}})),
+        )
+        .await
+        .unwrap();
+    wait_built(2).await;
+    assert_eq!(runtime_images(&w.rt), 2);
+    let m = w.rt.metrics().await;
+    assert!(
+        m.contains("imp_rootfs_cache_misses_total 0"),
+        "no VM built anything: {m}"
+    );
+
+    drop(agent);
+    let _ = pools.delete("pre", &DeleteParams::default()).await;
+    let _ = nodes.delete(&w.node, &DeleteParams::default()).await;
+    w.finish().await;
+}
+
+fn runtime_images(rt: &Harness) -> usize {
+    std::fs::read_dir(rt.state_dir.join("rootfs/images"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}

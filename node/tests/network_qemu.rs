@@ -343,6 +343,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
             base: base.clone(),
             runner: None,
             credentials: None,
+            pull_policy: None,
         }),
         writable_disk_bytes: Some(64 << 20),
         kernel: None,

@@ -239,6 +239,7 @@ async fn two_vms_boot_from_one_registry_built_base() {
         base: base_ref,
         runner: Some(runner_ref),
         credentials: None,
+        pull_policy: None,
     };
     let built = std::time::Instant::now();
     let first = store.acquire("vm-1", &spec).await.unwrap();

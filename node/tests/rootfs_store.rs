@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use imp_api::PullPolicy;
 use imp_api::names::reason;
 use imp_node::inventory::Inventory;
 use imp_node::metrics::Metrics;
@@ -89,11 +90,14 @@ impl Fixture {
         format!("{}/{repo_tag}", self.registry.host())
     }
 
+    /// `Always`: these tests are about what a resolve at the registry does (moved tags, outages);
+    /// the `IfNotPresent` tests say so.
     fn spec(&self, base: &str, runner: Option<&str>) -> ImageSpec {
         ImageSpec {
             base: base.into(),
             runner: runner.map(Into::into),
             credentials: None,
+            pull_policy: Some(PullPolicy::Always),
         }
     }
 
@@ -454,7 +458,7 @@ async fn a_new_guest_agent_is_a_new_key_and_a_restart_reconciles_the_cache() {
     assert_eq!(f.images(), vec![v2.path.clone()]);
 }
 
-/// `reference` as tenant-a asks for it: with that password, or none.
+/// `reference` as tenant-a asks for it (`Always`): with that password, or none.
 fn tenant_a_spec(reference: &str, password: Option<&str>) -> ImageSpec {
     ImageSpec {
         base: reference.into(),
@@ -463,6 +467,7 @@ fn tenant_a_spec(reference: &str, password: Option<&str>) -> ImageSpec {
             username: "tenant-a".into(),
             password: imp_common::SecretString::from(p),
         }),
+        pull_policy: Some(PullPolicy::Always),
     }
 }
 
@@ -603,4 +608,208 @@ async fn an_outage_serves_a_private_image_only_to_the_credentials_that_built_it(
             .unwrap_or_else(|e| panic!("{outage}: {e}"));
         assert!(served.offline && served.path == built.path, "{outage}");
     }
+}
+
+/// `reference` with the given policy, anonymous.
+fn with_policy(reference: &str, policy: Option<PullPolicy>) -> ImageSpec {
+    ImageSpec {
+        base: reference.into(),
+        runner: None,
+        credentials: None,
+        pull_policy: policy,
+    }
+}
+
+/// A digest-pinned reference is served from the cache without one request reaching the
+/// registry (counted by a proxy in front of it), whatever the registry does meanwhile; a tag
+/// under the default `IfNotPresent` likewise; `Always` asks the registry every time.
+#[tokio::test]
+async fn digest_pinned_and_if_not_present_hits_send_no_registry_request() {
+    let f = Fixture::new().await;
+    let blobs: Vec<LayerBlob> = base_layers().into_iter().map(LayerBlob::gzipped).collect();
+    let pushed = push_image(
+        &f.registry.host(),
+        "imp/base:1",
+        &blobs,
+        &PushAuth::Anonymous,
+    )
+    .await
+    .unwrap();
+    let proxy = imp_testkit::proxy::CountingProxy::start(f.registry.host())
+        .await
+        .unwrap();
+    let store = f.store_reaching(&proxy.host()).await;
+    let pinned = format!("{}/imp/base@{}", proxy.host(), pushed.digest);
+    let tagged = format!("{}/imp/base:1", proxy.host());
+
+    for (reference, label) in [(&pinned, "digest"), (&tagged, "tag")] {
+        let cold = store
+            .acquire(&format!("vm-cold-{label}"), &with_policy(reference, None))
+            .await
+            .unwrap();
+        assert!(cold.resolved, "{label}: the first request resolves");
+        let before = proxy.requests();
+        assert!(before > 0, "the proxy counts requests");
+        for i in 0..3 {
+            let hit = store
+                .acquire(&format!("vm-{label}-{i}"), &with_policy(reference, None))
+                .await
+                .unwrap();
+            assert!(hit.hit && !hit.resolved && !hit.offline, "{label}: {hit:?}");
+            assert_eq!(hit.path, cold.path);
+        }
+        assert_eq!(proxy.requests(), before, "{label}: no request on a hit");
+    }
+    // Always: the registry is asked (a HEAD and a GET of the manifest at least), still a hit.
+    let before = proxy.requests();
+    let always = store
+        .acquire("vm-always", &with_policy(&pinned, Some(PullPolicy::Always)))
+        .await
+        .unwrap();
+    assert!(always.hit && always.resolved, "{always:?}");
+    assert!(proxy.requests() > before);
+    let text = f.metrics.encode();
+    // 3 + 3 IfNotPresent hits, the tag's first (resolved) hit, Always's hit; one build.
+    assert!(text.contains("imp_rootfs_cache_hits_total 8"), "{text}");
+    assert!(text.contains("imp_rootfs_cache_misses_total 1"), "{text}");
+}
+
+/// `IfNotPresent` keeps the image a moved tag was built from; `Always` resolves the tag again
+/// and builds what it points at now.
+#[tokio::test]
+async fn a_moved_tag_is_rebuilt_under_always_only() {
+    let f = Fixture::new().await;
+    let one = |body: &[u8]| vec![TarBuilder::new().file("v", body, 0o644).into_gzip()];
+    let reference = f.push("imp/moving:stable", one(b"first")).await;
+    let store = f.store(1 << 30).await;
+    let first = store
+        .acquire("vm-1", &with_policy(&reference, None))
+        .await
+        .unwrap();
+    f.push("imp/moving:stable", one(b"second")).await;
+    let kept = store
+        .acquire(
+            "vm-2",
+            &with_policy(&reference, Some(PullPolicy::IfNotPresent)),
+        )
+        .await
+        .unwrap();
+    assert!(
+        kept.hit && !kept.resolved && kept.key == first.key,
+        "{kept:?}"
+    );
+    let moved = store
+        .acquire("vm-3", &with_policy(&reference, Some(PullPolicy::Always)))
+        .await
+        .unwrap();
+    assert!(!moved.hit && moved.key != first.key, "{moved:?}");
+    assert_eq!(tree_of(&moved.path)["v"], "second");
+    // `:latest` defaults to Always: the newest build is not trusted to be current.
+    let latest = f.push("imp/moving:latest", one(b"third")).await;
+    store
+        .acquire("vm-4", &with_policy(&latest, None))
+        .await
+        .unwrap();
+    f.push("imp/moving:latest", one(b"fourth")).await;
+    let again = store
+        .acquire("vm-5", &with_policy(&latest, None))
+        .await
+        .unwrap();
+    assert!(!again.hit && again.resolved, "{again:?}");
+}
+
+/// A cached private image is handed out without the registry only to the credentials that
+/// built it: a request without them, or with others, resolves and is refused, even for a
+/// digest-pinned reference under `IfNotPresent`.
+#[tokio::test]
+async fn if_not_present_never_hands_a_private_image_to_other_credentials() {
+    let f = Fixture::new().await;
+    let private = private_registry().await;
+    let proxy = imp_testkit::proxy::CountingProxy::start(private.host())
+        .await
+        .unwrap();
+    let store = f.store_reaching(&proxy.host()).await;
+    let tagged = format!("{}/a/secret:1", proxy.host());
+    let spec = |reference: &str, password: Option<&str>| ImageSpec {
+        pull_policy: Some(PullPolicy::IfNotPresent),
+        ..tenant_a_spec(reference, password)
+    };
+    let built = store
+        .acquire("vm-a", &spec(&tagged, Some("a-password-1")))
+        .await
+        .unwrap();
+    let digest = store.index().get(&built.key).await.unwrap().unwrap();
+    assert!(digest.pulled_with.starts_with("hmac-sha256:"));
+    let before = proxy.requests();
+    let again = store
+        .acquire("vm-a2", &spec(&tagged, Some("a-password-1")))
+        .await
+        .unwrap();
+    assert!(again.hit && !again.resolved);
+    assert_eq!(proxy.requests(), before);
+    for (vm, password) in [("vm-b", None), ("vm-c", Some("guess"))] {
+        let err = store
+            .acquire(vm, &spec(&tagged, password))
+            .await
+            .unwrap_err();
+        assert_eq!(err.reason(), reason::ROOTFS_PULL_FAILED, "{err}");
+        assert!(err.to_string().contains("refused the credentials"), "{err}");
+    }
+    assert!(
+        proxy.requests() > before,
+        "the refused requests asked the registry"
+    );
+}
+
+/// A pre-build leaves the image cached and unreferenced; the first VM then starts from it with
+/// a hit. Pre-builds count in their own metric, not as VM-start hits or misses; one that does
+/// not fit the budget is reported as not cached.
+#[tokio::test]
+async fn a_prebuilt_image_is_the_first_vms_cache_hit() {
+    let f = Fixture::new().await;
+    let base = f.push("imp/base:1", base_layers()).await;
+    let store = f.store(1 << 30).await;
+    let pre = store.prebuild(&with_policy(&base, None)).await.unwrap();
+    assert!(!pre.hit && store.is_cached(&pre.key).await.unwrap());
+    assert_eq!(store.index().get(&pre.key).await.unwrap().unwrap().refs, 0);
+    let again = store.prebuild(&with_policy(&base, None)).await.unwrap();
+    assert!(again.hit && !again.resolved, "{again:?}");
+    let vm = store
+        .acquire("vm-1", &with_policy(&base, None))
+        .await
+        .unwrap();
+    assert!(vm.hit && vm.key == pre.key, "{vm:?}");
+    let text = f.metrics.encode();
+    for want in [
+        "imp_rootfs_prebuilds_total{outcome=\"built\"} 1",
+        "imp_rootfs_prebuilds_total{outcome=\"cached\"} 1",
+        "imp_rootfs_prebuilds_in_progress 0",
+        "imp_rootfs_cache_hits_total 1",
+    ] {
+        assert!(text.contains(want), "{want}\n{text}");
+    }
+    assert!(!text.contains("imp_rootfs_cache_misses_total 1"), "{text}");
+
+    // A budget smaller than the image: the pre-build is evicted at once, and says so.
+    let other = f
+        .push(
+            "imp/other:1",
+            vec![TarBuilder::new().file("o", b"o", 0o644).into_gzip()],
+        )
+        .await;
+    drop(store);
+    let tight = f.store(1).await;
+    let evicted = tight.prebuild(&with_policy(&other, None)).await.unwrap();
+    assert!(!tight.is_cached(&evicted.key).await.unwrap());
+    // A failure counts as failed, with its reason in the build failures.
+    let missing = format!("{}/imp/missing:1", f.registry.host());
+    tight
+        .prebuild(&with_policy(&missing, None))
+        .await
+        .unwrap_err();
+    let text = f.metrics.encode();
+    assert!(
+        text.contains("imp_rootfs_prebuilds_total{outcome=\"failed\"} 1"),
+        "{text}"
+    );
 }

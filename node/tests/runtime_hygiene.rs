@@ -340,6 +340,7 @@ async fn a_put_dropped_mid_pull_then_deleted_leaves_nothing_and_a_clean_cache() 
             base: format!("{proxy}/imp/stall:1"),
             runner: None,
             credentials: None,
+            pull_policy: None,
         }),
         ..h.spec(network)
     };

@@ -27,6 +27,7 @@ fn image_spec(h: &Harness, base: &str, password: &str) -> VmSpec {
                 username: USER.into(),
                 password: SecretString::from(password),
             }),
+            pull_policy: None,
         }),
         ..h.spec(false)
     }
@@ -164,4 +165,76 @@ async fn vms_start_from_registry_images_share_one_build_and_release_it() {
 fn base64_auth(user: &str, password: &str) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+}
+
+/// `POST /v1/images` through the socket: a pre-build with credentials leaves the image cached
+/// (no VM holds it), the next VM of that image is a hit, a bad reference is refused naming the
+/// field, and a refused pull answers with the pull reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prebuild_through_the_socket_makes_the_first_vm_a_hit() {
+    let registry = Registry::start(RegistryOptions {
+        htpasswd: Some((USER.into(), PASSWORD.into())),
+    })
+    .await
+    .unwrap();
+    let host = registry.host();
+    let layer = LayerBlob::gzipped(
+        TarBuilder::new()
+            .file("etc-rolled", b"rolled", 0o644)
+            .into_gzip(),
+    );
+    push_image(
+        &host,
+        "ci/rolled:2",
+        &[layer],
+        &PushAuth::Basic(USER.into(), PASSWORD.into()),
+    )
+    .await
+    .unwrap();
+    let mut h = Harness::new(simulator());
+    h.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
+    h.start_runtime().await;
+    let base = format!("{host}/ci/rolled:2");
+    let spec = image_spec(&h, &base, PASSWORD);
+    let image = spec.image.clone().unwrap();
+
+    let built = h
+        .client
+        .prebuild(&image)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", h.runtime_log()));
+    assert!(!built.hit && built.resolved && built.cached, "{built:?}");
+    assert_eq!(images(&h), 1);
+    let again = h.client.prebuild(&image).await.unwrap();
+    assert!(
+        again.hit && !again.resolved && again.key == built.key,
+        "{again:?}"
+    );
+    let (code, vm) = h.client.ensure_running("vm-a", &spec).await.unwrap();
+    assert_eq!((code, vm.state), (StatusCode::CREATED, VmState::Running));
+    let m = h.metrics().await;
+    for want in [
+        "imp_rootfs_cache_hits_total 1",
+        "imp_rootfs_prebuilds_total{outcome=\"built\"} 1",
+        "imp_rootfs_prebuilds_total{outcome=\"cached\"} 1",
+    ] {
+        assert!(m.contains(want), "{want}\n{m}");
+    }
+    assert!(!m.contains("imp_rootfs_cache_misses_total 1"), "{m}");
+
+    let bad = ImageSpec {
+        base: "UPPER CASE::x".into(),
+        ..image.clone()
+    };
+    let e = h.client.prebuild(&bad).await.unwrap_err();
+    assert_eq!(e.reason(), Some(reason::INVALID_SPEC), "{e}");
+    assert!(e.to_string().contains("image.base"), "{e}");
+    let wrong = image_spec(&h, &format!("{host}/ci/other:1"), "wrong");
+    let e = h
+        .client
+        .prebuild(wrong.image.as_ref().unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason(), Some(reason::ROOTFS_PULL_FAILED), "{e}");
+    h.client.delete("vm-a").await.unwrap();
 }

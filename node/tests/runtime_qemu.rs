@@ -115,6 +115,7 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
             base: base.clone(),
             runner: None,
             credentials: None,
+            pull_policy: None,
         }),
         writable_disk_bytes: Some(128 << 20),
         kernel: None,

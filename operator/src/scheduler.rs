@@ -271,24 +271,8 @@ fn fit(vm: &VmRequest, node: &NodeInfo, used: Capacity) -> Result<Capacity, Reje
     })
 }
 
-/// Kubernetes toleration semantics: empty key with Exists matches every taint; empty effect matches every effect.
-pub fn tolerates(t: &Toleration, taint: &Taint) -> bool {
-    if let Some(effect) = t.effect.as_deref().filter(|e| !e.is_empty())
-        && effect != taint.effect
-    {
-        return false;
-    }
-    let key = t.key.as_deref().unwrap_or("");
-    match t.operator.as_deref().unwrap_or("Equal") {
-        "Exists" => key.is_empty() || key == taint.key,
-        "Equal" => {
-            !key.is_empty()
-                && key == taint.key
-                && t.value.as_deref().unwrap_or("") == taint.value.as_deref().unwrap_or("")
-        }
-        _ => false,
-    }
-}
+/// Kubernetes toleration semantics (shared with the agent's pre-build, which serves the same pools).
+pub use imp_api::tolerates;
 
 impl NodeInfo {
     /// The scheduler's view of a Node object; `heartbeat` comes from the agent's Lease.

@@ -16,6 +16,7 @@ pub mod node;
 pub mod oci;
 pub mod paths;
 pub mod process;
+pub mod proxy;
 pub mod qemu;
 pub mod registry;
 pub mod tarball;

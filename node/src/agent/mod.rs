@@ -14,6 +14,7 @@ pub mod http;
 pub mod lease;
 pub mod metrics;
 pub mod monitor;
+pub mod prebuild;
 pub mod spec;
 pub mod status;
 
@@ -84,6 +85,7 @@ pub async fn run(
         metrics.clone(),
         crate::client::RuntimeClient::new(&config.runtime_socket),
     ));
+    let _prebuild = prebuild::spawn(client.clone(), &config);
     let ctx = controller::Context::new(client, config, metrics.clone());
     let result = tokio::select! {
         r = http::serve(listener, metrics) => r,

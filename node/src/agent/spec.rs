@@ -120,6 +120,7 @@ pub fn vm_spec(
             base: vm.spec.image.clone(),
             runner: vm.spec.runner_image.clone(),
             credentials: pull_secrets.first().map(credentials).transpose()?,
+            pull_policy: vm.spec.image_pull_policy,
         }),
         writable_disk_bytes: Some(u64::from(class.disk_gib()) << 30),
         kernel: None,
@@ -132,7 +133,7 @@ pub fn vm_spec(
     })
 }
 
-fn credentials(secret: &Secret) -> Result<PullCredentials, SpecError> {
+pub fn credentials(secret: &Secret) -> Result<PullCredentials, SpecError> {
     let name = secret.metadata.name.clone().unwrap_or_default();
     let bytes = secret
         .data

@@ -178,9 +178,9 @@ impl CacheIndex {
             .collect()
     }
 
-    /// The newest image built from exactly these references, anonymously or with the
-    /// credentials `pulled_with` names (the offline fallback when the registry cannot be
-    /// reached to resolve them: nothing else proves the request may read the image).
+    /// The newest image built from, or resolved from, exactly these references, anonymously or
+    /// with the credentials `pulled_with` names (`IfNotPresent`, and the offline fallback when
+    /// the registry cannot be reached: nothing else proves the request may read the image).
     pub async fn latest_for(
         &self,
         base_ref: &str,
@@ -188,9 +188,18 @@ impl CacheIndex {
         pulled_with: &str,
     ) -> Result<Option<CacheEntry>, sqlx::Error> {
         sqlx::query(select!(
-            "WHERE i.base_ref = ? AND i.runner_ref IS ? AND (i.pulled_with = ? OR i.pulled_with = ?) \
-             ORDER BY i.created_at DESC LIMIT 1"
+            "WHERE i.key = (SELECT c.key FROM ( \
+               SELECT r.key AS key, r.resolved_at AS at FROM rootfs_resolved r \
+                 WHERE r.base_ref = ? AND r.runner_ref = ? AND (r.pulled_with = ? OR r.pulled_with = ?) \
+               UNION ALL \
+               SELECT b.key AS key, b.created_at AS at FROM rootfs_images b \
+                 WHERE b.base_ref = ? AND b.runner_ref IS ? AND (b.pulled_with = ? OR b.pulled_with = ?) \
+             ) c JOIN rootfs_images j ON j.key = c.key ORDER BY c.at DESC LIMIT 1)"
         ))
+        .bind(base_ref)
+        .bind(runner_ref.unwrap_or(""))
+        .bind(PULLED_ANONYMOUSLY)
+        .bind(pulled_with)
         .bind(base_ref)
         .bind(runner_ref)
         .bind(PULLED_ANONYMOUSLY)
@@ -199,6 +208,29 @@ impl CacheIndex {
         .await?
         .map(entry)
         .transpose()
+    }
+
+    /// These references, with the credentials `pulled_with` names, resolved at the registry to
+    /// image `key` just now.
+    pub async fn record_resolved(
+        &self,
+        base_ref: &str,
+        runner_ref: Option<&str>,
+        pulled_with: &str,
+        key: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "INSERT OR REPLACE INTO rootfs_resolved (base_ref, runner_ref, pulled_with, key, resolved_at) \
+             VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(base_ref)
+        .bind(runner_ref.unwrap_or(""))
+        .bind(pulled_with)
+        .bind(key)
+        .bind(now())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
     pub async fn insert(&self, e: &CacheEntry) -> Result<(), sqlx::Error> {
@@ -237,6 +269,16 @@ impl CacheIndex {
             .execute(&mut *tx)
             .await?;
         tx.commit().await
+    }
+
+    /// Image `key` counts as used now (a pre-build that found it already there).
+    pub async fn touch(&self, key: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("UPDATE rootfs_images SET last_used_at = ? WHERE key = ?")
+            .bind(now())
+            .bind(key)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     /// Drop VM `vm_uid`'s reference; returns the key it held.
@@ -287,16 +329,25 @@ impl CacheIndex {
         .bind(key)
         .execute(&self.pool)
         .await?;
-        Ok(done.rows_affected() == 1)
+        if done.rows_affected() != 1 {
+            return Ok(false);
+        }
+        sqlx::query("DELETE FROM rootfs_resolved WHERE key = ?")
+            .bind(key)
+            .execute(&self.pool)
+            .await?;
+        Ok(true)
     }
 
     /// Remove an image row and any references to it (its file is gone).
     pub async fn forget(&self, key: &str) -> Result<(), sqlx::Error> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query("DELETE FROM rootfs_refs WHERE key = ?")
-            .bind(key)
-            .execute(&mut *tx)
-            .await?;
+        for table in [
+            "DELETE FROM rootfs_refs WHERE key = ?",
+            "DELETE FROM rootfs_resolved WHERE key = ?",
+        ] {
+            sqlx::query(table).bind(key).execute(&mut *tx).await?;
+        }
         sqlx::query("DELETE FROM rootfs_images WHERE key = ?")
             .bind(key)
             .execute(&mut *tx)
@@ -419,6 +470,56 @@ mod tests {
         assert_eq!(hit(PULLED_ANONYMOUSLY).await.as_deref(), Some("public"));
         assert_eq!(hit("hmac-sha256:bb").await.as_deref(), Some("public"));
         assert_eq!(hit("hmac-sha256:aa").await.as_deref(), Some("private"));
+        inv.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_resolution_by_other_references_or_credentials_is_found_by_them_only() {
+        let d = tempfile::tempdir().unwrap();
+        let inv = crate::inventory::Inventory::open(d.path()).await.unwrap();
+        let idx = CacheIndex::new(inv.pool().clone());
+        idx.insert(&CacheEntry {
+            pulled_with: "hmac-sha256:aa".into(),
+            ..e("k", 10, 1, 0)
+        })
+        .await
+        .unwrap();
+        let key = |base: &'static str, runner: Option<&'static str>, pw: &'static str| {
+            let idx = idx.clone();
+            async move {
+                idx.latest_for(base, runner, pw)
+                    .await
+                    .unwrap()
+                    .map(|e| e.key)
+            }
+        };
+        assert_eq!(key("r/retag:2", None, "hmac-sha256:aa").await, None);
+        idx.record_resolved("r/retag:2", None, "hmac-sha256:bb", "k")
+            .await
+            .unwrap();
+        assert_eq!(
+            key("r/retag:2", None, "hmac-sha256:bb").await.as_deref(),
+            Some("k")
+        );
+        for (base, runner, pw) in [
+            ("r/retag:2", None, "hmac-sha256:aa"),
+            ("r/retag:2", None, PULLED_ANONYMOUSLY),
+            ("r/retag:2", Some("r/runner:1"), "hmac-sha256:bb"),
+        ] {
+            assert_eq!(key(base, runner, pw).await, None, "{base} {runner:?} {pw}");
+        }
+        // The builder's own references still count; an image gone takes its resolutions along.
+        assert_eq!(
+            key("r/base:1", None, "hmac-sha256:aa").await.as_deref(),
+            Some("k")
+        );
+        assert!(idx.delete_unreferenced("k").await.unwrap());
+        assert_eq!(key("r/retag:2", None, "hmac-sha256:bb").await, None);
+        let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM rootfs_resolved")
+            .fetch_one(inv.pool())
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
         inv.close().await;
     }
 

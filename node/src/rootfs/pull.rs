@@ -163,6 +163,13 @@ pub struct Puller {
     cfg: Arc<PullConfig>,
 }
 
+/// Whether a fetched blob must survive a crash once `fetch_layer` returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Durability {
+    Synced,
+    Scratch,
+}
+
 /// Suffix counter for temp files, so concurrent fetches to one destination never share one.
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
@@ -419,12 +426,28 @@ impl Puller {
         auth: &RegistryAuth,
         dest: &Path,
     ) -> Result<(), PullError> {
+        self.fetch_layer_with(image, layer, auth, dest, Durability::Synced)
+            .await
+    }
+
+    /// `fetch_layer`, durable or not: a build's scratch blob lives only as long as the build
+    /// (a crash deletes its whole directory), so it is not fsynced; every check is the same.
+    pub(crate) async fn fetch_layer_with(
+        &self,
+        image: &ResolvedImage,
+        layer: &LayerRef,
+        auth: &RegistryAuth,
+        dest: &Path,
+        durability: Durability,
+    ) -> Result<(), PullError> {
         // LayerRef's fields are public, so hold a hand-made one to the same rules as resolve's.
         check_digest("layer", &layer.digest)?;
         self.check_layer_size(&layer.digest, layer.size)?;
         let reference = parse_reference(&image.reference)?;
         let temp = temp_path(dest)?;
-        let result = self.fetch_to(&reference, layer, auth, &temp).await;
+        let result = self
+            .fetch_to(&reference, layer, auth, &temp, durability)
+            .await;
         let result = match result {
             Ok(()) => tokio::fs::rename(&temp, dest)
                 .await
@@ -434,9 +457,10 @@ impl Puller {
                 }),
             Err(e) => Err(e),
         };
-        match result {
-            Ok(()) => sync_parent(dest).await,
-            Err(e) => {
+        match (result, durability) {
+            (Ok(()), Durability::Synced) => sync_parent(dest).await,
+            (Ok(()), Durability::Scratch) => Ok(()),
+            (Err(e), _) => {
                 let _ = tokio::fs::remove_file(&temp).await;
                 Err(e)
             }
@@ -449,6 +473,7 @@ impl Puller {
         layer: &LayerRef,
         auth: &RegistryAuth,
         temp: &Path,
+        durability: Durability,
     ) -> Result<(), PullError> {
         let io = |source| PullError::Io {
             path: temp.to_owned(),
@@ -527,7 +552,9 @@ impl Puller {
             });
         }
         file.flush().await.map_err(io)?;
-        file.sync_all().await.map_err(io)?;
+        if durability == Durability::Synced {
+            file.sync_all().await.map_err(io)?;
+        }
         Ok(())
     }
 }

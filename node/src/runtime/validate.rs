@@ -25,6 +25,25 @@ fn invalid(field: &'static str, message: String) -> Invalid {
     Invalid { field, message }
 }
 
+/// The image references of a VM spec or a pre-build request parse (`image.base`,
+/// `image.runner`).
+pub fn image(image: &crate::rootfs::store::ImageSpec) -> Result<(), Invalid> {
+    for (field, reference) in [
+        ("image.base", Some(&image.base)),
+        ("image.runner", image.runner.as_ref()),
+    ] {
+        if let Some(r) = reference
+            && let Err(e) = r.parse::<oci_client::Reference>()
+        {
+            return Err(invalid(
+                field,
+                format!("{r:?} is not an image reference: {e}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub fn valid_uid(uid: &str) -> bool {
     !uid.is_empty()
         && uid.len() <= MAX_UID_LEN
@@ -50,21 +69,7 @@ pub fn spec(spec: &VmSpec) -> Result<(), Invalid> {
     }
     match (&spec.base_disk, &spec.image) {
         (Some(_), None) => {}
-        (None, Some(image)) => {
-            for (field, reference) in [
-                ("image.base", Some(&image.base)),
-                ("image.runner", image.runner.as_ref()),
-            ] {
-                if let Some(r) = reference
-                    && let Err(e) = r.parse::<oci_client::Reference>()
-                {
-                    return Err(invalid(
-                        field,
-                        format!("{r:?} is not an image reference: {e}"),
-                    ));
-                }
-            }
-        }
+        (None, Some(image)) => self::image(image)?,
         _ => {
             return Err(invalid(
                 "base_disk",

@@ -1409,6 +1409,7 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
             image: s.image.clone(),
             runner_image: s.runner_image.clone(),
             image_pull_secrets: s.image_pull_secrets.clone(),
+            image_pull_policy: s.image_pull_policy,
             network_ref: s.network_ref.clone(),
             lifecycle: Lifecycle::Ephemeral,
             node_name: None,
