@@ -269,7 +269,7 @@ start_runtime() {
 }
 start_agent() {
   IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$runtime_sock" IMP_HEARTBEAT_INTERVAL=2s \
-    IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
+    IMP_POLL_INTERVAL=1s IMP_SWEEP_INTERVAL=2s IMP_GUEST_METRICS_INTERVAL=2s IMP_HTTP_ADDR="127.0.0.1:$agent_port" IMP_RUNNER_COMMAND="$bin/imp-fake-runner" \
     "$bin/imp-agent" >>"$work/agent.log" 2>&1 &
   pids+=($!); agent_pid=$!
   wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
