@@ -58,7 +58,8 @@ fn noise(seed: u64, len: usize) -> Vec<u8> {
 
 /// `total` bytes over LAYERS layers: a third in 1 MiB files, the rest in 64 KiB and 4 KiB files
 /// (an OS image is mostly small files). Layer 2 whites out a few layer-1 files.
-fn layers(total: u64) -> Vec<Vec<u8>> {
+/// `seed` tells images of one size apart (a rolled image must not share the old one's content key).
+fn layers(total: u64, seed: u64) -> Vec<Vec<u8>> {
     let per_layer = total / LAYERS as u64;
     (0..LAYERS)
         .map(|l| {
@@ -74,7 +75,7 @@ fn layers(total: u64) -> Vec<Vec<u8>> {
                 .min(left);
                 tar = tar.file(
                     &format!("l{l}/f{i}"),
-                    &noise(i * 31 + l as u64 + total, size as usize),
+                    &noise(i * 31 + l as u64 + total + (seed << 40), size as usize),
                     0o644,
                 );
                 left -= size;
@@ -123,7 +124,10 @@ fn percentile(v: &[Duration], p: f64) -> Duration {
 /// Push a `mib` MiB image as `bench/<name>:1` and name it through `proxy`.
 async fn push(registry: &Registry, proxy: &CountingProxy, name: &str, mib: u64) -> Image {
     let t = Instant::now();
-    let blobs = layers(mib << 20);
+    let seed = name
+        .bytes()
+        .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+    let blobs = layers(mib << 20, seed);
     let pushed: Vec<LayerBlob> = blobs.iter().cloned().map(LayerBlob::gzipped).collect();
     let manifest = push_image(
         &registry.host(),

@@ -228,6 +228,18 @@ mod tests {
             .arg(state.join("vms/u1/api.sock"))
             .spawn()
             .unwrap();
+        // Until the child has exec'd, its cmdline is still this test binary's.
+        let cmdline = format!("/proc/{}/cmdline", child.id());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !std::fs::read(&cmdline)
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains("api.sock"))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never exec'd"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let mut o = Observed::default();
         // Links and nft need iproute2 and nftables: observe only the process and file parts.
         let result = node(&state, &mut o);
