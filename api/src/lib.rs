@@ -11,6 +11,7 @@
 mod class;
 pub mod conditions;
 mod duration;
+pub mod events;
 pub mod names;
 mod network;
 mod pool;

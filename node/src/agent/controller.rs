@@ -19,7 +19,7 @@ use imp_guest::protocol::{ErrorCode, Exec, Exited};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{Controller, controller::Action as Requeue, watcher};
 use kube::{Api, Client, Resource, ResourceExt, api::DeleteParams, api::ListParams};
 use tokio::task::JoinHandle;
@@ -88,17 +88,7 @@ impl Context {
 
     /// An Event on `vm`. Best effort: a lost Event never fails the lifecycle it reports.
     pub(super) async fn event(&self, vm: &ImpVM, warning: bool, reason: &str, note: String) {
-        let ev = KubeEvent {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.to_owned(),
-            note: Some(note),
-            action: reason.to_owned(),
-            secondary: None,
-        };
+        let ev = imp_api::events::event(warning, reason, note);
         if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
             warn!(vm = %vm.name_any(), reason, error = %e, "publishing Event failed");
         }

@@ -33,7 +33,7 @@ use kube::{
     runtime::{
         Controller,
         controller::{self, Action},
-        events::{Event, EventType, Recorder, Reporter},
+        events::{Recorder, Reporter},
         reflector::ObjectRef,
         watcher,
     },
@@ -278,17 +278,7 @@ impl Ctx {
     }
 
     async fn event(&self, pool: &ImpVMRunnerPool, warning: bool, reason: &str, note: String) {
-        let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.to_owned(),
-            note: Some(note),
-            action: reason.to_owned(),
-            secondary: None,
-        };
+        let ev = imp_api::events::event(warning, reason, note);
         if let Err(e) = self.recorder.publish(&ev, &pool.object_ref(&())).await {
             warn!(pool = %pool.name_any(), reason, error = %e, "publishing Event failed");
         }

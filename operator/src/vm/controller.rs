@@ -33,7 +33,7 @@ use kube::{
     runtime::{
         Controller, WatchStreamExt,
         controller::Action,
-        events::{Event, EventType, Recorder, Reporter},
+        events::{Recorder, Reporter},
         reflector::{self, ObjectRef, Store},
         watcher,
     },
@@ -809,17 +809,8 @@ impl Context {
             };
         }
         for note in notes {
-            let ev = Event {
-                type_: if note.warning {
-                    EventType::Warning
-                } else {
-                    EventType::Normal
-                },
-                reason: note.reason.to_owned(),
-                note: Some(truncate(&note.message, 1000)),
-                action: note.reason.to_owned(),
-                secondary: None,
-            };
+            let ev =
+                imp_api::events::event(note.warning, note.reason, truncate(&note.message, 1000));
             if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
                 warn!(vm = %vm.name_any(), reason = note.reason, error = %e, "publishing Event failed");
             }
