@@ -13,18 +13,20 @@
 #       --chaos adds the chaos scenarios (forged, duplicated, lost and reordered webhooks, GitHub 5xx and
 #       429 bursts, kill -9 of imp-agent, imp-runtime and imp-operator at the handoff phases) and checks
 #       the invariants over all of them (imp-chaos-check, testkit/src/chaos).
-#   smoke/imp-smoke.sh --cluster [--namespace imp-system] [--pool-namespace default --pool imp]
-#       Checks an installation on the current kubectl context: CRDs, operator, node agents, the pool's
-#       conditions. Then run smoke/workflow.yaml in a repository the pool serves.
+#   smoke/imp-smoke.sh --cluster --repo OWNER/REPO [--context CTX] [--github-api URL] [--token-file F] ...
+#       One job through an installed Imp (smoke/cluster.py; --cluster --help lists its options): ensures
+#       the pool, dispatches smoke/workflow.yaml (workflow_dispatch), follows the job through the GitHub
+#       API and the cluster, prints the same timeline, and fails naming the phase that failed.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 self="$repo/smoke/imp-smoke.sh"
 mode="" namespace="imp-system" pool_ns="default" pool="imp" record="" report="" work="" chaos=0
 passthru=()
+# --cluster is smoke/cluster.py, with every argument (its own options).
+for arg; do [[ "$arg" == --cluster ]] && exec python3 "$repo/smoke/cluster.py" "$@"; done
 while (($#)); do
   case "$1" in
     --local) mode=local; passthru+=("$1") ;;
-    --cluster) mode=cluster; passthru+=("$1") ;;
     --namespace) namespace="$2"; passthru+=("$1" "$2"); shift ;;
     --pool-namespace) pool_ns="$2"; passthru+=("$1" "$2"); shift ;;
     --pool) pool="$2"; passthru+=("$1" "$2"); shift ;;
@@ -47,25 +49,6 @@ pass() { printf 'PASS  %s\n' "$*"; }
 fail() { printf 'FAIL  %s\n' "$*" >&2; exit 1; }
 # Runs "$@" every 0.2 s until it succeeds, for at most $1 seconds.
 wait_for() { local until=$((SECONDS + $1)); shift; until "$@" >/dev/null 2>&1; do ((SECONDS < until)) || return 1; sleep 0.2; done; }
-
-if [[ "$mode" == cluster ]]; then
-  kubectl version >/dev/null 2>&1 || fail "kubectl cannot reach the cluster of the current context"
-  for crd in impvmclasses impnetworks impvms impvmrunnerpools; do
-    kubectl get crd "$crd.imp.dev" >/dev/null 2>&1 || fail "CRD $crd.imp.dev missing: helm install the chart"
-  done
-  pass "CRDs installed"
-  kubectl -n "$namespace" rollout status deploy -l app.kubernetes.io/component=operator --timeout=60s >/dev/null \
-    || fail "operator Deployment in $namespace is not available"
-  pass "operator available"
-  ready=$(kubectl -n "$namespace" get ds -l app.kubernetes.io/component=agent -o jsonpath='{.items[0].status.numberReady}')
-  [[ "${ready:-0}" -gt 0 ]] || fail "no node agent is ready: label nodes imp/enabled=true"
-  pass "$ready node agent(s) ready"
-  cond=$(kubectl -n "$pool_ns" get imprp "$pool" -o jsonpath='{.status.conditions[?(@.type=="CredentialsValid")].status}' 2>/dev/null || true)
-  [[ "$cond" == True ]] || fail "pool $pool_ns/$pool: CredentialsValid is '${cond:-unset}' (kubectl describe imprp $pool)"
-  pass "pool $pool_ns/$pool has valid GitHub credentials"
-  echo "Now run smoke/workflow.yaml (workflow_dispatch) in a repository the pool serves and watch: kubectl -n $pool_ns get impvm -w"
-  exit 0
-fi
 
 bin="${CARGO_TARGET_DIR:-$repo/target}/debug"
 report="${report:-${CARGO_TARGET_DIR:-$repo/target}/imp-smoke/report.json}"

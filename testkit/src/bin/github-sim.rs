@@ -38,6 +38,14 @@ struct Args {
     /// Write `app-id`, `installation-id`, `private-key` (PKCS#1 PEM) files here.
     #[arg(long)]
     secret_dir: Option<std::path::PathBuf>,
+    /// Register this workflow file in the first repository as `.github/workflows/<file name>`
+    /// (repeatable). `smoke/workflow.yaml` is registered as `imp-smoke.yaml`, the file name
+    /// `imp-smoke.sh --cluster` dispatches.
+    #[arg(long = "workflow")]
+    workflows: Vec<std::path::PathBuf>,
+    /// Write a token that may dispatch workflows to this file (mode 0600).
+    #[arg(long)]
+    user_token_file: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -71,6 +79,32 @@ async fn main() -> anyhow::Result<()> {
                 std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
             }
         }
+    }
+    for path in &args.workflows {
+        let yaml = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--workflow {}: {e}", path.display()))?;
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| anyhow::anyhow!("--workflow {}: no file name", path.display()))?;
+        let name = if name == "workflow.yaml" {
+            "imp-smoke.yaml"
+        } else {
+            name
+        };
+        sim.add_workflow(None, &format!(".github/workflows/{name}"), &yaml)?;
+    }
+    if let Some(path) = args.user_token_file {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| anyhow::anyhow!("--user-token-file {}: {e}", path.display()))?;
+        f.write_all(sim.user_token().as_bytes())?;
     }
     println!("{}", sim.base_url());
     tokio::signal::ctrl_c().await?;

@@ -4,6 +4,8 @@
 //! `workflow_job` webhooks, speaks a small runner protocol for the fake runner
 //! (`imp-fake-runner`), and injects faults on demand. See docs/github.md.
 
+#[cfg(test)]
+mod dispatch_tests;
 pub mod http;
 pub mod jwt;
 pub mod keys;
@@ -13,6 +15,7 @@ mod server;
 #[cfg(test)]
 mod sim_tests;
 pub mod webhooks;
+pub mod workflows;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -201,6 +204,7 @@ impl GithubSim {
                 .map(|u| (u, config.webhook_secret.clone())),
             deliveries: Vec::new(),
             stats: SimStats::default(),
+            workflows: Default::default(),
         };
         let shared = Arc::new(Shared {
             config,

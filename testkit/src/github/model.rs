@@ -274,6 +274,8 @@ pub(crate) struct Model {
     pub webhook: Option<(String, String)>,
     pub deliveries: Vec<Delivery>,
     pub stats: SimStats,
+    /// Workflow files, dispatched runs and dispatch tokens (`workflows.rs`).
+    pub workflows: super::workflows::Workflows,
 }
 
 impl Model {

@@ -23,6 +23,8 @@ use super::model::{
 };
 use super::runner_protocol::JitConfigPayload;
 
+mod dispatch;
+
 type S = State<Arc<Shared>>;
 
 const DOCS: &str = "https://docs.github.com/rest";
@@ -104,6 +106,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             "/repos/{owner}/{repo}/actions/runs/{run_id}/jobs",
             get(run_jobs),
         )
+        .merge(dispatch::api_routes())
         .fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn_with_state(shared.clone(), api_layer));
     let runner = Router::new()
@@ -127,7 +130,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/_admin/runners", get(admin_runners))
         .route("/_admin/deliveries", get(admin_deliveries))
         .route("/_admin/health", get(|| async { "ok" }))
-        .route("/_admin/runners/{id}", delete(admin_remove_runner));
+        .route("/_admin/runners/{id}", delete(admin_remove_runner))
+        .merge(dispatch::admin_routes());
     runner.merge(admin).merge(api).with_state(shared)
 }
 
@@ -769,8 +773,8 @@ async fn repo_runs(
     Query(q): Query<RunsQuery>,
     headers: HeaderMap,
 ) -> ApiResult {
-    require_token(&shared, &headers)?;
-    require_permission(&shared, "actions", false)?;
+    // A dispatch token (a user's PAT) reads runs too.
+    dispatch::authorize_actions(&shared, &headers, false)?;
     let Ok(SimScope::Repository(full)) = check_repo(&shared, &owner, &repo) else {
         return Err(ApiError::not_found());
     };
@@ -842,8 +846,8 @@ async fn run_jobs(
     Query(q): Query<PageQuery>,
     headers: HeaderMap,
 ) -> ApiResult {
-    require_token(&shared, &headers)?;
-    require_permission(&shared, "actions", false)?;
+    // A dispatch token (a user's PAT) reads runs too.
+    dispatch::authorize_actions(&shared, &headers, false)?;
     let Ok(SimScope::Repository(full)) = check_repo(&shared, &owner, &repo) else {
         return Err(ApiError::not_found());
     };
