@@ -33,6 +33,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -226,6 +227,7 @@ def main() -> int:
     p.add_argument("--report", default=None)
     p.add_argument("--record", help="also write the run as an asciicast v2 file")
     p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"))
+    p.add_argument("--work-dir", help="where the records go (default: a new temp dir, removed on success)")
     p.add_argument("--namespace", help=argparse.SUPPRESS)  # accepted for the old --cluster usage
     a = p.parse_args()
     if not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", a.repo):
@@ -239,11 +241,16 @@ def main() -> int:
     if a.report is None:
         target = os.environ.get("CARGO_TARGET_DIR", os.path.join(HERE, "..", "target"))
         a.report = os.path.join(target, "imp-smoke", "cluster-report.json")
-    work = tempfile.mkdtemp(prefix="imp-smoke-cluster.")
+    if a.work_dir:
+        os.makedirs(a.work_dir, exist_ok=True)
+    work = a.work_dir or tempfile.mkdtemp(prefix="imp-smoke-cluster.")
     run = Run(a, work)
     try:
         run.phases()
         say("PASS", f"imp-smoke --cluster: all phases passed; timeline in {a.report}")
+        if not a.work_dir:
+            run.cleanup()
+            shutil.rmtree(work, ignore_errors=True)
         return 0
     except Failed as e:
         say("FAIL", f"phase '{e.phase}': {e.why}")
@@ -260,6 +267,7 @@ class Run:
         self.kube = Kube(a.kubectl, a.context, a.pool_namespace)
         self.watchers = []
         self.created_pool = False
+        self.cleaned = False
         self.impvms = os.path.join(work, "impvms.jsonl")
         self.events = os.path.join(work, "events.jsonl")
 
@@ -270,6 +278,9 @@ class Run:
         self.watchers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err))
 
     def cleanup(self):
+        if self.cleaned:
+            return
+        self.cleaned = True
         if self.created_pool:
             # The smoke's own pool goes first, and with it its VMs and Secrets (the pool's finalizer);
             # the rest of the manifest (class, network) once the VMs are gone.

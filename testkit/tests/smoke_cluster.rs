@@ -307,6 +307,8 @@ impl Stack {
             .args(["--timeout", &timeout.to_string()])
             .arg("--report")
             .arg(report)
+            .arg("--work-dir")
+            .arg(report.with_extension("records"))
             .arg("--kubectl")
             .arg(paths::testenv_bin("kubectl"))
             .env("KUBECONFIG", self.env.kubeconfig_path())
@@ -379,6 +381,7 @@ async fn cluster_smoke_runs_a_dispatched_job_and_names_the_phase_that_fails() {
     let out = stack.smoke(10, &report).await;
     let t = text(&out);
     assert_eq!(out.status.code(), Some(1), "{t}\n{}", stack.logs());
+    eprintln!("{t}");
     assert!(t.contains("FAILED in phase 'pool ready'"), "{t}");
     assert!(
         t.contains("pool imp"),
@@ -403,6 +406,8 @@ async fn cluster_smoke_runs_a_dispatched_job_and_names_the_phase_that_fails() {
     let out = stack.smoke(90, &report).await;
     let t = text(&out);
     assert_eq!(out.status.code(), Some(0), "{t}\n{}", stack.logs());
+    // The smoke's phases and timeline, in the test's log.
+    eprintln!("{t}");
     for phase in [
         "preflight",
         "pool ready",
