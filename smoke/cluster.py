@@ -252,9 +252,15 @@ def main() -> int:
             run.cleanup()
             shutil.rmtree(work, ignore_errors=True)
         return 0
-    except Failed as e:
+    except (Failed, OSError, subprocess.SubprocessError) as e:
+        if not isinstance(e, Failed):  # kubectl missing, a hung call: the phase it happened in
+            e = Failed(run.phase, f"{type(e).__name__}: {e}")
         say("FAIL", f"phase '{e.phase}': {e.why}")
-        print(f"imp-smoke --cluster: FAILED in phase '{e.phase}' (records kept in {work})", file=sys.stderr)
+        run.cleanup()
+        kept = f" (records kept in {work})" if os.listdir(work) else ""
+        if not kept and not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"imp-smoke --cluster: FAILED in phase '{e.phase}'{kept}", file=sys.stderr)
         return 1
     finally:
         run.cleanup()
@@ -268,6 +274,7 @@ class Run:
         self.watchers = []
         self.created_pool = False
         self.cleaned = False
+        self.phase = "preflight"
         self.impvms = os.path.join(work, "impvms.jsonl")
         self.events = os.path.join(work, "events.jsonl")
 
@@ -336,7 +343,7 @@ class Run:
         self.watch(f"/apis/events.k8s.io/v1/namespaces/{a.pool_namespace}/events?watch=1&timeoutSeconds=3600", self.events)
 
         # ---- pool ready
-        phase = "pool ready"
+        phase = self.phase = "pool ready"
         pool = kube.json("get", "imprp", a.pool)
         if pool is None:
             if not a.pool_manifest:
@@ -386,7 +393,7 @@ class Run:
         say("PASS", f"pool ready: {a.pool_namespace}/{a.pool} with {len(idle_before)} idle runner(s) started (minIdle {min_idle})")
 
         # ---- dispatch
-        phase = "dispatch"
+        phase = self.phase = "dispatch"
         t_dispatch = time.time()
         body = {"ref": a.ref, "return_run_details": True}
         status, v = gh.call("POST", f"/actions/workflows/{wf_id}/dispatches", body)
@@ -402,7 +409,7 @@ class Run:
         say("PASS", f"dispatch: workflow_dispatch of {a.workflow} on {a.ref} accepted (HTTP {status})")
 
         # ---- job queued
-        phase = "job queued"
+        phase = self.phase = "job queued"
 
         def find_run():
             if run_id:
@@ -427,7 +434,7 @@ class Run:
         say("PASS", f"job queued: run {run_id}, job {job_id} ({job.get('name')}) with labels {job.get('labels')}")
 
         # ---- job picked up
-        phase = "job picked up"
+        phase = self.phase = "job picked up"
 
         def picked():
             j = gh.get(f"/actions/jobs/{job_id}")
@@ -447,7 +454,7 @@ class Run:
         say("PASS", f"job picked up: job {job_id} by runner {runner} on ImpVM {vm}")
 
         # ---- job done
-        phase = "job done"
+        phase = self.phase = "job done"
 
         def done():
             j = gh.get(f"/actions/jobs/{job_id}")
@@ -459,7 +466,7 @@ class Run:
         say("PASS", f"job done: job {job_id} completed with conclusion success")
 
         # ---- torn down
-        phase = "torn down"
+        phase = self.phase = "torn down"
 
         def gone():
             if kube.json("get", "impvm", vm) is not None:
@@ -472,7 +479,7 @@ class Run:
         say("PASS", f"torn down: ImpVM {vm} and its JIT Secret {secret or '(none recorded)'} are gone")
 
         # ---- replaced
-        phase = "replaced"
+        phase = self.phase = "replaced"
 
         def replenished():
             idle = idle_started(pool_vms(kube, a.pool))
@@ -486,7 +493,7 @@ class Run:
         say("PASS", f"replaced: the pool is back to minIdle {min_idle}" + (f"; new runner {replacement}" if replacement else ""))
 
         # ---- timeline
-        phase = "timeline"
+        phase = self.phase = "timeline"
         jobs_file = os.path.join(self.work, "jobs.json")
         with open(jobs_file, "w", encoding="utf-8") as f:
             json.dump([job], f)
