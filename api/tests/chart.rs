@@ -341,6 +341,17 @@ fn runtime_mounts_the_kernel_and_takes_extra_env_and_volumes() {
     assert_eq!(env_value(c, "IMP_KERNEL"), Some("/opt/imp/vmlinux"));
     assert_seed_rejected_naming(&["runtime.extraVolumeMounts[0].name=x"], "mountPath");
     let objects = render_ok(&[&seed], &[]);
+    // The agent connects to root's sockets (the runtime's, the VMs' vsock): uid 0, no capability.
+    let agent = container(
+        get(&objects, "DaemonSet", "imp-agent"),
+        "containers",
+        "agent",
+    );
+    assert_eq!(agent["securityContext"]["runAsUser"], 0, "{agent}");
+    assert_eq!(
+        agent["securityContext"]["capabilities"]["drop"],
+        serde_json::json!(["ALL"])
+    );
     let runtime = get(&objects, "DaemonSet", "imp-runtime");
     let volumes = runtime["spec"]["template"]["spec"]["volumes"]
         .as_array()

@@ -50,9 +50,15 @@ impl VmRecord {
             let api: Api<ImpVM> = Api::namespaced(client, RUNNER_NAMESPACE);
             let mut events = watcher(api, watcher::Config::default()).boxed();
             while let Some(event) = events.next().await {
-                if let Ok(watcher::Event::Apply(vm) | watcher::Event::InitApply(vm)) = event {
-                    let mut all = rec.0.lock().unwrap_or_else(|e| e.into_inner());
-                    all.entry(vm.name_any()).or_default().push(vm);
+                match event {
+                    Ok(watcher::Event::Apply(vm) | watcher::Event::InitApply(vm)) => {
+                        let mut all = rec.0.lock().unwrap_or_else(|e| e.into_inner());
+                        all.entry(vm.name_any()).or_default().push(vm);
+                    }
+                    Ok(_) => {}
+                    // The watcher retries at once; without a pause a gone API server (teardown) makes
+                    // this a busy loop that never yields and holds the runtime's shutdown.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(500)).await,
                 }
             }
         });
