@@ -297,6 +297,71 @@ fn runtime_daemonset_lets_vms_outlive_its_pod() {
     assert_seed_rejected_naming(&["runtime.serialLogCapBytes=100"], "serialLogCapBytes");
 }
 
+/// The VMM opens the guest kernel (and initrd) inside the runtime container: both are mounted read-only
+/// from the node when they are outside the state directory (mounted already; the seed's kernel is there,
+/// and a File hostPath would hold the pod until the kernel exists). runtime.extraEnv, extraVolumes and extraVolumeMounts reach the
+/// runtime container and its pod (the real-node test mounts the fake runner this way).
+#[test]
+fn runtime_mounts_the_kernel_and_takes_extra_env_and_volumes() {
+    let seed = seed_values("helm-values-seed.yaml");
+    let (_dir, extra) = values_file(
+        "agent:\n  env:\n    kernelPath: /opt/imp/vmlinux\n    initrdPath: /opt/imp/initrd.img\n\
+         runtime:\n  extraEnv:\n    - {name: IMP_BOOT_TIMEOUT, value: 60s}\n\
+         \x20 extraVolumes:\n    - {name: tools, hostPath: {path: /opt/tools, type: Directory}}\n\
+         \x20 extraVolumeMounts:\n    - {name: tools, mountPath: /opt/tools, readOnly: true}\n",
+    );
+    let objects = render_ok(&[&seed, &extra], &[]);
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    let volumes = runtime["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap();
+    for (path, kind) in [
+        ("/opt/imp/vmlinux", "File"),
+        ("/opt/imp/initrd.img", "File"),
+        ("/opt/tools", "Directory"),
+    ] {
+        let mount = c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["mountPath"] == path)
+            .unwrap_or_else(|| panic!("the runtime container mounts {path}: {c}"));
+        assert_eq!(mount["readOnly"], true, "{mount}");
+        let volume = volumes
+            .iter()
+            .find(|v| v["name"] == mount["name"])
+            .unwrap_or_else(|| panic!("no volume {} in {volumes:?}", mount["name"]));
+        assert_eq!(
+            volume["hostPath"],
+            serde_json::json!({"path": path, "type": kind})
+        );
+    }
+    assert_eq!(env_value(c, "IMP_BOOT_TIMEOUT"), Some("60s"));
+    assert_eq!(env_value(c, "IMP_KERNEL"), Some("/opt/imp/vmlinux"));
+    assert_seed_rejected_naming(&["runtime.extraVolumeMounts[0].name=x"], "mountPath");
+    let objects = render_ok(&[&seed], &[]);
+    // The agent connects to root's sockets (the runtime's, the VMs' vsock): uid 0, no capability.
+    let agent = container(
+        get(&objects, "DaemonSet", "imp-agent"),
+        "containers",
+        "agent",
+    );
+    assert_eq!(agent["securityContext"]["runAsUser"], 0, "{agent}");
+    assert_eq!(
+        agent["securityContext"]["capabilities"]["drop"],
+        serde_json::json!(["ALL"])
+    );
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let volumes = runtime["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap();
+    assert!(
+        !volumes.iter().any(|v| v["name"] == "kernel"),
+        "the seed's kernel is in the state directory, mounted already: {volumes:?}"
+    );
+}
+
 #[test]
 fn kvm_preflight_is_rendered_with_its_node_selector() {
     let objects = render_ok(&[&seed_values("helm-values-seed.yaml")], &[]);

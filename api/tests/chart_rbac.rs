@@ -1,12 +1,14 @@
 //! docs/rbac.md's tables against the real API server: the chart is installed (once with `runnerNamespaces`
 //! set, once empty), and every row is asked as a SubjectAccessReview impersonating that component's
-//! ServiceAccount. A rule widened or missing in helm/imp/templates/rbac.yaml fails its row.
+//! ServiceAccount. A rule widened or missing in helm/imp/templates/rbac.yaml fails its row (the widening
+//! test proves it: a rule added to the installed operator ClusterRole makes the rows it breaks fail).
 
 use std::{path::Path, process::Output};
 
 use imp_testkit::{TestEnv, paths};
-use k8s_openapi::api::authorization::v1::{
-    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+use k8s_openapi::api::{
+    authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec},
+    rbac::v1::{ClusterRole, PolicyRule},
 };
 use kube::{Api, api::PostParams};
 
@@ -151,9 +153,30 @@ impl Drop for Release<'_> {
 
 /// Asks every row as its component's ServiceAccount; all mismatches are reported together.
 async fn check(release: &Release<'_>, rows: &[Row], runner: &str, other: &str) {
+    let wrong = wrong_rows(release, rows, runner, other).await;
+    assert!(
+        wrong.is_empty(),
+        "{} of {} docs/rbac.md rows do not hold:\n{}",
+        wrong.len(),
+        rows.len(),
+        wrong
+            .iter()
+            .map(|(_, w)| w.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// The rows (index, what the API server said) whose decision differs from the table's.
+async fn wrong_rows(
+    release: &Release<'_>,
+    rows: &[Row],
+    runner: &str,
+    other: &str,
+) -> Vec<(usize, String)> {
     let api: Api<SubjectAccessReview> = Api::all(release.env.client.clone());
     let mut wrong = Vec::new();
-    for row in rows {
+    for (i, row) in rows.iter().enumerate() {
         let namespace = match row.namespace.as_str() {
             "release" => Some(release.env.namespace.clone()),
             "runner" => Some(runner.to_owned()),
@@ -189,20 +212,17 @@ async fn check(release: &Release<'_>, rows: &[Row], runner: &str, other: &str) {
             .unwrap_or_else(|e| panic!("SubjectAccessReview for {row:?}: {e}"));
         let status = answer.status.expect("SubjectAccessReview status");
         if status.allowed != row.allowed {
-            wrong.push(format!(
-                "{row:?}: the API server says allowed={} ({})",
-                status.allowed,
-                status.reason.unwrap_or_default()
+            wrong.push((
+                i,
+                format!(
+                    "{row:?}: the API server says allowed={} ({})",
+                    status.allowed,
+                    status.reason.unwrap_or_default()
+                ),
             ));
         }
     }
-    assert!(
-        wrong.is_empty(),
-        "{} of {} docs/rbac.md rows do not hold:\n{}",
-        wrong.len(),
-        rows.len(),
-        wrong.join("\n")
-    );
+    wrong
 }
 
 #[tokio::test]
@@ -234,4 +254,62 @@ async fn rbac_table_holds_in_the_cluster_wide_fallback() {
         &other.namespace,
     )
     .await;
+}
+
+/// The table is a real check: the installed chart passes it, and the operator's ClusterRole widened by
+/// one rule (list and watch on every Secret, what the chart once granted) fails exactly the rows that
+/// rule breaks.
+#[tokio::test]
+async fn rbac_table_fails_when_a_rule_is_widened() {
+    let env = TestEnv::new("rbacwiden").await;
+    let runner = TestEnv::new("rbacwrun").await;
+    let other = TestEnv::new("rbacwother").await;
+    let suffix = &env.namespace[env.namespace.len() - 8..];
+    let release = Release::install(&env, &format!("rbacwiden-{suffix}"), &[&runner.namespace]);
+    let rows = table("With runnerNamespaces set");
+    let before = wrong_rows(&release, &rows, &runner.namespace, &other.namespace).await;
+    assert!(
+        before.is_empty(),
+        "the table fails before widening: {before:?}"
+    );
+
+    let roles: Api<ClusterRole> = Api::all(env.client.clone());
+    let name = format!("{}-imp-operator", release.name);
+    let mut role = roles.get(&name).await.expect("the operator ClusterRole");
+    role.rules.get_or_insert_with(Vec::new).push(PolicyRule {
+        api_groups: Some(vec![String::new()]),
+        resources: Some(vec!["secrets".into()]),
+        verbs: vec!["list".into(), "watch".into()],
+        ..PolicyRule::default()
+    });
+    roles
+        .replace(&name, &PostParams::default(), &role)
+        .await
+        .expect("widen the operator ClusterRole");
+    let broken = |r: &Row| {
+        r.component == "operator"
+            && r.resource == "secrets"
+            && (r.verb == "list" || r.verb == "watch")
+            && !r.allowed
+    };
+    let expected: Vec<usize> = (0..rows.len()).filter(|&i| broken(&rows[i])).collect();
+    assert!(
+        expected.len() >= 4,
+        "docs/rbac.md lost its operator list/watch Secret rows: {expected:?}"
+    );
+    // The authorizer sees RBAC changes through its informers: give it a few seconds.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let wrong = wrong_rows(&release, &rows, &runner.namespace, &other.namespace).await;
+        let failing: Vec<usize> = wrong.iter().map(|(i, _)| *i).collect();
+        if failing == expected {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "after widening, failing rows {failing:?} are not the operator's list/watch Secret rows \
+             {expected:?}: {wrong:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
 }

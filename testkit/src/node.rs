@@ -36,8 +36,9 @@ use crate::{
 pub const NODE_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 10);
 /// Pods' addresses (CNI bridge + host-local).
 pub const POD_CIDR: &str = "198.51.100.0/24";
-/// Services' ClusterIPs; the first one is the `kubernetes` Service, an address of the namespace.
-pub const SERVICE_CIDR: &str = "203.0.113.0/24";
+/// Services' ClusterIPs; the first one is the `kubernetes` Service, an address of the namespace. The
+/// upper half of TEST-NET-3 is left for tests' VM networks.
+pub const SERVICE_CIDR: &str = "203.0.113.0/25";
 pub const KUBERNETES_SERVICE_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
 /// Where Debian's containernetworking-plugins installs the plugins.
 pub const CNI_BIN_DIR: &str = "/usr/lib/cni";

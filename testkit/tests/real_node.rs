@@ -2,7 +2,11 @@
 //! controllers, Debian's containerd + runc and the kubelet from testenv/ in a network namespace this test
 //! creates (testkit::node), the component images from images/components/build.sh pushed to a local
 //! registry, `helm install`: the operator, agent, runtime and KVM-preflight pods become Ready; `helm
-//! uninstall` leaves no Imp object, pod, container or VM cgroup behind.
+//! upgrade` from the previous chart version keeps the runtime pod and a running VM (OnDelete); the local
+//! smoke's runner lifecycle completes through those pods (lifecycle.rs: GitHub simulator webhook ->
+//! operator pod -> VM on the runtime pod, Firecracker simulator -> JIT handoff by the agent pod -> the fake
+//! runner completes the job -> VM and Secret gone, pool replenished); `helm uninstall` leaves no Imp
+//! object, pod, container, VM cgroup or TAP behind.
 //!
 //! Skips, saying why, where the host cannot run a node (not root, no containerd/runc/CNI plugins, no
 //! kubelet in testenv/bin); IMP_REQUIRE_REAL_NODE=1 turns the skip into a failure (CI sets it).
@@ -18,11 +22,15 @@ use std::{
 use imp_testkit::{
     bins,
     controlplane::ControlPlane,
+    github::{GithubSim, SimConfig},
     node, paths,
     registry::{Registry, RegistryOptions},
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, api::ListParams};
+
+#[path = "real_node/lifecycle.rs"]
+mod lifecycle;
 
 const REQUIRE_ENV: &str = "IMP_REQUIRE_REAL_NODE";
 const NAMESPACE: &str = "imp-system";
@@ -45,6 +53,7 @@ fn chart_pods_become_ready_on_a_real_node_and_uninstall_leaves_nothing() {
         ("docker-registry", "docker-registry"),
         ("skopeo", "skopeo"),
         ("cc", "gcc"),
+        ("curl", "curl"),
     ] {
         if Command::new("sh")
             .args(["-c", &format!("command -v {tool}")])
@@ -119,6 +128,7 @@ async fn scenario(id: &str) {
             ("imp-node", "imp-agent"),
             ("imp-node", "imp-runtime"),
             ("imp-testkit", "imp-firecracker-sim"),
+            ("imp-testkit", "imp-fake-runner"),
         ],
         &[
             "api",
@@ -166,6 +176,27 @@ async fn scenario(id: &str) {
         t2.elapsed().as_secs_f64(),
         std::fs::read_to_string(images.join("digests")).unwrap_or_default()
     );
+
+    // The GitHub simulator on the node's IP: the operator pod reaches it over the pod network, the
+    // simulated VMs (processes in the runtime pod, on the host network) as the node's own address.
+    let sim = GithubSim::start_on(
+        SimConfig {
+            org: "acme".into(),
+            repos: vec!["acme/app".into()],
+            ..SimConfig::default()
+        },
+        &format!("{}:0", node::NODE_IP),
+    )
+    .await
+    .expect("GitHub simulator");
+    let client = cp.client().await.expect("client");
+    lifecycle::create_secrets(&client, &sim, NAMESPACE).await;
+    let lifecycle_values = work.join("lifecycle-values.yaml");
+    std::fs::write(
+        &lifecycle_values,
+        lifecycle::chart_values(sim.base_url(), &built[4]),
+    )
+    .expect("write the lifecycle values");
 
     // Node-side paths inside the work dir: the chart's hostPaths, the kernel (the simulator never reads
     // it) and the "Firecracker" binary the runtime pod mounts (the simulator).
@@ -245,6 +276,8 @@ async fn scenario(id: &str) {
             &seed.display().to_string(),
             "-f",
             &image_values.display().to_string(),
+            "-f",
+            &lifecycle_values.display().to_string(),
             "--set",
             &set,
             "--wait",
@@ -254,7 +287,6 @@ async fn scenario(id: &str) {
         .map(str::to_owned)
         .to_vec()
     };
-    let client = cp.client().await.expect("client");
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let t3 = Instant::now();
     let install = helm(&cp, &as_strs(&install_args(previous, "")));
@@ -280,6 +312,19 @@ async fn scenario(id: &str) {
             container_log_tail(real_node.dir(), component, 8)
         );
     }
+
+    // A runner pool with one warm runner, booted by the runtime pod and handed its config by the agent.
+    let record = lifecycle::VmRecord::start(client.clone());
+    let kubectl_fn = |args: &[&str]| kubectl(&cp, args);
+    let life = lifecycle::Lifecycle {
+        client: client.clone(),
+        sim: &sim,
+        record,
+        kubectl: &kubectl_fn,
+        runtime_socket: work.join("run-imp/runtime.sock"),
+        work: work.clone(),
+    };
+    let warm = life.warm_runner(&reg).await;
 
     // The upgrade changes the runtime's pod template; OnDelete keeps the running pod (and so its VMs).
     let t4 = Instant::now();
@@ -328,6 +373,23 @@ async fn scenario(id: &str) {
         !real_node.pod_pids().is_empty(),
         "pods are Ready but no process is in the node's cgroup root"
     );
+    let warm_uid = warm.metadata.uid.clone().expect("uid");
+    assert!(
+        life.runtime_vms().contains(&warm_uid),
+        "the upgrade lost the running VM {warm_uid}: the runtime holds {:?}",
+        life.runtime_vms()
+    );
+
+    // The smoke's lifecycle through the pods: a queued job's webhook to the operator pod, the job run by
+    // the warm runner, its VM gone, the pool replenished; then the pool deleted, nothing of it left.
+    let operator = ready_pod_on(&pods, "operator", &node_name).await;
+    let operator_ip = operator
+        .status
+        .and_then(|s| s.pod_ip)
+        .expect("the operator pod has an IP");
+    life.job_through(&warm, &format!("http://{operator_ip}:8080"))
+        .await;
+    life.delete_pool().await;
 
     // Uninstall: no pod, no Imp object, no container, no VM cgroup left.
     helm(
@@ -365,6 +427,16 @@ async fn scenario(id: &str) {
         let out = kubectl(&cp, &["get", kind, "-A", "-o", "name"]).unwrap_or_default();
         assert!(out.trim().is_empty(), "{kind} left after uninstall: {out}");
     }
+    let taps: Vec<String> = node::run(Command::new("ip").args(["-o", "link", "show"]))
+        .expect("ip link show")
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n).to_owned())
+        .filter(|n| {
+            n.len() == 14 && n.starts_with("imp") && n[3..].chars().all(|c| c.is_ascii_hexdigit())
+        })
+        .collect();
+    assert!(taps.is_empty(), "VM TAPs left after uninstall: {taps:?}");
     let leftover_cgroups: Vec<PathBuf> = node::cgroup_hierarchies()
         .into_iter()
         .map(|h| h.join(&vm_cgroup_parent))
