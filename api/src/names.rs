@@ -25,6 +25,9 @@ pub const LABEL_NODE_ENABLED: &str = "imp/enabled";
 pub const ANNOTATION_CAPACITY_VCPU: &str = "imp.dev/capacity-vcpu";
 /// Node annotation with which the agent may publish the MiB it offers to VMs (overrides allocatable memory).
 pub const ANNOTATION_CAPACITY_MEMORY_MIB: &str = "imp.dev/capacity-memory-mib";
+/// Node annotation with which the agent publishes imp-runtime's writable-drive budget, MiB (the
+/// scheduler rejects a VM whose `diskGiB` does not fit beside the VMs already there).
+pub const ANNOTATION_CAPACITY_DISK_MIB: &str = "imp.dev/capacity-disk-mib";
 /// Annotation that resets an exhausted restart budget when set (onExhaustion: manual-reset).
 pub const ANNOTATION_RESET_RESTARTS: &str = "imp.dev/reset-restarts";
 /// Annotation on a JIT Secret: the GitHub runner id the config registers.

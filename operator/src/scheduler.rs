@@ -4,7 +4,8 @@
 //!
 //! Filters, in order (the first failing one is the node's rejection reason): `imp/enabled=true`, Ready,
 //! not cordoned, no Memory/Disk/PID pressure, fresh agent heartbeat, nodeSelector, taints tolerated
-//! (NoSchedule and NoExecute; PreferNoSchedule is ignored), known capacity, enough free vCPU and memory.
+//! (NoSchedule and NoExecute; PreferNoSchedule is ignored), known capacity, enough free vCPU and memory, and
+//! enough writable-drive disk where the agent published the node's budget.
 //! Among the nodes that pass, best fit: the least memory left after placement, then the least CPU left,
 //! then the node name, so equal inputs always give the same answer.
 
@@ -14,7 +15,8 @@ use std::{
 };
 
 use imp_api::names::{
-    ANNOTATION_CAPACITY_MEMORY_MIB, ANNOTATION_CAPACITY_VCPU, LABEL_NODE_ENABLED,
+    ANNOTATION_CAPACITY_DISK_MIB, ANNOTATION_CAPACITY_MEMORY_MIB, ANNOTATION_CAPACITY_VCPU,
+    LABEL_NODE_ENABLED,
 };
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 
@@ -23,6 +25,8 @@ use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 pub struct VmRequest {
     pub vcpu: u32,
     pub memory_mib: u64,
+    /// Writable drive (the class's `diskGiB`), MiB.
+    pub disk_mib: u64,
     pub node_selector: BTreeMap<String, String>,
     pub tolerations: Vec<Toleration>,
 }
@@ -41,11 +45,14 @@ pub enum Heartbeat {
     Missing,
 }
 
-/// CPU (millicores) and memory (MiB) offered to VMs.
+/// CPU (millicores), memory (MiB) and writable-drive disk (MiB) offered to VMs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Capacity {
     pub millicpu: u64,
     pub memory_mib: u64,
+    /// None when the agent has not published the node's writable-drive budget: disk is then not
+    /// checked here (imp-runtime still refuses a VM past its budget, and the VM fails visibly).
+    pub disk_mib: Option<u64>,
 }
 
 /// The scheduler's view of one node.
@@ -69,6 +76,7 @@ pub struct Resident {
     pub node: String,
     pub vcpu: u32,
     pub memory_mib: u64,
+    pub disk_mib: u64,
 }
 
 /// Why one node cannot take the VM.
@@ -96,6 +104,10 @@ pub enum Rejection {
         requested_mib: u64,
         free_mib: u64,
     },
+    InsufficientDisk {
+        requested_mib: u64,
+        free_mib: u64,
+    },
 }
 
 impl Rejection {
@@ -115,6 +127,7 @@ impl Rejection {
             Rejection::UnknownCapacity => "capacity unknown".into(),
             Rejection::InsufficientCpu { .. } => "insufficient cpu".into(),
             Rejection::InsufficientMemory { .. } => "insufficient memory".into(),
+            Rejection::InsufficientDisk { .. } => "insufficient disk".into(),
         }
     }
 }
@@ -138,6 +151,15 @@ impl fmt::Display for Rejection {
                 write!(
                     f,
                     "insufficient memory: requested {requested_mib}Mi, free {free_mib}Mi"
+                )
+            }
+            Rejection::InsufficientDisk {
+                requested_mib,
+                free_mib,
+            } => {
+                write!(
+                    f,
+                    "insufficient disk: requested {requested_mib}Mi of writable drive, free {free_mib}Mi"
                 )
             }
             other => f.write_str(&other.category()),
@@ -190,6 +212,7 @@ pub fn schedule(
         let u = used.entry(r.node.as_str()).or_default();
         u.millicpu += u64::from(r.vcpu) * 1000;
         u.memory_mib += r.memory_mib;
+        *u.disk_mib.get_or_insert(0) += r.disk_mib;
     }
     let mut rejections = BTreeMap::new();
     // (memory left, cpu left, name): smallest wins.
@@ -265,9 +288,23 @@ fn fit(vm: &VmRequest, node: &NodeInfo, used: Capacity) -> Result<Capacity, Reje
             free_mib: free_mem,
         });
     }
+    let disk_left = match cap.disk_mib {
+        None => None,
+        Some(budget) => {
+            let free = budget.saturating_sub(used.disk_mib.unwrap_or(0));
+            if vm.disk_mib > free {
+                return Err(Rejection::InsufficientDisk {
+                    requested_mib: vm.disk_mib,
+                    free_mib: free,
+                });
+            }
+            Some(free - vm.disk_mib)
+        }
+    };
     Ok(Capacity {
         millicpu: free_cpu - vm.millicpu(),
         memory_mib: free_mem - vm.memory_mib,
+        disk_mib: disk_left,
     })
 }
 
@@ -309,6 +346,8 @@ impl NodeInfo {
 }
 
 /// Capacity for VMs: the agent's annotations if present (each independently), else the node's allocatable.
+/// Disk comes only from the agent's annotation (the node's ephemeral-storage is the pods', not the
+/// writable-drive budget of imp-runtime).
 pub fn node_capacity(node: &Node) -> Option<Capacity> {
     let annotations = node.metadata.annotations.as_ref();
     let annotated = |key: &str| {
@@ -333,6 +372,7 @@ pub fn node_capacity(node: &Node) -> Option<Capacity> {
     Some(Capacity {
         millicpu,
         memory_mib,
+        disk_mib: annotated(ANNOTATION_CAPACITY_DISK_MIB),
     })
 }
 
@@ -402,7 +442,22 @@ mod tests {
             capacity: Some(Capacity {
                 millicpu: vcpu * 1000,
                 memory_mib: mem,
+                disk_mib: None,
             }),
+        }
+    }
+
+    /// `node` with a published writable-drive budget of `disk` MiB.
+    fn node_with_disk(name: &str, vcpu: u64, mem: u64, disk: u64) -> NodeInfo {
+        let mut n = node(name, vcpu, mem);
+        n.capacity.as_mut().unwrap().disk_mib = Some(disk);
+        n
+    }
+
+    fn req_disk(vcpu: u32, mem: u64, disk: u64) -> VmRequest {
+        VmRequest {
+            disk_mib: disk,
+            ..req(vcpu, mem)
         }
     }
 
@@ -419,7 +474,103 @@ mod tests {
             node: node.into(),
             vcpu,
             memory_mib: mem,
+            disk_mib: 0,
         }
+    }
+
+    fn resident_disk(node: &str, disk: u64) -> Resident {
+        Resident {
+            disk_mib: disk,
+            ..resident(node, 0, 0)
+        }
+    }
+
+    #[test]
+    fn writable_disks_must_fit_the_published_budget() {
+        let nodes = [node_with_disk("n", 8, 8192, 10 * 1024)];
+        // Two 4 GiB VMs are resident: 2 GiB left; a 4 GiB VM does not fit, a 2 GiB one does.
+        let residents = [resident_disk("n", 4096), resident_disk("n", 4096)];
+        assert_eq!(
+            rejection(schedule(&req_disk(1, 128, 4096), &nodes, &residents), "n"),
+            Rejection::InsufficientDisk {
+                requested_mib: 4096,
+                free_mib: 2048
+            }
+        );
+        assert_eq!(
+            schedule(&req_disk(1, 128, 2048), &nodes, &residents).unwrap(),
+            "n"
+        );
+        // Residents beyond the budget (a budget lowered under running VMs) leave zero, not an underflow.
+        let over = [resident_disk("n", 8192), resident_disk("n", 8192)];
+        assert_eq!(
+            rejection(schedule(&req_disk(1, 128, 1), &nodes, &over), "n"),
+            Rejection::InsufficientDisk {
+                requested_mib: 1,
+                free_mib: 0
+            }
+        );
+    }
+
+    #[test]
+    fn disk_is_checked_after_cpu_and_memory_and_only_where_published() {
+        // No budget published (an older agent): disk is not a reason to reject.
+        let unpublished = [node("n", 8, 8192)];
+        assert_eq!(
+            schedule(&req_disk(1, 128, 1 << 30), &unpublished, &[]).unwrap(),
+            "n"
+        );
+        // Memory is short too: memory is the reason given.
+        let nodes = [node_with_disk("n", 8, 1024, 1024)];
+        assert_eq!(
+            rejection(schedule(&req_disk(1, 2048, 4096), &nodes, &[]), "n"),
+            Rejection::InsufficientMemory {
+                requested_mib: 2048,
+                free_mib: 1024
+            }
+        );
+        // The VM goes to the node whose disk fits, even where the other has more memory left.
+        let nodes = [
+            node_with_disk("small-disk", 8, 4096, 1024),
+            node_with_disk("big-disk", 8, 16384, 8192),
+        ];
+        assert_eq!(
+            schedule(&req_disk(1, 512, 4096), &nodes, &[]).unwrap(),
+            "big-disk"
+        );
+        let err = schedule(&req_disk(1, 512, 9000), &nodes, &[]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "0/2 nodes are available: 2 insufficient disk"
+        );
+        assert_eq!(
+            err.rejections["big-disk"].to_string(),
+            "insufficient disk: requested 9000Mi of writable drive, free 8192Mi"
+        );
+    }
+
+    #[test]
+    fn disk_annotation_is_read_and_never_taken_from_allocatable() {
+        let n = k8s_node(
+            &[(ANNOTATION_CAPACITY_DISK_MIB, "20480")],
+            &[
+                ("cpu", "2"),
+                ("memory", "2Gi"),
+                ("ephemeral-storage", "100Gi"),
+            ],
+            &[],
+        );
+        assert_eq!(node_capacity(&n).unwrap().disk_mib, Some(20480));
+        let n = k8s_node(
+            &[(ANNOTATION_CAPACITY_DISK_MIB, "much")],
+            &[
+                ("cpu", "2"),
+                ("memory", "2Gi"),
+                ("ephemeral-storage", "100Gi"),
+            ],
+            &[],
+        );
+        assert_eq!(node_capacity(&n).unwrap().disk_mib, None);
     }
 
     fn taint(key: &str, value: Option<&str>, effect: &str) -> Taint {
@@ -829,7 +980,8 @@ mod tests {
             info.capacity,
             Some(Capacity {
                 millicpu: 3500,
-                memory_mib: 8192
+                memory_mib: 8192,
+                disk_mib: None
             })
         );
         let not_ready = k8s_node(&[], &[], &[("Ready", "Unknown")]);
@@ -849,7 +1001,8 @@ mod tests {
             node_capacity(&n),
             Some(Capacity {
                 millicpu: 6000,
-                memory_mib: 4096
+                memory_mib: 4096,
+                disk_mib: None
             })
         );
         let n = k8s_node(
@@ -864,7 +1017,8 @@ mod tests {
             node_capacity(&n),
             Some(Capacity {
                 millicpu: 2000,
-                memory_mib: 1000
+                memory_mib: 1000,
+                disk_mib: None
             })
         );
         // A garbled annotation falls back to allocatable rather than inventing a number.
@@ -877,7 +1031,8 @@ mod tests {
             node_capacity(&n),
             Some(Capacity {
                 millicpu: 2000,
-                memory_mib: 2048
+                memory_mib: 2048,
+                disk_mib: None
             })
         );
     }

@@ -4,9 +4,11 @@
 //!
 //! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`binding`]
 //! (whose JIT config a VM may receive), [`spec`]
-//! (ImpVM -> runtime spec). I/O: [`controller`], [`status`], [`lease`], [`http`].
+//! (ImpVM -> runtime spec), [`capacity`] (what the Node offers VMs). I/O: [`controller`],
+//! [`status`], [`lease`] (heartbeat and capacity publishing), [`http`].
 
 pub mod binding;
+pub mod capacity;
 pub mod controller;
 pub mod decide;
 pub mod handoff;
@@ -36,6 +38,8 @@ pub struct AgentConfig {
     pub lease_namespace: String,
     pub runtime_socket: PathBuf,
     pub heartbeat_interval: Duration,
+    /// The node's capacity for VMs as published on its Node (flags; the rest from the host).
+    pub capacity: capacity::CapacityConfig,
     /// Program started in the guest for runner VMs (argv[0]; the config goes in the environment).
     pub runner_command: String,
     /// Upper bound between two reconciles of a bound VM (runtime state is polled).
@@ -56,6 +60,7 @@ impl AgentConfig {
             lease_namespace: "imp-system".into(),
             runtime_socket: runtime_socket.into(),
             heartbeat_interval: Duration::from_secs(10),
+            capacity: capacity::CapacityConfig::default(),
             runner_command: DEFAULT_RUNNER_COMMAND.into(),
             poll_interval: Duration::from_secs(5),
             sweep_interval: Duration::from_secs(15),
@@ -84,6 +89,7 @@ pub async fn run(
         config.heartbeat_interval,
         metrics.clone(),
         crate::client::RuntimeClient::new(&config.runtime_socket),
+        config.capacity,
     ));
     let _prebuild = prebuild::spawn(client.clone(), &config);
     let ctx = controller::Context::new(client, config, metrics.clone());

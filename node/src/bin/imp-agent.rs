@@ -27,6 +27,17 @@ struct Args {
     /// Heartbeat Lease renewal interval, e.g. "10s".
     #[arg(long, env = "IMP_HEARTBEAT_INTERVAL", default_value = "10s", value_parser = imp_api::parse_duration)]
     heartbeat_interval: Duration,
+    /// vCPUs this node offers to VMs (Node annotation imp.dev/capacity-vcpu); default: the
+    /// host's online CPUs.
+    #[arg(long, env = "IMP_CAPACITY_VCPU", value_parser = clap::value_parser!(u32).range(1..))]
+    capacity_vcpu: Option<u32>,
+    /// MiB of memory this node offers to VMs (imp.dev/capacity-memory-mib); default: the host's
+    /// MemTotal minus --reserved-memory-mib.
+    #[arg(long, env = "IMP_CAPACITY_MEMORY_MIB")]
+    capacity_memory_mib: Option<u64>,
+    /// MiB kept for the host when the memory offered to VMs is derived from MemTotal.
+    #[arg(long, env = "IMP_RESERVED_MEMORY_MIB", default_value_t = 1024)]
+    reserved_memory_mib: u64,
     /// TCP address for Prometheus scraping.
     #[arg(long, env = "IMP_HTTP_ADDR", default_value = "0.0.0.0:9090")]
     http_addr: SocketAddr,
@@ -75,6 +86,11 @@ async fn main() -> ExitCode {
         lease_namespace: args.namespace,
         runtime_socket: args.runtime_socket,
         heartbeat_interval: args.heartbeat_interval,
+        capacity: imp_node::agent::capacity::CapacityConfig {
+            vcpu: args.capacity_vcpu,
+            memory_mib: args.capacity_memory_mib,
+            reserved_memory_mib: args.reserved_memory_mib,
+        },
         runner_command: args.runner_command,
         poll_interval: args.poll_interval,
         sweep_interval: args.sweep_interval,

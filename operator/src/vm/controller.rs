@@ -67,6 +67,7 @@ struct Assumed {
     node: String,
     vcpu: u32,
     memory_mib: u64,
+    disk_mib: u64,
     at: Instant,
 }
 
@@ -596,9 +597,13 @@ impl Context {
     /// VMs occupying capacity on nodes: bound and not stopped, plus our recent bindings the cache lags behind.
     fn residents(&self, except_uid: &str, assumed: &mut HashMap<String, Assumed>) -> Vec<Resident> {
         let size = |class: &str| {
-            self.classes
-                .get(&ObjectRef::new(class))
-                .map(|c| (c.spec.vcpu, u64::from(c.spec.memory_mib)))
+            self.classes.get(&ObjectRef::new(class)).map(|c| {
+                (
+                    c.spec.vcpu,
+                    u64::from(c.spec.memory_mib),
+                    u64::from(c.spec.disk_gib()) * 1024,
+                )
+            })
         };
         let mut out = Vec::new();
         let mut seen_bound = HashMap::new();
@@ -615,11 +620,12 @@ impl Context {
             if uid == except_uid || stopped {
                 continue;
             }
-            if let Some((vcpu, memory_mib)) = size(&vm.spec.class_ref.name) {
+            if let Some((vcpu, memory_mib, disk_mib)) = size(&vm.spec.class_ref.name) {
                 out.push(Resident {
                     node: node.to_owned(),
                     vcpu,
                     memory_mib,
+                    disk_mib,
                 });
             }
         }
@@ -631,6 +637,7 @@ impl Context {
                     node: a.node.clone(),
                     vcpu: a.vcpu,
                     memory_mib: a.memory_mib,
+                    disk_mib: a.disk_mib,
                 });
             }
         }
@@ -694,6 +701,7 @@ impl Context {
                         node: node.clone(),
                         vcpu: request.vcpu,
                         memory_mib: request.memory_mib,
+                        disk_mib: request.disk_mib,
                         at: Instant::now(),
                     },
                 );

@@ -142,6 +142,7 @@ pub fn request(vm: &ImpVM, class: &ImpVMClassSpec) -> VmRequest {
     VmRequest {
         vcpu: class.vcpu,
         memory_mib: u64::from(class.memory_mib),
+        disk_mib: u64::from(class.disk_gib()) * 1024,
         node_selector: vm.spec.node_selector.clone().unwrap_or_default(),
         tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
     }
