@@ -4,7 +4,7 @@ use std::{collections::BTreeMap, time::Duration};
 
 use k8s_openapi::{
     api::core::v1::{LocalObjectReference, Toleration},
-    apimachinery::pkg::apis::meta::v1::{Condition, Time},
+    apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time},
 };
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
@@ -278,6 +278,55 @@ pub struct ImpVMStatus {
     pub runner: Option<RunnerStatus>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest: Option<GuestStatus>,
+    /// Runner pool VMs: the workflow job this VM served and when each step of serving it happened
+    /// (written by the pool controller; docs/runner-pool.md, "Why did my job wait").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<ServedJobStatus>,
+}
+
+/// The workflow job a runner VM served, and the time of each step from the job being queued to its
+/// completion. The pool hands a queued job to no VM in particular (any idle runner with matching labels
+/// may take it), so the job fields are set once GitHub's `in_progress` webhook (or the sweep) names
+/// this VM's runner; `vmCreatedTime` and `mintedTime` are set when the VM is minted. The step times
+/// are copied from the rest of the status when the job is recorded, so one object answers "why did my
+/// job wait": steps before `queuedTime` did not delay it (a warm runner).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServedJobStatus {
+    /// GitHub's workflow job id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_id: Option<i64>,
+    /// The workflow run the job belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<i64>,
+    /// `owner/repo`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repository: Option<String>,
+    /// When the job was queued: its `queued` webhook's arrival, or GitHub's `created_at` when only the
+    /// sweep saw it queued.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued_time: Option<MicroTime>,
+    /// When the pool created this VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_created_time: Option<MicroTime>,
+    /// When its JIT runner config was minted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minted_time: Option<MicroTime>,
+    /// This status's `scheduledTime` when the job was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_time: Option<MicroTime>,
+    /// This status's `bootCompleteTime` when the job was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub booted_time: Option<MicroTime>,
+    /// This status's `runner.startedTime` when the job was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_started_time: Option<MicroTime>,
+    /// When the job went in progress on this VM's runner (its `in_progress` webhook's arrival).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub picked_up_time: Option<MicroTime>,
+    /// When it completed (its `completed` webhook's arrival), if the VM was still there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_time: Option<MicroTime>,
 }
 
 /// Restart bookkeeping of a persistent VM.

@@ -52,6 +52,20 @@ pub enum Error {
     /// Runner pool: a VM claims the pool (label, owner reference) but its spec is not the pool's template.
     #[error("VM {vm} claims this pool but its spec is not the pool's template")]
     ForeignRunnerVm { vm: String },
+
+    /// Leader election: this process stopped holding the leader Lease (renewals failed past the renew
+    /// deadline, or another candidate took it). The operator exits so its in-memory demand and backoff
+    /// do not outlive its term.
+    #[error("lost the leader Lease")]
+    LeadershipLost,
+
+    /// Leader election: the elector stopped (shutdown) before or while this process led.
+    #[error("the leader elector stopped")]
+    ElectorStopped,
+
+    /// A controller's loop ended while leading (its watches ended); a leader's work never ends on its own.
+    #[error("a controller stopped while leading")]
+    ControllerStopped,
 }
 
 impl Error {
@@ -68,6 +82,9 @@ impl Error {
             Error::JitSecretConflict { .. } => "jit_secret_conflict",
             Error::JitConfigLost { .. } => "jit_config_lost",
             Error::ForeignRunnerVm { .. } => "foreign_runner_vm",
+            Error::LeadershipLost => "leadership_lost",
+            Error::ElectorStopped => "elector_stopped",
+            Error::ControllerStopped => "controller_stopped",
         }
     }
 
@@ -85,7 +102,10 @@ impl Error {
             | Error::Mint { .. }
             | Error::JitSecretConflict { .. }
             | Error::JitConfigLost { .. }
-            | Error::ForeignRunnerVm { .. } => None,
+            | Error::ForeignRunnerVm { .. }
+            | Error::LeadershipLost
+            | Error::ElectorStopped
+            | Error::ControllerStopped => None,
         }
     }
 
@@ -135,6 +155,13 @@ mod tests {
             "missing_object_key"
         );
         assert_eq!(Error::Conflict("x".into()).network_reason(), None);
+        assert_eq!(Error::LeadershipLost.metric_label(), "leadership_lost");
+        assert_eq!(Error::ElectorStopped.metric_label(), "elector_stopped");
+        assert_eq!(
+            Error::ControllerStopped.metric_label(),
+            "controller_stopped"
+        );
+        assert_eq!(Error::LeadershipLost.network_reason(), None);
         assert_eq!(
             Error::NetworkExhausted {
                 network: "ns/n".into(),

@@ -22,6 +22,8 @@ use kube::api::{Api, ObjectMeta, PostParams};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use crate::error::Error;
+
 /// Timing and identity of one candidate.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ElectionConfig {
@@ -284,29 +286,18 @@ pub async fn leader_only(
 pub async fn while_leading(
     mut leading: watch::Receiver<bool>,
     work: impl std::future::Future<Output = ()>,
-) -> Result<(), LeadershipEnded> {
+) -> Result<(), Error> {
     if leading.wait_for(|l| *l).await.is_err() {
-        return Err(LeadershipEnded::ElectorStopped);
+        return Err(Error::ElectorStopped);
     }
     info!("leading: starting the controllers");
     tokio::select! {
-        () = work => Err(LeadershipEnded::WorkStopped),
+        () = work => Err(Error::ControllerStopped),
         r = leading.wait_for(|l| !*l) => Err(match r {
-            Ok(_) => LeadershipEnded::Lost,
-            Err(_) => LeadershipEnded::ElectorStopped,
+            Ok(_) => Error::LeadershipLost,
+            Err(_) => Error::ElectorStopped,
         }),
     }
-}
-
-/// Why [`while_leading`] returned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum LeadershipEnded {
-    #[error("the leader elector stopped")]
-    ElectorStopped,
-    #[error("lost the leader Lease")]
-    Lost,
-    #[error("a controller stopped")]
-    WorkStopped,
 }
 
 #[cfg(test)]
@@ -324,6 +315,27 @@ mod tests {
             lease_duration: Some(Duration::from_secs(15)),
             transitions: 3,
         }
+    }
+
+    #[tokio::test]
+    async fn while_leading_says_why_it_ended_in_the_operators_error() {
+        // The elector went away before we ever led.
+        let (tx, rx) = watch::channel(false);
+        drop(tx);
+        let r = while_leading(rx, std::future::pending()).await;
+        assert!(matches!(r, Err(Error::ElectorStopped)));
+        // Led, then lost the Lease.
+        let (tx, rx) = watch::channel(true);
+        let lost = tokio::spawn(while_leading(rx, std::future::pending()));
+        tokio::task::yield_now().await;
+        tx.send(false).unwrap();
+        let r = lost.await.unwrap();
+        assert!(matches!(r, Err(Error::LeadershipLost)));
+        assert_eq!(r.unwrap_err().metric_label(), "leadership_lost");
+        // The work itself ended.
+        let (_tx, rx) = watch::channel(true);
+        let r = while_leading(rx, async {}).await;
+        assert!(matches!(r, Err(Error::ControllerStopped)));
     }
 
     #[test]

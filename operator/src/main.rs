@@ -16,6 +16,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, Ordering},
     },
+    time::Duration,
 };
 
 use axum::{
@@ -28,7 +29,8 @@ use imp_operator::{
     leader::{ElectionConfig, leader_only, run_elector, while_leading},
     metrics::{VmMetrics, encode},
     runnerpool::{
-        PoolControllerConfig, PoolMetrics, PoolShared, SecretKeySelector, run_runnerpool_controller,
+        PoolControllerConfig, PoolMetrics, PoolShared, PoolTiming, SecretKeySelector,
+        run_runnerpool_controller,
     },
     vm::{VmControllerConfig, run_vm_controller},
     webhook::webhook_router,
@@ -71,8 +73,39 @@ struct Args {
     /// This candidate's identity in the Lease (the pod name; the chart sets it).
     #[arg(long, env = "IMP_POD_NAME")]
     pod_name: Option<String>,
+    /// How often each pool's runners are listed at GitHub and registrations without a VM deleted.
+    #[arg(long, env = "IMP_REAP_INTERVAL", default_value = "2m", value_parser = positive_duration)]
+    reap_interval: Duration,
+    /// A minted runner VM whose runner has not started this long after scheduling is replaced
+    /// (`BootDeadlineExceeded`).
+    #[arg(long, env = "IMP_BOOT_DEADLINE", default_value = "10m", value_parser = positive_duration)]
+    boot_deadline: Duration,
+    /// A runner Started this long ago that GitHub never listed online is replaced (`RunnerNeverOnline`).
+    #[arg(long, env = "IMP_RUNNER_ONLINE_DEADLINE", default_value = "5m", value_parser = positive_duration)]
+    runner_online_deadline: Duration,
     #[command(flatten)]
     log: LogArgs,
+}
+
+/// A Go-style duration (`90s`, `2m`) greater than zero.
+fn positive_duration(s: &str) -> Result<Duration, String> {
+    match imp_api::parse_duration(s) {
+        Ok(d) if d.is_zero() => Err("must be greater than zero".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+impl Args {
+    /// The pool controller's timing: production defaults with the flags applied.
+    fn pool_timing(&self) -> PoolTiming {
+        PoolTiming {
+            reap_interval: self.reap_interval,
+            boot_deadline: self.boot_deadline,
+            runner_online_deadline: self.runner_online_deadline,
+            ..PoolTiming::default()
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -80,6 +113,7 @@ struct HttpState {
     registry: Arc<Registry>,
     ready: Arc<AtomicBool>,
     leading: watch::Receiver<bool>,
+    pools: Arc<PoolShared>,
 }
 
 async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
@@ -104,13 +138,18 @@ async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
 async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
     if !*s.leading.borrow() {
         (StatusCode::SERVICE_UNAVAILABLE, "standby: not the leader")
-    } else if s.ready.load(Ordering::SeqCst) {
-        (StatusCode::OK, "ready")
-    } else {
+    } else if !s.ready.load(Ordering::SeqCst) {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             "watch caches not filled yet",
         )
+    } else if !s.pools.routes_loaded() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "pool webhook secrets not read yet",
+        )
+    } else {
+        (StatusCode::OK, "ready")
     }
 }
 
@@ -156,11 +195,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     pool_metrics.register(&mut registry);
     let ready = Arc::new(AtomicBool::new(false));
     let (leading_tx, leading) = watch::channel(false);
-    let state = HttpState {
-        registry: Arc::new(registry),
-        ready: ready.clone(),
-        leading: leading.clone(),
-    };
 
     let listener = tokio::net::TcpListener::bind(args.http_addr).await?;
     info!(addr = %args.http_addr, namespace = %args.namespace, "imp-operator starting");
@@ -176,8 +210,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Arc::new(GithubApps::new(github, github_metrics)),
         pool_metrics,
     );
+    let state = HttpState {
+        registry: Arc::new(registry),
+        ready: ready.clone(),
+        leading: leading.clone(),
+        pools: shared.clone(),
+    };
     let mut pool_config = PoolControllerConfig::new();
     pool_config.namespace = config.vm_namespace.clone();
+    pool_config.timing = args.pool_timing();
     if !args.webhook_secret_name.is_empty() {
         pool_config.global_webhook_secret = Some(SecretKeySelector {
             namespace: args.namespace.clone(),
@@ -221,4 +262,48 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let _ = elector.await;
     info!("imp-operator stopped");
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_deadlines_and_the_reap_interval_come_from_flags() {
+        let args = Args::try_parse_from([
+            "imp-operator",
+            "--reap-interval",
+            "30s",
+            "--boot-deadline",
+            "4m",
+            "--runner-online-deadline",
+            "90s",
+        ])
+        .unwrap();
+        let t = args.pool_timing();
+        assert_eq!(t.reap_interval, Duration::from_secs(30));
+        assert_eq!(t.boot_deadline, Duration::from_secs(240));
+        assert_eq!(t.runner_online_deadline, Duration::from_secs(90));
+        assert_eq!(t.sweep_interval, PoolTiming::default().sweep_interval);
+    }
+
+    #[test]
+    fn the_defaults_are_the_pool_controllers_own() {
+        let t = Args::try_parse_from(["imp-operator"])
+            .unwrap()
+            .pool_timing();
+        let d = PoolTiming::default();
+        assert_eq!(
+            (t.reap_interval, t.boot_deadline, t.runner_online_deadline),
+            (d.reap_interval, d.boot_deadline, d.runner_online_deadline)
+        );
+    }
+
+    #[test]
+    fn a_zero_or_unparsable_deadline_is_refused_naming_the_flag() {
+        for bad in ["0s", "soon"] {
+            let e = Args::try_parse_from(["imp-operator", "--boot-deadline", bad]).unwrap_err();
+            assert!(e.to_string().contains("--boot-deadline"), "{e}");
+        }
+    }
 }

@@ -1,6 +1,7 @@
 //! Two operator processes (in process: elector, leader-gated webhook receiver, pool controller while
 //! leading) against one simulator and API server, and a restart of the leader: never more runner VMs
-//! than maxRunners, no JitConfigLost, every job served, no delivery answered 2xx by a standby.
+//! than maxRunners, no JitConfigLost, every job served, no delivery answered 2xx by a standby, none
+//! answered 401 by a new leader that had not read the pool secrets yet.
 
 mod pool_common;
 
@@ -195,9 +196,9 @@ async fn two_operators_and_a_leader_restart_never_double_runners_or_lose_jobs() 
         !reasons.iter().any(|r| r == reason::JIT_CONFIG_LOST),
         "{reasons:?}"
     );
-    // The first jobs' deliveries reached the leader and were answered 2xx; after the handover a
-    // delivery may be refused until the new leader has read the pool's secret (GitHub shows it
-    // failed; the sweep served its job, as asserted above).
+    // The first jobs' deliveries reached the leader and were answered 2xx. After the handover a
+    // delivery is answered 2xx (in the new leader's demand) or 503 (retryable: the new leader had not
+    // read the pool's secret yet; the sweep served its job, as asserted above), never 401.
     let deliveries = h.sim.deliveries();
     let status = |id: &u64| {
         deliveries
@@ -207,6 +208,9 @@ async fn two_operators_and_a_leader_restart_never_double_runners_or_lose_jobs() 
     };
     for id in &jobs[..3] {
         assert_eq!(status(id), Some(200));
+    }
+    for d in &deliveries {
+        assert_ne!(d.status, Some(401), "a delivery refused as forged: {d:?}");
     }
     let after: Vec<Option<u16>> = jobs[3..].iter().map(status).collect();
     eprintln!(

@@ -145,3 +145,73 @@ async fn a_forged_signature_creates_nothing() {
         1.0
     );
 }
+
+/// A new leader (fresh in-memory state) that has not read the pools' webhook secrets yet answers a
+/// properly signed delivery 503, never 401 or an unrouted 2xx; once its controller has read them, the
+/// same delivery (same id: a 503 burns nothing) is accepted and its job served.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_leader_answers_503_until_it_has_read_the_pool_secrets() {
+    use std::sync::Arc;
+
+    use imp_operator::github::{GithubApps, GithubMetrics};
+    use imp_operator::runnerpool::{
+        PoolControllerConfig, PoolMetrics, PoolShared, run_runnerpool_controller,
+    };
+    use imp_operator::webhook::webhook_router;
+
+    let mut h = PoolHarness::start("pool-newleader").await;
+    h.create_pool("nl", json!({"maxRunners": 4})).await;
+    h.wait("pool status", WAIT, || async {
+        (h.pool_status("nl").await.observed_generation == Some(1)).then_some(())
+    })
+    .await;
+    h.stop_operator().await;
+
+    let apps = Arc::new(GithubApps::new(
+        github_config(&h.sim),
+        GithubMetrics::default(),
+    ));
+    let shared = PoolShared::new(apps, PoolMetrics::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/webhooks/github", listener.local_addr().unwrap());
+    let router = webhook_router(shared.clone());
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let body = queued_body(4242);
+    let signed = || Some(sign_body(WEBHOOK_SECRET, &body));
+    assert_eq!(
+        post(&url, "nl-1", signed(), body.clone()).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "before the pool secrets are read"
+    );
+    assert!(!shared.routes_loaded());
+
+    let mut config = PoolControllerConfig::new();
+    config.namespace = Some(h.ns.clone());
+    config.timing = fast_timing();
+    let controller = tokio::spawn(run_runnerpool_controller(
+        h.client.clone(),
+        config,
+        shared.clone(),
+    ));
+    let answer = h
+        .wait("an answer other than 503", WAIT, || async {
+            let s = post(&url, "nl-1", signed(), body.clone()).await;
+            (s != StatusCode::SERVICE_UNAVAILABLE).then_some(s)
+        })
+        .await;
+    assert_eq!(answer, StatusCode::OK);
+    assert_eq!(
+        shared
+            .demand()
+            .job(4242)
+            .and_then(|j| j.pool.clone())
+            .map(|p| p.name),
+        Some("nl".to_string()),
+        "routed to the pool whose secret signed it"
+    );
+    h.wait_minted("nl", 1, WAIT).await;
+    controller.abort();
+    server.abort();
+}

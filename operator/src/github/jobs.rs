@@ -29,6 +29,10 @@ pub struct WorkflowJob {
     #[serde(default)]
     pub created_at: Option<String>,
     #[serde(default)]
+    pub started_at: Option<String>,
+    #[serde(default)]
+    pub completed_at: Option<String>,
+    #[serde(default)]
     pub runner_name: Option<String>,
 }
 

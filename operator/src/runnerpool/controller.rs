@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use imp_api::{
-    ImpVM, ImpVMRunnerPool, ImpVMSpec, Lifecycle,
+    ImpVM, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
     names::{
         ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL,
         LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, jit_secret_name, reason,
@@ -24,7 +24,9 @@ use imp_api::{
 };
 use imp_common::ExposeSecret;
 use k8s_openapi::{
-    ByteString, api::core::v1::Secret, apimachinery::pkg::apis::meta::v1::OwnerReference,
+    ByteString,
+    api::core::v1::Secret,
+    apimachinery::pkg::apis::meta::v1::{MicroTime, OwnerReference},
     jiff::Timestamp,
 };
 use kube::{
@@ -52,6 +54,7 @@ use super::{
     },
     demand::{PoolKey, PoolRoute, sweep_updates},
     plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
+    slo::{ServedFacts, run_phase},
 };
 use crate::error::{Error, Result};
 use crate::github::{
@@ -139,6 +142,8 @@ pub async fn run_runnerpool_controller(
         listings: tokio::sync::Mutex::new(HashMap::new()),
         config,
     });
+    // Deliveries are answered 503 until every pool's secret is known (a new leader's first moments).
+    ctx.load_routes(&pools).await;
     let sweep = sweep_loop(ctx.clone());
     let controller = Controller::new(pools, watcher::Config::default())
         .owns(vms, watcher::Config::default().labels(LABEL_RUNNER_POOL))
@@ -423,6 +428,42 @@ impl Ctx {
         Some((runners, held))
     }
 
+    /// Reads every pool's routing (labels, scope, webhook secret) and the global webhook secret, then
+    /// lets the receiver judge deliveries; retried until the reads succeed.
+    async fn load_routes(&self, pools: &Api<ImpVMRunnerPool>) {
+        loop {
+            match pools.list(&ListParams::default()).await {
+                Ok(list) => {
+                    for pool in &list.items {
+                        let (Some(ns), Some(scope)) = (pool.namespace(), scope_of(pool)) else {
+                            continue;
+                        };
+                        if pool.metadata.deletion_timestamp.is_some() {
+                            continue;
+                        }
+                        let key = PoolKey::new(ns, pool.name_any());
+                        let route = PoolRoute {
+                            labels: pool.spec.github.labels.clone(),
+                            scope,
+                            webhook_secret: self.webhook_secret(pool, &key).await,
+                        };
+                        self.shared.demand().upsert_pool(key, route);
+                    }
+                    if self.refresh_global_secret().await {
+                        info!(
+                            pools = list.items.len(),
+                            "pool webhook secrets read; accepting deliveries"
+                        );
+                        self.shared.mark_routes_loaded();
+                        return;
+                    }
+                }
+                Err(e) => warn!(error = %e, "listing pools to read their webhook secrets failed"),
+            }
+            tokio::time::sleep(self.config.timing.retry).await;
+        }
+    }
+
     /// Records the App (for the sweep) or why there is none; wakes the sweep when the App is new.
     fn remember_app(
         &self,
@@ -483,6 +524,21 @@ impl Ctx {
             .collect();
         self.credit_pickups(key, started_runners, now, wall);
         self.note_start_failures(pool, key, &vms).await;
+        let served: Vec<ServedFacts> = {
+            let d = self.shared.demand();
+            vms.iter()
+                .filter(|vm| vm.metadata.deletion_timestamp.is_none())
+                .filter_map(|vm| {
+                    let runner = vm.annotations().get(ANNOTATION_RUNNER_NAME)?;
+                    Some(ServedFacts {
+                        vm: vm.name_any(),
+                        recorded: vm.status.as_ref().and_then(|s| s.job.clone()),
+                        times: vm_times(vm),
+                        job: d.served_by(key, runner),
+                    })
+                })
+                .collect()
+        };
 
         let deadlines = self.deadlines();
         let live_ids: HashSet<u64> = facts.iter().filter_map(|f| f.vm.runner_id).collect();
@@ -535,6 +591,7 @@ impl Ctx {
             listing: listing.as_ref().map(|(r, h)| (r.as_slice(), h)),
             pool_name: &key.name,
             now: wall,
+            served: &served,
         });
         let p = &pp.plan;
         debug!(pool = %key, ?p.counts, desired = p.desired, create = p.create, retire = p.retire.len(), cleanup = p.cleanup.len(), replace = pp.replace.len(), reap = pp.reap.delete.len(), "plan");
@@ -549,6 +606,7 @@ impl Ctx {
         let (pending, done, mint_failed) = self
             .execute(pool, key, app.as_ref(), scope.as_ref(), &vms, &pp)
             .await;
+        self.record_served(key, &pp).await;
         let creds_now = self.memory(key, |m| m.creds.clone());
         if creds_now != creds
             && let Creds::Invalid { reason, message } = &creds_now
@@ -667,7 +725,7 @@ impl Ctx {
         if let (Some(app), Some(scope)) = (app, scope) {
             for name in &p.mint {
                 if let Some(vm) = by_name.get(name.as_str())
-                    && let Err(e) = self.mint(pool, key, app, scope, vm).await
+                    && let Err(e) = self.mint(pool, key, app, scope, vm, None).await
                 {
                     debug!(pool = %key, vm = %name, error = %e, "mint failed");
                     mint_failed = true;
@@ -724,6 +782,64 @@ impl Ctx {
             .await;
         }
         (pending, done, mint_failed)
+    }
+
+    /// Writes the served jobs' records on their VMs and observes their phases once written; observes the
+    /// `run` phase of the pool's jobs that completed (their VMs may be gone already).
+    async fn record_served(&self, key: &PoolKey, pp: &PoolPlan) {
+        for u in &pp.served {
+            let patch = json!({"status": {"job": u.status}});
+            match self
+                .vms(key)
+                .patch_status(&u.vm, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    for (phase, d) in &u.phases {
+                        self.shared.metrics.job_phase(phase, *d);
+                    }
+                    if let Some(w) = u.wait {
+                        self.shared.metrics.job_wait.observe(w.as_secs_f64());
+                    }
+                    if !u.phases.is_empty() {
+                        info!(pool = %key, vm = %u.vm, job_id = ?u.status.job_id, wait = ?u.wait, "served job recorded");
+                    }
+                }
+                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Err(e) => {
+                    warn!(pool = %key, vm = %u.vm, error = %e, "recording the served job on the VM failed")
+                }
+            }
+        }
+        let runs = self.shared.demand().take_completed_runs(key);
+        for (picked_up, completed) in runs {
+            self.shared
+                .metrics
+                .job_phase("run", run_phase(picked_up, completed));
+        }
+    }
+
+    /// Records when the VM was created and minted (`status.job`, the first steps of the SLO of whichever
+    /// job it serves).
+    async fn record_minted(&self, key: &PoolKey, vm: &ImpVM, created: Option<Timestamp>) {
+        let created = created.or(vm.creation_timestamp().map(|t| t.0));
+        let job = ServedJobStatus {
+            vm_created_time: created.map(MicroTime),
+            minted_time: Some(MicroTime(Timestamp::now())),
+            ..ServedJobStatus::default()
+        };
+        let patch = json!({"status": {"job": job}});
+        if let Err(e) = self
+            .vms(key)
+            .patch_status(
+                &vm.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            debug!(pool = %key, vm = %vm.name_any(), error = %e, "recording the mint time failed");
+        }
     }
 
     /// Pickup latency of every job whose runner is known and Started: from learning of the job to that
@@ -830,12 +946,14 @@ impl Ctx {
             .create(&PostParams::default(), &vm)
             .await
             .map_err(Error::kube(format!("create a runner VM of pool {key}")))?;
-        self.mint(pool, key, app, scope, &created).await
+        self.mint(pool, key, app, scope, &created, Some(Timestamp::now()))
+            .await
     }
 
     /// Gives `vm` its JIT config as [`mint_action`] says: adopts a Secret this VM already owns, else
     /// mints one. A VM that can never get a config (conflict, lost config, failed mint) is deleted and
-    /// its registration, if any, removed.
+    /// its registration, if any, removed. `created`: when this pass created the VM (else its
+    /// creationTimestamp counts).
     async fn mint(
         &self,
         pool: &ImpVMRunnerPool,
@@ -843,6 +961,7 @@ impl Ctx {
         app: &GithubApp,
         scope: &RunnerScope,
         vm: &ImpVM,
+        created: Option<Timestamp>,
     ) -> Result<()> {
         let vm_name = vm.name_any();
         let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
@@ -1005,6 +1124,7 @@ impl Ctx {
             &Some(minted.runner_name.clone()),
         )
         .await?;
+        self.record_minted(key, vm, created).await;
         debug!(pool = %key, vm = %vm_name, runner_id = minted.runner_id, runner_name = %minted.runner_name, "runner minted");
         Ok(())
     }
@@ -1443,9 +1563,10 @@ async fn sweep_loop(ctx: Arc<Ctx>) {
 }
 
 impl Ctx {
-    async fn refresh_global_secret(&self) {
+    /// Re-reads the global webhook secret; false if the read failed (a missing Secret is a result).
+    async fn refresh_global_secret(&self) -> bool {
         let Some(sel) = &self.config.global_webhook_secret else {
-            return;
+            return true;
         };
         let api: Api<Secret> = Api::namespaced(self.client.clone(), &sel.namespace);
         match api.get_opt(&sel.name).await {
@@ -1459,9 +1580,11 @@ impl Ctx {
                     warn!(secret = %sel.name, key = %sel.key, "global webhook secret missing");
                 }
                 self.shared.demand().set_global_secret(v);
+                true
             }
             Err(e) => {
-                warn!(secret = %sel.name, error = %e, "reading the global webhook secret failed")
+                warn!(secret = %sel.name, error = %e, "reading the global webhook secret failed");
+                false
             }
         }
     }

@@ -19,6 +19,7 @@ use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 
 use super::classify::RunnerState;
 use super::plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Plan, Removal, plan};
+use super::slo::{ServedFacts, ServedUpdate, served_updates};
 use crate::github::{GithubError, Runner, runner_name};
 
 /// Whether the pool's App credentials were last seen working.
@@ -481,10 +482,12 @@ pub struct Input<'a> {
     pub listing: Option<(&'a [RunnerFacts], &'a HashSet<String>)>,
     pub pool_name: &'a str,
     pub now: Timestamp,
+    /// The runner VMs' SLO records and the jobs their runners took ([`super::slo`]).
+    pub served: &'a [ServedFacts],
 }
 
 /// What one pass of a live pool should do.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PoolPlan {
     /// Scaling: creates, mints, retirements, cleanup of finished VMs.
     pub plan: Plan,
@@ -496,6 +499,8 @@ pub struct PoolPlan {
     pub seen_online: Vec<u64>,
     /// Requeue by then to judge the next deadline.
     pub next_deadline: Option<Duration>,
+    /// `status.job` writes of VMs whose served job is newly known or changed.
+    pub served: Vec<ServedUpdate>,
 }
 
 pub fn decide(i: &Input) -> PoolPlan {
@@ -541,6 +546,7 @@ pub fn decide(i: &Input) -> PoolPlan {
     let mut confirmed = i.confirmed_online.clone();
     confirmed.extend(out.seen_online.iter().copied());
     out.next_deadline = next_deadline(i.vms, &i.deadlines, &confirmed, i.now);
+    out.served = served_updates(i.served);
     out
 }
 
@@ -1015,6 +1021,7 @@ mod tests {
             confirmed_online: &none,
             listing: Some((&runners, &held)),
             pool_name: "p",
+            served: &[],
             now: t(301),
         });
         assert_eq!(p.replace.len(), 1);
@@ -1045,6 +1052,7 @@ mod tests {
             confirmed_online: &none,
             listing: None,
             pool_name: "p",
+            served: &[],
             now: t(301),
         });
         assert!(p.replace.is_empty() && p.seen_online.is_empty());

@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -90,6 +91,27 @@ pub struct Job {
     pub picked_up: bool,
     /// Consecutive complete sweeps of its repository that did not list it (while queued).
     pub misses: u8,
+    /// The workflow run (for the served VM's status).
+    pub run_id: Option<u64>,
+    /// When it was queued, went in progress, completed (wall clock; see [`JobUpdate::since`]): the
+    /// steps of the job's SLO that GitHub reports.
+    pub queued_at: Option<Timestamp>,
+    pub picked_up_at: Option<Timestamp>,
+    pub completed_at: Option<Timestamp>,
+    /// Its `run` phase (picked up -> completed) was observed.
+    pub run_observed: bool,
+}
+
+/// A job a runner took, as the served VM's status needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedJob {
+    pub id: u64,
+    pub run_id: Option<u64>,
+    pub repository: String,
+    pub runner_name: String,
+    pub queued_at: Option<Timestamp>,
+    pub picked_up_at: Option<Timestamp>,
+    pub completed_at: Option<Timestamp>,
 }
 
 /// One observation of a job (a webhook or a sweep entry).
@@ -100,6 +122,12 @@ pub struct JobUpdate {
     pub repository: String,
     pub labels: Vec<String>,
     pub runner_name: Option<String>,
+    pub run_id: Option<u64>,
+    /// When GitHub says the job entered `state` (the sweep's `created_at`/`started_at`/
+    /// `completed_at`); None for a webhook, whose arrival is the more precise time on our clock.
+    pub since: Option<Timestamp>,
+    /// GitHub's `created_at`: the queued time of a job first seen past `queued`.
+    pub created_at: Option<Timestamp>,
 }
 
 /// How many runners a pool's jobs ask for.
@@ -192,6 +220,8 @@ pub struct Demand {
     delivery_order: VecDeque<(Instant, DeliveryKey)>,
     global_secret: Option<Vec<u8>>,
     metrics: DemandMetrics,
+    /// Maps the monotonic clock of observations onto wall time (job step times).
+    epoch: (Instant, Timestamp),
 }
 
 impl Default for Demand {
@@ -234,7 +264,19 @@ impl Demand {
             delivery_order: VecDeque::new(),
             global_secret: None,
             metrics: DemandMetrics::default(),
+            epoch: (Instant::now(), Timestamp::now()),
         }
+    }
+
+    /// Wall time of a monotonic instant.
+    pub fn wall(&self, at: Instant) -> Timestamp {
+        let (i0, t0) = self.epoch;
+        let d = if at >= i0 {
+            SignedDuration::try_from(at - i0).unwrap_or(SignedDuration::ZERO)
+        } else {
+            -SignedDuration::try_from(i0 - at).unwrap_or(SignedDuration::ZERO)
+        };
+        t0.checked_add(d).unwrap_or(t0)
     }
 
     /// Reports into shared `metrics`.
@@ -388,6 +430,7 @@ impl Demand {
             } else {
                 job.pool.clone()
             };
+            let at = since(&u, self.wall(now));
             let job = self.jobs.get_mut(&u.id).expect("checked above");
             job.updated_at = now;
             if u.state == JobState::Queued || u.state == JobState::InProgress {
@@ -404,6 +447,8 @@ impl Demand {
             if u.runner_name.is_some() {
                 job.runner_name = u.runner_name;
             }
+            job.run_id = job.run_id.or(u.run_id);
+            job.record_step(u.state, at, u.created_at);
             let pool = job.pool.clone();
             if completed {
                 self.completed_order.push_back(u.id);
@@ -419,7 +464,8 @@ impl Demand {
             // delivery it would have refused. The sweep finds such jobs once a pool serves them.
             return None;
         }
-        self.insert(Job {
+        let at = since(&u, self.wall(now));
+        let mut job = Job {
             id: u.id,
             state: u.state,
             repository: u.repository,
@@ -430,7 +476,14 @@ impl Demand {
             updated_at: now,
             picked_up: false,
             misses: 0,
-        });
+            run_id: u.run_id,
+            queued_at: None,
+            picked_up_at: None,
+            completed_at: None,
+            run_observed: false,
+        };
+        job.record_step(u.state, at, u.created_at);
+        self.insert(job);
         pool
     }
 
@@ -615,6 +668,41 @@ impl Demand {
         Some(job.learnt_at)
     }
 
+    /// The job the pool's runner `runner_name` took, if known.
+    pub fn served_by(&self, key: &PoolKey, runner_name: &str) -> Option<ServedJob> {
+        self.jobs
+            .values()
+            .filter(|j| {
+                j.pool.as_ref() == Some(key)
+                    && j.state != JobState::Queued
+                    && j.runner_name.as_deref() == Some(runner_name)
+            })
+            .max_by_key(|j| j.learnt_at)
+            .map(|j| ServedJob {
+                id: j.id,
+                run_id: j.run_id,
+                repository: j.repository.clone(),
+                runner_name: runner_name.to_owned(),
+                queued_at: j.queued_at,
+                picked_up_at: j.picked_up_at,
+                completed_at: j.completed_at,
+            })
+    }
+
+    /// Completed jobs of the pool whose pickup and completion this process saw and whose `run`
+    /// phase was not observed yet, once each: (picked up, completed).
+    pub fn take_completed_runs(&mut self, key: &PoolKey) -> Vec<(Timestamp, Timestamp)> {
+        self.jobs
+            .values_mut()
+            .filter(|j| j.pool.as_ref() == Some(key) && !j.run_observed)
+            .filter_map(|j| {
+                let span = (j.picked_up_at?, j.completed_at?);
+                j.run_observed = true;
+                Some(span)
+            })
+            .collect()
+    }
+
     /// Routing entries of every pool (the sweep groups them by App).
     pub fn pools(&self) -> impl Iterator<Item = (&PoolKey, &PoolRoute)> {
         self.pools.iter()
@@ -633,17 +721,55 @@ impl Demand {
     }
 }
 
+/// When the step `u` reports began: GitHub's time for it when given and not in our future, else the
+/// observation (`now`, on the wall clock).
+fn since(u: &JobUpdate, now: Timestamp) -> Timestamp {
+    u.since.filter(|t| *t <= now).unwrap_or(now)
+}
+
+impl Job {
+    /// Records when the job reached `state` (the first report of each step wins; reordered or repeated
+    /// deliveries do not move it). A job first seen past `queued` takes GitHub's `created_at` as its
+    /// queued time.
+    fn record_step(&mut self, state: JobState, at: Timestamp, created_at: Option<Timestamp>) {
+        match state {
+            JobState::Queued => {
+                self.queued_at.get_or_insert(at);
+            }
+            JobState::InProgress => {
+                self.picked_up_at.get_or_insert(at);
+            }
+            JobState::Completed => {
+                self.completed_at.get_or_insert(at);
+            }
+        }
+        if state != JobState::Queued && self.queued_at.is_none() {
+            self.queued_at = created_at.filter(|c| *c <= at);
+        }
+    }
+}
+
 /// The sweep's listing as job observations: statuses that are not demand (`waiting`, `pending`,
 /// `requested`) are left out.
 pub fn sweep_updates(jobs: Vec<(String, WorkflowJob)>) -> Vec<JobUpdate> {
     jobs.into_iter()
         .filter_map(|(repository, j)| {
+            let state = JobState::parse(&j.status)?;
+            let time = |t: &Option<String>| t.as_deref().and_then(|t| t.parse::<Timestamp>().ok());
+            let since = match state {
+                JobState::Queued => time(&j.created_at),
+                JobState::InProgress => time(&j.started_at),
+                JobState::Completed => time(&j.completed_at),
+            };
             Some(JobUpdate {
                 id: j.id,
-                state: JobState::parse(&j.status)?,
+                state,
                 repository,
                 labels: j.labels,
                 runner_name: j.runner_name.filter(|n| !n.is_empty()),
+                run_id: Some(j.run_id),
+                since,
+                created_at: time(&j.created_at),
             })
         })
         .collect()
@@ -672,6 +798,9 @@ mod tests {
             repository: "acme/app".into(),
             labels: s(labels),
             runner_name: None,
+            run_id: None,
+            since: None,
+            created_at: None,
         }
     }
 
@@ -1020,6 +1149,8 @@ mod tests {
                     status: status.into(),
                     labels: s(&["imp"]),
                     created_at: None,
+                    started_at: None,
+                    completed_at: None,
                     runner_name: runner.map(str::to_owned),
                 },
             )
@@ -1044,6 +1175,66 @@ mod tests {
             ]
         );
         assert_eq!(JobState::parse("waiting"), None);
+    }
+
+    #[test]
+    fn each_step_of_a_job_is_timed_once_and_the_served_job_is_found_by_runner() {
+        let mut d = Demand::default();
+        d.upsert_pool(key("p"), route(&["imp"], None));
+        let t0 = Instant::now();
+        let wall0 = d.wall(t0);
+        d.observe(queued(1, &["imp"]), None, t0);
+        assert_eq!(d.served_by(&key("p"), "p-a"), None, "still queued");
+        let mut started = with_state(queued(1, &["imp"]), JobState::InProgress, Some("p-a"));
+        started.run_id = Some(77);
+        d.observe(started.clone(), None, t0 + Duration::from_secs(3));
+        // A repeated in_progress later does not move the pickup.
+        d.observe(started, None, t0 + Duration::from_secs(9));
+        let s = d.served_by(&key("p"), "p-a").unwrap();
+        assert_eq!((s.id, s.run_id), (1, Some(77)));
+        assert_eq!(s.queued_at, Some(wall0));
+        let secs = |t: Option<Timestamp>| t.map(|t| t.duration_since(wall0).as_secs());
+        assert_eq!(secs(s.picked_up_at), Some(3));
+        assert_eq!(s.completed_at, None);
+        assert!(d.take_completed_runs(&key("p")).is_empty());
+        d.observe(
+            with_state(queued(1, &["imp"]), JobState::Completed, Some("p-a")),
+            None,
+            t0 + Duration::from_secs(20),
+        );
+        let runs = d.take_completed_runs(&key("p"));
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].1.duration_since(runs[0].0).as_secs(), 17);
+        assert!(d.take_completed_runs(&key("p")).is_empty(), "once");
+        assert_eq!(
+            secs(d.served_by(&key("p"), "p-a").unwrap().completed_at),
+            Some(20)
+        );
+    }
+
+    #[test]
+    fn the_sweep_times_steps_by_githubs_clock_and_a_late_job_by_its_creation() {
+        let mut d = Demand::default();
+        d.upsert_pool(key("p"), route(&["imp"], None));
+        let t0 = Instant::now();
+        let wall0 = d.wall(t0);
+        let ago = |s: i64| wall0.checked_sub(SignedDuration::from_secs(s)).unwrap();
+        // Seen first in progress (its webhooks lost): queued at its creation, picked up when
+        // GitHub says it started.
+        let mut u = with_state(queued(5, &["imp"]), JobState::InProgress, Some("p-b"));
+        u.created_at = Some(ago(50));
+        u.since = Some(ago(20));
+        d.observe(u, None, t0);
+        let s = d.served_by(&key("p"), "p-b").unwrap();
+        assert_eq!(
+            (s.queued_at, s.picked_up_at),
+            (Some(ago(50)), Some(ago(20)))
+        );
+        // A GitHub time in our future is not believed.
+        let mut q = queued(6, &["imp"]);
+        q.since = wall0.checked_add(SignedDuration::from_secs(3600)).ok();
+        d.observe(q, None, t0);
+        assert_eq!(d.job(6).unwrap().queued_at, Some(wall0));
     }
 
     #[test]

@@ -42,6 +42,11 @@ pub struct PoolMetrics {
     /// `imp_runner_vm_phase_seconds{phase}`: time finished runner VMs spent per phase
     /// ([`super::decide::VM_PHASES`]).
     pub vm_phase: Family<PhaseLabels, Histogram>,
+    /// `imp_runner_job_phase_seconds{phase}`: how long served jobs waited for each step
+    /// ([`super::slo::JOB_PHASES`]).
+    pub job_phase: Family<PhaseLabels, Histogram>,
+    /// `imp_runner_job_wait_seconds`: served jobs, queued -> picked up by a runner.
+    pub job_wait: Histogram,
     /// The operator's reconcile metrics (`imp_operator_reconcile_*`), shared with the VM controller by
     /// [`PoolMetrics::sharing_reconcile`]; registered there, not here.
     pub reconcile_duration: Family<ControllerLabels, Histogram>,
@@ -67,6 +72,11 @@ impl Default for PoolMetrics {
             vm_phase: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.1, 2.0, 14))
             }),
+            // 0.05 s .. ~55 min: a mint takes milliseconds, a boot seconds, a run up to an hour.
+            job_phase: Family::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.05, 2.0, 17))
+            }),
+            job_wait: Histogram::new(exponential_buckets(0.05, 2.0, 17)),
             reconcile_duration: Family::new_with_constructor(|| {
                 Histogram::new(exponential_buckets(0.001, 2.0, 14))
             }),
@@ -119,6 +129,14 @@ impl PoolMetrics {
             .observe(d.as_secs_f64());
     }
 
+    pub fn job_phase(&self, phase: &str, d: std::time::Duration) {
+        self.job_phase
+            .get_or_create(&PhaseLabels {
+                phase: phase.to_owned(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "imp_runner_pool_runners",
@@ -159,6 +177,16 @@ impl PoolMetrics {
             "imp_runner_vm_phase_seconds",
             "Time finished runner VMs spent per phase (scheduling, booting, handoff, job)",
             self.vm_phase.clone(),
+        );
+        registry.register(
+            "imp_runner_job_phase_seconds",
+            "Time served workflow jobs waited per step (vm_create, mint, schedule, boot, runner_start, pickup, run)",
+            self.job_phase.clone(),
+        );
+        registry.register(
+            "imp_runner_job_wait_seconds",
+            "Time from a workflow job queued to a runner of its pool picking it up",
+            self.job_wait.clone(),
         );
         registry.register(
             "imp_runner_orphans_reaped",
@@ -235,6 +263,8 @@ mod tests {
         m.deadline_replacement(imp_api::names::reason::RUNNER_NEVER_ONLINE);
         m.orphan_reaped();
         m.vm_phase("booting", std::time::Duration::from_secs(3));
+        m.job_phase("pickup", std::time::Duration::from_secs(1));
+        m.job_wait.observe(4.0);
         let text = crate::metrics::encode(&registry).unwrap();
         for want in [
             "imp_runner_pool_runners{pool=\"ns/p\",state=\"idle\"} 3",
@@ -247,6 +277,8 @@ mod tests {
             "imp_runner_deadline_replacements_total{reason=\"RunnerNeverOnline\"} 1",
             "imp_runner_orphans_reaped_total 1",
             "imp_runner_vm_phase_seconds_count{phase=\"booting\"} 1",
+            "imp_runner_job_phase_seconds_count{phase=\"pickup\"} 1",
+            "imp_runner_job_wait_seconds_count 1",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }

@@ -1,7 +1,8 @@
 //! ImpVMRunnerPool: keeps the right number of ephemeral runner VMs, each with a one-time JIT config in a
 //! Secret owned by its VM, and cleans up after every job. Pure parts: [`classify`] (what a runner VM is
 //! doing), [`plan`] (how many runners), [`decide`] (the whole pass: mint policy, deadlines, the
-//! registration reaper, status), [`demand`] (jobs from webhooks and the sweep). I/O: [`controller`]
+//! registration reaper, status), [`demand`] (jobs from webhooks and the sweep), [`slo`] (which job a VM
+//! served and how long it waited for each step). I/O: [`controller`]
 //! (observe, execute, and the queued-job sweep). The webhook receiver is in [`crate::webhook`]. See
 //! docs/runner-pool.md.
 
@@ -11,7 +12,9 @@ pub mod decide;
 pub mod demand;
 pub mod metrics;
 pub mod plan;
+pub mod slo;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -126,6 +129,10 @@ pub struct PoolShared {
     pub metrics: PoolMetrics,
     pub apps: Arc<GithubApps>,
     notify: Mutex<Option<UnboundedSender<PoolKey>>>,
+    /// Every existing pool's webhook secret (and the global one) has been read since start. Until then a
+    /// delivery that verifies with no known secret may be a pool's we have not read yet: the receiver
+    /// answers 503 (GitHub may redeliver) rather than 401 or an unrouted 2xx.
+    routes_loaded: AtomicBool,
 }
 
 impl PoolShared {
@@ -143,7 +150,20 @@ impl PoolShared {
             metrics,
             apps,
             notify: Mutex::new(None),
+            routes_loaded: AtomicBool::new(false),
         })
+    }
+
+    /// Whether every pool's webhook secret has been read (see [`PoolShared::mark_routes_loaded`]).
+    pub fn routes_loaded(&self) -> bool {
+        self.routes_loaded.load(Ordering::SeqCst)
+    }
+
+    /// The pools' routes and secrets are known: deliveries are judged from now on. The pool controller
+    /// calls it after its first read of every pool; a receiver without a controller (tests, benches)
+    /// calls it itself.
+    pub fn mark_routes_loaded(&self) {
+        self.routes_loaded.store(true, Ordering::SeqCst);
     }
 
     pub fn demand(&self) -> MutexGuard<'_, Demand> {

@@ -4,7 +4,10 @@
 //! replayed body under a new id is a duplicate). `workflow_job` deliveries update the pools' demand
 //! (queued jobs are routed to the pool whose labels contain all of the job's) and wake the pool
 //! controller; a delivery changes only jobs of pools that accept the secret that verified it (another
-//! tenant's job answers `foreign`). Outcomes are counted in `imp_webhook_deliveries_total{result}`.
+//! tenant's job answers `foreign`). Until the pool controller has read every pool's webhook secret (a
+//! new leader's first moments) every delivery answers 503 `not_ready`: a delivery signed with a secret
+//! not read yet must not get 401, nor a 2xx that routes it nowhere. Outcomes are counted in
+//! `imp_webhook_deliveries_total{result}`.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -65,9 +68,13 @@ struct Payload {
 struct WorkflowJob {
     id: u64,
     #[serde(default)]
+    run_id: Option<u64>,
+    #[serde(default)]
     labels: Vec<String>,
     #[serde(default)]
     runner_name: Option<String>,
+    #[serde(default)]
+    created_at: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -86,6 +93,8 @@ pub enum DeliveryResult {
     Foreign,
     Ignored,
     Malformed,
+    /// The pools' webhook secrets are not all read yet (answered 503, retryable).
+    NotReady,
 }
 
 impl DeliveryResult {
@@ -98,6 +107,7 @@ impl DeliveryResult {
             DeliveryResult::Foreign => "foreign",
             DeliveryResult::Ignored => "ignored",
             DeliveryResult::Malformed => "malformed",
+            DeliveryResult::NotReady => "not_ready",
         }
     }
 
@@ -105,6 +115,7 @@ impl DeliveryResult {
         match self {
             DeliveryResult::BadSignature => StatusCode::UNAUTHORIZED,
             DeliveryResult::Malformed => StatusCode::BAD_REQUEST,
+            DeliveryResult::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             // Unrouted, foreign and ignored deliveries are fine from GitHub's side: no redelivery
             // wanted.
             _ => StatusCode::OK,
@@ -129,6 +140,13 @@ async fn receive(
 /// Processes one delivery; pure apart from the shared demand and notifications.
 pub fn handle(shared: &PoolShared, headers: &HeaderMap, body: &[u8]) -> DeliveryResult {
     let delivery = header(headers, "x-github-delivery").unwrap_or_default();
+    if !shared.routes_loaded() {
+        info!(
+            delivery,
+            "webhook before the pools' secrets were read: 503, retry later"
+        );
+        return DeliveryResult::NotReady;
+    }
     let Some(signature) = header(headers, "x-hub-signature-256") else {
         warn!(delivery, "webhook without X-Hub-Signature-256 refused");
         return DeliveryResult::BadSignature;
@@ -181,6 +199,14 @@ pub fn handle(shared: &PoolShared, headers: &HeaderMap, body: &[u8]) -> Delivery
         repository: payload.repository.full_name,
         labels: payload.workflow_job.labels,
         runner_name: payload.workflow_job.runner_name,
+        run_id: payload.workflow_job.run_id,
+        // The delivery's arrival times the step (our clock, to the microsecond).
+        since: None,
+        created_at: payload
+            .workflow_job
+            .created_at
+            .as_deref()
+            .and_then(|t| t.parse().ok()),
     };
     let job_id = update.id;
     let changed = d.observe(update, Some(&signed_with), now);
@@ -234,6 +260,7 @@ mod tests {
                 webhook_secret: Some(b"pool-secret".to_vec()),
             },
         );
+        s.mark_routes_loaded();
         s
     }
 
@@ -312,6 +339,33 @@ mod tests {
         let mut unsigned = headers("d6", "workflow_job", "x");
         unsigned.remove("x-hub-signature-256");
         assert_eq!(handle(&s, &unsigned, &b), DeliveryResult::BadSignature);
+    }
+
+    #[test]
+    fn before_the_secrets_are_read_every_delivery_is_retryable() {
+        let s = PoolShared::new(
+            Arc::new(GithubApps::new(
+                GithubConfig::default(),
+                GithubMetrics::default(),
+            )),
+            PoolMetrics::default(),
+        );
+        let b = body("queued", 1, &["imp"], None);
+        let h = headers("early", "workflow_job", &sign(b"pool-secret", &b));
+        let r = handle(&s, &h, &b);
+        assert_eq!(r, DeliveryResult::NotReady);
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        // Not burnt as a duplicate: the same delivery is judged once the secrets are known.
+        s.demand().upsert_pool(
+            PoolKey::new("ns", "p"),
+            PoolRoute {
+                labels: vec!["self-hosted".into(), "imp".into()],
+                scope: RunnerScope::org("acme"),
+                webhook_secret: Some(b"pool-secret".to_vec()),
+            },
+        );
+        s.mark_routes_loaded();
+        assert_eq!(handle(&s, &h, &b), DeliveryResult::Accepted);
     }
 
     #[test]

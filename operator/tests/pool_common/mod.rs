@@ -195,6 +195,15 @@ impl PoolHarness {
             config,
             shared.clone(),
         ));
+        // Deliveries are answered 503 until the controller has read the pools' secrets.
+        let loading = Instant::now();
+        while !shared.routes_loaded() {
+            assert!(
+                loading.elapsed() < Duration::from_secs(30),
+                "the pool controller never read the pools' webhook secrets"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         self.shared = shared;
         self.webhook_url = webhook_url;
         self.registry = registry;
@@ -400,17 +409,20 @@ impl PoolHarness {
     }
 }
 
-/// The status an agent writes after the handoff: Running, runner Started with the id and name from the
-/// VM's annotations.
+/// The status the scheduler and an agent have written after the handoff: scheduled, booted, Running,
+/// runner Started with the id and name from the VM's annotations.
 fn started_status(vm: &ImpVM) -> ImpVMStatus {
     let ann = vm.annotations();
+    let now = Time(Timestamp::now());
     ImpVMStatus {
         phase: Some(VmPhase::Running),
+        scheduled_time: Some(now.clone()),
+        boot_complete_time: Some(now.clone()),
         runner: Some(RunnerStatus {
             handoff: Some(HandoffState::Started),
             runner_id: ann.get(ANNOTATION_RUNNER_ID).and_then(|v| v.parse().ok()),
             runner_name: ann.get(ANNOTATION_RUNNER_NAME).cloned(),
-            started_time: Some(Time(Timestamp::now())),
+            started_time: Some(now),
             ..Default::default()
         }),
         ..Default::default()
