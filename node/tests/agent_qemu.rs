@@ -257,7 +257,7 @@ async fn runner_handoff_on_a_real_qemu_guest() {
     wait_vm(
         &vms,
         "runner-q",
-        "TornDown",
+        reason::TORN_DOWN,
         Duration::from_secs(60),
         &agent,
         &rt,
