@@ -244,14 +244,19 @@ mod tests {
         format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
     }
 
-    fn shared() -> Arc<PoolShared> {
-        let s = PoolShared::new(
+    /// Shared state whose pool secrets have not been read yet.
+    fn unloaded() -> Arc<PoolShared> {
+        PoolShared::new(
             Arc::new(GithubApps::new(
                 GithubConfig::default(),
                 GithubMetrics::default(),
             )),
             PoolMetrics::default(),
-        );
+        )
+    }
+
+    /// Pool ns/p (labels self-hosted + imp, secret `pool-secret`), and the routes marked loaded.
+    fn load_pool(s: &PoolShared) {
         s.demand().upsert_pool(
             PoolKey::new("ns", "p"),
             PoolRoute {
@@ -261,6 +266,11 @@ mod tests {
             },
         );
         s.mark_routes_loaded();
+    }
+
+    fn shared() -> Arc<PoolShared> {
+        let s = unloaded();
+        load_pool(&s);
         s
     }
 
@@ -343,28 +353,14 @@ mod tests {
 
     #[test]
     fn before_the_secrets_are_read_every_delivery_is_retryable() {
-        let s = PoolShared::new(
-            Arc::new(GithubApps::new(
-                GithubConfig::default(),
-                GithubMetrics::default(),
-            )),
-            PoolMetrics::default(),
-        );
+        let s = unloaded();
         let b = body("queued", 1, &["imp"], None);
         let h = headers("early", "workflow_job", &sign(b"pool-secret", &b));
         let r = handle(&s, &h, &b);
         assert_eq!(r, DeliveryResult::NotReady);
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         // Not burnt as a duplicate: the same delivery is judged once the secrets are known.
-        s.demand().upsert_pool(
-            PoolKey::new("ns", "p"),
-            PoolRoute {
-                labels: vec!["self-hosted".into(), "imp".into()],
-                scope: RunnerScope::org("acme"),
-                webhook_secret: Some(b"pool-secret".to_vec()),
-            },
-        );
-        s.mark_routes_loaded();
+        load_pool(&s);
         assert_eq!(handle(&s, &h, &b), DeliveryResult::Accepted);
     }
 
