@@ -72,7 +72,7 @@ async fn main() -> anyhow::Result<()> {
     };
     if violations.is_empty() && args.settled {
         println!(
-            "settled invariants hold: {} job(s) served by runners of their own; every registration, JIT Secret, IP allocation and TAP belongs to one of {} live VM(s); {} JIT config(s) in no log",
+            "settled invariants hold: {} job(s) served by runners of their own; every registration, JIT Secret, IP allocation, TAP, VM directory and VMM process belongs to one of {} live VM(s); {} JIT config(s) in no log",
             o.jobs.len(),
             o.vms.len(),
             secrets.len()

@@ -31,6 +31,8 @@ pub struct Job {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Vm {
     pub name: String,
+    /// `metadata.uid`: the runtime names the VM's directory (`<state>/vms/<uid>`) by it.
+    pub uid: String,
     /// `spec.runnerConfigSecret`.
     pub secret: Option<String>,
     /// The GitHub runner name recorded for it (annotation or status).
@@ -39,6 +41,9 @@ pub struct Vm {
     pub handoff: Option<String>,
     /// `spec.nodeName` is set.
     pub bound: bool,
+    /// Being deleted: its registration, address, TAP and directory are still its own until the
+    /// finalizer goes, so a teardown in flight is no orphan.
+    pub deleting: bool,
 }
 
 /// Everything the invariants speak about, after a scenario settled.
@@ -46,7 +51,7 @@ pub struct Vm {
 pub struct Observed {
     /// ImpVMs left in the namespace.
     pub impvms: Vec<String>,
-    /// The same ImpVMs (not being deleted), with what the settled-state invariants compare.
+    /// The same ImpVMs (also those being deleted), with what the settled-state invariants compare.
     pub vms: Vec<Vm>,
     /// JIT config Secrets (label `imp.dev/secret-kind=jitconfig`) left in the namespace.
     pub jit_secrets: Vec<String>,
@@ -99,6 +104,10 @@ pub enum Violation {
     OrphanSecret(String),
     /// Settled: an IP allocation of no live VM.
     OrphanAllocation(String),
+    /// Settled: a VM directory (`<state>/vms/<uid>`) of no live VM.
+    OrphanVmDir(PathBuf),
+    /// Settled: a VMM or guest process naming the directory of no live VM.
+    OrphanProcess(Process),
     /// Settled: more TAPs than bound VMs.
     ExtraTaps {
         taps: Vec<String>,
@@ -132,6 +141,10 @@ impl fmt::Display for Violation {
                 write!(f, "JIT Secret {n} belongs to no VM awaiting its handoff")
             }
             Violation::OrphanAllocation(a) => write!(f, "IP allocation {a} of no live VM"),
+            Violation::OrphanVmDir(p) => write!(f, "VM directory {} of no live VM", p.display()),
+            Violation::OrphanProcess(p) => {
+                write!(f, "process {} of no live VM: {}", p.pid, p.cmdline)
+            }
             Violation::ExtraTaps { taps, bound_vms } => {
                 write!(
                     f,
@@ -154,8 +167,8 @@ pub fn check(o: &Observed) -> Vec<Violation> {
 
 /// The invariants of a settled scenario whose pool still runs: whatever exists belongs to a live
 /// VM (registrations, JIT Secrets only of VMs before their handoff, IP allocations, at most one
-/// TAP per bound VM), every job queued so far was served by a runner of its own, no JIT config
-/// reached a log. VMM processes and VM files are the live VMs' own here, so they are not checked.
+/// TAP per bound VM, VM directories and VMM processes only of live VMs), every job queued so far
+/// was served by a runner of its own, no JIT config reached a log.
 pub fn check_settled(o: &Observed) -> Vec<Violation> {
     let mut v = Vec::new();
     let runners: Vec<&str> = o
@@ -205,8 +218,36 @@ pub fn check_settled(o: &Observed) -> Vec<Violation> {
     if taps.len() > bound_vms {
         v.push(Violation::ExtraTaps { taps, bound_vms });
     }
+    let live = |uid: &str| o.vms.iter().any(|m| m.bound && m.uid == uid);
+    v.extend(
+        o.vm_files
+            .iter()
+            .filter(|p| {
+                p.parent().and_then(|d| d.file_name()) == Some("vms".as_ref())
+                    && !p.file_name().and_then(|n| n.to_str()).is_some_and(live)
+            })
+            .cloned()
+            .map(Violation::OrphanVmDir),
+    );
+    v.extend(
+        o.vmm_processes
+            .iter()
+            .filter(|p| vm_uid_in(&p.cmdline).is_some_and(|uid| !live(uid)))
+            .cloned()
+            .map(Violation::OrphanProcess),
+    );
     jobs_and_logs(o, &mut v);
     v
+}
+
+/// The VM uid a command line names through a path `.../vms/<uid>/...`, if any.
+pub fn vm_uid_in(cmdline: &str) -> Option<&str> {
+    let (_, rest) = cmdline.split_once("/vms/")?;
+    let uid = rest
+        .split(|c: char| c == '/' || c.is_whitespace())
+        .next()
+        .filter(|u| !u.is_empty())?;
+    Some(uid)
 }
 
 fn leaks_and_jobs(o: &Observed, v: &mut Vec<Violation>) {
@@ -363,10 +404,12 @@ mod tests {
     fn vm(name: &str, runner: &str, handoff: Option<&str>) -> Vm {
         Vm {
             name: name.into(),
+            uid: format!("uid-{name}"),
             secret: Some(format!("{name}-jit")),
             runner_name: Some(runner.into()),
             handoff: handoff.map(Into::into),
             bound: true,
+            deleting: false,
         }
     }
 
@@ -379,16 +422,23 @@ mod tests {
             jit_secrets: vec!["b-jit".into()],
             allocations: vec!["net/192.0.2.2 -> a".into(), "net/192.0.2.3 -> b".into()],
             links: vec!["impbr1".into(), "imp1".into(), "imp2".into()],
-            vmm_processes: vec![Process {
-                pid: 1,
-                cmdline: "fc".into(),
-            }],
+            vmm_processes: vec![
+                Process {
+                    pid: 1,
+                    cmdline: "fc --api-sock /s/vms/uid-a/api.sock".into(),
+                },
+                Process {
+                    pid: 2,
+                    cmdline: "imp-runtime".into(),
+                },
+            ],
+            vm_files: vec!["/s/vms/uid-b".into(), "/s/tmp/build-1".into()],
             jobs: vec![job(1, "completed", Some(9))],
             ..Default::default()
         };
         assert_eq!(check_settled(&o), vec![]);
         // Torn down, the same state is all leaks.
-        assert_eq!(check(&o).len(), 2 + 2 + 1 + 2 + 1 + 3);
+        assert_eq!(check(&o).len(), 2 + 2 + 1 + 2 + 2 + 3 + 2);
     }
 
     #[test]
@@ -414,6 +464,72 @@ mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn settled_vm_dirs_and_processes_of_gone_vms_are_named() {
+        let mut unbound = vm("c", "run-c", None);
+        unbound.bound = false;
+        let gone = Process {
+            pid: 7,
+            cmdline: "imp-guest agent --listen-unix /s/vms/uid-gone/v.sock.agent".into(),
+        };
+        let o = Observed {
+            vms: vec![vm("a", "run-a", Some("Started")), unbound],
+            registrations: vec!["run-a".into(), "run-c".into()],
+            jit_secrets: vec!["c-jit".into()],
+            vmm_processes: vec![
+                Process {
+                    pid: 6,
+                    cmdline: "fc --api-sock /s/vms/uid-a/api.sock".into(),
+                },
+                gone.clone(),
+            ],
+            // An unbound VM has nothing on the node: its uid's directory is a leftover too.
+            vm_files: vec!["/s/vms/uid-a".into(), "/s/vms/uid-c".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            check_settled(&o),
+            vec![
+                Violation::OrphanVmDir("/s/vms/uid-c".into()),
+                Violation::OrphanProcess(gone),
+            ]
+        );
+        assert_eq!(
+            check_settled(&o)[1].to_string(),
+            "process 7 of no live VM: imp-guest agent --listen-unix /s/vms/uid-gone/v.sock.agent"
+        );
+    }
+
+    #[test]
+    fn a_teardown_in_flight_owns_what_it_still_holds() {
+        let mut going = vm("b", "run-b", Some("Exited"));
+        going.deleting = true;
+        let o = Observed {
+            vms: vec![vm("a", "run-a", Some("Started")), going],
+            registrations: vec!["run-a".into(), "run-b".into()],
+            allocations: vec!["net/192.0.2.2 -> a".into(), "net/192.0.2.3 -> b".into()],
+            links: vec!["imp1".into(), "imp2".into()],
+            vm_files: vec!["/s/vms/uid-a".into(), "/s/vms/uid-b".into()],
+            ..Default::default()
+        };
+        assert_eq!(check_settled(&o), vec![]);
+        // Once it is gone, all of it is orphaned.
+        let o = Observed {
+            vms: vec![o.vms[0].clone()],
+            ..o
+        };
+        assert_eq!(check_settled(&o).len(), 4, "{:?}", check_settled(&o));
+    }
+
+    #[test]
+    fn the_vm_uid_is_read_from_a_path_in_the_command_line() {
+        assert_eq!(vm_uid_in("fc --api-sock /s/vms/u-1/api.sock"), Some("u-1"));
+        assert_eq!(vm_uid_in("x /s/vms/u-2 --y"), Some("u-2"));
+        assert_eq!(vm_uid_in("x /s/vms/u-3"), Some("u-3"));
+        assert_eq!(vm_uid_in("x /s/vms/ y"), None);
+        assert_eq!(vm_uid_in("imp-runtime"), None);
     }
 
     #[test]

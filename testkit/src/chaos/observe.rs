@@ -23,11 +23,11 @@ pub async fn kubernetes(client: &Client, namespace: &str, o: &mut Observed) -> a
     o.impvms = vms.iter().map(|v| v.name_any()).collect();
     o.vms = vms
         .iter()
-        .filter(|v| v.metadata.deletion_timestamp.is_none())
         .map(|v| {
             let runner = v.status.as_ref().and_then(|s| s.runner.as_ref());
             Vm {
                 name: v.name_any(),
+                uid: v.uid().unwrap_or_default(),
                 secret: v.spec.runner_config_secret.clone(),
                 runner_name: v
                     .annotations()
@@ -39,6 +39,7 @@ pub async fn kubernetes(client: &Client, namespace: &str, o: &mut Observed) -> a
                     .and_then(|h| serde_json::to_value(h).ok())
                     .and_then(|h| h.as_str().map(str::to_owned)),
                 bound: v.spec.node_name.is_some(),
+                deleting: v.metadata.deletion_timestamp.is_some(),
             }
         })
         .collect();

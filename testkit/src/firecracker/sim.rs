@@ -46,6 +46,12 @@ pub struct Knobs {
     /// Once booted, write this many console bytes per second until the VM stops (a guest
     /// running `yes > /dev/ttyS0`).
     pub serial_flood_bytes_per_sec: u64,
+    /// While this file exists the guest agent is not started (a guest still booting): the host
+    /// gets no Hello, so a chaos test holds a VM before its handoff's Sent. Test-only.
+    pub hold_boot_while: Option<PathBuf>,
+    /// While this file exists the guest's `started` answers are held back (a runner spawn that
+    /// has not answered yet), so a chaos test holds a handoff between Sent and Started. Test-only.
+    pub hold_started_while: Option<PathBuf>,
 }
 
 impl Knobs {
@@ -506,16 +512,29 @@ impl Sim {
             .map_err(|e| fault(e.to_string()))?;
         let listener =
             tokio::net::UnixListener::from_std(listener).map_err(|e| fault(e.to_string()))?;
+        // With hold_started_while, the bridge reaches the agent through a frame-aware relay.
+        let route = match &self.knobs.hold_started_while {
+            Some(hold) => {
+                let relay = PathBuf::from(format!("{uds}.hold"));
+                let _ = std::fs::remove_file(&relay);
+                let relay_listener = tokio::net::UnixListener::bind(&relay)
+                    .map_err(|e| fault(format!("bind {}: {e}", relay.display())))?;
+                tokio::spawn(hold_relay(relay_listener, agent_sock.clone(), hold.clone()));
+                relay
+            }
+            None => agent_sock.clone(),
+        };
         tokio::spawn(imp_guest::hybrid::serve_bridge(
             listener,
-            HashMap::from([(AGENT_PORT, agent_sock.clone())]),
+            HashMap::from([(AGENT_PORT, route)]),
         ));
         let knobs = self.knobs.clone();
         if knobs.hang {
             serial("[    0.100000] imp-sim: hanging (no guest agent)");
             return Ok(());
         }
-        if knobs.boot_delay_ms > 0 || knobs.panic_text.is_some() {
+        if knobs.boot_delay_ms > 0 || knobs.panic_text.is_some() || knobs.hold_boot_while.is_some()
+        {
             // The agent is spawned later by the boot task.
             return Ok(());
         }
@@ -704,11 +723,20 @@ fn boot_task(sim: Arc<Sim>) {
     if sim.knobs.serial_flood_bytes_per_sec > 0 {
         tokio::spawn(flood(sim.knobs.serial_flood_bytes_per_sec));
     }
-    if sim.knobs.hang || (sim.knobs.boot_delay_ms == 0 && sim.knobs.panic_text.is_none()) {
+    if sim.knobs.hang
+        || (sim.knobs.boot_delay_ms == 0
+            && sim.knobs.panic_text.is_none()
+            && sim.knobs.hold_boot_while.is_none())
+    {
         return;
     }
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(sim.knobs.boot_delay_ms)).await;
+        if let Some(hold) = &sim.knobs.hold_boot_while {
+            while hold.exists() {
+                tokio::time::sleep(HOLD_POLL).await;
+            }
+        }
         if let Some(text) = &sim.knobs.panic_text {
             for line in text.lines() {
                 serial(line);
@@ -730,6 +758,64 @@ fn boot_task(sim: Arc<Sim>) {
             }
         }
     });
+}
+
+/// How often a held boot or answer looks whether its hold file is gone.
+const HOLD_POLL: Duration = Duration::from_millis(100);
+
+/// The relay of `hold_started_while`: host bytes pass through as they are; the guest's frames
+/// (u32 big-endian length + JSON) pass one by one, and a `started` answer waits while `hold`
+/// exists.
+async fn hold_relay(listener: tokio::net::UnixListener, agent: PathBuf, hold: PathBuf) {
+    while let Ok((host, _)) = listener.accept().await {
+        let (agent, hold) = (agent.clone(), hold.clone());
+        tokio::spawn(async move {
+            let Ok(guest) = tokio::net::UnixStream::connect(&agent).await else {
+                return;
+            };
+            let (mut host_rd, mut host_wr) = host.into_split();
+            let (mut guest_rd, mut guest_wr) = guest.into_split();
+            let up = tokio::io::copy(&mut host_rd, &mut guest_wr);
+            let down = relay_frames(&mut guest_rd, &mut host_wr, &hold);
+            tokio::select! {
+                _ = up => {}
+                _ = down => {}
+            }
+        });
+    }
+}
+
+/// Copies frames from `from` to `to`, holding each `started` frame while `hold` exists.
+pub async fn relay_frames<R, W>(from: &mut R, to: &mut W, hold: &Path) -> std::io::Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    loop {
+        let mut len = [0u8; 4];
+        from.read_exact(&mut len).await?;
+        let n = u32::from_be_bytes(len) as usize;
+        if n > imp_guest::frame::MAX_FRAME_BYTES {
+            return Err(std::io::Error::other("frame too large"));
+        }
+        let mut payload = vec![0u8; n];
+        from.read_exact(&mut payload).await?;
+        if is_started(&payload) {
+            while hold.exists() {
+                tokio::time::sleep(HOLD_POLL).await;
+            }
+        }
+        to.write_all(&len).await?;
+        to.write_all(&payload).await?;
+        to.flush().await?;
+    }
+}
+
+/// The frame is the guest's answer that a process started.
+fn is_started(payload: &[u8]) -> bool {
+    serde_json::from_slice::<Value>(payload)
+        .is_ok_and(|v| v.get("type").and_then(Value::as_str) == Some("started"))
 }
 
 /// `yes > /dev/ttyS0`: lines of `y` at `rate` bytes a second, in 10 slices a second.

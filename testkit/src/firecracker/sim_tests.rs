@@ -434,3 +434,47 @@ async fn the_vmm_log_goes_to_its_own_file_and_never_to_the_console() {
     );
     assert!(vmm.contains("Received Error. Status code: 400"), "{vmm}");
 }
+
+/// The `hold_started_while` relay passes frames through and holds a `started` answer exactly
+/// while its hold file exists.
+#[tokio::test]
+async fn the_relay_holds_started_answers_while_the_hold_file_exists() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    fn frame(v: Value) -> Vec<u8> {
+        let body = v.to_string().into_bytes();
+        let mut f = (body.len() as u32).to_be_bytes().to_vec();
+        f.extend(body);
+        f
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let hold = dir.path().join("hold");
+    std::fs::write(&hold, b"").unwrap();
+    let (mut guest, guest_end) = tokio::io::duplex(4096);
+    let (host_end, mut host) = tokio::io::duplex(4096);
+    let relay_hold = hold.clone();
+    tokio::spawn(async move {
+        let (mut from, mut to) = (guest_end, host_end);
+        let _ = sim::relay_frames(&mut from, &mut to, &relay_hold).await;
+    });
+    let hello = frame(json!({"type": "hello", "version": 1}));
+    let started = frame(json!({"type": "started", "id": "x", "pid": 7}));
+    guest.write_all(&hello).await.unwrap();
+    guest.write_all(&started).await.unwrap();
+    let mut got = vec![0u8; hello.len()];
+    host.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, hello, "frames before the started answer pass at once");
+    let mut byte = [0u8; 1];
+    let held =
+        tokio::time::timeout(std::time::Duration::from_millis(400), host.read(&mut byte)).await;
+    assert!(
+        held.is_err(),
+        "the started answer is held while the file exists"
+    );
+    std::fs::remove_file(&hold).unwrap();
+    let mut got = vec![0u8; started.len()];
+    tokio::time::timeout(std::time::Duration::from_secs(5), host.read_exact(&mut got))
+        .await
+        .expect("released once the file is gone")
+        .unwrap();
+    assert_eq!(got, started);
+}

@@ -205,6 +205,8 @@ impl GithubSim {
             deliveries: Vec::new(),
             stats: SimStats::default(),
             workflows: Default::default(),
+            never_online_next: 0,
+            never_online: Default::default(),
         };
         let shared = Arc::new(Shared {
             config,

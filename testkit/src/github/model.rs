@@ -276,6 +276,10 @@ pub(crate) struct Model {
     pub stats: SimStats,
     /// Workflow files, dispatched runs and dispatch tokens (`workflows.rs`).
     pub workflows: super::workflows::Workflows,
+    /// How many of the next runners to connect are held offline (`POST /_admin/runner-faults`).
+    pub never_online_next: u32,
+    /// Runners held offline: their connect answers 503 for good (a runner that never comes online).
+    pub never_online: std::collections::BTreeSet<u64>,
 }
 
 impl Model {

@@ -83,17 +83,26 @@ pub async fn run_fake_runner(encoded: &str, opts: &FakeRunnerOptions) -> anyhow:
         cfg.url = url.trim_end_matches('/').to_string();
     }
     let http = HttpClient::new(Duration::from_secs(10));
-    let resp = http
-        .json(
-            Method::POST,
-            &format!("{}/_runner/connect", cfg.url),
-            &[(
-                "authorization",
-                format!("RunnerCredential {}", cfg.credential),
-            )],
-            None,
-        )
-        .await?;
+    let deadline = tokio::time::Instant::now() + opts.job_wait;
+    // Like actions/runner, a 5xx on connect is retried (until the job wait runs out): the
+    // runner stays offline meanwhile.
+    let resp = loop {
+        let resp = http
+            .json(
+                Method::POST,
+                &format!("{}/_runner/connect", cfg.url),
+                &[(
+                    "authorization",
+                    format!("RunnerCredential {}", cfg.credential),
+                )],
+                None,
+            )
+            .await?;
+        if !resp.status.is_server_error() || tokio::time::Instant::now() >= deadline {
+            break resp;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
     anyhow::ensure!(
         resp.status == StatusCode::OK,
         "connect refused: {} {}",
@@ -105,7 +114,6 @@ pub async fn run_fake_runner(encoded: &str, opts: &FakeRunnerOptions) -> anyhow:
         .ok_or_else(|| anyhow::anyhow!("connect: no session"))?
         .to_string();
     let auth = [("authorization", format!("RunnerSession {session}"))];
-    let deadline = tokio::time::Instant::now() + opts.job_wait;
     let job: SimJob = loop {
         let resp = http
             .json(

@@ -119,6 +119,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             post(admin_fault).delete(admin_clear_faults),
         )
         .route("/_admin/webhook-faults", post(admin_webhook_fault))
+        .route("/_admin/runner-faults", post(admin_runner_fault))
         .route("/_admin/webhook", put(admin_webhook))
         .route("/_admin/jobs", post(admin_queue_job).get(admin_jobs))
         .route("/_admin/jobs/{id}", get(admin_job))
@@ -887,12 +888,23 @@ async fn runner_connect(State(shared): S, headers: HeaderMap) -> ApiResult {
     let cred = runner_auth(&headers, "RunnerCredential")
         .ok_or_else(|| ApiError::new(StatusCode::UNAUTHORIZED, "Requires authentication"))?;
     let mut m = shared.model();
-    let id = m.credentials.remove(&cred).ok_or_else(|| {
+    let id = *m.credentials.get(&cred).ok_or_else(|| {
         ApiError::new(
             StatusCode::UNAUTHORIZED,
             "JIT configuration unknown or already used",
         )
     })?;
+    // A runner held offline keeps its credential and is refused on every try.
+    if m.never_online.contains(&id) || m.never_online_next > 0 {
+        if m.never_online.insert(id) {
+            m.never_online_next -= 1;
+        }
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "runner held offline (admin runner-faults never_online)",
+        ));
+    }
+    m.credentials.remove(&cred);
     let runner = m.runners.get_mut(&id).ok_or_else(ApiError::not_found)?;
     runner.status = "online".into();
     let body = json!({ "runner_id": id, "runner_name": runner.name, "labels": runner.labels });
@@ -1040,6 +1052,17 @@ struct WebhookFaultBody {
 
 async fn admin_webhook_fault(State(shared): S, Json(b): Json<WebhookFaultBody>) -> StatusCode {
     shared.model().webhook_faults.push_back((b.fault, b.count));
+    StatusCode::NO_CONTENT
+}
+
+#[derive(Deserialize)]
+struct RunnerFaultBody {
+    /// The next this many runners to connect never come online.
+    never_online: u32,
+}
+
+async fn admin_runner_fault(State(shared): S, Json(b): Json<RunnerFaultBody>) -> StatusCode {
+    shared.model().never_online_next += b.never_online;
     StatusCode::NO_CONTENT
 }
 

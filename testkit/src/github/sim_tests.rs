@@ -492,3 +492,57 @@ async fn runs_follow_their_jobs_and_conditional_gets_are_free() {
     assert_eq!(sim.installation_rate_remaining(), before - 1);
     assert_eq!(sim.stats().charged_requests, charged + 1);
 }
+
+/// `POST /_admin/runner-faults {"never_online": 1}`: the next runner to connect is refused with 503
+/// on every try (it stays offline and its fake runner gives up after its job wait); the one after
+/// it connects and runs a job.
+#[tokio::test]
+async fn a_runner_held_never_online_stays_offline_and_the_next_one_connects() {
+    use super::JobSpec;
+    use super::runner_protocol::{FakeRunnerOptions, run_fake_runner};
+    let sim = sim_with(|_| {}).await;
+    let t = token(&sim).await;
+    let mut configs = Vec::new();
+    for name in ["held", "next"] {
+        let body = json!({"name": name, "runner_group_id": 1, "labels": ["imp"]});
+        let r = req(
+            &sim,
+            Method::POST,
+            "/orgs/octo-org/actions/runners/generate-jitconfig",
+            Some(&t),
+            Some(body),
+        )
+        .await;
+        configs.push(r.json()["encoded_jit_config"].as_str().unwrap().to_string());
+    }
+    let r = req(
+        &sim,
+        Method::POST,
+        "/_admin/runner-faults",
+        None,
+        Some(json!({"never_online": 1})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT);
+    let job = sim.queue_job(JobSpec {
+        labels: vec!["imp".into()],
+        ..Default::default()
+    });
+    let short = FakeRunnerOptions {
+        job_wait: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let err = run_fake_runner(&configs[0], &short).await.unwrap_err();
+    assert!(err.to_string().contains("503"), "{err:#}");
+    let runners = req(&sim, Method::GET, "/_admin/runners", None, None).await;
+    let held = runners
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "held")
+        .cloned();
+    assert_eq!(held.unwrap()["status"], "offline");
+    let ran = run_fake_runner(&configs[1], &short).await.unwrap();
+    assert_eq!(ran.id, job.id);
+}
