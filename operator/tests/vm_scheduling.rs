@@ -9,6 +9,7 @@ use imp_api::{
     VmPhase,
     names::{FINALIZER_VM_CLEANUP, condition, reason},
 };
+use imp_operator::vm::Timing;
 use imp_testkit::fixtures;
 use k8s_openapi::api::core::v1::Toleration;
 use kube::{ResourceExt, api::DeleteParams};
@@ -277,6 +278,41 @@ async fn agent_published_capacity_overrides_allocatable() {
         .await
         .unwrap();
     let vm = h.wait_phase("vm1", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&vm), Some(node.as_str()));
+    h.finish().await;
+}
+
+/// A teardown frees its share for the VMs waiting for room at once, not at their next
+/// unschedulable retry (60 s here): the chaos suite's replacements waited 15 s for it on a node
+/// with room for one runner.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_teardown_schedules_the_waiting_vm_at_once() {
+    let mut h = Harness::start_with(
+        "vmnudge",
+        Timing {
+            unschedulable_retry: Duration::from_secs(60),
+            ..fast_timing()
+        },
+    )
+    .await;
+    let node = h.add_node("n", 1, 8192).await;
+    let class = h.add_class("one-cpu", 1, 1024, None).await;
+    h.create_vm(fixtures::vm("first").class(&class)).await;
+    h.wait_phase("first", VmPhase::Scheduled, WAIT).await;
+    h.create_vm(fixtures::vm("second").class(&class)).await;
+    h.wait_vm("second", "Unschedulable", WAIT, |vm| {
+        vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::UNSCHEDULABLE)
+    })
+    .await;
+    h.vms()
+        .delete("first", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_phase("first", VmPhase::Terminating, WAIT).await;
+    h.agent_torn_down("first").await;
+    let vm = h
+        .wait_phase("second", VmPhase::Scheduled, Duration::from_secs(10))
+        .await;
     assert_eq!(node_of(&vm), Some(node.as_str()));
     h.finish().await;
 }

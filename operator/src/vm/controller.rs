@@ -86,6 +86,9 @@ pub struct Context {
     /// Held across choose-and-bind so two VMs cannot both take the last free slot of a node.
     assumed: Mutex<HashMap<String, Assumed>>,
     caches_ready: AtomicBool,
+    /// VMs to reconcile again now: the unbound ones once a bound VM's finalizer went, so capacity
+    /// it freed is used at once rather than at the next unschedulable retry.
+    nudge: tokio::sync::mpsc::UnboundedSender<ObjectRef<ImpVM>>,
 }
 
 /// Runs the ImpVM controller until its watches end (or the task is dropped). `ready` turns true once the
@@ -155,7 +158,13 @@ pub async fn run_vm_controller(
     .default_backoff()
     .touched_objects();
 
-    let controller = Controller::new(vms_api, watcher::Config::default());
+    let (nudge, nudged) = tokio::sync::mpsc::unbounded_channel();
+    let nudged =
+        futures::stream::unfold(
+            nudged,
+            |mut rx| async move { rx.recv().await.map(|r| (r, rx)) },
+        );
+    let controller = Controller::new(vms_api, watcher::Config::default()).reconcile_on(nudged);
     let vms = controller.store();
     let recorder = Recorder::new(
         client.clone(),
@@ -177,6 +186,7 @@ pub async fn run_vm_controller(
         ipam: Ipam::new(client.clone()),
         assumed: Mutex::new(HashMap::new()),
         caches_ready: AtomicBool::new(false),
+        nudge,
     });
 
     {
@@ -520,6 +530,15 @@ impl Context {
             }
             if plan.remove_finalizer {
                 info!(vm = %what, "finalizer removed");
+                // Its resources on the node are released: VMs waiting for room try again now.
+                if vm.spec.node_name.as_deref().is_some_and(|n| !n.is_empty()) {
+                    for r in refs(&self.vms, |v| {
+                        v.spec.node_name.as_deref().is_none_or(str::is_empty)
+                            && v.metadata.deletion_timestamp.is_none()
+                    }) {
+                        let _ = self.nudge.send(r);
+                    }
+                }
             }
             self.report(vm, &plan.notes, &plan.counted).await;
             return Ok(resync);
@@ -613,10 +632,14 @@ impl Context {
                 continue;
             };
             seen_bound.insert(uid.clone(), node.to_owned());
+            // Torn down counts as stopped: the node released its resources (the VM object goes
+            // a moment later, when its finalizer is removed).
             let stopped = matches!(
                 vm.status.as_ref().and_then(|s| s.phase),
                 Some(VmPhase::Succeeded | VmPhase::Failed | VmPhase::RetryExhausted)
-            );
+            ) || vm.status.as_ref().is_some_and(|s| {
+                imp_api::conditions::is_true(&s.conditions, imp_api::names::condition::TORN_DOWN)
+            });
             if uid == except_uid || stopped {
                 continue;
             }
