@@ -499,6 +499,14 @@ if [[ $chaos == 1 && $guest == qemu ]]; then
   kubectl patch imprp imp --type=merge -p '{"spec":{"scaling":{"minIdle":1}}}' >/dev/null
   idle_started() { kubectl get impvm -l imp.dev/runner-pool=imp -o json | jq -e '[.items[] | select(.status.runner.handoff == "Started")] | length > 0'; }
   wait_for 60 idle_started || fail "switching to the simulated path: no idle runner started on the simulator"
+  # The deleted idle runner's GitHub registration goes with the pool's next runner sweep (which the
+  # minIdle patch triggers), not with its VM: wait until every registration is a live VM's.
+  registered_live() {
+    local live
+    live=$(kubectl get impvm -o json | jq -c '[.items[] | .metadata.annotations["imp.dev/github-runner-name"] // empty]')
+    curl -sf "$sim/_admin/runners" | jq -e --argjson live "$live" '(map(.name) - $live) | length == 0'
+  }
+  wait_for 90 registered_live || fail "switching to the simulated path: registrations of deleted VMs left: $(curl -sf "$sim/_admin/runners" | jq -c 'map(.name)')"
   pass "node switched to the Firecracker simulator for the chaos scenarios (pool drained, runtime and agent restarted, runner idle again: $((SECONDS - t_switch)) s)"
 fi
 if [[ $chaos == 1 ]]; then
