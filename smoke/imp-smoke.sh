@@ -71,34 +71,36 @@ if [[ "$mode" == local ]]; then
   # tool:Debian package. IMP_INSTALL_DEPS=1 (CI sets it) installs what is missing, quietly: the
   # first line of output is the path statement.
   needs=(ip:iproute2 nft:nftables python3:python3 curl:curl jq:jq docker-registry:docker-registry)
-  [[ $guest == simulated ]] || needs+=(qemu-system-x86_64:qemu-system-x86 cpio:cpio skopeo:skopeo modinfo:kmod readelf:binutils)
-  missing=()
+  guest_needs=(qemu-system-x86_64:qemu-system-x86 cpio:cpio skopeo:skopeo modinfo:kmod readelf:binutils)
+  missing=() guest_missing=() got=()
   for need in "${needs[@]}"; do command -v "${need%%:*}" >/dev/null || missing+=("${need#*:}"); done
   static_busybox() { [[ -x /bin/busybox ]] && ! readelf -d /bin/busybox 2>/dev/null | grep -q NEEDED; }
   if [[ $guest != simulated ]]; then
-    compgen -G '/boot/vmlinuz-*-cloud-amd64' >/dev/null || missing+=(linux-image-cloud-amd64)
-    static_busybox || missing+=(busybox-static)
+    for need in "${guest_needs[@]}"; do command -v "${need%%:*}" >/dev/null || guest_missing+=("${need#*:}"); done
+    compgen -G '/boot/vmlinuz-*-cloud-amd64' >/dev/null || guest_missing+=(linux-image-cloud-amd64)
+    static_busybox || guest_missing+=(busybox-static)
   fi
-  installed=""
-  if ((${#missing[@]})) && [[ "${IMP_INSTALL_DEPS:-}" == 1 ]]; then
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; } \
-      >"/tmp/imp-smoke-apt.$$.log" 2>&1 || fail "apt-get install ${missing[*]}: $(tail -3 "/tmp/imp-smoke-apt.$$.log")"
+  if ((${#missing[@]} + ${#guest_missing[@]})) && [[ "${IMP_INSTALL_DEPS:-}" == 1 ]]; then
+    got=("${missing[@]}" "${guest_missing[@]}")
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${got[@]}"; } \
+      >"/tmp/imp-smoke-apt.$$.log" 2>&1 || fail "apt-get install ${got[*]}: $(tail -3 "/tmp/imp-smoke-apt.$$.log")"
     rm -f "/tmp/imp-smoke-apt.$$.log"
-    installed=" (installed ${missing[*]})"
-    missing=()
+    missing=() guest_missing=()
   fi
   if [[ $guest != simulated ]] && ! command -v vhost-device-vsock >/dev/null && [[ "${IMP_INSTALL_DEPS:-}" == 1 ]]; then
     cargo install -q --locked vhost-device-vsock --version 0.3.0 >"/tmp/imp-smoke-vsock.$$.log" 2>&1 \
       || fail "cargo install vhost-device-vsock: $(tail -3 "/tmp/imp-smoke-vsock.$$.log")"
     rm -f "/tmp/imp-smoke-vsock.$$.log"
-    installed="${installed:+${installed%)}, }${installed:- (installed }vhost-device-vsock)"
+    got+=(vhost-device-vsock)
   fi
+  installed=""; ((${#got[@]} == 0)) || installed=" (installed ${got[*]})"
   # The real-guest path when this host has everything for it; else why not.
   why_not=""
   if [[ $guest != simulated ]]; then
     kernel=$(compgen -G '/boot/vmlinuz-*-cloud-amd64' | sort -V | tail -1 || true)
     kver=${kernel#/boot/vmlinuz-}
-    if ! command -v qemu-system-x86_64 >/dev/null; then why_not="no qemu-system-x86_64 (Debian: qemu-system-x86)"
+    if ((${#guest_missing[@]})); then why_not="missing Debian packages ${guest_missing[*]}"
+    elif ! command -v qemu-system-x86_64 >/dev/null; then why_not="no qemu-system-x86_64 (Debian: qemu-system-x86)"
     elif [[ -z "$kernel" ]]; then why_not="no /boot/vmlinuz-*-cloud-amd64 (Debian: linux-image-cloud-amd64)"
     elif ! modinfo -k "$kver" -F filename vmw_vsock_virtio_transport 2>/dev/null | grep -q '\.ko$'; then why_not="no vsock modules for $kver in /lib/modules"
     elif ! static_busybox; then why_not="no static /bin/busybox (Debian: busybox-static)"
