@@ -64,10 +64,12 @@ monitoring: testenv
 real-node: testenv
 	$(CARGO) test -p imp-testkit --locked --test real_node -- --nocapture
 
-## The local smoke run (root): the runner lifecycle against the simulators and a real API server, in a
-## network namespace of its own; prints a per-phase timeline (JSON in target/imp-smoke/report.json), then
-## the chaos scenarios and their invariants (imp-chaos-check), and fails if anything of its own is left.
-## About 35 s without --chaos, 2 min with it, on a warm tree. IMP_INSTALL_DEPS=1 installs its Debian packages.
+## The local smoke run (root): the runner lifecycle against the GitHub simulator and a real API server, in
+## network namespaces of its own, on a real guest where the host allows it (imp-runtime's QEMU backend,
+## KVM or TCG; else the Firecracker simulator, and the first line says why); prints a per-phase timeline
+## (JSON in target/imp-smoke/report.json), then the chaos scenarios on the simulated path and their
+## invariants (imp-chaos-check), and fails if anything of its own is left. IMP_INSTALL_DEPS=1 installs its
+## Debian packages and vhost-device-vsock. --guest simulated|qemu forces a path.
 smoke: testenv
 	smoke/imp-smoke.sh --local --chaos
 

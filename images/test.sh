@@ -72,7 +72,7 @@ check_layout() {
 # --- fake-runner variant -----------------------------------------------------------------------
 fake="${IMP_FAKE_RUNNER:-}"
 if [ -z "$fake" ]; then
-    (cd "$repo" && cargo build -q -p imp-testkit --bin imp-fake-runner)
+    (cd "$repo" && cargo build -q -p imp-fake-runner)
     fake="$target_dir/debug/imp-fake-runner"
 fi
 # A debug build is ~150 MB; its symbols only slow gzip down.

@@ -61,7 +61,7 @@ if [ -n "$tarball" ]; then
         die "cannot unpack $tarball (expected actions-runner-linux-x64-<ver>.tar.gz)"
     [ -f "$runner/run.sh" ] || die "$tarball has no run.sh at its top: not an actions/runner tarball"
 else
-    [ -x "$fake" ] || die "--fake-runner $fake is not an executable (cargo build -p imp-testkit --bin imp-fake-runner)"
+    [ -x "$fake" ] || die "--fake-runner $fake is not an executable (cargo build -p imp-fake-runner)"
     need ldd libc-bin
     need readelf binutils
     mkdir -p "$runner/bin" "$runner/lib"

@@ -128,7 +128,7 @@ async fn scenario(id: &str) {
             ("imp-node", "imp-agent"),
             ("imp-node", "imp-runtime"),
             ("imp-testkit", "imp-firecracker-sim"),
-            ("imp-testkit", "imp-fake-runner"),
+            ("imp-fake-runner", "imp-fake-runner"),
         ],
         &[
             "api",
@@ -136,6 +136,7 @@ async fn scenario(id: &str) {
             "operator",
             "node",
             "testkit/src",
+            "fake-runner/src",
             "Cargo.lock",
         ],
     )

@@ -12,7 +12,7 @@ use imp_testkit::github::{GithubSim, KeyFormat, SimConfig};
 #[derive(Parser)]
 #[command(name = "github-sim", about = "Imp's GitHub API simulator")]
 struct Args {
-    /// Listen address (loopback only).
+    /// Listen address (loopback, or TEST-NET inside a test's network namespace).
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: String,
     #[arg(long, default_value = "octo-org")]
@@ -52,9 +52,18 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let ip: std::net::SocketAddr = args.listen.parse()?;
+    // Loopback, or a TEST-NET address (RFC 5737: never routed), which only a test's own network
+    // namespace has (smoke/imp-smoke.sh puts the simulator on 198.51.100.1).
+    let test_net = match ip.ip() {
+        std::net::IpAddr::V4(v4) => matches!(
+            v4.octets(),
+            [192, 0, 2, _] | [198, 51, 100, _] | [203, 0, 113, _]
+        ),
+        std::net::IpAddr::V6(_) => false,
+    };
     anyhow::ensure!(
-        ip.ip().is_loopback(),
-        "the simulator listens on loopback only"
+        ip.ip().is_loopback() || test_net,
+        "the simulator listens on loopback or a TEST-NET address only"
     );
     let config = SimConfig {
         org: args.org,

@@ -546,7 +546,7 @@ impl AdminClient {
 
 /// Path of the `imp-fake-runner` binary: `$IMP_FAKE_RUNNER_BIN`; else the one beside the running
 /// test when it is newer than every testkit source; else built once per process with
-/// `cargo build -p imp-testkit --bin imp-fake-runner` into the target dir the test lives in.
+/// `cargo build -p imp-fake-runner --bin imp-fake-runner` into the target dir the test lives in.
 pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
     static BUILT: std::sync::OnceLock<Result<std::path::PathBuf, String>> =
         std::sync::OnceLock::new();
@@ -556,8 +556,8 @@ pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
     BUILT
         .get_or_init(|| {
             crate::bins::ensure_built(
-                &[("imp-testkit", "imp-fake-runner")],
-                &["testkit/src", "testkit/Cargo.toml"],
+                &[("imp-fake-runner", "imp-fake-runner")],
+                &["fake-runner/src", "fake-runner/Cargo.toml"],
             )
             .map(|mut paths| paths.remove(0))
         })

@@ -1,4 +1,6 @@
-//! A fake GitHub Actions runner for the GitHub simulator, used inside guests in tests.
+//! A fake GitHub Actions runner for the GitHub simulator, used inside guests in tests (static:
+//! `RUSTFLAGS='-C target-feature=+crt-static' cargo build --target x86_64-unknown-linux-gnu -p
+//! imp-fake-runner`, smoke/imp-smoke.sh --guest qemu).
 //!
 //! Like `actions/runner run --jitconfig <config>`, it takes a one-time JIT config, connects,
 //! takes one queued job whose labels match, reports completion and exits 0. Imp delivers the
@@ -10,7 +12,7 @@
 use std::time::Duration;
 
 use clap::Parser;
-use imp_testkit::github::runner_protocol::{FakeRunnerOptions, JITCONFIG_ENV, run_fake_runner};
+use imp_fake_runner::{FakeRunnerOptions, JITCONFIG_ENV};
 
 #[derive(Parser)]
 #[command(
@@ -55,11 +57,11 @@ async fn main() {
         conclusion: args.conclusion,
         url_override: args.url,
     };
-    match run_fake_runner(&config, &opts).await {
+    match imp_fake_runner::run(&config, &opts).await {
         Ok(job) => {
             println!(
                 "imp-fake-runner: job {} completed ({})",
-                job.id, opts.conclusion
+                job["id"], opts.conclusion
             );
         }
         Err(e) => {
