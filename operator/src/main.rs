@@ -338,11 +338,11 @@ mod tests {
             argv.extend_from_slice(extra);
             Args::try_parse_from(argv).map(|a| a.pressure_lifecycle)
         };
-        assert_eq!(parse(&[]).unwrap(), false);
-        assert_eq!(parse(&["--pressure-lifecycle"]).unwrap(), true);
+        assert!(!parse(&[]).unwrap());
+        assert!(parse(&["--pressure-lifecycle"]).unwrap());
         // The chart passes the value's string: IMP_PRESSURE_LIFECYCLE="false" or "true".
-        assert_eq!(parse(&["--pressure-lifecycle=false"]).unwrap(), false);
-        assert_eq!(parse(&["--pressure-lifecycle=true"]).unwrap(), true);
+        assert!(!parse(&["--pressure-lifecycle=false"]).unwrap());
+        assert!(parse(&["--pressure-lifecycle=true"]).unwrap());
         assert!(parse(&["--pressure-lifecycle=maybe"]).is_err());
         let args = Args::try_parse_from(["imp-operator"]).unwrap();
         assert_eq!(args.pressure_suspend_timeout, Duration::from_secs(300));
