@@ -88,11 +88,14 @@ async fn wait_suspend_asked(h: &Harness, name: &str) -> ImpVM {
     .await
 }
 
-fn start_lifecycle(h: &Harness) -> (tokio::task::JoinHandle<()>, Registry) {
+fn start_lifecycle(
+    h: &Harness,
+    suspend_timeout: Duration,
+) -> (tokio::task::JoinHandle<()>, Registry) {
     let config = PressureConfig {
         vm_namespace: Some(h.ns.clone()),
         node_selector: Some(format!("{TEST_NODE_LABEL}={}", h.ns)),
-        suspend_timeout: Duration::from_secs(120),
+        suspend_timeout,
         resync: Duration::from_millis(300),
         ..PressureConfig::new()
     };
@@ -121,7 +124,7 @@ async fn memory_pressure_suspends_the_largest_first_one_at_a_time_and_never_resu
     running_vm(&h, "job", &huge, &n1, false).await;
     // Largest of all, on a node without pressure.
     running_vm(&h, "other", &huge, &n2, true).await;
-    let (lifecycle, registry) = start_lifecycle(&h);
+    let (lifecycle, registry) = start_lifecycle(&h, Duration::from_secs(120));
 
     stays_unsuspended(
         &h,
@@ -220,6 +223,46 @@ async fn memory_pressure_suspends_the_largest_first_one_at_a_time_and_never_resu
             "{name}"
         );
     }
+    lifecycle.abort();
+    h.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_suspend_that_never_completes_stops_holding_back_the_next_after_the_timeout() {
+    let mut h = Harness::start("pressstall").await;
+    let n1 = h.add_node("n1", 8, 16384).await;
+    let small = h.add_class("small", 1, 512, None).await;
+    let big = h.add_class("big", 1, 2048, None).await;
+    running_vm(&h, "big", &big, &n1, true).await;
+    running_vm(&h, "small", &small, &n1, true).await;
+    let (lifecycle, registry) = start_lifecycle(&h, Duration::from_secs(3));
+    h.set_node_condition(&n1, "MemoryPressure", "True").await;
+    let asked = Instant::now();
+    wait_suspend_asked(&h, "big").await;
+    // The agent never reports Suspending or Suspended.
+    let note = h
+        .wait_event("big", reason::PRESSURE_SUSPEND_STALLED, WITHIN)
+        .await;
+    assert!(
+        asked.elapsed() >= Duration::from_secs(2),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert!(note.contains("still Running"), "{note}");
+    let next = wait_suspend_asked(&h, "small").await;
+    let big_now = h.vms().get("big").await.unwrap();
+    assert_eq!(desired(&big_now), DesiredState::Suspended);
+    assert_eq!(
+        cond(&big_now, condition::PRESSURE_SUSPENDED),
+        Some(("True".into(), reason::PRESSURE_SUSPEND_STALLED.into()))
+    );
+    assert!(marked(&next));
+    let text = encode(&registry).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l == "imp_pressure_suspend_stalls_total 1"),
+        "{text}"
+    );
     lifecycle.abort();
     h.finish().await;
 }
