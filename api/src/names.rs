@@ -37,6 +37,10 @@ pub const ANNOTATION_RUNNER_NAME: &str = "imp.dev/github-runner-name";
 /// Annotation on an ImpVM: its built-in IPAM address `ADDR/PREFIX`, written by the operator together
 /// with the binding (spec.nodeName); the agent starts a VM with a networkRef only once it is there.
 pub const ANNOTATION_IP_ALLOCATION: &str = "imp.dev/ip-allocation";
+/// Annotation on an ImpVM the memory-pressure lifecycle suspended: when it set `spec.desiredState:
+/// Suspended` (RFC 3339), written in the same patch. It marks the suspend as the lifecycle's (not a
+/// user's) and is removed once the VM is resumed (docs/architecture.md, pressureLifecycle).
+pub const ANNOTATION_PRESSURE_SUSPENDED_AT: &str = "imp.dev/pressure-suspended-at";
 /// Key inside a JIT Secret holding the encoded runner config.
 pub const SECRET_KEY_JITCONFIG: &str = "jitconfig";
 /// Field manager used by the operator for server-side apply and status patches.
@@ -86,6 +90,9 @@ pub mod condition {
     pub const NODE_HEALTHY: &str = "NodeHealthy";
     /// ImpVM: the node agent finished teardown (process, TAP, IP, per-VM disk released).
     pub const TORN_DOWN: &str = "TornDown";
+    /// ImpVM: the operator's memory-pressure lifecycle suspended the VM (True until someone sets
+    /// `spec.desiredState` back to Running; the message says how).
+    pub const PRESSURE_SUSPENDED: &str = "PressureSuspended";
     /// Pool: the GitHub App credentials work.
     pub const CREDENTIALS_VALID: &str = "CredentialsValid";
     /// Pool: maxRunners reached.
@@ -414,6 +421,13 @@ pub mod reason {
         READINESS_PROBE_PASSED = "ReadinessProbePassed" in [VmCondition(READY), VmEvent];
         /// Warning: a VM claims the pool (label, owner reference) but its spec is not the pool's template; deleted, never minted for.
         FOREIGN_RUNNER_VM = "ForeignRunnerVm" in [PoolEvent];
+        // operator (issue 19): the memory-pressure lifecycle (pressureLifecycle.enabled).
+        /// The VM's node reports MemoryPressure: the operator set spec.desiredState to Suspended (largest resident VM first); it is never resumed automatically.
+        SUSPENDED_FOR_MEMORY_PRESSURE = "SuspendedForMemoryPressure" in [VmCondition(condition::PRESSURE_SUSPENDED), VmEvent];
+        /// Warning: a VM suspended for memory pressure did not reach Suspended in time; the lifecycle moves on to the next VM on the node.
+        PRESSURE_SUSPEND_STALLED = "PressureSuspendStalled" in [VmCondition(condition::PRESSURE_SUSPENDED), VmEvent];
+        /// spec.desiredState is no longer Suspended after a memory-pressure suspend (someone resumed the VM); it is not suspended again while that pressure lasts.
+        PRESSURE_SUSPEND_LIFTED = "PressureSuspendLifted" in [VmCondition(condition::PRESSURE_SUSPENDED), VmEvent];
     }
 
     /// docs/reasons.md: one table row per reason, in [`ALL`]'s order.

@@ -60,6 +60,10 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 // name that can be swapped after the check would undo that, so it is fixed once set.
 #[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.runnerConfigSecret) && self.runnerConfigSecret == oldSelf.runnerConfigSecret)")
     .message("runnerConfigSecret cannot change or be removed once set").field_path(".runnerConfigSecret"))]
+// A one-job VM has nothing to come back to: suspending it would only hold its node's memory and its
+// runner's job. Runner VMs are ephemeral and carry runnerConfigSecret; either marks a VM as one.
+#[x_kube(validation = kube::core::Rule::new("!has(self.desiredState) || !(self.desiredState in ['Suspended', 'ScaleToZero']) || (self.lifecycle == 'persistent' && !has(self.runnerConfigSecret))")
+    .message("only persistent VMs without a runnerConfigSecret may be Suspended or ScaleToZero; ephemeral and runner VMs run to completion").field_path(".desiredState"))]
 pub struct ImpVMSpec {
     /// The ImpVMClass giving size and behaviour.
     pub class_ref: ClassRef,

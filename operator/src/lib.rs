@@ -3,6 +3,7 @@ pub mod github;
 pub mod ipam;
 pub mod leader;
 pub mod metrics;
+pub mod pressure;
 pub mod runnerpool;
 pub mod scheduler;
 pub mod vm;

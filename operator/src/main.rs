@@ -27,7 +27,8 @@ use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
     leader::{ElectionConfig, leader_only, run_elector, while_leading},
-    metrics::{VmMetrics, encode},
+    metrics::{PressureMetrics, VmMetrics, encode},
+    pressure::{PressureConfig, run_pressure_lifecycle},
     runnerpool::{
         PoolControllerConfig, PoolMetrics, PoolShared, PoolTiming, SecretKeySelector,
         run_runnerpool_controller,
@@ -83,6 +84,16 @@ struct Args {
     /// A runner Started this long ago that GitHub never listed online is replaced (`RunnerNeverOnline`).
     #[arg(long, env = "IMP_RUNNER_ONLINE_DEADLINE", default_value = "5m", value_parser = positive_duration)]
     runner_online_deadline: Duration,
+    /// Under node MemoryPressure, suspend resident persistent VMs, largest memory first, until it clears;
+    /// never resume them (chart `pressureLifecycle.enabled`; docs/architecture.md). Off by default.
+    #[arg(long, env = "IMP_PRESSURE_LIFECYCLE", action = clap::ArgAction::Set, num_args = 0..=1,
+          default_value_t = false, default_missing_value = "true",
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pressure_lifecycle: bool,
+    /// pressureLifecycle: a VM it suspended that has not reported Suspended this long no longer holds
+    /// back the next one on its node (`PressureSuspendStalled`).
+    #[arg(long, env = "IMP_PRESSURE_SUSPEND_TIMEOUT", default_value = "5m", value_parser = positive_duration)]
+    pressure_suspend_timeout: Duration,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -193,6 +204,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     vm_metrics.register(&mut registry);
     github_metrics.register(&mut registry);
     pool_metrics.register(&mut registry);
+    let pressure_metrics = PressureMetrics::sharing_reconcile(&vm_metrics);
+    if args.pressure_lifecycle {
+        pressure_metrics.register(&mut registry);
+    }
     let ready = Arc::new(AtomicBool::new(false));
     let (leading_tx, leading) = watch::channel(false);
 
@@ -243,12 +258,29 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let _ = release_rx.await;
     }));
 
+    let pressure_config = PressureConfig {
+        vm_namespace: config.vm_namespace.clone(),
+        node_selector: config.node_selector.clone(),
+        suspend_timeout: args.pressure_suspend_timeout,
+        ..PressureConfig::new()
+    };
+    let (pressure_client, pressure_on) = (client.clone(), args.pressure_lifecycle);
+    let pressure = async move {
+        if pressure_on {
+            info!(suspend_timeout = ?pressure_config.suspend_timeout, "pressureLifecycle enabled");
+            run_pressure_lifecycle(pressure_client, pressure_config, pressure_metrics).await;
+        } else {
+            info!("pressureLifecycle disabled (IMP_PRESSURE_LIFECYCLE)");
+            std::future::pending::<()>().await;
+        }
+    };
     let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
     let pools = run_runnerpool_controller(client, pool_config, shared);
     let lead = while_leading(leading, async {
         tokio::select! {
             () = vms => error!("the ImpVM controller stopped"),
             () = pools => error!("the runner pool controller stopped"),
+            () = pressure => error!("the pressureLifecycle stopped"),
         }
     });
     let server = axum::serve(listener, app).with_graceful_shutdown(shutdown.recv());
@@ -297,6 +329,23 @@ mod tests {
             (t.reap_interval, t.boot_deadline, t.runner_online_deadline),
             (d.reap_interval, d.boot_deadline, d.runner_online_deadline)
         );
+    }
+
+    #[test]
+    fn the_pressure_lifecycle_is_off_unless_asked_for() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["imp-operator"];
+            argv.extend_from_slice(extra);
+            Args::try_parse_from(argv).map(|a| a.pressure_lifecycle)
+        };
+        assert!(!parse(&[]).unwrap());
+        assert!(parse(&["--pressure-lifecycle"]).unwrap());
+        // The chart passes the value's string: IMP_PRESSURE_LIFECYCLE="false" or "true".
+        assert!(!parse(&["--pressure-lifecycle=false"]).unwrap());
+        assert!(parse(&["--pressure-lifecycle=true"]).unwrap());
+        assert!(parse(&["--pressure-lifecycle=maybe"]).is_err());
+        let args = Args::try_parse_from(["imp-operator"]).unwrap();
+        assert_eq!(args.pressure_suspend_timeout, Duration::from_secs(300));
     }
 
     #[test]

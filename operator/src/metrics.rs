@@ -204,6 +204,69 @@ impl VmMetrics {
     }
 }
 
+/// Metrics of the memory-pressure lifecycle ([`crate::pressure`]), exported only when it is enabled.
+#[derive(Clone, Default)]
+pub struct PressureMetrics {
+    /// `imp_pressure_suspensions_total{node}`: VMs the lifecycle set to desiredState Suspended.
+    pub suspensions: Family<NodeLabels, Counter>,
+    /// `imp_pressure_suspend_stalls_total`: suspends not reported Suspended within the timeout.
+    pub stalls: Counter,
+    /// `imp_pressure_lifts_total`: lifecycle suspends lifted by someone setting another desiredState.
+    pub lifts: Counter,
+    /// `imp_pressure_nodes`: watched nodes whose MemoryPressure condition is True.
+    pub nodes: Gauge,
+    /// `imp_pressure_nodes_exhausted`: of those, nodes with nothing left the lifecycle may suspend.
+    pub nodes_exhausted: Gauge,
+    /// `imp_pressure_suspended_vms`: VMs the lifecycle holds at desiredState Suspended.
+    pub held: Gauge,
+    /// Failed writes, under `imp_operator_reconcile_errors_total{controller="pressure"}` when shared
+    /// with the ImpVM controller's metrics ([`PressureMetrics::sharing_reconcile`]).
+    pub errors: Family<ErrorLabels, Counter>,
+}
+
+impl PressureMetrics {
+    /// Failed writes counted in the ImpVM controller's `imp_operator_reconcile_errors_total`.
+    pub fn sharing_reconcile(vm: &VmMetrics) -> Self {
+        PressureMetrics {
+            errors: vm.reconcile_errors.clone(),
+            ..Default::default()
+        }
+    }
+
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "imp_pressure_suspensions",
+            "ImpVMs the memory-pressure lifecycle suspended, by node",
+            self.suspensions.clone(),
+        );
+        registry.register(
+            "imp_pressure_suspend_stalls",
+            "Memory-pressure suspends not reported Suspended within the timeout",
+            self.stalls.clone(),
+        );
+        registry.register(
+            "imp_pressure_lifts",
+            "Memory-pressure suspends lifted by a new desiredState",
+            self.lifts.clone(),
+        );
+        registry.register(
+            "imp_pressure_nodes",
+            "Watched nodes whose MemoryPressure condition is True",
+            self.nodes.clone(),
+        );
+        registry.register(
+            "imp_pressure_nodes_exhausted",
+            "Nodes under MemoryPressure with nothing left the lifecycle may suspend",
+            self.nodes_exhausted.clone(),
+        );
+        registry.register(
+            "imp_pressure_suspended_vms",
+            "ImpVMs the memory-pressure lifecycle holds at desiredState Suspended",
+            self.held.clone(),
+        );
+    }
+}
+
 /// Counts a failed reconcile pass of `controller` under the error's [`crate::error::Error::metric_label`].
 pub fn count_reconcile_error(
     errors: &Family<ErrorLabels, Counter>,
@@ -301,6 +364,43 @@ mod tests {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
+        imp_testkit::metrics::assert_every_family_documented(&text);
+    }
+
+    #[test]
+    fn pressure_metrics_are_documented_and_share_the_reconcile_errors() {
+        let vm = VmMetrics::default();
+        let metrics = PressureMetrics::sharing_reconcile(&vm);
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        metrics
+            .suspensions
+            .get_or_create(&NodeLabels { node: "n1".into() })
+            .inc();
+        metrics.stalls.inc();
+        metrics.lifts.inc();
+        metrics.nodes.set(2);
+        metrics.nodes_exhausted.set(1);
+        metrics.held.set(3);
+        count_reconcile_error(
+            &metrics.errors,
+            "pressure",
+            &crate::error::Error::Conflict("x".into()),
+        );
+        let text = encode(&registry).unwrap();
+        assert_eq!(text.lines().filter(|l| l.starts_with("# TYPE ")).count(), 6);
+        for line in [
+            "imp_pressure_suspensions_total{node=\"n1\"} 1",
+            "imp_pressure_suspend_stalls_total 1",
+            "imp_pressure_suspended_vms 3",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+        let mut vm_registry = Registry::default();
+        vm.register(&mut vm_registry);
+        assert!(encode(&vm_registry).unwrap().contains(
+            "imp_operator_reconcile_errors_total{controller=\"pressure\",error=\"conflict\"} 1"
+        ));
         imp_testkit::metrics::assert_every_family_documented(&text);
     }
 }
