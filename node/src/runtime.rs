@@ -574,7 +574,11 @@ impl Runtime {
             tracing::warn!(error = %e, "network reconcile at startup failed");
         }
         drop(net);
+        if rows_have_network(&self.inventory.list().await?) {
+            self.sync_wake_counters().await;
+        }
         self.refresh_state_gauge().await;
+        self.refresh_snapshot_gauge().await;
         Ok(())
     }
 
@@ -582,6 +586,7 @@ impl Runtime {
     /// its directory: one spawned by a bring-up cancelled before it recorded the pid), release
     /// its host resources, remove its directory and row.
     async fn remove_vm(&self, r: &VmRecord, how: Stop) -> Result<(), RuntimeError> {
+        self.remove_snapshot(r);
         if let Some(vmm) = Self::vmm_of(r) {
             match how {
                 Stop::Graceful => vmm.stop(self.cfg.stop_timeout).await,
@@ -603,6 +608,12 @@ impl Runtime {
         self.inventory.delete(&r.uid).await?;
         if attachment_of(r).is_some() {
             self.reconcile_network_after_release(&net, &r.uid).await;
+            if r.state == VmState::Suspended {
+                self.sync_wake_counters().await;
+            }
+        }
+        if r.state == VmState::Suspended {
+            self.refresh_snapshot_gauge().await;
         }
         Ok(())
     }
@@ -1219,13 +1230,34 @@ impl Runtime {
         Ok(r)
     }
 
+    /// The TAP's counters, for a Running VM and a Suspended one (whose TAP stays; its
+    /// `wake_packets` counts what was routed towards its address meanwhile).
     pub async fn linkstats(&self, uid: &str) -> Result<LinkStats, RuntimeError> {
-        let r = self.running(uid, "linkstats").await?;
-        let t = r.tap.ok_or_else(|| RuntimeError::NoNetwork(uid.into()))?;
-        tap::stats(&t).map_err(|source| RuntimeError::LinkStats {
+        let r = match self.running(uid, "linkstats").await {
+            Err(RuntimeError::NotRunning {
+                state: VmState::Suspended,
+                ..
+            }) => self
+                .inventory
+                .get(uid)
+                .await?
+                .ok_or_else(|| RuntimeError::NotFound(uid.into()))?,
+            other => other?,
+        };
+        let t = r
+            .tap
+            .clone()
+            .ok_or_else(|| RuntimeError::NoNetwork(uid.into()))?;
+        let mut stats = tap::stats(&t).map_err(|source| RuntimeError::LinkStats {
             uid: uid.into(),
             source,
-        })
+        })?;
+        if r.state == VmState::Suspended
+            && let Some(a) = attachment_of(&r)
+        {
+            stats.wake_packets = network::wake_packets(a.address.addr()).await;
+        }
+        Ok(stats)
     }
 
     pub async fn vsock_path(&self, uid: &str) -> Result<PathBuf, RuntimeError> {
@@ -1349,10 +1381,7 @@ impl Runtime {
         let _ = std::fs::remove_file(&r.api_socket);
         // The wake counter for the VM's address (docs/suspend.md).
         if attachment_of(r).is_some() {
-            let net = self.net_lock.lock().await;
-            if let Err(e) = self.reconcile_network(&net, uid).await {
-                tracing::warn!(uid, error = %e, "network reconcile after a suspend failed; the next one retries");
-            }
+            self.sync_wake_counters().await;
         }
         self.refresh_state_gauge().await;
         self.refresh_snapshot_gauge().await;
@@ -1414,10 +1443,7 @@ impl Runtime {
         // The snapshot is consumed: the guest ran past it (a later suspend writes a new one).
         self.remove_snapshot(&r);
         if attachment_of(&r).is_some() {
-            let net = self.net_lock.lock().await;
-            if let Err(e) = self.reconcile_network(&net, uid).await {
-                tracing::warn!(uid, error = %e, "network reconcile after a resume failed; the next one retries");
-            }
+            self.sync_wake_counters().await;
         }
         self.refresh_state_gauge().await;
         self.refresh_snapshot_gauge().await;
@@ -1557,6 +1583,23 @@ impl Runtime {
         )
     }
 
+    /// One wake counter per Suspended VM with an address, none for anything else. Failures
+    /// are logged: the counter is a hint, and the next suspend, resume or delete retries.
+    async fn sync_wake_counters(&self) {
+        let Ok(rows) = self.inventory.list().await else {
+            return;
+        };
+        let addrs: Vec<std::net::Ipv4Addr> = rows
+            .iter()
+            .filter(|r| r.state == VmState::Suspended)
+            .filter_map(attachment_of)
+            .map(|a| a.address.addr())
+            .collect();
+        if let Err(e) = network::wake_sync(&addrs).await {
+            tracing::warn!(error = %e, "wake counters not updated");
+        }
+    }
+
     async fn refresh_snapshot_gauge(&self) {
         let Ok(rows) = self.inventory.list().await else {
             return;
@@ -1568,6 +1611,10 @@ impl Runtime {
             .sum();
         self.metrics.snapshot_bytes.set(total as i64);
     }
+}
+
+fn rows_have_network(rows: &[VmRecord]) -> bool {
+    rows.iter().any(|r| attachment_of(r).is_some())
 }
 
 /// Allocated bytes of a VM's suspend snapshot (a sparse memory file counts what it holds).
