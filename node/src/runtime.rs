@@ -1545,15 +1545,30 @@ impl Runtime {
                     .set_helper(uid, vhost.pid, vhost.start_time)
                     .await
                     .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
-                let proc = qemu::spawn_qemu_incoming(
-                    &self.cfg.qemu,
-                    &files,
-                    &plan,
-                    procs.as_deref(),
-                    &mem,
-                )
-                .await
-                .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+                // A killed QEMU's leader is a zombie before its last thread has closed the
+                // TAP: the new QEMU's TUNSETIFF fails with EBUSY for a moment. Retry that.
+                let mut tries = 0;
+                let proc = loop {
+                    match qemu::spawn_qemu_incoming(
+                        &self.cfg.qemu,
+                        &files,
+                        &plan,
+                        procs.as_deref(),
+                        &mem,
+                    )
+                    .await
+                    {
+                        Ok(p) => break p,
+                        Err(e)
+                            if tries < TAP_BUSY_RETRIES
+                                && e.to_string().contains("resource busy") =>
+                        {
+                            tries += 1;
+                            tokio::time::sleep(Duration::from_millis(250)).await;
+                        }
+                        Err(e) => return Err((e.to_string(), Some(helper_only.clone()))),
+                    }
+                };
                 let q = QemuVm {
                     qemu: proc,
                     vhost: Some(vhost),
@@ -1650,6 +1665,9 @@ impl Runtime {
 
 /// How long the writer of a QEMU migration stream may take to flush it after QEMU is gone.
 const SNAPSHOT_WRITER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Starts of a resuming QEMU retried while its TAP is still busy (250 ms apart).
+const TAP_BUSY_RETRIES: u32 = 120;
 
 /// The files `suspend` writes into a VM's directory (names differ from `snapshot`'s, which
 /// leaves the VM running).
