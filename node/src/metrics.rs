@@ -341,7 +341,7 @@ mod tests {
         }
         assert_eq!(
             imp_testkit::metrics::assert_every_family_documented(&text),
-            15,
+            19,
             "{text}"
         );
     }
