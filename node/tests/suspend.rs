@@ -219,3 +219,101 @@ fn keepers_under(dir: &std::path::Path) -> Vec<i32> {
         })
         .collect()
 }
+
+/// The wake counter: packets routed through the node towards a suspended VM's address (here
+/// pings from the "internet" namespace) are counted in `linkstats.wake_packets`; the counter
+/// and its table go with the resume and with DELETE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packets_to_a_suspended_vm_are_counted_until_it_resumes() {
+    use imp_node::api::{NetworkAttachment, NetworkSpec};
+    if !common::network_tests_can_run() {
+        return;
+    }
+    // Declared before the harness: dropped after it.
+    let tn = common::TestNetwork::new("impsw");
+    let mut h = Harness::new(simulator());
+    h.netns = Some(tn.node.clone());
+    h.start_runtime().await;
+    let spec = imp_node::api::VmSpec {
+        network: Some(NetworkSpec {
+            guest_mac: None,
+            attachment: Some(NetworkAttachment {
+                network_id: format!("wake-net-{}", std::process::id()),
+                network_name: "ci/runners".into(),
+                address: "198.51.100.20/24".parse().unwrap(),
+                gateway: "198.51.100.1".parse().unwrap(),
+                dns: vec![],
+                mtu: None,
+                nat: true,
+                egress_interface: None,
+                egress_allow: vec![],
+                egress_deny: vec![],
+            }),
+        }),
+        ..h.spec(false)
+    };
+    h.client
+        .ensure_running("waker", &spec)
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", h.runtime_log()));
+    assert_eq!(h.client.linkstats("waker").await.unwrap().wake_packets, 0);
+    h.client.suspend("waker").await.unwrap();
+    assert_eq!(h.client.linkstats("waker").await.unwrap().wake_packets, 0);
+    let tables = |tn: &common::TestNetwork| {
+        common::output("ip", &["netns", "exec", &tn.node, "nft", "list", "tables"])
+    };
+    assert!(tables(&tn).contains("imp_wake"), "{}", tables(&tn));
+
+    // From another namespace, routed through the node.
+    common::output(
+        "ip",
+        &[
+            "-n",
+            &tn.inet,
+            "route",
+            "add",
+            "198.51.100.0/24",
+            "via",
+            "192.0.2.2",
+        ],
+    );
+    // Three UDP datagrams (bash's /dev/udp: no ping on every host).
+    let sent = std::process::Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &tn.inet,
+            "bash",
+            "-c",
+            "for i in 1 2 3; do echo wake > /dev/udp/198.51.100.20/9; sleep 0.1; done",
+        ])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let counted = h.client.linkstats("waker").await.unwrap().wake_packets;
+    assert!(
+        counted >= 3,
+        "wake_packets {counted} after 3 datagrams\n{}\n{}\n{}",
+        common::output("ip", &["netns", "exec", &tn.node, "nft", "list", "ruleset"]),
+        common::output("ip", &["-n", &tn.node, "route"]),
+        common::output(
+            "ip",
+            &["netns", "exec", &tn.node, "sysctl", "net.ipv4.ip_forward"]
+        ),
+    );
+
+    h.client.resume("waker").await.unwrap();
+    assert_eq!(h.client.linkstats("waker").await.unwrap().wake_packets, 0);
+    assert!(
+        !tables(&tn).contains("imp_wake"),
+        "counter removed on resume"
+    );
+    h.client.suspend("waker").await.unwrap();
+    assert!(tables(&tn).contains("imp_wake"));
+    h.client.delete("waker").await.unwrap();
+    assert!(
+        !tables(&tn).contains("imp_wake"),
+        "counter removed on DELETE"
+    );
+}
