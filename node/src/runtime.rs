@@ -636,7 +636,17 @@ impl Runtime {
         }
         let _ = std::fs::remove_file(&r.api_socket);
         let _ = std::fs::remove_file(&r.vsock_path);
-        // Only once its processes are gone (every caller has killed them by now).
+        // Only once its processes are gone (every caller has killed them by now; a helper of
+        // the VMM, e.g. the simulator's guest keeper, may take a moment longer to exit).
+        if let Some(cg) = &self.cgroups {
+            let procs = cg.dir(&r.uid).join("cgroup.procs");
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while std::fs::read_to_string(&procs).is_ok_and(|p| !p.trim().is_empty())
+                && Instant::now() < deadline
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         if let Some(cg) = &self.cgroups
             && let Err(e) = cg.remove(&r.uid)
         {
