@@ -367,8 +367,12 @@ pub mod reason {
         CGROUP_SETUP_FAILED = "CgroupSetupFailed" in [VmStatus, Runtime];
         /// imp-runtime's QEMU backend could not start QEMU or its vhost-device-vsock.
         QEMU_START_FAILED = "QemuStartFailed" in [VmStatus, Runtime];
-        /// A snapshot was asked of a VM whose backend has none (QEMU).
+        /// A snapshot, suspend or resume was asked of a VM whose backend cannot do it.
         SNAPSHOT_UNSUPPORTED = "SnapshotUnsupported" in [Runtime];
+        /// A resume was asked of a VM that is not Suspended.
+        NOT_SUSPENDED = "NotSuspended" in [Runtime];
+        /// imp-runtime could not load a suspended VM's snapshot into a fresh VMM (the VM stays Suspended, its snapshot kept).
+        RESUME_FAILED = "ResumeFailed" in [Runtime];
         /// imp-runtime refused a request body larger than its limit.
         BODY_TOO_LARGE = "BodyTooLarge" in [Runtime];
         /// ImpVM stays Pending / ImpNetwork not Ready: the built-in IPAM has no free address left.

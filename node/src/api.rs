@@ -105,6 +105,14 @@ pub enum VmState {
     Failed,
     /// The VMM process ended after the VM ran (guest powered off, or it died).
     Exited,
+    /// `POST /v1/vms/{uid}/suspend` in progress: pausing, writing the snapshot, stopping the
+    /// VMM.
+    Suspending,
+    /// No VMM process; the snapshot, disks, TAP and address are kept (`POST .../resume`).
+    Suspended,
+    /// `POST /v1/vms/{uid}/resume` in progress: a fresh VMM loads the snapshot, then the
+    /// guest agent's Hello.
+    Resuming,
 }
 
 impl VmState {
@@ -115,15 +123,21 @@ impl VmState {
             VmState::Running => "Running",
             VmState::Failed => "Failed",
             VmState::Exited => "Exited",
+            VmState::Suspending => "Suspending",
+            VmState::Suspended => "Suspended",
+            VmState::Resuming => "Resuming",
         }
     }
 
-    pub const ALL: [VmState; 5] = [
+    pub const ALL: [VmState; 8] = [
         VmState::Creating,
         VmState::Booting,
         VmState::Running,
         VmState::Failed,
         VmState::Exited,
+        VmState::Suspending,
+        VmState::Suspended,
+        VmState::Resuming,
     ];
 }
 
@@ -214,6 +228,25 @@ pub struct SnapshotRequest {
 pub struct SnapshotInfo {
     pub snapshot_path: PathBuf,
     pub mem_file_path: PathBuf,
+}
+
+/// Answer of `POST /v1/vms/{uid}/suspend`: the VM is Suspended (no VMM process; snapshot,
+/// disks, TAP and address kept).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SuspendInfo {
+    /// Bytes of the snapshot files on disk (allocated, so a sparse memory file counts what it
+    /// holds).
+    pub snapshot_bytes: u64,
+    /// From the request to the VMM process gone.
+    pub took_ms: u64,
+}
+
+/// Answer of `POST /v1/vms/{uid}/resume`: the VM is Running again (its guest agent said Hello).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResumeInfo {
+    pub status: VmStatus,
+    /// From the request to the guest agent's Hello on the new VMM.
+    pub took_ms: u64,
 }
 
 /// The VMM a node's runtime drives (chosen per node: `--backend`, chart value `runtime.backend`).

@@ -9,8 +9,8 @@ use hyper_util::rt::TokioIo;
 use serde::de::DeserializeOwned;
 
 use crate::api::{
-    Capacity, ErrorBody, LinkStats, PrebuildRequest, PrebuildStatus, SnapshotInfo, VmList, VmSpec,
-    VmStatus, VsockInfo,
+    Capacity, ErrorBody, LinkStats, PrebuildRequest, PrebuildStatus, ResumeInfo, SnapshotInfo,
+    SuspendInfo, VmList, VmSpec, VmStatus, VsockInfo,
 };
 use crate::rootfs::store::ImageSpec;
 
@@ -188,6 +188,25 @@ impl RuntimeClient {
                 &format!("/v1/vms/{uid}/snapshot"),
                 Some(b"{}".to_vec()),
             )
+            .await?
+            .1)
+    }
+
+    /// `POST /v1/vms/{uid}/suspend`: snapshot, stop the VMM, keep disks and network (409
+    /// `NotRunning` unless Running).
+    pub async fn suspend(&self, uid: &str) -> Result<SuspendInfo, ClientError> {
+        Ok(self
+            .json(Method::POST, &format!("/v1/vms/{uid}/suspend"), None)
+            .await?
+            .1)
+    }
+
+    /// `POST /v1/vms/{uid}/resume`: a fresh VMM from the snapshot, answered once the guest
+    /// agent said Hello (409 `NotSuspended` unless Suspended; `ResumeFailed` keeps it
+    /// Suspended).
+    pub async fn resume(&self, uid: &str) -> Result<ResumeInfo, ClientError> {
+        Ok(self
+            .json(Method::POST, &format!("/v1/vms/{uid}/resume"), None)
             .await?
             .1)
     }

@@ -161,6 +161,19 @@ impl Inventory {
         Ok(())
     }
 
+    /// A Suspended VM has no process (nor helper): its VMM was stopped after the snapshot.
+    pub async fn set_suspended(&self, uid: &str) -> Result<(), InventoryError> {
+        sqlx::query(
+            "UPDATE vms SET state = 'Suspended', pid = NULL, start_time = NULL, helper_pid = NULL, \
+             helper_start_time = NULL, updated_at = ? WHERE uid = ?",
+        )
+        .bind(now())
+        .bind(uid.to_string())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// The base image the rootfs cache handed out (for image-built VMs, known after insert).
     pub async fn set_base_disk(&self, uid: &str, path: &Path) -> Result<(), InventoryError> {
         sqlx::query("UPDATE vms SET base_disk = ?, updated_at = ? WHERE uid = ?")

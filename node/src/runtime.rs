@@ -17,8 +17,8 @@ use imp_api::names::reason;
 use tokio::time::Instant;
 
 use crate::api::{
-    Backend, Failure, LinkStats, PrebuildRequest, PrebuildStatus, Readiness, SnapshotInfo, VmSpec,
-    VmState, VmStatus,
+    Backend, Failure, LinkStats, PrebuildRequest, PrebuildStatus, Readiness, ResumeInfo,
+    SnapshotInfo, SuspendInfo, VmSpec, VmState, VmStatus,
 };
 use crate::cgroup::{CgroupConfig, CgroupError, VmCgroups};
 use crate::firecracker::{self, BootPlan, DriverError, Vmm, VmmFiles};
@@ -139,6 +139,10 @@ pub enum RuntimeError {
     },
     #[error("VM {uid} runs on {backend:?}, which has no snapshots here")]
     SnapshotUnsupported { uid: String, backend: Backend },
+    #[error("VM {uid} is {state:?}; resume needs a Suspended VM")]
+    NotSuspended { uid: String, state: VmState },
+    #[error("resume of VM {uid} (it stays Suspended): {message}")]
+    Resume { uid: String, message: String },
     #[error("VM {uid} failed to start: {source}")]
     QemuStart {
         uid: String,
@@ -182,6 +186,8 @@ impl RuntimeError {
             RuntimeError::LinkStats { .. } => reason::LINK_STATS_UNAVAILABLE,
             RuntimeError::Snapshot { .. } => reason::SNAPSHOT_FAILED,
             RuntimeError::SnapshotUnsupported { .. } => reason::SNAPSHOT_UNSUPPORTED,
+            RuntimeError::NotSuspended { .. } => reason::NOT_SUSPENDED,
+            RuntimeError::Resume { .. } => reason::RESUME_FAILED,
             RuntimeError::QemuStart { .. } => reason::QEMU_START_FAILED,
             RuntimeError::Inventory(_) => reason::INVENTORY_ERROR,
             RuntimeError::StateDir { .. }
@@ -277,9 +283,16 @@ fn attachment_of(r: &VmRecord) -> Option<crate::api::NetworkAttachment> {
 fn network_ports(rows: &[VmRecord]) -> Vec<(String, [u8; 6], crate::api::NetworkAttachment)> {
     rows.iter()
         .filter(|r| {
+            // A suspended VM keeps its port and address (the network identity a resume and
+            // the wake counter need).
             matches!(
                 r.state,
-                VmState::Creating | VmState::Booting | VmState::Running
+                VmState::Creating
+                    | VmState::Booting
+                    | VmState::Running
+                    | VmState::Suspending
+                    | VmState::Suspended
+                    | VmState::Resuming
             )
         })
         .filter_map(|r| {
@@ -459,8 +472,35 @@ impl Runtime {
                 RowAction::Reattach => {
                     let v = vmm.expect("an answering process is recorded");
                     tracing::info!(uid = %r.uid, pid = v.process().0, backend = v.backend().as_str(), "reattached to running VM");
+                    if r.state == VmState::Resuming {
+                        self.inventory.set_state(&r.uid, VmState::Running).await?;
+                        self.remove_snapshot(&r);
+                    }
                     keep.extend(v.processes());
                     self.metrics.recovered("reattached");
+                }
+                RowAction::ResumeRunning => {
+                    let v = vmm.expect("an answering process is recorded");
+                    tracing::warn!(uid = %r.uid, pid = v.process().0, "suspend interrupted by a restart; resuming the VM");
+                    if let Err(e) = v.resume().await {
+                        tracing::warn!(uid = %r.uid, error = %e, "resume after an interrupted suspend failed");
+                    }
+                    self.inventory.set_state(&r.uid, VmState::Running).await?;
+                    self.remove_snapshot(&r);
+                    keep.extend(v.processes());
+                    self.metrics.recovered("suspend_undone");
+                }
+                RowAction::KillKeepSuspended => {
+                    let v = vmm.expect("a live process is recorded");
+                    tracing::warn!(uid = %r.uid, pid = v.process().0, "killing the VMM a suspend left running");
+                    v.kill().await;
+                    self.inventory.set_suspended(&r.uid).await?;
+                    self.metrics.recovered("suspended");
+                }
+                RowAction::BackToSuspended => {
+                    tracing::info!(uid = %r.uid, "resume interrupted before its VMM started; VM stays Suspended");
+                    self.inventory.set_suspended(&r.uid).await?;
+                    self.metrics.recovered("suspended");
                 }
                 RowAction::MarkExited => {
                     tracing::warn!(uid = %r.uid, pid = ?r.pid, "VM process died while the runtime was down");
@@ -1226,6 +1266,59 @@ impl Runtime {
         created.map_err(err)?;
         Ok(info)
     }
+}
+
+impl Runtime {
+    /// Pause, write a full snapshot into the VM directory, stop the VMM; disks, TAP and
+    /// address stay (state Suspended).
+    pub async fn suspend(&self, uid: &str) -> Result<SuspendInfo, RuntimeError> {
+        let lock = self.lock(uid);
+        let _guard = lock.lock().await;
+        let r = self.running(uid, "suspend").await?;
+        Err(RuntimeError::SnapshotUnsupported {
+            uid: uid.into(),
+            backend: r.backend,
+        })
+    }
+
+    /// Load the snapshot of a Suspended VM into a fresh VMM, resume it, wait for the guest
+    /// agent's Hello (state Running).
+    pub async fn resume(&self, uid: &str) -> Result<ResumeInfo, RuntimeError> {
+        if !valid_uid(uid) {
+            return Err(RuntimeError::InvalidUid(uid.into()));
+        }
+        let lock = self.lock(uid);
+        let _guard = lock.lock().await;
+        let r = self
+            .observe(uid)
+            .await?
+            .ok_or_else(|| RuntimeError::NotFound(uid.into()))?;
+        if r.state != VmState::Suspended {
+            return Err(RuntimeError::NotSuspended {
+                uid: uid.into(),
+                state: r.state,
+            });
+        }
+        Err(RuntimeError::SnapshotUnsupported {
+            uid: uid.into(),
+            backend: r.backend,
+        })
+    }
+}
+
+impl Runtime {
+    /// The snapshot files of a suspend (consumed by a resume, or the VM deleted).
+    fn remove_snapshot(&self, r: &VmRecord) {
+        for f in snapshot_files(&r.dir) {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+/// The files `suspend` writes into a VM's directory (names differ from `snapshot`'s, which
+/// leaves the VM running).
+fn snapshot_files(dir: &Path) -> [PathBuf; 2] {
+    [dir.join("suspend.vmstate"), dir.join("suspend.mem")]
 }
 
 fn files_of(r: &VmRecord) -> VmmFiles {

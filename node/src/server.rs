@@ -15,7 +15,7 @@ use imp_api::names::reason;
 
 use crate::api::{
     Capacity, ErrorBody, LinkStats, MAX_BODY_BYTES, PrebuildRequest, PrebuildStatus, Readiness,
-    SnapshotInfo, SnapshotRequest, VmList, VmSpec, VmStatus, VsockInfo,
+    ResumeInfo, SnapshotInfo, SnapshotRequest, SuspendInfo, VmList, VmSpec, VmStatus, VsockInfo,
 };
 use crate::runtime::{Ensured, Runtime, RuntimeError};
 
@@ -37,6 +37,7 @@ impl From<RuntimeError> for ApiError {
             RuntimeError::SpecConflict(_)
             | RuntimeError::NotRunning { .. }
             | RuntimeError::NoNetwork(_)
+            | RuntimeError::NotSuspended { .. }
             | RuntimeError::SnapshotUnsupported { .. } => StatusCode::CONFLICT,
             // The VM could not be started on this host: the agent reads `error` for the reason.
             RuntimeError::Boot { .. }
@@ -51,6 +52,7 @@ impl From<RuntimeError> for ApiError {
             | RuntimeError::StartCancelled { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::LinkStats { .. }
             | RuntimeError::Snapshot { .. }
+            | RuntimeError::Resume { .. }
             | RuntimeError::Inventory(_)
             | RuntimeError::StateDir { .. }
             | RuntimeError::RootfsStore(_)
@@ -146,6 +148,39 @@ async fn snapshot(
     Ok(Json(rt.snapshot(&uid, resume).await?))
 }
 
+/// Runs in a task of its own: a client that goes away mid-snapshot does not leave the VM
+/// half suspended.
+async fn suspend(
+    State(rt): Rt,
+    UrlPath(uid): UrlPath<String>,
+) -> Result<Json<SuspendInfo>, ApiError> {
+    let done = tokio::spawn(async move { rt.suspend(&uid).await })
+        .await
+        .map_err(task_failed)??;
+    Ok(Json(done))
+}
+
+async fn resume(
+    State(rt): Rt,
+    UrlPath(uid): UrlPath<String>,
+) -> Result<Json<ResumeInfo>, ApiError> {
+    let done = tokio::spawn(async move { rt.resume(&uid).await })
+        .await
+        .map_err(task_failed)??;
+    Ok(Json(done))
+}
+
+fn task_failed(e: tokio::task::JoinError) -> ApiError {
+    ApiError(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        ErrorBody {
+            error: reason::SNAPSHOT_FAILED.into(),
+            message: format!("the suspend/resume task failed: {e}"),
+            field: None,
+        },
+    )
+}
+
 /// The build runs in a task of its own: an agent that goes away (a restart) does not abandon it.
 async fn prebuild(
     State(rt): Rt,
@@ -220,6 +255,8 @@ pub fn router(rt: Arc<Runtime>) -> Router {
         .route("/v1/vms/{uid}/linkstats", get(linkstats))
         .route("/v1/vms/{uid}/vsock", get(vsock))
         .route("/v1/vms/{uid}/snapshot", post(snapshot))
+        .route("/v1/vms/{uid}/suspend", post(suspend))
+        .route("/v1/vms/{uid}/resume", post(resume))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

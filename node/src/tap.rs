@@ -27,6 +27,10 @@ pub enum TapError {
 pub struct LinkStats {
     pub rx_bytes: u64,
     pub tx_bytes: u64,
+    /// Packets routed towards the VM's address while it is Suspended (an nft counter in the
+    /// runtime's table, node/src/network/nft.rs); 0 while it runs or without an address.
+    #[serde(default)]
+    pub wake_packets: u64,
 }
 
 /// A stable, host-unique TAP name for a VM: several runtimes (or test runs) may share a host, so
@@ -144,6 +148,7 @@ pub fn stats(name: &str) -> Result<LinkStats, TapError> {
     Ok(LinkStats {
         rx_bytes: counter("rx")?,
         tx_bytes: counter("tx")?,
+        wake_packets: 0,
     })
 }
 

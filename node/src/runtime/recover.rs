@@ -33,22 +33,45 @@ pub enum RowAction {
     /// A start interrupted by the restart: kill what was spawned, release everything, delete
     /// the row, so the agent's next PUT starts afresh.
     CleanUp,
+    /// A suspend interrupted before its snapshot was recorded complete: the VMM still runs
+    /// (paused): resume it and serve it as Running again.
+    ResumeRunning,
+    /// A Suspended row whose VMM outlived the suspend (the runtime died between recording the
+    /// snapshot and killing the VMM): kill it; the row stays Suspended.
+    KillKeepSuspended,
+    /// A resume interrupted before its VMM was spawned: the snapshot is untouched, the row goes
+    /// back to Suspended.
+    BackToSuspended,
 }
 
 pub fn row_action(state: VmState, process: Process) -> RowAction {
     match (state, process) {
-        (VmState::Running, Process::Answering) => RowAction::Reattach,
+        // A resume whose VMM answers loaded the snapshot and ran: its disks moved past the
+        // snapshot, so it is served as Running, never rolled back.
+        (VmState::Running | VmState::Resuming, Process::Answering) => RowAction::Reattach,
         (VmState::Running, Process::NotRecorded | Process::Gone) => RowAction::MarkExited,
-        (VmState::Running, Process::Silent) => RowAction::KillAndFail,
+        (VmState::Running | VmState::Suspending | VmState::Resuming, Process::Silent) => {
+            RowAction::KillAndFail
+        }
         (VmState::Creating | VmState::Booting, _) => RowAction::CleanUp,
         (VmState::Failed | VmState::Exited, _) => RowAction::Keep,
+        (VmState::Suspended, Process::NotRecorded | Process::Gone) => RowAction::Keep,
+        (VmState::Suspended, Process::Answering | Process::Silent) => RowAction::KillKeepSuspended,
+        (VmState::Suspending, Process::Answering) => RowAction::ResumeRunning,
+        // The VMM died before the snapshot was recorded complete: the VM is lost.
+        (VmState::Suspending | VmState::Resuming, Process::Gone) => RowAction::MarkExited,
+        (VmState::Suspending, Process::NotRecorded) => RowAction::MarkExited,
+        (VmState::Resuming, Process::NotRecorded) => RowAction::BackToSuspended,
     }
 }
 
-/// Whether the recovery needs to ask the process's control socket (only a live process of a
-/// Running row decides between reattach and kill on the answer).
+/// Whether the recovery needs to ask the process's control socket (a live process of a
+/// Running, Suspending or Resuming row is decided on the answer).
 pub fn needs_probe(state: VmState) -> bool {
-    state == VmState::Running
+    matches!(
+        state,
+        VmState::Running | VmState::Suspending | VmState::Resuming
+    )
 }
 
 /// VMM processes found under the state dir that no kept row owns (spawned just before a crash
@@ -116,6 +139,53 @@ mod tests {
         }
         assert!(needs_probe(VmState::Running));
         assert!(!needs_probe(VmState::Booting));
+    }
+
+    #[test]
+    fn suspended_rows_survive_a_restart_and_lose_only_a_leftover_vmm() {
+        assert_eq!(
+            row_action(VmState::Suspended, Process::NotRecorded),
+            RowAction::Keep
+        );
+        assert_eq!(
+            row_action(VmState::Suspended, Process::Gone),
+            RowAction::Keep
+        );
+        for p in [Process::Answering, Process::Silent] {
+            assert_eq!(
+                row_action(VmState::Suspended, p),
+                RowAction::KillKeepSuspended
+            );
+        }
+        assert!(!needs_probe(VmState::Suspended));
+    }
+
+    #[test]
+    fn interrupted_suspends_and_resumes_never_roll_a_run_vm_back() {
+        assert_eq!(
+            row_action(VmState::Suspending, Process::Answering),
+            RowAction::ResumeRunning
+        );
+        assert_eq!(
+            row_action(VmState::Suspending, Process::Gone),
+            RowAction::MarkExited
+        );
+        assert_eq!(
+            row_action(VmState::Resuming, Process::Answering),
+            RowAction::Reattach
+        );
+        assert_eq!(
+            row_action(VmState::Resuming, Process::Gone),
+            RowAction::MarkExited
+        );
+        assert_eq!(
+            row_action(VmState::Resuming, Process::NotRecorded),
+            RowAction::BackToSuspended
+        );
+        for s in [VmState::Suspending, VmState::Resuming] {
+            assert_eq!(row_action(s, Process::Silent), RowAction::KillAndFail);
+            assert!(needs_probe(s));
+        }
     }
 
     #[test]
