@@ -200,12 +200,7 @@ fn error_policy(_vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Requeue {
 fn runtime_facts(r: Result<crate::api::VmStatus, ClientError>) -> Result<RuntimeFacts, Error> {
     match r {
         Ok(s) => Ok(match s.state {
-            // Suspend states: transient until the agent's suspend module maps them.
-            VmState::Creating
-            | VmState::Booting
-            | VmState::Suspending
-            | VmState::Suspended
-            | VmState::Resuming => RuntimeFacts::Booting,
+            VmState::Creating | VmState::Booting => RuntimeFacts::Booting,
             VmState::Running => RuntimeFacts::Running,
             VmState::Suspending => RuntimeFacts::Suspending,
             VmState::Suspended => RuntimeFacts::Suspended,
