@@ -432,8 +432,8 @@ pub mod reason {
         SUSPEND_NOT_ALLOWED = "SuspendNotAllowed" in [VmCondition(condition::SUSPENDED), VmEvent];
         /// Warning: the VM asks for ScaleToZero but its node's agent runs without IMP_SCALE_TO_ZERO=true; it keeps running.
         SCALE_TO_ZERO_DISABLED = "ScaleToZeroDisabled" in [VmCondition(condition::SUSPENDED), VmEvent];
-        /// Warning: imp-runtime refused or failed a suspend or resume call; the agent retries (the message has its error).
-        SUSPEND_CALL_FAILED = "SuspendCallFailed" in [VmEvent];
+        /// Warning: imp-runtime refused or failed a suspend or resume call (the message has its error); a VM whose suspend failed runs on, and the agent retries with a backoff.
+        SUSPEND_CALL_FAILED = "SuspendCallFailed" in [VmCondition(condition::SUSPENDED), VmEvent];
         /// Ready=False: the class's readiness probe failed failureThreshold times in a row inside the guest.
         READINESS_PROBE_FAILED = "ReadinessProbeFailed" in [VmCondition(READY), VmEvent];
         /// Ready=True again: the class's readiness probe passed after failing.

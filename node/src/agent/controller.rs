@@ -197,7 +197,9 @@ fn error_policy(_vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Requeue {
     Requeue::requeue(ctx.config.poll_interval)
 }
 
-fn runtime_facts(r: Result<crate::api::VmStatus, ClientError>) -> Result<RuntimeFacts, Error> {
+pub(super) fn runtime_facts(
+    r: Result<crate::api::VmStatus, ClientError>,
+) -> Result<RuntimeFacts, Error> {
     match r {
         Ok(s) => Ok(match s.state {
             VmState::Creating | VmState::Booting => RuntimeFacts::Booting,

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{condition, reason as api_reason};
 use imp_api::{DesiredState, ImpVM, Lifecycle, VmPhase};
+use imp_common::Backoff;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
 use tracing::{debug, info, warn};
@@ -27,6 +28,11 @@ use crate::api::{LinkStats, VmState};
 /// per suspended VM; no Kubernetes request unless one rose).
 pub const WAKE_POLL: Duration = Duration::from_secs(1);
 
+/// After a failed suspend or resume call, the task waits this out before it ends (and the VM
+/// may be planned again): a runtime that cannot suspend (SnapshotUnsupported) is not asked
+/// every poll interval.
+const CALL_RETRY: Backoff = Backoff::new(Duration::from_secs(2), Duration::from_secs(120));
+
 /// ScaleToZero's in-memory clocks, per VM uid. Lost on an agent restart, which only delays a
 /// suspend (the idle clock starts again) or a wake (the baseline is read again; the sender
 /// retransmits).
@@ -34,6 +40,8 @@ pub const WAKE_POLL: Duration = Duration::from_secs(1);
 pub struct Memory {
     traffic: HashMap<String, Traffic>,
     wakes: HashMap<String, Wake>,
+    /// Consecutive failed suspend/resume calls.
+    failures: HashMap<String, u32>,
 }
 
 /// The phases [`suspend::decide`] owns (Running only in part: it may start a suspend).
@@ -306,12 +314,46 @@ async fn suspend_vm(
             mark_suspended(ctx, api, &name, Some(note)).await?;
         }
         Err(e) => {
-            warn!(vm = %name, error = %e, "suspend failed; the next reconcile decides again");
-            let note = format!("suspend: {e}");
-            ctx.event(&now, true, api_reason::SUSPEND_CALL_FAILED, note)
+            warn!(vm = %name, error = %e, "suspend failed; the VM runs on");
+            let message = format!("suspend: {e}");
+            // Still running: say so rather than stay Suspending (the runtime's answer decides
+            // anything else on the next reconcile).
+            if controller::runtime_facts(ctx.runtime.inspect(uid).await)? == RuntimeFacts::Running {
+                status::update(api, &name, |vm, s| {
+                    if s.phase != Some(VmPhase::Suspending) {
+                        return false;
+                    }
+                    let now = Timestamp::now();
+                    s.phase = Some(VmPhase::Running);
+                    conditions::set(
+                        &mut s.conditions,
+                        condition::SUSPENDED,
+                        ConditionStatus::False,
+                        api_reason::SUSPEND_CALL_FAILED,
+                        &message,
+                        vm.metadata.generation,
+                        now,
+                    );
+                    conditions::set(
+                        &mut s.conditions,
+                        condition::READY,
+                        ConditionStatus::True,
+                        api_reason::GUEST_READY,
+                        "the suspend failed; the VM runs on",
+                        vm.metadata.generation,
+                        now,
+                    );
+                    true
+                })
+                .await?;
+            }
+            ctx.event(&now, true, api_reason::SUSPEND_CALL_FAILED, message)
                 .await;
+            back_off(ctx, uid).await;
+            return Ok(());
         }
     }
+    ctx.sleep.lock().unwrap().failures.remove(uid);
     ctx.kick();
     Ok(())
 }
@@ -431,14 +473,30 @@ async fn resume_vm(
             debug!(vm = %name, state = ?info.status.state, "resumed VM not Running; the next reconcile decides");
         }
         Err(e) => {
-            warn!(vm = %name, error = %e, "resume failed; the next reconcile decides again");
+            warn!(vm = %name, error = %e, "resume failed; retried after a backoff");
             let note = format!("resume: {e}");
             ctx.event(&now, true, api_reason::SUSPEND_CALL_FAILED, note)
                 .await;
+            back_off(ctx, uid).await;
+            return Ok(());
         }
     }
+    ctx.sleep.lock().unwrap().failures.remove(uid);
     ctx.kick();
     Ok(())
+}
+
+/// Holds the VM's task (so nothing is planned for it) for the next backoff step, then asks for
+/// a reconcile.
+async fn back_off(ctx: &Context, uid: &str) {
+    let attempt = {
+        let mut mem = ctx.sleep.lock().unwrap();
+        let n = mem.failures.entry(uid.to_owned()).or_insert(0);
+        *n = n.saturating_add(1);
+        *n - 1
+    };
+    tokio::time::sleep(CALL_RETRY.delay(attempt)).await;
+    ctx.kick();
 }
 
 /// Phase Running again, Ready=True; the wake's latency when traffic woke it.
