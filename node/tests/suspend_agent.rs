@@ -805,7 +805,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let vm = w
         .wait_vm(
             "sleepy",
-            "ScaleToZeroDisabled",
+            reason::SCALE_TO_ZERO_DISABLED,
             Duration::from_secs(30),
             &agent,
             |vm| cond(vm, condition::SUSPENDED) == pair("False", reason::SCALE_TO_ZERO_DISABLED),
