@@ -38,6 +38,26 @@ pub struct Metrics {
     /// Network reconciles (docs/network.md) that failed, by the failing step.
     pub network_setup_failures: Family<ReasonLabel, Counter>,
     pub rootfs: RootfsMetrics,
+    /// Successful suspends (request to VMM gone) and resumes (request to Hello), by backend.
+    pub suspend_seconds: Family<BackendLabel, Histogram, fn() -> Histogram>,
+    pub resume_seconds: Family<BackendLabel, Histogram, fn() -> Histogram>,
+    /// Suspends and resumes that failed, by operation and reason.
+    pub suspend_failures: Family<OperationReasonLabel, Counter>,
+    /// Bytes of suspend snapshots on disk (every Suspended VM's).
+    pub snapshot_bytes: Gauge,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct OperationReasonLabel {
+    pub operation: String,
+    pub reason: String,
+}
+
+/// 50 ms .. ~100 s: a simulator suspend is milliseconds, a TCG guest's migration many seconds.
+fn suspend_histogram() -> Histogram {
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        0.05, 2.0, 12,
+    ))
 }
 
 /// The rootfs cache (node/src/rootfs): shared by the runtime and its image store.
@@ -173,7 +193,41 @@ impl Metrics {
         );
         let rootfs = RootfsMetrics::new();
         rootfs.register(&mut registry);
+        let suspend_seconds =
+            Family::<BackendLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+                suspend_histogram as fn() -> Histogram,
+            );
+        let resume_seconds =
+            Family::<BackendLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+                suspend_histogram as fn() -> Histogram,
+            );
+        let suspend_failures = Family::<OperationReasonLabel, Counter>::default();
+        let snapshot_bytes = Gauge::default();
+        registry.register(
+            "imp_runtime_suspend_seconds",
+            "Successful suspends, from the request to the VMM gone (snapshot written), by backend",
+            suspend_seconds.clone(),
+        );
+        registry.register(
+            "imp_runtime_resume_seconds",
+            "Successful resumes, from the request to the guest agent's Hello on the new VMM, by backend",
+            resume_seconds.clone(),
+        );
+        registry.register(
+            "imp_runtime_suspend_failures",
+            "Suspends and resumes that failed, by operation (suspend, resume) and reason",
+            suspend_failures.clone(),
+        );
+        registry.register(
+            "imp_runtime_snapshot_bytes",
+            "Bytes on disk of the snapshots of every Suspended VM",
+            snapshot_bytes.clone(),
+        );
         Self {
+            suspend_seconds,
+            resume_seconds,
+            suspend_failures,
+            snapshot_bytes,
             network_setup_failures,
             registry,
             rootfs,
@@ -249,6 +303,18 @@ mod tests {
             })
             .inc();
         m.rootfs.prebuilds_in_progress.set(2);
+        let fc = BackendLabel {
+            backend: "firecracker".into(),
+        };
+        m.suspend_seconds.get_or_create(&fc).observe(0.1);
+        m.resume_seconds.get_or_create(&fc).observe(0.1);
+        m.suspend_failures
+            .get_or_create(&OperationReasonLabel {
+                operation: "resume".into(),
+                reason: imp_api::names::reason::RESUME_FAILED.into(),
+            })
+            .inc();
+        m.snapshot_bytes.set(4096);
         let text = m.encode();
         for want in [
             "imp_vm_boot_latency_seconds_count 1",
@@ -258,6 +324,10 @@ mod tests {
             "imp_runtime_recovered_vms_total{outcome=\"reattached\"} 1",
             "imp_network_setup_failures_total{reason=\"no_egress\"} 1",
             "imp_rootfs_cache_hits_total 1",
+            "imp_runtime_suspend_seconds_count{backend=\"firecracker\"} 1",
+            "imp_runtime_resume_seconds_count{backend=\"firecracker\"} 1",
+            "imp_runtime_suspend_failures_total{operation=\"resume\",reason=\"ResumeFailed\"} 1",
+            "imp_runtime_snapshot_bytes 4096",
             "imp_rootfs_cache_misses_total 1",
             "imp_rootfs_build_duration_seconds_count 1",
             "imp_rootfs_build_failures_total{reason=\"RootfsRejected\"} 1",

@@ -574,7 +574,11 @@ impl Runtime {
             tracing::warn!(error = %e, "network reconcile at startup failed");
         }
         drop(net);
+        if rows_have_network(&self.inventory.list().await?) {
+            self.sync_wake_counters().await;
+        }
         self.refresh_state_gauge().await;
+        self.refresh_snapshot_gauge().await;
         Ok(())
     }
 
@@ -582,6 +586,7 @@ impl Runtime {
     /// its directory: one spawned by a bring-up cancelled before it recorded the pid), release
     /// its host resources, remove its directory and row.
     async fn remove_vm(&self, r: &VmRecord, how: Stop) -> Result<(), RuntimeError> {
+        self.remove_snapshot(r);
         if let Some(vmm) = Self::vmm_of(r) {
             match how {
                 Stop::Graceful => vmm.stop(self.cfg.stop_timeout).await,
@@ -603,6 +608,12 @@ impl Runtime {
         self.inventory.delete(&r.uid).await?;
         if attachment_of(r).is_some() {
             self.reconcile_network_after_release(&net, &r.uid).await;
+            if r.state == VmState::Suspended {
+                self.sync_wake_counters().await;
+            }
+        }
+        if r.state == VmState::Suspended {
+            self.refresh_snapshot_gauge().await;
         }
         Ok(())
     }
@@ -1219,13 +1230,34 @@ impl Runtime {
         Ok(r)
     }
 
+    /// The TAP's counters, for a Running VM and a Suspended one (whose TAP stays; its
+    /// `wake_packets` counts what was routed towards its address meanwhile).
     pub async fn linkstats(&self, uid: &str) -> Result<LinkStats, RuntimeError> {
-        let r = self.running(uid, "linkstats").await?;
-        let t = r.tap.ok_or_else(|| RuntimeError::NoNetwork(uid.into()))?;
-        tap::stats(&t).map_err(|source| RuntimeError::LinkStats {
+        let r = match self.running(uid, "linkstats").await {
+            Err(RuntimeError::NotRunning {
+                state: VmState::Suspended,
+                ..
+            }) => self
+                .inventory
+                .get(uid)
+                .await?
+                .ok_or_else(|| RuntimeError::NotFound(uid.into()))?,
+            other => other?,
+        };
+        let t = r
+            .tap
+            .clone()
+            .ok_or_else(|| RuntimeError::NoNetwork(uid.into()))?;
+        let mut stats = tap::stats(&t).map_err(|source| RuntimeError::LinkStats {
             uid: uid.into(),
             source,
-        })
+        })?;
+        if r.state == VmState::Suspended
+            && let Some(a) = attachment_of(&r)
+        {
+            stats.wake_packets = network::wake_packets(a.address.addr()).await;
+        }
+        Ok(stats)
     }
 
     pub async fn vsock_path(&self, uid: &str) -> Result<PathBuf, RuntimeError> {
@@ -1270,23 +1302,99 @@ impl Runtime {
 
 impl Runtime {
     /// Pause, write a full snapshot into the VM directory, stop the VMM; disks, TAP and
-    /// address stay (state Suspended).
+    /// address stay (state Suspended). A failure leaves the VM Running.
     pub async fn suspend(&self, uid: &str) -> Result<SuspendInfo, RuntimeError> {
+        let started = Instant::now();
         let lock = self.lock(uid);
         let _guard = lock.lock().await;
         let r = self.running(uid, "suspend").await?;
-        Err(RuntimeError::SnapshotUnsupported {
-            uid: uid.into(),
-            backend: r.backend,
-        })
+        let vm = Self::vmm_of(&r).ok_or_else(|| RuntimeError::NotFound(uid.into()))?;
+        match self.suspend_vm(&r, &vm).await {
+            Ok(snapshot_bytes) => {
+                let took = started.elapsed();
+                self.metrics
+                    .suspend_seconds
+                    .get_or_create(&BackendLabel {
+                        backend: r.backend.as_str().into(),
+                    })
+                    .observe(took.as_secs_f64());
+                tracing::info!(
+                    uid,
+                    backend = r.backend.as_str(),
+                    snapshot_bytes,
+                    seconds = took.as_secs_f64(),
+                    "VM suspended"
+                );
+                Ok(SuspendInfo {
+                    snapshot_bytes,
+                    took_ms: took.as_millis() as u64,
+                })
+            }
+            Err(e) => {
+                self.count_suspend_failure("suspend", &e);
+                Err(e)
+            }
+        }
+    }
+
+    fn count_suspend_failure(&self, operation: &str, e: &RuntimeError) {
+        self.metrics
+            .suspend_failures
+            .get_or_create(&crate::metrics::OperationReasonLabel {
+                operation: operation.into(),
+                reason: e.reason().into(),
+            })
+            .inc();
+    }
+
+    async fn suspend_vm(&self, r: &VmRecord, vm: &Vm) -> Result<u64, RuntimeError> {
+        let uid = r.uid.as_str();
+        self.inventory.set_state(uid, VmState::Suspending).await?;
+        self.refresh_state_gauge().await;
+        let [state, mem] = snapshot_files(&r.dir);
+        let written: Result<(), vmm::ControlError> = match vm {
+            Vm::Firecracker(v) => async {
+                v.pause().await?;
+                v.snapshot_create(&state, &mem).await
+            }
+            .await
+            .map_err(Into::into),
+            Vm::Qemu(q) => q.migrate_to_file(&mem).await.map_err(Into::into),
+        };
+        if let Err(source) = written {
+            tracing::warn!(uid, error = %source, "suspend failed; resuming the VM");
+            if let Err(e) = vm.resume().await {
+                tracing::warn!(uid, error = %e, "resume after a failed suspend failed");
+            }
+            self.remove_snapshot(r);
+            self.inventory.set_state(uid, VmState::Running).await?;
+            self.refresh_state_gauge().await;
+            return Err(RuntimeError::Snapshot {
+                uid: uid.into(),
+                source,
+            });
+        }
+        // Recorded before the VMM goes: a restart in between finds a Suspended row with a
+        // leftover VMM, kills it and keeps the snapshot (recover::row_action).
+        self.inventory.set_suspended(uid).await?;
+        vm.kill().await;
+        let _ = std::fs::remove_file(&r.api_socket);
+        // The wake counter for the VM's address (docs/suspend.md).
+        if attachment_of(r).is_some() {
+            self.sync_wake_counters().await;
+        }
+        self.refresh_state_gauge().await;
+        self.refresh_snapshot_gauge().await;
+        Ok(snapshot_bytes(&r.dir))
     }
 
     /// Load the snapshot of a Suspended VM into a fresh VMM, resume it, wait for the guest
-    /// agent's Hello (state Running).
+    /// agent's Hello (state Running). A failure leaves it Suspended, its snapshot kept.
     pub async fn resume(&self, uid: &str) -> Result<ResumeInfo, RuntimeError> {
         if !valid_uid(uid) {
             return Err(RuntimeError::InvalidUid(uid.into()));
         }
+        let started = Instant::now();
         let lock = self.lock(uid);
         let _guard = lock.lock().await;
         let r = self
@@ -1299,11 +1407,224 @@ impl Runtime {
                 state: r.state,
             });
         }
-        Err(RuntimeError::SnapshotUnsupported {
-            uid: uid.into(),
-            backend: r.backend,
+        self.inventory.set_state(uid, VmState::Resuming).await?;
+        self.refresh_state_gauge().await;
+        let deadline = started + self.cfg.boot_timeout;
+        let resumed = match self.load_snapshot(&r, deadline).await {
+            Ok(vm) => {
+                let hello =
+                    vmm::wait_for_hello(&r.vsock_path, &r.serial_log, || vm.is_alive(), deadline)
+                        .await;
+                match hello {
+                    Ok(_) => Ok(vm),
+                    Err(e) => Err((format!("no guest agent Hello: {e}"), Some(vm))),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        let vm = match resumed {
+            Ok(vm) => vm,
+            Err((message, vm)) => {
+                if let Some(vm) = vm {
+                    vm.kill().await;
+                }
+                self.inventory.set_suspended(uid).await?;
+                self.refresh_state_gauge().await;
+                let e = RuntimeError::Resume {
+                    uid: uid.into(),
+                    message,
+                };
+                tracing::warn!(uid, error = %e, "resume failed");
+                self.count_suspend_failure("resume", &e);
+                return Err(e);
+            }
+        };
+        self.inventory.set_state(uid, VmState::Running).await?;
+        // The snapshot is consumed: the guest ran past it (a later suspend writes a new one).
+        self.remove_snapshot(&r);
+        if attachment_of(&r).is_some() {
+            self.sync_wake_counters().await;
+        }
+        self.refresh_state_gauge().await;
+        self.refresh_snapshot_gauge().await;
+        let took = started.elapsed();
+        self.metrics
+            .resume_seconds
+            .get_or_create(&BackendLabel {
+                backend: r.backend.as_str().into(),
+            })
+            .observe(took.as_secs_f64());
+        tracing::info!(
+            uid,
+            backend = r.backend.as_str(),
+            pid = vm.process().0,
+            seconds = took.as_secs_f64(),
+            "VM resumed"
+        );
+        let rec = self
+            .inventory
+            .get(uid)
+            .await?
+            .ok_or_else(|| RuntimeError::NotFound(uid.into()))?;
+        Ok(ResumeInfo {
+            status: VmStatus::from(&rec),
+            took_ms: took.as_millis() as u64,
         })
     }
+
+    /// A fresh VMM for the row (recorded as soon as it exists), its snapshot loaded and the
+    /// guest running. On error, the message and the process to kill.
+    async fn load_snapshot(
+        &self,
+        r: &VmRecord,
+        deadline: Instant,
+    ) -> Result<Vm, (String, Option<Vm>)> {
+        let uid = r.uid.as_str();
+        let spec: VmSpec = serde_json::from_str(&r.spec_json)
+            .map_err(|e| (format!("recorded spec: {e}"), None))?;
+        let [state, mem] = snapshot_files(&r.dir);
+        if !mem.is_file() {
+            return Err((format!("snapshot {} is missing", mem.display()), None));
+        }
+        let procs = match &self.cgroups {
+            Some(cg) => Some(
+                cg.create(uid, spec.memory_mib)
+                    .map_err(|e| (format!("cgroup: {e}"), None))?
+                    .join("cgroup.procs"),
+            ),
+            None => None,
+        };
+        // The dead VMM's sockets: the new one binds the same paths.
+        let _ = std::fs::remove_file(&r.api_socket);
+        let _ = std::fs::remove_file(&r.vsock_path);
+        match r.backend {
+            Backend::Firecracker => {
+                let files = files_of(r);
+                let vmm =
+                    firecracker::spawn(&self.cfg.firecracker_bin, uid, &files, procs.as_deref())
+                        .map_err(|e| (e.to_string(), None))?;
+                let vm = Vm::Firecracker(vmm.clone());
+                let fail = |m: String| (m, Some(vm.clone()));
+                self.inventory
+                    .set_process(uid, vmm.pid, vmm.start_time)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
+                vmm.wait_api_ready()
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
+                vmm.snapshot_load(&state, &mem, true)
+                    .await
+                    .map_err(|e| fail(format!("snapshot load: {e}")))?;
+                Ok(vm)
+            }
+            Backend::Qemu => {
+                let files = QemuFiles::in_dir(&r.dir, &r.api_socket, &r.vsock_path, &r.serial_log);
+                let plan = self.plan_of(r, &spec);
+                let vhost =
+                    qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, procs.as_deref())
+                        .await
+                        .map_err(|e| (e.to_string(), None))?;
+                let helper_only = Vm::Qemu(QemuVm {
+                    qemu: vhost,
+                    vhost: None,
+                    qmp: qemu::Qmp::new(&files.qmp_sock),
+                });
+                self.inventory
+                    .set_helper(uid, vhost.pid, vhost.start_time)
+                    .await
+                    .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+                let proc = qemu::spawn_qemu_incoming(
+                    &self.cfg.qemu,
+                    &files,
+                    &plan,
+                    procs.as_deref(),
+                    &mem,
+                )
+                .await
+                .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+                let q = QemuVm {
+                    qemu: proc,
+                    vhost: Some(vhost),
+                    qmp: qemu::Qmp::new(&files.qmp_sock),
+                };
+                let vm = Vm::Qemu(q.clone());
+                let fail = |m: String| (m, Some(vm.clone()));
+                self.inventory
+                    .set_process(uid, proc.pid, proc.start_time)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
+                q.finish_incoming(deadline)
+                    .await
+                    .map_err(|e| fail(format!("incoming migration: {e}")))?;
+                Ok(vm)
+            }
+        }
+    }
+
+    /// The VMM plan of a recorded VM (its resolved base disk, writable drive and TAP).
+    fn plan_of(&self, r: &VmRecord, spec: &VmSpec) -> VmPlan {
+        let kernel = spec
+            .kernel
+            .clone()
+            .unwrap_or_else(|| self.cfg.kernel.clone());
+        let initrd = spec.initrd.clone().or_else(|| self.cfg.initrd.clone());
+        vm_plan(
+            &r.uid,
+            spec,
+            &HostFacts {
+                kernel,
+                initrd,
+                base_disk: r.base_disk.clone(),
+                writable_disk: r.writable_disk.clone(),
+                tap: r.tap.clone(),
+                vsock: r.vsock_path.clone(),
+            },
+            r.backend,
+        )
+    }
+
+    /// One wake counter per Suspended VM with an address, none for anything else. Failures
+    /// are logged: the counter is a hint, and the next suspend, resume or delete retries.
+    async fn sync_wake_counters(&self) {
+        let Ok(rows) = self.inventory.list().await else {
+            return;
+        };
+        let addrs: Vec<std::net::Ipv4Addr> = rows
+            .iter()
+            .filter(|r| r.state == VmState::Suspended)
+            .filter_map(attachment_of)
+            .map(|a| a.address.addr())
+            .collect();
+        if let Err(e) = network::wake_sync(&addrs).await {
+            tracing::warn!(error = %e, "wake counters not updated");
+        }
+    }
+
+    async fn refresh_snapshot_gauge(&self) {
+        let Ok(rows) = self.inventory.list().await else {
+            return;
+        };
+        let total: u64 = rows
+            .iter()
+            .filter(|r| r.state == VmState::Suspended)
+            .map(|r| snapshot_bytes(&r.dir))
+            .sum();
+        self.metrics.snapshot_bytes.set(total as i64);
+    }
+}
+
+fn rows_have_network(rows: &[VmRecord]) -> bool {
+    rows.iter().any(|r| attachment_of(r).is_some())
+}
+
+/// Allocated bytes of a VM's suspend snapshot (a sparse memory file counts what it holds).
+fn snapshot_bytes(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt as _;
+    snapshot_files(dir)
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.blocks() * 512)
+        .sum()
 }
 
 impl Runtime {

@@ -10,6 +10,9 @@
 pub mod netlink;
 pub mod nft;
 pub mod plan;
+pub mod wake;
+
+pub use wake::{sync as wake_sync, wake_packets};
 
 use std::net::Ipv4Addr;
 

@@ -363,7 +363,7 @@ pub fn observed_keys(ruleset: &Value) -> Observed {
     obs
 }
 
-async fn nft(
+pub(crate) async fn nft(
     args: &[&str],
     stdin: Option<&Value>,
     step: &'static str,

@@ -206,8 +206,9 @@ pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
         "-chardev".into(),
         format!("socket,id=vsock0,path={}", files.vhost_sock.display()),
         "-device".into(),
-        // The guest CID is the device process's (vhost_args), not a QEMU property.
-        "vhost-user-vsock-pci,chardev=vsock0".into(),
+        // The guest CID is the device process's (vhost_args), not a QEMU property. The id lets
+        // a suspend unplug it (vhost-user-vsock is unmigratable) and a resume plug it back.
+        format!("{VSOCK_DEVICE},chardev=vsock0,id={VSOCK_ID}"),
         "-chardev".into(),
         format!(
             "file,id=serial0,path={},append=on",
@@ -219,6 +220,47 @@ pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
         format!("unix:{},server=on,wait=off", files.qmp_sock.display()),
     ]);
     a
+}
+
+const VSOCK_DEVICE: &str = "vhost-user-vsock-pci";
+const VSOCK_ID: &str = "vsock0dev";
+/// Hot-unplug needs the guest's ACPI eject; a TCG guest on a loaded host takes seconds.
+const UNPLUG_TIMEOUT: Duration = Duration::from_secs(60);
+/// Migration to a file of a few hundred MiB: seconds, far longer under TCG and load.
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The command line of a QEMU that loads a suspend's migration stream from `state`: the same
+/// devices as the source had when it migrated (no vsock device: `finish_incoming` plugs it).
+pub fn incoming_args(plan: &VmPlan, files: &QemuFiles, accel: &str, state: &Path) -> Vec<String> {
+    let mut a = qemu_args(plan, files, accel);
+    if let Some(i) = a.iter().position(|x| x.starts_with(VSOCK_DEVICE)) {
+        a.drain(i - 1..=i);
+    }
+    // exec: (QEMU 7.2 has no file: URI); the path is the runtime's own, no shell metacharacters
+    // but quoted anyway.
+    a.extend([
+        "-incoming".into(),
+        format!("exec:cat '{}'", state.display()),
+    ]);
+    a
+}
+
+/// Start QEMU loading a suspend's migration stream (its vsock device already listening).
+pub async fn spawn_qemu_incoming(
+    cfg: &QemuConfig,
+    files: &QemuFiles,
+    plan: &VmPlan,
+    cgroup: Option<&Path>,
+    state: &Path,
+) -> Result<Proc, QemuError> {
+    let accel = resolve_accel(cfg.accel, crate::vmm::kvm_usable());
+    spawn_qemu_args(
+        cfg,
+        files,
+        &incoming_args(plan, files, accel, state),
+        cgroup,
+    )
+    .await
 }
 
 /// Spawn `bin args` detached (`vmm::spawn_detached`), stdout/stderr to `log`.
@@ -296,13 +338,16 @@ pub async fn spawn_qemu(
     cgroup: Option<&Path>,
 ) -> Result<Proc, QemuError> {
     let accel = resolve_accel(cfg.accel, crate::vmm::kvm_usable());
-    let p = spawn_detached(
-        "QEMU",
-        &cfg.qemu_bin,
-        &qemu_args(plan, files, accel),
-        &files.qemu_log,
-        cgroup,
-    )?;
+    spawn_qemu_args(cfg, files, &qemu_args(plan, files, accel), cgroup).await
+}
+
+async fn spawn_qemu_args(
+    cfg: &QemuConfig,
+    files: &QemuFiles,
+    args: &[String],
+    cgroup: Option<&Path>,
+) -> Result<Proc, QemuError> {
+    let p = spawn_detached("QEMU", &cfg.qemu_bin, args, &files.qemu_log, cgroup)?;
     let qmp = Qmp::new(&files.qmp_sock);
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
@@ -375,6 +420,102 @@ impl QemuVm {
 
     pub async fn resume(&self) -> Result<(), QmpError> {
         self.qmp.execute("cont", None).await.map(|_| ())
+    }
+
+    /// Suspend's snapshot: unplug the vsock device (unmigratable) while the guest runs, stop,
+    /// migrate the whole VM into `state`, wait until the stream is complete. On error the
+    /// device is plugged back (the caller resumes the VM).
+    pub async fn migrate_to_file(&self, state: &Path) -> Result<(), QmpError> {
+        let refused = |desc: String| QmpError::Refused {
+            command: "migrate".into(),
+            desc,
+        };
+        self.qmp
+            .execute("device_del", Some(json!({"id": VSOCK_ID})))
+            .await?;
+        let deadline = Instant::now() + UNPLUG_TIMEOUT;
+        while self.has_vsock().await? {
+            if Instant::now() >= deadline {
+                return Err(refused(format!(
+                    "the guest did not release the vsock device within {UNPLUG_TIMEOUT:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let r = async {
+            self.qmp.execute("stop", None).await?;
+            let uri = format!("exec:cat > '{}'", state.display());
+            self.qmp
+                .execute("migrate", Some(json!({"uri": uri})))
+                .await?;
+            let deadline = Instant::now() + MIGRATE_TIMEOUT;
+            loop {
+                let m = self.qmp.execute("query-migrate", None).await?;
+                match m.get("status").and_then(|s| s.as_str()).unwrap_or("") {
+                    "completed" => return Ok(()),
+                    "failed" | "cancelled" => {
+                        return Err(refused(format!(
+                            "migration {}",
+                            m.get("error-desc")
+                                .and_then(|s| s.as_str())
+                                .unwrap_or("failed")
+                        )));
+                    }
+                    _ if Instant::now() >= deadline => {
+                        let _ = self.qmp.execute("migrate_cancel", None).await;
+                        return Err(refused(format!("not complete within {MIGRATE_TIMEOUT:?}")));
+                    }
+                    _ => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        }
+        .await;
+        if r.is_err() {
+            let _ = self.plug_vsock().await;
+        }
+        r
+    }
+
+    async fn has_vsock(&self) -> Result<bool, QmpError> {
+        let list = self
+            .qmp
+            .execute("qom-list", Some(json!({"path": "/machine/peripheral"})))
+            .await?;
+        Ok(list
+            .as_array()
+            .is_some_and(|a| a.iter().any(|p| p["name"] == VSOCK_ID)))
+    }
+
+    async fn plug_vsock(&self) -> Result<(), QmpError> {
+        self.qmp
+            .execute(
+                "device_add",
+                Some(json!({"driver": VSOCK_DEVICE, "chardev": "vsock0", "id": VSOCK_ID})),
+            )
+            .await
+            .map(|_| ())
+    }
+
+    /// A resume's second half: wait until the incoming migration has loaded (QEMU paused),
+    /// plug the vsock device back, run the guest.
+    pub async fn finish_incoming(&self, deadline: Instant) -> Result<(), QmpError> {
+        loop {
+            let st = self.qmp.execute("query-status", None).await?;
+            match st.get("status").and_then(|s| s.as_str()).unwrap_or("") {
+                "inmigrate" if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                "paused" | "postmigrate" | "prelaunch" | "running" => break,
+                other => {
+                    return Err(QmpError::Refused {
+                        command: "-incoming".into(),
+                        desc: format!("QEMU is {other:?} instead of paused after the migration"),
+                    });
+                }
+            }
+        }
+        self.plug_vsock().await?;
+        self.resume().await
     }
 }
 
@@ -473,7 +614,7 @@ mod tests {
                 "file,id=serial0,path=/vms/a/serial.log,append=on",
             ]
         );
-        assert!(after(&a, "-device").contains(&"vhost-user-vsock-pci,chardev=vsock0"));
+        assert!(after(&a, "-device").contains(&"vhost-user-vsock-pci,chardev=vsock0,id=vsock0dev"));
         assert_eq!(
             after(&a, "-qmp"),
             ["unix:/vms/a/api.sock,server=on,wait=off"]

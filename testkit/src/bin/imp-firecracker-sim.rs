@@ -49,10 +49,23 @@ struct Args {
     ignore_ctrl_alt_del: bool,
     #[arg(long)]
     api_delay_ms: Option<u64>,
+    /// Run as the guest keeper of the guest agent on this socket (spawned by the simulator
+    /// itself; see sim::keep_guest).
+    #[arg(long, hide = true)]
+    keep_guest: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(sock) = &args.keep_guest {
+        return match sim::keep_guest(&args.guest_bin, sock) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("Error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if args.no_api && args.config_file.is_none() {
         eprintln!("Error: --no-api requires --config-file");
         return ExitCode::FAILURE;
@@ -90,6 +103,7 @@ fn main() -> ExitCode {
         log_path: args.log_path,
         log_level: args.level,
         show_level: args.show_level,
+        keeper_bin: std::env::current_exe().ok(),
     };
     // current_thread: the guest agent is spawned from this thread (see sim::spawn_agent).
     let rt = tokio::runtime::Builder::new_current_thread()

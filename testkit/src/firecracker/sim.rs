@@ -82,6 +82,10 @@ pub struct Options {
     pub log_level: Option<String>,
     /// `--show-level`: the level in every log line.
     pub show_level: bool,
+    /// The simulator binary, run as the guest keeper (`--keep-guest`): the guest process then
+    /// outlives this VMM when a snapshot was taken, for the VMM that loads it to adopt. None
+    /// (in-process tests): the guest is this process's child and dies with it.
+    pub keeper_bin: Option<PathBuf>,
 }
 
 /// Firecracker's logger levels, most severe first (`Logger.level` in the spec).
@@ -194,13 +198,72 @@ struct Vm {
     taps: Vec<Tap>,
     vsock: Option<Map<String, Value>>,
     vsock_listener: Option<std::os::unix::net::UnixListener>,
-    agent: Option<Child>,
+    agent: Option<Guest>,
+    /// A snapshot was taken and not resumed from: the keeper keeps the guest after this VMM.
+    detached: bool,
+}
+
+/// The simulated guest: imp-guest as this process's child, or held by a guest keeper.
+enum Guest {
+    Child(Child),
+    Kept {
+        conn: std::os::unix::net::UnixStream,
+        pid: i32,
+    },
+}
+
+impl Guest {
+    fn pid(&self) -> i32 {
+        match self {
+            Guest::Child(c) => c.id() as i32,
+            Guest::Kept { pid, .. } => *pid,
+        }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: signalling the guest process we run or adopted.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+
+    fn exited(&mut self) -> bool {
+        match self {
+            Guest::Child(c) => matches!(c.try_wait(), Ok(Some(_))),
+            // SAFETY: signal 0 only checks existence.
+            Guest::Kept { pid, .. } => (unsafe { libc::kill(*pid, 0) }) != 0,
+        }
+    }
+
+    /// Tell the keeper something (`detach <snapshot>`, `attach`, `kill`).
+    fn tell(&mut self, line: &str) -> std::io::Result<()> {
+        match self {
+            Guest::Child(_) => Ok(()),
+            Guest::Kept { conn, .. } => conn.write_all(format!("{line}\n").as_bytes()),
+        }
+    }
+
+    /// Kill the guest (and with a keeper, its whole process tree) and wait for it.
+    fn kill(mut self) {
+        match &mut self {
+            Guest::Child(c) => {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            Guest::Kept { conn, .. } => {
+                let _ = conn.write_all(b"kill\n");
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                // The keeper closes the connection once the tree is gone.
+                let mut buf = [0u8; 64];
+                while matches!(std::io::Read::read(conn, &mut buf), Ok(n) if n > 0) {}
+            }
+        }
+    }
 }
 
 struct Sim {
     id: String,
     knobs: Knobs,
     guest_bin: PathBuf,
+    keeper_bin: Option<PathBuf>,
     vm: Mutex<Vm>,
     logger: Mutex<Logger>,
     exit: mpsc::UnboundedSender<Exit>,
@@ -399,10 +462,17 @@ impl Sim {
                 };
                 // A paused VM runs no guest code: stop the agent process.
                 if let Some(agent) = &vm.agent {
-                    // SAFETY: signalling our own child.
-                    unsafe { libc::kill(agent.id() as i32, signal) };
+                    agent.signal(signal);
                 }
                 vm.paused = state == "Paused";
+                // Resumed after a snapshot: this VMM runs the guest on, its keeper must no
+                // longer keep it past this process.
+                if !vm.paused && vm.detached {
+                    vm.detached = false;
+                    if let Some(agent) = &mut vm.agent {
+                        let _ = agent.tell("attach");
+                    }
+                }
             }
             "/snapshot/create" => {
                 if !vm.paused {
@@ -424,6 +494,14 @@ impl Sim {
                 File::create(&mem)
                     .and_then(|f| f.set_len(mib << 20))
                     .map_err(|e| fault(format!("Cannot write memory file {mem}: {e}")))?;
+                // The guest's "memory" is its process: the keeper holds it past this VMM
+                // until the snapshot file goes (the VM was deleted) or a VMM loads it.
+                if let Some(agent) = &mut vm.agent {
+                    agent
+                        .tell(&format!("detach {snap}"))
+                        .map_err(|e| fault(format!("Cannot hand the guest to its keeper: {e}")))?;
+                    vm.detached = true;
+                }
             }
             "/snapshot/load" => {
                 if vm.started
@@ -458,12 +536,49 @@ impl Sim {
                         fault(format!("Cannot create backend for vsock device: {e}"))
                     })?);
                 vm.vsock = Some(vsock);
-                self.start(&mut vm)?;
-                if body.get("resume_vm").and_then(Value::as_bool) != Some(true) {
-                    if let Some(agent) = &vm.agent {
-                        // SAFETY: signalling our own child.
-                        unsafe { libc::kill(agent.id() as i32, libc::SIGSTOP) };
+                // Firecracker opens the snapshot's TAPs again (by name: they must exist).
+                vm.nets = state["network-interfaces"]
+                    .as_object()
+                    .map(|m| {
+                        m.iter()
+                            .filter_map(|(k, v)| Some((k.clone(), v.as_object()?.clone())))
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let nets: Vec<Map<String, Value>> = vm.nets.values().cloned().collect();
+                for n in &nets {
+                    let dev = str_field(n, "host_dev_name")?;
+                    let mac = n
+                        .get("guest_mac")
+                        .and_then(Value::as_str)
+                        .and_then(parse_mac)
+                        .unwrap_or([0x06, 0, 0, 0, 0, 1]);
+                    let file = open_tap(&dev)
+                        .map_err(|e| fault(format!("Open tap device failed: {dev}: {e}")))?;
+                    vm.taps.push(Tap { file, mac });
+                }
+                // The snapshot's guest, held by its keeper since the snapshot was taken.
+                let adopted = match &self.keeper_bin {
+                    Some(_) => {
+                        let agent_sock = PathBuf::from(format!("{uds}.agent"));
+                        let mut g = connect_keeper(&agent_sock).map_err(|e| {
+                            fault(format!(
+                                "Cannot load snapshot {snap}: its guest (keeper {}) is gone: {e}",
+                                keeper_socket(&agent_sock).display()
+                            ))
+                        })?;
+                        g.tell("attach")
+                            .map_err(|e| fault(format!("Cannot adopt the guest: {e}")))?;
+                        Some(g)
                     }
+                    None => None,
+                };
+                self.start_with(&mut vm, adopted)?;
+                if body.get("resume_vm").and_then(Value::as_bool) == Some(true) {
+                    if let Some(agent) = &vm.agent {
+                        agent.signal(libc::SIGCONT);
+                    }
+                } else {
                     vm.paused = true;
                 }
             }
@@ -475,6 +590,11 @@ impl Sim {
     /// InstanceStart: serial boot banner, a gratuitous ARP out of every TAP, the vsock bridge,
     /// and (after the boot delay) the guest agent, unless a knob says hang or panic.
     fn start(&self, vm: &mut Vm) -> Result<(), Fault> {
+        self.start_with(vm, None)
+    }
+
+    /// `start`, with the guest of a loaded snapshot (adopted from its keeper) if any.
+    fn start_with(&self, vm: &mut Vm, adopted: Option<Guest>) -> Result<(), Fault> {
         let boot = vm
             .boot_source
             .clone()
@@ -510,6 +630,11 @@ impl Sim {
             listener,
             HashMap::from([(AGENT_PORT, agent_sock.clone())]),
         ));
+        if let Some(g) = adopted {
+            serial("[    0.000000] imp-sim: snapshot loaded, guest adopted from its keeper");
+            vm.agent = Some(g);
+            return Ok(());
+        }
         let knobs = self.knobs.clone();
         if knobs.hang {
             serial("[    0.100000] imp-sim: hanging (no guest agent)");
@@ -520,10 +645,17 @@ impl Sim {
             return Ok(());
         }
         vm.agent = Some(
-            spawn_agent(&self.guest_bin, &agent_sock)
+            self.spawn_guest(&agent_sock)
                 .map_err(|e| fault(format!("start imp-guest: {e}")))?,
         );
         Ok(())
+    }
+
+    fn spawn_guest(&self, agent_sock: &Path) -> std::io::Result<Guest> {
+        match &self.keeper_bin {
+            Some(bin) => spawn_keeper(bin, &self.guest_bin, agent_sock),
+            None => spawn_agent(&self.guest_bin, agent_sock).map(Guest::Child),
+        }
     }
 }
 
@@ -609,6 +741,219 @@ fn spawn_agent(guest_bin: &Path, sock: &Path) -> std::io::Result<Child> {
     let child = cmd.spawn()?;
     serial("[    0.200000] imp-guest: agent started");
     Ok(child)
+}
+
+/// The keeper's control socket, beside the guest agent's.
+pub fn keeper_socket(agent_sock: &Path) -> PathBuf {
+    PathBuf::from(format!("{}.keeper", agent_sock.display()))
+}
+
+/// Start a guest keeper (`<sim> --keep-guest <agent_sock>`) in a session of its own and
+/// connect to it.
+fn spawn_keeper(bin: &Path, guest_bin: &Path, agent_sock: &Path) -> std::io::Result<Guest> {
+    let ctl = keeper_socket(agent_sock);
+    let _ = std::fs::remove_file(&ctl);
+    let mut cmd = Command::new(bin);
+    cmd.arg("--keep-guest")
+        .arg(agent_sock)
+        .arg("--guest-bin")
+        .arg(guest_bin)
+        .stdin(Stdio::null());
+    // SAFETY: setsid is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn()?;
+    // Reaped here while this VMM lives; after that, by whoever inherits it.
+    std::thread::spawn(move || {
+        let _ = child.wait();
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match connect_keeper(agent_sock) {
+            Ok(g) => return Ok(g),
+            Err(e) if std::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// Connect to the keeper of `agent_sock`'s guest; it answers `pid <guest pid>`.
+fn connect_keeper(agent_sock: &Path) -> std::io::Result<Guest> {
+    use std::io::BufRead as _;
+    let conn = std::os::unix::net::UnixStream::connect(keeper_socket(agent_sock))?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut line = String::new();
+    std::io::BufReader::new(conn.try_clone()?).read_line(&mut line)?;
+    conn.set_read_timeout(None)?;
+    let pid = line
+        .trim()
+        .strip_prefix("pid ")
+        .and_then(|p| p.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("keeper said {line:?}")))?;
+    Ok(Guest::Kept { conn, pid })
+}
+
+/// The guest keeper: runs imp-guest (the simulated guest, and everything it starts) so that
+/// it can outlive the VMM that snapshotted it, the way a real guest's memory outlives its
+/// Firecracker in the snapshot file. One VMM at a time is connected on the control socket:
+/// - the connection closes without a snapshot (the VMM stopped or died): the guest tree is
+///   killed, the keeper exits;
+/// - `detach <snapshot>` (snapshot taken): a closed connection keeps the guest, for the next
+///   VMM to adopt (`attach`), until the snapshot file disappears (the VM was deleted): then
+///   the tree is killed and the keeper exits;
+/// - `kill`: the tree is killed, the connection closed, the keeper exits;
+/// - the guest exits by itself: the keeper kills what is left and exits.
+///
+/// The keeper is a child subreaper, so every process the guest starts stays its descendant.
+pub fn keep_guest(guest_bin: &Path, agent_sock: &Path) -> Result<(), String> {
+    use std::io::BufRead as _;
+    // SAFETY: prctl on this process.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
+    let ctl = keeper_socket(agent_sock);
+    let _ = std::fs::remove_file(&ctl);
+    let listener = std::os::unix::net::UnixListener::bind(&ctl)
+        .map_err(|e| format!("bind {}: {e}", ctl.display()))?;
+    let guest = spawn_agent(guest_bin, agent_sock).map_err(|e| format!("start imp-guest: {e}"))?;
+    let guest_pid = guest.id() as i32;
+    let detached: Arc<Mutex<Option<PathBuf>>> = Arc::default();
+    let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let finish = {
+        let ctl = ctl.clone();
+        move || -> ! {
+            kill_descendants();
+            let _ = std::fs::remove_file(&ctl);
+            std::process::exit(0)
+        }
+    };
+    // Reap everything; the guest's own exit ends the keeper.
+    {
+        let finish = finish.clone();
+        std::thread::spawn(move || {
+            loop {
+                let mut status = 0;
+                // SAFETY: waitpid on our children.
+                let pid = unsafe { libc::waitpid(-1, &mut status, 0) };
+                if pid == guest_pid {
+                    finish();
+                }
+                if pid < 0 {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        });
+    }
+    // A deleted VM: its snapshot is gone and no VMM holds the guest.
+    {
+        let (finish, detached, connected) = (finish.clone(), detached.clone(), connected.clone());
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_millis(100));
+                let gone = detached
+                    .lock()
+                    .expect("keeper state")
+                    .as_ref()
+                    .is_some_and(|p| !p.exists());
+                if gone && !connected.load(std::sync::atomic::Ordering::SeqCst) {
+                    finish();
+                }
+            }
+        });
+    }
+    for conn in listener.incoming() {
+        let Ok(mut conn) = conn else { continue };
+        connected.store(true, std::sync::atomic::Ordering::SeqCst);
+        if conn
+            .write_all(format!("pid {guest_pid}\n").as_bytes())
+            .is_err()
+        {
+            connected.store(false, std::sync::atomic::Ordering::SeqCst);
+            continue;
+        }
+        let reader = std::io::BufReader::new(match conn.try_clone() {
+            Ok(c) => c,
+            Err(_) => continue,
+        });
+        for line in reader.lines() {
+            let Ok(line) = line else { break };
+            let line = line.trim();
+            if let Some(path) = line.strip_prefix("detach ") {
+                *detached.lock().expect("keeper state") = Some(PathBuf::from(path));
+            } else if line == "attach" {
+                *detached.lock().expect("keeper state") = None;
+            } else if line == "kill" {
+                finish();
+            }
+        }
+        connected.store(false, std::sync::atomic::Ordering::SeqCst);
+        if detached.lock().expect("keeper state").is_none() {
+            finish();
+        }
+    }
+    Ok(())
+}
+
+/// SIGKILL every descendant of this process (repeatedly: a dying parent's children are
+/// reparented to us, the subreaper), then reap them.
+fn kill_descendants() {
+    let me = std::process::id() as i32;
+    for _ in 0..50 {
+        let kids = descendants(me);
+        if kids.is_empty() {
+            return;
+        }
+        for pid in kids {
+            // SAFETY: SIGKILL to our own descendants.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        loop {
+            let mut status = 0;
+            // SAFETY: non-blocking reap of our children.
+            if unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) } <= 0 {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Live (non-zombie) descendants of `root`, from /proc.
+fn descendants(root: i32) -> Vec<i32> {
+    let mut parent: Vec<(i32, i32)> = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // After the command's closing parenthesis: state, ppid.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let mut f = rest.split_whitespace();
+        let state = f.next().unwrap_or("");
+        let Some(ppid) = f.next().and_then(|p| p.parse().ok()) else {
+            continue;
+        };
+        if state != "Z" {
+            parent.push((pid, ppid));
+        }
+    }
+    let mut out = Vec::new();
+    let mut frontier = vec![root];
+    while let Some(p) = frontier.pop() {
+        for &(c, pp) in &parent {
+            if pp == p && !out.contains(&c) {
+                out.push(c);
+                frontier.push(c);
+            }
+        }
+    }
+    out
 }
 
 async fn handle(State(sim): State<Arc<Sim>>, req: Request) -> Response {
@@ -724,7 +1069,10 @@ fn boot_task(sim: Arc<Sim>) {
             .as_ref()
             .and_then(|v| v["uds_path"].as_str().map(String::from));
         if let Some(uds) = uds {
-            match spawn_agent(&sim.guest_bin, Path::new(&format!("{uds}.agent"))) {
+            if sim.vm.lock().expect("vm lock").agent.is_some() {
+                return;
+            }
+            match sim.spawn_guest(Path::new(&format!("{uds}.agent"))) {
                 Ok(child) => sim.vm.lock().expect("vm lock").agent = Some(child),
                 Err(e) => serial(&format!("imp-sim: cannot start imp-guest: {e}")),
             }
@@ -839,6 +1187,7 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
         id: opts.id,
         knobs: opts.knobs,
         guest_bin: opts.guest_bin,
+        keeper_bin: opts.keeper_bin,
         vm: Mutex::new(Vm::default()),
         logger: Mutex::new(logger),
         exit: tx,
@@ -868,7 +1217,7 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
                 .expect("vm lock")
                 .agent
                 .as_mut()
-                .is_some_and(|a| matches!(a.try_wait(), Ok(Some(_))));
+                .is_some_and(Guest::exited);
             if exited {
                 serial("reboot: Restarting system");
                 let _ = watcher.exit.send(Exit::GuestReset);
@@ -882,9 +1231,15 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
         LOG_THREAD_MAIN,
         "Firecracker exiting successfully. exit_code=0",
     );
-    if let Some(mut agent) = sim.vm.lock().expect("vm lock").agent.take() {
-        let _ = agent.kill();
-        let _ = agent.wait();
+    let (agent, detached) = {
+        let mut vm = sim.vm.lock().expect("vm lock");
+        (vm.agent.take(), vm.detached)
+    };
+    // A snapshotted guest stays with its keeper (this exit is the VMM stopping after it).
+    if let Some(agent) = agent
+        && !detached
+    {
+        agent.kill();
     }
     if let Some(sock) = &opts.api_sock {
         let _ = std::fs::remove_file(sock);
