@@ -745,6 +745,11 @@ fn ping_from(ns: &str, within: Duration) -> Result<(String, Duration), String> {
     })
 }
 
+/// Whether imp-runtime's rules drop new connections routed into guests.
+fn inbound_dropped(tn: &TestNetwork) -> bool {
+    node_ruleset(tn).contains("no connections into guests")
+}
+
 /// `nft list ruleset` of the node namespace (for failure messages).
 fn node_ruleset(tn: &TestNetwork) -> String {
     let out = Command::new("ip")
@@ -822,18 +827,28 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let (answer, _) = ping_from(&tn.node, Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("node -> running VM: {e}"));
     assert_eq!(answer, "pong ping\n");
-    // ...and so does a client routed through the node (the VM's address is served).
-    let (answer, took) = ping_from(&tn.inet, Duration::from_secs(10)).unwrap_or_else(|e| {
-        panic!(
-            "client -> running VM: {e}\nnode ruleset:\n{}",
-            node_ruleset(&tn)
-        )
-    });
-    assert_eq!(answer, "pong ping\n");
-    println!(
-        "client -> running VM: {:.1} ms",
-        took.as_secs_f64() * 1000.0
-    );
+    // ...and a client routed through the node does, unless Imp's network isolation drops
+    // connections into guests (`inet imp` forward, "no connections into guests"): then only
+    // the wake can be shown from the client, and the exchange is checked from the node.
+    let isolated = inbound_dropped(&tn);
+    if isolated {
+        println!(
+            "NOTE: the node drops new connections into guests (docs/network.md); the client's \
+             connection wakes the VM but cannot complete, the resumed guest is checked from the node"
+        );
+    } else {
+        let (answer, took) = ping_from(&tn.inet, Duration::from_secs(10)).unwrap_or_else(|e| {
+            panic!(
+                "client -> running VM: {e}\nnode ruleset:\n{}",
+                node_ruleset(&tn)
+            )
+        });
+        assert_eq!(answer, "pong ping\n");
+        println!(
+            "client -> running VM: {:.1} ms",
+            took.as_secs_f64() * 1000.0
+        );
+    }
     // Idle well past idleTimeout: still Running, the runtime too.
     tokio::time::sleep(Duration::from_secs(13).saturating_sub(running_at.elapsed())).await;
     let vm = w.vms().get("sleepy").await.unwrap();
@@ -847,7 +862,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
 
     // Now with IMP_SCALE_TO_ZERO=true: the notice goes, the idle clock starts.
     let agent = Agent::start(&w, 2, &[("IMP_SCALE_TO_ZERO", "true")]);
-    let (_, took) = ping_from(&tn.inet, Duration::from_secs(10)).unwrap();
+    let (_, took) = ping_from(&tn.node, Duration::from_secs(10)).unwrap();
     let last_traffic = Instant::now() - took;
     let vm = w
         .wait_phase(
@@ -884,20 +899,34 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let stats = w.rt.client.linkstats(&uid).await.unwrap();
     assert_eq!(stats.wake_packets, 0, "{stats:?}");
 
-    // A client connects: its SYN is counted, the agent resumes the VM, a retransmitted SYN
-    // reaches the restored guest and the exchange completes.
+    // A client connects: its SYN is forwarded towards the VM and counted, the agent resumes
+    // the VM, and a retransmitted SYN reaches the restored guest.
     let client_ns = tn.inet.clone();
-    let client = std::thread::spawn(move || ping_from(&client_ns, Duration::from_secs(45)));
+    // Isolated: the SYNs at 0, 1, 3 and 7 s are enough to wake it; longer, the resumed VM
+    // would idle out and be woken again by a late retransmission.
+    let within = Duration::from_secs(if isolated { 8 } else { 45 });
+    let sent = Instant::now();
+    let client = std::thread::spawn(move || ping_from(&client_ns, within));
     let vm = w
         .wait_phase("sleepy", VmPhase::Running, Duration::from_secs(45), &agent)
         .await;
-    let (answer, took) = client.join().unwrap().unwrap_or_else(|e| {
-        panic!(
-            "client -> suspended VM: {e}\nagent log tail:\n{}\nnode ruleset:\n{}",
-            tail(&agent.log(), 60),
-            node_ruleset(&tn)
-        )
-    });
+    let woke_after = sent.elapsed();
+    let outcome = client.join().unwrap();
+    let (answer, took) = if isolated {
+        // The SYN woke the VM; its retransmissions are dropped by the isolation rule.
+        assert!(outcome.is_err(), "{outcome:?}");
+        let (answer, took) = ping_from(&tn.node, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("node -> resumed VM: {e}"));
+        (answer, took)
+    } else {
+        outcome.unwrap_or_else(|e| {
+            panic!(
+                "client -> suspended VM: {e}\nagent log tail:\n{}\nnode ruleset:\n{}",
+                tail(&agent.log(), 60),
+                node_ruleset(&tn)
+            )
+        })
+    };
     assert_eq!(answer, "pong ping\n");
     assert_eq!(
         cond(&vm, condition::SUSPENDED),
@@ -916,27 +945,33 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
         .await;
     let note = w.wait_event("sleepy", "Normal", reason::VM_RESUMED).await;
     let m = agent.metrics();
-    assert_eq!(
-        sample(&m, "imp_agent_vm_suspends_total{trigger=\"idle\"}"),
-        Some(1.0),
-        "{m}"
-    );
+    // One idle suspend and one wake; on a slow machine a late SYN retransmission may wake a
+    // second suspension, but every suspension ended with a wake.
+    let suspends = sample(&m, "imp_agent_vm_suspends_total{trigger=\"idle\"}").unwrap_or(0.0);
+    assert!(suspends >= 1.0, "{m}");
     assert_eq!(
         sample(&m, "imp_agent_vm_resumes_total{trigger=\"traffic\"}"),
-        Some(1.0),
+        Some(suspends),
         "{m}"
     );
     assert_eq!(
         sample(&m, "imp_agent_vm_wake_seconds_count"),
-        Some(1.0),
+        Some(suspends),
         "{m}"
     );
-    let wake = sample(&m, "imp_agent_vm_wake_seconds_sum").unwrap();
+    let wake = sample(&m, "imp_agent_vm_wake_seconds_sum").unwrap() / suspends;
     println!(
-        "ScaleToZero: suspended {:.1}s after the last traffic (idleTimeout 10s); a client \
-         connection to the suspended VM completed after {:.2}s (wake seen -> Running {wake:.2}s; {note})",
+        "ScaleToZero: suspended {:.1}s after the last traffic (idleTimeout 10s); client SYN -> phase \
+         Running {:.2}s (wake seen -> Running {wake:.2}s; {note}); first answer from the resumed \
+         guest in {:.3}s ({})",
         idle.as_secs_f64(),
-        took.as_secs_f64()
+        woke_after.as_secs_f64(),
+        took.as_secs_f64(),
+        if isolated {
+            "asked from the node after the client gave up"
+        } else {
+            "the client's exchange, from its first SYN"
+        }
     );
     drop(agent);
     drop(nic);
