@@ -417,6 +417,10 @@ async fn desired_suspended_suspends_and_running_resumes_with_the_guest_answering
     );
     assert_eq!(w.runtime_state(&uid).await, VmState::Running);
     let boot_after = guest_answers(&w.rt, &uid).await;
+    assert_eq!(
+        boot_before, boot_after,
+        "restored, not rebooted: the same boot id"
+    );
     w.wait_event("keeper", "Normal", reason::RESUME_REQUESTED)
         .await;
     let note = w.wait_event("keeper", "Normal", reason::VM_RESUMED).await;
