@@ -48,6 +48,7 @@ cargo test -p imp-guest --test qemu --test firecracker -- --nocapture
 cargo test -p imp-node --test rootfs_qemu -- --nocapture
 # imp-runtime with --backend qemu, end to end.
 cargo test -p imp-node --test runtime_qemu -- --nocapture
+cargo test -p imp-node --test suspend_qemu -- --nocapture  # suspend/resume round trips on a real guest
 cargo test -p imp-node --test agent_qemu -- --nocapture  # imp-agent's runner handoff on a real QEMU guest
 # VM networking with real guests (root: the TAPs, bridge and nft rules live in test netns).
 IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \

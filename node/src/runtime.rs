@@ -1378,6 +1378,13 @@ impl Runtime {
         // leftover VMM, kills it and keeps the snapshot (recover::row_action).
         self.inventory.set_suspended(uid).await?;
         vm.kill().await;
+        if matches!(vm, Vm::Qemu(_)) && !qemu::wait_file_closed(&mem, SNAPSHOT_WRITER_TIMEOUT).await
+        {
+            tracing::warn!(
+                uid,
+                "the migration's writer still holds the snapshot; a resume may find it incomplete"
+            );
+        }
         let _ = std::fs::remove_file(&r.api_socket);
         // The wake counter for the VM's address (docs/suspend.md).
         if attachment_of(r).is_some() {
@@ -1520,6 +1527,11 @@ impl Runtime {
             Backend::Qemu => {
                 let files = QemuFiles::in_dir(&r.dir, &r.api_socket, &r.vsock_path, &r.serial_log);
                 let plan = self.plan_of(r, &spec);
+                if let Some(tap) = &r.tap
+                    && let Err(holders) = qemu::wait_tap_free(tap, SNAPSHOT_WRITER_TIMEOUT).await
+                {
+                    return Err((format!("TAP {tap} is still held by {holders:?}"), None));
+                }
                 let vhost =
                     qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, procs.as_deref())
                         .await
@@ -1533,15 +1545,30 @@ impl Runtime {
                     .set_helper(uid, vhost.pid, vhost.start_time)
                     .await
                     .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
-                let proc = qemu::spawn_qemu_incoming(
-                    &self.cfg.qemu,
-                    &files,
-                    &plan,
-                    procs.as_deref(),
-                    &mem,
-                )
-                .await
-                .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+                // A killed QEMU's leader is a zombie before its last thread has closed the
+                // TAP: the new QEMU's TUNSETIFF fails with EBUSY for a moment. Retry that.
+                let mut tries = 0;
+                let proc = loop {
+                    match qemu::spawn_qemu_incoming(
+                        &self.cfg.qemu,
+                        &files,
+                        &plan,
+                        procs.as_deref(),
+                        &mem,
+                    )
+                    .await
+                    {
+                        Ok(p) => break p,
+                        Err(e)
+                            if tries < TAP_BUSY_RETRIES
+                                && e.to_string().contains("resource busy") =>
+                        {
+                            tries += 1;
+                            tokio::time::sleep(Duration::from_millis(250)).await;
+                        }
+                        Err(e) => return Err((e.to_string(), Some(helper_only.clone()))),
+                    }
+                };
                 let q = QemuVm {
                     qemu: proc,
                     vhost: Some(vhost),
@@ -1635,6 +1662,12 @@ impl Runtime {
         }
     }
 }
+
+/// How long the writer of a QEMU migration stream may take to flush it after QEMU is gone.
+const SNAPSHOT_WRITER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Starts of a resuming QEMU retried while its TAP is still busy (250 ms apart).
+const TAP_BUSY_RETRIES: u32 = 120;
 
 /// The files `suspend` writes into a VM's directory (names differ from `snapshot`'s, which
 /// leaves the VM running).

@@ -263,6 +263,78 @@ pub async fn spawn_qemu_incoming(
     .await
 }
 
+/// Wait until no process has `path` open: the `cat` of an `exec:` migration keeps writing
+/// the stream's tail after QEMU reports it complete (and holds QEMU's inherited fds, the TAP
+/// among them, until it exits). False on timeout.
+pub async fn wait_file_closed(path: &Path, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if !open_anywhere(path) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Processes (pid, command) holding TAP `tap` open (`iff:` in a tun fd's fdinfo).
+pub fn tap_holders(tap: &str) -> Vec<(i32, String)> {
+    let want = format!("iff:\t{tap}");
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    procs
+        .flatten()
+        .filter_map(|p| {
+            let pid: i32 = p.file_name().to_str()?.parse().ok()?;
+            let holds = std::fs::read_dir(p.path().join("fdinfo"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .any(|fd| {
+                    std::fs::read_to_string(fd.path())
+                        .is_ok_and(|t| t.lines().any(|l| l.trim_end() == want))
+                });
+            holds.then(|| {
+                let comm = std::fs::read_to_string(p.path().join("cmdline"))
+                    .unwrap_or_default()
+                    .replace('\0', " ");
+                (pid, comm.trim().to_string())
+            })
+        })
+        .collect()
+}
+
+/// Wait until no process holds TAP `tap` (QEMU opens it exclusively); the holders on timeout.
+pub async fn wait_tap_free(tap: &str, timeout: Duration) -> Result<(), Vec<(i32, String)>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let h = tap_holders(tap);
+        if h.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(h);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn open_anywhere(path: &Path) -> bool {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    procs.flatten().any(|p| {
+        std::fs::read_dir(p.path().join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l == path))
+    })
+}
+
 /// Spawn `bin args` detached (`vmm::spawn_detached`), stdout/stderr to `log`.
 fn spawn_detached(
     what: &'static str,
