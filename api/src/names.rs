@@ -93,6 +93,9 @@ pub mod condition {
     /// ImpVM: the operator's memory-pressure lifecycle suspended the VM (True until someone sets
     /// `spec.desiredState` back to Running; the message says how).
     pub const PRESSURE_SUSPENDED: &str = "PressureSuspended";
+    /// ImpVM: whether the agent holds the VM suspended (True from Suspending to Suspended),
+    /// and why; False with the reason it was resumed or why a suspend was refused.
+    pub const SUSPENDED: &str = "Suspended";
     /// Pool: the GitHub App credentials work.
     pub const CREDENTIALS_VALID: &str = "CredentialsValid";
     /// Pool: maxRunners reached.
@@ -419,6 +422,25 @@ pub mod reason {
         RUNNER_FINISHED = "RunnerFinished" in [VmEvent];
         /// imp-agent released the VM's process, TAP, address and disk in imp-runtime.
         TORN_DOWN_ON_NODE = "TornDownOnNode" in [VmEvent];
+        // agent (issue 19): suspend, resume and ScaleToZero (docs/suspend.md).
+        /// desiredState is Suspended: the agent suspends the VM (snapshot, VMM stopped, disks and address kept).
+        SUSPEND_REQUESTED = "SuspendRequested" in [VmCondition(condition::SUSPENDED), VmEvent];
+        /// ScaleToZero: the VM's TAP byte counters did not move for idleTimeout; the agent suspends it.
+        IDLE_TIMEOUT = "IdleTimeout" in [VmCondition(condition::SUSPENDED), VmEvent];
+        /// imp-runtime reports the VM suspended (phase Suspended); Ready=False until it is resumed.
+        VM_SUSPENDED = "VmSuspended" in [VmCondition(READY), VmEvent];
+        /// desiredState is Running again: the agent resumes the suspended VM.
+        RESUME_REQUESTED = "ResumeRequested" in [VmCondition(condition::SUSPENDED), VmEvent];
+        /// ScaleToZero: packets were sent to the suspended VM's address; the agent resumes it (the sender retransmits).
+        WOKEN_BY_TRAFFIC = "WokenByTraffic" in [VmCondition(condition::SUSPENDED), VmEvent];
+        /// The suspended VM runs again (phase Running); the message has the time the resume took.
+        VM_RESUMED = "VmResumed" in [VmEvent];
+        /// Warning: an ephemeral or runner VM asked for Suspended or ScaleToZero; it is never suspended and keeps running.
+        SUSPEND_NOT_ALLOWED = "SuspendNotAllowed" in [VmCondition(condition::SUSPENDED), VmEvent];
+        /// Warning: the VM asks for ScaleToZero but its node's agent runs without IMP_SCALE_TO_ZERO=true; it keeps running.
+        SCALE_TO_ZERO_DISABLED = "ScaleToZeroDisabled" in [VmCondition(condition::SUSPENDED), VmEvent];
+        /// Warning: imp-runtime refused or failed a suspend or resume call (the message has its error); a VM whose suspend failed runs on, and the agent retries with a backoff.
+        SUSPEND_CALL_FAILED = "SuspendCallFailed" in [VmCondition(condition::SUSPENDED), VmEvent];
         /// Ready=False: the class's readiness probe failed failureThreshold times in a row inside the guest.
         READINESS_PROBE_FAILED = "ReadinessProbeFailed" in [VmCondition(READY), VmEvent];
         /// Ready=True again: the class's readiness probe passed after failing.

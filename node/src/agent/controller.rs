@@ -33,6 +33,7 @@ use super::metrics::AgentMetrics;
 use super::monitor;
 use super::spec;
 use super::status::{self, Written};
+use super::suspender;
 use crate::api::VmState;
 use crate::client::{ClientError, RuntimeClient};
 
@@ -64,6 +65,11 @@ pub struct Context {
     tasks: Mutex<HashMap<String, (InFlight, JoinHandle<()>)>>,
     /// Per Running VM: probes and guest metrics ([`monitor`]), beside the runner task.
     monitors: Mutex<HashMap<String, JoinHandle<()>>>,
+    /// ScaleToZero's idle clocks and wake counters ([`suspender`]).
+    pub(super) sleep: Mutex<suspender::Memory>,
+    /// Reconciles every bound VM when sent to (a wake was seen, a suspend or resume finished).
+    kick: futures::channel::mpsc::UnboundedSender<()>,
+    kicks: Mutex<Option<futures::channel::mpsc::UnboundedReceiver<()>>>,
 }
 
 impl Context {
@@ -75,7 +81,11 @@ impl Context {
                 instance: Some(config.node_name.clone()),
             },
         );
+        let (kick, kicks) = futures::channel::mpsc::unbounded();
         Arc::new(Self {
+            sleep: Mutex::new(suspender::Memory::default()),
+            kick,
+            kicks: Mutex::new(Some(kicks)),
             runtime: RuntimeClient::new(&config.runtime_socket),
             recorder,
             client,
@@ -106,6 +116,18 @@ impl Context {
         }
     }
 
+    /// Asks for a reconcile of every bound VM soon.
+    pub(super) fn kick(&self) {
+        let _ = self.kick.unbounded_send(());
+    }
+
+    /// Ends `uid`'s monitor (a suspended guest answers no probes); the next Running restarts it.
+    pub(super) fn stop_monitor(&self, uid: &str) {
+        if let Some(h) = self.monitors.lock().unwrap().remove(uid) {
+            h.abort();
+        }
+    }
+
     fn abort(&self, uid: &str) {
         if let Some((_, h)) = self.tasks.lock().unwrap().remove(uid) {
             h.abort();
@@ -126,7 +148,7 @@ impl Context {
         monitors.insert(uid.to_owned(), handle);
     }
 
-    fn spawn(
+    pub(super) fn spawn(
         self: &Arc<Self>,
         uid: &str,
         kind: InFlight,
@@ -150,8 +172,14 @@ pub async fn run(ctx: Arc<Context>) {
     let api: Api<ImpVM> = Api::all(ctx.client.clone());
     let selector = format!("spec.nodeName={}", ctx.config.node_name);
     let sweep = tokio::spawn(sweep_loop(ctx.clone()));
-    info!(node = %ctx.config.node_name, "watching ImpVMs bound to this node");
-    Controller::new(api, watcher::Config::default().fields(&selector))
+    let wakes = tokio::spawn(suspender::wake_loop(ctx.clone()));
+    let kicks = ctx.kicks.lock().unwrap().take();
+    info!(node = %ctx.config.node_name, scale_to_zero = ctx.config.scale_to_zero, "watching ImpVMs bound to this node");
+    let mut controller = Controller::new(api, watcher::Config::default().fields(&selector));
+    if let Some(kicks) = kicks {
+        controller = controller.reconcile_all_on(kicks);
+    }
+    controller
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
             if let Err(e) = res {
@@ -160,6 +188,7 @@ pub async fn run(ctx: Arc<Context>) {
         })
         .await;
     sweep.abort();
+    wakes.abort();
 }
 
 fn error_policy(_vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Requeue {
@@ -168,16 +197,16 @@ fn error_policy(_vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Requeue {
     Requeue::requeue(ctx.config.poll_interval)
 }
 
-fn runtime_facts(r: Result<crate::api::VmStatus, ClientError>) -> Result<RuntimeFacts, Error> {
+pub(super) fn runtime_facts(
+    r: Result<crate::api::VmStatus, ClientError>,
+) -> Result<RuntimeFacts, Error> {
     match r {
         Ok(s) => Ok(match s.state {
-            // Suspend states: transient until the agent's suspend module maps them.
-            VmState::Creating
-            | VmState::Booting
-            | VmState::Suspending
-            | VmState::Suspended
-            | VmState::Resuming => RuntimeFacts::Booting,
+            VmState::Creating | VmState::Booting => RuntimeFacts::Booting,
             VmState::Running => RuntimeFacts::Running,
+            VmState::Suspending => RuntimeFacts::Suspending,
+            VmState::Suspended => RuntimeFacts::Suspended,
+            VmState::Resuming => RuntimeFacts::Resuming,
             VmState::Exited => RuntimeFacts::Exited,
             VmState::Failed => {
                 let f = s.failure.unwrap_or(crate::api::Failure {
@@ -234,8 +263,21 @@ async fn reconcile(obj: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Requeue, Error>
     if action != Action::Nothing {
         info!(vm = %format!("{ns}/{name}"), phase = ?facts.phase, runtime = ?rt, ?in_flight, ?action, "acting");
     }
-    if facts.phase == Some(VmPhase::Running) && !facts.deleting && rt == RuntimeFacts::Running {
+    let suspending = matches!(in_flight, Some(InFlight::Suspend | InFlight::Resume));
+    if facts.phase == Some(VmPhase::Running)
+        && !facts.deleting
+        && rt == RuntimeFacts::Running
+        && !suspending
+    {
         ctx.ensure_monitor(&api, &vm, &uid);
+    }
+    if action == Action::Nothing
+        && facts.bound_here
+        && !facts.deleting
+        && let Some(phase) = facts.phase.filter(|p| suspender::handles(*p))
+    {
+        suspender::reconcile(&ctx, &api, vm, &uid, phase, &rt, in_flight).await?;
+        return Ok(Requeue::requeue(ctx.config.poll_interval));
     }
     execute(&ctx, &api, vm, &uid, action).await?;
     Ok(Requeue::requeue(ctx.config.poll_interval))
@@ -338,7 +380,7 @@ async fn record_torn_down(ctx: &Context, api: &Api<ImpVM>, name: &str) -> Result
 }
 
 /// Phase Failed with `reason`, if `allowed(current phase)`.
-async fn fail(
+pub(super) async fn fail(
     ctx: &Context,
     api: &Api<ImpVM>,
     name: &str,

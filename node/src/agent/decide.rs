@@ -27,6 +27,10 @@ pub enum RuntimeFacts {
     /// Creating or Booting.
     Booting,
     Running,
+    /// Suspending, Suspended or Resuming ([`super::suspend`] decides on these).
+    Suspending,
+    Suspended,
+    Resuming,
     /// The VM's process ended.
     Exited,
     Failed {
@@ -42,6 +46,10 @@ pub enum InFlight {
     Boot,
     /// The handoff and the wait for the runner's exit.
     Runner,
+    /// Writing Suspending and asking the runtime to suspend ([`super::suspend`]).
+    Suspend,
+    /// Writing Resuming and asking the runtime to resume.
+    Resume,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -102,7 +110,7 @@ pub fn decide(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> A
             // Starting is written before the PUT, so an instance here is from a previous run.
             (_, RuntimeFacts::Absent) if in_flight.is_none() => Action::Boot,
             (None, _) => Action::Restart,
-            (Some(InFlight::Runner), _) => Action::Release,
+            (Some(_), _) => Action::Release,
         },
         Some(VmPhase::Starting) => match (in_flight, rt) {
             (Some(_), _) => Action::Nothing,
@@ -118,6 +126,7 @@ pub fn decide(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> A
             (None, _) => Action::Boot,
         },
         Some(VmPhase::Running) => running(vm, rt, in_flight),
+        // Suspending, Suspended, Resuming: suspend.rs decides (deletion and release are above).
         _ => Action::Nothing,
     }
 }
@@ -345,6 +354,34 @@ mod tests {
                 Action::Release
             );
             assert_eq!(decide(&vm(p), &R::Absent, None), Action::Nothing);
+        }
+    }
+
+    #[test]
+    fn suspend_phases_are_left_to_suspend_rs_except_deletion_and_release() {
+        for p in [VmPhase::Suspending, VmPhase::Suspended, VmPhase::Resuming] {
+            for rt in [
+                R::Suspended,
+                R::Suspending,
+                R::Resuming,
+                R::Running,
+                R::Absent,
+            ] {
+                assert_eq!(decide(&vm(p), &rt, None), Action::Nothing, "{p:?} {rt:?}");
+            }
+            let mut d = vm(p);
+            d.deleting = true;
+            assert_eq!(decide(&d, &R::Suspended, None), Action::Teardown);
+            assert_eq!(
+                decide(&d, &R::Absent, Some(InFlight::Resume)),
+                Action::Teardown
+            );
+            d.bound_here = false;
+            assert_eq!(decide(&d, &R::Suspended, None), Action::Release);
+        }
+        // A plain Running VM whose runtime suspends is no failure.
+        for rt in [R::Suspending, R::Suspended, R::Resuming] {
+            assert_eq!(decide(&vm(VmPhase::Running), &rt, None), Action::Nothing);
         }
     }
 

@@ -15,6 +15,11 @@ pub struct OutcomeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TriggerLabel {
+    pub trigger: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabel {
     pub reason: String,
 }
@@ -46,6 +51,9 @@ struct Inner {
     reconcile_errors: Counter,
     guest_memory_used: Family<GuestLabels, Gauge>,
     guest_disk_used: Family<GuestLabels, Gauge>,
+    suspends: Family<TriggerLabel, Counter>,
+    resumes: Family<TriggerLabel, Counter>,
+    wake_latency: Histogram,
 }
 
 impl Default for AgentMetrics {
@@ -70,6 +78,9 @@ impl AgentMetrics {
             reconcile_errors: Counter::default(),
             guest_memory_used: Family::default(),
             guest_disk_used: Family::default(),
+            suspends: Family::default(),
+            resumes: Family::default(),
+            wake_latency: Histogram::new(exponential_buckets(0.05, 2.0, 12)),
         };
         inner.registry.register(
             "imp_vm_guest_memory_used_bytes",
@@ -130,6 +141,21 @@ impl AgentMetrics {
             "imp_agent_reconcile_errors",
             "Reconcile passes that failed (retried)",
             inner.reconcile_errors.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_vm_suspends",
+            "VMs this agent brought to Suspended, by trigger (requested, idle)",
+            inner.suspends.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_vm_resumes",
+            "Suspended VMs this agent brought back to Running, by trigger (requested, traffic = ScaleToZero wakes, disabled, not_allowed)",
+            inner.resumes.clone(),
+        );
+        inner.registry.register(
+            "imp_agent_vm_wake_seconds",
+            "ScaleToZero wakes: first sight of a risen wake counter to phase Running",
+            inner.wake_latency.clone(),
         );
         Self {
             inner: Arc::new(inner),
@@ -207,6 +233,28 @@ impl AgentMetrics {
         self.inner.guest_disk_used.remove(labels);
     }
 
+    pub fn suspended(&self, trigger: &str) {
+        self.inner
+            .suspends
+            .get_or_create(&TriggerLabel {
+                trigger: trigger.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn resumed(&self, trigger: &str) {
+        self.inner
+            .resumes
+            .get_or_create(&TriggerLabel {
+                trigger: trigger.to_owned(),
+            })
+            .inc();
+    }
+
+    pub fn wake(&self, secs: f64) {
+        self.inner.wake_latency.observe(secs);
+    }
+
     pub fn reconcile_error(&self) {
         self.inner.reconcile_errors.inc();
     }
@@ -229,6 +277,9 @@ mod tests {
         m.teardown();
         m.backlog(2);
         m.reconcile_error();
+        m.suspended("idle");
+        m.resumed("traffic");
+        m.wake(0.7);
         let labels = GuestLabels {
             vm: "v".into(),
             namespace: "ns".into(),
@@ -246,6 +297,9 @@ mod tests {
             "imp_agent_teardowns_total 1",
             "imp_agent_backlog_vms 2",
             "imp_agent_reconcile_errors_total 1",
+            "imp_agent_vm_suspends_total{trigger=\"idle\"} 1",
+            "imp_agent_vm_resumes_total{trigger=\"traffic\"} 1",
+            "imp_agent_vm_wake_seconds_count 1",
             "imp_vm_guest_memory_used_bytes{vm=\"v\",namespace=\"ns\",node=\"n\"} 1024",
             "imp_vm_guest_disk_used_bytes{vm=\"v\",namespace=\"ns\",node=\"n\"} 2048",
         ] {
@@ -257,7 +311,7 @@ mod tests {
         );
         assert_eq!(
             imp_testkit::metrics::assert_every_family_documented(&text),
-            12,
+            15,
             "{text}"
         );
         m.forget_guest(&labels);

@@ -4,8 +4,9 @@
 //!
 //! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`binding`]
 //! (whose JIT config a VM may receive), [`spec`]
-//! (ImpVM -> runtime spec), [`capacity`] (what the Node offers VMs). I/O: [`controller`],
-//! [`status`], [`lease`] (heartbeat and capacity publishing), [`http`].
+//! (ImpVM -> runtime spec), [`capacity`] (what the Node offers VMs), [`suspend`] (suspend, resume,
+//! ScaleToZero). I/O: [`controller`], [`suspender`], [`status`], [`lease`] (heartbeat and capacity
+//! publishing), [`http`].
 
 pub mod binding;
 pub mod capacity;
@@ -19,6 +20,8 @@ pub mod monitor;
 pub mod prebuild;
 pub mod spec;
 pub mod status;
+pub mod suspend;
+pub mod suspender;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -51,6 +54,9 @@ pub struct AgentConfig {
     pub guest_answer_timeout: Duration,
     /// How often a Running VM's guest is asked for its memory and disk use.
     pub guest_metrics_interval: Duration,
+    /// `desiredState: ScaleToZero` is honoured (IMP_SCALE_TO_ZERO=true; experimental, not
+    /// hardware-validated). Otherwise such a VM keeps running and its condition says why.
+    pub scale_to_zero: bool,
 }
 
 impl AgentConfig {
@@ -66,6 +72,7 @@ impl AgentConfig {
             sweep_interval: Duration::from_secs(15),
             guest_answer_timeout: imp_guest::host::DEFAULT_ANSWER_TIMEOUT,
             guest_metrics_interval: Duration::from_secs(30),
+            scale_to_zero: false,
         }
     }
 }

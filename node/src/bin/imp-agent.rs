@@ -56,6 +56,12 @@ struct Args {
     /// How often a Running VM's guest is asked for its memory and disk use, e.g. "30s".
     #[arg(long, env = "IMP_GUEST_METRICS_INTERVAL", default_value = "30s", value_parser = imp_api::parse_duration)]
     guest_metrics_interval: Duration,
+    /// Honour `desiredState: ScaleToZero` (experimental; wake-on-traffic is not
+    /// hardware-validated): suspend a VM after idleTimeout without link traffic, resume it when
+    /// packets arrive for its address. Off: such VMs keep running (condition Suspended says why).
+    #[arg(long, env = "IMP_SCALE_TO_ZERO", default_value_t = false, action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new())]
+    scale_to_zero: bool,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -96,6 +102,7 @@ async fn main() -> ExitCode {
         sweep_interval: args.sweep_interval,
         guest_answer_timeout: args.guest_answer_timeout,
         guest_metrics_interval: args.guest_metrics_interval,
+        scale_to_zero: args.scale_to_zero,
     };
     tracing::info!(node = %config.node_name, socket = %config.runtime_socket.display(), "imp-agent starting");
     let run = imp_node::agent::run(
