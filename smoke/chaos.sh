@@ -207,7 +207,8 @@ chaos_node_loss() {
   # The node comes back (a reboot): the runtime finds what its VMs left, the agent finishes their
   # teardown, the replacements schedule and serve the job queued meanwhile.
   start_runtime; start_agent
-  settle 120 $j0 "$j" || fail "chaos node loss: not settled after the node came back: $(why)"
+  # 40 s: a lost VM's scheduling reservation once kept the next runner waiting 60 s.
+  settle 40 $j0 "$j" || fail "chaos node loss: not settled within 40 s after the node came back: $(why)"
   settled "node loss with $what (agent, runtime and VM processes killed, Lease stale): VMs $vms NodeLost; node back: job $j served"
 }
 
