@@ -174,10 +174,23 @@ kill_at() {
   settled "$what, restarted: job $j served; VM $vm went $(history "$vm")"
 }
 
+# node_loss: the node goes with an idle Started runner; node_loss_booting: with a VM held before its
+# Hello (bound, address allocated, VMM started).
+chaos_node_loss_booting() { chaos_node_loss booting; }
 chaos_node_loss() {
   t0=$SECONDS
-  local vms tree v j
-  vms=$(pool_vms | jq -r '[.items[] | select(.metadata.deletionTimestamp == null and .spec.nodeName != null) | .metadata.name] | join(" ")')
+  local vms tree v j j0="" what="an idle runner"
+  if [[ ${1:-} == booting ]]; then
+    what="a VM booting before its Hello"
+    : >"$chaos_hold_boot"
+    j0=$(queue_job)
+    wait_for 60 vm_at none || { rm -f "$chaos_hold_boot"; fail "chaos node loss: no VM held before its Hello: $(why)"; }
+  fi
+  if [[ -n $j0 ]]; then
+    vms=$(vm_at none)
+  else
+    vms=$(pool_vms | jq -r '[.items[] | select(.metadata.deletionTimestamp == null and .spec.nodeName != null) | .metadata.name] | join(" ")')
+  fi
   [[ -n $vms ]] || fail "chaos node loss: no bound VM to lose: $(why)"
   # The node goes: its agent, its runtime and every VM process with it (TAPs, nft rules and VM
   # directories stay behind, as after a power cut).
@@ -190,11 +203,13 @@ chaos_node_loss() {
   wait_for 60 lost || fail "chaos node loss: VMs $vms not NodeLost: $(why)"
   j=$(queue_job)
   sleep 2
+  rm -f "$chaos_hold_boot"
   # The node comes back (a reboot): the runtime finds what its VMs left, the agent finishes their
   # teardown, the replacements schedule and serve the job queued meanwhile.
   start_runtime; start_agent
-  settle 120 "$j" || fail "chaos node loss: not settled after the node came back: $(why)"
-  settled "node loss (agent, runtime and VM processes killed, Lease stale): VMs $vms NodeLost; node back: job $j served"
+  # 40 s: a lost VM's scheduling reservation once kept the next runner waiting 60 s.
+  settle 40 $j0 "$j" || fail "chaos node loss: not settled within 40 s after the node came back: $(why)"
+  settled "node loss with $what (agent, runtime and VM processes killed, Lease stale): VMs $vms NodeLost; node back: job $j served"
 }
 
 chaos_runtime_down() {
@@ -256,7 +271,7 @@ chaos_scenarios=(
   kill_agent_before_sent kill_agent_sent kill_agent_started
   kill_runtime_before_sent kill_runtime_sent kill_runtime_started
   kill_operator_before_sent kill_operator_sent kill_operator_started
-  runtime_down node_loss two_operators never_online
+  runtime_down node_loss node_loss_booting two_operators never_online
 )
 run_scenario() {
   case $1 in

@@ -626,8 +626,10 @@ impl Context {
         };
         let mut out = Vec::new();
         let mut seen_bound = HashMap::new();
+        let mut present = std::collections::HashSet::new();
         for vm in self.vms.state() {
             let uid = vm.uid().unwrap_or_default();
+            present.insert(uid.clone());
             let Some(node) = vm.spec.node_name.as_deref().filter(|n| !n.is_empty()) else {
                 continue;
             };
@@ -653,7 +655,14 @@ impl Context {
             }
         }
         assumed
-            .retain(|uid, a| seen_bound.get(uid) != Some(&a.node) && a.at.elapsed() < ASSUME_FOR);
+            // A VM gone from the cache holds nothing any more (its finalizer went after the
+            // teardown): its reservation must not outlive it for ASSUME_FOR (the chaos suite's node
+            // loss kept the next runner Unschedulable for 60 s).
+            .retain(|uid, a| {
+                present.contains(uid)
+                    && seen_bound.get(uid) != Some(&a.node)
+                    && a.at.elapsed() < ASSUME_FOR
+            });
         for (uid, a) in assumed.iter() {
             if uid != except_uid {
                 out.push(Resident {
