@@ -231,7 +231,7 @@ chaos_two_operators() {
   t0=$SECONDS
   local port2 op2 j1 j2 holder
   port2=$(free_port)
-  IMP_HTTP_ADDR="127.0.0.1:$port2" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
+  IMP_REAP_INTERVAL=10s IMP_HTTP_ADDR="127.0.0.1:$port2" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
     IMP_GITHUB_API_URL="$sim" IMP_POD_NAME=smoke-operator-2 "$bin/imp-operator" >>"$work/operator2.log" 2>&1 &
   op2=$!; pids+=("$op2")
   wait_for 20 curl -sf "http://127.0.0.1:$port2/healthz" || fail "chaos two operators: the second imp-operator not healthy: $(tail -3 "$work/operator2.log")"

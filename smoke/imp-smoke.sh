@@ -384,8 +384,11 @@ start_agent() {
   pids+=($!); agent_pid=$!
   wait_for 20 curl -sf "http://127.0.0.1:$agent_port/healthz" || fail "imp-agent not healthy: $(tail -3 "$work/agent.log")"
 }
+# IMP_REAP_INTERVAL=10s: an idle runner whose VM was deleted (the switch to the simulated path below
+# deletes the real guest's) keeps its GitHub registration until the pool's orphan reaper runs, 2 min
+# by default.
 start_operator() {
-  IMP_HTTP_ADDR="0.0.0.0:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
+  IMP_REAP_INTERVAL=10s IMP_HTTP_ADDR="0.0.0.0:$op_port" IMP_NAMESPACE=default IMP_WEBHOOK_SECRET_NAME=imp-webhook \
     IMP_GITHUB_API_URL="$sim" "$bin/imp-operator" >>"$work/operator.log" 2>&1 &
   pids+=($!); operator_pid=$!
   wait_for 30 curl -sf "http://127.0.0.1:$op_port/readyz" || fail "imp-operator not ready: $(tail -3 "$work/operator.log")"
