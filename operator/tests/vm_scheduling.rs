@@ -300,7 +300,7 @@ async fn a_teardown_schedules_the_waiting_vm_at_once() {
     h.create_vm(fixtures::vm("first").class(&class)).await;
     h.wait_phase("first", VmPhase::Scheduled, WAIT).await;
     h.create_vm(fixtures::vm("second").class(&class)).await;
-    h.wait_vm("second", "Unschedulable", WAIT, |vm| {
+    h.wait_vm("second", reason::UNSCHEDULABLE, WAIT, |vm| {
         vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::UNSCHEDULABLE)
     })
     .await;
