@@ -19,10 +19,13 @@
 #       that nothing of its own is left (processes, links, nft tables, VM files, ImpVMs, JIT Secrets,
 #       IP allocations, GitHub registrations) and fails if anything is.
 #       --record FILE also writes the run as an asciicast v2 file (asciinema play FILE).
-#       --chaos adds the chaos scenarios (on the simulated path: after the real-guest lifecycle the
-#       node switches to the Firecracker simulator) (forged, duplicated, lost and reordered webhooks, GitHub 5xx and
-#       429 bursts, kill -9 of imp-agent, imp-runtime and imp-operator at the handoff phases) and checks
-#       the invariants over all of them (imp-chaos-check, testkit/src/chaos).
+#       --chaos adds the chaos scenarios of smoke/chaos.sh, on the simulated path (after a real-guest
+#       lifecycle the node switches to the Firecracker simulator): forged, duplicated, lost and
+#       reordered webhooks; GitHub 5xx and 429 bursts; kill -9 of imp-agent, imp-runtime and
+#       imp-operator before Sent, between Sent and Started and after Started; imp-runtime down with a
+#       fresh Lease; node loss; two operators; a runner that never comes online. After each, the
+#       settled invariants (imp-chaos-check, testkit/src/chaos). IMP_CHAOS_SOAK=N repeats the list N
+#       times in a shuffled order (IMP_CHAOS_SEED replays one, IMP_CHAOS_ONLY="name ..." a subset).
 #   smoke/imp-smoke.sh --cluster --repo OWNER/REPO [--context CTX] [--github-api URL] [--token-file F] ...
 #       One job through an installed Imp (smoke/cluster.py; --cluster --help lists its options): ensures
 #       the pool, dispatches smoke/workflow.yaml (workflow_dispatch), follows the job through the GitHub
