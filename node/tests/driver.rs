@@ -10,6 +10,22 @@ use imp_node::firecracker::api::{BootSource, Drive, InstanceState, MachineConfig
 use imp_node::firecracker::{self, BootPlan, VmmFiles};
 use tokio::time::Instant;
 
+/// Kills the VMMs this test spawned when it ends, also when it panics: a VMM is spawned detached
+/// (by design it outlives its runtime), so nothing else would stop it.
+#[derive(Default)]
+struct KillOnDrop(Vec<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
 fn files(dir: &std::path::Path, name: &str) -> VmmFiles {
     VmmFiles {
         api_sock: dir.join(format!("{name}.api")),
@@ -34,7 +50,9 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
     std::fs::write(&disk, b"disk").unwrap();
 
     let a = files(dir.path(), "a");
+    let mut spawned = KillOnDrop::default();
     let vmm = firecracker::spawn(&simulator, "snap-a", &a, None).unwrap();
+    spawned.0.push(vmm.pid);
     vmm.wait_api_ready().await.unwrap();
     let plan = BootPlan {
         machine: MachineConfiguration {
@@ -105,6 +123,7 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
     // Restore into a new process with a new vsock path.
     let b = files(dir.path(), "b");
     let restored = firecracker::spawn(&simulator, "snap-b", &b, None).unwrap();
+    spawned.0.push(restored.pid);
     restored.wait_api_ready().await.unwrap();
     restored.snapshot_load(&snap, &mem, true).await.unwrap();
     assert_eq!(
@@ -120,4 +139,6 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
     assert!(restored.snapshot_load(&snap, &mem, true).await.is_err());
     restored.kill().await;
     assert!(!restored.is_alive());
+    // Both are gone: their pids are no longer ours to signal.
+    spawned.0.clear();
 }
