@@ -147,7 +147,8 @@ if [[ "$mode" == local ]]; then
     for pid in $(ip netns pids "$ns" 2>/dev/null) $(ip netns pids "$gh_ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
     ip netns del "$ns" 2>/dev/null || true
     ip netns del "$gh_ns" 2>/dev/null || true
-    if [[ $passed == 1 ]]; then rm -rf "$work"; else echo "imp-smoke: logs kept in $work" >&2; fi
+    # A run that failed before writing any log leaves no empty work dir behind.
+    if [[ $passed == 1 ]]; then rm -rf "$work"; elif ! rmdir "$work" 2>/dev/null; then echo "imp-smoke: logs kept in $work" >&2; fi
   }
   trap outer_cleanup EXIT
   "$repo/testenv/build.sh" >/dev/null || fail "testenv build (testenv/build.sh)"
