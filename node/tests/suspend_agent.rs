@@ -511,33 +511,6 @@ fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
     })
 }
 
-/// TUNSETIFF (IFF_TAP | IFF_NO_PI) on /dev/net/tun: creates (or attaches to) TAP `name` in the
-/// calling thread's network namespace.
-fn open_tap(name: &str) -> std::io::Result<OwnedFd> {
-    const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/net/tun")?;
-    #[repr(C)]
-    struct IfReq {
-        name: [u8; libc::IFNAMSIZ],
-        flags: libc::c_short,
-        _pad: [u8; 22],
-    }
-    let mut req = IfReq {
-        name: [0; libc::IFNAMSIZ],
-        flags: (libc::IFF_TAP | libc::IFF_NO_PI) as libc::c_short,
-        _pad: [0; 22],
-    };
-    req.name[..name.len()].copy_from_slice(name.as_bytes());
-    // SAFETY: TUNSETIFF reads an ifreq we own for the duration of the call.
-    if unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, &mut req) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(file.into())
-}
-
 /// The VMM process holding TAP `tap` open, and the descriptor number there (/proc fdinfo of a
 /// tun descriptor names its interface: `iff:\t<name>`).
 fn tap_holder(rt_vms: &Path, tap: &str) -> Option<(i32, i32)> {
@@ -616,7 +589,11 @@ impl GuestNic {
             .output()
             .unwrap();
         assert!(out.status.success(), "{out:?}");
-        let guest = in_netns(ns, || open_tap("g0")).expect("guest TAP");
+        // The simulator's own TAP open (TUNSETIFF creates the TAP when it is missing).
+        let guest = in_netns(ns, || {
+            imp_testkit::firecracker::sim::open_tap("g0").map(OwnedFd::from)
+        })
+        .expect("guest TAP");
         let mac = imp_node::network::format_mac(&imp_node::network::vm_mac(uid));
         ip(&["-n", ns, "link", "set", "g0", "address", &mac]);
         ip(&["-n", ns, "addr", "add", &format!("{VM_IP}/24"), "dev", "g0"]);

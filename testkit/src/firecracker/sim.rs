@@ -716,8 +716,9 @@ fn gratuitous_arp(mac: [u8; 6]) -> Vec<u8> {
     f
 }
 
-/// Attach to an existing TAP as Firecracker does (TUNSETIFF, IFF_TAP | IFF_NO_PI).
-fn open_tap(name: &str) -> std::io::Result<File> {
+/// Attach to TAP `name` as Firecracker does (TUNSETIFF, IFF_TAP | IFF_NO_PI), in the calling
+/// thread's network namespace; TUNSETIFF creates the TAP when it does not exist.
+pub fn open_tap(name: &str) -> std::io::Result<File> {
     const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
     if name.is_empty() || name.len() >= libc::IFNAMSIZ {
         return Err(std::io::Error::new(
