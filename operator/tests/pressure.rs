@@ -26,11 +26,7 @@ use kube::{
 };
 use prometheus_client::registry::Registry;
 use serde_json::json;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-    process::{Child, Command},
-};
+use tokio::process::{Child, Command};
 use vm_common::*;
 
 const WITHIN: Duration = Duration::from_secs(15);
@@ -268,27 +264,6 @@ async fn a_suspend_that_never_completes_stops_holding_back_the_next_after_the_ti
 }
 
 // --- The operator binary: off unless IMP_PRESSURE_LIFECYCLE=true ---------------------------------------
-
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(addr).await.ok()?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.ok()?;
-    let code = out.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, out))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// imp-operator with IMP_PRESSURE_LIFECYCLE as the chart renders it (`None`: unset).
 async fn operator(h: &Harness, log: &std::path::Path, pressure: Option<&str>) -> (Child, String) {

@@ -12,34 +12,8 @@ use std::{
 use imp_api::VmPhase;
 use imp_testkit::binlog;
 use imp_testkit::fixtures;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-    process::{Child, Command},
-};
+use tokio::process::{Child, Command};
 use vm_common::*;
-
-/// A minimal HTTP/1.1 GET; returns (status code, headers+body text).
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let mut s = TcpStream::connect(addr).await.ok()?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.ok()?;
-    let code = out.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, out))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn operator_binary_serves_health_and_metrics_and_schedules() {
