@@ -58,6 +58,39 @@ pub struct ImpNetworkSpec {
     /// except the node itself and link-local 169.254.0.0/16 (never reachable).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<Egress>,
+    /// Connections into the guests the node admits, e.g. to a persistent VM's service or to
+    /// wake a ScaleToZero VM. Default: none (replies to the guests' own connections only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub ingress: Vec<IngressRule>,
+}
+
+/// One admitted kind of inbound connection: from a source CIDR to some ports of the guests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IngressRule {
+    /// IPv4 CIDR the connections come from, e.g. 192.0.2.0/24 (0.0.0.0/0: anywhere).
+    #[x_kube(validation = kube::core::Rule::new("isCIDR(self) && cidr(self).ip().family() == 4").message("ingress.from must be an IPv4 CIDR such as 192.0.2.0/24"))]
+    #[schemars(length(max = 64))]
+    pub from: String,
+    /// Transport protocol (default TCP).
+    #[serde(default)]
+    pub protocol: IngressProtocol,
+    /// Destination ports on the guests; empty: every port of the protocol.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32), inner(range(min = 1, max = 65535)))]
+    pub ports: Vec<u16>,
+}
+
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub enum IngressProtocol {
+    #[default]
+    #[serde(rename = "TCP")]
+    Tcp,
+    #[serde(rename = "UDP")]
+    Udp,
 }
 
 /// Destination CIDR lists; `deny` wins over `allow`.

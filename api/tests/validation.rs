@@ -121,6 +121,12 @@ async fn network_rules() {
         .nat()
         .dns(&["1.1.1.1"])
         .json();
+    // A valid ingress list is part of the accepted base.
+    let mut base = base;
+    base["spec"]["ingress"] = json!([
+        {"from": "192.0.2.0/24", "ports": [22, 8080]},
+        {"from": "0.0.0.0/0", "protocol": "UDP"}
+    ]);
     check_cases::<ImpNetwork>(
         &env,
         base,
@@ -154,6 +160,36 @@ async fn network_rules() {
                 "dns not an IP",
                 json!({"spec": {"dns": ["one.one.one.one"]}}),
                 &["spec.dns", "every dns entry must be an IP address"],
+            ),
+            (
+                "ingress from not a CIDR",
+                json!({"spec": {"ingress": [{"from": "192.0.2.7"}]}}),
+                &["spec.ingress[0].from", "ingress.from must be an IPv4 CIDR"],
+            ),
+            (
+                "ingress from IPv6",
+                json!({"spec": {"ingress": [{"from": "fd00::/64"}]}}),
+                &["spec.ingress[0].from", "IPv4 CIDR"],
+            ),
+            (
+                "ingress without from",
+                json!({"spec": {"ingress": [{"ports": [22]}]}}),
+                &["spec.ingress[0].from", "Required"],
+            ),
+            (
+                "ingress port 0",
+                json!({"spec": {"ingress": [{"from": "192.0.2.0/24", "ports": [0]}]}}),
+                &["spec.ingress[0].ports[0]", "greater than or equal to 1"],
+            ),
+            (
+                "ingress port too big",
+                json!({"spec": {"ingress": [{"from": "192.0.2.0/24", "ports": [65536]}]}}),
+                &["spec.ingress[0].ports[0]"],
+            ),
+            (
+                "ingress bad protocol",
+                json!({"spec": {"ingress": [{"from": "192.0.2.0/24", "protocol": "SCTP"}]}}),
+                &["spec.ingress[0].protocol", "Unsupported value"],
             ),
         ],
     )

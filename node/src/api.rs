@@ -90,6 +90,21 @@ pub struct NetworkAttachment {
     /// Destinations the guest may never reach; wins over `egress_allow`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub egress_deny: Vec<ipnet::Ipv4Net>,
+    /// Connections into the guests the node admits (default: none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ingress: Vec<Ingress>,
+}
+
+/// One admitted kind of inbound connection (ImpNetwork `spec.ingress[]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ingress {
+    /// Source addresses.
+    pub from: ipnet::Ipv4Net,
+    pub protocol: imp_api::IngressProtocol,
+    /// Destination ports on the guests; empty: every port of the protocol.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<u16>,
 }
 
 /// Where a VM is in its life (also the inventory's `state` column).

@@ -373,6 +373,7 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
             egress_interface: None,
             egress_allow: vec![],
             egress_deny: vec![],
+            ingress: vec![],
         },
         ports: ports.clone(),
     }];
@@ -495,6 +496,43 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
         "throughput 64 MiB HTTP: guest via NAT {guest_mbps:.0} Mbit/s, node {node_mbps:.0} Mbit/s; \
          request latency (connect+GET): guest {guest_rtt:?}, node {node_rtt:?}"
     );
+
+    // Ingress: a connection from outside reaches a guest only where spec.ingress admits it,
+    // and its replies pass even where the egress lists stop the guest's own connections.
+    run(
+        "ip",
+        &["-n", &inet, "route", "add", "198.51.100.0/24", "via", "192.0.2.2"],
+    );
+    w.listener(&g2, "0.0.0.0:7001".parse().unwrap(), |_| {})
+        .recv()
+        .unwrap();
+    let from_inet = |port: u16| {
+        in_netns(&inet, || {
+            reachable(SocketAddr::from(([198, 51, 100, 11], port)))
+        })
+    };
+    assert!(!from_inet(7000), "a connection got in without spec.ingress");
+    let tcp = |from: &str| imp_node::api::Ingress {
+        from: from.parse().unwrap(),
+        protocol: imp_api::IngressProtocol::Tcp,
+        ports: vec![7000],
+    };
+    let mut admitted = desired.clone();
+    // The second rule names the subnet itself: guest-to-guest traffic stays dropped anyway.
+    admitted[0].network.ingress = vec![tcp("192.0.2.0/24"), tcp("198.51.100.0/24")];
+    admitted[0].network.egress_allow = vec!["10.1.0.0/16".parse().unwrap()];
+    assert_ne!(reconcile(&node, &admitted).0, []);
+    assert!(from_inet(7000), "spec.ingress admits 192.0.2.0/24 to port 7000");
+    assert!(!from_inet(7001), "reached a port spec.ingress does not list");
+    in_netns(&g1, || {
+        assert!(
+            !reachable("198.51.100.11:7000".parse().unwrap()),
+            "guest reached the other guest through an ingress rule"
+        );
+        assert!(!reachable(server), "egress.allow no longer held");
+    });
+    assert_ne!(reconcile(&node, &desired).0, []);
+    assert!(!from_inet(7000), "admitted after spec.ingress was emptied");
 
     // Teardown: the last VM leaves, then nothing of Imp's is left; a repeat does nothing.
     let empty = vec![Attachment {

@@ -107,6 +107,7 @@ fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
         egress_interface: None,
         egress_allow: vec![],
         egress_deny: vec![],
+        ingress: vec![],
     }
 }
 

@@ -78,6 +78,7 @@ fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
         egress_interface: None,
         egress_allow: vec![],
         egress_deny: vec!["203.0.113.0/24".parse().unwrap()],
+        ingress: vec![],
     }
 }
 
@@ -242,6 +243,7 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
         gateway: "203.0.113.1".parse().unwrap(),
         egress_interface: Some("up1".into()),
         egress_deny: vec![],
+        ingress: vec![],
         ..attachment(&net2, "203.0.113.10/24")
     };
     let (_, st) = h

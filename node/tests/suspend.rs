@@ -248,6 +248,7 @@ async fn packets_to_a_suspended_vm_are_counted_until_it_resumes() {
                 egress_interface: None,
                 egress_allow: vec![],
                 egress_deny: vec![],
+                ingress: vec![],
             }),
         }),
         ..h.spec(false)

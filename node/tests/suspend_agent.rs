@@ -726,11 +726,6 @@ fn ping_from(ns: &str, within: Duration) -> Result<(String, Duration), String> {
     })
 }
 
-/// Whether imp-runtime's rules drop new connections routed into guests.
-fn inbound_dropped(tn: &TestNetwork) -> bool {
-    node_ruleset(tn).contains("no connections into guests")
-}
-
 /// `nft list ruleset` of the node namespace (for failure messages).
 fn node_ruleset(tn: &TestNetwork) -> String {
     let out = Command::new("ip")
@@ -753,7 +748,9 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let net: ImpNetwork = serde_json::from_value(json!({
         "apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork", "metadata": {"name": "svc"},
         "spec": {"subnet": SUBNET, "gateway": GATEWAY, "dns": ["192.0.2.1"],
-            "nat": {"enabled": true}}}))
+            "nat": {"enabled": true},
+            // The client's connections are admitted (the default drops every one into guests).
+            "ingress": [{"from": "192.0.2.0/24", "ports": [PORT]}]}}))
     .unwrap();
     w.env
         .api::<ImpNetwork>()
@@ -808,28 +805,18 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let (answer, _) = ping_from(&tn.node, Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("node -> running VM: {e}"));
     assert_eq!(answer, "pong ping\n");
-    // ...and a client routed through the node does, unless Imp's network isolation drops
-    // connections into guests (`inet imp` forward, "no connections into guests"): then only
-    // the wake can be shown from the client, and the exchange is checked from the node.
-    let isolated = inbound_dropped(&tn);
-    if isolated {
-        println!(
-            "NOTE: the node drops new connections into guests (docs/network.md); the client's \
-             connection wakes the VM but cannot complete, the resumed guest is checked from the node"
-        );
-    } else {
-        let (answer, took) = ping_from(&tn.inet, Duration::from_secs(10)).unwrap_or_else(|e| {
-            panic!(
-                "client -> running VM: {e}\nnode ruleset:\n{}",
-                node_ruleset(&tn)
-            )
-        });
-        assert_eq!(answer, "pong ping\n");
-        println!(
-            "client -> running VM: {:.1} ms",
-            took.as_secs_f64() * 1000.0
-        );
-    }
+    // ...and so does the client routed through the node, which spec.ingress admits.
+    let (answer, took) = ping_from(&tn.inet, Duration::from_secs(10)).unwrap_or_else(|e| {
+        panic!(
+            "client -> running VM: {e}\nnode ruleset:\n{}",
+            node_ruleset(&tn)
+        )
+    });
+    assert_eq!(answer, "pong ping\n");
+    println!(
+        "client -> running VM: {:.1} ms",
+        took.as_secs_f64() * 1000.0
+    );
     // Idle well past idleTimeout: still Running, the runtime too.
     tokio::time::sleep(Duration::from_secs(13).saturating_sub(running_at.elapsed())).await;
     let vm = w.vms().get("sleepy").await.unwrap();
@@ -883,9 +870,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     // A client connects: its SYN is forwarded towards the VM and counted, the agent resumes
     // the VM, and a retransmitted SYN reaches the restored guest.
     let client_ns = tn.inet.clone();
-    // Isolated: the SYNs at 0, 1, 3 and 7 s are enough to wake it; longer, the resumed VM
-    // would idle out and be woken again by a late retransmission.
-    let within = Duration::from_secs(if isolated { 8 } else { 45 });
+    let within = Duration::from_secs(45);
     let sent = Instant::now();
     let client = std::thread::spawn(move || ping_from(&client_ns, within));
     let vm = w
@@ -893,21 +878,13 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
         .await;
     let woke_after = sent.elapsed();
     let outcome = client.join().unwrap();
-    let (answer, took) = if isolated {
-        // The SYN woke the VM; its retransmissions are dropped by the isolation rule.
-        assert!(outcome.is_err(), "{outcome:?}");
-        let (answer, took) = ping_from(&tn.node, Duration::from_secs(10))
-            .unwrap_or_else(|e| panic!("node -> resumed VM: {e}"));
-        (answer, took)
-    } else {
-        outcome.unwrap_or_else(|e| {
-            panic!(
-                "client -> suspended VM: {e}\nagent log tail:\n{}\nnode ruleset:\n{}",
-                tail(&agent.log(), 60),
-                node_ruleset(&tn)
-            )
-        })
-    };
+    let (answer, took) = outcome.unwrap_or_else(|e| {
+        panic!(
+            "client -> suspended VM: {e}\nagent log tail:\n{}\nnode ruleset:\n{}",
+            tail(&agent.log(), 60),
+            node_ruleset(&tn)
+        )
+    });
     assert_eq!(answer, "pong ping\n");
     assert_eq!(
         cond(&vm, condition::SUSPENDED),
@@ -944,15 +921,10 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     println!(
         "ScaleToZero: suspended {:.1}s after the last traffic (idleTimeout 10s); client SYN -> phase \
          Running {:.2}s (wake seen -> Running {wake:.2}s; {note}); first answer from the resumed \
-         guest in {:.3}s ({})",
+         guest in {:.3}s (the client's exchange, from its first SYN)",
         idle.as_secs_f64(),
         woke_after.as_secs_f64(),
         took.as_secs_f64(),
-        if isolated {
-            "asked from the node after the client gave up"
-        } else {
-            "the client's exchange, from its first SYN"
-        }
     );
     drop(agent);
     drop(nic);

@@ -301,6 +301,7 @@ pub fn network(name: &str) -> NetworkBuilder {
             dns: Vec::new(),
             ipam: None,
             egress: None,
+            ingress: vec![],
         },
     ))
 }

@@ -100,6 +100,7 @@ pub fn attachment(
         egress_interface: n.egress_interface,
         egress_allow: n.egress_allow,
         egress_deny: n.egress_deny,
+        ingress: n.ingress,
     })
 }
 
@@ -271,6 +272,7 @@ mod tests {
                 egress_interface: Some("up0".into()),
                 egress_allow: vec![],
                 egress_deny: vec!["10.0.0.0/8".parse().unwrap()],
+                ingress: vec![],
             }
         );
         let s = vm_spec(&annotated(None), &class(None), &[], Some(a.clone())).unwrap();

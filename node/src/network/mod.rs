@@ -35,6 +35,8 @@ pub struct VmNetwork {
     pub egress_allow: Vec<ipnet::Ipv4Net>,
     /// Destinations the guests may never reach; wins over `egress_allow`.
     pub egress_deny: Vec<ipnet::Ipv4Net>,
+    /// `spec.ingress`: connections into the guests the node admits (empty: none).
+    pub ingress: Vec<crate::api::Ingress>,
 }
 
 impl VmNetwork {
@@ -67,6 +69,23 @@ impl VmNetwork {
             egress_interface: nat.egress_interface,
             egress_allow: cidrs("spec.egress.allow", &egress.allow)?,
             egress_deny: cidrs("spec.egress.deny", &egress.deny)?,
+            ingress: spec
+                .ingress
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let field = format!("spec.ingress[{i}].from");
+                    Ok(crate::api::Ingress {
+                        from: r
+                            .from
+                            .parse::<ipnet::Ipv4Net>()
+                            .map_err(|_| bad(&field, &r.from))?
+                            .trunc(),
+                        protocol: r.protocol,
+                        ports: r.ports.clone(),
+                    })
+                })
+                .collect::<Result<_, NetworkError>>()?,
         })
     }
 
@@ -80,6 +99,7 @@ impl VmNetwork {
             egress_interface: a.egress_interface.clone(),
             egress_allow: a.egress_allow.clone(),
             egress_deny: a.egress_deny.clone(),
+            ingress: a.ingress.clone(),
         }
     }
 
@@ -113,7 +133,7 @@ pub fn boot_args(a: &NetworkAttachment) -> String {
 /// Each VM carries the ImpNetwork spec of its start. The layout (subnet, gateway) is the
 /// oldest VM's: the running guests' addresses and routes are on their kernel command lines and
 /// cannot follow a change, so a VM whose address does not fit fails alone. The policy (NAT,
-/// egress interface, `spec.egress`) is the newest VM's: node-side rules only, applied to every
+/// egress interface, `spec.egress`, `spec.ingress`) is the newest VM's: node-side rules only, applied to every
 /// VM of the network on the node, so a change of them reaches the running VMs with the next
 /// VM of that network started there (docs/network.md, "Changes of an ImpNetwork").
 pub fn desired<'a>(
@@ -370,6 +390,7 @@ mod tests {
             egress_interface: None,
             egress_allow: vec![],
             egress_deny: vec![],
+            ingress: vec![],
         }
     }
 
@@ -421,6 +442,7 @@ mod tests {
             egress_interface: Some("up1".into()),
             egress_allow: vec!["192.0.2.0/24".parse().unwrap()],
             egress_deny: vec!["203.0.113.0/24".parse().unwrap()],
+            ingress: vec![],
             ..attached("net-a", "198.51.100.11/25")
         };
         let d = desired([

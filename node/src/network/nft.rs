@@ -88,6 +88,27 @@ fn verdict(v: &str) -> Value {
     json!({ v: null })
 }
 
+/// Packets in the reply direction of a tracked connection.
+fn reply_direction() -> Value {
+    json!({"match": {"op": "==", "left": {"ct": {"key": "direction"}}, "right": "reply"}})
+}
+
+/// The source, protocol and (when listed) destination ports of one `spec.ingress` rule.
+fn ingress_match(r: &crate::api::Ingress) -> Vec<Value> {
+    let proto = match r.protocol {
+        imp_api::IngressProtocol::Tcp => "tcp",
+        imp_api::IngressProtocol::Udp => "udp",
+    };
+    let mut m = vec![
+        payload("ip", "saddr", "==", prefix(&r.from)),
+        meta("l4proto", "==", json!(proto)),
+    ];
+    if !r.ports.is_empty() {
+        m.push(payload(proto, "dport", "==", json!({ "set": r.ports })));
+    }
+    m
+}
+
 /// A network with its egress interface resolved: what the rules are rendered from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Resolved<'a> {
@@ -145,6 +166,16 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
             ],
             "no link-local (cloud metadata)",
         );
+        if !spec.ingress.is_empty() {
+            // Replies on connections opened into a guest (only `spec.ingress` admits those): out
+            // the way they came, whatever the egress lists say about the client's address.
+            rule(
+                Family::Inet,
+                "forward",
+                vec![from_br(), reply_direction(), verdict("accept")],
+                "replies to admitted connections (spec.ingress)",
+            );
+        }
         if !spec.egress_deny.is_empty() {
             rule(
                 Family::Inet,
@@ -189,6 +220,14 @@ pub fn rules(networks: &[Resolved<'_>]) -> Vec<Rule> {
             vec![to_br(), established(), verdict("accept")],
             "replies to guests",
         );
+        for r in &spec.ingress {
+            rule(
+                Family::Inet,
+                "forward",
+                [vec![to_br()], ingress_match(r), vec![verdict("accept")]].concat(),
+                "spec.ingress",
+            );
+        }
         rule(
             Family::Inet,
             "forward",
@@ -425,6 +464,7 @@ mod tests {
                 egress_interface: None,
                 egress_allow: vec![],
                 egress_deny: vec![],
+                ingress: vec![],
             },
             ports: (0..ports)
                 .map(|i| Port {
@@ -501,6 +541,58 @@ mod tests {
             allow_expr.contains("\"!=\"") && allow_expr.contains("198.51.100.0"),
             "{allow_expr}"
         );
+    }
+
+    #[test]
+    fn ingress_rules_accept_before_the_inbound_drop_and_let_replies_out() {
+        let mut a = attachment(true, 1);
+        a.network.egress_allow = vec!["10.1.0.0/16".parse().unwrap()];
+        let plain = rules(&resolved(&a)).len();
+        a.network.ingress = vec![
+            crate::api::Ingress {
+                from: "198.51.100.0/24".parse().unwrap(),
+                protocol: imp_api::IngressProtocol::Tcp,
+                ports: vec![22, 8080],
+            },
+            crate::api::Ingress {
+                from: "0.0.0.0/0".parse().unwrap(),
+                protocol: imp_api::IngressProtocol::Udp,
+                ports: vec![],
+            },
+        ];
+        let r = rules(&resolved(&a));
+        // Two admissions and one reply rule.
+        assert_eq!(r.len(), plain + 3);
+        let fwd: Vec<_> = r
+            .iter()
+            .filter(|x| x.chain == "forward" && x.family == Family::Inet)
+            .collect();
+        let at = |why: &str| fwd.iter().position(|x| x.why == why).unwrap();
+        let admitted: Vec<_> = fwd
+            .iter()
+            .enumerate()
+            .filter(|(_, x)| x.why == "spec.ingress")
+            .map(|(i, x)| (i, serde_json::to_string(&x.expr).unwrap()))
+            .collect();
+        assert_eq!(admitted.len(), 2);
+        let inbound_drop = at("no connections into guests");
+        assert!(admitted.iter().all(|(i, _)| *i < inbound_drop));
+        let (_, tcp) = &admitted[0];
+        assert!(
+            tcp.contains("198.51.100.0")
+                && tcp.contains("\"tcp\"")
+                && tcp.contains("\"dport\"")
+                && tcp.contains("8080"),
+            "{tcp}"
+        );
+        // Every UDP port: no dport match.
+        let (_, udp) = &admitted[1];
+        assert!(udp.contains("\"udp\"") && !udp.contains("dport"), "{udp}");
+        // Replies pass before the egress lists could drop them, never before the link-local drop.
+        let replies = at("replies to admitted connections (spec.ingress)");
+        assert!(at("no link-local (cloud metadata)") < replies);
+        assert!(replies < at("spec.egress.allow"));
+        assert!(serde_json::to_string(&fwd[replies].expr).unwrap().contains("\"reply\""));
     }
 
     #[test]

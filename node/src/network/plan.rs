@@ -376,6 +376,7 @@ mod tests {
             egress_interface: None,
             egress_allow: vec![],
             egress_deny: vec![],
+            ingress: vec![],
         }
     }
 

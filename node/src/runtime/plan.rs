@@ -243,6 +243,7 @@ mod tests {
                 egress_interface: None,
                 egress_allow: vec![],
                 egress_deny: vec![],
+                ingress: vec![],
             }),
         });
         let h = HostFacts {

@@ -110,6 +110,9 @@ pub fn spec(spec: &VmSpec) -> Result<(), Invalid> {
 /// The guest's parser accepts MTUs in this range (guest/src/pid1/cmdline.rs).
 const MTU_RANGE: std::ops::RangeInclusive<u32> = 68..=65535;
 const MAX_DNS: usize = 8;
+/// The CRD's limits on `spec.ingress` (api/src/network.rs).
+const MAX_INGRESS: usize = 16;
+const MAX_INGRESS_PORTS: usize = 32;
 
 fn attachment(a: &NetworkAttachment) -> Result<(), Invalid> {
     if a.network_id.is_empty() || a.network_id.len() > 253 {
@@ -172,6 +175,20 @@ fn attachment(a: &NetworkAttachment) -> Result<(), Invalid> {
             "network.attachment.egress_interface",
             format!("{i:?} is not an interface name"),
         ));
+    }
+    if a.ingress.len() > MAX_INGRESS {
+        return Err(invalid(
+            "network.attachment.ingress",
+            format!("at most {MAX_INGRESS} rules"),
+        ));
+    }
+    for (i, r) in a.ingress.iter().enumerate() {
+        if r.ports.len() > MAX_INGRESS_PORTS || r.ports.contains(&0) {
+            return Err(invalid(
+                "network.attachment.ingress.ports",
+                format!("rule {i}: at most {MAX_INGRESS_PORTS} ports, each 1-65535"),
+            ));
+        }
     }
     Ok(())
 }
@@ -339,6 +356,7 @@ mod tests {
             egress_interface: Some("eth0".into()),
             egress_allow: vec![],
             egress_deny: vec![],
+            ingress: vec![],
         };
         edit(&mut a);
         spec(&VmSpec {
@@ -386,6 +404,24 @@ mod tests {
         assert_eq!(
             field(|a| a.egress_interface = Some("a/b".into())),
             "network.attachment.egress_interface"
+        );
+        let rule = |ports: Vec<u16>| crate::api::Ingress {
+            from: "192.0.2.0/24".parse().unwrap(),
+            protocol: imp_api::IngressProtocol::Tcp,
+            ports,
+        };
+        assert_eq!(attached(|a| a.ingress = vec![rule(vec![22, 8080])]), Ok(()));
+        assert_eq!(
+            attached(|a| a.ingress = vec![rule(vec![]), rule(vec![0])])
+                .unwrap_err()
+                .field,
+            "network.attachment.ingress.ports"
+        );
+        assert_eq!(
+            attached(|a| a.ingress = vec![rule(vec![]); 17])
+                .unwrap_err()
+                .field,
+            "network.attachment.ingress"
         );
     }
 

@@ -570,6 +570,7 @@ pub async fn create_network(env: &TestEnv, name: &str, subnet: &str, gateway: &s
             dns: vec![],
             ipam: None,
             egress: None,
+            ingress: vec![],
         },
     );
     env.api::<ImpNetwork>()
