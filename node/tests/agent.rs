@@ -6,14 +6,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::agent::{Agent, World, phase_of, tail};
 use common::{Harness, simulator};
 use imp_api::names::{self, condition, reason};
 use imp_api::{HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, VmPhase, conditions};
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
-use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::tarball::TarBuilder;
 use imp_testkit::{TestEnv, fixtures};
 use k8s_openapi::api::coordination::v1::Lease;
@@ -22,187 +22,13 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, Resource, ResourceExt};
 use serde_json::json;
 
+/// How long a VM may take to reach a phase (the simulator boots in well under a second; a
+/// loaded 2-core machine needs the margin).
+const PHASE_WAIT: Duration = Duration::from_secs(60);
+
 const JIT: &str = "eyJqaXQiOiJzM2NyM3QtY29uZmlnLWZvci10ZXN0In0=-JITSECRET-7f3a9c";
 
-struct Agent {
-    child: Option<Child>,
-    log: PathBuf,
-    http: String,
-}
-
-impl Agent {
-    fn start(
-        env: &TestEnv,
-        rt: &Harness,
-        node: &str,
-        runner_command: &Path,
-        n: u32,
-        extra_env: &[(&str, &str)],
-    ) -> Agent {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log = rt.dir.path().join(format!("agent-{n}.log"));
-        let f = std::fs::File::create(&log).unwrap();
-        let child = common::agent_command(env, rt, node)
-            .env("IMP_POLL_INTERVAL", "500ms")
-            .env("IMP_SWEEP_INTERVAL", "1s")
-            .env("IMP_HTTP_ADDR", format!("127.0.0.1:{port}"))
-            .env("IMP_RUNNER_COMMAND", runner_command)
-            .envs(extra_env.iter().copied())
-            .env(
-                "IMP_LOG",
-                "debug,hyper=info,kube_client=info,tower=info,h2=info,rustls=info",
-            )
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
-            .spawn()
-            .unwrap();
-        Agent {
-            child: Some(child),
-            log,
-            http: format!("http://127.0.0.1:{port}"),
-        }
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Resident set size of the agent process, bytes (/proc/<pid>/status VmRSS).
-    fn rss(&self) -> u64 {
-        let pid = self.child.as_ref().expect("agent running").id();
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .expect("VmRSS in /proc/<pid>/status");
-        kib * 1024
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-struct World {
-    env: TestEnv,
-    rt: Harness,
-    _registry: Registry,
-    image: String,
-    node: String,
-    class: String,
-    dir: tempfile::TempDir,
-}
-
-/// A TCP forwarder from `127.0.0.1:<port>` in `net`'s node namespace to `target` in the test's
-/// own: a socket belongs to the namespace of the thread that created it, so the listener is
-/// made on a thread inside the node namespace and the outgoing connections here. Its threads
-/// end with the test process. Returns the `127.0.0.1:<port>` to use inside the namespace.
-fn forward_into(net: &common::TestNetwork, target: &str) -> String {
-    let listener = net.in_node(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap());
-    let port = listener.local_addr().unwrap().port();
-    let target = target.to_owned();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(inside) = conn else { return };
-            let Ok(outside) = std::net::TcpStream::connect(&target) else {
-                continue;
-            };
-            for (mut from, mut to) in [
-                (inside.try_clone().unwrap(), outside.try_clone().unwrap()),
-                (outside, inside),
-            ] {
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut from, &mut to);
-                    let _ = to.shutdown(std::net::Shutdown::Write);
-                });
-            }
-        }
-    });
-    format!("127.0.0.1:{port}")
-}
-
-/// A registry holding `ci/base:1`.
-async fn registry_with_base_image() -> Registry {
-    let registry = Registry::start(RegistryOptions::default()).await.unwrap();
-    let layer = LayerBlob::gzipped(
-        TarBuilder::new()
-            .dir("etc", 0o755)
-            .file("etc/os-release", b"ID=imp-test\n", 0o644)
-            .into_gzip(),
-    );
-    push_image(
-        &registry.host(),
-        "ci/base:1",
-        &[layer],
-        &PushAuth::Anonymous,
-    )
-    .await
-    .unwrap();
-    registry
-}
-
 impl World {
-    async fn new(prefix: &str) -> World {
-        Self::new_in(prefix, None).await
-    }
-
-    /// With `net`, the runtime runs in its node namespace and pulls through a forwarder
-    /// listening on `127.0.0.1` there (the registry stays in the test's namespace).
-    async fn new_in(prefix: &str, net: Option<&common::TestNetwork>) -> World {
-        Self::new_with(prefix, net, simulator()).await
-    }
-
-    async fn new_with(
-        prefix: &str,
-        net: Option<&common::TestNetwork>,
-        backend: common::Backend,
-    ) -> World {
-        let registry = registry_with_base_image().await;
-        let host = match net {
-            None => registry.host(),
-            Some(n) => forward_into(n, &registry.host()),
-        };
-        let mut rt = Harness::new(backend);
-        rt.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
-        rt.netns = net.map(|n| n.node.clone());
-        rt.start_runtime().await;
-        let env = TestEnv::new(prefix).await;
-        let node = format!("{}-node", env.namespace);
-        let class = format!("{}-small", env.namespace);
-        let c = fixtures::class(&class).vcpu(1).memory_mib(128).disk_gib(1);
-        Api::<ImpVMClass>::all(env.client.clone())
-            .create(&PostParams::default(), &c.build())
-            .await
-            .unwrap();
-        World {
-            image: format!("{host}/ci/base:1"),
-            _registry: registry,
-            rt,
-            env,
-            node,
-            class,
-            dir: tempfile::tempdir().unwrap(),
-        }
-    }
-
-    fn vms(&self) -> Api<ImpVM> {
-        self.env.api()
-    }
-
     /// A runner command that records its environment and argv, then exits with `code`.
     fn runner_script(&self, code: i32) -> PathBuf {
         let d = self.dir.path();
@@ -220,7 +46,15 @@ impl World {
     }
 
     fn agent(&self, runner: &Path, n: u32) -> Agent {
-        Agent::start(&self.env, &self.rt, &self.node, runner, n, &[])
+        self.agent_env(runner, n, &[])
+    }
+
+    /// Agent `n` running `runner` as the runner command, with `extra_env`.
+    fn agent_env(&self, runner: &Path, n: u32, extra_env: &[(&str, &str)]) -> Agent {
+        let runner = runner.display().to_string();
+        let mut env = vec![("IMP_RUNNER_COMMAND", runner.as_str())];
+        env.extend_from_slice(extra_env);
+        Agent::start(&self.env, &self.rt, &self.node, n, &env)
     }
 
     /// Creates a VM bound to the test node in phase Scheduled (as the operator leaves it), with
@@ -240,17 +74,6 @@ impl World {
             .unwrap();
         self.set_status(name, json!({"phase": VmPhase::Scheduled}))
             .await
-    }
-
-    async fn set_status(&self, name: &str, status: serde_json::Value) -> ImpVM {
-        self.vms()
-            .patch_status(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({"status": status})),
-            )
-            .await
-            .unwrap()
     }
 
     /// The namespace's ImpVMRunnerPool (created on first use; no operator runs here, the test
@@ -303,39 +126,15 @@ impl World {
         self.runner_vm_with(name, secret, JIT).await
     }
 
-    /// The Events on ImpVM `name` (events.k8s.io), as (reason, note).
-    async fn events_of(&self, name: &str) -> Vec<(String, String)> {
-        let events: Api<k8s_openapi::api::events::v1::Event> = self.env.api();
-        events
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-            .map(|e| (e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
-            .collect()
-    }
-
-    /// Waits for an Event on `name` with `reason` whose note starts with `note` (Events are
-    /// published after the status write they report; 30 s: on a loaded 2-core machine 15 s was
-    /// seen to be too short); returns every Event on `name`.
+    /// Waits for an Event on `name` with `reason` whose note starts with `note`; returns
+    /// every Event on `name` as (reason, note).
     async fn wait_event(&self, name: &str, reason: &str, note: &str) -> Vec<(String, String)> {
-        let started = Instant::now();
-        loop {
-            let events = self.events_of(name).await;
-            if events
-                .iter()
-                .any(|(r, n)| r == reason && n.starts_with(note))
-            {
-                return events;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "{name}: no {reason} Event with a note starting {note:?}: {events:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let what = format!("{reason} (note starting {note:?})");
+        self.wait_event_where(name, &what, |_, r, n| r == reason && n.starts_with(note))
+            .await
+            .into_iter()
+            .map(|(_, r, n)| (r, n))
+            .collect()
     }
 
     async fn secret_exists(&self, name: &str) -> bool {
@@ -345,32 +144,6 @@ impl World {
             .await
             .unwrap()
             .is_some()
-    }
-
-    async fn wait_vm(
-        &self,
-        name: &str,
-        what: &str,
-        within: Duration,
-        agent: &Agent,
-        pred: impl Fn(&ImpVM) -> bool,
-    ) -> ImpVM {
-        let started = Instant::now();
-        loop {
-            let vm = self.vms().get(name).await.unwrap();
-            if pred(&vm) {
-                return vm;
-            }
-            if started.elapsed() > within {
-                panic!(
-                    "{name}: not {what} after {within:?}; status: {:#?}\nagent log tail:\n{}\nruntime log tail:\n{}",
-                    vm.status,
-                    tail(&agent.log(), 40),
-                    tail(&self.rt.runtime_log(), 20)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
     }
 
     /// Waits for condition Ready = `want` ("True"/"False"); returns the VM and its reason.
@@ -402,17 +175,6 @@ impl World {
         .await
     }
 
-    async fn wait_phase(&self, name: &str, phase: VmPhase, agent: &Agent) -> ImpVM {
-        self.wait_vm(
-            name,
-            &format!("{phase:?}"),
-            Duration::from_secs(60),
-            agent,
-            |vm| phase_of(vm) == Some(phase),
-        )
-        .await
-    }
-
     /// Plays the operator's deletion: delete, Terminating, wait for TornDown, drop the finalizer.
     async fn delete_and_wait_torn_down(&self, name: &str, agent: &Agent) {
         self.vms()
@@ -438,33 +200,6 @@ impl World {
             .await
             .unwrap();
     }
-
-    async fn finish(self) {
-        let _ = Api::<ImpVMClass>::all(self.env.client.clone())
-            .delete(&self.class, &DeleteParams::default())
-            .await;
-        if let Ok(list) = self.vms().list(&Default::default()).await {
-            for vm in list {
-                let _ = self
-                    .vms()
-                    .patch(
-                        &vm.name_any(),
-                        &PatchParams::default(),
-                        &Patch::Merge(&json!({"metadata": {"finalizers": null}})),
-                    )
-                    .await;
-            }
-        }
-    }
-}
-
-fn tail(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-fn phase_of(vm: &ImpVM) -> Option<VmPhase> {
-    vm.status.as_ref().and_then(|s| s.phase)
 }
 
 fn cond(vm: &ImpVM, type_: &str) -> Option<String> {
@@ -487,7 +222,9 @@ async fn bound_vm_starts_runs_and_is_torn_down_and_the_lease_is_renewed() {
     let w = World::new("agent-run").await;
     let agent = w.agent(&w.runner_script(0), 1);
     w.bound_vm("plain", &w.image, None).await;
-    let vm = w.wait_phase("plain", VmPhase::Running, &agent).await;
+    let vm = w
+        .wait_phase("plain", VmPhase::Running, PHASE_WAIT, &agent)
+        .await;
     let s = vm.status.as_ref().unwrap();
     assert!(s.boot_start_time.is_some() && s.boot_complete_time.is_some());
     assert!(s.first_running_time.is_some());
@@ -541,7 +278,9 @@ async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_suc
     let w = World::new("agent-handoff").await;
     let agent = w.agent(&w.runner_script(0), 1);
     w.runner_vm("runner-a", "jit-a").await;
-    let vm = w.wait_phase("runner-a", VmPhase::Succeeded, &agent).await;
+    let vm = w
+        .wait_phase("runner-a", VmPhase::Succeeded, PHASE_WAIT, &agent)
+        .await;
     let r = vm.status.as_ref().unwrap().runner.clone().unwrap();
     assert_eq!(r.handoff, Some(HandoffState::Exited));
     assert_eq!(r.exit_code, Some(0));
@@ -587,7 +326,9 @@ async fn runner_exit_non_zero_fails_the_vm() {
     let w = World::new("agent-exit").await;
     let agent = w.agent(&w.runner_script(3), 1);
     w.runner_vm("runner-b", "jit-b").await;
-    let vm = w.wait_phase("runner-b", VmPhase::Failed, &agent).await;
+    let vm = w
+        .wait_phase("runner-b", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
     let s = vm.status.as_ref().unwrap();
     assert_eq!(
         s.reason.as_deref(),
@@ -613,7 +354,9 @@ async fn sent_without_started_at_startup_is_ambiguous_and_never_replayed() {
     )
     .await;
     let agent = w.agent(&w.runner_script(0), 2);
-    let vm = w.wait_phase("runner-c", VmPhase::Failed, &agent).await;
+    let vm = w
+        .wait_phase("runner-c", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
     let s = vm.status.as_ref().unwrap();
     assert_eq!(s.reason.as_deref(), Some(reason::HANDOFF_AMBIGUOUS));
     assert_eq!(
@@ -649,7 +392,9 @@ async fn runtime_start_failure_is_reported_with_its_reason() {
     let agent = w.agent(&w.runner_script(0), 1);
     let missing = w.image.replace("ci/base:1", "ci/missing:1");
     w.bound_vm("broken", &missing, None).await;
-    let vm = w.wait_phase("broken", VmPhase::Failed, &agent).await;
+    let vm = w
+        .wait_phase("broken", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
     assert_eq!(
         vm.status.as_ref().unwrap().reason.as_deref(),
         Some(reason::ROOTFS_PULL_FAILED),
@@ -665,7 +410,8 @@ async fn vm_rebound_elsewhere_is_released_locally() {
     let w = World::new("agent-rebind").await;
     let agent = w.agent(&w.runner_script(0), 1);
     let vm = w.bound_vm("moving", &w.image, None).await;
-    w.wait_phase("moving", VmPhase::Running, &agent).await;
+    w.wait_phase("moving", VmPhase::Running, PHASE_WAIT, &agent)
+        .await;
     // The operator reschedules: clears nodeName, phase Pending.
     w.vms()
         .patch(
@@ -748,7 +494,9 @@ async fn networked_vm_waits_for_its_address_then_runs_with_status_ip() {
         )
         .await
         .unwrap();
-    let running = w.wait_phase("netvm", VmPhase::Running, &agent).await;
+    let running = w
+        .wait_phase("netvm", VmPhase::Running, PHASE_WAIT, &agent)
+        .await;
     assert_eq!(
         running.status.as_ref().unwrap().ip.as_deref(),
         Some("198.51.100.7")
@@ -876,7 +624,9 @@ async fn a_vm_naming_another_vms_jit_secret_never_receives_it() {
         ("thief-pooled", reason::RUNNER_CONFIG_NOT_OWNED),
         ("thief-plain", reason::RUNNER_VM_NOT_POOLED),
     ] {
-        let vm = w.wait_phase(name, VmPhase::Failed, &agent).await;
+        let vm = w
+            .wait_phase(name, VmPhase::Failed, PHASE_WAIT, &agent)
+            .await;
         let s = vm.status.as_ref().unwrap();
         assert_eq!(s.reason.as_deref(), Some(want), "{name}: {s:#?}");
         assert!(
@@ -1086,7 +836,9 @@ async fn a_guest_flooding_unsolicited_frames_is_cut_off_and_failed_while_others_
     let before = agent.rss();
     let sent = hostile.arm(Hostility::Flood);
     w.runner_vm_with("flood", "flood-jit", "flood").await;
-    let vm = w.wait_phase("flood", VmPhase::Failed, &agent).await;
+    let vm = w
+        .wait_phase("flood", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
     let after = agent.rss();
     let s = vm.status.as_ref().unwrap();
     assert_eq!(
@@ -1117,7 +869,8 @@ async fn a_guest_flooding_unsolicited_frames_is_cut_off_and_failed_while_others_
     w.wait_event("flood", reason::VM_FAILED, reason::GUEST_BUDGET_EXCEEDED)
         .await;
     // The neighbour is unaffected: its job finishes and the VM succeeds.
-    w.wait_phase("good", VmPhase::Succeeded, &agent).await;
+    w.wait_phase("good", VmPhase::Succeeded, PHASE_WAIT, &agent)
+        .await;
     assert!(w.dir.path().join("finished-good").exists());
     drop(agent);
     drop(hostile);
@@ -1130,7 +883,7 @@ async fn a_guest_that_never_answers_the_requery_fails_its_vm_after_the_answer_ti
     let w = World::new_with("agent-silent", None, backend).await;
     let runner = w.runner_script(0);
     let timeout = [("IMP_GUEST_ANSWER_TIMEOUT", "2s")];
-    let mut first = Agent::start(&w.env, &w.rt, &w.node, &runner, 1, &timeout);
+    let mut first = w.agent_env(&runner, 1, &timeout);
     let _sent = hostile.arm(Hostility::SilentRequery);
     w.runner_vm("silent", "silent-jit").await;
     w.wait_handoff("silent", HandoffState::Started, &first)
@@ -1139,8 +892,10 @@ async fn a_guest_that_never_answers_the_requery_fails_its_vm_after_the_answer_ti
     // never answers.
     first.kill9();
     let started = Instant::now();
-    let agent = Agent::start(&w.env, &w.rt, &w.node, &runner, 2, &timeout);
-    let vm = w.wait_phase("silent", VmPhase::Failed, &agent).await;
+    let agent = w.agent_env(&runner, 2, &timeout);
+    let vm = w
+        .wait_phase("silent", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
     let s = vm.status.as_ref().unwrap();
     assert_eq!(
         s.reason.as_deref(),
@@ -1154,7 +909,8 @@ async fn a_guest_that_never_answers_the_requery_fails_its_vm_after_the_answer_ti
     );
     // A plain VM on the same node (real guest) still boots and runs.
     w.bound_vm("plain", &w.image, None).await;
-    w.wait_phase("plain", VmPhase::Running, &agent).await;
+    w.wait_phase("plain", VmPhase::Running, PHASE_WAIT, &agent)
+        .await;
     drop(agent);
     drop(hostile);
     w.finish().await;
@@ -1183,17 +939,12 @@ async fn a_failed_started_write_and_a_failed_secret_delete_are_retried() {
     });
     let kubeconfig = proxy.kubeconfig().display().to_string();
     let runner = slow_runner(w.dir.path(), 3);
-    let agent = Agent::start(
-        &w.env,
-        &w.rt,
-        &w.node,
-        &runner,
-        1,
-        &[("KUBECONFIG", kubeconfig.as_str())],
-    );
+    let agent = w.agent_env(&runner, 1, &[("KUBECONFIG", kubeconfig.as_str())]);
     w.runner_vm_with("runner-f", "jit-f", "faulty").await;
     // The job keeps running: never ambiguous, it finishes and the VM succeeds.
-    let vm = w.wait_phase("runner-f", VmPhase::Succeeded, &agent).await;
+    let vm = w
+        .wait_phase("runner-f", VmPhase::Succeeded, PHASE_WAIT, &agent)
+        .await;
     let r = vm.status.as_ref().unwrap().runner.clone().unwrap();
     assert_eq!(r.handoff, Some(HandoffState::Exited));
     assert!(w.dir.path().join("finished-faulty").exists());
@@ -1278,10 +1029,7 @@ async fn readiness_probe_flips_ready_and_guest_metrics_come_and_go_with_the_vm()
         .create(&PostParams::default(), &c)
         .await
         .unwrap();
-    let agent = Agent::start(
-        &w.env,
-        &w.rt,
-        &w.node,
+    let agent = w.agent_env(
         &w.runner_script(0),
         1,
         &[("IMP_GUEST_METRICS_INTERVAL", "1s")],
@@ -1297,7 +1045,8 @@ async fn readiness_probe_flips_ready_and_guest_metrics_come_and_go_with_the_vm()
         .unwrap();
     w.set_status("probed", json!({"phase": VmPhase::Scheduled}))
         .await;
-    w.wait_phase("probed", VmPhase::Running, &agent).await;
+    w.wait_phase("probed", VmPhase::Running, PHASE_WAIT, &agent)
+        .await;
 
     // Guest metrics with the seed's names and labels naming the VM, its namespace and node.
     let series = format!(
@@ -1452,10 +1201,7 @@ async fn the_node_capacity_annotations_appear_and_follow_the_runtime() {
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
-    let agent = Agent::start(
-        &w.env,
-        &w.rt,
-        &w.node,
+    let agent = w.agent_env(
         &w.runner_script(0),
         1,
         &[("IMP_RESERVED_MEMORY_MIB", "256")],
@@ -1575,7 +1321,7 @@ async fn the_agent_prebuilds_the_images_of_pools_its_node_serves() {
             .into_gzip(),
     );
     push_image(
-        &w._registry.host(),
+        &w.registry.host(),
         "ci/base:2",
         &[layer],
         &PushAuth::Anonymous,

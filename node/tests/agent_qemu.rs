@@ -11,10 +11,10 @@
 
 mod common;
 
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::Harness;
+use common::agent::{Agent, tail};
 use imp_api::names::{self, condition, reason};
 use imp_api::{HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, VmPhase, conditions};
 use imp_testkit::oci::push_gzip_image;
@@ -42,29 +42,6 @@ fn layers() -> Vec<Vec<u8>> {
             .file("opt/actions-runner/run.sh", script.as_bytes(), 0o755)
             .into_gzip(),
     ]
-}
-
-struct Agent {
-    child: Child,
-    log: std::path::PathBuf,
-}
-
-impl Agent {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn tail(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 async fn wait_vm(
@@ -167,22 +144,7 @@ async fn runner_handoff_on_a_real_qemu_guest() {
     .await
     .unwrap();
 
-    let log = rt.dir.path().join("agent.log");
-    let f = std::fs::File::create(&log).unwrap();
-    let child = common::agent_command(&env, &rt, &node)
-        .env("IMP_POLL_INTERVAL", "500ms")
-        .env("IMP_SWEEP_INTERVAL", "1s")
-        .env("IMP_HTTP_ADDR", "127.0.0.1:0")
-        .env("IMP_RUNNER_COMMAND", RUNNER)
-        .env(
-            "IMP_LOG",
-            "debug,hyper=info,kube_client=info,tower=info,h2=info,rustls=info",
-        )
-        .stdout(f.try_clone().unwrap())
-        .stderr(f)
-        .spawn()
-        .unwrap();
-    let agent = Agent { child, log };
+    let agent = Agent::start(&env, &rt, &node, 1, &[("IMP_RUNNER_COMMAND", RUNNER)]);
 
     // TCG boots take a while; the runtime's boot timeout is 240 s.
     let started = wait_vm(

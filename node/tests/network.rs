@@ -501,7 +501,15 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
     // and its replies pass even where the egress lists stop the guest's own connections.
     run(
         "ip",
-        &["-n", &inet, "route", "add", "198.51.100.0/24", "via", "192.0.2.2"],
+        &[
+            "-n",
+            &inet,
+            "route",
+            "add",
+            "198.51.100.0/24",
+            "via",
+            "192.0.2.2",
+        ],
     );
     w.listener(&g2, "0.0.0.0:7001".parse().unwrap(), |_| {})
         .recv()
@@ -522,8 +530,14 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
     admitted[0].network.ingress = vec![tcp("192.0.2.0/24"), tcp("198.51.100.0/24")];
     admitted[0].network.egress_allow = vec!["10.1.0.0/16".parse().unwrap()];
     assert_ne!(reconcile(&node, &admitted).0, []);
-    assert!(from_inet(7000), "spec.ingress admits 192.0.2.0/24 to port 7000");
-    assert!(!from_inet(7001), "reached a port spec.ingress does not list");
+    assert!(
+        from_inet(7000),
+        "spec.ingress admits 192.0.2.0/24 to port 7000"
+    );
+    assert!(
+        !from_inet(7001),
+        "reached a port spec.ingress does not list"
+    );
     in_netns(&g1, || {
         assert!(
             !reachable("198.51.100.11:7000".parse().unwrap()),

@@ -19,22 +19,20 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Harness, TestNetwork, simulator};
+use common::agent::{Agent, World, phase_of, tail};
+use common::{Harness, TestNetwork};
 use imp_api::names::{self, condition, reason};
-use imp_api::{DesiredState, ImpNetwork, ImpVM, ImpVMClass, VmPhase, conditions};
+use imp_api::{DesiredState, ImpNetwork, ImpVM, VmPhase, conditions};
 use imp_node::api::VmState;
-use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
-use imp_testkit::registry::{Registry, RegistryOptions};
-use imp_testkit::tarball::TarBuilder;
-use imp_testkit::{TestEnv, fixtures};
+use imp_testkit::fixtures;
+use kube::ResourceExt;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, ResourceExt};
 use serde_json::json;
 
 const SUBNET: &str = "198.51.100.0/24";
@@ -42,144 +40,9 @@ const GATEWAY: &str = "198.51.100.1";
 const VM_IP: &str = "198.51.100.7";
 const PORT: u16 = 8080;
 
-struct Agent {
-    child: Option<Child>,
-    log: PathBuf,
-    http: String,
-}
-
-impl Agent {
-    fn start(w: &World, n: u32, extra_env: &[(&str, &str)]) -> Agent {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let log = w.rt.dir.path().join(format!("agent-{n}.log"));
-        let f = std::fs::File::create(&log).unwrap();
-        let child = common::agent_command(&w.env, &w.rt, &w.node)
-            .env("IMP_POLL_INTERVAL", "500ms")
-            .env("IMP_SWEEP_INTERVAL", "1s")
-            .env("IMP_HTTP_ADDR", format!("127.0.0.1:{port}"))
-            .envs(extra_env.iter().copied())
-            .env(
-                "IMP_LOG",
-                "debug,hyper=info,kube_client=info,kube_runtime=info,tower=info,h2=info,rustls=info",
-            )
-            .stdout(f.try_clone().unwrap())
-            .stderr(f)
-            .spawn()
-            .unwrap();
-        Agent {
-            child: Some(child),
-            log,
-            http: format!("http://127.0.0.1:{port}"),
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn metrics(&self) -> String {
-        let out = Command::new("curl")
-            .args(["-sf", &format!("{}/metrics", self.http)])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "GET /metrics failed");
-        String::from_utf8(out.stdout).unwrap()
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-struct World {
-    env: TestEnv,
-    rt: Harness,
-    _registry: Registry,
-    image: String,
-    node: String,
-    class: String,
-}
-
-/// A TCP forwarder from `127.0.0.1:<port>` in `net`'s node namespace to `target` here (the
-/// registry), as in node/tests/agent.rs.
-fn forward_into(net: &TestNetwork, target: &str) -> String {
-    let listener = net.in_node(|| TcpListener::bind("127.0.0.1:0").unwrap());
-    let port = listener.local_addr().unwrap().port();
-    let target = target.to_owned();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(inside) = conn else { return };
-            let Ok(outside) = TcpStream::connect(&target) else {
-                continue;
-            };
-            for (mut from, mut to) in [
-                (inside.try_clone().unwrap(), outside.try_clone().unwrap()),
-                (outside, inside),
-            ] {
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut from, &mut to);
-                    let _ = to.shutdown(std::net::Shutdown::Write);
-                });
-            }
-        }
-    });
-    format!("127.0.0.1:{port}")
-}
-
 impl World {
-    async fn new(prefix: &str, net: Option<&TestNetwork>) -> World {
-        let registry = Registry::start(RegistryOptions::default()).await.unwrap();
-        let layer = LayerBlob::gzipped(
-            TarBuilder::new()
-                .dir("etc", 0o755)
-                .file("etc/os-release", b"ID=imp-test\n", 0o644)
-                .into_gzip(),
-        );
-        push_image(
-            &registry.host(),
-            "ci/base:1",
-            &[layer],
-            &PushAuth::Anonymous,
-        )
-        .await
-        .unwrap();
-        let host = match net {
-            None => registry.host(),
-            Some(n) => forward_into(n, &registry.host()),
-        };
-        let mut rt = Harness::new(simulator());
-        rt.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
-        rt.netns = net.map(|n| n.node.clone());
-        rt.start_runtime().await;
-        let env = TestEnv::new(prefix).await;
-        let node = format!("{}-node", env.namespace);
-        let class = format!("{}-small", env.namespace);
-        let c = fixtures::class(&class).vcpu(1).memory_mib(128).disk_gib(1);
-        Api::<ImpVMClass>::all(env.client.clone())
-            .create(&PostParams::default(), &c.build())
-            .await
-            .unwrap();
-        World {
-            image: format!("{host}/ci/base:1"),
-            _registry: registry,
-            rt,
-            env,
-            node,
-            class,
-        }
-    }
-
-    fn vms(&self) -> Api<ImpVM> {
-        self.env.api()
+    fn agent(&self, n: u32, extra_env: &[(&str, &str)]) -> Agent {
+        Agent::start(&self.env, &self.rt, &self.node, n, extra_env)
     }
 
     /// Creates `vm` (bound here, with the operator's finalizer) and leaves it Scheduled, as the
@@ -198,17 +61,6 @@ impl World {
             .await)
     }
 
-    async fn set_status(&self, name: &str, status: serde_json::Value) -> ImpVM {
-        self.vms()
-            .patch_status(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(&json!({"status": status})),
-            )
-            .await
-            .unwrap()
-    }
-
     async fn set_desired(&self, name: &str, d: DesiredState) {
         self.vms()
             .patch(
@@ -220,115 +72,24 @@ impl World {
             .unwrap();
     }
 
-    async fn wait_vm(
-        &self,
-        name: &str,
-        what: &str,
-        within: Duration,
-        agent: &Agent,
-        pred: impl Fn(&ImpVM) -> bool,
-    ) -> ImpVM {
-        let started = Instant::now();
-        loop {
-            let vm = self.vms().get(name).await.unwrap();
-            if pred(&vm) {
-                return vm;
-            }
-            if started.elapsed() > within {
-                panic!(
-                    "{name}: not {what} after {within:?}; status: {:#?}\nagent log tail:\n{}\nruntime log tail:\n{}",
-                    vm.status,
-                    tail(&agent.log(), 60),
-                    tail(&self.rt.runtime_log(), 30)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn wait_phase(
-        &self,
-        name: &str,
-        phase: VmPhase,
-        within: Duration,
-        agent: &Agent,
-    ) -> ImpVM {
-        self.wait_vm(name, &format!("{phase:?}"), within, agent, |vm| {
-            phase_of(vm) == Some(phase)
-        })
-        .await
-    }
-
-    /// The Events on ImpVM `name`, as (type, reason, note).
-    async fn events_of(&self, name: &str) -> Vec<(String, String, String)> {
-        let events: Api<k8s_openapi::api::events::v1::Event> = self.env.api();
-        events
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-            .map(|e| {
-                (
-                    e.type_.unwrap_or_default(),
-                    e.reason.unwrap_or_default(),
-                    e.note.unwrap_or_default(),
-                )
-            })
-            .collect()
-    }
-
-    /// Waits (30 s: Events are published after the write they report) for an Event on `name`
-    /// of `type_` with `reason`; returns its note.
+    /// Waits for an Event on `name` of `type_` with `reason`; returns its note.
     async fn wait_event(&self, name: &str, type_: &str, reason: &str) -> String {
-        let started = Instant::now();
-        loop {
-            let events = self.events_of(name).await;
-            if let Some((_, _, note)) = events.iter().find(|(t, r, _)| t == type_ && r == reason) {
-                return note.clone();
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "{name}: no {type_} {reason} Event: {events:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        let what = format!("{type_} {reason}");
+        let events = self
+            .wait_event_where(name, &what, |t, r, _| t == type_ && r == reason)
+            .await;
+        events
+            .into_iter()
+            .find(|(t, r, _)| t == type_ && r == reason)
+            .map(|(_, _, note)| note)
+            .unwrap()
     }
 
     async fn runtime_state(&self, uid: &str) -> VmState {
         self.rt.client.inspect(uid).await.unwrap().state
     }
-
-    async fn finish(self) {
-        let _ = Api::<ImpVMClass>::all(self.env.client.clone())
-            .delete(&self.class, &DeleteParams::default())
-            .await;
-        if let Ok(list) = self.vms().list(&Default::default()).await {
-            for vm in list {
-                let _ = self
-                    .vms()
-                    .patch(
-                        &vm.name_any(),
-                        &PatchParams::default(),
-                        &Patch::Merge(&json!({"metadata": {"finalizers": null}})),
-                    )
-                    .await;
-            }
-        }
-    }
 }
 
-fn tail(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-fn phase_of(vm: &ImpVM) -> Option<VmPhase> {
-    vm.status.as_ref().and_then(|s| s.phase)
-}
-
-/// (status, reason) of condition `type_`.
 fn cond(vm: &ImpVM, type_: &str) -> Option<(String, String)> {
     vm.status
         .as_ref()
@@ -359,8 +120,8 @@ fn sample(metrics: &str, series: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn desired_suspended_suspends_and_running_resumes_with_the_guest_answering() {
-    let w = World::new("suspend-req", None).await;
-    let agent = Agent::start(&w, 1, &[]);
+    let w = World::new("suspend-req").await;
+    let agent = w.agent(1, &[]);
     let vm = w.create(fixtures::vm("keeper").persistent()).await.unwrap();
     let uid = vm.uid().unwrap();
     w.wait_phase("keeper", VmPhase::Running, Duration::from_secs(60), &agent)
@@ -742,7 +503,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     }
     // Declared first: dropped last (after the world's runtime and VMMs).
     let tn = TestNetwork::new("impsz");
-    let w = World::new("scale-to-zero", Some(&tn)).await;
+    let w = World::new_in("scale-to-zero", Some(&tn)).await;
     // The client ("internet" namespace) reaches the VM subnet through the node.
     ip(&["-n", &tn.inet, "route", "add", SUBNET, "via", "192.0.2.2"]);
     let net: ImpNetwork = serde_json::from_value(json!({
@@ -759,7 +520,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
         .unwrap();
 
     // First an agent without IMP_SCALE_TO_ZERO: the VM runs and says why it does not sleep.
-    let agent = Agent::start(&w, 1, &[]);
+    let agent = w.agent(1, &[]);
     let vm = w
         .create(
             fixtures::vm("sleepy")
@@ -829,7 +590,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     drop(agent);
 
     // Now with IMP_SCALE_TO_ZERO=true: the notice goes, the idle clock starts.
-    let agent = Agent::start(&w, 2, &[("IMP_SCALE_TO_ZERO", "true")]);
+    let agent = w.agent(2, &[("IMP_SCALE_TO_ZERO", "true")]);
     let (_, took) = ping_from(&tn.node, Duration::from_secs(10)).unwrap();
     let last_traffic = Instant::now() - took;
     let vm = w

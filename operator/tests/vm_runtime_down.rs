@@ -17,13 +17,7 @@ use imp_api::{
     names::{condition, lease_name, reason},
 };
 use imp_operator::vm::Timing;
-use imp_testkit::{
-    bins, fixtures,
-    oci::{LayerBlob, PushAuth, push_image},
-    process::ManagedProcess,
-    registry::{Registry, RegistryOptions},
-    tarball::TarBuilder,
-};
+use imp_testkit::{bins, fixtures, process::ManagedProcess, registry::Registry};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::DeleteParams;
 use vm_common::*;
@@ -200,21 +194,7 @@ async fn start(
     prefix: &str,
     finalizer_timeout: Duration,
 ) -> (Harness, Node, String, String, Registry) {
-    let registry = Registry::start(RegistryOptions::default()).await.unwrap();
-    let layer = LayerBlob::gzipped(
-        TarBuilder::new()
-            .dir("etc", 0o755)
-            .file("etc/os-release", b"ID=imp-test\n", 0o644)
-            .into_gzip(),
-    );
-    push_image(
-        &registry.host(),
-        "ci/base:1",
-        &[layer],
-        &PushAuth::Anonymous,
-    )
-    .await
-    .unwrap();
+    let registry = imp_testkit::oci::registry_with_base_image().await;
     let mut h = Harness::start_with(prefix, timing(finalizer_timeout)).await;
     let node_name = h.add_node("n", 4, 4096).await;
     // The harness created the Lease; from here on only the agent renews it.

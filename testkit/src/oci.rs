@@ -112,6 +112,29 @@ pub async fn push_gzip_image(host: &str, repo_tag: &str, layers: Vec<Vec<u8>>) -
     format!("{host}/{repo_tag}")
 }
 
+/// A fresh registry holding `ci/base:1`: one layer with `/etc/os-release` (`ID=imp-test`), the
+/// image the simulator tests boot their VMs from.
+pub async fn registry_with_base_image() -> crate::registry::Registry {
+    let registry = crate::registry::Registry::start(crate::registry::RegistryOptions::default())
+        .await
+        .unwrap();
+    let layer = LayerBlob::gzipped(
+        crate::tarball::TarBuilder::new()
+            .dir("etc", 0o755)
+            .file("etc/os-release", b"ID=imp-test\n", 0o644)
+            .into_gzip(),
+    );
+    push_image(
+        &registry.host(),
+        "ci/base:1",
+        &[layer],
+        &PushAuth::Anonymous,
+    )
+    .await
+    .unwrap();
+    registry
+}
+
 /// As [`push_image`], but `edit` may change the manifest JSON (every blob is already pushed)
 /// before it is pushed: point a layer at another blob's digest, misstate a size or media type.
 pub async fn push_image_with(

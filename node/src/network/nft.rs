@@ -592,7 +592,11 @@ mod tests {
         let replies = at("replies to admitted connections (spec.ingress)");
         assert!(at("no link-local (cloud metadata)") < replies);
         assert!(replies < at("spec.egress.allow"));
-        assert!(serde_json::to_string(&fwd[replies].expr).unwrap().contains("\"reply\""));
+        assert!(
+            serde_json::to_string(&fwd[replies].expr)
+                .unwrap()
+                .contains("\"reply\"")
+        );
     }
 
     #[test]

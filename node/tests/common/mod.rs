@@ -3,6 +3,8 @@
 //! IMP_GUEST_STATIC_BIN) are set, real Firecracker (testkit::firecracker::real_or_skip).
 #![allow(dead_code)] // each test binary uses part of the harness
 
+pub mod agent;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
