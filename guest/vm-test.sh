@@ -8,7 +8,9 @@
 # time and RSS measurements it prints (MEASURE lines). Then VM networking with two real guests
 # through imp-runtime (node/tests/network_qemu.rs): NAT, DNS, isolation, restart, teardown, with
 # NAT throughput/latency (MEASURE lines); it needs root, nft and dnsmasq, and as root it fails
-# instead of skipping.
+# instead of skipping. Then ScaleToZero through imp-agent on a real guest
+# (node/tests/scale_to_zero_qemu.rs): idle -> Suspended, a client connection wakes it and
+# completes, with the MEASURE line it prints; root and nft, like the networking test.
 #
 # Needs qemu-system-x86_64, a kernel in /boot (or IMP_QEMU_KERNEL) with its modules, a static
 # /bin/busybox, cpio, e2fsprogs, docker-registry and vhost-device-vsock. IMP_INSTALL_DEPS=1
@@ -53,3 +55,6 @@ cargo test -p imp-node --test agent_qemu -- --nocapture  # imp-agent's runner ha
 # VM networking with real guests (root: the TAPs, bridge and nft rules live in test netns).
 IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
     cargo test -p imp-node --test network_qemu -- --nocapture
+# ScaleToZero through imp-agent on a real guest, client and node in test netns (root as above).
+IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
+    cargo test -p imp-node --test scale_to_zero_qemu -- --nocapture
