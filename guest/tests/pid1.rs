@@ -287,6 +287,17 @@ fn network_configures_eth0_on_a_veth() {
         assert_eq!(routes.len(), 1, "{routes:?}");
         assert_eq!(routes[0]["gateway"], "192.0.2.1");
         assert_eq!(routes[0]["dev"], "eth0");
+        // IPv4 only: no IPv6 address (not even link-local), so no router solicitations.
+        let v6 = std::fs::read_to_string("/proc/sys/net/ipv6/conf/eth0/disable_ipv6").unwrap();
+        assert_eq!(v6.trim(), "1");
+        assert!(
+            !link["addr_info"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|a| a["family"] == "inet6"),
+            "{link}"
+        );
     }
     // A missing interface is a precise error, not a hang.
     let err = rt

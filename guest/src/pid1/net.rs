@@ -1,6 +1,6 @@
 //! The guest's network interface from `imp.net` (Debian's cloud kernel has no `CONFIG_IP_PNP`,
-//! so the kernel's `ip=` does nothing there): MTU, link up, the address, the default route via
-//! the gateway, all through rtnetlink. Every step replaces rather than adds, so re-running it
+//! so the kernel's `ip=` does nothing there): IPv6 off, MTU, link up, the address, the default
+//! route via the gateway, all through rtnetlink. Every step replaces rather than adds, so re-running it
 //! (a test, a retried stage) converges instead of failing on EEXIST.
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -23,6 +23,11 @@ pub enum NetError {
     Socket(std::io::Error),
     #[error("interface {0} did not appear within {1:?} (is the virtio-net driver loaded?)")]
     NoInterface(String, Duration),
+    #[error("write {path}: {source}")]
+    Sysctl {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{step} on {interface}: {source}")]
     Netlink {
         step: &'static str,
@@ -54,6 +59,7 @@ async fn apply(
         }
     };
     let index = wait_for_link(handle, interface, wait).await?;
+    disable_ipv6(interface)?;
     let mut link = LinkUnspec::new_with_index(index).up();
     if let Some(mtu) = net.mtu {
         link = link.mtu(mtu);
@@ -83,6 +89,21 @@ async fn apply(
         .execute()
         .await
         .map_err(err("add default route"))
+}
+
+/// Imp's networks are IPv4 only (the node drops a guest's IPv6 frames, docs/network.md). With
+/// IPv6 on, the link's router solicitations and MLD reports would still cross the TAP every few
+/// seconds after link-up (backing off to hourly), and move the byte counters ScaleToZero's idle
+/// detection watches. Off before the link comes up, so not even the first one is sent. Loopback
+/// keeps `::1`. A kernel without IPv6 has no such file: nothing to do.
+fn disable_ipv6(interface: &str) -> Result<(), NetError> {
+    let path = format!("/proc/sys/net/ipv6/conf/{interface}/disable_ipv6");
+    match std::fs::write(&path, b"1") {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(NetError::Sysctl { path, source: e })
+        }
+        _ => Ok(()),
+    }
 }
 
 async fn wait_for_link(
