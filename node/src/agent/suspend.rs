@@ -18,7 +18,8 @@
 //! counts packets routed to its address (LinkStats.wake_packets), and a rise resumes it. The
 //! packet that woke it is not replayed: the sender's TCP retransmits its SYN to the resumed
 //! guest. Wake-on-traffic has not been validated on hardware (Firecracker on a metal host); it is
-//! tested with the Firecracker simulator inside network namespaces.
+//! tested inside network namespaces with the Firecracker simulator and with a real guest under
+//! QEMU.
 
 use std::time::{Duration, Instant};
 

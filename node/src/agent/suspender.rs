@@ -3,8 +3,9 @@
 //! calls imp-runtime's suspend and resume. The wake loop polls the wake counters of suspended
 //! ScaleToZero VMs every [`WAKE_POLL`] and, on a rise, triggers a reconcile.
 //!
-//! Wake-on-traffic has not been validated on hardware: the tests drive it with the Firecracker
-//! simulator in network namespaces (node/tests/suspend_agent.rs).
+//! Wake-on-traffic has not been validated on hardware: the tests drive it in network namespaces
+//! with the Firecracker simulator (node/tests/suspend_agent.rs) and with a real guest under QEMU
+//! (node/tests/scale_to_zero_qemu.rs).
 
 use std::collections::HashMap;
 use std::sync::Arc;
