@@ -26,16 +26,17 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
-use common::agent::{Agent, forward_into, phase_of, tail};
-use common::{Harness, TestNetwork, busybox_layer, network_tests_can_run};
+use common::agent::{
+    Agent, cond, events_of, forward_into, pair, phase_of, ping_from, sample, tail,
+};
+use common::{Harness, TestNetwork, busybox_layer, ip, network_tests_can_run};
 use imp_api::names::{self, condition, reason};
-use imp_api::{DesiredState, ImpNetwork, ImpVM, ImpVMClass, VmPhase, conditions};
+use imp_api::{DesiredState, ImpNetwork, ImpVM, ImpVMClass, VmPhase};
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
 use imp_guest::protocol::{Exec, GuestToHost};
@@ -52,6 +53,11 @@ const SUBNET: &str = "198.51.100.0/24";
 const GATEWAY: &str = "198.51.100.1";
 const VM_IP: &str = "198.51.100.7";
 const PORT: u16 = 8080;
+
+/// The guest's line server.
+fn vm_addr() -> SocketAddr {
+    SocketAddr::new(VM_IP.parse().unwrap(), PORT)
+}
 const VM: &str = "sleepy";
 /// The ImpVM's idleTimeout (the smallest the API allows).
 const IDLE: Duration = Duration::from_secs(10);
@@ -67,25 +73,6 @@ fn layers() -> Vec<Vec<u8>> {
             )
             .into_gzip(),
     ]
-}
-
-/// (status, reason) of condition `type_`.
-fn cond(vm: &ImpVM, type_: &str) -> Option<(String, String)> {
-    vm.status
-        .as_ref()
-        .and_then(|s| conditions::find(&s.conditions, type_))
-        .map(|c| (c.status.clone(), c.reason.clone()))
-}
-
-fn pair(status: &str, reason: &str) -> Option<(String, String)> {
-    Some((status.to_owned(), reason.to_owned()))
-}
-
-/// The value of the first sample line starting with `series` in Prometheus text.
-fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
 /// The TAP byte counters as the agent reads them, and when they last moved.
@@ -190,24 +177,9 @@ impl World {
     /// Waits (30 s: Events are published after the write they report) for an Event on the VM
     /// of `type_` with `reason`; returns its note.
     async fn wait_event(&self, type_: &str, reason: &str) -> String {
-        let events: Api<k8s_openapi::api::events::v1::Event> = self.env.api();
         let started = Instant::now();
         loop {
-            let seen: Vec<(String, String, String)> = events
-                .list(&Default::default())
-                .await
-                .unwrap()
-                .items
-                .into_iter()
-                .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(VM))
-                .map(|e| {
-                    (
-                        e.type_.unwrap_or_default(),
-                        e.reason.unwrap_or_default(),
-                        e.note.unwrap_or_default(),
-                    )
-                })
-                .collect();
+            let seen = events_of(&self.env, VM).await;
             if let Some((_, _, note)) = seen.iter().find(|(t, r, _)| t == type_ && r == reason) {
                 return note.clone();
             }
@@ -308,45 +280,6 @@ async fn sh(g: &mut HostClient, id: &str, script: &str) -> (Option<i32>, String)
             _ => {}
         }
     }
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Runs `f` on a thread inside network namespace `ns` (sockets made there belong to it).
-fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let fd = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
-            nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            f()
-        })
-        .join()
-        .unwrap()
-    })
-}
-
-/// One exchange from namespace `ns`: connect (the kernel's SYN retries included, up to
-/// `within`), send a line, read the answer. The answer and how long the whole exchange took.
-fn ping_from(ns: &str, within: Duration) -> Result<(String, Duration), String> {
-    in_netns(ns, || {
-        let started = Instant::now();
-        let addr = SocketAddr::new(VM_IP.parse().unwrap(), PORT);
-        let mut c = TcpStream::connect_timeout(&addr, within)
-            .map_err(|e| format!("connect after {:?}: {e}", started.elapsed()))?;
-        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        c.write_all(b"ping\n").map_err(|e| format!("write: {e}"))?;
-        let mut answer = String::new();
-        c.read_to_string(&mut answer)
-            .map_err(|e| format!("read: {e}"))?;
-        Ok((answer, started.elapsed()))
-    })
 }
 
 /// Output of `argv` run in namespace `ns`, for failure messages.
@@ -490,7 +423,7 @@ async fn scale_to_zero_on_a_real_guest_idles_to_suspended_and_a_client_connectio
     // (retried for a while: nc may not listen yet).
     let started = Instant::now();
     let took = loop {
-        match ping_from(&tn.inet, Duration::from_secs(10)) {
+        match ping_from(&tn.inet, vm_addr(), Duration::from_secs(10)) {
             Ok((answer, took)) => {
                 assert_eq!(answer, "pong ping\n");
                 break took;
@@ -532,7 +465,7 @@ async fn scale_to_zero_on_a_real_guest_idles_to_suspended_and_a_client_connectio
     // Now with IMP_SCALE_TO_ZERO=true: the notice goes, the idle clock starts. The last
     // traffic is one more exchange of the client's.
     let agent = Agent::start(&w.env, &w.rt, &node, 2, &[("IMP_SCALE_TO_ZERO", "true")]);
-    let (answer, took) = ping_from(&tn.inet, Duration::from_secs(10))
+    let (answer, took) = ping_from(&tn.inet, vm_addr(), Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("client -> running VM: {e}\n{}", node_state(&tn)));
     assert_eq!(answer, "pong ping\n");
     let last_exchange = Instant::now() - took;
@@ -581,7 +514,8 @@ async fn scale_to_zero_on_a_real_guest_idles_to_suspended_and_a_client_connectio
     // the VM, and a retransmitted SYN reaches the restored guest, whose listener answers.
     let client_ns = tn.inet.clone();
     let sent = Instant::now();
-    let client = std::thread::spawn(move || ping_from(&client_ns, Duration::from_secs(60)));
+    let client =
+        std::thread::spawn(move || ping_from(&client_ns, vm_addr(), Duration::from_secs(60)));
     let vm = w
         .wait_phase(
             VmPhase::Running,

@@ -16,8 +16,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::Command;
@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use common::agent::{Agent, World, phase_of, tail};
-use common::{Harness, TestNetwork};
+use common::agent::{Agent, World, cond, pair, phase_of, ping_from, sample, tail};
+use common::{Harness, TestNetwork, in_netns, ip};
 use imp_api::names::{self, condition, reason};
-use imp_api::{DesiredState, ImpNetwork, ImpVM, VmPhase, conditions};
+use imp_api::{DesiredState, ImpNetwork, ImpVM, VmPhase};
 use imp_node::api::VmState;
 use imp_testkit::fixtures;
 use kube::ResourceExt;
@@ -39,6 +39,11 @@ const SUBNET: &str = "198.51.100.0/24";
 const GATEWAY: &str = "198.51.100.1";
 const VM_IP: &str = "198.51.100.7";
 const PORT: u16 = 8080;
+
+/// The guest's line server.
+fn vm_addr() -> SocketAddr {
+    SocketAddr::new(VM_IP.parse().unwrap(), PORT)
+}
 
 impl World {
     fn agent(&self, n: u32, extra_env: &[(&str, &str)]) -> Agent {
@@ -90,17 +95,6 @@ impl World {
     }
 }
 
-fn cond(vm: &ImpVM, type_: &str) -> Option<(String, String)> {
-    vm.status
-        .as_ref()
-        .and_then(|s| conditions::find(&s.conditions, type_))
-        .map(|c| (c.status.clone(), c.reason.clone()))
-}
-
-fn pair(status: &str, reason: &str) -> Option<(String, String)> {
-    Some((status.to_owned(), reason.to_owned()))
-}
-
 /// The guest agent answers Hello over the VM's vsock.
 async fn guest_answers(rt: &Harness, uid: &str) -> String {
     let info = rt.client.vsock(uid).await.unwrap();
@@ -109,13 +103,6 @@ async fn guest_answers(rt: &Harness, uid: &str) -> String {
         .await
         .unwrap_or_else(|e| panic!("the guest agent of {uid} does not answer: {e}"));
     client.hello().boot_id.clone()
-}
-
-/// The value of the first sample line starting with `series` in Prometheus text.
-fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -249,28 +236,6 @@ async fn desired_suspended_suspends_and_running_resumes_with_the_guest_answering
 
 // ---------------------------------------------------------------------------------------------
 // ScaleToZero in network namespaces.
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Runs `f` on a thread inside network namespace `ns` (sockets made there belong to it).
-fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            let fd = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
-            nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-            f()
-        })
-        .join()
-        .unwrap()
-    })
-}
 
 /// The VMM process holding TAP `tap` open, and the descriptor number there (/proc fdinfo of a
 /// tun descriptor names its interface: `iff:\t<name>`).
@@ -470,23 +435,6 @@ impl Drop for GuestNic {
     }
 }
 
-/// One request from the client namespace: connect (the kernel's SYN retries included, up to
-/// `within`), send a line, read the answer. Returns the answer and how long it took.
-fn ping_from(ns: &str, within: Duration) -> Result<(String, Duration), String> {
-    in_netns(ns, || {
-        let started = Instant::now();
-        let addr = SocketAddr::new(VM_IP.parse().unwrap(), PORT);
-        let mut c =
-            TcpStream::connect_timeout(&addr, within).map_err(|e| format!("connect: {e}"))?;
-        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        c.write_all(b"ping\n").map_err(|e| format!("write: {e}"))?;
-        let mut answer = String::new();
-        c.read_to_string(&mut answer)
-            .map_err(|e| format!("read: {e}"))?;
-        Ok((answer, started.elapsed()))
-    })
-}
-
 /// `nft list ruleset` of the node namespace (for failure messages).
 fn node_ruleset(tn: &TestNetwork) -> String {
     let out = Command::new("ip")
@@ -563,16 +511,17 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     })
     .await;
     // The node reaches the guest (the relay and the guest's stack work)...
-    let (answer, _) = ping_from(&tn.node, Duration::from_secs(10))
+    let (answer, _) = ping_from(&tn.node, vm_addr(), Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("node -> running VM: {e}"));
     assert_eq!(answer, "pong ping\n");
     // ...and so does the client routed through the node, which spec.ingress admits.
-    let (answer, took) = ping_from(&tn.inet, Duration::from_secs(10)).unwrap_or_else(|e| {
-        panic!(
-            "client -> running VM: {e}\nnode ruleset:\n{}",
-            node_ruleset(&tn)
-        )
-    });
+    let (answer, took) =
+        ping_from(&tn.inet, vm_addr(), Duration::from_secs(10)).unwrap_or_else(|e| {
+            panic!(
+                "client -> running VM: {e}\nnode ruleset:\n{}",
+                node_ruleset(&tn)
+            )
+        });
     assert_eq!(answer, "pong ping\n");
     println!(
         "client -> running VM: {:.1} ms",
@@ -591,7 +540,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
 
     // Now with IMP_SCALE_TO_ZERO=true: the notice goes, the idle clock starts.
     let agent = w.agent(2, &[("IMP_SCALE_TO_ZERO", "true")]);
-    let (_, took) = ping_from(&tn.node, Duration::from_secs(10)).unwrap();
+    let (_, took) = ping_from(&tn.node, vm_addr(), Duration::from_secs(10)).unwrap();
     let last_traffic = Instant::now() - took;
     let vm = w
         .wait_phase(
@@ -633,7 +582,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let client_ns = tn.inet.clone();
     let within = Duration::from_secs(45);
     let sent = Instant::now();
-    let client = std::thread::spawn(move || ping_from(&client_ns, within));
+    let client = std::thread::spawn(move || ping_from(&client_ns, vm_addr(), within));
     let vm = w
         .wait_phase("sleepy", VmPhase::Running, Duration::from_secs(45), &agent)
         .await;

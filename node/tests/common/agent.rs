@@ -243,22 +243,7 @@ impl World {
 
     /// The Events on ImpVM `name` (events.k8s.io), as (type, reason, note).
     pub async fn events_of(&self, name: &str) -> Vec<(String, String, String)> {
-        let events: Api<k8s_openapi::api::events::v1::Event> = self.env.api();
-        events
-            .list(&Default::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-            .map(|e| {
-                (
-                    e.type_.unwrap_or_default(),
-                    e.reason.unwrap_or_default(),
-                    e.note.unwrap_or_default(),
-                )
-            })
-            .collect()
+        events_of(&self.env, name).await
     }
 
     /// Waits for an Event on `name` that `pred` accepts (given type, reason, note); returns
@@ -302,6 +287,68 @@ impl World {
             }
         }
     }
+}
+
+/// The Events on object `name` in `env`'s namespace (events.k8s.io), as (type, reason, note).
+pub async fn events_of(env: &TestEnv, name: &str) -> Vec<(String, String, String)> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = env.api();
+    events
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| {
+            (
+                e.type_.unwrap_or_default(),
+                e.reason.unwrap_or_default(),
+                e.note.unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// (status, reason) of condition `type_` on `vm`.
+pub fn cond(vm: &ImpVM, type_: &str) -> Option<(String, String)> {
+    vm.status
+        .as_ref()
+        .and_then(|s| imp_api::conditions::find(&s.conditions, type_))
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+/// What [`cond`] returns for `status` and `reason`.
+pub fn pair(status: &str, reason: &str) -> Option<(String, String)> {
+    Some((status.to_owned(), reason.to_owned()))
+}
+
+/// The value of the first sample line starting with `series` in Prometheus text.
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// One exchange from namespace `ns` with a line server at `addr`: connect (the kernel's SYN
+/// retries included, up to `within`), send `ping`, read the answer to EOF (at most 30 s). The
+/// answer and how long the whole exchange took.
+pub fn ping_from(
+    ns: &str,
+    addr: std::net::SocketAddr,
+    within: Duration,
+) -> Result<(String, Duration), String> {
+    use std::io::{Read, Write};
+    super::in_netns(ns, || {
+        let started = Instant::now();
+        let mut c = TcpStream::connect_timeout(&addr, within)
+            .map_err(|e| format!("connect after {:?}: {e}", started.elapsed()))?;
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        c.write_all(b"ping\n").map_err(|e| format!("write: {e}"))?;
+        let mut answer = String::new();
+        c.read_to_string(&mut answer)
+            .map_err(|e| format!("read: {e}"))?;
+        Ok((answer, started.elapsed()))
+    })
 }
 
 /// The last `n` lines of `s`.

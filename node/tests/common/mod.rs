@@ -360,7 +360,8 @@ pub fn exists(p: &Path) -> bool {
     p.exists()
 }
 
-fn ip(args: &[&str]) {
+/// `ip ARGS`, which must succeed.
+pub fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().unwrap();
     assert!(
         out.status.success(),
@@ -403,16 +404,21 @@ impl TestNetwork {
     /// Run `f` on a thread inside the node namespace (its sockets and child processes live
     /// there); `f` may drive async code on its own runtime.
     pub fn in_node<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                let fd = std::fs::File::open(format!("/run/netns/{}", self.node)).unwrap();
-                nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
-                f()
-            })
-            .join()
-            .unwrap()
-        })
+        in_netns(&self.node, f)
     }
+}
+
+/// Runs `f` on a thread inside network namespace `ns` (sockets made there belong to it).
+pub fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let fd = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
+            nix::sched::setns(fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+            f()
+        })
+        .join()
+        .unwrap()
+    })
 }
 
 impl TestNetwork {
