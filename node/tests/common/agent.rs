@@ -329,6 +329,25 @@ pub fn sample(metrics: &str, series: &str) -> Option<f64> {
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
 }
 
+/// Checks the agent's ScaleToZero metrics `m` after idle suspends and traffic wakes: at least
+/// one idle suspend, and every one ended with a wake (on a slow machine a late SYN
+/// retransmission may wake a second suspension). Returns the mean wake time, seconds.
+pub fn idle_suspends_all_woken(m: &str) -> f64 {
+    let suspends = sample(m, "imp_agent_vm_suspends_total{trigger=\"idle\"}").unwrap_or(0.0);
+    assert!(suspends >= 1.0, "{m}");
+    assert_eq!(
+        sample(m, "imp_agent_vm_resumes_total{trigger=\"traffic\"}"),
+        Some(suspends),
+        "{m}"
+    );
+    assert_eq!(
+        sample(m, "imp_agent_vm_wake_seconds_count"),
+        Some(suspends),
+        "{m}"
+    );
+    sample(m, "imp_agent_vm_wake_seconds_sum").unwrap() / suspends
+}
+
 /// One exchange from namespace `ns` with a line server at `addr`: connect (the kernel's SYN
 /// retries included, up to `within`), send `ping`, read the answer to EOF (at most 30 s). The
 /// answer and how long the whole exchange took.
