@@ -26,15 +26,14 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use common::agent::{
     Agent, cond, events_of, forward_into, idle_suspends_all_woken, pair, phase_of, ping_from, tail,
 };
-use common::{Harness, TestNetwork, busybox_layer, ip, network_tests_can_run};
+use common::scale_to_zero::{NETWORK, VM_IP, admitting_network, node_state, vm_addr};
+use common::{Harness, TestNetwork, busybox_layer, network_tests_can_run};
 use imp_api::names::{self, condition, reason};
 use imp_api::{DesiredState, ImpNetwork, ImpVM, ImpVMClass, VmPhase};
 use imp_common::SecretString;
@@ -49,15 +48,6 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
 
-const SUBNET: &str = "198.51.100.0/24";
-const GATEWAY: &str = "198.51.100.1";
-const VM_IP: &str = "198.51.100.7";
-const PORT: u16 = 8080;
-
-/// The guest's line server.
-fn vm_addr() -> SocketAddr {
-    SocketAddr::new(VM_IP.parse().unwrap(), PORT)
-}
 const VM: &str = "sleepy";
 /// The ImpVM's idleTimeout (the smallest the API allows).
 const IDLE: Duration = Duration::from_secs(10);
@@ -240,17 +230,11 @@ impl World {
     }
 }
 
+/// [`common::exec`] with the guest's busybox on PATH.
 fn exec(id: &str, argv: &[&str]) -> Exec {
     Exec {
-        id: id.into(),
-        argv: argv.iter().map(|s| s.to_string()).collect(),
         env: BTreeMap::from([("PATH".into(), SecretString::from("/bin"))]),
-        cwd: None,
-        uid: None,
-        gid: None,
-        timeout_s: None,
-        stream_output: false,
-        poweroff_on_exit: false,
+        ..common::exec(id, argv)
     }
 }
 
@@ -282,25 +266,6 @@ async fn sh(g: &mut HostClient, id: &str, script: &str) -> (Option<i32>, String)
     }
 }
 
-/// Output of `argv` run in namespace `ns`, for failure messages.
-fn in_ns_output(ns: &str, argv: &[&str]) -> String {
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns])
-        .args(argv)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The node's rules and neighbours, for failure messages.
-fn node_state(tn: &TestNetwork) -> String {
-    format!(
-        "node ruleset:\n{}\nnode neighbours:\n{}",
-        in_ns_output(&tn.node, &["nft", "list", "ruleset"]),
-        in_ns_output(&tn.node, &["ip", "neigh", "show"])
-    )
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scale_to_zero_on_a_real_guest_idles_to_suspended_and_a_client_connection_wakes_it() {
     let Some(s) = qemu::setup_or_skip() else {
@@ -314,8 +279,6 @@ async fn scale_to_zero_on_a_real_guest_idles_to_suspended_and_a_client_connectio
     let env = TestEnv::new("s2z-qemu").await;
     // Declared before the runtime, dropped after it and its VMMs.
     let tn = TestNetwork::new("impsq");
-    // The client ("internet" namespace) reaches the VM subnet through the node.
-    ip(&["-n", &tn.inet, "route", "add", SUBNET, "via", "192.0.2.2"]);
     let files = tempfile::tempdir().unwrap();
     let initrd = files.path().join("initrd.gz");
     qemu::scripted_initrd(&s, &initrd);
@@ -341,25 +304,14 @@ async fn scale_to_zero_on_a_real_guest_idles_to_suspended_and_a_client_connectio
         )
         .await
         .unwrap();
-    let net: ImpNetwork = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork", "metadata": {"name": "svc"},
-        "spec": {"subnet": SUBNET, "gateway": GATEWAY, "dns": ["192.0.2.1"],
-            "nat": {"enabled": true},
-            // The client's connections are admitted (the default drops every one into guests).
-            "ingress": [{"from": "192.0.2.0/24", "ports": [PORT]}]}}))
-    .unwrap();
-    w.env
-        .api::<ImpNetwork>()
-        .create(&PostParams::default(), &net)
-        .await
-        .unwrap();
+    admitting_network(&w.env, &tn).await;
 
     // First an agent without IMP_SCALE_TO_ZERO: the VM boots, runs and says why it does not
     // sleep. The test plays the operator: binding, finalizer, IPAM annotation, Scheduled.
     let agent = Agent::start(&w.env, &w.rt, &node, 1, &[]);
     let mut vm = fixtures::vm(VM)
         .persistent()
-        .network("svc")
+        .network(NETWORK)
         .desired(DesiredState::ScaleToZero)
         .idle_timeout("10s")
         .class(&class)
@@ -604,7 +556,7 @@ async fn scale_to_zero_on_a_real_guest_idles_to_suspended_and_a_client_connectio
     let _ = w
         .env
         .api::<ImpNetwork>()
-        .delete("svc", &DeleteParams::default())
+        .delete(NETWORK, &DeleteParams::default())
         .await;
     let _ = Api::<ImpVMClass>::all(w.env.client.clone())
         .delete(&class, &DeleteParams::default())

@@ -6,27 +6,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{Harness, alive, is_root, simulator, wait_until};
+use common::{Harness, alive, exec, is_root, simulator, wait_until};
 use imp_api::names::reason;
-use imp_guest::protocol::{AGENT_VSOCK_PORT, Exec};
+use imp_guest::protocol::AGENT_VSOCK_PORT;
 use imp_node::api::VmState;
-
-fn exec(id: &str, argv: &[&str]) -> Exec {
-    Exec {
-        id: id.into(),
-        argv: argv.iter().map(|s| s.to_string()).collect(),
-        env: BTreeMap::new(),
-        cwd: None,
-        uid: None,
-        gid: None,
-        timeout_s: None,
-        stream_output: false,
-        poweroff_on_exit: false,
-    }
-}
 
 async fn guest(vsock: &std::path::Path) -> imp_guest::host::HostClient {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);

@@ -17,7 +17,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::TcpListener;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::Command;
@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use common::agent::{
     Agent, World, cond, idle_suspends_all_woken, pair, phase_of, ping_from, sample, tail,
 };
+use common::scale_to_zero::{GATEWAY, NETWORK, VM_IP, admitting_network, node_state, vm_addr};
 use common::{Harness, TestNetwork, in_netns, ip};
 use imp_api::names::{self, condition, reason};
 use imp_api::{DesiredState, ImpNetwork, ImpVM, VmPhase};
@@ -36,16 +37,6 @@ use imp_testkit::fixtures;
 use kube::ResourceExt;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-
-const SUBNET: &str = "198.51.100.0/24";
-const GATEWAY: &str = "198.51.100.1";
-const VM_IP: &str = "198.51.100.7";
-const PORT: u16 = 8080;
-
-/// The guest's line server.
-fn vm_addr() -> SocketAddr {
-    SocketAddr::new(VM_IP.parse().unwrap(), PORT)
-}
 
 impl World {
     fn agent(&self, n: u32, extra_env: &[(&str, &str)]) -> Agent {
@@ -344,9 +335,7 @@ impl GuestNic {
 
     /// A TCP listener on the guest's address answering each line with `pong <line>`.
     fn serve(&self) {
-        let listener = in_netns(&self.ns, || {
-            TcpListener::bind(SocketAddr::new(VM_IP.parse().unwrap(), PORT)).unwrap()
-        });
+        let listener = in_netns(&self.ns, || TcpListener::bind(vm_addr()).unwrap());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut c) = conn else { return };
@@ -437,15 +426,6 @@ impl Drop for GuestNic {
     }
 }
 
-/// `nft list ruleset` of the node namespace (for failure messages).
-fn node_ruleset(tn: &TestNetwork) -> String {
-    let out = Command::new("ip")
-        .args(["netns", "exec", &tn.node, "nft", "list", "ruleset"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection_wakes_it() {
     if !common::network_tests_can_run() {
@@ -454,20 +434,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     // Declared first: dropped last (after the world's runtime and VMMs).
     let tn = TestNetwork::new("impsz");
     let w = World::new_in("scale-to-zero", Some(&tn)).await;
-    // The client ("internet" namespace) reaches the VM subnet through the node.
-    ip(&["-n", &tn.inet, "route", "add", SUBNET, "via", "192.0.2.2"]);
-    let net: ImpNetwork = serde_json::from_value(json!({
-        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpNetwork", "metadata": {"name": "svc"},
-        "spec": {"subnet": SUBNET, "gateway": GATEWAY, "dns": ["192.0.2.1"],
-            "nat": {"enabled": true},
-            // The client's connections are admitted (the default drops every one into guests).
-            "ingress": [{"from": "192.0.2.0/24", "ports": [PORT]}]}}))
-    .unwrap();
-    w.env
-        .api::<ImpNetwork>()
-        .create(&PostParams::default(), &net)
-        .await
-        .unwrap();
+    admitting_network(&w.env, &tn).await;
 
     // First an agent without IMP_SCALE_TO_ZERO: the VM runs and says why it does not sleep.
     let agent = w.agent(1, &[]);
@@ -475,7 +442,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
         .create(
             fixtures::vm("sleepy")
                 .persistent()
-                .network("svc")
+                .network(NETWORK)
                 .desired(DesiredState::ScaleToZero)
                 .idle_timeout("10s"),
         )
@@ -517,13 +484,8 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
         .unwrap_or_else(|e| panic!("node -> running VM: {e}"));
     assert_eq!(answer, "pong ping\n");
     // ...and so does the client routed through the node, which spec.ingress admits.
-    let (answer, took) =
-        ping_from(&tn.inet, vm_addr(), Duration::from_secs(10)).unwrap_or_else(|e| {
-            panic!(
-                "client -> running VM: {e}\nnode ruleset:\n{}",
-                node_ruleset(&tn)
-            )
-        });
+    let (answer, took) = ping_from(&tn.inet, vm_addr(), Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("client -> running VM: {e}\n{}", node_state(&tn)));
     assert_eq!(answer, "pong ping\n");
     println!(
         "client -> running VM: {:.1} ms",
@@ -592,9 +554,9 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let outcome = client.join().unwrap();
     let (answer, took) = outcome.unwrap_or_else(|e| {
         panic!(
-            "client -> suspended VM: {e}\nagent log tail:\n{}\nnode ruleset:\n{}",
+            "client -> suspended VM: {e}\nagent log tail:\n{}\n{}",
             tail(&agent.log(), 60),
-            node_ruleset(&tn)
+            node_state(&tn)
         )
     });
     assert_eq!(answer, "pong ping\n");
@@ -629,7 +591,7 @@ async fn scale_to_zero_needs_the_flag_then_idle_suspends_and_a_client_connection
     let _ = w
         .env
         .api::<ImpNetwork>()
-        .delete("svc", &DeleteParams::default())
+        .delete(NETWORK, &DeleteParams::default())
         .await;
     w.finish().await;
 }

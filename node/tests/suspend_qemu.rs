@@ -36,15 +36,9 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn sh(id: &str, script: &str) -> Exec {
     Exec {
-        id: id.into(),
-        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
         env: BTreeMap::from([("PATH".into(), SecretString::from("/bin"))]),
-        cwd: None,
-        uid: None,
-        gid: None,
         timeout_s: Some(120),
-        stream_output: false,
-        poweroff_on_exit: false,
+        ..common::exec(id, &["/bin/sh", "-c", script])
     }
 }
 

@@ -1,7 +1,7 @@
 //! The guest's network interface from `imp.net` (Debian's cloud kernel has no `CONFIG_IP_PNP`,
 //! so the kernel's `ip=` does nothing there): IPv6 off, MTU, link up, the address, the default
-//! route via the gateway, all through rtnetlink. Every step replaces rather than adds, so re-running it
-//! (a test, a retried stage) converges instead of failing on EEXIST.
+//! route via the gateway, all through rtnetlink. Every step replaces rather than adds, so
+//! re-running it (a test, a retried stage) converges instead of failing on EEXIST.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;

@@ -133,9 +133,10 @@ pub fn boot_args(a: &NetworkAttachment) -> String {
 /// Each VM carries the ImpNetwork spec of its start. The layout (subnet, gateway) is the
 /// oldest VM's: the running guests' addresses and routes are on their kernel command lines and
 /// cannot follow a change, so a VM whose address does not fit fails alone. The policy (NAT,
-/// egress interface, `spec.egress`, `spec.ingress`) is the newest VM's: node-side rules only, applied to every
-/// VM of the network on the node, so a change of them reaches the running VMs with the next
-/// VM of that network started there (docs/network.md, "Changes of an ImpNetwork").
+/// egress interface, `spec.egress`, `spec.ingress`) is the newest VM's: node-side rules only,
+/// applied to every VM of the network on the node, so a change of them reaches the running VMs
+/// with the next VM of that network started there (docs/network.md, "Changes of an
+/// ImpNetwork").
 pub fn desired<'a>(
     vms: impl IntoIterator<Item = (String, [u8; 6], &'a NetworkAttachment)>,
 ) -> Vec<Attachment> {

@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses part of the harness
 
 pub mod agent;
+pub mod scale_to_zero;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -358,6 +359,21 @@ impl Drop for Harness {
 
 pub fn exists(p: &Path) -> bool {
     p.exists()
+}
+
+/// An Exec of `argv` with id `id`: no environment, no timeout, output not streamed.
+pub fn exec(id: &str, argv: &[&str]) -> imp_guest::protocol::Exec {
+    imp_guest::protocol::Exec {
+        id: id.into(),
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        env: Default::default(),
+        cwd: None,
+        uid: None,
+        gid: None,
+        timeout_s: None,
+        stream_output: false,
+        poweroff_on_exit: false,
+    }
 }
 
 /// `ip ARGS`, which must succeed.
