@@ -2,14 +2,14 @@
 # Real-VM tests of imp-guest: PID 1 + agent booted under QEMU (software emulation, no /dev/kvm
 # needed) with vhost-device-vsock providing Firecracker's hybrid-vsock socket; and under real
 # Firecracker when IMP_FIRECRACKER_BIN and IMP_KERNEL are set. Then the rootfs pipeline end to
-# end (node/tests/rootfs_qemu.rs): images pushed to a local registry, built into one cached
+# end (node/runtime/tests/rootfs_qemu.rs): images pushed to a local registry, built into one cached
 # base, two VMs booted from it. Then imp-runtime's QEMU backend through its socket API
-# (node/tests/runtime_qemu.rs): PUT, Hello, Exec, kill -9 + reattach, DELETE, with the boot
+# (node/runtime/tests/runtime_qemu.rs): PUT, Hello, Exec, kill -9 + reattach, DELETE, with the boot
 # time and RSS measurements it prints (MEASURE lines). Then VM networking with two real guests
-# through imp-runtime (node/tests/network_qemu.rs): NAT, DNS, isolation, restart, teardown, with
+# through imp-runtime (node/runtime/tests/network_qemu.rs): NAT, DNS, isolation, restart, teardown, with
 # NAT throughput/latency (MEASURE lines); it needs root, nft and dnsmasq, and as root it fails
 # instead of skipping. Then ScaleToZero through imp-agent on a real guest
-# (node/tests/scale_to_zero_qemu.rs): idle -> Suspended, a client connection wakes it and
+# (node/runtime/tests/scale_to_zero_qemu.rs): idle -> Suspended, a client connection wakes it and
 # completes, with the MEASURE line it prints; root and nft, like the networking test.
 #
 # Needs qemu-system-x86_64, a kernel in /boot (or IMP_QEMU_KERNEL) with its modules, a static
@@ -47,14 +47,14 @@ export IMP_REQUIRE_QEMU=1
 cd "$repo"
 cargo test -p imp-guest --test qemu --test firecracker -- --nocapture
 # The rootfs pipeline end to end: registry -> cached ext4 base -> two VMs booted from it.
-cargo test -p imp-node --test rootfs_qemu -- --nocapture
+cargo test -p imp-runtime --test rootfs_qemu -- --nocapture
 # imp-runtime with --backend qemu, end to end.
-cargo test -p imp-node --test runtime_qemu -- --nocapture
-cargo test -p imp-node --test suspend_qemu -- --nocapture  # suspend/resume round trips on a real guest
-cargo test -p imp-node --test agent_qemu -- --nocapture  # imp-agent's runner handoff on a real QEMU guest
+cargo test -p imp-runtime --test runtime_qemu -- --nocapture
+cargo test -p imp-runtime --test suspend_qemu -- --nocapture  # suspend/resume round trips on a real guest
+cargo test -p imp-runtime --test agent_qemu -- --nocapture  # imp-agent's runner handoff on a real QEMU guest
 # VM networking with real guests (root: the TAPs, bridge and nft rules live in test netns).
 IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
-    cargo test -p imp-node --test network_qemu -- --nocapture
+    cargo test -p imp-runtime --test network_qemu -- --nocapture
 # ScaleToZero through imp-agent on a real guest, client and node in test netns (root as above).
 IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
-    cargo test -p imp-node --test scale_to_zero_qemu -- --nocapture
+    cargo test -p imp-runtime --test scale_to_zero_qemu -- --nocapture

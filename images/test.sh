@@ -172,7 +172,7 @@ fi
 components="$repo/images/components/build.sh"
 bins="${IMP_COMPONENT_BIN_DIR:-}"
 if [ -z "$bins" ]; then
-    (cd "$repo" && cargo build -q -p imp-operator -p imp-node --bins)
+    (cd "$repo" && cargo build -q -p imp-operator -p imp-runtime -p imp-agent --bins)
     bins="$target_dir/debug"
 fi
 # The runtime image carries the static imp-guest (guest/check-static.sh; the Makefile's images target

@@ -152,7 +152,7 @@ if [[ "$mode" == local ]]; then
   }
   trap outer_cleanup EXIT
   "$repo/testenv/build.sh" >/dev/null || fail "testenv build (testenv/build.sh)"
-  (cd "$repo" && cargo build -q -p imp-operator -p imp-node -p imp-testkit -p imp-guest -p imp-fake-runner --bins) || fail "cargo build"
+  (cd "$repo" && cargo build -q -p imp-operator -p imp-runtime -p imp-agent -p imp-testkit -p imp-guest -p imp-fake-runner --bins) || fail "cargo build"
   if [[ $path == qemu ]]; then
     # The guest's two binaries, static (the rootfs has no libc for them): imp-guest as
     # guest/check-static.sh builds it (same artifacts), the slim imp-fake-runner the same way.

@@ -13,7 +13,7 @@ use imp_api::names::reason;
 /// documented name rather than renaming either.
 const NOT_REASONS: &[(&str, &str, &str)] = &[
     (
-        "node/src/api.rs",
+        "node/runtime-api/src/api.rs",
         reason::BOOTING,
         "VmState::Booting's name in imp-runtime's inventory and API: a VM state",
     ),

@@ -9,7 +9,7 @@ use tracing_subscriber::EnvFilter;
 /// Log flags shared by the binaries; `#[command(flatten)]` them into the binary's `Args`.
 #[derive(clap::Args, Debug, Clone, PartialEq, Eq)]
 pub struct LogArgs {
-    /// Log filter (tracing env-filter syntax, e.g. `info,imp_node=debug`).
+    /// Log filter (tracing env-filter syntax, e.g. `info,imp_agent=debug`).
     #[arg(long = "log", env = "IMP_LOG", default_value = "info")]
     pub filter: String,
     /// Log line format.

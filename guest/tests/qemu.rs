@@ -5,7 +5,7 @@
 //! mounts the base drive as root first. vhost-device-vsock gives the host the same hybrid-vsock
 //! socket Firecracker does, so the host client, the protocol, exec, probes, metrics and
 //! power-off run for real. The harness (detection, processes, console, host client) is
-//! imp_testkit::qemu, shared with node/tests/rootfs_qemu.rs.
+//! imp_testkit::qemu, shared with node/runtime/tests/rootfs_qemu.rs.
 //!
 //! Runs when IMP_GUEST_STATIC_BIN (from guest/check-static.sh) is set and qemu-system-x86_64,
 //! vhost-device-vsock, a static /bin/busybox and a kernel (IMP_QEMU_KERNEL, else the first

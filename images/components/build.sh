@@ -15,7 +15,7 @@
 #   --out DIR       writes DIR/<name>/ (an OCI layout per image), DIR/digests (`<name> sha256:...`)
 #                   and DIR/values.yaml: the chart's image values (repository, tag, digest) for them
 #   --bin-dir DIR   take the binaries from DIR (e.g. target/debug); default: `cargo build --release
-#                   --locked -p imp-operator -p imp-node --bins`, then target/release
+#                   --locked -p imp-operator -p imp-runtime -p imp-agent --bins`, then target/release
 #   --tag TAG       ref name in each index.json (default: the workspace version, e.g. 0.1.0)
 #   --only NAME     build only this image (repeatable)
 #   --guest PATH    the static imp-guest for the runtime image (default: the one guest/check-static.sh
@@ -72,12 +72,12 @@ need strip binutils
 [ -z "$push" ] || need skopeo skopeo
 
 if [ -z "$bin_dir" ]; then
-    (cd "$repo" && cargo build --release --locked -q -p imp-operator -p imp-node --bins) ||
+    (cd "$repo" && cargo build --release --locked -q -p imp-operator -p imp-runtime -p imp-agent --bins) ||
         die "cargo build --release failed"
     bin_dir="${CARGO_TARGET_DIR:-$repo/target}/release"
 fi
 for n in "${only[@]}"; do
-    [ -x "$bin_dir/$n" ] || die "$bin_dir/$n is not an executable (cargo build -p imp-operator -p imp-node --bins)"
+    [ -x "$bin_dir/$n" ] || die "$bin_dir/$n is not an executable (cargo build -p imp-operator -p imp-runtime -p imp-agent --bins)"
 done
 # The runtime copies imp-guest into every VM's root filesystem: an image without it cannot boot a VM.
 if [[ " ${only[*]} " == *" imp-runtime "* ]]; then

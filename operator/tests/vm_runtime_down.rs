@@ -59,14 +59,8 @@ impl Node {
     async fn start_runtime(&mut self) {
         assert!(self.runtime.is_none());
         let built = bins::ensure_built(
-            &[("imp-node", "imp-runtime"), ("imp-node", "imp-agent")],
-            &[
-                "node/src",
-                "node/Cargo.toml",
-                "api/src",
-                "common/src",
-                "guest/src",
-            ],
+            &[("imp-runtime", "imp-runtime"), ("imp-agent", "imp-agent")],
+            &["node", "api/src", "common/src", "guest/src"],
         )
         .expect("imp-runtime and imp-agent binaries");
         let sim = imp_testkit::firecracker::binaries();
@@ -118,7 +112,7 @@ impl Node {
     }
 
     fn start_agent(&mut self, h: &Harness, node: &str) {
-        let agent = bins::ensure_built(&[("imp-node", "imp-agent")], &[])
+        let agent = bins::ensure_built(&[("imp-agent", "imp-agent")], &[])
             .expect("imp-agent binary")
             .remove(0);
         let mut cmd = Command::new(agent);
@@ -133,7 +127,10 @@ impl Node {
             .env("IMP_POLL_INTERVAL", "500ms")
             .env("IMP_SWEEP_INTERVAL", "1s")
             .env("IMP_HTTP_ADDR", "127.0.0.1:0")
-            .env("IMP_LOG", "info,imp_node=debug,kube_client=info,hyper=info");
+            .env(
+                "IMP_LOG",
+                "info,imp_agent=debug,kube_client=info,hyper=info",
+            );
         let log = self.dir.path().join("agent.log");
         self.agent = Some(ManagedProcess::spawn("imp-agent", cmd, &log).unwrap());
     }

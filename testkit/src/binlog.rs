@@ -94,7 +94,7 @@ mod tests {
 
     #[test]
     fn plain_text_passes() {
-        assert_no_ansi("2026-12-01T15:00:00Z  INFO imp_node: started\n");
+        assert_no_ansi("2026-12-01T15:00:00Z  INFO imp_runtime: started\n");
     }
 
     #[test]

@@ -125,8 +125,8 @@ async fn scenario(id: &str) {
     let built = bins::ensure_built(
         &[
             ("imp-operator", "imp-operator"),
-            ("imp-node", "imp-agent"),
-            ("imp-node", "imp-runtime"),
+            ("imp-agent", "imp-agent"),
+            ("imp-runtime", "imp-runtime"),
             ("imp-testkit", "imp-firecracker-sim"),
             ("imp-fake-runner", "imp-fake-runner"),
         ],

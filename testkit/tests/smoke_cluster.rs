@@ -109,14 +109,13 @@ impl Stack {
         let bins = ensure_built(
             &[
                 ("imp-operator", "imp-operator"),
-                ("imp-node", "imp-runtime"),
-                ("imp-node", "imp-agent"),
+                ("imp-runtime", "imp-runtime"),
+                ("imp-agent", "imp-agent"),
             ],
             &[
                 "operator/src",
                 "operator/Cargo.toml",
-                "node/src",
-                "node/Cargo.toml",
+                "node",
                 "api/src",
                 "common/src",
             ],

@@ -1,0 +1,181 @@
+//! The real-guest path: time from a VM's create request to imp-runtime's QEMU backend (PUT
+//! /v1/vms/{uid}, what the agent sends once the VM is bound to its node) until the runtime reports it
+//! Running, which it does on the guest's Hello over the hybrid vsock; beside a bare
+//! qemu-system-x86_64 boot of the same kernel, initrd and base image to the same Hello
+//! (imp_testkit::qemu, QEMU started directly). Several runs each, p50. Prints numbers; not a test.
+//!
+//! The first VM builds the base image from a local registry (docker-registry) and is reported on its
+//! own; the measured VMs hit the cache, as a pool's VMs do. Both paths use the same accelerator
+//! (IMP_QEMU_ACCEL, default tcg, for imp-runtime; the bare boot uses testkit's TCG).
+//!
+//! Runs when the QEMU path can (imp_testkit::qemu::setup_or_skip: the static imp-guest in
+//! IMP_GUEST_STATIC_BIN, qemu-system-x86_64, vhost-device-vsock, static busybox, kernel modules) and
+//! docker-registry is installed; otherwise it prints why it skipped, and IMP_REQUIRE_QEMU=1 makes that
+//! a failure. `cargo bench -p imp-runtime --bench boot`; IMP_BENCH_RUNS (default 5).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Harness;
+use http::StatusCode;
+use imp_runtime::api::{VmSpec, VmState};
+use imp_runtime::rootfs::store::ImageSpec;
+use imp_testkit::oci::push_gzip_image;
+use imp_testkit::qemu::{self, Drive};
+use imp_testkit::registry::{Registry, RegistryOptions};
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn summary(v: &[f64]) -> String {
+    let min = v.iter().cloned().fold(f64::MAX, f64::min);
+    let max = v.iter().cloned().fold(0.0, f64::max);
+    format!(
+        "p50 {:.2} s (min {min:.2}, max {max:.2}, {} runs)",
+        median(v),
+        v.len()
+    )
+}
+
+fn skip(why: &str) {
+    if std::env::var("IMP_REQUIRE_QEMU").as_deref() == Ok("1") {
+        panic!("IMP_REQUIRE_QEMU=1 but the boot bench cannot run: {why}");
+    }
+    println!("skipped the boot bench: {why}");
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    // `cargo bench` passes --bench; nothing else to parse.
+    let Some(s) = qemu::setup_or_skip() else {
+        skip("the QEMU real-VM path cannot run here (reason above)");
+        return;
+    };
+    let runs = env_u64("IMP_BENCH_RUNS", 5).max(1) as usize;
+    let registry = match Registry::start(RegistryOptions::default()).await {
+        Ok(r) => r,
+        Err(e) => return skip(&format!("no local registry: {e}")),
+    };
+    let images = tempfile::tempdir().unwrap();
+    let initrd = images.path().join("initrd.gz");
+    qemu::scripted_initrd(&s, &initrd);
+    let base = push_gzip_image(
+        &registry.host(),
+        "imp/runner-base:boot",
+        vec![common::busybox_layer().into_gzip()],
+    )
+    .await;
+
+    let mut h = Harness::qemu(&s, &initrd, registry.host());
+    h.start_runtime().await;
+    let spec = VmSpec {
+        vcpu: 1,
+        memory_mib: 512,
+        base_disk: None,
+        image: Some(ImageSpec {
+            base,
+            runner: None,
+            credentials: None,
+            pull_policy: None,
+        }),
+        writable_disk_bytes: Some(128 << 20),
+        kernel: None,
+        initrd: None,
+        extra_boot_args: Some("imp.report_grace_s=60".into()),
+        network: None,
+    };
+    let put = |uid: String| {
+        let client = h.client.clone();
+        let spec = spec.clone();
+        async move {
+            let t = Instant::now();
+            let (code, st) = client
+                .ensure_running(&uid, &spec)
+                .await
+                .unwrap_or_else(|e| panic!("{uid}: {e}"));
+            assert_eq!((code, st.state), (StatusCode::CREATED, VmState::Running));
+            (
+                t.elapsed().as_secs_f64(),
+                st.boot_seconds.unwrap_or_default(),
+            )
+        }
+    };
+
+    // The first VM builds the base image; then the measured runs, one VM at a time.
+    let (first, _) = put("boot-0".into()).await;
+    h.client.delete("boot-0").await.unwrap();
+    let mut wall = Vec::new();
+    let mut reported = Vec::new();
+    for i in 1..=runs {
+        let uid = format!("boot-{i}");
+        let (w, b) = put(uid.clone()).await;
+        wall.push(w);
+        reported.push(b);
+        h.client.delete(&uid).await.unwrap();
+    }
+
+    // The same kernel, initrd and base booted by QEMU alone.
+    let base_img = std::fs::read_dir(h.state_dir.join("rootfs/images"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "ext4"))
+        .expect("the built base image");
+    let drives =
+        imp_runtime::rootfs::writable::WritableDrives::new(&images.path().join("templates"))
+            .unwrap();
+    let mut bare = Vec::new();
+    for i in 0..runs {
+        let rw = images.path().join(format!("bare-{i}.rw"));
+        drives.create(&rw, 128 << 20).unwrap();
+        let vm = qemu::Vm::start(
+            &s,
+            &initrd,
+            &[Drive::read_only(&base_img), Drive::writable(&rw)],
+            "imp.lower=/dev/vda imp.overlay=/dev/vdb imp.report_grace_s=60",
+        );
+        let _ = tokio::time::timeout(Duration::from_secs(240), vm.connect())
+            .await
+            .expect("bare Hello in time");
+        bare.push(vm.started.elapsed().as_secs_f64());
+        drop(vm);
+        let _ = std::fs::remove_file(&rw);
+    }
+    assert!(h.vmm_processes().is_empty(), "no VMM left");
+
+    println!(
+        "boot bench, QEMU {} (accel {}), 1 vCPU, 512 MiB:",
+        s.kernel.display(),
+        std::env::var("IMP_QEMU_ACCEL").unwrap_or_else(|_| "tcg".into())
+    );
+    println!("  first VM (builds the base image): {first:.2} s create request -> Running");
+    println!(
+        "  imp-runtime create request -> guest Hello (Running): {}",
+        summary(&wall)
+    );
+    println!(
+        "  imp-runtime's own boot_seconds (VMM spawn -> Hello): {}",
+        summary(&reported)
+    );
+    println!(
+        "  bare qemu-system-x86_64 start -> guest Hello: {}",
+        summary(&bare)
+    );
+    println!(
+        "  imp-runtime p50 - bare p50: {:.2} s ({:.2}x)",
+        median(&wall) - median(&bare),
+        median(&wall) / median(&bare)
+    );
+}

@@ -1,0 +1,120 @@
+//! VMs in memory cgroups of their own outlive the runtime: imp-runtime (the real binary, the
+//! Firecracker simulator as VMM) puts each VM's process in `<parent>/<uid>` with the class
+//! memory plus overhead as its limit; a `kill -9` of the runtime leaves the VM running there,
+//! the restarted runtime reattaches it, DELETE removes process and cgroup.
+//!
+//! The parent is created under this test's own memory cgroup (so nothing escapes whatever
+//! runs the tests). Needs root and a writable memory cgroup; skips otherwise, and
+//! IMP_REQUIRE_CGROUP=1 turns the skip into a failure.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{Harness, alive, is_root, simulator};
+use http::StatusCode;
+use imp_runtime::api::VmState;
+
+/// The memory hierarchy's mount and this process's cgroup in it, if usable.
+fn memory_hierarchy() -> Result<(PathBuf, PathBuf), String> {
+    if !is_root() {
+        return Err("not root".into());
+    }
+    let own = imp_runtime::cgroup::memory_cgroup_of(std::process::id() as i32)
+        .ok_or("no memory cgroup in /proc/self/cgroup")?;
+    let root = Path::new("/sys/fs/cgroup");
+    let base = if root.join("memory/cgroup.procs").is_file() {
+        root.join("memory")
+    } else if root.join("cgroup.controllers").is_file() {
+        root.to_path_buf()
+    } else {
+        return Err("no memory cgroup hierarchy under /sys/fs/cgroup".into());
+    };
+    let probe = base
+        .join(&own)
+        .join(format!("imp-probe-{}", std::process::id()));
+    std::fs::create_dir(&probe).map_err(|e| format!("create {}: {e}", probe.display()))?;
+    let _ = std::fs::remove_dir(&probe);
+    Ok((base, own))
+}
+
+/// Removes the test's parent cgroup (and any VM cgroup a failure left) on drop.
+struct Parent(PathBuf);
+
+impl Drop for Parent {
+    fn drop(&mut self) {
+        if let Ok(d) = std::fs::read_dir(&self.0) {
+            for e in d.flatten().filter(|e| e.path().is_dir()) {
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vms_in_their_own_cgroup_survive_a_runtime_kill() {
+    let (base, own) = match memory_hierarchy() {
+        Ok(h) => h,
+        Err(why) if std::env::var("IMP_REQUIRE_CGROUP").as_deref() == Ok("1") => {
+            panic!("IMP_REQUIRE_CGROUP=1 but per-VM cgroups cannot be tested: {why}")
+        }
+        Err(why) => {
+            println!("SKIPPED vms_in_their_own_cgroup_survive_a_runtime_kill: {why}");
+            return;
+        }
+    };
+    let parent_rel = own.join(format!("imp-test-{}", std::process::id()));
+    let parent = Parent(base.join(&parent_rel));
+    let mut h = Harness::new(simulator());
+    h.extra_env.extend([
+        (
+            "IMP_VM_CGROUP_PARENT".to_string(),
+            parent_rel.display().to_string(),
+        ),
+        ("IMP_VM_MEMORY_OVERHEAD_MIB".to_string(), "64".to_string()),
+    ]);
+    h.start_runtime().await;
+    let spec = h.spec(false);
+    let (code, st) = h.client.ensure_running("caged", &spec).await.unwrap();
+    assert_eq!(code, StatusCode::CREATED);
+    let pid = st.pid.unwrap();
+    let start = imp_runtime::procfs::start_time(pid).unwrap();
+    let vm_cg = parent_rel.join("caged");
+    assert_eq!(
+        imp_runtime::cgroup::memory_cgroup_of(pid),
+        Some(vm_cg.clone()),
+        "the VMM runs in the VM's own cgroup"
+    );
+    let runtime_pid = h.runtime_pid().unwrap() as i32;
+    assert_ne!(
+        imp_runtime::cgroup::memory_cgroup_of(runtime_pid),
+        Some(vm_cg.clone()),
+        "the runtime is not in the VM's cgroup"
+    );
+    let limit_file = if base.ends_with("memory") {
+        "memory.limit_in_bytes"
+    } else {
+        "memory.max"
+    };
+    let limit = std::fs::read_to_string(parent.0.join("caged").join(limit_file)).unwrap();
+    assert_eq!(limit.trim(), ((spec.memory_mib + 64) << 20).to_string());
+
+    h.kill9_runtime();
+    assert!(alive(pid, start), "the VM died with the runtime");
+    h.start_runtime().await;
+    let st = h.client.inspect("caged").await.unwrap();
+    assert_eq!(
+        (st.state, st.pid),
+        (VmState::Running, Some(pid)),
+        "reattached"
+    );
+    assert_eq!(imp_runtime::cgroup::memory_cgroup_of(pid), Some(vm_cg));
+
+    h.client.delete("caged").await.unwrap();
+    assert!(!alive(pid, start));
+    assert!(
+        !parent.0.join("caged").exists(),
+        "DELETE removed the VM's cgroup"
+    );
+}
