@@ -29,6 +29,8 @@ pub enum DurationError {
     UnknownUnit { value: String, unit: String },
     #[error("duration {value:?} is too large")]
     Overflow { value: String },
+    #[error("duration {value:?} must be greater than zero")]
+    Zero { value: String },
 }
 
 impl KubeDuration {
@@ -154,6 +156,17 @@ pub fn parse_duration(value: &str) -> Result<Duration, DurationError> {
     Ok(Duration::new(secs, (total_nanos % 1_000_000_000) as u32))
 }
 
+/// [`parse_duration`] for a setting that cannot be zero (a timeout, an interval): a binary's flag
+/// parser, so each binary refuses "0s" with the same message.
+pub fn parse_positive_duration(value: &str) -> Result<Duration, DurationError> {
+    match parse_duration(value)? {
+        d if d.is_zero() => Err(DurationError::Zero {
+            value: value.to_owned(),
+        }),
+        d => Ok(d),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,6 +225,18 @@ mod tests {
             parse_duration("99999999999999999999999h"),
             Err(DurationError::Overflow { .. })
         ));
+    }
+
+    #[test]
+    fn positive_refuses_zero_only() {
+        assert_eq!(parse_positive_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(
+            parse_positive_duration("0m0s"),
+            Err(DurationError::Zero {
+                value: "0m0s".into()
+            })
+        );
+        assert_eq!(parse_positive_duration(""), Err(DurationError::Empty));
     }
 
     #[test]

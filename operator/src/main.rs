@@ -23,6 +23,7 @@ use axum::{
     Router, extract::State, http::StatusCode, middleware, response::IntoResponse, routing::get,
 };
 use clap::Parser;
+use imp_api::parse_positive_duration;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
@@ -75,14 +76,14 @@ struct Args {
     #[arg(long, env = "IMP_POD_NAME")]
     pod_name: Option<String>,
     /// How often each pool's runners are listed at GitHub and registrations without a VM deleted.
-    #[arg(long, env = "IMP_REAP_INTERVAL", default_value = "2m", value_parser = positive_duration)]
+    #[arg(long, env = "IMP_REAP_INTERVAL", default_value = "2m", value_parser = parse_positive_duration)]
     reap_interval: Duration,
     /// A minted runner VM whose runner has not started this long after scheduling is replaced
     /// (`BootDeadlineExceeded`).
-    #[arg(long, env = "IMP_BOOT_DEADLINE", default_value = "10m", value_parser = positive_duration)]
+    #[arg(long, env = "IMP_BOOT_DEADLINE", default_value = "10m", value_parser = parse_positive_duration)]
     boot_deadline: Duration,
     /// A runner Started this long ago that GitHub never listed online is replaced (`RunnerNeverOnline`).
-    #[arg(long, env = "IMP_RUNNER_ONLINE_DEADLINE", default_value = "5m", value_parser = positive_duration)]
+    #[arg(long, env = "IMP_RUNNER_ONLINE_DEADLINE", default_value = "5m", value_parser = parse_positive_duration)]
     runner_online_deadline: Duration,
     /// Under node MemoryPressure, suspend resident persistent VMs, largest memory first, until it clears;
     /// never resume them (chart `pressureLifecycle.enabled`; docs/architecture.md). Off by default.
@@ -92,19 +93,10 @@ struct Args {
     pressure_lifecycle: bool,
     /// pressureLifecycle: a VM it suspended that has not reported Suspended this long no longer holds
     /// back the next one on its node (`PressureSuspendStalled`).
-    #[arg(long, env = "IMP_PRESSURE_SUSPEND_TIMEOUT", default_value = "5m", value_parser = positive_duration)]
+    #[arg(long, env = "IMP_PRESSURE_SUSPEND_TIMEOUT", default_value = "5m", value_parser = parse_positive_duration)]
     pressure_suspend_timeout: Duration,
     #[command(flatten)]
     log: LogArgs,
-}
-
-/// A Go-style duration (`90s`, `2m`) greater than zero.
-fn positive_duration(s: &str) -> Result<Duration, String> {
-    match imp_api::parse_duration(s) {
-        Ok(d) if d.is_zero() => Err("must be greater than zero".into()),
-        Ok(d) => Ok(d),
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 impl Args {

@@ -20,5 +20,6 @@ pub mod proxy;
 pub mod qemu;
 pub mod registry;
 pub mod tarball;
+pub mod waits;
 
 pub use cluster::TestEnv;

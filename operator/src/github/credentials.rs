@@ -7,7 +7,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use base64::Engine;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use octocrab::jsonwebtoken::{self, Algorithm, EncodingKey, Header};
@@ -101,8 +100,7 @@ impl AppCredentials {
             key: KEY_PRIVATE_KEY,
             reason,
         };
-        let pkcs1 = rsa_pkcs1_der_from_pem(pem).map_err(invalid)?;
-        let key = EncodingKey::from_rsa_der(&pkcs1);
+        let key = rsa_encoding_key(pem).map_err(invalid)?;
         // Prove the key signs now, rather than on the first mint.
         jsonwebtoken::encode(
             &Header::new(Algorithm::RS256),
@@ -150,76 +148,17 @@ fn parse_id(key: &'static str, raw: &[u8]) -> Result<u64, CredentialsError> {
         })
 }
 
-/// The PKCS#1 `RSAPrivateKey` DER from a PKCS#1 or PKCS#8 PEM.
-fn rsa_pkcs1_der_from_pem(pem: &[u8]) -> Result<Vec<u8>, &'static str> {
+/// The signing key from a PKCS#1 or PKCS#8 RSA PEM. jsonwebtoken reads both forms; the PEM label
+/// only picks the reason when it cannot.
+fn rsa_encoding_key(pem: &[u8]) -> Result<EncodingKey, &'static str> {
     const NOT_PEM: &str = "not a PEM private key";
-    let text = std::str::from_utf8(pem).map_err(|_| NOT_PEM)?;
-    let begin = text.find("-----BEGIN ").ok_or(NOT_PEM)?;
-    let rest = &text[begin + 11..];
-    let label_end = rest.find("-----").ok_or(NOT_PEM)?;
-    let label = &rest[..label_end];
-    let body_and_end = &rest[label_end + 5..];
-    let end_marker = format!("-----END {label}-----");
-    let end = body_and_end.find(&end_marker).ok_or(NOT_PEM)?;
-    let b64: String = body_and_end[..end]
-        .chars()
-        .filter(|c| !c.is_ascii_whitespace())
-        .collect();
-    let der = base64::engine::general_purpose::STANDARD
-        .decode(b64)
-        .map_err(|_| NOT_PEM)?;
-    match label {
-        "RSA PRIVATE KEY" => Ok(der),
-        "PRIVATE KEY" => pkcs8_rsa_inner(&der)
-            .map(<[u8]>::to_vec)
-            .ok_or("PKCS#8 key is not an RSA key"),
-        "ENCRYPTED PRIVATE KEY" => Err("encrypted keys are not supported"),
-        _ => Err("not an RSA private key (expected PKCS#1 or PKCS#8 PEM)"),
-    }
-}
-
-/// Reads one DER TLV: (tag, contents, rest).
-fn der_tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
-    let (&tag, rest) = input.split_first()?;
-    let (&first, mut rest) = rest.split_first()?;
-    let len = if first < 0x80 {
-        first as usize
-    } else {
-        let n = (first & 0x7f) as usize;
-        if n == 0 || n > 4 || rest.len() < n {
-            return None;
-        }
-        let len = rest[..n]
-            .iter()
-            .fold(0usize, |acc, b| (acc << 8) | *b as usize);
-        rest = &rest[n..];
-        len
-    };
-    (rest.len() >= len).then(|| (tag, &rest[..len], &rest[len..]))
-}
-
-/// PKCS#8 `PrivateKeyInfo { version, AlgorithmIdentifier { rsaEncryption, .. }, OCTET STRING }`.
-fn pkcs8_rsa_inner(pkcs8: &[u8]) -> Option<&[u8]> {
-    const RSA_ENCRYPTION: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01];
-    let (0x30, info, _) = der_tlv(pkcs8)? else {
-        return None;
-    };
-    let (0x02, _version, rest) = der_tlv(info)? else {
-        return None;
-    };
-    let (0x30, alg, rest) = der_tlv(rest)? else {
-        return None;
-    };
-    let (0x06, oid, _) = der_tlv(alg)? else {
-        return None;
-    };
-    if oid != RSA_ENCRYPTION {
-        return None;
-    }
-    let (0x04, key, _) = der_tlv(rest)? else {
-        return None;
-    };
-    Some(key)
+    let label = pem::parse(pem).map_err(|_| NOT_PEM)?.tag().to_owned();
+    EncodingKey::from_rsa_pem(pem).map_err(|_| match label.as_str() {
+        "RSA PRIVATE KEY" => "not a usable RSA private key",
+        "PRIVATE KEY" => "PKCS#8 key is not an RSA key",
+        "ENCRYPTED PRIVATE KEY" => "encrypted keys are not supported",
+        _ => "not an RSA private key (expected PKCS#1 or PKCS#8 PEM)",
+    })
 }
 
 #[cfg(test)]

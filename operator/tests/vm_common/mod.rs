@@ -21,7 +21,8 @@ use imp_operator::{
     metrics::{VmMetrics, encode},
     vm::{Timing, VmControllerConfig, run_vm_controller},
 };
-use imp_testkit::{TestEnv, cluster::with_fresh_client, fixtures};
+pub use imp_testkit::waits::phase_of;
+use imp_testkit::{TestEnv, cluster::with_fresh_client, fixtures, waits};
 use k8s_openapi::{
     api::{
         coordination::v1::{Lease, LeaseSpec},
@@ -319,7 +320,7 @@ impl Harness {
             .unwrap()
     }
 
-    /// Polls until `pred` holds for the VM; panics with the last seen object after `within`.
+    /// Polls until `pred` holds for the VM; panics with the last seen status after `within`.
     pub async fn wait_vm(
         &self,
         name: &str,
@@ -327,20 +328,7 @@ impl Harness {
         within: Duration,
         pred: impl Fn(&ImpVM) -> bool,
     ) -> ImpVM {
-        let started = Instant::now();
-        loop {
-            let vm = self.vms().get(name).await.unwrap();
-            if pred(&vm) {
-                return vm;
-            }
-            if started.elapsed() > within {
-                panic!(
-                    "{name}: not {what} after {within:?}; last seen: {:#?}",
-                    vm.status
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        waits::wait_vm(&self.vms(), name, what, within, pred, String::new).await
     }
 
     pub async fn wait_phase(&self, name: &str, phase: VmPhase, within: Duration) -> ImpVM {
@@ -583,10 +571,6 @@ fn node_condition(type_: &str, status: &str) -> Value {
     let now = Timestamp::now().to_string();
     json!({"type": type_, "status": status, "reason": "Test", "message": "set by test",
            "lastHeartbeatTime": now, "lastTransitionTime": now})
-}
-
-pub fn phase_of(vm: &ImpVM) -> Option<VmPhase> {
-    vm.status.as_ref().and_then(|s| s.phase)
 }
 
 pub fn condition<'a>(vm: &'a ImpVM, type_: &str) -> Option<&'a Condition> {

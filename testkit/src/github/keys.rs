@@ -7,7 +7,6 @@ use aws_lc_rs::encoding::AsDer;
 use aws_lc_rs::rand::SystemRandom;
 use aws_lc_rs::rsa::{KeyPair, KeySize};
 use aws_lc_rs::signature::{self, KeyPair as _, UnparsedPublicKey};
-use base64::Engine;
 
 /// One App's RSA key pair.
 pub struct AppKey {
@@ -45,7 +44,7 @@ impl AppKey {
     /// hands out when an App key is downloaded.
     pub fn pkcs1_pem(&self) -> String {
         let inner = pkcs8_rsa_inner(&self.pkcs8_der).expect("own PKCS#8 wraps an RSA key");
-        pem_encode("RSA PRIVATE KEY", inner)
+        pem_encode("RSA PRIVATE KEY", &inner)
     }
 
     /// RFC 8017 `RSAPublicKey` DER.
@@ -91,68 +90,33 @@ pub fn test_key(index: usize) -> Arc<AppKey> {
         .clone()
 }
 
-/// PEM-encodes DER with 64-column base64 lines.
+/// PEM-encodes DER with 64-column base64 lines and `\n` line ends.
 pub fn pem_encode(label: &str, der: &[u8]) -> String {
-    let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-    let mut out = format!("-----BEGIN {label}-----\n");
-    for chunk in b64.as_bytes().chunks(64) {
-        out.push_str(std::str::from_utf8(chunk).expect("base64 is ascii"));
-        out.push('\n');
-    }
-    out.push_str(&format!("-----END {label}-----\n"));
-    out
+    let config = pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF);
+    pem::encode_config(&pem::Pem::new(label, der), config)
 }
 
-/// Reads one DER TLV at the start of `input`: (tag, contents, rest).
-fn der_tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
-    let (&tag, rest) = input.split_first()?;
-    let (&first, mut rest) = rest.split_first()?;
-    let len = if first < 0x80 {
-        first as usize
-    } else {
-        let n = (first & 0x7f) as usize;
-        if n == 0 || n > 4 || rest.len() < n {
-            return None;
-        }
-        let mut len = 0usize;
-        for &b in &rest[..n] {
-            len = (len << 8) | b as usize;
-        }
-        rest = &rest[n..];
-        len
+/// The PKCS#1 `RSAPrivateKey` inside a PKCS#8 `PrivateKeyInfo` for rsaEncryption:
+/// `SEQUENCE { version, SEQUENCE { OID rsaEncryption, .. }, OCTET STRING { RSAPrivateKey } }`.
+fn pkcs8_rsa_inner(pkcs8: &[u8]) -> Option<Vec<u8>> {
+    use simple_asn1::ASN1Block::{Integer, ObjectIdentifier, OctetString, Sequence};
+    let blocks = simple_asn1::from_der(pkcs8).ok()?;
+    let [Sequence(_, info)] = blocks.as_slice() else {
+        return None;
     };
-    if rest.len() < len {
+    let [Integer(..), Sequence(_, alg), OctetString(_, key), ..] = info.as_slice() else {
         return None;
-    }
-    Some((tag, &rest[..len], &rest[len..]))
-}
-
-/// The PKCS#1 `RSAPrivateKey` inside a PKCS#8 `PrivateKeyInfo` for rsaEncryption.
-fn pkcs8_rsa_inner(pkcs8: &[u8]) -> Option<&[u8]> {
-    const RSA_OID: &[u8] = &[0x2a, 0x86, 0x48, 0x86, 0xf7, 0x0d, 0x01, 0x01, 0x01];
-    let (tag, body, _) = der_tlv(pkcs8)?;
-    if tag != 0x30 {
+    };
+    let [ObjectIdentifier(_, oid), ..] = alg.as_slice() else {
         return None;
-    }
-    let (tag, _version, rest) = der_tlv(body)?;
-    if tag != 0x02 {
-        return None;
-    }
-    let (tag, alg, rest) = der_tlv(rest)?;
-    if tag != 0x30 {
-        return None;
-    }
-    let (tag, oid, _) = der_tlv(alg)?;
-    if tag != 0x06 || oid != RSA_OID {
-        return None;
-    }
-    let (tag, key, _) = der_tlv(rest)?;
-    (tag == 0x04).then_some(key)
+    };
+    (*oid == simple_asn1::oid!(1, 2, 840, 113549, 1, 1, 1)).then(|| key.clone())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use base64::Engine;
 
     #[test]
     fn sign_verify_and_pem_forms() {

@@ -5,6 +5,7 @@
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::Parser;
+use imp_api::parse_positive_duration;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_runtime::api::Backend;
 use imp_runtime::cgroup::CgroupConfig;
@@ -103,22 +104,13 @@ struct Args {
     #[arg(long, env = "IMP_METRICS_ADDR", default_value = "0.0.0.0:9091")]
     metrics_addr: SocketAddr,
     /// Spawn to guest-agent Hello budget per VM, e.g. "30s".
-    #[arg(long, env = "IMP_BOOT_TIMEOUT", default_value = "30s", value_parser = positive_duration)]
+    #[arg(long, env = "IMP_BOOT_TIMEOUT", default_value = "30s", value_parser = parse_positive_duration)]
     boot_timeout: Duration,
     /// How long a VM gets to stop after SendCtrlAltDel before SIGKILL, e.g. "10s".
-    #[arg(long, env = "IMP_STOP_TIMEOUT", default_value = "10s", value_parser = positive_duration)]
+    #[arg(long, env = "IMP_STOP_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
     stop_timeout: Duration,
     #[command(flatten)]
     log: LogArgs,
-}
-
-/// A Kubernetes-style duration ("30s", "1m30s") greater than zero.
-fn positive_duration(s: &str) -> Result<Duration, String> {
-    match imp_api::parse_duration(s) {
-        Ok(d) if d.is_zero() => Err("must be greater than zero".into()),
-        Ok(d) => Ok(d),
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 fn parse_accel(s: &str) -> Result<Accel, String> {

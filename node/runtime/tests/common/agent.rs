@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 use imp_api::{ImpVM, ImpVMClass, VmPhase};
 use imp_testkit::oci::registry_with_base_image;
 use imp_testkit::registry::Registry;
+use imp_testkit::waits;
+pub use imp_testkit::waits::phase_of;
 use imp_testkit::{TestEnv, fixtures};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
@@ -210,22 +212,14 @@ impl World {
         agent: &Agent,
         pred: impl Fn(&ImpVM) -> bool,
     ) -> ImpVM {
-        let started = Instant::now();
-        loop {
-            let vm = self.vms().get(name).await.unwrap();
-            if pred(&vm) {
-                return vm;
-            }
-            if started.elapsed() > within {
-                panic!(
-                    "{name}: not {what} after {within:?}; status: {:#?}\nagent log tail:\n{}\nruntime log tail:\n{}",
-                    vm.status,
-                    tail(&agent.log(), 60),
-                    tail(&self.rt.runtime_log(), 30)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        waits::wait_vm(&self.vms(), name, what, within, pred, || {
+            format!(
+                "\nagent log tail:\n{}\nruntime log tail:\n{}",
+                tail(&agent.log(), 60),
+                tail(&self.rt.runtime_log(), 30)
+            )
+        })
+        .await
     }
 
     pub async fn wait_phase(
@@ -376,6 +370,3 @@ pub fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-pub fn phase_of(vm: &ImpVM) -> Option<VmPhase> {
-    vm.status.as_ref().and_then(|s| s.phase)
-}
