@@ -44,17 +44,18 @@ use serde_json::json;
 use tracing::{debug, info, warn};
 
 use super::{
-    PoolControllerConfig, PoolShared,
     classify::{RunnerState, classify, runner_started, start_failure},
+    config::{DEFAULT_WEBHOOK_SECRET_KEY, PoolControllerConfig},
     decide::{
         Creds, Deadlines, Done, Input, JitSecretFacts, MintAction, PoolPlan, RequeueInput,
-        RunnerFacts, StartFacts, StatusInput, VmFacts, VmTimes, account_start_failures,
+        RunnerFacts, StartFacts, StatusInput, VmFacts, account_start_failures,
         after_store_conflict, credentials_invalid, decide, mint_action, needs_listing,
         online_suspect, orphans, phase_spans, pool_status, requeue_after,
     },
     demand::{PoolKey, PoolRoute, sweep_updates},
     plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
-    slo::{ServedFacts, run_phase},
+    shared::PoolShared,
+    slo::{ServedFacts, VmTimes, run_phase},
 };
 use crate::error::{Error, Result};
 use crate::github::{
@@ -318,10 +319,7 @@ impl Ctx {
 
     async fn webhook_secret(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Option<Vec<u8>> {
         let r = pool.spec.webhook_secret_ref.as_ref()?;
-        let k = r
-            .key
-            .as_deref()
-            .unwrap_or(super::DEFAULT_WEBHOOK_SECRET_KEY);
+        let k = r.key.as_deref().unwrap_or(DEFAULT_WEBHOOK_SECRET_KEY);
         let found = match self.secrets(key).get_opt(&r.name).await {
             Ok(s) => s
                 .and_then(|s| s.data)

@@ -19,7 +19,7 @@ use k8s_openapi::{apimachinery::pkg::apis::meta::v1::Time, jiff::Timestamp};
 
 use super::classify::RunnerState;
 use super::plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Plan, Removal, plan};
-use super::slo::{ServedFacts, ServedUpdate, served_updates};
+use super::slo::{ServedFacts, ServedUpdate, VmTimes, served_updates};
 use crate::github::{GithubError, Runner, runner_name};
 
 /// Whether the pool's App credentials were last seen working.
@@ -431,16 +431,6 @@ pub fn needs_listing(
     now: Timestamp,
 ) -> bool {
     reap_due || vms.iter().any(|v| online_suspect(v, d, confirmed, now))
-}
-
-/// The timestamps of one runner VM's life, from its ImpVM.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct VmTimes {
-    pub created: Option<Timestamp>,
-    pub scheduled: Option<Timestamp>,
-    pub boot_complete: Option<Timestamp>,
-    pub runner_started: Option<Timestamp>,
-    pub runner_exited: Option<Timestamp>,
 }
 
 /// Values of the `phase` label of `imp_runner_vm_phase_seconds`, in life order.

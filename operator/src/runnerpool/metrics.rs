@@ -9,6 +9,9 @@ use prometheus_client::registry::Registry;
 
 use crate::metrics::{ControllerLabels, ErrorLabels, PhaseLabels, ReasonLabels, ResultLabels};
 
+/// Values of the `state` label of `imp_runner_pool_runners`.
+pub const STATES: [&str; 5] = ["desired", "idle", "busy", "booting", "total"];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolStateLabels {
     /// `namespace/name`.
@@ -227,7 +230,7 @@ impl PoolMetrics {
     }
 
     pub fn remove_pool(&self, pool: &str) {
-        for state in super::STATES {
+        for state in STATES {
             self.runners.remove(&PoolStateLabels {
                 pool: pool.to_owned(),
                 state: state.to_owned(),

@@ -13,7 +13,6 @@ use std::time::Duration;
 use imp_api::ServedJobStatus;
 use k8s_openapi::{apimachinery::pkg::apis::meta::v1::MicroTime, jiff::Timestamp};
 
-use super::decide::VmTimes;
 use super::demand::ServedJob;
 
 /// Values of the `phase` label of `imp_runner_job_phase_seconds`, in order; each names the step the
@@ -29,6 +28,16 @@ pub const JOB_PHASES: [&str; 7] = [
     "pickup",
     "run",
 ];
+
+/// The timestamps of one runner VM's life, from its ImpVM.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VmTimes {
+    pub created: Option<Timestamp>,
+    pub scheduled: Option<Timestamp>,
+    pub boot_complete: Option<Timestamp>,
+    pub runner_started: Option<Timestamp>,
+    pub runner_exited: Option<Timestamp>,
+}
 
 /// What a pass knows of one runner VM for its SLO record.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,6 +7,7 @@
 #[cfg(test)]
 mod dispatch_tests;
 pub mod http;
+pub mod jobs;
 pub mod jwt;
 pub mod keys;
 pub mod model;
@@ -24,13 +25,14 @@ use std::time::Duration;
 use chrono::Utc;
 use tokio::sync::mpsc;
 
+pub use jobs::{JobSpec, JobStatus, SimJob};
 pub use keys::{AppKey, test_key};
 pub use model::{
-    Delivery, Fault, FaultRule, JobSpec, JobStatus, SimJob, SimRunner, SimRunnerGroup, SimScope,
-    SimStats, WebhookFault,
+    Delivery, Fault, FaultRule, SimRunner, SimRunnerGroup, SimScope, SimStats, WebhookFault,
 };
 pub use webhooks::{ReceivedHook, WebhookSink, sign_body, verify_signature};
 
+use jobs::random_token;
 use model::{Model, RateWindow};
 use webhooks::HookEvent;
 
@@ -541,6 +543,75 @@ impl AdminClient {
             .call(::http::Method::GET, "/_admin/deliveries", None)
             .await?;
         Ok(serde_json::from_value(v)?)
+    }
+}
+
+impl GithubSim {
+    /// Registers the workflow file `path` (`.github/workflows/<file>`) with `yaml` in `repository`
+    /// (default: the first); returns its id.
+    pub fn add_workflow(
+        &self,
+        repository: Option<&str>,
+        path: &str,
+        yaml: &str,
+    ) -> Result<u64, workflows::WorkflowError> {
+        let file = workflows::WorkflowFile::parse(path, yaml)?;
+        let repo = repository
+            .map(str::to_owned)
+            .or_else(|| self.shared.config.repos.first().cloned())
+            .unwrap_or_default();
+        Ok(self.shared.model().workflows.add(&repo, path, file))
+    }
+
+    /// A token that may dispatch workflows and read runs and jobs (what a user's PAT is to GitHub).
+    pub fn user_token(&self) -> String {
+        let token = format!("github_pat_{}", random_token(40));
+        self.shared
+            .model()
+            .workflows
+            .user_tokens
+            .insert(token.clone());
+        token
+    }
+
+    /// The runs dispatches created.
+    pub fn dispatched_runs(&self) -> Vec<workflows::SimRun> {
+        self.shared
+            .model()
+            .workflows
+            .runs
+            .values()
+            .cloned()
+            .collect()
+    }
+}
+
+impl AdminClient {
+    /// [`GithubSim::add_workflow`] over the admin API.
+    pub async fn add_workflow(
+        &self,
+        repository: Option<&str>,
+        path: &str,
+        yaml: &str,
+    ) -> anyhow::Result<u64> {
+        let body = serde_json::json!({ "repository": repository, "path": path, "content": yaml });
+        let v = self
+            .call(::http::Method::POST, "/_admin/workflows", Some(body))
+            .await?;
+        v["id"]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("/_admin/workflows answered {v}"))
+    }
+
+    /// [`GithubSim::user_token`] over the admin API.
+    pub async fn user_token(&self) -> anyhow::Result<String> {
+        let v = self
+            .call(::http::Method::POST, "/_admin/user-tokens", None)
+            .await?;
+        v["token"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| anyhow::anyhow!("/_admin/user-tokens answered no token"))
     }
 }
 

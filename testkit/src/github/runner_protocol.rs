@@ -2,7 +2,7 @@
 //! binary runs inside real guests); this module re-exports it and reads the completed job as the
 //! simulator's [`SimJob`], so tests can run a fake runner in-process.
 
-use super::model::SimJob;
+use super::jobs::SimJob;
 
 pub use imp_fake_runner::{FakeRunnerOptions, JITCONFIG_ENV, JitConfigPayload, URL_OVERRIDE_ENV};
 

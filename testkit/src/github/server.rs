@@ -16,11 +16,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::Shared;
+use super::jobs::{JobSpec, JobStatus, random_token, run_status};
 use super::jwt::verify_app_jwt;
-use super::model::{
-    Fault, FaultRule, JobSpec, JobStatus, RateWindow, SimRunner, SimScope, WebhookFault,
-    labels_match, random_token, run_status,
-};
+use super::model::{Fault, FaultRule, RateWindow, SimRunner, SimScope, WebhookFault, labels_match};
 use super::runner_protocol::JitConfigPayload;
 
 mod dispatch;
@@ -782,7 +780,7 @@ async fn repo_runs(
     let api = format!("https://api.github.com/repos/{full}/actions/runs");
     let runs: Vec<Value> = {
         let m = shared.model();
-        let mut by_run: std::collections::BTreeMap<u64, Vec<&super::model::SimJob>> =
+        let mut by_run: std::collections::BTreeMap<u64, Vec<&super::jobs::SimJob>> =
             Default::default();
         for j in m.jobs.values() {
             if j.repository.eq_ignore_ascii_case(&full) {

@@ -18,7 +18,8 @@ use tokio::sync::mpsc;
 
 use super::Shared;
 use super::http::HttpClient;
-use super::model::{Delivery, JobStatus, SimJob, WebhookFault};
+use super::jobs::{JobStatus, SimJob};
+use super::model::{Delivery, WebhookFault};
 
 /// `sha256=<hex>` HMAC of `body` with `secret`, as in `X-Hub-Signature-256`.
 pub fn sign_body(secret: &str, body: &[u8]) -> String {

@@ -5,7 +5,7 @@
 //! `on:` has `workflow_dispatch` (and its inputs), and each job's `runs-on` labels. A dispatch
 //! creates a run whose jobs are queued at once (no `needs:` ordering, no `if:`), each emitting the
 //! `queued` `workflow_job` webhook like any queued job; runners then take and finish them through
-//! the runner protocol, and the run's status follows its jobs ([`super::model::run_status`]).
+//! the runner protocol, and the run's status follows its jobs ([`super::jobs::run_status`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -13,7 +13,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::model::{JobStatus, SimJob, run_status};
+use super::jobs::{JobStatus, SimJob, run_status};
 
 /// Why a workflow file was refused (named after the file and the field).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -357,78 +357,9 @@ pub fn run_json(run: &SimRun, jobs: &[&SimJob]) -> Value {
     })
 }
 
-impl super::GithubSim {
-    /// Registers the workflow file `path` (`.github/workflows/<file>`) with `yaml` in `repository`
-    /// (default: the first); returns its id.
-    pub fn add_workflow(
-        &self,
-        repository: Option<&str>,
-        path: &str,
-        yaml: &str,
-    ) -> Result<u64, WorkflowError> {
-        let file = WorkflowFile::parse(path, yaml)?;
-        let repo = repository
-            .map(str::to_owned)
-            .or_else(|| self.shared.config.repos.first().cloned())
-            .unwrap_or_default();
-        Ok(self.shared.model().workflows.add(&repo, path, file))
-    }
-
-    /// A token that may dispatch workflows and read runs and jobs (what a user's PAT is to GitHub).
-    pub fn user_token(&self) -> String {
-        let token = format!("github_pat_{}", super::model::random_token(40));
-        self.shared
-            .model()
-            .workflows
-            .user_tokens
-            .insert(token.clone());
-        token
-    }
-
-    /// The runs dispatches created.
-    pub fn dispatched_runs(&self) -> Vec<SimRun> {
-        self.shared
-            .model()
-            .workflows
-            .runs
-            .values()
-            .cloned()
-            .collect()
-    }
-}
-
-impl super::AdminClient {
-    /// [`super::GithubSim::add_workflow`] over the admin API.
-    pub async fn add_workflow(
-        &self,
-        repository: Option<&str>,
-        path: &str,
-        yaml: &str,
-    ) -> anyhow::Result<u64> {
-        let body = json!({ "repository": repository, "path": path, "content": yaml });
-        let v = self
-            .call(::http::Method::POST, "/_admin/workflows", Some(body))
-            .await?;
-        v["id"]
-            .as_u64()
-            .ok_or_else(|| anyhow::anyhow!("/_admin/workflows answered {v}"))
-    }
-
-    /// [`super::GithubSim::user_token`] over the admin API.
-    pub async fn user_token(&self) -> anyhow::Result<String> {
-        let v = self
-            .call(::http::Method::POST, "/_admin/user-tokens", None)
-            .await?;
-        v["token"]
-            .as_str()
-            .map(str::to_owned)
-            .ok_or_else(|| anyhow::anyhow!("/_admin/user-tokens answered no token"))
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::super::model::JobSpec;
+    use super::super::jobs::JobSpec;
     use super::*;
 
     const SMOKE: &str = include_str!("../../../smoke/workflow.yaml");

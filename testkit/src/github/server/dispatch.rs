@@ -16,7 +16,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::super::Shared;
-use super::super::model::{JobSpec, SimJob, SimScope, random_token};
+use super::super::jobs::{JobSpec, SimJob, random_token};
+use super::super::model::SimScope;
 use super::super::workflows::{SimRun, WorkflowFile, run_json};
 use super::{
     ApiError, ApiResult, PageQuery, S, auth_value, check_repo, invalid, json_response,
