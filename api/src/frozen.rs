@@ -77,7 +77,8 @@ mod tests {
     #[test]
     fn each_frozen_field_moves_the_digest() {
         let base = boot_digest(&spec());
-        let changes: [(&str, fn(&mut ImpVMSpec)); 8] = [
+        type Change = fn(&mut ImpVMSpec);
+        let changes: [(&str, Change); 8] = [
             ("image", |s| s.image = "evil.example/own:1".into()),
             ("runnerImage", |s| s.runner_image = Some("evil:1".into())),
             ("runnerImage unset", |s| s.runner_image = None),
