@@ -1,5 +1,6 @@
 pub mod error;
 pub mod github;
+pub mod http;
 pub mod ipam;
 pub mod leader;
 pub mod metrics;

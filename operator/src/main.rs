@@ -12,23 +12,19 @@
 use std::{
     net::SocketAddr,
     process::ExitCode,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, atomic::AtomicBool},
     time::Duration,
 };
 
-use axum::{
-    Router, extract::State, http::StatusCode, middleware, response::IntoResponse, routing::get,
-};
+use axum::middleware;
 use clap::Parser;
 use imp_api::parse_positive_duration;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
+    http::{HttpState, router},
     leader::{ElectionConfig, leader_only, run_elector, while_leading},
-    metrics::{PressureMetrics, VmMetrics, encode},
+    metrics::{PressureMetrics, VmMetrics},
     pressure::{PressureConfig, run_pressure_lifecycle},
     runnerpool::{
         PoolControllerConfig, PoolMetrics, PoolShared, PoolTiming, SecretKeySelector,
@@ -109,59 +105,6 @@ impl Args {
             ..PoolTiming::default()
         }
     }
-}
-
-#[derive(Clone)]
-struct HttpState {
-    registry: Arc<Registry>,
-    ready: Arc<AtomicBool>,
-    leading: watch::Receiver<bool>,
-    pools: Arc<PoolShared>,
-}
-
-async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
-    match encode(&s.registry) {
-        Ok(body) => (
-            StatusCode::OK,
-            [(
-                "content-type",
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            body,
-        )
-            .into_response(),
-        Err(e) => (
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("encoding metrics failed: {e}"),
-        )
-            .into_response(),
-    }
-}
-
-async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
-    if !*s.leading.borrow() {
-        (StatusCode::SERVICE_UNAVAILABLE, "standby: not the leader")
-    } else if !s.ready.load(Ordering::SeqCst) {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "watch caches not filled yet",
-        )
-    } else if !s.pools.routes_loaded() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "pool webhook secrets not read yet",
-        )
-    } else {
-        (StatusCode::OK, "ready")
-    }
-}
-
-fn router(state: HttpState) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .with_state(state)
 }
 
 fn main() -> ExitCode {
