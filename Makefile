@@ -2,14 +2,24 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: test testenv lint unit crds reasons guest-static guest-vm images chart-lint monitoring real-node smoke clean-testenv
+.PHONY: preflight test testenv lint unit crds reasons guest-static guest-vm images chart-lint monitoring real-node smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
 test: testenv lint unit guest-static guest-vm images chart-lint monitoring smoke
 
+## What the target needs (testenv/preflight.sh), checked first, before any long build: installed when
+## missing (root, apt-get, cargo) unless IMP_INSTALL_DEPS=0, which fails at once naming what is missing and
+## the command that installs it. `make test` and `make smoke` check their whole set; other targets the
+## toolchains.
+PREFLIGHT = build
+test: PREFLIGHT = test
+smoke: PREFLIGHT = smoke
+preflight:
+	testenv/preflight.sh $(PREFLIGHT)
+
 ## etcd, kube-apiserver, kube-controller-manager, kubectl, helm, kubelet and kube-scheduler from their Go
-## modules (incremental).
-testenv:
+## modules (incremental; one progress line per component).
+testenv: preflight
 	testenv/build.sh
 
 ## Formatting and clippy (warnings are errors).
@@ -68,8 +78,9 @@ real-node: testenv
 ## network namespaces of its own, on a real guest where the host allows it (imp-runtime's QEMU backend,
 ## KVM or TCG; else the Firecracker simulator, and the first line says why); prints a per-phase timeline
 ## (JSON in target/imp-smoke/report.json), then the chaos scenarios on the simulated path and their
-## invariants (imp-chaos-check), and fails if anything of its own is left. IMP_INSTALL_DEPS=1 installs its
-## Debian packages and vhost-device-vsock. --guest simulated|qemu forces a path.
+## invariants (imp-chaos-check), and fails if anything of its own is left. Its Debian packages and
+## vhost-device-vsock are installed first (preflight; IMP_INSTALL_DEPS=0 refuses). --guest
+## simulated|qemu forces a path; IMP_REQUIRE_REAL_GUEST=1 fails instead of falling back to the simulator.
 smoke: testenv
 	smoke/imp-smoke.sh --local --chaos
 

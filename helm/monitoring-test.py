@@ -71,7 +71,8 @@ def require_prometheus():
         promtool, prometheus = found()
     if promtool and prometheus:
         return promtool, prometheus
-    msg = "SKIPPED the dashboard and alert tests: promtool/prometheus not on PATH (Debian package prometheus; IMP_INSTALL_DEPS=1 installs it)"
+    msg = ("SKIPPED the dashboard and alert tests: promtool/prometheus not on PATH (Debian package "
+           "prometheus; IMP_INSTALL_DEPS=1 installs it) (IMP_REQUIRE_PROMETHEUS=1 makes this a failure)")
     if os.environ.get("IMP_REQUIRE_PROMETHEUS") == "1":
         raise Failure(msg.replace("SKIPPED", "IMP_REQUIRE_PROMETHEUS=1 but cannot run", 1))
     print(msg, flush=True)

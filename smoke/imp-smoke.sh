@@ -12,7 +12,9 @@
 #       bridge, NAT). --guest simulated: the Firecracker simulator, imp-guest and the fake runner as
 #       processes in the node namespace, no kernel boots. auto (default): qemu when
 #       qemu-system-x86_64, a /boot/vmlinuz-*-cloud-amd64 with its modules, a static busybox, cpio,
-#       skopeo and vhost-device-vsock are there, else simulated; the first line says which and why.
+#       skopeo and vhost-device-vsock are there, else simulated; the first line says which and why
+#       (IMP_REQUIRE_REAL_GUEST=1, set by .ci/run, makes the fallback a failure). First of all,
+#       testenv/preflight.sh installs what the run needs (IMP_INSTALL_DEPS=0: fails naming it).
 #       Each stage prints PASS or FAIL; then a
 #       per-phase timeline read from the ImpVM's status fields, Events, the simulator's job record and
 #       metrics (JSON report: --report, default target/imp-smoke/report.json). The run ends by checking
@@ -48,7 +50,7 @@ while (($#)); do
     --guest) guest="$2"; passthru+=("$1" "$2"); shift ;;
     --report) report="$2"; passthru+=("$1" "$2"); shift ;;
     --inside) mode=inside; work="$2"; shift ;; # internal: the stages, run inside the smoke's netns
-    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "imp-smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -71,39 +73,18 @@ report="${report:-${CARGO_TARGET_DIR:-$repo/target}/imp-smoke/report.json}"
 
 if [[ "$mode" == local ]]; then
   [[ $EUID == 0 ]] || fail "the local smoke needs root (network namespaces, imp-runtime's bridge, TAPs and nft tables)"
-  # tool:Debian package. IMP_INSTALL_DEPS=1 (CI sets it) installs what is missing, quietly: the
-  # first line of output is the path statement.
-  needs=(ip:iproute2 nft:nftables python3:python3 curl:curl jq:jq docker-registry:docker-registry)
-  guest_needs=(qemu-system-x86_64:qemu-system-x86 cpio:cpio skopeo:skopeo modinfo:kmod readelf:binutils)
-  missing=() guest_missing=() got=()
-  for need in "${needs[@]}"; do command -v "${need%%:*}" >/dev/null || missing+=("${need#*:}"); done
+  # Everything the run needs, before anything long (testenv/preflight.sh): installed when missing
+  # unless IMP_INSTALL_DEPS=0, which makes a missing package fail here, naming it and the command.
+  # Its lines go to stderr: the path statement below stays the first line of stdout.
+  "$repo/testenv/preflight.sh" "$([[ $guest == simulated ]] && echo smoke-simulated || echo smoke)" >&2 \
+    || fail "testenv/preflight.sh (above)$([[ $guest == auto ]] && echo '; --guest simulated needs fewer packages')"
   static_busybox() { [[ -x /bin/busybox ]] && ! readelf -d /bin/busybox 2>/dev/null | grep -q NEEDED; }
-  if [[ $guest != simulated ]]; then
-    for need in "${guest_needs[@]}"; do command -v "${need%%:*}" >/dev/null || guest_missing+=("${need#*:}"); done
-    compgen -G '/boot/vmlinuz-*-cloud-amd64' >/dev/null || guest_missing+=(linux-image-cloud-amd64)
-    static_busybox || guest_missing+=(busybox-static)
-  fi
-  if ((${#missing[@]} + ${#guest_missing[@]})) && [[ "${IMP_INSTALL_DEPS:-}" == 1 ]]; then
-    got=("${missing[@]}" "${guest_missing[@]}")
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${got[@]}"; } \
-      >"/tmp/imp-smoke-apt.$$.log" 2>&1 || fail "apt-get install ${got[*]}: $(tail -3 "/tmp/imp-smoke-apt.$$.log")"
-    rm -f "/tmp/imp-smoke-apt.$$.log"
-    missing=() guest_missing=()
-  fi
-  if [[ $guest != simulated ]] && ! command -v vhost-device-vsock >/dev/null && [[ "${IMP_INSTALL_DEPS:-}" == 1 ]]; then
-    cargo install -q --locked vhost-device-vsock --version 0.3.0 >"/tmp/imp-smoke-vsock.$$.log" 2>&1 \
-      || fail "cargo install vhost-device-vsock: $(tail -3 "/tmp/imp-smoke-vsock.$$.log")"
-    rm -f "/tmp/imp-smoke-vsock.$$.log"
-    got+=(vhost-device-vsock)
-  fi
-  installed=""; ((${#got[@]} == 0)) || installed=" (installed ${got[*]})"
   # The real-guest path when this host has everything for it; else why not.
   why_not=""
   if [[ $guest != simulated ]]; then
     kernel=$(compgen -G '/boot/vmlinuz-*-cloud-amd64' | sort -V | tail -1 || true)
     kver=${kernel#/boot/vmlinuz-}
-    if ((${#guest_missing[@]})); then why_not="missing Debian packages ${guest_missing[*]}"
-    elif ! command -v qemu-system-x86_64 >/dev/null; then why_not="no qemu-system-x86_64 (Debian: qemu-system-x86)"
+    if ! command -v qemu-system-x86_64 >/dev/null; then why_not="no qemu-system-x86_64 (Debian: qemu-system-x86)"
     elif [[ -z "$kernel" ]]; then why_not="no /boot/vmlinuz-*-cloud-amd64 (Debian: linux-image-cloud-amd64)"
     elif ! modinfo -k "$kver" -F filename vmw_vsock_virtio_transport 2>/dev/null | grep -q '\.ko$'; then why_not="no vsock modules for $kver in /lib/modules"
     elif ! static_busybox; then why_not="no static /bin/busybox (Debian: busybox-static)"
@@ -126,17 +107,18 @@ if [[ "$mode" == local ]]; then
   fi
   if [[ $guest == simulated ]]; then
     path=simulated
-    echo "imp-smoke: SIMULATED guest path (--guest simulated): imp-runtime drives the Firecracker simulator, imp-guest and the fake runner run as processes in the node's network namespace, no kernel boots$installed"
+    echo "imp-smoke: SIMULATED guest path (--guest simulated): imp-runtime drives the Firecracker simulator, imp-guest and the fake runner run as processes in the node's network namespace, no kernel boots"
   elif [[ -z "$why_not" ]]; then
     path=qemu
-    echo "imp-smoke: REAL guest path: imp-runtime's QEMU backend ($accel) boots $kernel with Imp's initrd; the static imp-fake-runner runs inside the guest and reaches the GitHub simulator over the VM's network (NAT)$installed"
+    echo "imp-smoke: REAL guest path: imp-runtime's QEMU backend ($accel) boots $kernel with Imp's initrd; the static imp-fake-runner runs inside the guest and reaches the GitHub simulator over the VM's network (NAT)"
   elif [[ $guest == qemu ]]; then
-    fail "--guest qemu, but this host cannot run the real-guest path: $why_not (IMP_INSTALL_DEPS=1 installs it)"
+    fail "--guest qemu, but this host cannot run the real-guest path: $why_not"
+  elif [[ "${IMP_REQUIRE_REAL_GUEST:-}" == 1 ]]; then
+    fail "IMP_REQUIRE_REAL_GUEST=1, but this host cannot run the real-guest path: $why_not"
   else
     path=simulated
-    echo "imp-smoke: SIMULATED guest path, because $why_not (IMP_INSTALL_DEPS=1 installs it): imp-runtime drives the Firecracker simulator, imp-guest and the fake runner run as processes, no kernel boots$installed"
+    echo "imp-smoke: SIMULATED guest path, because $why_not: imp-runtime drives the Firecracker simulator, imp-guest and the fake runner run as processes, no kernel boots"
   fi
-  ((${#missing[@]} == 0)) || fail "missing Debian packages: ${missing[*]} (apt-get install them, or IMP_INSTALL_DEPS=1)"
   work="$(mktemp -d /tmp/imp-smoke.XXXXXX)"
   ns="imp-smoke-$$" gh_ns="imp-smoke-$$-gh"
   passed=0
@@ -151,7 +133,8 @@ if [[ "$mode" == local ]]; then
     if [[ $passed == 1 ]]; then rm -rf "$work"; elif ! rmdir "$work" 2>/dev/null; then echo "imp-smoke: logs kept in $work" >&2; fi
   }
   trap outer_cleanup EXIT
-  "$repo/testenv/build.sh" >/dev/null || fail "testenv build (testenv/build.sh)"
+  # Its progress lines go to stderr: the path statement above stays the first line of stdout.
+  "$repo/testenv/build.sh" >&2 || fail "testenv build (testenv/build.sh)"
   (cd "$repo" && cargo build -q -p imp-operator -p imp-runtime -p imp-agent -p imp-testkit -p imp-guest -p imp-fake-runner --bins) || fail "cargo build"
   if [[ $path == qemu ]]; then
     # The guest's two binaries, static (the rootfs has no libc for them): imp-guest as

@@ -3,6 +3,8 @@
 # real-node binaries (kubelet, kube-scheduler; module node/) from their Go modules into testenv/bin/. A
 # binary is rebuilt only when it is missing or its module pin (go.mod/go.sum) changed, so a warm run costs
 # a few hashes. Go's own build and module caches make a rebuild after a pin change incremental.
+# Prints the plan with a first-run estimate, then one line per component with the time it took, the
+# elapsed total and what is next. `--stale` only prints the components a run would build.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bin="$here/bin"
@@ -44,18 +46,43 @@ ldflags_of() {
 
 pin_of() { { cat "$here/$1/go.mod" "$here/$1/go.sum"; ldflags_of "$1"; } | sha256sum | cut -c1-16; }
 
+# Rough share of a first build (empty Go cache) on 2 cores, in seconds: the estimate printed up front.
+first_run_s() {
+  case "$1" in
+    kube-apiserver) echo 150 ;; kube-controller-manager) echo 90 ;; kubelet) echo 80 ;;
+    etcd | kubectl | helm) echo 60 ;; *) echo 40 ;;
+  esac
+}
+
+todo=()
 for entry in "${components[@]}"; do
   read -r name dir pkg <<<"$entry"
-  pin="$(pin_of "$dir")"
   stamp="$bin/.$name.pin"
-  if [[ -x "$bin/$name" && -f "$stamp" && "$(cat "$stamp")" == "$pin" ]]; then
-    echo "testenv: $name up to date ($pin)"
-    continue
-  fi
-  echo "testenv: building $name from $pkg"
-  start=$(date +%s)
+  if [[ -x "$bin/$name" && -f "$stamp" && "$(cat "$stamp")" == "$(pin_of "$dir")" ]]; then continue; fi
+  todo+=("$entry")
+done
+# --stale: the components a run would build, for testenv/preflight.sh (which needs Go only then).
+if [[ "${1:-}" == --stale ]]; then
+  for entry in "${todo[@]}"; do printf '%s ' "${entry%% *}"; done
+  exit 0
+fi
+if ((${#todo[@]} == 0)); then
+  echo "testenv: all ${#components[@]} components up to date in $bin"
+  exit 0
+fi
+estimate=0 names=()
+for entry in "${todo[@]}"; do estimate=$((estimate + $(first_run_s "${entry%% *}"))); names+=("${entry%% *}"); done
+echo "testenv: building ${names[*]} from their Go modules into $bin: up to ~$(((estimate + 59) / 60)) min on a first run (empty Go cache, 2 cores), much less with Go's build cache warm"
+t0=$SECONDS
+for i in "${!todo[@]}"; do
+  read -r name dir pkg <<<"${todo[i]}"
+  n="[$((i + 1))/${#todo[@]}]"
+  echo "testenv: $n building $name ($pkg)"
+  start=$SECONDS
   (cd "$here/$dir" && CGO_ENABLED=0 go build -trimpath -ldflags="-s -w $(ldflags_of "$dir")" -o "$bin/$name.tmp" "$pkg")
   mv "$bin/$name.tmp" "$bin/$name"
-  echo "$pin" >"$stamp"
-  echo "testenv: built $name in $(( $(date +%s) - start ))s"
+  pin_of "$dir" >"$bin/.$name.pin"
+  next="done"
+  ((i + 1 < ${#todo[@]})) && next="next: ${todo[i + 1]%% *}"
+  echo "testenv: $n built $name in $((SECONDS - start))s ($((SECONDS - t0))s elapsed; $next)"
 done

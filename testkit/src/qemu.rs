@@ -128,11 +128,8 @@ pub fn detect() -> Result<Setup, String> {
 pub fn setup_or_skip() -> Option<Setup> {
     match detect() {
         Ok(s) => Some(s),
-        Err(why) if std::env::var("IMP_REQUIRE_QEMU").as_deref() == Ok("1") => {
-            panic!("IMP_REQUIRE_QEMU=1 but the QEMU path cannot run: {why}")
-        }
         Err(why) => {
-            println!("skipped the QEMU real-VM path: {why}");
+            crate::skip::skip_or_fail("IMP_REQUIRE_QEMU", "the QEMU real-VM path", &why);
             None
         }
     }

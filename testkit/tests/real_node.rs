@@ -36,10 +36,7 @@ const REQUIRE_ENV: &str = "IMP_REQUIRE_REAL_NODE";
 const NAMESPACE: &str = "imp-system";
 
 fn skip_or_fail(why: &str) {
-    if std::env::var(REQUIRE_ENV).as_deref() == Ok("1") {
-        panic!("{REQUIRE_ENV}=1 but the real-node test cannot run: {why}");
-    }
-    println!("real_node: SKIPPED: {why} ({REQUIRE_ENV}=1 makes this a failure)");
+    imp_testkit::skip::skip_or_fail(REQUIRE_ENV, "real_node", why);
 }
 
 #[test]

@@ -5,8 +5,8 @@
 //! the workflow through the simulator's REST API and follows it to the pool's replacement runner.
 //! Then the same with GitHub refusing every runner registration: it must fail, naming the phase.
 //!
-//! Skipped (with the reason) without python3 or docker-registry; IMP_REQUIRE_CLUSTER_SMOKE=1 makes
-//! a skip a failure.
+//! Skipped (with the reason) without python3 or docker-registry (a registry that is there and fails
+//! to start is a failure); IMP_REQUIRE_CLUSTER_SMOKE=1 makes a skip a failure.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -20,7 +20,7 @@ use imp_testkit::github::{
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::paths;
 use imp_testkit::process::ManagedProcess;
-use imp_testkit::registry::{Registry, RegistryOptions};
+use imp_testkit::registry::{Registry, RegistryError, RegistryOptions};
 use k8s_openapi::api::core::v1::{Node, Secret};
 use kube::Api;
 use kube::api::{Patch, PatchParams, PostParams};
@@ -29,10 +29,7 @@ use serde_json::{Value, json};
 const WEBHOOK_SECRET: &str = "imp-sim-webhook-secret";
 
 fn skip_or_fail(why: &str) -> bool {
-    if std::env::var("IMP_REQUIRE_CLUSTER_SMOKE").as_deref() == Ok("1") {
-        panic!("cluster smoke cannot run: {why} (IMP_REQUIRE_CLUSTER_SMOKE=1)");
-    }
-    eprintln!("SKIP smoke_cluster: {why} (set IMP_REQUIRE_CLUSTER_SMOKE=1 to fail instead)");
+    imp_testkit::skip::skip_or_fail("IMP_REQUIRE_CLUSTER_SMOKE", "smoke_cluster", why);
     true
 }
 
@@ -99,12 +96,13 @@ impl Stack {
         }
         let registry = match Registry::start(RegistryOptions::default()).await {
             Ok(r) => r,
-            Err(e) => {
-                skip_or_fail(&format!(
-                    "no local registry ({e}; apt-get install docker-registry)"
-                ));
+            // Only an absent docker-registry is a reason to skip: a registry that is installed and
+            // does not start is a failure like any other.
+            Err(e @ RegistryError::BinaryMissing) => {
+                skip_or_fail(&format!("no local registry ({e})"));
                 return None;
             }
+            Err(e) => panic!("the local registry did not start: {e}"),
         };
         let bins = ensure_built(
             &[

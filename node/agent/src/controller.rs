@@ -5,8 +5,8 @@
 //! runner's exit) runs in a per-VM task tracked in [`Context::tasks`], which `decide` sees as
 //! "in flight". A periodic sweep releases runtime VMs whose ImpVM is no longer bound here.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -14,158 +14,31 @@ use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{self, condition, reason as api_reason};
 use imp_api::{ImpNetwork, ImpVM, ImpVMClass, Lifecycle, RunnerStatus, VmPhase};
 use imp_common::{Backoff, SecretString};
-use imp_guest::host::{self, HostClient, HostError};
+use imp_guest::host::{HostClient, HostError};
 use imp_guest::protocol::{ErrorCode, Exec, Exited};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::{Controller, controller::Action as Requeue, watcher};
-use kube::{Api, Client, Resource, ResourceExt, api::DeleteParams, api::ListParams};
-use tokio::task::JoinHandle;
+use kube::{Api, ResourceExt, api::DeleteParams, api::ListParams};
 use tracing::{debug, info, warn};
 
-use super::AgentConfig;
 use super::binding::{self, Unbound};
+use super::context::{Context, Error, connect, runtime_facts};
 use super::decide::{self, Action, InFlight, RuntimeFacts, VmFacts};
 use super::handoff::{self, Event as HandoffEvent, Handoff};
-use super::metrics::AgentMetrics;
 use super::monitor;
 use super::spec;
 use super::status::{self, Written};
 use super::suspender;
 use imp_runtime_api::api::VmState;
-use imp_runtime_api::client::{ClientError, RuntimeClient};
+use imp_runtime_api::client::ClientError;
 
 /// The env var actions/runner reads its JIT config from.
 pub const JITCONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
-const GUEST_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 const EXEC_ANSWER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Between attempts of a write that must not be given up (Started, the Secret delete).
 const WRITE_RETRY: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("Kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    #[error("imp-runtime: {0}")]
-    Runtime(#[from] ClientError),
-    #[error("guest: {0}")]
-    Guest(#[from] HostError),
-    #[error("object has no {0}")]
-    Missing(&'static str),
-}
-
-pub struct Context {
-    pub client: Client,
-    pub config: AgentConfig,
-    pub runtime: RuntimeClient,
-    pub metrics: AgentMetrics,
-    recorder: Recorder,
-    tasks: Mutex<HashMap<String, (InFlight, JoinHandle<()>)>>,
-    /// Per Running VM: probes and guest metrics ([`monitor`]), beside the runner task.
-    monitors: Mutex<HashMap<String, JoinHandle<()>>>,
-    /// ScaleToZero's idle clocks and wake counters ([`suspender`]).
-    pub(super) sleep: Mutex<suspender::Memory>,
-    /// Reconciles every bound VM when sent to (a wake was seen, a suspend or resume finished).
-    kick: futures::channel::mpsc::UnboundedSender<()>,
-    kicks: Mutex<Option<futures::channel::mpsc::UnboundedReceiver<()>>>,
-}
-
-impl Context {
-    pub fn new(client: Client, config: AgentConfig, metrics: AgentMetrics) -> Arc<Self> {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: names::MANAGER_AGENT.into(),
-                instance: Some(config.node_name.clone()),
-            },
-        );
-        let (kick, kicks) = futures::channel::mpsc::unbounded();
-        Arc::new(Self {
-            sleep: Mutex::new(suspender::Memory::default()),
-            kick,
-            kicks: Mutex::new(Some(kicks)),
-            runtime: RuntimeClient::new(&config.runtime_socket),
-            recorder,
-            client,
-            config,
-            metrics,
-            tasks: Mutex::new(HashMap::new()),
-            monitors: Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// An Event on `vm`. Best effort: a lost Event never fails the lifecycle it reports.
-    pub(super) async fn event(&self, vm: &ImpVM, warning: bool, reason: &str, note: String) {
-        let ev = imp_api::events::event(warning, reason, note);
-        if let Err(e) = self.recorder.publish(&ev, &vm.object_ref(&())).await {
-            warn!(vm = %vm.name_any(), reason, error = %e, "publishing Event failed");
-        }
-    }
-
-    fn in_flight(&self, uid: &str) -> Option<InFlight> {
-        let mut tasks = self.tasks.lock().unwrap();
-        match tasks.get(uid) {
-            Some((_, h)) if h.is_finished() => {
-                tasks.remove(uid);
-                None
-            }
-            Some((kind, _)) => Some(*kind),
-            None => None,
-        }
-    }
-
-    /// Asks for a reconcile of every bound VM soon.
-    pub(super) fn kick(&self) {
-        let _ = self.kick.unbounded_send(());
-    }
-
-    /// Ends `uid`'s monitor (a suspended guest answers no probes); the next Running restarts it.
-    pub(super) fn stop_monitor(&self, uid: &str) {
-        if let Some(h) = self.monitors.lock().unwrap().remove(uid) {
-            h.abort();
-        }
-    }
-
-    fn abort(&self, uid: &str) {
-        if let Some((_, h)) = self.tasks.lock().unwrap().remove(uid) {
-            h.abort();
-        }
-        if let Some(h) = self.monitors.lock().unwrap().remove(uid) {
-            h.abort();
-        }
-    }
-
-    /// Starts `vm`'s monitor unless one runs; it ends by itself when the VM leaves Running.
-    fn ensure_monitor(self: &Arc<Self>, api: &Api<ImpVM>, vm: &ImpVM, uid: &str) {
-        let mut monitors = self.monitors.lock().unwrap();
-        if monitors.get(uid).is_some_and(|h| !h.is_finished()) {
-            return;
-        }
-        let (ctx, api, vm) = (self.clone(), api.clone(), vm.clone());
-        let handle = tokio::spawn(async move { monitor::run(&ctx, &api, vm).await });
-        monitors.insert(uid.to_owned(), handle);
-    }
-
-    pub(super) fn spawn(
-        self: &Arc<Self>,
-        uid: &str,
-        kind: InFlight,
-        fut: impl Future<Output = Result<(), Error>> + Send + 'static,
-    ) {
-        let uid_owned = uid.to_owned();
-        let handle = tokio::spawn(async move {
-            if let Err(e) = fut.await {
-                warn!(uid = %uid_owned, error = %e, "{kind:?} task failed; the next reconcile retries");
-            }
-        });
-        self.tasks
-            .lock()
-            .unwrap()
-            .insert(uid.to_owned(), (kind, handle));
-    }
-}
 
 /// Runs the controller and the sweep until the process ends.
 pub async fn run(ctx: Arc<Context>) {
@@ -173,7 +46,7 @@ pub async fn run(ctx: Arc<Context>) {
     let selector = format!("spec.nodeName={}", ctx.config.node_name);
     let sweep = tokio::spawn(sweep_loop(ctx.clone()));
     let wakes = tokio::spawn(suspender::wake_loop(ctx.clone()));
-    let kicks = ctx.kicks.lock().unwrap().take();
+    let kicks = ctx.take_kicks();
     info!(node = %ctx.config.node_name, scale_to_zero = ctx.config.scale_to_zero, "watching ImpVMs bound to this node");
     let mut controller = Controller::new(api, watcher::Config::default().fields(&selector));
     if let Some(kicks) = kicks {
@@ -192,38 +65,9 @@ pub async fn run(ctx: Arc<Context>) {
 }
 
 fn error_policy(_vm: Arc<ImpVM>, error: &Error, ctx: Arc<Context>) -> Requeue {
-    ctx.metrics.reconcile_error();
+    ctx.metrics.reconcile_error(error.metric_label());
     warn!(error = %error, "reconcile failed; retrying");
     Requeue::requeue(ctx.config.poll_interval)
-}
-
-pub(super) fn runtime_facts(
-    r: Result<imp_runtime_api::api::VmStatus, ClientError>,
-) -> Result<RuntimeFacts, Error> {
-    match r {
-        Ok(s) => Ok(match s.state {
-            VmState::Creating | VmState::Booting => RuntimeFacts::Booting,
-            VmState::Running => RuntimeFacts::Running,
-            VmState::Suspending => RuntimeFacts::Suspending,
-            VmState::Suspended => RuntimeFacts::Suspended,
-            VmState::Resuming => RuntimeFacts::Resuming,
-            VmState::Exited => RuntimeFacts::Exited,
-            VmState::Failed => {
-                let f = s.failure.unwrap_or(imp_runtime_api::api::Failure {
-                    reason: api_reason::FIRECRACKER_START_FAILED.into(),
-                    message: "imp-runtime recorded a failure without a reason".into(),
-                });
-                RuntimeFacts::Failed {
-                    reason: f.reason,
-                    message: f.message,
-                }
-            }
-        }),
-        Err(ClientError::Api { status, .. }) if status == http::StatusCode::NOT_FOUND => {
-            Ok(RuntimeFacts::Absent)
-        }
-        Err(e) => Err(e.into()),
-    }
 }
 
 pub fn vm_facts(vm: &ImpVM, node: &str) -> VmFacts {
@@ -269,7 +113,10 @@ async fn reconcile(obj: Arc<ImpVM>, ctx: Arc<Context>) -> Result<Requeue, Error>
         && rt == RuntimeFacts::Running
         && !suspending
     {
-        ctx.ensure_monitor(&api, &vm, &uid);
+        let (ctx2, api2, vm2) = (ctx.clone(), api.clone(), vm.clone());
+        ctx.ensure_monitor(&uid, move || {
+            tokio::spawn(async move { monitor::run(&ctx2, &api2, vm2).await })
+        });
     }
     if action == Action::Nothing
         && facts.bound_here
@@ -333,7 +180,7 @@ async fn execute(
         }
         Action::DeclareAmbiguous => declare_ambiguous(ctx, api, &vm).await?,
         Action::Fail { reason, message } => {
-            fail(ctx, api, &name, &reason, &message, |p| {
+            ctx.fail(api, &name, &reason, &message, |p| {
                 matches!(p, Some(VmPhase::Starting | VmPhase::Running))
             })
             .await?;
@@ -379,33 +226,6 @@ async fn record_torn_down(ctx: &Context, api: &Api<ImpVM>, name: &str) -> Result
     Ok(())
 }
 
-/// Phase Failed with `reason`, if `allowed(current phase)`.
-pub(super) async fn fail(
-    ctx: &Context,
-    api: &Api<ImpVM>,
-    name: &str,
-    reason: &str,
-    message: &str,
-    allowed: impl Fn(Option<VmPhase>) -> bool,
-) -> Result<bool, Error> {
-    let written = status::update(api, name, |vm, s| {
-        if vm.metadata.deletion_timestamp.is_some() || !allowed(s.phase) {
-            return false;
-        }
-        status::mark_failed(s, reason, message, vm.metadata.generation, Timestamp::now());
-        true
-    })
-    .await?;
-    let Written::Done(vm) = written else {
-        return Ok(false);
-    };
-    ctx.metrics.vm_failed(reason);
-    warn!(vm = %name, reason, message, "VM failed");
-    let note = format!("{reason}: {message}");
-    ctx.event(&vm, true, api_reason::VM_FAILED, note).await;
-    Ok(true)
-}
-
 /// Starting (+bootStartTime), PUT the spec, then Running (+times, Ready) or Failed.
 async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
     let name = vm.name_any();
@@ -421,8 +241,7 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
         Ok(spec::Allocation::NoNetwork) => None,
         Ok(spec::Allocation::Allocated(a)) => Some(a),
         Err(e) => {
-            fail(
-                ctx,
+            ctx.fail(
                 api,
                 &name,
                 api_reason::NETWORK_SETUP_FAILED,
@@ -467,15 +286,8 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
     let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
     let Some(class) = classes.get_opt(&vm.spec.class_ref.name).await? else {
         let msg = format!("ImpVMClass {} not found", vm.spec.class_ref.name);
-        fail(
-            ctx,
-            api,
-            &name,
-            api_reason::SPEC_INVALID,
-            &msg,
-            starting_only,
-        )
-        .await?;
+        ctx.fail(api, &name, api_reason::SPEC_INVALID, &msg, starting_only)
+            .await?;
         return Ok(());
     };
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
@@ -485,8 +297,7 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
             Some(s) => pull.push(s),
             None => {
                 let msg = format!("image pull Secret {} not found", r.name);
-                fail(
-                    ctx,
+                ctx.fail(
                     api,
                     &name,
                     api_reason::ROOTFS_PULL_FAILED,
@@ -508,8 +319,7 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
         match found {
             Ok(a) => attachment = Some(a),
             Err(msg) => {
-                fail(
-                    ctx,
+                ctx.fail(
                     api,
                     &name,
                     api_reason::NETWORK_SETUP_FAILED,
@@ -524,8 +334,7 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
     let spec = match spec::vm_spec(&vm, &class.spec, &pull, attachment) {
         Ok(s) => s,
         Err(e) => {
-            fail(
-                ctx,
+            ctx.fail(
                 api,
                 &name,
                 api_reason::ROOTFS_PULL_FAILED,
@@ -579,7 +388,8 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
         }
         Ok((_, st)) => {
             if let RuntimeFacts::Failed { reason, message } = runtime_facts(Ok(st))? {
-                fail(ctx, api, &name, &reason, &message, starting_only).await?;
+                ctx.fail(api, &name, &reason, &message, starting_only)
+                    .await?;
             }
         }
         Err(ClientError::Api { status, body }) if status.is_client_error() => {
@@ -589,7 +399,8 @@ async fn boot(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
                 }
                 r => r,
             };
-            fail(ctx, api, &name, reason, &body.message, starting_only).await?;
+            ctx.fail(api, &name, reason, &body.message, starting_only)
+                .await?;
         }
         Err(e) => return Err(e.into()),
     }
@@ -608,14 +419,6 @@ fn runner_exec(ctx: &Context, vm: &ImpVM, uid: &str, env: BTreeMap<String, Secre
         stream_output: false,
         poweroff_on_exit: vm.spec.lifecycle == Lifecycle::Ephemeral,
     }
-}
-
-pub(super) async fn connect(ctx: &Context, uid: &str) -> Result<HostClient, Error> {
-    let info = ctx.runtime.vsock(uid).await?;
-    let deadline = tokio::time::Instant::now() + GUEST_CONNECT_TIMEOUT;
-    let mut client = host::connect(&info.path, info.guest_agent_port, deadline).await?;
-    client.set_answer_timeout(ctx.config.guest_answer_timeout);
-    Ok(client)
 }
 
 /// Retries `op` with a capped backoff until it succeeds. Only where giving up is worse than
@@ -697,7 +500,7 @@ fn transition(s: &mut imp_api::ImpVMStatus, event: HandoffEvent, to: Handoff) ->
 async fn refuse(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM, e: &Unbound) -> Result<(), Error> {
     ctx.metrics.handoff("unbound");
     let msg = e.to_string();
-    fail(ctx, api, &vm.name_any(), e.reason(), &msg, |p| {
+    ctx.fail(api, &vm.name_any(), e.reason(), &msg, |p| {
         p == Some(VmPhase::Running)
     })
     .await?;
@@ -720,7 +523,7 @@ async fn runner(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM, resume: bool) -> Res
     match runner_inner(ctx, api, &vm, resume).await {
         Err(e) if let Some(reason) = guest_breach(&e) => {
             let msg = e.to_string();
-            fail(ctx, api, &vm.name_any(), reason, &msg, |p| {
+            ctx.fail(api, &vm.name_any(), reason, &msg, |p| {
                 p == Some(VmPhase::Running)
             })
             .await?;
@@ -780,14 +583,9 @@ async fn runner_inner(
         let Some(config) = config else {
             ctx.metrics.handoff("config_missing");
             let msg = format!("JIT config Secret {secret_name} is missing or has no jitconfig key");
-            fail(
-                ctx,
-                api,
-                &name,
-                api_reason::RUNNER_CONFIG_MISSING,
-                &msg,
-                |p| p == Some(VmPhase::Running),
-            )
+            ctx.fail(api, &name, api_reason::RUNNER_CONFIG_MISSING, &msg, |p| {
+                p == Some(VmPhase::Running)
+            })
             .await?;
             return Ok(());
         };
@@ -854,8 +652,7 @@ async fn runner_inner(
             Ok(Err(HostError::Guest(e))) if e.code == ErrorCode::SpawnFailed => {
                 // Definitely not started: the config was not used.
                 ctx.metrics.handoff("spawn_failed");
-                fail(
-                    ctx,
+                ctx.fail(
                     api,
                     &name,
                     api_reason::RUNNER_START_FAILED,

@@ -15,6 +15,11 @@ pub struct OutcomeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabel {
+    pub error: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TriggerLabel {
     pub trigger: String,
 }
@@ -48,7 +53,7 @@ struct Inner {
     boot_latency: Histogram,
     teardowns: Counter,
     backlog: Gauge,
-    reconcile_errors: Counter,
+    reconcile_errors: Family<ErrorLabel, Counter>,
     guest_memory_used: Family<GuestLabels, Gauge>,
     guest_disk_used: Family<GuestLabels, Gauge>,
     suspends: Family<TriggerLabel, Counter>,
@@ -75,7 +80,7 @@ impl AgentMetrics {
             boot_latency: Histogram::new(exponential_buckets(0.05, 2.0, 12)),
             teardowns: Counter::default(),
             backlog: Gauge::default(),
-            reconcile_errors: Counter::default(),
+            reconcile_errors: Family::default(),
             guest_memory_used: Family::default(),
             guest_disk_used: Family::default(),
             suspends: Family::default(),
@@ -139,7 +144,7 @@ impl AgentMetrics {
         );
         inner.registry.register(
             "imp_agent_reconcile_errors",
-            "Reconcile passes that failed (retried)",
+            "Reconcile passes that failed (retried), by error",
             inner.reconcile_errors.clone(),
         );
         inner.registry.register(
@@ -255,8 +260,14 @@ impl AgentMetrics {
         self.inner.wake_latency.observe(secs);
     }
 
-    pub fn reconcile_error(&self) {
-        self.inner.reconcile_errors.inc();
+    /// A failed reconcile pass; `error` is [`crate::context::Error::metric_label`].
+    pub fn reconcile_error(&self, error: &'static str) {
+        self.inner
+            .reconcile_errors
+            .get_or_create(&ErrorLabel {
+                error: error.into(),
+            })
+            .inc();
     }
 }
 
@@ -276,7 +287,7 @@ mod tests {
         m.boot(0.5);
         m.teardown();
         m.backlog(2);
-        m.reconcile_error();
+        m.reconcile_error("kube_api");
         m.suspended("idle");
         m.resumed("traffic");
         m.wake(0.7);
@@ -296,7 +307,7 @@ mod tests {
             "imp_agent_vm_boot_seconds_count 1",
             "imp_agent_teardowns_total 1",
             "imp_agent_backlog_vms 2",
-            "imp_agent_reconcile_errors_total 1",
+            "imp_agent_reconcile_errors_total{error=\"kube_api\"} 1",
             "imp_agent_vm_suspends_total{trigger=\"idle\"} 1",
             "imp_agent_vm_resumes_total{trigger=\"traffic\"} 1",
             "imp_agent_vm_wake_seconds_count 1",

@@ -14,7 +14,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
 use tracing::{debug, info};
 
-use super::controller::Context;
+use super::context::{Context, connect};
 use super::metrics::GuestLabels;
 use super::status::{self, Written};
 
@@ -144,7 +144,7 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) {
             }
         }
         if client.is_none() {
-            client = super::controller::connect(ctx, &uid).await.ok();
+            client = connect(ctx, &uid).await.ok();
         }
         let now = tokio::time::Instant::now();
         if now >= next_metrics {

@@ -24,7 +24,7 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client, ResourceExt};
 use tokio::time::Instant;
 
-use super::AgentConfig;
+use super::config::AgentConfig;
 use super::spec::{self, SpecError};
 use imp_runtime_api::client::{ClientError, RuntimeClient};
 use imp_runtime_api::image::ImageSpec;

@@ -21,6 +21,7 @@
 //! tested inside network namespaces with the Firecracker simulator and with a real guest under
 //! QEMU.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use imp_api::names::reason;
@@ -300,6 +301,17 @@ fn clear(f: &Facts) -> Plan {
     } else {
         Plan::Nothing
     }
+}
+
+/// ScaleToZero's in-memory clocks, per VM uid. Lost on an agent restart, which only delays a
+/// suspend (the idle clock starts again) or a wake (the baseline is read again; the sender
+/// retransmits).
+#[derive(Default)]
+pub struct Memory {
+    pub traffic: HashMap<String, Traffic>,
+    pub wakes: HashMap<String, Wake>,
+    /// Consecutive failed suspend/resume calls.
+    pub failures: HashMap<String, u32>,
 }
 
 /// The VM's TAP byte counters and since when they have not moved: the idle clock of ScaleToZero.

@@ -7,7 +7,6 @@
 //! with the Firecracker simulator (node/runtime/tests/suspend_agent.rs) and with a real guest under QEMU
 //! (node/runtime/tests/scale_to_zero_qemu.rs).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +18,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
 use tracing::{debug, info, warn};
 
-use super::controller::{self, Context, Error};
+use super::context::{Context, Error, runtime_facts};
 use super::decide::{InFlight, RuntimeFacts};
 use super::status::{self, Written};
 use super::suspend::{self, Facts, Ineligible, Plan, Runtime, Traffic, Trigger, Wake};
@@ -33,17 +32,6 @@ pub const WAKE_POLL: Duration = Duration::from_secs(1);
 /// may be planned again): a runtime that cannot suspend (SnapshotUnsupported) is not asked
 /// every poll interval.
 const CALL_RETRY: Backoff = Backoff::new(Duration::from_secs(2), Duration::from_secs(120));
-
-/// ScaleToZero's in-memory clocks, per VM uid. Lost on an agent restart, which only delays a
-/// suspend (the idle clock starts again) or a wake (the baseline is read again; the sender
-/// retransmits).
-#[derive(Default)]
-pub struct Memory {
-    traffic: HashMap<String, Traffic>,
-    wakes: HashMap<String, Wake>,
-    /// Consecutive failed suspend/resume calls.
-    failures: HashMap<String, u32>,
-}
 
 /// The phases [`suspend::decide`] owns (Running only in part: it may start a suspend).
 pub fn handles(phase: VmPhase) -> bool {
@@ -214,7 +202,7 @@ async fn execute(
             .await?;
         }
         Plan::Fail { reason, message } => {
-            controller::fail(ctx, api, &name, &reason, &message, |p| {
+            ctx.fail(api, &name, &reason, &message, |p| {
                 matches!(
                     p,
                     Some(VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming)
@@ -319,7 +307,7 @@ async fn suspend_vm(
             let message = format!("suspend: {e}");
             // Still running: say so rather than stay Suspending (the runtime's answer decides
             // anything else on the next reconcile).
-            if controller::runtime_facts(ctx.runtime.inspect(uid).await)? == RuntimeFacts::Running {
+            if runtime_facts(ctx.runtime.inspect(uid).await)? == RuntimeFacts::Running {
                 status::update(api, &name, |vm, s| {
                     if s.phase != Some(VmPhase::Suspending) {
                         return false;

@@ -247,13 +247,11 @@ fn dnsmasq_or_skip() -> bool {
         .is_ok_and(|s| s.success());
     if !found {
         let why = "needs dnsmasq (Debian: dnsmasq-base)";
-        for var in ["IMP_REQUIRE_QEMU", "IMP_REQUIRE_ROOT"] {
-            assert!(
-                std::env::var(var).as_deref() != Ok("1"),
-                "{var}=1 but this test {why}"
-            );
-        }
-        println!("skipped: {why}");
+        assert!(
+            !imp_testkit::skip::required("IMP_REQUIRE_ROOT"),
+            "IMP_REQUIRE_ROOT=1 but this test {why}"
+        );
+        imp_testkit::skip::skip_or_fail("IMP_REQUIRE_QEMU", "the real-guest network test", why);
     }
     found
 }

@@ -19,7 +19,11 @@ async fn create_inspect_linkstats_vsock_snapshot_delete() {
         h.start_runtime().await;
         let network = is_root();
         if !network {
-            eprintln!("not root: SKIPPED the TAP/linkstats part (creating TAP devices needs root)");
+            imp_testkit::skip::skip_or_fail(
+                "IMP_REQUIRE_ROOT",
+                "the TAP/linkstats part",
+                "not root (creating TAP devices needs root)",
+            );
         }
         let uid = "vm-life";
         let spec = h.spec(network);

@@ -27,7 +27,11 @@ async fn suspend_resume_round_trip_on_the_simulator() {
     // A TAP needs CAP_NET_ADMIN; without root the round trip runs without one.
     let network = is_root();
     if !network {
-        eprintln!("suspend: not root, the TAP part of the round trip is skipped");
+        imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "the TAP part of the suspend round trip",
+            "not root",
+        );
     }
     let uid = "sus";
     let (_, st) = h

@@ -31,12 +31,8 @@ fn host_has_link(name: &str) -> bool {
 fn tap_lifecycle_sees_the_namespace_it_runs_in_not_sysfs() {
     let root = nix::unistd::geteuid().is_root();
     if !root || Command::new("ip").arg("-V").output().is_err() {
-        assert!(
-            std::env::var("IMP_REQUIRE_ROOT").as_deref() != Ok("1"),
-            "IMP_REQUIRE_ROOT=1 but this test needs root and iproute2"
-        );
-        println!("skipped: needs root and iproute2");
-        return;
+        let why = "needs root and iproute2";
+        return imp_testkit::skip::skip_or_fail("IMP_REQUIRE_ROOT", "tap_lifecycle", why);
     }
     let ns = Netns(format!("impt-tap-{}", std::process::id()));
     assert!(

@@ -113,8 +113,10 @@ pub fn real_or_skip(test: &str, needs: Needs) -> Option<RealFirecracker> {
             panic!("{test}: {REQUIRE_ENV}=1 but the real-Firecracker path cannot run: {why}")
         }
         Outcome::Skip(why) => {
-            println!(
-                "{test}: SKIPPED the real-Firecracker path: {why} ({REQUIRE_ENV}=1 makes this a failure)"
+            crate::skip::skip_or_fail(
+                REQUIRE_ENV,
+                &format!("{test}: the real-Firecracker path"),
+                &why,
             );
             None
         }
