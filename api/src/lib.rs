@@ -12,6 +12,7 @@ mod class;
 pub mod conditions;
 mod duration;
 pub mod events;
+pub mod frozen;
 pub mod names;
 mod network;
 mod pool;

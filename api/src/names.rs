@@ -34,6 +34,9 @@ pub const ANNOTATION_RESET_RESTARTS: &str = "imp.dev/reset-restarts";
 pub const ANNOTATION_RUNNER_ID: &str = "imp.dev/github-runner-id";
 /// Annotation on a JIT Secret: the GitHub runner name the config registers.
 pub const ANNOTATION_RUNNER_NAME: &str = "imp.dev/github-runner-name";
+/// Annotation on a JIT Secret: the [`boot_digest`](crate::frozen::boot_digest) of the VM spec the
+/// config was minted for; the agent hands the config only to a VM whose spec still has it.
+pub const ANNOTATION_BOOT_DIGEST: &str = "imp.dev/boot-digest";
 /// Annotation on an ImpVM: its built-in IPAM address `ADDR/PREFIX`, written by the operator together
 /// with the binding (spec.nodeName); the agent starts a VM with a networkRef only once it is there.
 pub const ANNOTATION_IP_ALLOCATION: &str = "imp.dev/ip-allocation";
@@ -406,6 +409,8 @@ pub mod reason {
         RUNNER_CONFIG_NOT_JIT = "RunnerConfigNotJit" in [VmStatus, VmEvent];
         /// A VM naming a runnerConfigSecret is not controlled by an ImpVMRunnerPool; no config is handed to it.
         RUNNER_VM_NOT_POOLED = "RunnerVmNotPooled" in [VmStatus, VmEvent];
+        /// The VM's image, runnerImage, classRef, networkRef or imagePullSecrets differ from what its JIT config was minted for (the Secret's boot digest); no config is handed to it.
+        RUNNER_VM_CHANGED = "RunnerVmChanged" in [VmStatus, VmEvent];
         /// The guest sent more unsolicited frames than a connection allows; the agent disconnected it.
         GUEST_BUDGET_EXCEEDED = "GuestBudgetExceeded" in [VmStatus, VmEvent];
         /// The guest did not answer a re-query of its runner within the answer timeout.

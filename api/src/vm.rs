@@ -60,6 +60,19 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
 // name that can be swapped after the check would undo that, so it is fixed once set.
 #[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.runnerConfigSecret) && self.runnerConfigSecret == oldSelf.runnerConfigSecret)")
     .message("runnerConfigSecret cannot change or be removed once set").field_path(".runnerConfigSecret"))]
+// A runner VM is frozen once its JIT config is minted (crate::frozen): re-pointing it at another
+// image, class, network or pull credentials would hand the pool's registration to whatever boots.
+// `has(oldSelf.runnerConfigSecret)` also covers the update that removes it (refused above).
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || self.image == oldSelf.image")
+    .message("image cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".image"))]
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.runnerImage) == has(oldSelf.runnerImage) && (!has(self.runnerImage) || self.runnerImage == oldSelf.runnerImage))")
+    .message("runnerImage cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".runnerImage"))]
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || self.classRef == oldSelf.classRef")
+    .message("classRef cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".classRef"))]
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.networkRef) == has(oldSelf.networkRef) && (!has(self.networkRef) || self.networkRef == oldSelf.networkRef))")
+    .message("networkRef cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".networkRef"))]
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.imagePullSecrets) == has(oldSelf.imagePullSecrets) && (!has(self.imagePullSecrets) || self.imagePullSecrets == oldSelf.imagePullSecrets))")
+    .message("imagePullSecrets cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".imagePullSecrets"))]
 // A one-job VM has nothing to come back to: suspending it would only hold its node's memory and its
 // runner's job. Runner VMs are ephemeral and carry runnerConfigSecret; either marks a VM as one.
 #[x_kube(validation = kube::core::Rule::new("!has(self.desiredState) || !(self.desiredState in ['Suspended', 'ScaleToZero']) || (self.lifecycle == 'persistent' && !has(self.runnerConfigSecret))")

@@ -1,6 +1,6 @@
-//! docs/rbac.md's tables against the real API server: the chart is installed (once with `runnerNamespaces`
-//! set, once empty), and every row is asked as a SubjectAccessReview impersonating that component's
-//! ServiceAccount. A rule widened or missing in helm/imp/templates/rbac.yaml fails its row (the widening
+//! docs/rbac.md's tables against the real API server: the chart is installed (once with
+//! `runnerNamespaces` set, once empty: the release namespace alone), and every row is asked as a
+//! SubjectAccessReview impersonating that component's ServiceAccount. A rule widened or missing in helm/imp/templates/rbac.yaml fails its row (the widening
 //! test proves it: a rule added to the installed operator ClusterRole makes the rows it breaks fail).
 
 use std::{path::Path, process::Output};
@@ -242,15 +242,16 @@ async fn rbac_table_holds_with_runner_namespaces() {
 }
 
 #[tokio::test]
-async fn rbac_table_holds_in_the_cluster_wide_fallback() {
+async fn rbac_table_holds_with_runner_namespaces_empty() {
+    // Empty means the release namespace alone: no Secret access anywhere else (issue 30).
     let env = TestEnv::new("rbacwide").await;
     let other = TestEnv::new("rbacother").await;
     let suffix = &env.namespace[env.namespace.len() - 8..];
     let release = Release::install(&env, &format!("rbacwide-{suffix}"), &[]);
     check(
         &release,
-        &table("With runnerNamespaces empty (cluster-wide fallback)"),
-        &other.namespace,
+        &table("With runnerNamespaces empty (the release namespace)"),
+        &env.namespace,
         &other.namespace,
     )
     .await;

@@ -6,8 +6,8 @@ mod pool_common;
 use std::time::Duration;
 
 use imp_api::names::{
-    ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_RUNNER_POOL, LABEL_SECRET_KIND,
-    SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, condition, jit_secret_name, reason,
+    ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_RUNNER_POOL,
+    LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, condition, jit_secret_name, reason,
 };
 use imp_testkit::github::{
     Fault, FaultRule, JobStatus,
@@ -53,6 +53,11 @@ async fn the_jit_secret_is_owned_by_its_vm_and_collected_with_it() {
     let ann = secret.annotations();
     assert_eq!(ann[ANNOTATION_RUNNER_ID], payload.runner_id.to_string());
     assert_eq!(ann[ANNOTATION_RUNNER_NAME], payload.runner_name);
+    // What the config was minted for (issue 30): the agent compares it with the VM it boots.
+    assert_eq!(
+        ann[ANNOTATION_BOOT_DIGEST],
+        imp_api::frozen::boot_digest(&vm.spec)
+    );
     assert_eq!(
         vm.annotations()[ANNOTATION_RUNNER_ID],
         payload.runner_id.to_string()

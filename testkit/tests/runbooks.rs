@@ -232,12 +232,19 @@ fn chart_version() -> String {
         .expect("helm/imp/Chart.yaml has a version")
 }
 
-/// bash with the runbooks' variables (runbooks/README.md), testenv/bin first on PATH, in `work`.
+/// bash with the runbooks' variables (runbooks/README.md), testenv/bin and the `kubectl imp` plugin
+/// (kubectl-imp, built if stale) first on PATH, in `work`.
 fn shell(work: &Path, kubeconfig: &Path) -> Command {
     let mut cmd = Command::new("bash");
+    let plugin = imp_testkit::bins::ensure_built(
+        &[("kubectl-imp", "kubectl-imp")],
+        &["kubectl-imp/src", "kubectl-imp/Cargo.toml", "api/src"],
+    )
+    .expect("building kubectl-imp");
     let path = format!(
-        "{}:{}",
+        "{}:{}:{}",
         paths::testenv_bin_dir().display(),
+        plugin[0].parent().expect("a binary's directory").display(),
         std::env::var("PATH").unwrap_or_default()
     );
     cmd.current_dir(work)

@@ -18,8 +18,9 @@ use futures::StreamExt;
 use imp_api::{
     ImpVM, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
     names::{
-        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL,
-        LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG, SECRET_KIND_JIT, jit_secret_name, reason,
+        ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME,
+        FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL, LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG,
+        SECRET_KIND_JIT, jit_secret_name, reason,
     },
 };
 use imp_common::ExposeSecret;
@@ -1072,7 +1073,10 @@ impl Ctx {
             m.creds = Creds::Valid;
         });
         let runner_id = minted.runner_id.to_string();
-        let secret = jit_secret(key, &secret_name, &vm_name, &uid, &minted);
+        // The VM passed from_template above: its boot digest is the template's (crate docs of
+        // imp_api::frozen; the agent refuses a VM whose spec no longer has it).
+        let boot = imp_api::frozen::boot_digest(&vm.spec);
+        let secret = jit_secret(key, &secret_name, &vm_name, &uid, &minted, boot);
         let lost = Removal {
             name: vm_name.clone(),
             runner_id: Some(minted.runner_id),
@@ -1413,13 +1417,14 @@ impl Ctx {
 }
 
 /// The JIT Secret of a VM: owned by the VM (deleted with it), labelled for the pool, carrying the runner
-/// id and name.
+/// id and name and the boot digest of the spec it was minted for.
 fn jit_secret(
     key: &PoolKey,
     secret_name: &str,
     vm_name: &str,
     uid: &str,
     minted: &crate::github::JitRunner,
+    boot_digest: String,
 ) -> Secret {
     Secret {
         metadata: ObjectMeta {
@@ -1438,6 +1443,7 @@ fn jit_secret(
                     ANNOTATION_RUNNER_NAME.to_owned(),
                     minted.runner_name.clone(),
                 ),
+                (ANNOTATION_BOOT_DIGEST.to_owned(), boot_digest),
             ])),
             owner_references: Some(vec![OwnerReference {
                 api_version: "imp.dev/v1alpha1".into(),
