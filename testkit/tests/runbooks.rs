@@ -121,13 +121,17 @@ const SUPPLIED: &[&str] = &[
 #[test]
 fn every_command_line_parses_and_every_path_exists() {
     let bin = paths::testenv_bin_dir();
-    // Plugins built from the workspace (kubectl-imp) are found beside this test's binary.
-    let target = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent()?.parent().map(Path::to_path_buf))
-        .into_iter()
-        .collect::<Vec<_>>();
-    let mut flags = runbook_lint::FlagChecker::new(&bin, &target);
+    // `kubectl imp ...` lines are parsed by the workspace's plugin, as the run blocks use it.
+    let plugin = imp_testkit::bins::ensure_built(
+        &[("kubectl-imp", "kubectl-imp")],
+        &["kubectl-imp/src", "kubectl-imp/Cargo.toml", "api/src"],
+    )
+    .expect("building kubectl-imp");
+    let plugin_dir = plugin[0]
+        .parent()
+        .expect("a binary's directory")
+        .to_path_buf();
+    let mut flags = runbook_lint::FlagChecker::new(&bin, &[plugin_dir]);
     // The check is not vacuous: the binaries refuse what the issue found.
     for bad in [
         "kubectl -n imp-system logs -l app=x --field-selector spec.nodeName=n",
