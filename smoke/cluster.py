@@ -22,14 +22,12 @@ Phases, in order (a failure or timeout names its phase and exits 1; bad usage ex
   job done        the job completed with conclusion success
   torn down       the job's ImpVM and its JIT Secret are gone
   replaced        the pool replenished: minIdle idle started runners again, a new VM among them
-  timeline        the per-phase table and JSON report of smoke/timeline.py (same as --local)
+  timeline        the per-phase table and JSON report of `kubectl-imp timeline` (same as --local)
 
 The ImpVMs and Events of the pool's namespace are recorded from `kubectl get --raw ...?watch=1`
 (timeline.py watch), so the job's VM is on record after the pool deletes it.
 """
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
@@ -41,15 +39,22 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.dont_write_bytecode = True  # no __pycache__ in the checkout
 sys.path.insert(0, HERE)
 import timeline  # noqa: E402
 
-# Labels GitHub gives every self-hosted runner, so a pool need not list them.
-IMPLICIT_LABELS = {"self-hosted", "linux", "x64", "arm64"}
+# Labels GitHub gives every Imp runner (self-hosted, the OS, the architecture: guests are x86_64), so a
+# pool need not list them. The operator routes by the same rule (operator/src/runnerpool/labels.rs, whose
+# test runs pool_serves on its table).
+DEFAULT_RUNNER_LABELS = {"self-hosted", "linux", "x64"}
+
+
+def pool_serves(job_labels, pool_labels) -> bool:
+    """A pool's runners take the job: every job label is the pool's or a default (case-insensitive)."""
+    have = {x.lower() for x in pool_labels} | DEFAULT_RUNNER_LABELS
+    return bool(job_labels) and all(x.lower() in have for x in job_labels)
 
 
 class Failed(Exception):
@@ -227,6 +232,8 @@ def main() -> int:
     p.add_argument("--report", default=None)
     p.add_argument("--record", help="also write the run as an asciicast v2 file")
     p.add_argument("--kubectl", default=os.environ.get("KUBECTL", "kubectl"))
+    p.add_argument("--kubectl-imp", default=shutil.which("kubectl-imp") or os.path.join(HERE, "..", "target", "debug", "kubectl-imp"),
+                   help="the kubectl-imp binary, for the timeline (default: on PATH, else target/debug)")
     p.add_argument("--work-dir", help="where the records go (default: a new temp dir, removed on success)")
     p.add_argument("--namespace", help=argparse.SUPPRESS)  # accepted for the old --cluster usage
     a = p.parse_args()
@@ -358,10 +365,11 @@ class Run:
             say("PASS", f"pool {a.pool_namespace}/{a.pool} created from {a.pool_manifest} (deleted at the end)")
         if timeline.dig(pool, "metadata.deletionTimestamp"):
             raise Failed(phase, f"pool {a.pool_namespace}/{a.pool} is being deleted")
-        labels = {x.lower() for x in timeline.dig(pool, "spec.github.labels") or []}
+        labels = timeline.dig(pool, "spec.github.labels") or []
         for job_labels in workflow_labels(a.workflow_file):
-            missing = [x for x in job_labels if x.lower() not in labels | IMPLICIT_LABELS]
-            if missing:
+            if not pool_serves(job_labels, labels):
+                have = {x.lower() for x in labels} | DEFAULT_RUNNER_LABELS
+                missing = [x for x in job_labels if x.lower() not in have]
                 raise Failed(phase, f"pool {a.pool} labels {sorted(labels)} do not cover runs-on {job_labels} of {a.workflow_file} (missing {missing})")
         min_idle = int(timeline.dig(pool, "spec.scaling.minIdle") or 0)
 
@@ -498,17 +506,21 @@ class Run:
         with open(jobs_file, "w", encoding="utf-8") as f:
             json.dump([job], f)
         os.makedirs(os.path.dirname(os.path.abspath(a.report)), exist_ok=True)
-        args = SimpleNamespace(out=a.report, path=f"cluster ({a.context or 'current context'})", vm=vm,
-                               replacement=replacement, job=str(job_id), impvms=self.impvms, events=self.events,
-                               jobs=jobs_file, accepted_at=None, runtime_metrics=None)
-        # The operator's and runtime's metrics are not read through the cluster API: "webhook accepted"
-        # and "rootfs ready" are left out; every other phase must be there.
+        # The timeline is kubectl-imp's (the same computation as `kubectl imp timeline`), from the
+        # recorded watch streams. The operator's and runtime's metrics are not read through the cluster
+        # API: "webhook accepted" and "rootfs ready" are left out; every other phase must be there.
+        cmd = [a.kubectl_imp, "timeline", vm, "--impvms", self.impvms, "--events", self.events,
+               "--jobs", jobs_file, "--job", str(job_id), "--out", a.report,
+               "--path", f"cluster ({a.context or 'current context'})"]
+        if replacement:
+            cmd += ["--replacement", replacement]
+        shown = subprocess.run(cmd, capture_output=True, text=True)
+        if not os.path.exists(a.report):
+            raise Failed(phase, f"{a.kubectl_imp} timeline: {shown.stderr.strip()}")
+        print(shown.stdout, end="")
         not_observable = {"webhook_accepted", "rootfs_ready"}
         if min_idle == 0:
             not_observable.add("replaced")
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            timeline.report(args)
         with open(a.report, encoding="utf-8") as f:
             rep = json.load(f)
         missing = [ph["label"] for ph in rep["phases"] if ph["at"] is None and ph["phase"] not in not_observable]

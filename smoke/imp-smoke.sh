@@ -135,7 +135,7 @@ if [[ "$mode" == local ]]; then
   trap outer_cleanup EXIT
   # Its progress lines go to stderr: the path statement above stays the first line of stdout.
   "$repo/testenv/build.sh" >&2 || fail "testenv build (testenv/build.sh)"
-  (cd "$repo" && cargo build -q -p imp-operator -p imp-runtime -p imp-agent -p imp-testkit -p imp-guest -p imp-fake-runner --bins) || fail "cargo build"
+  (cd "$repo" && cargo build -q -p imp-operator -p imp-runtime -p imp-agent -p imp-testkit -p imp-guest -p imp-fake-runner -p kubectl-imp --bins) || fail "cargo build"
   if [[ $path == qemu ]]; then
     # The guest's two binaries, static (the rootfs has no libc for them): imp-guest as
     # guest/check-static.sh builds it (same artifacts), the slim imp-fake-runner the same way.
@@ -458,7 +458,9 @@ fi
 curl -sf "$sim/_admin/jobs" >"$work/jobs.json"
 curl -sf "http://$runtime_metrics/metrics" >"$work/runtime.metrics" || true
 mkdir -p "$(dirname "$report")"
-timeline report --out "$report" --path "$guest" --vm "$vm" --replacement "$(replacement)" --job "$job" \
+# kubectl-imp's timeline (kubectl-imp/src/timeline.rs): what `kubectl imp timeline` shows on a cluster,
+# from this run's recorded versions.
+"$bin/kubectl-imp" timeline "$vm" --out "$report" --path "$guest" --replacement "$(replacement)" --job "$job" \
   --impvms "$work/impvms.jsonl" --events "$work/events.jsonl" --jobs "$work/jobs.json" \
   --accepted-at "$accepted_at" --runtime-metrics "$work/runtime.metrics" || fail "the timeline misses phases (above)"
 pass "timeline of every phase (above; JSON in $report)"

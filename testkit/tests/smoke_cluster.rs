@@ -81,6 +81,7 @@ struct Stack {
     manifest: PathBuf,
     token_file: PathBuf,
     token: String,
+    kubectl_imp: PathBuf,
     // Field order: the processes stop before the registry.
     _agent: ManagedProcess,
     _operator: ManagedProcess,
@@ -109,6 +110,7 @@ impl Stack {
                 ("imp-operator", "imp-operator"),
                 ("imp-runtime", "imp-runtime"),
                 ("imp-agent", "imp-agent"),
+                ("kubectl-imp", "kubectl-imp"),
             ],
             &[
                 "operator/src",
@@ -116,9 +118,10 @@ impl Stack {
                 "node",
                 "api/src",
                 "common/src",
+                "kubectl-imp/src",
             ],
         )
-        .expect("building imp-operator, imp-runtime and imp-agent");
+        .expect("building imp-operator, imp-runtime, imp-agent and kubectl-imp");
         let sim_bins = imp_testkit::firecracker::binaries();
         let fake_runner = fake_runner_binary().expect("imp-fake-runner");
 
@@ -282,6 +285,7 @@ impl Stack {
             dir,
             manifest,
             token_file,
+            kubectl_imp: bins[3].clone(),
             token,
             _agent: agent,
             _operator: operator,
@@ -308,6 +312,8 @@ impl Stack {
             .arg(report.with_extension("records"))
             .arg("--kubectl")
             .arg(paths::testenv_bin("kubectl"))
+            .arg("--kubectl-imp")
+            .arg(&self.kubectl_imp)
             .env("KUBECONFIG", self.env.kubeconfig_path())
             .env_remove("IMP_SMOKE_GITHUB_TOKEN")
             .env_remove("GITHUB_TOKEN");
