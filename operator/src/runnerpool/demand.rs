@@ -20,6 +20,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use super::labels::pool_serves;
 use crate::github::{RunnerScope, WorkflowJob};
 
 /// `namespace/name` of an ImpVMRunnerPool.
@@ -258,14 +259,6 @@ pub fn scope_covers(scope: &RunnerScope, repository: &str) -> bool {
     }
 }
 
-/// Every job label is one of the pool's (case-insensitive, as GitHub matches labels).
-pub fn labels_match(job: &[String], pool: &[String]) -> bool {
-    !job.is_empty()
-        && job
-            .iter()
-            .all(|j| pool.iter().any(|p| p.eq_ignore_ascii_case(j)))
-}
-
 impl Demand {
     pub fn new(limits: DemandLimits) -> Self {
         Demand {
@@ -356,7 +349,8 @@ impl Demand {
         out
     }
 
-    /// The pool serving a job: scope covers the repository, labels contain the job's, and (when the
+    /// The pool serving a job: scope covers the repository, its runners' labels cover the job's
+    /// ([`pool_serves`]: the pool's labels plus GitHub's defaults), and (when the
     /// delivery's signing secret is given) the delivery was signed with that pool's secret or, for a
     /// pool without its own, with the global one. Among several, the pool with the fewest labels (the
     /// most specific match), then by namespace/name.
@@ -368,7 +362,7 @@ impl Demand {
     ) -> Option<PoolKey> {
         self.pools
             .iter()
-            .filter(|(_, r)| scope_covers(&r.scope, repository) && labels_match(labels, &r.labels))
+            .filter(|(_, r)| scope_covers(&r.scope, repository) && pool_serves(labels, &r.labels))
             .filter(|(_, r)| signed_with.is_none_or(|s| self.route_accepts(r, s)))
             .min_by_key(|(k, r)| (r.labels.len(), (*k).clone()))
             .map(|(k, _)| k.clone())
@@ -899,16 +893,6 @@ mod tests {
 
     fn key(n: &str) -> PoolKey {
         PoolKey::new("ns", n)
-    }
-
-    #[test]
-    fn labels_are_a_case_insensitive_subset() {
-        assert!(labels_match(
-            &s(&["self-hosted", "IMP"]),
-            &s(&["self-hosted", "imp", "linux"])
-        ));
-        assert!(!labels_match(&s(&["imp", "gpu"]), &s(&["imp", "linux"])));
-        assert!(!labels_match(&[], &s(&["imp"])));
     }
 
     #[test]
