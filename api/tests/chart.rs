@@ -438,6 +438,29 @@ fn kernel_path_and_fc_bin_path_are_required() {
     assert_seed_rejected_naming(&["agent.env.fcBinPath="], "fcBinPath");
 }
 
+/// fcBinPath is the Firecracker backend's: with `backend: qemu` it is not required, and the runtime pod
+/// neither mounts nor names a Firecracker binary (QEMU and vhost-device-vsock come with its image).
+#[test]
+fn the_qemu_backend_needs_no_firecracker_binary() {
+    let (_d, qemu) = values_file(
+        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\nruntime:\n  backend: qemu\n",
+    );
+    let objects = render_ok(&[&qemu], &[]);
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    assert_eq!(env_value(c, "IMP_VMM_BACKEND"), Some("qemu"));
+    assert_eq!(env_value(c, "IMP_FIRECRACKER_BIN"), None);
+    let text = serde_json::to_string(runtime).unwrap();
+    assert!(
+        !text.contains("firecracker"),
+        "no Firecracker volume or mount: {text}"
+    );
+
+    let (_d, fc) = values_file("agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n");
+    let err = render(&[&fc], &[]).expect_err("the default backend, firecracker, needs fcBinPath");
+    assert!(err.contains("fcBinPath"), "error names fcBinPath: {err}");
+}
+
 #[test]
 fn digests_pin_every_image() {
     let (_d, production) = values_file(&production_values());

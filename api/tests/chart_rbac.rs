@@ -5,12 +5,20 @@
 
 use std::{path::Path, process::Output};
 
-use imp_testkit::{TestEnv, paths};
+use imp_api::ImpVM;
+use imp_testkit::{TestEnv, fixtures, paths};
 use k8s_openapi::api::{
+    authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec},
     authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec},
+    coordination::v1::Lease,
+    core::v1::{Node, ServiceAccount},
     rbac::v1::{ClusterRole, PolicyRule},
 };
-use kube::{Api, api::PostParams};
+use kube::{
+    Api,
+    api::{Patch, PatchParams, PostParams},
+};
+use serde_json::json;
 
 /// One row of a docs/rbac.md table.
 #[derive(Debug)]
@@ -313,4 +321,196 @@ async fn rbac_table_fails_when_a_rule_is_widened() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
+}
+
+/// Cluster-scoped Nodes a test made, deleted also when it fails.
+struct Nodes {
+    kubeconfig: std::path::PathBuf,
+    names: Vec<String>,
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        let names = self.names.clone();
+        imp_testkit::cluster::with_fresh_client(&self.kubeconfig, move |client| async move {
+            for n in names {
+                let _ = Api::<Node>::all(client.clone())
+                    .delete(&n, &Default::default())
+                    .await;
+            }
+        });
+    }
+}
+
+/// A client authenticated as the agent's ServiceAccount with a token from the TokenRequest API,
+/// bound to `node` (the node name then rides in the user's extra, as in a pod-bound token).
+async fn agent_client(release: &Release<'_>, node: Option<&Node>) -> kube::Client {
+    let env = release.env;
+    let sa = format!("{}-imp-agent", release.name);
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            audiences: None,
+            expiration_seconds: Some(600),
+            bound_object_ref: node.map(|n| BoundObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Node".into()),
+                name: n.metadata.name.clone(),
+                uid: n.metadata.uid.clone(),
+            }),
+        }),
+        ..TokenRequest::default()
+    };
+    let token = Api::<ServiceAccount>::namespaced(env.client.clone(), &env.namespace)
+        .create_token_request(&sa, &PostParams::default(), &request)
+        .await
+        .expect("TokenRequest for the agent's ServiceAccount")
+        .status
+        .and_then(|s| s.token)
+        .expect("TokenRequest status with a token");
+    let kubeconfig = kube::config::Kubeconfig::read_from(env.kubeconfig_path()).unwrap();
+    let mut config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    config.auth_info = kube::config::AuthInfo {
+        token: Some(token.into()),
+        ..Default::default()
+    };
+    kube::Client::try_from(config).unwrap()
+}
+
+/// `Ok` or the API server's (code, message).
+fn outcome<T>(r: kube::Result<T>) -> Result<(), (u16, String)> {
+    match r {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) => Err((e.code, e.message)),
+        Err(e) => panic!("unexpected client error: {e}"),
+    }
+}
+
+/// The agent's node restriction (helm/imp/templates/agent-node-restriction.yaml, issue 30) through
+/// the real API server, with real tokens of the agent's ServiceAccount: bound to node A it may write
+/// Node A, the status of a VM bound to A and Lease imp-node-A; Node B, a VM bound to B or to no
+/// node, and B's Lease are refused; a token bound to no node writes nothing. RBAC allows all of it
+/// (the cluster-wide rules the tables show): the policy is what refuses.
+#[tokio::test]
+async fn an_agent_token_bound_to_node_a_writes_only_node_a() {
+    let env = TestEnv::new("noderestr").await;
+    let suffix = env.namespace[env.namespace.len() - 8..].to_owned();
+    let release = Release::install(&env, &format!("nr-{suffix}"), &[&env.namespace]);
+    let nodes_api: Api<Node> = Api::all(env.client.clone());
+    let (a, b) = (format!("nr-a-{suffix}"), format!("nr-b-{suffix}"));
+    let _cleanup = Nodes {
+        kubeconfig: env.kubeconfig_path().to_path_buf(),
+        names: vec![a.clone(), b.clone()],
+    };
+    let mut made = Vec::new();
+    for n in [&a, &b] {
+        let mut node = Node::default();
+        node.metadata.name = Some(n.clone());
+        made.push(
+            nodes_api
+                .create(&PostParams::default(), &node)
+                .await
+                .unwrap(),
+        );
+    }
+    let vms: Api<ImpVM> = env.api();
+    for (vm, node) in [("on-a", Some(&a)), ("on-b", Some(&b)), ("unbound", None)] {
+        let mut b = fixtures::vm(vm)
+            .namespace(&env.namespace)
+            .class("c")
+            .image("i:1");
+        if let Some(n) = node {
+            b = b.bound(n);
+        }
+        vms.create(&PostParams::default(), &b.build())
+            .await
+            .unwrap();
+    }
+
+    let as_a = agent_client(&release, Some(&made[0])).await;
+    let nodes: Api<Node> = Api::all(as_a.clone());
+    let vms: Api<ImpVM> = Api::namespaced(as_a.clone(), &env.namespace);
+    let leases: Api<Lease> = Api::namespaced(as_a.clone(), &env.namespace);
+    let annotate = json!({"metadata": {"annotations": {"imp.dev/capacity-vcpu": "4"}}});
+    let patch_node = |n: String| {
+        let nodes = nodes.clone();
+        let annotate = annotate.clone();
+        async move {
+            outcome(
+                nodes
+                    .patch(&n, &PatchParams::default(), &Patch::Merge(&annotate))
+                    .await,
+            )
+        }
+    };
+    // The policy reaches the API server's admission through an informer: wait for it to refuse.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let refused = loop {
+        match patch_node(b.clone()).await {
+            Err(e) => break e,
+            Ok(()) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await
+            }
+            Ok(()) => panic!("node A's agent patched Node {b} for 30s: the policy is not in force"),
+        }
+    };
+    assert_eq!(refused.0, 403, "{refused:?}");
+    assert!(
+        refused
+            .1
+            .contains(&format!("imp-agent of node {a} may not write Node {b}")),
+        "{refused:?}"
+    );
+    patch_node(a.clone())
+        .await
+        .unwrap_or_else(|e| panic!("node A's agent patching Node A: {e:?}"));
+
+    let write_status = |name: &'static str| {
+        let vms = vms.clone();
+        async move {
+            let mut vm = vms.get(name).await.unwrap();
+            vm.status = Some(imp_api::ImpVMStatus {
+                reason: Some("Probe".into()),
+                ..Default::default()
+            });
+            outcome(vms.replace_status(name, &PostParams::default(), &vm).await)
+        }
+    };
+    write_status("on-a")
+        .await
+        .unwrap_or_else(|e| panic!("status of the VM bound to A: {e:?}"));
+    for vm in ["on-b", "unbound"] {
+        let (code, msg) = write_status(vm).await.unwrap_err();
+        assert!(
+            code == 403 && msg.contains(&format!("may not write ImpVM {vm}")),
+            "{vm}: {code} {msg}"
+        );
+    }
+
+    let lease = |node: &str| {
+        let mut l = Lease::default();
+        l.metadata.name = Some(imp_api::names::lease_name(node));
+        l
+    };
+    outcome(leases.create(&PostParams::default(), &lease(&a)).await)
+        .unwrap_or_else(|e| panic!("Lease of A: {e:?}"));
+    let (code, msg) = outcome(leases.create(&PostParams::default(), &lease(&b)).await).unwrap_err();
+    assert!(
+        code == 403 && msg.contains("may write only Lease"),
+        "{code} {msg}"
+    );
+
+    // A token of the same ServiceAccount bound to no node: refused everywhere, Node A included.
+    let unbound = agent_client(&release, None).await;
+    let (code, msg) = outcome(
+        Api::<Node>::all(unbound)
+            .patch(&a, &PatchParams::default(), &Patch::Merge(&annotate))
+            .await,
+    )
+    .unwrap_err();
+    assert!(
+        code == 403 && msg.contains("bound to no node"),
+        "{code} {msg}"
+    );
 }

@@ -37,7 +37,8 @@ async fn org_jit_config_carries_name_labels_group_and_work_folder() {
     assert_eq!(payload.labels, req.labels);
     let registered = sim.runners();
     assert_eq!(registered.len(), 1);
-    assert_eq!(registered[0].labels, req.labels);
+    // GitHub adds the defaults (X64 here) to the asked-for labels (self-hosted, imp, linux).
+    assert_eq!(registered[0].labels, ["self-hosted", "Linux", "X64", "imp"]);
     assert_eq!(registered[0].status, "offline");
     // GitHub's view of it.
     let r = app
@@ -45,7 +46,7 @@ async fn org_jit_config_carries_name_labels_group_and_work_folder() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(r.label_names(), vec!["self-hosted", "imp", "linux"]);
+    assert_eq!(r.label_names(), vec!["self-hosted", "Linux", "X64", "imp"]);
     assert!(r.ephemeral && !r.busy);
     // The config is redacted in Debug.
     let dbg = format!("{minted:?}");

@@ -1,5 +1,6 @@
 //! Demand that matches GitHub, against the simulator and the real API server: the queued jobs of a
-//! run GitHub already reports in progress stay demand, and are served.
+//! run GitHub already reports in progress stay demand, and are served; a job naming GitHub's default
+//! runner labels is served by a pool that lists only its own.
 
 mod pool_common;
 
@@ -85,4 +86,55 @@ async fn queued_jobs_of_an_in_progress_run_are_demand_and_served() {
             h.sim.app_id()
         )),
     );
+}
+
+/// `runs-on: [self-hosted, linux, x64, imp]` is served by a pool labelled `[imp]`: GitHub gives its
+/// runners the defaults. A job asking for `arm64` is unrouted and never gets a runner.
+#[tokio::test(flavor = "multi_thread")]
+async fn default_runner_labels_route_to_a_pool_without_them() {
+    let mut h = PoolHarness::start("pool-default-labels").await;
+    h.create_pool_labelled("plain", &["imp"], json!({"maxRunners": 2}))
+        .await;
+    h.wait("pool status", WAIT, || async {
+        (h.pool_status("plain").await.observed_generation == Some(1)).then_some(())
+    })
+    .await;
+    let labels = |l: &[&str]| JobSpec {
+        labels: l.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    };
+    let arm = h
+        .sim
+        .queue_job(labels(&["self-hosted", "Linux", "ARM64", "imp"]));
+    h.wait(
+        "the arm64 job's webhook answered unrouted",
+        WAIT,
+        || async {
+            (h.metric("imp_webhook_deliveries_total{result=\"unrouted\"}") >= 1.0).then_some(())
+        },
+    )
+    .await;
+    let x64 = h
+        .sim
+        .queue_job(labels(&["self-hosted", "linux", "x64", "imp"]));
+    let key = PoolKey::new(h.ns.clone(), "plain");
+    h.wait("the x64 job routed to the pool", WAIT, || async {
+        (h.shared.demand().pool_demand(&key).queued == 1).then_some(())
+    })
+    .await;
+    h.start_agent(true, Duration::from_millis(100));
+    h.wait(
+        "the x64 job served by a runner of the pool",
+        WAIT,
+        || async {
+            h.sim
+                .job(x64.id)
+                .is_some_and(|j| j.status == JobStatus::Completed)
+                .then_some(())
+        },
+    )
+    .await;
+    let arm = h.sim.job(arm.id).unwrap();
+    assert_eq!(arm.status, JobStatus::Queued, "no Imp runner takes arm64");
+    assert_eq!(h.shared.demand().pool_demand(&key).queued, 0);
 }

@@ -1,5 +1,9 @@
-//! runbooks/: every runnable ` ```sh ` block runs against a real API server, and every reason Imp writes
-//! has a section in failures.md. Conventions (markers, variables): runbooks/README.md.
+//! runbooks/: every runnable ` ```sh ` block runs against a real API server; every block, shown ones
+//! included, has kubectl and helm command lines the real binaries parse and uses only paths created
+//! before (runbook_lint); every reason Imp writes has a section in failures.md. Conventions (markers,
+//! variables): runbooks/README.md.
+
+mod runbook_lint;
 
 use std::{
     path::{Path, PathBuf},
@@ -19,6 +23,8 @@ const PAGES: &[&str] = &[
     "day1-operations.md",
     "day2-upgrades.md",
     "failures.md",
+    "job-queued.md",
+    "uninstall.md",
 ];
 /// Info-string markers of blocks that need more than the test control plane.
 const NEEDS: &[&str] = &["needs-github", "needs-node", "needs-cluster"];
@@ -93,6 +99,76 @@ fn all_blocks() -> Vec<Block> {
         blocks.extend(sh_blocks(page, &text).unwrap_or_else(|e| panic!("runbooks/{e}")));
     }
     blocks
+}
+
+/// The variables of runbooks/README.md's table: the operator sets them, so a path they hold is theirs.
+const SUPPLIED: &[&str] = &[
+    "CHART",
+    "IMP_VERSION",
+    "OPERATOR_DIGEST",
+    "AGENT_DIGEST",
+    "RUNTIME_DIGEST",
+    "NODE",
+    "APP_ID",
+    "INSTALLATION_ID",
+    "APP_KEY",
+    "WEBHOOK_SECRET",
+    "GITHUB_ORG",
+];
+
+/// Every block, run or shown: kubectl and helm parse each command line (unknown flags and commands
+/// fail), and each path a command reads or writes into was created before on the pages.
+#[test]
+fn every_command_line_parses_and_every_path_exists() {
+    let bin = paths::testenv_bin_dir();
+    // `kubectl imp ...` lines are parsed by the workspace's plugin, as the run blocks use it.
+    let plugin = imp_testkit::bins::ensure_built(
+        &[("kubectl-imp", "kubectl-imp")],
+        &["kubectl-imp/src", "kubectl-imp/Cargo.toml", "api/src"],
+    )
+    .expect("building kubectl-imp");
+    let plugin_dir = plugin[0]
+        .parent()
+        .expect("a binary's directory")
+        .to_path_buf();
+    let mut flags = runbook_lint::FlagChecker::new(&bin, &[plugin_dir]);
+    // The check is not vacuous: the binaries refuse what the issue found.
+    for bad in [
+        "kubectl -n imp-system logs -l app=x --field-selector spec.nodeName=n",
+        "helm install imp ./c --no-such-flag",
+    ] {
+        let cmd = &runbook_lint::commands(bad).unwrap()[0];
+        assert!(flags.check(cmd).is_err(), "{bad} was accepted");
+    }
+    let mut tracker = runbook_lint::PathTracker::new(&paths::workspace_root(), SUPPLIED);
+    let mut errors = Vec::new();
+    let mut checked = 0;
+    for b in all_blocks() {
+        let cmds = match runbook_lint::commands(&b.script) {
+            Ok(c) => c,
+            Err(e) => {
+                errors.push(format!("runbooks/{}:{}: {e}", b.page, b.line));
+                continue;
+            }
+        };
+        for c in cmds {
+            let at = format!("runbooks/{}:{}", b.page, b.line + c.line);
+            if let Err(e) = flags.check(&c) {
+                errors.push(format!("{at}: `{}`: {e}", c.argv.join(" ")));
+            }
+            if let Err(e) = tracker.apply(&c) {
+                errors.push(format!("{at}: {e}"));
+            }
+            checked += 1;
+        }
+    }
+    assert!(
+        errors.is_empty(),
+        "runbook commands:\n{}",
+        errors.join("\n")
+    );
+    assert!(checked >= 50, "only {checked} commands found");
+    println!("checked {checked} runbook commands");
 }
 
 #[test]

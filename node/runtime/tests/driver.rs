@@ -53,8 +53,8 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
 
     let a = files(dir.path(), "a");
     let mut spawned = KillOnDrop::default();
-    let vmm = firecracker::spawn(&simulator, "snap-a", &a, None).unwrap();
-    spawned.0.push(vmm.pid);
+    let vmm = firecracker::spawn(&simulator, "snap-a", &a, &[]).unwrap();
+    spawned.0.push(vmm.process.pid);
     vmm.wait_api_ready().await.unwrap();
     let plan = BootPlan {
         machine: MachineConfiguration {
@@ -118,14 +118,14 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
     vmm.stop(Duration::from_secs(5)).await;
     assert!(!vmm.is_alive());
     assert!(
-        firecracker::tail(&a.serial_log).contains("Restarting system"),
+        imp_runtime::vmm::serial::tail(&a.serial_log).contains("Restarting system"),
         "SendCtrlAltDel reset the guest"
     );
 
     // Restore into a new process with a new vsock path.
     let b = files(dir.path(), "b");
-    let restored = firecracker::spawn(&simulator, "snap-b", &b, None).unwrap();
-    spawned.0.push(restored.pid);
+    let restored = firecracker::spawn(&simulator, "snap-b", &b, &[]).unwrap();
+    spawned.0.push(restored.process.pid);
     restored.wait_api_ready().await.unwrap();
     restored.snapshot_load(&snap, &mem, true).await.unwrap();
     assert_eq!(

@@ -1,7 +1,8 @@
 //! ImpVMRunnerPool: keeps the right number of ephemeral runner VMs, each with a one-time JIT config in a
 //! Secret owned by its VM, and cleans up after every job. Pure parts: [`classify`] (what a runner VM is
 //! doing), [`plan`] (how many runners), [`decide`] (the whole pass: mint policy, deadlines, the
-//! registration reaper, status), [`demand`] (jobs from webhooks and the sweep), [`slo`] (which job a VM
+//! registration reaper, status), [`demand`] (jobs from webhooks and the sweep), [`labels`] (which
+//! jobs a pool's runners take), [`slo`] (which job a VM
 //! served and how long it waited for each step). I/O: [`controller`]
 //! (observe, execute, and the queued-job sweep). The webhook receiver is in [`crate::webhook`]. See
 //! docs/runner-pool.md.
@@ -10,6 +11,7 @@ pub mod classify;
 pub mod controller;
 pub mod decide;
 pub mod demand;
+pub mod labels;
 pub mod metrics;
 pub mod plan;
 pub mod slo;

@@ -259,11 +259,21 @@ impl PoolHarness {
 
     /// A pool with the test labels, org scope, the test webhook secret, and `scaling`.
     pub async fn create_pool(&self, name: &str, scaling: Value) -> ImpVMRunnerPool {
+        self.create_pool_labelled(name, &LABELS, scaling).await
+    }
+
+    /// [`Self::create_pool`] with `labels` as `spec.github.labels`.
+    pub async fn create_pool_labelled(
+        &self,
+        name: &str,
+        labels: &[&str],
+        scaling: Value,
+    ) -> ImpVMRunnerPool {
         let scaling = serde_json::from_value(scaling).expect("the test's scaling block");
         let pool = fixtures::pool(name)
             .org(self.sim.org())
             .app_secret(APP_SECRET)
-            .labels(&LABELS)
+            .labels(labels)
             .class("runner")
             .image("ghcr.io/imp/runner:1")
             .scaling(scaling)

@@ -523,6 +523,18 @@ fn invalid(msg: &str) -> ApiError {
     )
 }
 
+/// GitHub adds the default labels of a self-hosted runner (`self-hosted`, its OS, its architecture)
+/// to the custom ones a JIT config asks for; the simulated runners run Linux on x64.
+fn with_default_labels(custom: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = ["self-hosted", "Linux", "X64"].map(String::from).to_vec();
+    for l in custom {
+        if !out.iter().any(|o| o.eq_ignore_ascii_case(l)) {
+            out.push(l.clone());
+        }
+    }
+    out
+}
+
 fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
     let v: Value = serde_json::from_slice(body)
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "Problems parsing JSON"))?;
@@ -570,7 +582,7 @@ fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
         id,
         name: name.clone(),
         scope,
-        labels: labels.clone(),
+        labels: with_default_labels(&labels),
         runner_group_id: group_id,
         work_folder: work_folder.clone(),
         status: "offline".into(),

@@ -206,7 +206,22 @@ async fn jit_runner_and_pagination_shapes() {
         v["runner"]["labels"][0],
         json!({"id": 1, "name": "self-hosted", "type": "read-only"})
     );
-    assert_eq!(v["runner"]["labels"][1]["type"], "custom");
+    // GitHub adds the OS and architecture defaults; the asked-for labels follow, once each.
+    let labels: Vec<(&str, &str)> = v["runner"]["labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["name"].as_str().unwrap(), l["type"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            ("self-hosted", "read-only"),
+            ("Linux", "read-only"),
+            ("X64", "read-only"),
+            ("imp", "custom")
+        ]
+    );
     let payload = JitConfigPayload::decode(v["encoded_jit_config"].as_str().unwrap()).unwrap();
     assert_eq!(payload.url, sim.base_url());
     // Same name: 409. Bad bodies: 422. Unknown group: 404. Unknown org: 404.

@@ -9,14 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use imp_api::names::reason;
 use imp_guest::protocol::Hello;
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 use tokio::time::Instant;
 
-use crate::procfs;
-use crate::runtime::{VmPlan, serial};
+use crate::vmm::process::{self, Proc};
+use crate::vmm::{DriverError, VmPlan, serial};
 use api::{ActionType, BootSource, Drive, MachineConfiguration, NetworkInterface, Vsock};
 pub use client::{ApiClientError, FirecrackerClient};
 
@@ -24,39 +21,6 @@ pub use client::{ApiClientError, FirecrackerClient};
 const API_READY_TIMEOUT: Duration = Duration::from_secs(5);
 // Short: API readiness of a fresh process is on every VM start's critical path.
 const POLL: Duration = Duration::from_millis(5);
-
-/// Why a VM did not come up (or could not be driven). `reason()` is the stable label used in
-/// the runtime API, inventory and metrics.
-#[derive(Debug, thiserror::Error)]
-pub enum DriverError {
-    #[error("kernel image {0} does not exist")]
-    KernelMissing(PathBuf),
-    #[error("Firecracker failed to start: {message}; stderr: {stderr}")]
-    FirecrackerStartFailed { message: String, stderr: String },
-    #[error("guest kernel panicked; serial log tail: {serial_tail}")]
-    GuestPanicked { serial_tail: String },
-    #[error(
-        "Firecracker exited during boot (exit without a panic); serial log tail: {serial_tail}"
-    )]
-    GuestExited { serial_tail: String },
-    #[error("guest agent did not say Hello in time: {detail}; serial log tail: {serial_tail}")]
-    GuestAgentTimeout { detail: String, serial_tail: String },
-    #[error("guest agent refused the connection: {0}")]
-    GuestProtocol(String),
-}
-
-impl DriverError {
-    pub fn reason(&self) -> &'static str {
-        match self {
-            DriverError::KernelMissing(_) => reason::KERNEL_MISSING,
-            DriverError::FirecrackerStartFailed { .. } => reason::FIRECRACKER_START_FAILED,
-            DriverError::GuestPanicked { .. } => reason::GUEST_PANICKED,
-            DriverError::GuestExited { .. } => reason::GUEST_EXITED,
-            DriverError::GuestAgentTimeout { .. } => reason::GUEST_AGENT_TIMEOUT,
-            DriverError::GuestProtocol(_) => reason::GUEST_PROTOCOL_ERROR,
-        }
-    }
-}
 
 /// Files of one Firecracker process.
 #[derive(Debug, Clone)]
@@ -131,36 +95,28 @@ impl From<&VmPlan> for BootPlan {
     }
 }
 
-/// One Firecracker process, identified by pid and start time.
+/// One Firecracker process.
 #[derive(Debug, Clone)]
 pub struct Vmm {
-    pub pid: i32,
-    pub start_time: u64,
+    pub process: Proc,
     pub files: VmmFiles,
     pub client: FirecrackerClient,
 }
 
-/// Spawn `firecracker --api-sock <sock> --id <id> --log-path <vmm_log>` in its own session: no controlling terminal,
-/// no parent-death signal, so killing the runtime never takes the VM with it. With `cgroup`
-/// (a `cgroup.procs` file), the child enters that cgroup before it execs, so none of its memory
-/// is ever charged to the runtime's. A task reaps it if it exits while this runtime is its
-/// parent.
+/// Spawn `firecracker --api-sock <sock> --id <id> --log-path <vmm_log>` through the seam
+/// (`process::spawn_detached`: a session of its own, in `cgroup` from before it execs).
 pub fn spawn(
     bin: &Path,
     id: &str,
     files: &VmmFiles,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Vmm, DriverError> {
     let start_failed = |message: String| DriverError::FirecrackerStartFailed {
         message,
         stderr: String::new(),
     };
     let open = |p: &Path| {
-        std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(p)
-            .map_err(|e| start_failed(format!("open {}: {e}", p.display())))
+        process::append_log(p).map_err(|e| start_failed(format!("open {}: {e}", p.display())))
     };
     // Firecracker opens its log file but never creates it; without one it logs to stdout,
     // into the guest console.
@@ -178,15 +134,14 @@ pub fn spawn(
         .stdout(open(&files.serial_log)?)
         .stderr(open(&files.stderr_log)?);
     let (pid, start_time) =
-        crate::vmm::spawn_detached(cmd, cgroup).map_err(|e| start_failed(e.to_string()))?;
+        process::spawn_detached(cmd, cgroups).map_err(|e| start_failed(e.to_string()))?;
     // A process that has already exited has no start time: that is a start failure too.
     let start_time = start_time.ok_or_else(|| DriverError::FirecrackerStartFailed {
         message: "exited immediately".into(),
-        stderr: tail(&files.stderr_log),
+        stderr: serial::tail(&files.stderr_log),
     })?;
     Ok(Vmm {
-        pid,
-        start_time,
+        process: Proc { pid, start_time },
         files: files.clone(),
         client: FirecrackerClient::new(&files.api_sock),
     })
@@ -194,13 +149,13 @@ pub fn spawn(
 
 impl Vmm {
     pub fn is_alive(&self) -> bool {
-        procfs::is_alive(self.pid, self.start_time)
+        self.process.is_alive()
     }
 
     fn start_failed(&self, message: String) -> DriverError {
         DriverError::FirecrackerStartFailed {
             message,
-            stderr: tail(&self.files.stderr_log),
+            stderr: serial::tail(&self.files.stderr_log),
         }
     }
 
@@ -266,8 +221,8 @@ impl Vmm {
             return;
         }
         if let Err(e) = self.client.action(ActionType::SendCtrlAltDel).await {
-            tracing::debug!(pid = self.pid, error = %e, "SendCtrlAltDel failed; killing");
-        } else if self.wait_gone(timeout).await {
+            tracing::debug!(pid = self.process.pid, error = %e, "SendCtrlAltDel failed; killing");
+        } else if self.process.wait_gone(timeout).await {
             return;
         }
         self.kill().await;
@@ -275,21 +230,7 @@ impl Vmm {
 
     /// SIGKILL, only if pid and start time still name our process; returns once it is gone.
     pub async fn kill(&self) {
-        if self.is_alive() {
-            let _ = kill(Pid::from_raw(self.pid), Signal::SIGKILL);
-        }
-        self.wait_gone(Duration::from_secs(10)).await;
-    }
-
-    async fn wait_gone(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while self.is_alive() {
-            if Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(POLL).await;
-        }
-        true
+        self.process.kill().await
     }
 
     pub async fn pause(&self) -> Result<(), ApiClientError> {
@@ -334,9 +275,4 @@ impl Vmm {
             })
             .await
     }
-}
-
-/// The last bytes of a log file, lossily decoded ("" when it does not exist).
-pub fn tail(path: &Path) -> String {
-    serial::tail(path, crate::vmm::TAIL_BYTES)
 }

@@ -14,13 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::procfs;
-use crate::runtime::VmPlan;
+use crate::vmm::process::{self, Proc};
+use crate::vmm::{VmPlan, kvm_usable, serial};
 pub use qmp::{Qmp, QmpError};
 
 /// How long vhost-device-vsock may take to listen, and QEMU to answer on QMP.
@@ -81,38 +79,6 @@ impl QemuFiles {
             vhost_log: dir.join("vhost-device-vsock.log"),
         }
     }
-}
-
-/// A process by identity (pid + start time: a recycled pid is never taken for it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Proc {
-    pub pid: i32,
-    pub start_time: u64,
-}
-
-impl Proc {
-    pub fn is_alive(&self) -> bool {
-        procfs::is_alive(self.pid, self.start_time)
-    }
-
-    /// SIGKILL (only if it is still ours), then wait until it is gone.
-    pub async fn kill(&self) {
-        if self.is_alive() {
-            let _ = kill(Pid::from_raw(self.pid), Signal::SIGKILL);
-        }
-        wait_gone(self, Duration::from_secs(10)).await;
-    }
-}
-
-async fn wait_gone(p: &Proc, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while p.is_alive() {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(POLL).await;
-    }
-    true
 }
 
 /// One QEMU VM: QEMU and its vsock device.
@@ -250,15 +216,15 @@ pub async fn spawn_qemu_incoming(
     cfg: &QemuConfig,
     files: &QemuFiles,
     plan: &VmPlan,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
     state: &Path,
 ) -> Result<Proc, QemuError> {
-    let accel = resolve_accel(cfg.accel, crate::vmm::kvm_usable());
+    let accel = resolve_accel(cfg.accel, kvm_usable());
     spawn_qemu_args(
         cfg,
         files,
         &incoming_args(plan, files, accel, state),
-        cgroup,
+        cgroups,
     )
     .await
 }
@@ -335,31 +301,28 @@ fn open_anywhere(path: &Path) -> bool {
     })
 }
 
-/// Spawn `bin args` detached (`vmm::spawn_detached`), stdout/stderr to `log`.
-fn spawn_detached(
+/// Spawn `bin args` through the seam (`process::spawn_detached`), stdout/stderr to `log`.
+fn spawn_logged(
     what: &'static str,
     bin: &Path,
     args: &[String],
     log: &Path,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
     let failed = |message: String| QemuError::StartFailed {
         what,
         message,
-        log: crate::firecracker::tail(log),
+        log: serial::tail(log),
     };
-    let out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .map_err(|e| failed(format!("open {}: {e}", log.display())))?;
+    let out =
+        process::append_log(log).map_err(|e| failed(format!("open {}: {e}", log.display())))?;
     let err = out
         .try_clone()
         .map_err(|e| failed(format!("dup {}: {e}", log.display())))?;
     let mut cmd = std::process::Command::new(bin);
     cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
     let (pid, start_time) =
-        crate::vmm::spawn_detached(cmd, cgroup).map_err(|e| failed(e.to_string()))?;
+        process::spawn_detached(cmd, cgroups).map_err(|e| failed(e.to_string()))?;
     let start_time = start_time.ok_or_else(|| failed("exited immediately".into()))?;
     Ok(Proc { pid, start_time })
 }
@@ -370,22 +333,22 @@ pub async fn spawn_vhost(
     cfg: &QemuConfig,
     files: &QemuFiles,
     guest_cid: u32,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
     let _ = std::fs::remove_file(&files.vhost_sock);
-    let p = spawn_detached(
+    let p = spawn_logged(
         "vhost-device-vsock",
         &cfg.vhost_vsock_bin,
         &vhost_args(files, guest_cid),
         &files.vhost_log,
-        cgroup,
+        cgroups,
     )?;
     let deadline = Instant::now() + READY_TIMEOUT;
     while !files.vhost_sock.exists() {
         let failed = |message: String| QemuError::StartFailed {
             what: "vhost-device-vsock",
             message,
-            log: crate::firecracker::tail(&files.vhost_log),
+            log: serial::tail(&files.vhost_log),
         };
         if !p.is_alive() {
             return Err(failed("exited before it listened".into()));
@@ -407,26 +370,26 @@ pub async fn spawn_qemu(
     cfg: &QemuConfig,
     files: &QemuFiles,
     plan: &VmPlan,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
-    let accel = resolve_accel(cfg.accel, crate::vmm::kvm_usable());
-    spawn_qemu_args(cfg, files, &qemu_args(plan, files, accel), cgroup).await
+    let accel = resolve_accel(cfg.accel, kvm_usable());
+    spawn_qemu_args(cfg, files, &qemu_args(plan, files, accel), cgroups).await
 }
 
 async fn spawn_qemu_args(
     cfg: &QemuConfig,
     files: &QemuFiles,
     args: &[String],
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
-    let p = spawn_detached("QEMU", &cfg.qemu_bin, args, &files.qemu_log, cgroup)?;
+    let p = spawn_logged("QEMU", &cfg.qemu_bin, args, &files.qemu_log, cgroups)?;
     let qmp = Qmp::new(&files.qmp_sock);
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         let failed = |message: String| QemuError::StartFailed {
             what: "QEMU",
             message,
-            log: crate::firecracker::tail(&files.qemu_log),
+            log: serial::tail(&files.qemu_log),
         };
         if !p.is_alive() {
             return Err(failed("exited during startup".into()));
@@ -466,7 +429,7 @@ impl QemuVm {
                 {"type": "qcode", "data": "delete"}
             ]});
             match self.qmp.execute("send-key", Some(keys)).await {
-                Ok(_) if wait_gone(&self.qemu, timeout).await => {}
+                Ok(_) if self.qemu.wait_gone(timeout).await => {}
                 Ok(_) => {
                     tracing::debug!(pid = self.qemu.pid, "guest did not stop in time; killing")
                 }
@@ -594,7 +557,7 @@ impl QemuVm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::{DrivePlan, NicPlan};
+    use crate::vmm::{DrivePlan, NicPlan};
 
     fn plan() -> VmPlan {
         VmPlan {

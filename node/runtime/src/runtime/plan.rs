@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use crate::api::{Backend, VmSpec};
 use crate::network;
+use crate::vmm::plan::{DrivePlan, NicPlan, VmPlan};
 
 /// Guest CID of every VM: each VM has its own vsock device, so CIDs need not differ.
 pub const GUEST_CID: u32 = 3;
@@ -26,38 +27,6 @@ pub fn default_boot_args(backend: Backend) -> &'static str {
 }
 /// Where the guest finds its writable drive (the second virtio drive).
 const OVERLAY_ARG: &str = "imp.overlay=/dev/vdb";
-
-/// One virtio block device, in guest order (`vda`, `vdb`, ...).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DrivePlan {
-    pub id: &'static str,
-    pub path: PathBuf,
-    pub read_only: bool,
-    pub root: bool,
-}
-
-/// One virtio-net device backed by a host TAP.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NicPlan {
-    pub id: &'static str,
-    pub tap: String,
-    pub mac: String,
-}
-
-/// Everything a backend needs to boot one VM.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VmPlan {
-    pub vcpu: u32,
-    pub memory_mib: u64,
-    pub kernel: PathBuf,
-    pub initrd: Option<PathBuf>,
-    pub boot_args: String,
-    pub drives: Vec<DrivePlan>,
-    pub nics: Vec<NicPlan>,
-    pub guest_cid: u32,
-    /// Host side of the hybrid vsock (Firecracker's `uds_path`).
-    pub vsock: PathBuf,
-}
 
 /// Host facts of one VM start, known once disks and the TAP exist.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -52,9 +52,18 @@ pub fn enforce(log: &Path, cap: u64) -> std::io::Result<bool> {
     Ok(true)
 }
 
+/// Bytes of a log quoted in failure reasons.
+pub const TAIL_BYTES: u64 = 2048;
+
+/// The last [`TAIL_BYTES`] of a log (the console, or a VMM's own), lossily decoded and
+/// trimmed; "" when there is none.
+pub fn tail(log: &Path) -> String {
+    last(log, TAIL_BYTES)
+}
+
 /// The last `n` bytes of the console (the rotated half, then the current file), lossily
 /// decoded and trimmed; "" when there is none.
-pub fn tail(log: &Path, n: u64) -> String {
+pub fn last(log: &Path, n: u64) -> String {
     let current = last_bytes(log, n).unwrap_or_default();
     let mut out = if (current.len() as u64) < n {
         last_bytes(&rotated(log), n - current.len() as u64).unwrap_or_default()
@@ -95,7 +104,7 @@ mod tests {
             .unwrap()
             .write_all(b"Kernel panic")
             .unwrap();
-        let t = tail(&log, 20);
+        let t = last(&log, 20);
         assert!(t.ends_with("Kernel panic"), "{t}");
         assert_eq!(t.len(), 20);
         assert_eq!(&t.as_bytes()[..8], &text[192..]);
@@ -129,6 +138,6 @@ mod tests {
         let total = std::fs::metadata(&log).unwrap().len()
             + std::fs::metadata(rotated(&log)).unwrap().len();
         assert!(total <= cap, "{total} bytes on disk with a cap of {cap}");
-        assert!(tail(&log, 64).contains("flood"));
+        assert!(last(&log, 64).contains("flood"));
     }
 }

@@ -1,0 +1,425 @@
+//! PUT: a VM from its spec to Running (or a recorded failure): the row first, then in a task
+//! of the runtime the base image, writable drive, network, cgroup, the backend's process(es)
+//! and the guest agent's Hello.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use super::{Ensured, InFlight, Runtime, RuntimeError, Vm, valid_uid, validate, vm};
+use crate::api::{Backend, Failure, VmSpec, VmState, VmStatus};
+use crate::firecracker::{self, BootPlan, VmmFiles};
+use crate::inventory::VmRecord;
+use crate::metrics::ReasonLabel;
+use crate::qemu::{self, QemuFiles, QemuVm};
+use crate::rootfs::store::ImageSpec;
+use crate::tap;
+use crate::vmm::{self, DriverError, VmPlan};
+
+impl Runtime {
+    /// The request's host paths resolved under the image directories (400 naming the field
+    /// otherwise); the runtime's own kernel and initrd are trusted configuration.
+    pub(super) fn resolve_paths(&self, spec: &VmSpec) -> Result<VmSpec, RuntimeError> {
+        let dirs = &self.cfg.image_dirs;
+        let check = |field, p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| validate::allowed_file(field, p, dirs))
+                .transpose()
+                .map_err(RuntimeError::InvalidSpec)
+        };
+        Ok(VmSpec {
+            base_disk: check("base_disk", &spec.base_disk)?,
+            kernel: check("kernel", &spec.kernel)?,
+            initrd: check("initrd", &spec.initrd)?,
+            ..spec.clone()
+        })
+    }
+
+    /// Ensure VM `uid` runs `spec`: idempotent; a second PUT with the same spec returns the
+    /// recorded state (including a recorded failure, or Creating/Booting while a bring-up is
+    /// in progress) and never starts a second process. The bring-up runs in a task of the
+    /// runtime: whatever happens to this request, it ends Running or Failed (or is cancelled
+    /// by a DELETE).
+    pub async fn ensure_running(
+        self: &Arc<Self>,
+        uid: &str,
+        spec: VmSpec,
+    ) -> Result<(Ensured, VmStatus), RuntimeError> {
+        if !valid_uid(uid) {
+            return Err(RuntimeError::InvalidUid(uid.into()));
+        }
+        validate::spec(&spec).map_err(RuntimeError::InvalidSpec)?;
+        let resolved = self.resolve_paths(&spec)?;
+        // Stored and compared as asked and without pull credentials: they are used for this
+        // request only.
+        let stored = VmSpec {
+            image: spec.image.as_ref().map(ImageSpec::without_credentials),
+            ..spec.clone()
+        };
+        let spec_json = serde_json::to_string(&stored).expect("spec serialises");
+        let task = {
+            let lock = self.lock(uid);
+            let _guard = lock.lock().await;
+            if let Some(r) = self.observe(uid).await? {
+                if r.spec_json != spec_json {
+                    return Err(RuntimeError::SpecConflict(uid.into()));
+                }
+                if let (VmState::Failed, Some(reason)) = (r.state, &r.failure_reason) {
+                    return Err(RuntimeError::Failed {
+                        uid: uid.into(),
+                        failure: Failure {
+                            reason: reason.clone(),
+                            message: r.failure_message.clone().unwrap_or_default(),
+                        },
+                    });
+                }
+                return Ok((Ensured::Existing, VmStatus::from(&r)));
+            }
+            if let Some(asked) = spec.writable_disk_bytes {
+                let (used, budget) = self.disk_usage().await?;
+                validate::disk_budget(used, asked, budget).map_err(|source| {
+                    RuntimeError::DiskBudgetExceeded {
+                        uid: uid.into(),
+                        source,
+                    }
+                })?;
+            }
+            let rec = self.new_record(uid, &spec, spec_json);
+            // Row first: whatever happens next, a restarted runtime finds it and can undo it.
+            self.inventory.insert(&rec).await?;
+            self.refresh_state_gauge().await;
+            self.spawn_bring_up(rec, resolved)
+        };
+        match task.await {
+            Ok(Ok(rec)) => Ok((Ensured::Created, VmStatus::from(&rec))),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(RuntimeError::StartCancelled {
+                uid: uid.into(),
+                detail: e.to_string(),
+            }),
+        }
+    }
+
+    /// Start the bring-up task and register it (under the in-flight table's lock, so the task
+    /// cannot finish and deregister before it is registered).
+    pub(super) fn spawn_bring_up(
+        self: &Arc<Self>,
+        rec: VmRecord,
+        spec: VmSpec,
+    ) -> tokio::task::JoinHandle<Result<VmRecord, RuntimeError>> {
+        let rt = self.clone();
+        let uid = rec.uid.clone();
+        let mut inflight = self.inflight.lock().expect("in-flight table");
+        let task = tokio::spawn(async move {
+            let uid = rec.uid.clone();
+            let out = rt.create(rec, &spec).await;
+            let mut inflight = rt.inflight.lock().expect("in-flight table");
+            if inflight
+                .get(&uid)
+                .is_some_and(|f| f.id == tokio::task::id())
+            {
+                inflight.remove(&uid);
+            }
+            out
+        });
+        inflight.insert(
+            uid,
+            InFlight {
+                id: task.id(),
+                abort: task.abort_handle(),
+            },
+        );
+        task
+    }
+
+    pub(super) fn new_record(&self, uid: &str, spec: &VmSpec, spec_json: String) -> VmRecord {
+        let dir = self.vms_dir.join(uid);
+        VmRecord {
+            uid: uid.into(),
+            state: VmState::Creating,
+            spec_json,
+            pid: None,
+            start_time: None,
+            api_socket: dir.join("api.sock"),
+            vsock_path: dir.join("vsock.sock"),
+            serial_log: dir.join("serial.log"),
+            tap: spec
+                .network
+                .as_ref()
+                .map(|_| tap::tap_name(&self.cfg.state_dir, uid)),
+            // Known once the rootfs cache hands out the image (bring_up records it).
+            base_disk: spec.base_disk.clone().unwrap_or_default(),
+            writable_disk: spec.writable_disk_bytes.map(|_| dir.join("writable.img")),
+            failure_reason: None,
+            failure_message: None,
+            boot_seconds: None,
+            backend: self.cfg.backend,
+            helper_pid: None,
+            helper_start_time: None,
+            dir,
+        }
+    }
+
+    /// The bring-up of a recorded VM, to Running or to a recorded failure.
+    pub(super) async fn create(
+        &self,
+        mut rec: VmRecord,
+        spec: &VmSpec,
+    ) -> Result<VmRecord, RuntimeError> {
+        let uid = rec.uid.clone();
+        match self.bring_up(&mut rec, spec).await {
+            Ok(()) => {
+                rec.state = VmState::Running;
+                self.refresh_state_gauge().await;
+                Ok(rec)
+            }
+            Err((e, vmm)) => {
+                tracing::warn!(uid, reason = e.reason(), error = %e, "VM start failed");
+                if let Some(vmm) = vmm {
+                    vmm.kill().await;
+                }
+                let net = self.net_lock.lock().await;
+                self.release_host_resources(&rec).await;
+                self.metrics
+                    .start_failures
+                    .get_or_create(&ReasonLabel {
+                        reason: e.reason().into(),
+                    })
+                    .inc();
+                self.inventory
+                    .set_failed(&uid, e.reason(), &e.to_string())
+                    .await?;
+                if spec
+                    .network
+                    .as_ref()
+                    .is_some_and(|n| n.attachment.is_some())
+                {
+                    self.reconcile_network_after_release(&net, &uid).await;
+                }
+                drop(net);
+                self.refresh_state_gauge().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Disk, TAP, process, configuration, InstanceStart, Hello. On error, also returns the
+    /// process to kill (if one was spawned).
+    pub(super) async fn bring_up(
+        &self,
+        rec: &mut VmRecord,
+        spec: &VmSpec,
+    ) -> Result<(), (RuntimeError, Option<Vm>)> {
+        let uid = rec.uid.clone();
+        let boot = |source| {
+            (
+                RuntimeError::Boot {
+                    uid: uid.clone(),
+                    source,
+                },
+                None,
+            )
+        };
+        let (kernel, _initrd) = self.boot_files(spec);
+        if !kernel.is_file() {
+            return Err(boot(DriverError::KernelMissing(kernel)));
+        }
+        let disk_err = |message: String| {
+            (
+                RuntimeError::DiskSetupFailed {
+                    uid: uid.clone(),
+                    message,
+                },
+                None,
+            )
+        };
+        std::fs::create_dir_all(&rec.dir)
+            .map_err(|e| disk_err(format!("create {}: {e}", rec.dir.display())))?;
+        if let Some(image) = &spec.image {
+            let acquired = self.rootfs.acquire(&uid, image).await.map_err(|source| {
+                (
+                    RuntimeError::Rootfs {
+                        uid: uid.clone(),
+                        source: Box::new(source),
+                    },
+                    None,
+                )
+            })?;
+            tracing::info!(uid, key = %acquired.key, hit = acquired.hit, offline = acquired.offline, "base image ready");
+            rec.base_disk = acquired.path;
+            self.inventory
+                .set_base_disk(&uid, &rec.base_disk)
+                .await
+                .map_err(|e| (e.into(), None))?;
+        } else if let Some(disk) = &spec.base_disk {
+            // The resolved path (the request's may be a symlink).
+            rec.base_disk = disk.clone();
+        }
+        if let (Some(path), Some(bytes)) = (&rec.writable_disk, spec.writable_disk_bytes) {
+            // A clone of an empty ext4 template: O(1) whatever the image size. The guest mounts
+            // it as the overlay upper layer (imp.overlay), it does not format it.
+            self.writable.create(path, bytes).map_err(|source| {
+                (
+                    RuntimeError::WritableDrive {
+                        uid: uid.clone(),
+                        source,
+                    },
+                    None,
+                )
+            })?;
+        }
+        if let Some(t) = &rec.tap {
+            let net_err = |source| {
+                (
+                    RuntimeError::NetworkSetupFailed {
+                        uid: uid.clone(),
+                        source,
+                    },
+                    None,
+                )
+            };
+            if spec
+                .network
+                .as_ref()
+                .is_some_and(|n| n.attachment.is_some())
+            {
+                // This VM's row is in the inventory (Creating): the reconcile adds its TAP to
+                // the bridge before the VMM opens it.
+                let net = self.net_lock.lock().await;
+                self.reconcile_network(&net, &uid)
+                    .await
+                    .map_err(|e| (e, None))?;
+            } else {
+                tap::create(t).map_err(|e| net_err(e.into()))?;
+            }
+        }
+        let files = vm::files_of(rec);
+        let plan = self.plan_of(rec, spec);
+        let procs = self.vm_cgroup(&uid, spec).map_err(|source| {
+            (
+                RuntimeError::CgroupSetupFailed {
+                    uid: uid.clone(),
+                    source,
+                },
+                None,
+            )
+        })?;
+        let spawned_at = Instant::now();
+        let vm = match rec.backend {
+            Backend::Firecracker => self.start_firecracker(rec, &files, &plan, &procs).await?,
+            Backend::Qemu => self.start_qemu(rec, &plan, &procs).await?,
+        };
+        let fail = |source, vm: &Vm| {
+            (
+                RuntimeError::Boot {
+                    uid: uid.clone(),
+                    source,
+                },
+                Some(vm.clone()),
+            )
+        };
+        let deadline = spawned_at + self.cfg.boot_timeout;
+        vmm::wait_for_hello(&files.vsock, &files.serial_log, || vm.is_alive(), deadline)
+            .await
+            .map_err(|e| fail(e, &vm))?;
+        let secs = spawned_at.elapsed().as_secs_f64();
+        self.metrics.boot_latency.observe(secs);
+        rec.boot_seconds = Some(secs);
+        self.inventory
+            .set_running(&uid, secs)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        tracing::info!(
+            uid,
+            pid = vm.process().0,
+            backend = rec.backend.as_str(),
+            boot_seconds = secs,
+            "VM running"
+        );
+        Ok(())
+    }
+
+    /// Spawn (recorded at once), configure and start a Firecracker VM.
+    pub(super) async fn start_firecracker(
+        &self,
+        rec: &mut VmRecord,
+        files: &VmmFiles,
+        plan: &VmPlan,
+        cgroups: &[PathBuf],
+    ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
+        let uid = rec.uid.clone();
+        let boot = |source| RuntimeError::Boot {
+            uid: uid.clone(),
+            source,
+        };
+        let vmm = firecracker::spawn(&self.cfg.firecracker_bin, &uid, files, cgroups)
+            .map_err(|e| (boot(e), None))?;
+        let vm = Vm::Firecracker(vmm.clone());
+        let fail = |e| (boot(e), Some(vm.clone()));
+        self.inventory
+            .set_process(&uid, vmm.process.pid, vmm.process.start_time)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        rec.pid = Some(vmm.process.pid);
+        rec.start_time = Some(vmm.process.start_time);
+        vmm.wait_api_ready().await.map_err(fail)?;
+        vmm.configure(&BootPlan::from(plan)).await.map_err(fail)?;
+        self.inventory
+            .set_state(&uid, VmState::Booting)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        vmm.instance_start().await.map_err(fail)?;
+        Ok(vm)
+    }
+
+    /// Spawn the vsock device, then QEMU (each recorded as soon as it exists).
+    pub(super) async fn start_qemu(
+        &self,
+        rec: &mut VmRecord,
+        plan: &VmPlan,
+        cgroups: &[PathBuf],
+    ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
+        let uid = rec.uid.clone();
+        let files = QemuFiles::in_dir(&rec.dir, &rec.api_socket, &rec.vsock_path, &rec.serial_log);
+        let start_err = |source| RuntimeError::QemuStart {
+            uid: uid.clone(),
+            source,
+        };
+        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroups)
+            .await
+            .map_err(|e| (start_err(e), None))?;
+        let helper_only = |vhost| {
+            Some(Vm::Qemu(QemuVm {
+                qemu: vhost,
+                vhost: None,
+                qmp: qemu::Qmp::new(&files.qmp_sock),
+            }))
+        };
+        self.inventory
+            .set_helper(&uid, vhost.pid, vhost.start_time)
+            .await
+            .map_err(|e| (e.into(), helper_only(vhost)))?;
+        rec.helper_pid = Some(vhost.pid);
+        rec.helper_start_time = Some(vhost.start_time);
+        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroups)
+            .await
+            .map_err(|e| (start_err(e), helper_only(vhost)))?;
+        let vm = Vm::Qemu(QemuVm {
+            qemu: proc,
+            vhost: Some(vhost),
+            qmp: qemu::Qmp::new(&files.qmp_sock),
+        });
+        self.inventory
+            .set_process(&uid, proc.pid, proc.start_time)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        rec.pid = Some(proc.pid);
+        rec.start_time = Some(proc.start_time);
+        self.inventory
+            .set_state(&uid, VmState::Booting)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        Ok(vm)
+    }
+}
