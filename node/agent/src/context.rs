@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use imp_api::ImpVM;
 use imp_api::names::{self, reason as api_reason};
-use imp_api::{ImpVM, VmPhase};
 use imp_guest::host::{self, HostClient, HostError};
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::events::{Recorder, Reporter};
@@ -19,8 +19,9 @@ use tracing::warn;
 
 use super::config::AgentConfig;
 use super::decide::{InFlight, RuntimeFacts};
+use super::handoff;
 use super::metrics::AgentMetrics;
-use super::status::{self, Written};
+use super::status::{self, Guard, Written};
 use super::suspend;
 use imp_runtime_api::api::VmState;
 use imp_runtime_api::client::{ClientError, RuntimeClient};
@@ -39,6 +40,9 @@ pub enum Error {
     Guest(#[from] HostError),
     #[error("object has no {0}")]
     Missing(&'static str),
+    /// The runner task met a step answer the handoff machine does not know (a bug, not a state).
+    #[error(transparent)]
+    Handoff(#[from] handoff::InvalidTransition),
 }
 
 impl Error {
@@ -49,6 +53,7 @@ impl Error {
             Error::Runtime(_) => "runtime_api",
             Error::Guest(_) => "guest",
             Error::Missing(_) => "missing_object_key",
+            Error::Handoff(_) => "handoff",
         }
     }
 }
@@ -167,7 +172,7 @@ impl Context {
             .insert(uid.to_owned(), (kind, handle));
     }
 
-    /// Phase Failed with `reason`, if `allowed(current phase)`; counted and announced (Warning
+    /// Phase Failed with `reason`, if `guard` admits the VM; counted and announced (Warning
     /// Event `VmFailed`) when written.
     pub async fn fail(
         &self,
@@ -175,12 +180,9 @@ impl Context {
         name: &str,
         reason: &str,
         message: &str,
-        allowed: impl Fn(Option<VmPhase>) -> bool,
+        guard: Guard,
     ) -> Result<bool, Error> {
-        let written = status::update(api, name, |vm, s| {
-            if vm.metadata.deletion_timestamp.is_some() || !allowed(s.phase) {
-                return false;
-            }
+        let written = status::update(api, name, guard, |vm, s| {
             status::mark_failed(s, reason, message, vm.metadata.generation, Timestamp::now());
             true
         })

@@ -1,9 +1,12 @@
-//! The agent's state machine for one ImpVM, pure: what the ImpVM says + what imp-runtime reports +
-//! what this agent has in flight -> the next action. No I/O; the controller executes the action.
+//! The agent's one decision for an ImpVM, pure: what the ImpVM says + what imp-runtime reports +
+//! what this agent has in flight (+ what suspend and ScaleToZero observed) -> the next action. No
+//! I/O; the controller executes the action. The lifecycle (boot, handoff, failure, release,
+//! teardown) decides first; where it has nothing to do, [`suspend::decide`] may.
 
 use imp_api::{VmPhase, names::reason};
 
-use super::handoff::{self, Handoff, Resume};
+use super::handoff::{self, Handoff, Step};
+use super::suspend::{self, Plan, Trigger};
 
 /// The facts of the ImpVM that matter to the agent on one node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,7 +30,7 @@ pub enum RuntimeFacts {
     /// Creating or Booting.
     Booting,
     Running,
-    /// Suspending, Suspended or Resuming ([`super::suspend`] decides on these).
+    /// Suspending, Suspended or Resuming ([`suspend`] decides on these).
     Suspending,
     Suspended,
     Resuming,
@@ -46,7 +49,7 @@ pub enum InFlight {
     Boot,
     /// The handoff and the wait for the runner's exit.
     Runner,
-    /// Writing Suspending and asking the runtime to suspend ([`super::suspend`]).
+    /// Writing Suspending and asking the runtime to suspend ([`suspend`]).
     Suspend,
     /// Writing Resuming and asking the runtime to resume.
     Resume,
@@ -71,14 +74,65 @@ pub enum Action {
     Reattach,
     /// `Sent` without `Started` and nothing in flight: Failed HandoffAmbiguous, delete the Secret.
     DeclareAmbiguous,
-    /// Write phase Failed.
+    /// Write phase Failed (the VM lives: Starting, Running or a suspend phase).
     Fail {
         reason: String,
         message: String,
     },
+    /// Write Suspending (condition Suspended=True with the trigger), then ask the runtime.
+    Suspend(Trigger),
+    /// Write Resuming (condition Suspended=False with the trigger), then ask the runtime.
+    Resume(Trigger),
+    /// The runtime reports the VM suspended: write Suspended.
+    MarkSuspended,
+    /// The runtime reports the VM running again: write Running (Ready=True).
+    MarkRunning,
+    /// Record condition Suspended=False with the trigger's reason and a Warning Event, once.
+    RefuseSuspend(Trigger),
+    /// The refusal no longer applies: drop the condition.
+    ClearSuspendRefusal,
 }
 
-pub fn decide(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> Action {
+/// The next action for a VM. `sleep` is what suspend and ScaleToZero observed, for a VM bound
+/// here, not being deleted, in a phase [`suspend::decide`] owns (Running only in part).
+pub fn decide(
+    vm: &VmFacts,
+    rt: &RuntimeFacts,
+    in_flight: Option<InFlight>,
+    sleep: Option<&suspend::Facts>,
+) -> Action {
+    match (lifecycle(vm, rt, in_flight), sleep) {
+        (Action::Nothing, Some(f)) if vm.bound_here && !vm.deleting => {
+            from_plan(suspend::decide(f))
+        }
+        (action, _) => action,
+    }
+}
+
+fn from_plan(plan: Plan) -> Action {
+    match plan {
+        Plan::Nothing => Action::Nothing,
+        Plan::Suspend(t) => Action::Suspend(t),
+        Plan::Resume(t) => Action::Resume(t),
+        Plan::MarkSuspended => Action::MarkSuspended,
+        Plan::MarkRunning => Action::MarkRunning,
+        Plan::Refuse(t) => Action::RefuseSuspend(t),
+        Plan::ClearRefusal => Action::ClearSuspendRefusal,
+        Plan::Fail { reason, message } => Action::Fail { reason, message },
+    }
+}
+
+/// Whether the VM's monitor (probes, guest metrics) should run: a Running guest that is not
+/// being deleted, suspended or resumed.
+pub fn monitored(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> bool {
+    vm.phase == Some(VmPhase::Running)
+        && !vm.deleting
+        && *rt == RuntimeFacts::Running
+        && !matches!(in_flight, Some(InFlight::Suspend | InFlight::Resume))
+}
+
+/// Boot, handoff, failure, release and teardown.
+fn lifecycle(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> Action {
     let present = *rt != RuntimeFacts::Absent;
     // Deletion (the operator also sets Terminating), or no longer ours: tear down, then record it.
     if vm.deleting || vm.phase == Some(VmPhase::Terminating) || !vm.bound_here {
@@ -154,11 +208,11 @@ fn running(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> Acti
     if in_flight == Some(InFlight::Runner) {
         return Action::Nothing;
     }
-    match handoff::resume(vm.handoff) {
+    // Where a runner task would start from the recorded handoff (the machine's restart rule).
+    match handoff::start(vm.handoff).step {
         // Whatever the runtime says: the config may have reached the guest, never send it again.
-        Resume::DeclareAmbiguous => Action::DeclareAmbiguous,
-        Resume::Done => Action::Nothing,
-        Resume::Begin => match rt {
+        Step::DeclareAmbiguous => Action::DeclareAmbiguous,
+        Step::VerifyBinding => match rt {
             RuntimeFacts::Running => Action::Handoff,
             RuntimeFacts::Booting => Action::Nothing,
             RuntimeFacts::Absent => Action::Fail {
@@ -170,13 +224,15 @@ fn running(vm: &VmFacts, rt: &RuntimeFacts, in_flight: Option<InFlight>) -> Acti
                 message: "the VM's process ended before the runner was handed its config".into(),
             },
         },
-        Resume::Reattach => match rt {
+        Step::Connect => match rt {
             RuntimeFacts::Running => Action::Reattach,
             _ => Action::Fail {
                 reason: reason::RUNNER_EXIT_UNKNOWN.into(),
                 message: "the VM ended before the runner's exit code was collected".into(),
             },
         },
+        // The handoff is over.
+        _ => Action::Nothing,
     }
 }
 
@@ -214,11 +270,11 @@ mod tests {
     #[test]
     fn scheduled_boots() {
         assert_eq!(
-            decide(&vm(VmPhase::Scheduled), &R::Absent, None),
+            lifecycle(&vm(VmPhase::Scheduled), &R::Absent, None),
             Action::Boot
         );
         assert_eq!(
-            decide(&vm(VmPhase::Scheduled), &R::Absent, Some(InFlight::Boot)),
+            lifecycle(&vm(VmPhase::Scheduled), &R::Absent, Some(InFlight::Boot)),
             Action::Nothing
         );
     }
@@ -226,7 +282,10 @@ mod tests {
     #[test]
     fn scheduled_with_an_old_instance_restarts_in_place() {
         for rt in [R::Running, R::Exited, failed(reason::GUEST_PANICKED)] {
-            assert_eq!(decide(&vm(VmPhase::Scheduled), &rt, None), Action::Restart);
+            assert_eq!(
+                lifecycle(&vm(VmPhase::Scheduled), &rt, None),
+                Action::Restart
+            );
         }
     }
 
@@ -234,17 +293,17 @@ mod tests {
     fn starting_resumes_or_reports_the_runtime_failure() {
         for rt in [R::Absent, R::Booting, R::Running] {
             assert_eq!(
-                decide(&vm(VmPhase::Starting), &rt, None),
+                lifecycle(&vm(VmPhase::Starting), &rt, None),
                 Action::Boot,
                 "{rt:?}"
             );
         }
         assert_eq!(
-            decide(&vm(VmPhase::Starting), &R::Booting, Some(InFlight::Boot)),
+            lifecycle(&vm(VmPhase::Starting), &R::Booting, Some(InFlight::Boot)),
             Action::Nothing
         );
         assert_eq!(
-            decide(
+            lifecycle(
                 &vm(VmPhase::Starting),
                 &failed(reason::ROOTFS_PULL_FAILED),
                 None
@@ -255,7 +314,7 @@ mod tests {
             }
         );
         assert!(matches!(
-            decide(&vm(VmPhase::Starting), &R::Exited, None),
+            lifecycle(&vm(VmPhase::Starting), &R::Exited, None),
             Action::Fail { reason, .. } if reason == reason::GUEST_EXITED
         ));
     }
@@ -263,19 +322,19 @@ mod tests {
     #[test]
     fn running_plain_vm_is_watched() {
         assert_eq!(
-            decide(&vm(VmPhase::Running), &R::Running, None),
+            lifecycle(&vm(VmPhase::Running), &R::Running, None),
             Action::Nothing
         );
         assert!(matches!(
-            decide(&vm(VmPhase::Running), &R::Exited, None),
+            lifecycle(&vm(VmPhase::Running), &R::Exited, None),
             Action::Fail { reason, .. } if reason == reason::GUEST_EXITED
         ));
         assert!(matches!(
-            decide(&vm(VmPhase::Running), &R::Absent, None),
+            lifecycle(&vm(VmPhase::Running), &R::Absent, None),
             Action::Fail { reason, .. } if reason == reason::VM_LOST
         ));
         assert!(matches!(
-            decide(&vm(VmPhase::Running), &failed(reason::FIRECRACKER_UNRESPONSIVE), None),
+            lifecycle(&vm(VmPhase::Running), &failed(reason::FIRECRACKER_UNRESPONSIVE), None),
             Action::Fail { reason, .. } if reason == reason::FIRECRACKER_UNRESPONSIVE
         ));
     }
@@ -283,23 +342,23 @@ mod tests {
     #[test]
     fn running_runner_vm_hands_off_once() {
         let v = runner(VmPhase::Running, Handoff::NotStarted);
-        assert_eq!(decide(&v, &R::Running, None), Action::Handoff);
+        assert_eq!(lifecycle(&v, &R::Running, None), Action::Handoff);
         assert_eq!(
-            decide(&v, &R::Running, Some(InFlight::Runner)),
+            lifecycle(&v, &R::Running, Some(InFlight::Runner)),
             Action::Nothing
         );
-        assert_eq!(decide(&v, &R::Booting, None), Action::Nothing);
+        assert_eq!(lifecycle(&v, &R::Booting, None), Action::Nothing);
     }
 
     #[test]
     fn sent_without_started_and_nothing_in_flight_is_ambiguous_whatever_the_runtime_says() {
         let v = runner(VmPhase::Running, Handoff::Sent);
         for rt in [R::Running, R::Exited, R::Absent, R::Booting] {
-            assert_eq!(decide(&v, &rt, None), Action::DeclareAmbiguous, "{rt:?}");
+            assert_eq!(lifecycle(&v, &rt, None), Action::DeclareAmbiguous, "{rt:?}");
         }
         // Our own handoff in flight: not ambiguous (yet).
         assert_eq!(
-            decide(&v, &R::Running, Some(InFlight::Runner)),
+            lifecycle(&v, &R::Running, Some(InFlight::Runner)),
             Action::Nothing
         );
     }
@@ -307,10 +366,10 @@ mod tests {
     #[test]
     fn started_runner_is_reattached_or_its_loss_reported() {
         let v = runner(VmPhase::Running, Handoff::Started);
-        assert_eq!(decide(&v, &R::Running, None), Action::Reattach);
+        assert_eq!(lifecycle(&v, &R::Running, None), Action::Reattach);
         for rt in [R::Exited, R::Absent] {
             assert!(matches!(
-                decide(&v, &rt, None),
+                lifecycle(&v, &rt, None),
                 Action::Fail { reason, .. } if reason == reason::RUNNER_EXIT_UNKNOWN
             ));
         }
@@ -319,41 +378,41 @@ mod tests {
     #[test]
     fn deletion_tears_down_then_records() {
         let mut v = runner(VmPhase::Terminating, Handoff::Started);
-        assert_eq!(decide(&v, &R::Running, None), Action::Teardown);
+        assert_eq!(lifecycle(&v, &R::Running, None), Action::Teardown);
         assert_eq!(
-            decide(&v, &R::Exited, Some(InFlight::Runner)),
+            lifecycle(&v, &R::Exited, Some(InFlight::Runner)),
             Action::Teardown
         );
         assert_eq!(
-            decide(&v, &R::Absent, Some(InFlight::Runner)),
+            lifecycle(&v, &R::Absent, Some(InFlight::Runner)),
             Action::Teardown
         );
-        assert_eq!(decide(&v, &R::Absent, None), Action::RecordTornDown);
+        assert_eq!(lifecycle(&v, &R::Absent, None), Action::RecordTornDown);
         v.torn_down = true;
-        assert_eq!(decide(&v, &R::Absent, None), Action::Nothing);
+        assert_eq!(lifecycle(&v, &R::Absent, None), Action::Nothing);
         // deletionTimestamp before the operator wrote Terminating
         let mut d = vm(VmPhase::Running);
         d.deleting = true;
-        assert_eq!(decide(&d, &R::Running, None), Action::Teardown);
+        assert_eq!(lifecycle(&d, &R::Running, None), Action::Teardown);
     }
 
     #[test]
     fn unbound_vm_is_released_without_a_record() {
         let mut v = vm(VmPhase::Pending);
         v.bound_here = false;
-        assert_eq!(decide(&v, &R::Running, None), Action::Release);
-        assert_eq!(decide(&v, &R::Absent, None), Action::Nothing);
+        assert_eq!(lifecycle(&v, &R::Running, None), Action::Release);
+        assert_eq!(lifecycle(&v, &R::Absent, None), Action::Nothing);
     }
 
     #[test]
     fn terminal_phases_release_the_instance() {
         for p in [VmPhase::Succeeded, VmPhase::Failed, VmPhase::RetryExhausted] {
-            assert_eq!(decide(&vm(p), &R::Exited, None), Action::Release);
+            assert_eq!(lifecycle(&vm(p), &R::Exited, None), Action::Release);
             assert_eq!(
-                decide(&vm(p), &R::Running, Some(InFlight::Runner)),
+                lifecycle(&vm(p), &R::Running, Some(InFlight::Runner)),
                 Action::Release
             );
-            assert_eq!(decide(&vm(p), &R::Absent, None), Action::Nothing);
+            assert_eq!(lifecycle(&vm(p), &R::Absent, None), Action::Nothing);
         }
     }
 
@@ -367,31 +426,119 @@ mod tests {
                 R::Running,
                 R::Absent,
             ] {
-                assert_eq!(decide(&vm(p), &rt, None), Action::Nothing, "{p:?} {rt:?}");
+                assert_eq!(
+                    lifecycle(&vm(p), &rt, None),
+                    Action::Nothing,
+                    "{p:?} {rt:?}"
+                );
             }
             let mut d = vm(p);
             d.deleting = true;
-            assert_eq!(decide(&d, &R::Suspended, None), Action::Teardown);
+            assert_eq!(lifecycle(&d, &R::Suspended, None), Action::Teardown);
             assert_eq!(
-                decide(&d, &R::Absent, Some(InFlight::Resume)),
+                lifecycle(&d, &R::Absent, Some(InFlight::Resume)),
                 Action::Teardown
             );
             d.bound_here = false;
-            assert_eq!(decide(&d, &R::Suspended, None), Action::Release);
+            assert_eq!(lifecycle(&d, &R::Suspended, None), Action::Release);
         }
         // A plain Running VM whose runtime suspends is no failure.
         for rt in [R::Suspending, R::Suspended, R::Resuming] {
-            assert_eq!(decide(&vm(VmPhase::Running), &rt, None), Action::Nothing);
+            assert_eq!(lifecycle(&vm(VmPhase::Running), &rt, None), Action::Nothing);
         }
     }
 
     #[test]
     fn operator_phases_are_left_alone() {
         for p in [VmPhase::Pending, VmPhase::Suspended] {
-            assert_eq!(decide(&vm(p), &R::Absent, None), Action::Nothing);
+            assert_eq!(lifecycle(&vm(p), &R::Absent, None), Action::Nothing);
         }
         let mut v = vm(VmPhase::Scheduled);
         v.phase = None;
-        assert_eq!(decide(&v, &R::Absent, None), Action::Nothing);
+        assert_eq!(lifecycle(&v, &R::Absent, None), Action::Nothing);
+    }
+
+    #[test]
+    fn suspend_decides_where_the_lifecycle_has_nothing_to_do() {
+        use imp_api::DesiredState as D;
+        use suspend::Runtime as S;
+        let f = suspend::tests::facts(VmPhase::Running, D::Suspended, S::Running);
+        let v = vm(VmPhase::Running);
+        assert_eq!(
+            decide(&v, &R::Running, None, Some(&f)),
+            Action::Suspend(Trigger::Requested)
+        );
+        assert_eq!(decide(&v, &R::Running, None, None), Action::Nothing);
+        let f = suspend::tests::facts(VmPhase::Suspended, D::Running, S::Suspended);
+        assert_eq!(
+            decide(&vm(VmPhase::Suspended), &R::Suspended, None, Some(&f)),
+            Action::Resume(Trigger::Requested)
+        );
+        let f = suspend::tests::facts(VmPhase::Suspending, D::Suspended, S::Suspended);
+        assert_eq!(
+            decide(&vm(VmPhase::Suspending), &R::Suspended, None, Some(&f)),
+            Action::MarkSuspended
+        );
+        let f = suspend::tests::facts(VmPhase::Resuming, D::Running, S::Running);
+        assert_eq!(
+            decide(&vm(VmPhase::Resuming), &R::Running, None, Some(&f)),
+            Action::MarkRunning
+        );
+        // The suspend plan's failure is the lifecycle's Fail.
+        let f = suspend::tests::facts(VmPhase::Suspended, D::Suspended, S::Absent);
+        assert!(matches!(
+            decide(&vm(VmPhase::Suspended), &R::Absent, None, Some(&f)),
+            Action::Fail { reason, .. } if reason == reason::VM_LOST
+        ));
+        // Refusals, once.
+        let mut f = suspend::tests::facts(VmPhase::Running, D::ScaleToZero, S::Running);
+        f.scale_to_zero = false;
+        assert_eq!(
+            decide(&v, &R::Running, None, Some(&f)),
+            Action::RefuseSuspend(Trigger::Disabled)
+        );
+        let mut f = suspend::tests::facts(VmPhase::Running, D::Running, S::Running);
+        f.recorded = Some(reason::SCALE_TO_ZERO_DISABLED.into());
+        assert_eq!(
+            decide(&v, &R::Running, None, Some(&f)),
+            Action::ClearSuspendRefusal
+        );
+    }
+
+    #[test]
+    fn the_lifecycle_goes_first() {
+        use imp_api::DesiredState as D;
+        use suspend::Runtime as S;
+        // Deleted while suspended: torn down, whatever suspend would do.
+        let f = suspend::tests::facts(VmPhase::Suspended, D::Running, S::Suspended);
+        let mut d = vm(VmPhase::Suspended);
+        d.deleting = true;
+        assert_eq!(decide(&d, &R::Suspended, None, Some(&f)), Action::Teardown);
+        // A Running runner VM hands off; a failed runtime fails the VM.
+        let f = suspend::tests::facts(VmPhase::Running, D::Suspended, S::Running);
+        let r = runner(VmPhase::Running, Handoff::NotStarted);
+        assert_eq!(decide(&r, &R::Running, None, Some(&f)), Action::Handoff);
+        assert!(matches!(
+            decide(&vm(VmPhase::Running), &failed(reason::GUEST_PANICKED), None, Some(&f)),
+            Action::Fail { reason, .. } if reason == reason::GUEST_PANICKED
+        ));
+        // Facts of a VM no longer bound here are not suspend's.
+        let mut u = vm(VmPhase::Running);
+        u.bound_here = false;
+        assert_eq!(decide(&u, &R::Absent, None, Some(&f)), Action::Nothing);
+    }
+
+    #[test]
+    fn the_monitor_runs_only_beside_a_running_guest() {
+        let v = vm(VmPhase::Running);
+        assert!(monitored(&v, &R::Running, None));
+        assert!(monitored(&v, &R::Running, Some(InFlight::Runner)));
+        assert!(!monitored(&v, &R::Running, Some(InFlight::Suspend)));
+        assert!(!monitored(&v, &R::Running, Some(InFlight::Resume)));
+        assert!(!monitored(&v, &R::Suspended, None));
+        assert!(!monitored(&vm(VmPhase::Starting), &R::Running, None));
+        let mut d = v.clone();
+        d.deleting = true;
+        assert!(!monitored(&d, &R::Running, None));
     }
 }

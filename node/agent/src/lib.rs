@@ -2,13 +2,16 @@
 //! its node, drives imp-runtime through its socket, performs the runner handoff over vsock, writes
 //! the agent's part of ImpVM status and renews the node's heartbeat Lease.
 //!
-//! Pure decisions: [`decide`] (next action), [`handoff`] (the handoff state machine), [`binding`]
-//! (whose JIT config a VM may receive), [`spec`]
-//! (ImpVM -> runtime spec), [`capacity`] (what the Node offers VMs), [`suspend`] (suspend, resume,
-//! ScaleToZero). I/O: [`controller`], [`suspender`], [`status`], [`lease`] (heartbeat and capacity
-//! publishing), [`http`].
+//! Pure decisions: [`decide`] (a VM's next action, suspend's plan folded in), [`handoff`] (the
+//! handoff's order of steps), [`binding`] (whose JIT config a VM may receive), [`spec`] (ImpVM ->
+//! runtime spec), [`capacity`] (what the Node offers VMs), [`suspend`] (suspend, resume,
+//! ScaleToZero). I/O: [`controller`] (watch, observe, the one executor, sweep), [`boot`] and
+//! [`runner`] (the per-VM tasks), [`suspender`], [`monitor`], [`status`] (guarded writes),
+//! [`lease`] (heartbeat and capacity publishing), [`http`]. Shared one floor below them:
+//! [`context`], [`config`].
 
 pub mod binding;
+pub mod boot;
 pub mod capacity;
 pub mod config;
 pub mod context;
@@ -20,6 +23,7 @@ pub mod lease;
 pub mod metrics;
 pub mod monitor;
 pub mod prebuild;
+pub mod runner;
 pub mod spec;
 pub mod status;
 pub mod suspend;

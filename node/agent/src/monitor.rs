@@ -16,7 +16,7 @@ use tracing::{debug, info};
 
 use super::context::{Context, connect};
 use super::metrics::GuestLabels;
-use super::status::{self, Written};
+use super::status::{self, Guard, Written};
 
 /// Whether a probe answer passes: an HTTP status 2xx or 3xx.
 pub fn passed(r: &ProbeResult) -> bool {
@@ -219,10 +219,7 @@ async fn write_ready(
             format!("readiness probe {path} failed {failures} times in a row (last: {detail})"),
         ),
     };
-    let written = status::update(api, name, |vm, s| {
-        if vm.metadata.deletion_timestamp.is_some() || s.phase != Some(VmPhase::Running) {
-            return false;
-        }
+    let written = status::update(api, name, Guard::RUNNING, |vm, s| {
         conditions::set(
             &mut s.conditions,
             condition::READY,

@@ -1,14 +1,82 @@
 //! ImpVM status writes: read-modify-write with the object's resourceVersion as precondition
 //! (PUT /status, retried on 409), exactly like the operator (docs/vm-lifecycle.md "What the agent
 //! must do and write", rule 1). The conditions list is atomic in the schema, so it is never merged.
+//!
+//! Every write names its [`Guard`]: the phases it is for, whether it still applies while the VM
+//! is being deleted, and for handoff writes the recorded handoff state it moves on from. The
+//! guard is checked here, against the object as it is now, on every attempt.
 
+use VmPhase::{Resuming, Running, Scheduled, Starting, Suspended, Suspending};
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{condition::READY, reason};
 use imp_api::{ImpVM, ImpVMStatus, VmPhase};
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, api::PostParams};
 
+use super::handoff::Handoff;
+
 const MAX_CONFLICTS: usize = 20;
+
+/// Which objects a status write applies to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Guard {
+    /// `None`: any phase.
+    phases: Option<&'static [VmPhase]>,
+    /// Also while `deletionTimestamp` is set.
+    deleting: bool,
+    /// Only while `status.runner.handoff` records this state (a compare-and-set).
+    handoff: Option<Handoff>,
+}
+
+impl Guard {
+    /// Any phase, not while deleting.
+    pub const ANY: Guard = Guard {
+        phases: None,
+        deleting: false,
+        handoff: None,
+    };
+    /// Booting: the VM's first write (Starting) and the PUT's retries.
+    pub const BOOTING: Guard = Guard::phases(&[Scheduled, Starting]);
+    pub const STARTING: Guard = Guard::phases(&[Starting]);
+    pub const RUNNING: Guard = Guard::phases(&[Running]);
+    /// The phases the agent owns while the VM lives: a failure found in any of them is written.
+    pub const LIVE: Guard = Guard::phases(&[Starting, Running, Suspending, Suspended, Resuming]);
+
+    /// Only in `phases`, not while deleting.
+    pub const fn phases(phases: &'static [VmPhase]) -> Guard {
+        Guard {
+            phases: Some(phases),
+            ..Guard::ANY
+        }
+    }
+
+    /// Also while the VM is being deleted (a record of what happened on the host).
+    pub const fn even_deleting(self) -> Guard {
+        Guard {
+            deleting: true,
+            ..self
+        }
+    }
+
+    /// Only while the recorded handoff is `from` (it moves on from there, once).
+    pub const fn handoff(self, from: Handoff) -> Guard {
+        Guard {
+            handoff: Some(from),
+            ..self
+        }
+    }
+
+    /// Whether a write may change `vm`, whose status is `status`.
+    pub fn admits(&self, vm: &ImpVM, status: &ImpVMStatus) -> bool {
+        (self.deleting || vm.metadata.deletion_timestamp.is_none())
+            && self
+                .phases
+                .is_none_or(|p| status.phase.is_some_and(|ph| p.contains(&ph)))
+            && self.handoff.is_none_or(|h| {
+                Handoff::from_status(status.runner.as_ref().and_then(|r| r.handoff)) == h
+            })
+    }
+}
 
 /// Phase Failed with `reason` and `message`, and Ready=False (VmStopped): how every agent-side
 /// failure reads, whichever path found it.
@@ -42,11 +110,13 @@ pub enum Written {
     Refused,
 }
 
-/// Read-modify-write of `name`'s status. `edit` sees the current object and may refuse (return
-/// false) when the state it was called for no longer holds; it is re-run on every conflict.
+/// Read-modify-write of `name`'s status, if `guard` admits the object as it is now. `edit` may
+/// still refuse (return false) for a reason of its own (the record is there already); both are
+/// re-checked on every conflict.
 pub async fn update(
     api: &Api<ImpVM>,
     name: &str,
+    guard: Guard,
     mut edit: impl FnMut(&ImpVM, &mut ImpVMStatus) -> bool,
 ) -> Result<Written, kube::Error> {
     for _ in 0..MAX_CONFLICTS {
@@ -55,7 +125,7 @@ pub async fn update(
         };
         let before = vm.status.clone().unwrap_or_default();
         let mut status = before.clone();
-        if !edit(&vm, &mut status) {
+        if !guard.admits(&vm, &status) || !edit(&vm, &mut status) {
             return Ok(Written::Refused);
         }
         if status == before {
@@ -80,6 +150,83 @@ pub async fn update(
 mod tests {
     use super::*;
     use imp_api::names::condition;
+    use imp_api::{HandoffState, RunnerStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    fn vm(deleting: bool) -> ImpVM {
+        let mut vm: ImpVM = serde_json::from_value(serde_json::json!({
+            "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVM", "metadata": {"name": "v"},
+            "spec": {"classRef": {"name": "c"}, "image": "i", "lifecycle": "ephemeral"}}))
+        .unwrap();
+        if deleting {
+            vm.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        }
+        vm
+    }
+
+    fn status(phase: Option<VmPhase>, handoff: Option<HandoffState>) -> ImpVMStatus {
+        ImpVMStatus {
+            phase,
+            runner: handoff.map(|h| RunnerStatus {
+                handoff: Some(h),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn guards_check_deletion_phase_and_recorded_handoff() {
+        let running = status(Some(Running), None);
+        assert!(Guard::ANY.admits(&vm(false), &running));
+        assert!(Guard::ANY.admits(&vm(false), &status(None, None)));
+        assert!(!Guard::ANY.admits(&vm(true), &running));
+        assert!(Guard::ANY.even_deleting().admits(&vm(true), &running));
+        assert!(Guard::RUNNING.admits(&vm(false), &running));
+        assert!(!Guard::RUNNING.admits(&vm(true), &running));
+        assert!(!Guard::RUNNING.admits(&vm(false), &status(Some(Starting), None)));
+        assert!(!Guard::RUNNING.admits(&vm(false), &status(None, None)));
+        for p in [Scheduled, Starting] {
+            assert!(Guard::BOOTING.admits(&vm(false), &status(Some(p), None)));
+        }
+        assert!(!Guard::BOOTING.admits(&vm(false), &running));
+        for p in [Starting, Running, Suspending, Suspended, Resuming] {
+            assert!(
+                Guard::LIVE.admits(&vm(false), &status(Some(p), None)),
+                "{p:?}"
+            );
+        }
+        for p in [
+            VmPhase::Pending,
+            Scheduled,
+            VmPhase::Terminating,
+            VmPhase::Failed,
+        ] {
+            assert!(
+                !Guard::LIVE.admits(&vm(false), &status(Some(p), None)),
+                "{p:?}"
+            );
+        }
+        let sent = status(Some(Running), Some(HandoffState::Sent));
+        let g = Guard::RUNNING.handoff(Handoff::Sent);
+        assert!(g.admits(&vm(false), &sent));
+        assert!(
+            !g.admits(&vm(false), &running),
+            "nothing recorded is not Sent"
+        );
+        assert!(
+            Guard::RUNNING
+                .handoff(Handoff::NotStarted)
+                .admits(&vm(false), &running)
+        );
+        let started = status(Some(Running), Some(HandoffState::Started));
+        assert!(!g.admits(&vm(false), &started), "Started never goes back");
+        let g = Guard::ANY.even_deleting().handoff(Handoff::Sent);
+        assert!(g.admits(
+            &vm(true),
+            &status(Some(VmPhase::Terminating), Some(HandoffState::Sent))
+        ));
+    }
 
     #[test]
     fn mark_failed_sets_phase_reason_message_and_ready_false() {

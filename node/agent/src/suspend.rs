@@ -373,14 +373,15 @@ impl Wake {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use DesiredState as D;
     use Runtime as R;
 
     const IDLE: Duration = Duration::from_secs(10);
 
-    fn facts(phase: VmPhase, desired: D, runtime: R) -> Facts {
+    /// Facts of a persistent VM on an agent with ScaleToZero enabled, nothing observed yet.
+    pub(crate) fn facts(phase: VmPhase, desired: D, runtime: R) -> Facts {
         Facts {
             phase,
             desired,

@@ -1,13 +1,14 @@
-//! The executor of [`suspend`]'s plans: observes what the pure decision needs (the VM's link
-//! counters for the idle clock, its wake counter), writes the phases, conditions and Events, and
-//! calls imp-runtime's suspend and resume. The wake loop polls the wake counters of suspended
-//! ScaleToZero VMs every [`WAKE_POLL`] and, on a rise, triggers a reconcile.
+//! The I/O of suspend and ScaleToZero: [`observe`] gathers what [`suspend::decide`] needs (the
+//! VM's link counters for the idle clock, its wake counter); the controller's executor calls
+//! [`suspend`], [`resume`], [`mark_suspended`], [`mark_running`], [`refuse`] and
+//! [`clear_refusal`], which write the phases, conditions and Events and call imp-runtime. The
+//! wake loop polls the wake counters of suspended ScaleToZero VMs every [`WAKE_POLL`] and, on a
+//! rise, triggers a reconcile.
 //!
 //! Wake-on-traffic has not been validated on hardware: the tests drive it in network namespaces
 //! with the Firecracker simulator (node/runtime/tests/suspend_agent.rs) and with a real guest under QEMU
 //! (node/runtime/tests/scale_to_zero_qemu.rs).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use imp_api::conditions::{self, ConditionStatus};
@@ -19,9 +20,9 @@ use kube::{Api, ResourceExt};
 use tracing::{debug, info, warn};
 
 use super::context::{Context, Error, runtime_facts};
-use super::decide::{InFlight, RuntimeFacts};
-use super::status::{self, Written};
-use super::suspend::{self, Facts, Ineligible, Plan, Runtime, Traffic, Trigger, Wake};
+use super::decide::{InFlight, RuntimeFacts, VmFacts};
+use super::status::{self, Guard, Written};
+use super::suspend::{Facts, Ineligible, Runtime, Traffic, Trigger, Wake};
 use imp_runtime_api::api::{LinkStats, VmState};
 
 /// How often the wake counters of suspended ScaleToZero VMs are read (one local socket request
@@ -90,18 +91,23 @@ fn scale_to_zero(ctx: &Context, vm: &ImpVM) -> bool {
         && vm.spec.network_ref.is_some()
 }
 
-/// Observe, decide, act for a VM in one of the [`handles`] phases.
-pub async fn reconcile(
-    ctx: &Arc<Context>,
-    api: &Api<ImpVM>,
-    vm: ImpVM,
+/// What [`suspend::decide`] looks at, for a VM bound here, not being deleted, in one of the
+/// [`handles`] phases (`None` otherwise). Keeps the idle clock and registers suspended
+/// ScaleToZero VMs with the wake loop.
+pub async fn observe(
+    ctx: &Context,
+    vm: &ImpVM,
     uid: &str,
-    phase: VmPhase,
+    facts: &VmFacts,
     rt: &RuntimeFacts,
     in_flight: Option<InFlight>,
-) -> Result<(), Error> {
+) -> Option<Facts> {
+    let phase = facts.phase.filter(|p| handles(*p))?;
+    if !facts.bound_here || facts.deleting {
+        return None;
+    }
     let runtime = runtime(rt);
-    let s2z = scale_to_zero(ctx, &vm);
+    let s2z = scale_to_zero(ctx, vm);
     let now = Instant::now();
     // The idle clock runs only while the VM runs and asks for ScaleToZero.
     let idle_for = if s2z && phase == VmPhase::Running && runtime == Runtime::Running {
@@ -136,10 +142,10 @@ pub async fn reconcile(
         }
         false
     };
-    let facts = Facts {
+    Some(Facts {
         phase,
         desired: vm.spec.desired_state(),
-        ineligible: ineligible(&vm),
+        ineligible: ineligible(vm),
         scale_to_zero: ctx.config.scale_to_zero,
         runtime,
         idle_for,
@@ -149,14 +155,8 @@ pub async fn reconcile(
             .unwrap_or(imp_api::DEFAULT_IDLE_TIMEOUT),
         woken,
         in_flight: matches!(in_flight, Some(InFlight::Suspend | InFlight::Resume)),
-        recorded: recorded(&vm),
-    };
-    let plan = suspend::decide(&facts);
-    if plan != Plan::Nothing {
-        info!(vm = %format!("{}/{}", vm.namespace().unwrap_or_default(), vm.name_any()),
-            ?phase, runtime = ?facts.runtime, desired = ?facts.desired, ?idle_for, woken, ?plan, "suspend plan");
-    }
-    execute(ctx, api, vm, uid, plan).await
+        recorded: recorded(vm),
+    })
 }
 
 /// Registers `uid` with the wake loop unless it is.
@@ -167,51 +167,6 @@ fn watch_wakes(ctx: &Context, uid: &str) {
         .wakes
         .entry(uid.to_owned())
         .or_insert_with(|| Wake::new(0));
-}
-
-async fn execute(
-    ctx: &Arc<Context>,
-    api: &Api<ImpVM>,
-    vm: ImpVM,
-    uid: &str,
-    plan: Plan,
-) -> Result<(), Error> {
-    let name = vm.name_any();
-    match plan {
-        Plan::Nothing => {}
-        Plan::Suspend(t) => {
-            let (ctx2, api2, uid2) = (ctx.clone(), api.clone(), uid.to_owned());
-            ctx.spawn(uid, InFlight::Suspend, async move {
-                suspend_vm(&ctx2, &api2, vm, &uid2, t).await
-            });
-        }
-        Plan::Resume(t) => {
-            let (ctx2, api2, uid2) = (ctx.clone(), api.clone(), uid.to_owned());
-            ctx.spawn(uid, InFlight::Resume, async move {
-                resume_vm(&ctx2, &api2, vm, &uid2, t).await
-            });
-        }
-        Plan::MarkSuspended => mark_suspended(ctx, api, &name, None).await?,
-        Plan::MarkRunning => mark_running(ctx, api, &name, uid, None).await?,
-        Plan::Refuse(t) => refuse(ctx, api, &vm, t).await?,
-        Plan::ClearRefusal => {
-            status::update(api, &name, |_, s| {
-                conditions::remove(&mut s.conditions, condition::SUSPENDED);
-                true
-            })
-            .await?;
-        }
-        Plan::Fail { reason, message } => {
-            ctx.fail(api, &name, &reason, &message, |p| {
-                matches!(
-                    p,
-                    Some(VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming)
-                )
-            })
-            .await?;
-        }
-    }
-    Ok(())
 }
 
 fn why(t: Trigger, vm: &ImpVM, suspend: bool) -> String {
@@ -237,8 +192,8 @@ fn why(t: Trigger, vm: &ImpVM, suspend: bool) -> String {
 }
 
 /// Suspending (condition Suspended=True), then the runtime call; Suspended once it reports so.
-async fn suspend_vm(
-    ctx: &Arc<Context>,
+pub async fn suspend(
+    ctx: &Context,
     api: &Api<ImpVM>,
     vm: ImpVM,
     uid: &str,
@@ -246,12 +201,8 @@ async fn suspend_vm(
 ) -> Result<(), Error> {
     let name = vm.name_any();
     let message = why(t, &vm, true);
-    let written = status::update(api, &name, |vm, s| {
-        if vm.metadata.deletion_timestamp.is_some()
-            || !matches!(s.phase, Some(VmPhase::Running | VmPhase::Suspending))
-        {
-            return false;
-        }
+    let guard = Guard::phases(&[VmPhase::Running, VmPhase::Suspending]);
+    let written = status::update(api, &name, guard, |vm, s| {
         let now = Timestamp::now();
         s.phase = Some(VmPhase::Suspending);
         conditions::set(
@@ -308,10 +259,8 @@ async fn suspend_vm(
             // Still running: say so rather than stay Suspending (the runtime's answer decides
             // anything else on the next reconcile).
             if runtime_facts(ctx.runtime.inspect(uid).await)? == RuntimeFacts::Running {
-                status::update(api, &name, |vm, s| {
-                    if s.phase != Some(VmPhase::Suspending) {
-                        return false;
-                    }
+                let guard = Guard::phases(&[VmPhase::Suspending]).even_deleting();
+                status::update(api, &name, guard, |vm, s| {
                     let now = Timestamp::now();
                     s.phase = Some(VmPhase::Running);
                     conditions::set(
@@ -348,22 +297,15 @@ async fn suspend_vm(
 }
 
 /// Phase Suspended (from Suspending, or a Running/Resuming phase that lags the runtime).
-async fn mark_suspended(
+pub async fn mark_suspended(
     ctx: &Context,
     api: &Api<ImpVM>,
     name: &str,
     note: Option<String>,
 ) -> Result<(), Error> {
     let mut trigger = Trigger::Requested;
-    let written = status::update(api, name, |vm, s| {
-        if vm.metadata.deletion_timestamp.is_some()
-            || !matches!(
-                s.phase,
-                Some(VmPhase::Running | VmPhase::Suspending | VmPhase::Resuming)
-            )
-        {
-            return false;
-        }
+    let guard = Guard::phases(&[VmPhase::Running, VmPhase::Suspending, VmPhase::Resuming]);
+    let written = status::update(api, name, guard, |vm, s| {
         let now = Timestamp::now();
         let recorded = conditions::find(&s.conditions, condition::SUSPENDED)
             .filter(|c| c.status == ConditionStatus::True.as_str())
@@ -407,8 +349,8 @@ async fn mark_suspended(
 
 /// Resuming (condition Suspended=False with the trigger), the runtime call, Running once it
 /// reports so.
-async fn resume_vm(
-    ctx: &Arc<Context>,
+pub async fn resume(
+    ctx: &Context,
     api: &Api<ImpVM>,
     vm: ImpVM,
     uid: &str,
@@ -416,17 +358,13 @@ async fn resume_vm(
 ) -> Result<(), Error> {
     let name = vm.name_any();
     let message = why(t, &vm, false);
-    let written = status::update(api, &name, |vm, s| {
-        if vm.metadata.deletion_timestamp.is_some()
-            || !matches!(
-                s.phase,
-                Some(
-                    VmPhase::Running | VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming
-                )
-            )
-        {
-            return false;
-        }
+    let guard = Guard::phases(&[
+        VmPhase::Running,
+        VmPhase::Suspending,
+        VmPhase::Suspended,
+        VmPhase::Resuming,
+    ]);
+    let written = status::update(api, &name, guard, |vm, s| {
         s.phase = Some(VmPhase::Resuming);
         conditions::set(
             &mut s.conditions,
@@ -489,7 +427,7 @@ async fn back_off(ctx: &Context, uid: &str) {
 }
 
 /// Phase Running again, Ready=True; the wake's latency when traffic woke it.
-async fn mark_running(
+pub async fn mark_running(
     ctx: &Context,
     api: &Api<ImpVM>,
     name: &str,
@@ -497,15 +435,8 @@ async fn mark_running(
     took: Option<Duration>,
 ) -> Result<(), Error> {
     let mut trigger = Trigger::Requested;
-    let written = status::update(api, name, |vm, s| {
-        if vm.metadata.deletion_timestamp.is_some()
-            || !matches!(
-                s.phase,
-                Some(VmPhase::Suspending | VmPhase::Suspended | VmPhase::Resuming)
-            )
-        {
-            return false;
-        }
+    let guard = Guard::phases(&[VmPhase::Suspending, VmPhase::Suspended, VmPhase::Resuming]);
+    let written = status::update(api, name, guard, |vm, s| {
         let now = Timestamp::now();
         let recorded = conditions::find(&s.conditions, condition::SUSPENDED).map(|c| {
             (
@@ -568,12 +499,9 @@ async fn mark_running(
 
 /// Condition Suspended=False with the refusal's reason, and a Warning Event (once: the
 /// decision only refuses while the condition does not say so already).
-async fn refuse(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM, t: Trigger) -> Result<(), Error> {
+pub async fn refuse(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM, t: Trigger) -> Result<(), Error> {
     let message = why(t, vm, false);
-    let written = status::update(api, &vm.name_any(), |vm, s| {
-        if vm.metadata.deletion_timestamp.is_some() {
-            return false;
-        }
+    let written = status::update(api, &vm.name_any(), Guard::ANY, |vm, s| {
         conditions::set(
             &mut s.conditions,
             condition::SUSPENDED,
@@ -593,9 +521,19 @@ async fn refuse(ctx: &Context, api: &Api<ImpVM>, vm: &ImpVM, t: Trigger) -> Resu
     Ok(())
 }
 
+/// The refusal no longer applies (desiredState is Running again): drop the condition.
+pub async fn clear_refusal(api: &Api<ImpVM>, name: &str) -> Result<(), Error> {
+    status::update(api, name, Guard::ANY.even_deleting(), |_, s| {
+        conditions::remove(&mut s.conditions, condition::SUSPENDED);
+        true
+    })
+    .await?;
+    Ok(())
+}
+
 /// Polls the wake counters of the suspended ScaleToZero VMs every [`WAKE_POLL`]; a rise
 /// triggers a reconcile (which resumes the VM).
-pub async fn wake_loop(ctx: Arc<Context>) {
+pub async fn wake_loop(ctx: std::sync::Arc<Context>) {
     loop {
         tokio::time::sleep(WAKE_POLL).await;
         let watched: Vec<String> = ctx.sleep.lock().unwrap().wakes.keys().cloned().collect();

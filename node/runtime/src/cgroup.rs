@@ -1,7 +1,9 @@
-//! One memory cgroup per VM, under a configurable parent outside the runtime's own, so a VM's
-//! memory is neither charged to the runtime pod's limit nor killed with it, and each VM is held
-//! to its class's memory plus the VMM's overhead. cgroup v2 (`memory.max`) and v1's memory
-//! hierarchy (`memory.limit_in_bytes`, this kind of hybrid host) are both handled.
+//! One cgroup per VM, under a configurable parent outside the runtime's own, so a VM's memory
+//! is neither charged to the runtime pod's limit nor killed with it, and each VM is held to its
+//! class: memory (the class memory plus the VMM's overhead), CPU (a CFS quota of its vCPUs)
+//! and a number of tasks (pids). cgroup v2 (`memory.max`, `cpu.max`, `pids.max` in one
+//! directory) and v1's separate `memory`, `cpu` and `pids` hierarchies (this kind of hybrid
+//! host: one directory per hierarchy, each the VMM enters before it execs) are both handled.
 
 use std::path::{Path, PathBuf};
 
@@ -9,6 +11,13 @@ use std::path::{Path, PathBuf};
 pub enum CgroupError {
     #[error("no memory cgroup controller under {0} (neither cgroup v2 nor a v1 memory hierarchy)")]
     NoMemoryController(PathBuf),
+    #[error(
+        "no {controller} cgroup controller under {root} (per-VM limits need memory, cpu, pids)"
+    )]
+    NoController {
+        controller: &'static str,
+        root: PathBuf,
+    },
     #[error("cgroup parent {0:?} must be a relative path without '..'")]
     BadParent(String),
     #[error("{op} {path}: {source}")]
@@ -26,16 +35,45 @@ pub enum Version {
     V2,
 }
 
+/// The controllers a VM's limits are set in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Controller {
+    Memory,
+    Cpu,
+    Pids,
+}
+
+impl Controller {
+    pub const ALL: [Controller; 3] = [Controller::Memory, Controller::Cpu, Controller::Pids];
+
+    /// The name in `cgroup.controllers`, `/proc/<pid>/cgroup` and v1 mount points.
+    pub fn name(self) -> &'static str {
+        match self {
+            Controller::Memory => "memory",
+            Controller::Cpu => "cpu",
+            Controller::Pids => "pids",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CgroupConfig {
     /// Where the cgroup filesystem is mounted (`/sys/fs/cgroup`; in a container, the host's,
     /// mounted somewhere of its own).
     pub root: PathBuf,
-    /// Parent of the per-VM cgroups, relative to the memory hierarchy's root.
+    /// Parent of the per-VM cgroups, relative to each hierarchy's root.
     pub parent: PathBuf,
     /// Added to the class memory: the VMM's own memory (device emulation, vsock helper).
     pub overhead_mib: u64,
+    /// Tasks (processes and threads) a VM's cgroup may hold: the VMM's vCPU and I/O threads
+    /// and its helpers, never a fork bomb of an escaped guest.
+    pub pids_max: u64,
 }
+
+/// The CFS period of a VM's CPU quota.
+pub const CPU_PERIOD_US: u64 = 100_000;
+/// Tasks of one VM unless configured: QEMU runs a thread per vCPU plus a few dozen of its own.
+pub const DEFAULT_PIDS_MAX: u64 = 512;
 
 /// The memory limit of a VM with `memory_mib` of guest memory.
 pub fn limit_bytes(memory_mib: u64, overhead_mib: u64) -> u64 {
@@ -44,11 +82,60 @@ pub fn limit_bytes(memory_mib: u64, overhead_mib: u64) -> u64 {
         .saturating_mul(1 << 20)
 }
 
-/// The file that holds the limit, by version.
-pub fn limit_file(v: Version) -> &'static str {
+/// What one VM is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    /// CPU time per [`CPU_PERIOD_US`]: one period per vCPU.
+    pub cpu_quota_us: u64,
+    pub pids_max: u64,
+}
+
+impl Limits {
+    pub fn of(memory_mib: u64, vcpu: u32, overhead_mib: u64, pids_max: u64) -> Self {
+        Limits {
+            memory_bytes: limit_bytes(memory_mib, overhead_mib),
+            cpu_quota_us: u64::from(vcpu.max(1)).saturating_mul(CPU_PERIOD_US),
+            pids_max,
+        }
+    }
+}
+
+/// The files that hold `limits` and their contents, by controller, in the order they are
+/// written (v1's period before its quota).
+pub fn limit_files(v: Version, limits: &Limits) -> Vec<(Controller, &'static str, String)> {
     match v {
-        Version::V1 => "memory.limit_in_bytes",
-        Version::V2 => "memory.max",
+        Version::V1 => vec![
+            (
+                Controller::Memory,
+                "memory.limit_in_bytes",
+                limits.memory_bytes.to_string(),
+            ),
+            (
+                Controller::Cpu,
+                "cpu.cfs_period_us",
+                CPU_PERIOD_US.to_string(),
+            ),
+            (
+                Controller::Cpu,
+                "cpu.cfs_quota_us",
+                limits.cpu_quota_us.to_string(),
+            ),
+            (Controller::Pids, "pids.max", limits.pids_max.to_string()),
+        ],
+        Version::V2 => vec![
+            (
+                Controller::Memory,
+                "memory.max",
+                limits.memory_bytes.to_string(),
+            ),
+            (
+                Controller::Cpu,
+                "cpu.max",
+                format!("{} {CPU_PERIOD_US}", limits.cpu_quota_us),
+            ),
+            (Controller::Pids, "pids.max", limits.pids_max.to_string()),
+        ],
     }
 }
 
@@ -61,13 +148,14 @@ fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupErr
 #[derive(Debug, Clone)]
 pub struct VmCgroups {
     version: Version,
-    /// The parent cgroup's directory.
-    parent: PathBuf,
+    /// The parent cgroup's directory per controller (v2: the same one for all).
+    parents: Vec<(Controller, PathBuf)>,
     overhead_mib: u64,
+    pids_max: u64,
 }
 
 impl VmCgroups {
-    /// Find the memory controller under `cfg.root` and create the parent.
+    /// Find the controllers under `cfg.root` and create the parent in each hierarchy.
     pub fn open(cfg: &CgroupConfig) -> Result<Self, CgroupError> {
         if cfg.parent.as_os_str().is_empty()
             || cfg.parent.is_absolute()
@@ -78,33 +166,55 @@ impl VmCgroups {
         {
             return Err(CgroupError::BadParent(cfg.parent.display().to_string()));
         }
-        let (version, base) = if cfg.root.join("cgroup.controllers").is_file()
-            && std::fs::read_to_string(cfg.root.join("cgroup.controllers"))
-                .is_ok_and(|c| c.split_whitespace().any(|c| c == "memory"))
-        {
-            (Version::V2, cfg.root.clone())
-        } else if cfg.root.join("memory/cgroup.procs").is_file() {
-            (Version::V1, cfg.root.join("memory"))
-        } else {
-            return Err(CgroupError::NoMemoryController(cfg.root.clone()));
-        };
-        let parent = base.join(&cfg.parent);
-        std::fs::create_dir_all(&parent).map_err(io("create", &parent))?;
-        if version == Version::V2 {
-            // Children of the parent get a memory controller (v2 enables them per level).
-            let mut dir = base.clone();
+        let v2_controllers =
+            std::fs::read_to_string(cfg.root.join("cgroup.controllers")).unwrap_or_default();
+        let has_v2 = |c: Controller| v2_controllers.split_whitespace().any(|x| x == c.name());
+        let (version, parents) = if has_v2(Controller::Memory) {
+            for c in Controller::ALL {
+                if !has_v2(c) {
+                    return Err(CgroupError::NoController {
+                        controller: c.name(),
+                        root: cfg.root.clone(),
+                    });
+                }
+            }
+            let parent = cfg.root.join(&cfg.parent);
+            std::fs::create_dir_all(&parent).map_err(io("create", &parent))?;
+            // Children of the parent get the controllers (v2 enables them per level).
+            let enable = "+memory +cpu +pids";
+            let mut dir = cfg.root.clone();
             for c in cfg.parent.components() {
                 let ctl = dir.join("cgroup.subtree_control");
-                std::fs::write(&ctl, "+memory").map_err(io("enable memory in", &ctl))?;
+                std::fs::write(&ctl, enable).map_err(io("enable controllers in", &ctl))?;
                 dir = dir.join(c);
             }
             let ctl = parent.join("cgroup.subtree_control");
-            std::fs::write(&ctl, "+memory").map_err(io("enable memory in", &ctl))?;
-        }
+            std::fs::write(&ctl, enable).map_err(io("enable controllers in", &ctl))?;
+            let parents = Controller::ALL.map(|c| (c, parent.clone())).to_vec();
+            (Version::V2, parents)
+        } else if cfg.root.join("memory/cgroup.procs").is_file() {
+            let mut parents = Vec::new();
+            for c in Controller::ALL {
+                let base = cfg.root.join(c.name());
+                if !base.join("cgroup.procs").is_file() {
+                    return Err(CgroupError::NoController {
+                        controller: c.name(),
+                        root: cfg.root.clone(),
+                    });
+                }
+                let parent = base.join(&cfg.parent);
+                std::fs::create_dir_all(&parent).map_err(io("create", &parent))?;
+                parents.push((c, parent));
+            }
+            (Version::V1, parents)
+        } else {
+            return Err(CgroupError::NoMemoryController(cfg.root.clone()));
+        };
         Ok(Self {
             version,
-            parent,
+            parents,
             overhead_mib: cfg.overhead_mib,
+            pids_max: cfg.pids_max,
         })
     }
 
@@ -112,65 +222,107 @@ impl VmCgroups {
         self.version
     }
 
+    fn parent(&self, c: Controller) -> &Path {
+        &self
+            .parents
+            .iter()
+            .find(|(x, _)| *x == c)
+            .expect("every controller has a parent")
+            .1
+    }
+
+    /// VM `uid`'s cgroup in the memory hierarchy (v2: its only one).
     pub fn dir(&self, uid: &str) -> PathBuf {
-        self.parent.join(uid)
+        self.parent(Controller::Memory).join(uid)
     }
 
-    /// Create VM `uid`'s cgroup with its limit (idempotent).
-    pub fn create(&self, uid: &str, memory_mib: u64) -> Result<PathBuf, CgroupError> {
-        let dir = self.dir(uid);
-        std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
-        let limit = dir.join(limit_file(self.version));
-        std::fs::write(
-            &limit,
-            limit_bytes(memory_mib, self.overhead_mib).to_string(),
-        )
-        .map_err(io("write", &limit))?;
-        Ok(dir)
-    }
-
-    /// Move process `pid` into VM `uid`'s cgroup.
-    pub fn add(&self, uid: &str, pid: i32) -> Result<(), CgroupError> {
-        let procs = self.dir(uid).join("cgroup.procs");
-        std::fs::write(&procs, pid.to_string()).map_err(io("write", &procs))
-    }
-
-    /// Remove VM `uid`'s cgroup once its processes are gone (idempotent).
-    pub fn remove(&self, uid: &str) -> Result<(), CgroupError> {
-        let dir = self.dir(uid);
-        match std::fs::remove_dir(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io("remove", &dir)(e)),
+    /// VM `uid`'s cgroup directories, one per hierarchy.
+    fn dirs(&self, uid: &str) -> Vec<PathBuf> {
+        let mut out: Vec<PathBuf> = Vec::new();
+        for (_, p) in &self.parents {
+            let d = p.join(uid);
+            if !out.contains(&d) {
+                out.push(d);
+            }
         }
+        out
     }
 
-    /// The per-VM cgroups that exist (for the restart reconciliation).
+    /// Create VM `uid`'s cgroups with its limits (idempotent); returns the `cgroup.procs`
+    /// files its processes enter, one per hierarchy.
+    pub fn create(
+        &self,
+        uid: &str,
+        memory_mib: u64,
+        vcpu: u32,
+    ) -> Result<Vec<PathBuf>, CgroupError> {
+        for d in self.dirs(uid) {
+            std::fs::create_dir_all(&d).map_err(io("create", &d))?;
+        }
+        let limits = Limits::of(memory_mib, vcpu, self.overhead_mib, self.pids_max);
+        for (c, file, value) in limit_files(self.version, &limits) {
+            let path = self.parent(c).join(uid).join(file);
+            std::fs::write(&path, value).map_err(io("write", &path))?;
+        }
+        Ok(self
+            .dirs(uid)
+            .into_iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect())
+    }
+
+    /// Remove VM `uid`'s cgroups once its processes are gone (idempotent).
+    pub fn remove(&self, uid: &str) -> Result<(), CgroupError> {
+        for dir in self.dirs(uid) {
+            match std::fs::remove_dir(&dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io("remove", &dir)(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The per-VM cgroups that exist in any hierarchy (for the restart reconciliation).
     pub fn list(&self) -> Vec<String> {
-        std::fs::read_dir(&self.parent)
-            .map(|d| {
-                d.flatten()
-                    .filter(|e| e.path().is_dir())
-                    .filter_map(|e| e.file_name().to_str().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default()
+        let mut out: Vec<String> = Vec::new();
+        for (_, parent) in &self.parents {
+            let names = std::fs::read_dir(parent)
+                .map(|d| {
+                    d.flatten()
+                        .filter(|e| e.path().is_dir())
+                        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default();
+            for n in names {
+                if !out.contains(&n) {
+                    out.push(n);
+                }
+            }
+        }
+        out
     }
 }
 
 /// The memory cgroup `pid` is in, relative to the hierarchy root (`/proc/<pid>/cgroup`: the
 /// v1 `memory` line, else the v2 `0::` line).
 pub fn memory_cgroup_of(pid: i32) -> Option<PathBuf> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    parse_memory_line(&text)
+    cgroup_of(pid, Controller::Memory)
 }
 
-fn parse_memory_line(text: &str) -> Option<PathBuf> {
+/// The cgroup of `pid` for controller `c`, relative to its hierarchy's root.
+pub fn cgroup_of(pid: i32, c: Controller) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    parse_line(&text, c.name())
+}
+
+fn parse_line(text: &str, controller: &str) -> Option<PathBuf> {
     let mut v2 = None;
     for line in text.lines() {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        if controllers.split(',').any(|c| c == "memory") {
+        if controllers.split(',').any(|c| c == controller) {
             return Some(PathBuf::from(path.trim_start_matches('/')));
         }
         if controllers.is_empty() {
@@ -193,22 +345,93 @@ mod tests {
     #[test]
     fn memory_line_of_v1_wins_over_the_unified_line() {
         let hybrid = "9:name=systemd:/\n4:memory:/imp-vms/a\n0::/user.slice\n";
-        assert_eq!(parse_memory_line(hybrid), Some(PathBuf::from("imp-vms/a")));
+        assert_eq!(
+            parse_line(hybrid, "memory"),
+            Some(PathBuf::from("imp-vms/a"))
+        );
         let v2 = "0::/imp-vms/b\n";
-        assert_eq!(parse_memory_line(v2), Some(PathBuf::from("imp-vms/b")));
-        assert_eq!(parse_memory_line(""), None);
+        assert_eq!(parse_line(v2, "memory"), Some(PathBuf::from("imp-vms/b")));
+        assert_eq!(parse_line("", "memory"), None);
+        let cpu = "5:cpu,cpuacct:/imp-vms/c\n3:pids:/imp-vms/d\n";
+        assert_eq!(parse_line(cpu, "cpu"), Some(PathBuf::from("imp-vms/c")));
+        assert_eq!(parse_line(cpu, "pids"), Some(PathBuf::from("imp-vms/d")));
+        assert_eq!(parse_line(cpu, "cpuacct"), Some(PathBuf::from("imp-vms/c")));
+    }
+
+    #[test]
+    fn limits_hold_memory_plus_overhead_a_period_per_vcpu_and_the_task_cap() {
+        let l = Limits::of(512, 2, 64, 300);
+        assert_eq!(
+            l,
+            Limits {
+                memory_bytes: 576 << 20,
+                cpu_quota_us: 200_000,
+                pids_max: 300
+            }
+        );
+        assert_eq!(Limits::of(512, 0, 64, 300).cpu_quota_us, CPU_PERIOD_US);
+    }
+
+    #[test]
+    fn v1_writes_each_limit_in_its_hierarchy_period_before_quota_and_v2_in_one_directory() {
+        let l = Limits::of(256, 3, 0, 64);
+        let v1 = limit_files(Version::V1, &l);
+        let names: Vec<_> = v1
+            .iter()
+            .map(|(c, f, v)| (c.name(), *f, v.as_str()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("memory", "memory.limit_in_bytes", "268435456"),
+                ("cpu", "cpu.cfs_period_us", "100000"),
+                ("cpu", "cpu.cfs_quota_us", "300000"),
+                ("pids", "pids.max", "64"),
+            ]
+        );
+        let v2 = limit_files(Version::V2, &l);
+        let names: Vec<_> = v2
+            .iter()
+            .map(|(c, f, v)| (c.name(), *f, v.as_str()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("memory", "memory.max", "268435456"),
+                ("cpu", "cpu.max", "300000 100000"),
+                ("pids", "pids.max", "64"),
+            ]
+        );
+    }
+
+    fn config(root: &Path, parent: &str) -> CgroupConfig {
+        CgroupConfig {
+            root: root.into(),
+            parent: parent.into(),
+            overhead_mib: 32,
+            pids_max: 99,
+        }
+    }
+
+    /// A temp dir shaped like a v1 host with `hierarchies` mounted.
+    fn v1_tree(hierarchies: &[&str]) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for h in hierarchies {
+            std::fs::create_dir_all(root.path().join(h)).unwrap();
+            std::fs::write(root.path().join(h).join("cgroup.procs"), "").unwrap();
+        }
+        root
+    }
+
+    fn read(p: PathBuf) -> String {
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
     }
 
     #[test]
     fn parent_must_stay_inside_the_hierarchy() {
         let root = tempfile::tempdir().unwrap();
         for bad in ["/abs", "../up", "a/../../b", ""] {
-            let e = VmCgroups::open(&CgroupConfig {
-                root: root.path().into(),
-                parent: bad.into(),
-                overhead_mib: 0,
-            })
-            .unwrap_err();
+            let e = VmCgroups::open(&config(root.path(), bad)).unwrap_err();
             assert!(
                 matches!(
                     e,
@@ -219,36 +442,85 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_missing_controller_is_named() {
+        let root = v1_tree(&["memory", "cpu"]);
+        let e = VmCgroups::open(&config(root.path(), "imp")).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CgroupError::NoController {
+                    controller: "pids",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let v2 = tempfile::tempdir().unwrap();
+        std::fs::write(v2.path().join("cgroup.controllers"), "memory pids io\n").unwrap();
+        let e = VmCgroups::open(&config(v2.path(), "imp")).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                CgroupError::NoController {
+                    controller: "cpu",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
     /// Against a v1-shaped tree in a temp dir: the files the kernel would read.
     #[test]
-    fn a_vm_cgroup_gets_its_limit_and_is_removed() {
-        let root = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(root.path().join("memory")).unwrap();
-        std::fs::write(root.path().join("memory/cgroup.procs"), "").unwrap();
-        let cg = VmCgroups::open(&CgroupConfig {
-            root: root.path().into(),
-            parent: "imp/vms".into(),
-            overhead_mib: 32,
-        })
-        .unwrap();
+    fn a_v1_vm_cgroup_gets_its_limits_in_each_hierarchy_and_is_removed() {
+        let root = v1_tree(&["memory", "cpu", "pids"]);
+        let cg = VmCgroups::open(&config(root.path(), "imp/vms")).unwrap();
         assert_eq!(cg.version(), Version::V1);
-        let dir = cg.create("a", 128).unwrap();
-        assert_eq!(dir, root.path().join("memory/imp/vms/a"));
+        let procs = cg.create("a", 128, 2).unwrap();
+        let at = |h: &str| root.path().join(h).join("imp/vms/a");
         assert_eq!(
-            std::fs::read_to_string(dir.join("memory.limit_in_bytes")).unwrap(),
+            procs,
+            ["memory", "cpu", "pids"].map(|h| at(h).join("cgroup.procs"))
+        );
+        assert_eq!(cg.dir("a"), at("memory"));
+        assert_eq!(
+            read(at("memory").join("memory.limit_in_bytes")),
             (160u64 << 20).to_string()
         );
-        cg.add("a", 4242).unwrap();
-        assert_eq!(
-            std::fs::read_to_string(dir.join("cgroup.procs")).unwrap(),
-            "4242"
-        );
+        assert_eq!(read(at("cpu").join("cpu.cfs_period_us")), "100000");
+        assert_eq!(read(at("cpu").join("cpu.cfs_quota_us")), "200000");
+        assert_eq!(read(at("pids").join("pids.max")), "99");
         assert_eq!(cg.list(), vec!["a".to_string()]);
         // A real cgroup directory holds only kernel files; rmdir works once it has no process.
-        std::fs::remove_file(dir.join("memory.limit_in_bytes")).unwrap();
-        std::fs::remove_file(dir.join("cgroup.procs")).unwrap();
+        for h in ["memory", "cpu", "pids"] {
+            for f in std::fs::read_dir(at(h)).unwrap().flatten() {
+                std::fs::remove_file(f.path()).unwrap();
+            }
+        }
         cg.remove("a").unwrap();
         cg.remove("a").unwrap();
         assert!(cg.list().is_empty());
+        assert!(!at("cpu").exists() && !at("pids").exists());
+    }
+
+    #[test]
+    fn a_v2_vm_cgroup_holds_every_limit_in_one_directory() {
+        let root = tempfile::tempdir().unwrap();
+        std::fs::write(root.path().join("cgroup.controllers"), "cpu memory pids\n").unwrap();
+        let cg = VmCgroups::open(&config(root.path(), "imp")).unwrap();
+        assert_eq!(cg.version(), Version::V2);
+        assert_eq!(
+            read(root.path().join("cgroup.subtree_control")),
+            "+memory +cpu +pids"
+        );
+        let dir = root.path().join("imp/b");
+        assert_eq!(
+            cg.create("b", 64, 1).unwrap(),
+            vec![dir.join("cgroup.procs")]
+        );
+        assert_eq!(read(dir.join("memory.max")), (96u64 << 20).to_string());
+        assert_eq!(read(dir.join("cpu.max")), "100000 100000");
+        assert_eq!(read(dir.join("pids.max")), "99");
     }
 }

@@ -351,13 +351,13 @@ impl Runtime {
             .ok_or_else(|| RuntimeError::NotFound(uid.into()))
     }
 
-    /// The `cgroup.procs` file of VM `uid`'s own cgroup, made for `memory_mib` of guest
-    /// memory (none when per-VM cgroups are off).
-    fn vm_cgroup(&self, uid: &str, memory_mib: u64) -> Result<Option<PathBuf>, CgroupError> {
-        self.cgroups
-            .as_ref()
-            .map(|cg| Ok(cg.create(uid, memory_mib)?.join("cgroup.procs")))
-            .transpose()
+    /// The `cgroup.procs` files of VM `uid`'s own cgroups, made with the limits of `spec`
+    /// (none when per-VM cgroups are off).
+    fn vm_cgroup(&self, uid: &str, spec: &VmSpec) -> Result<Vec<PathBuf>, CgroupError> {
+        match &self.cgroups {
+            Some(cg) => cg.create(uid, spec.memory_mib, spec.vcpu),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The kernel and initrd a spec boots: its own, or the runtime's.

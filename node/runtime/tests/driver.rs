@@ -53,7 +53,7 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
 
     let a = files(dir.path(), "a");
     let mut spawned = KillOnDrop::default();
-    let vmm = firecracker::spawn(&simulator, "snap-a", &a, None).unwrap();
+    let vmm = firecracker::spawn(&simulator, "snap-a", &a, &[]).unwrap();
     spawned.0.push(vmm.process.pid);
     vmm.wait_api_ready().await.unwrap();
     let plan = BootPlan {
@@ -124,7 +124,7 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
 
     // Restore into a new process with a new vsock path.
     let b = files(dir.path(), "b");
-    let restored = firecracker::spawn(&simulator, "snap-b", &b, None).unwrap();
+    let restored = firecracker::spawn(&simulator, "snap-b", &b, &[]).unwrap();
     spawned.0.push(restored.process.pid);
     restored.wait_api_ready().await.unwrap();
     restored.snapshot_load(&snap, &mem, true).await.unwrap();

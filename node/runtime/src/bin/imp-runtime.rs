@@ -45,8 +45,8 @@ struct Args {
     /// Bytes of guest console kept per VM (the newest; older output is dropped).
     #[arg(long, env = "IMP_SERIAL_LOG_CAP_BYTES", default_value_t = 8 << 20)]
     serial_log_cap_bytes: u64,
-    /// Parent of the per-VM memory cgroups, relative to the memory hierarchy's root (e.g.
-    /// `imp-vms`); unset: VMs stay in the runtime's cgroup.
+    /// Parent of the per-VM cgroups (memory, cpu, pids), relative to each hierarchy's root
+    /// (e.g. `imp-vms`); unset: VMs stay in the runtime's cgroup.
     #[arg(long, env = "IMP_VM_CGROUP_PARENT")]
     vm_cgroup_parent: Option<PathBuf>,
     /// Where the host's cgroup filesystem is mounted.
@@ -55,6 +55,9 @@ struct Args {
     /// MiB added to a VM's memory for its cgroup limit (the VMM's own memory).
     #[arg(long, env = "IMP_VM_MEMORY_OVERHEAD_MIB", default_value_t = 128)]
     vm_memory_overhead_mib: u64,
+    /// Tasks (processes and threads) one VM's cgroup may hold (`pids.max`).
+    #[arg(long, env = "IMP_VM_PIDS_MAX", default_value_t = imp_runtime::cgroup::DEFAULT_PIDS_MAX)]
+    vm_pids_max: u64,
     /// The VMM this node runs: `firecracker` or `qemu` (KVM when usable, TCG otherwise).
     #[arg(long, env = "IMP_VMM_BACKEND", default_value = "firecracker")]
     backend: Backend,
@@ -182,6 +185,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             root: args.vm_cgroup_root,
             parent,
             overhead_mib: args.vm_memory_overhead_mib,
+            pids_max: args.vm_pids_max,
         }),
         backend: args.backend,
         firecracker_bin: args.firecracker_bin,

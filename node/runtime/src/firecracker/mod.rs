@@ -109,7 +109,7 @@ pub fn spawn(
     bin: &Path,
     id: &str,
     files: &VmmFiles,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Vmm, DriverError> {
     let start_failed = |message: String| DriverError::FirecrackerStartFailed {
         message,
@@ -134,7 +134,7 @@ pub fn spawn(
         .stdout(open(&files.serial_log)?)
         .stderr(open(&files.stderr_log)?);
     let (pid, start_time) =
-        process::spawn_detached(cmd, cgroup).map_err(|e| start_failed(e.to_string()))?;
+        process::spawn_detached(cmd, cgroups).map_err(|e| start_failed(e.to_string()))?;
     // A process that has already exited has no start time: that is a start failure too.
     let start_time = start_time.ok_or_else(|| DriverError::FirecrackerStartFailed {
         message: "exited immediately".into(),

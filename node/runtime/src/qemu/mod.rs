@@ -216,7 +216,7 @@ pub async fn spawn_qemu_incoming(
     cfg: &QemuConfig,
     files: &QemuFiles,
     plan: &VmPlan,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
     state: &Path,
 ) -> Result<Proc, QemuError> {
     let accel = resolve_accel(cfg.accel, kvm_usable());
@@ -224,7 +224,7 @@ pub async fn spawn_qemu_incoming(
         cfg,
         files,
         &incoming_args(plan, files, accel, state),
-        cgroup,
+        cgroups,
     )
     .await
 }
@@ -307,7 +307,7 @@ fn spawn_logged(
     bin: &Path,
     args: &[String],
     log: &Path,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
     let failed = |message: String| QemuError::StartFailed {
         what,
@@ -322,7 +322,7 @@ fn spawn_logged(
     let mut cmd = std::process::Command::new(bin);
     cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
     let (pid, start_time) =
-        process::spawn_detached(cmd, cgroup).map_err(|e| failed(e.to_string()))?;
+        process::spawn_detached(cmd, cgroups).map_err(|e| failed(e.to_string()))?;
     let start_time = start_time.ok_or_else(|| failed("exited immediately".into()))?;
     Ok(Proc { pid, start_time })
 }
@@ -333,7 +333,7 @@ pub async fn spawn_vhost(
     cfg: &QemuConfig,
     files: &QemuFiles,
     guest_cid: u32,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
     let _ = std::fs::remove_file(&files.vhost_sock);
     let p = spawn_logged(
@@ -341,7 +341,7 @@ pub async fn spawn_vhost(
         &cfg.vhost_vsock_bin,
         &vhost_args(files, guest_cid),
         &files.vhost_log,
-        cgroup,
+        cgroups,
     )?;
     let deadline = Instant::now() + READY_TIMEOUT;
     while !files.vhost_sock.exists() {
@@ -370,19 +370,19 @@ pub async fn spawn_qemu(
     cfg: &QemuConfig,
     files: &QemuFiles,
     plan: &VmPlan,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
     let accel = resolve_accel(cfg.accel, kvm_usable());
-    spawn_qemu_args(cfg, files, &qemu_args(plan, files, accel), cgroup).await
+    spawn_qemu_args(cfg, files, &qemu_args(plan, files, accel), cgroups).await
 }
 
 async fn spawn_qemu_args(
     cfg: &QemuConfig,
     files: &QemuFiles,
     args: &[String],
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<Proc, QemuError> {
-    let p = spawn_logged("QEMU", &cfg.qemu_bin, args, &files.qemu_log, cgroup)?;
+    let p = spawn_logged("QEMU", &cfg.qemu_bin, args, &files.qemu_log, cgroups)?;
     let qmp = Qmp::new(&files.qmp_sock);
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {

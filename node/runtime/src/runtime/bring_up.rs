@@ -2,7 +2,7 @@
 //! of the runtime the base image, writable drive, network, cgroup, the backend's process(es)
 //! and the guest agent's Hello.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokio::time::Instant;
@@ -296,7 +296,7 @@ impl Runtime {
         }
         let files = vm::files_of(rec);
         let plan = self.plan_of(rec, spec);
-        let procs = self.vm_cgroup(&uid, spec.memory_mib).map_err(|source| {
+        let procs = self.vm_cgroup(&uid, spec).map_err(|source| {
             (
                 RuntimeError::CgroupSetupFailed {
                     uid: uid.clone(),
@@ -307,11 +307,8 @@ impl Runtime {
         })?;
         let spawned_at = Instant::now();
         let vm = match rec.backend {
-            Backend::Firecracker => {
-                self.start_firecracker(rec, &files, &plan, procs.as_deref())
-                    .await?
-            }
-            Backend::Qemu => self.start_qemu(rec, &plan, procs.as_deref()).await?,
+            Backend::Firecracker => self.start_firecracker(rec, &files, &plan, &procs).await?,
+            Backend::Qemu => self.start_qemu(rec, &plan, &procs).await?,
         };
         let fail = |source, vm: &Vm| {
             (
@@ -349,14 +346,14 @@ impl Runtime {
         rec: &mut VmRecord,
         files: &VmmFiles,
         plan: &VmPlan,
-        cgroup: Option<&Path>,
+        cgroups: &[PathBuf],
     ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let boot = |source| RuntimeError::Boot {
             uid: uid.clone(),
             source,
         };
-        let vmm = firecracker::spawn(&self.cfg.firecracker_bin, &uid, files, cgroup)
+        let vmm = firecracker::spawn(&self.cfg.firecracker_bin, &uid, files, cgroups)
             .map_err(|e| (boot(e), None))?;
         let vm = Vm::Firecracker(vmm.clone());
         let fail = |e| (boot(e), Some(vm.clone()));
@@ -381,7 +378,7 @@ impl Runtime {
         &self,
         rec: &mut VmRecord,
         plan: &VmPlan,
-        cgroup: Option<&Path>,
+        cgroups: &[PathBuf],
     ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let files = QemuFiles::in_dir(&rec.dir, &rec.api_socket, &rec.vsock_path, &rec.serial_log);
@@ -389,7 +386,7 @@ impl Runtime {
             uid: uid.clone(),
             source,
         };
-        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroup)
+        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroups)
             .await
             .map_err(|e| (start_err(e), None))?;
         let helper_only = |vhost| {
@@ -405,7 +402,7 @@ impl Runtime {
             .map_err(|e| (e.into(), helper_only(vhost)))?;
         rec.helper_pid = Some(vhost.pid);
         rec.helper_start_time = Some(vhost.start_time);
-        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroup)
+        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroups)
             .await
             .map_err(|e| (start_err(e), helper_only(vhost)))?;
         let vm = Vm::Qemu(QemuVm {

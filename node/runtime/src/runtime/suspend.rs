@@ -276,7 +276,7 @@ impl Runtime {
             return Err((format!("snapshot {} is missing", mem.display()), None));
         }
         let procs = self
-            .vm_cgroup(uid, spec.memory_mib)
+            .vm_cgroup(uid, &spec)
             .map_err(|e| (format!("cgroup: {e}"), None))?;
         // The dead VMM's sockets: the new one binds the same paths.
         let _ = std::fs::remove_file(&r.api_socket);
@@ -284,9 +284,8 @@ impl Runtime {
         match r.backend {
             Backend::Firecracker => {
                 let files = vm::files_of(r);
-                let vmm =
-                    firecracker::spawn(&self.cfg.firecracker_bin, uid, &files, procs.as_deref())
-                        .map_err(|e| (e.to_string(), None))?;
+                let vmm = firecracker::spawn(&self.cfg.firecracker_bin, uid, &files, &procs)
+                    .map_err(|e| (e.to_string(), None))?;
                 let vm = Vm::Firecracker(vmm.clone());
                 let fail = |m: String| (m, Some(vm.clone()));
                 self.inventory
@@ -309,10 +308,9 @@ impl Runtime {
                 {
                     return Err((format!("TAP {tap} is still held by {holders:?}"), None));
                 }
-                let vhost =
-                    qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, procs.as_deref())
-                        .await
-                        .map_err(|e| (e.to_string(), None))?;
+                let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, &procs)
+                    .await
+                    .map_err(|e| (e.to_string(), None))?;
                 let helper_only = Vm::Qemu(QemuVm {
                     qemu: vhost,
                     vhost: None,
@@ -326,14 +324,8 @@ impl Runtime {
                 // TAP: the new QEMU's TUNSETIFF fails with EBUSY for a moment. Retry that.
                 let mut tries = 0;
                 let proc = loop {
-                    match qemu::spawn_qemu_incoming(
-                        &self.cfg.qemu,
-                        &files,
-                        &plan,
-                        procs.as_deref(),
-                        &mem,
-                    )
-                    .await
+                    match qemu::spawn_qemu_incoming(&self.cfg.qemu, &files, &plan, &procs, &mem)
+                        .await
                     {
                         Ok(p) => break p,
                         Err(e)

@@ -62,28 +62,30 @@ pub fn append_log(path: &Path) -> std::io::Result<std::fs::File> {
 }
 
 /// Spawn `cmd` in a session of its own (no controlling terminal, no parent-death signal: the
-/// runtime dying never takes a VM with it) and, with `cgroup` (a `cgroup.procs` file), inside
-/// that cgroup from before it execs, so none of its memory is ever charged to the runtime's.
+/// runtime dying never takes a VM with it) and inside `cgroups` (`cgroup.procs` files, one per
+/// hierarchy) from before it execs, so none of its memory or CPU is ever charged to the
+/// runtime's.
 /// A task reaps it if it exits while this runtime is its parent. Returns its pid and start
 /// time (none when it has already exited).
 pub fn spawn_detached(
     mut cmd: std::process::Command,
-    cgroup: Option<&Path>,
+    cgroups: &[PathBuf],
 ) -> Result<(i32, Option<u64>), SpawnError> {
     use std::os::unix::process::CommandExt as _;
-    let procs = cgroup
+    let procs = cgroups
+        .iter()
         .map(|p| {
             std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-                .map_err(|_| SpawnError::NulInCgroup(p.to_path_buf()))
+                .map_err(|_| SpawnError::NulInCgroup(p.clone()))
         })
-        .transpose()?;
+        .collect::<Result<Vec<_>, _>>()?;
     // SAFETY: between fork and exec only async-signal-safe calls, no allocation: setsid,
     // getpid, open/write/close of a path prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
             nix::unistd::setsid().map_err(std::io::Error::from)?;
-            if let Some(procs) = &procs {
-                enter_cgroup(procs)?;
+            for p in &procs {
+                enter_cgroup(p)?;
             }
             Ok(())
         });

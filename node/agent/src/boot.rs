@@ -1,0 +1,192 @@
+//! A VM's boot, as one per-VM task: Starting (+bootStartTime, Ready=False Booting), the
+//! resolved spec PUT to imp-runtime (which answers once the guest agent said Hello), then Running
+//! (+boot times, ip, Ready=True) or Failed with the runtime's reason. Failures found before the
+//! PUT (address, class, pull Secret, network) fail the VM with their own reasons.
+
+use imp_api::conditions::{self, ConditionStatus};
+use imp_api::names::{self, condition, reason as api_reason};
+use imp_api::{ImpNetwork, ImpVM, ImpVMClass, VmPhase};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::{Api, ResourceExt};
+use tracing::info;
+
+use super::context::{Context, Error, runtime_facts};
+use super::decide::RuntimeFacts;
+use super::spec;
+use super::status::{self, Guard, Written};
+use imp_runtime_api::api::VmState;
+use imp_runtime_api::client::ClientError;
+
+/// Starting (+bootStartTime), PUT the spec, then Running (+times, Ready) or Failed.
+pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
+    let name = vm.name_any();
+    let ns = vm.namespace().unwrap_or_default();
+    let uid = vm.uid().ok_or(Error::Missing(".metadata.uid"))?;
+    let address = match spec::allocation(&vm) {
+        Ok(spec::Allocation::Pending) => {
+            // The operator writes the annotation once IPAM allocated; that change is a watch
+            // event, which brings the VM back here.
+            info!(vm = %name, "waiting for the VM's address (annotation {})", names::ANNOTATION_IP_ALLOCATION);
+            return Ok(());
+        }
+        Ok(spec::Allocation::NoNetwork) => None,
+        Ok(spec::Allocation::Allocated(a)) => Some(a),
+        Err(e) => {
+            ctx.fail(
+                api,
+                &name,
+                api_reason::NETWORK_SETUP_FAILED,
+                &e.to_string(),
+                Guard::BOOTING,
+            )
+            .await?;
+            return Ok(());
+        }
+    };
+    let starting = status::update(api, &name, Guard::BOOTING, |vm, s| {
+        if s.phase == Some(VmPhase::Scheduled) {
+            s.boot_start_time = Some(Time(Timestamp::now()));
+            s.boot_complete_time = None;
+        }
+        s.boot_start_time.get_or_insert(Time(Timestamp::now()));
+        s.phase = Some(VmPhase::Starting);
+        s.reason = None;
+        s.message = None;
+        conditions::remove(&mut s.conditions, condition::TORN_DOWN);
+        conditions::set(
+            &mut s.conditions,
+            condition::READY,
+            ConditionStatus::False,
+            api_reason::BOOTING,
+            "",
+            vm.metadata.generation,
+            Timestamp::now(),
+        );
+        true
+    })
+    .await?;
+    let Written::Done(starting) = starting else {
+        return Ok(());
+    };
+    let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
+    let Some(class) = classes.get_opt(&vm.spec.class_ref.name).await? else {
+        let msg = format!("ImpVMClass {} not found", vm.spec.class_ref.name);
+        ctx.fail(api, &name, api_reason::SPEC_INVALID, &msg, Guard::STARTING)
+            .await?;
+        return Ok(());
+    };
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    let mut pull = Vec::new();
+    for r in &vm.spec.image_pull_secrets {
+        match secrets.get_opt(&r.name).await? {
+            Some(s) => pull.push(s),
+            None => {
+                let msg = format!("image pull Secret {} not found", r.name);
+                ctx.fail(
+                    api,
+                    &name,
+                    api_reason::ROOTFS_PULL_FAILED,
+                    &msg,
+                    Guard::STARTING,
+                )
+                .await?;
+                return Ok(());
+            }
+        }
+    }
+    let mut attachment = None;
+    if let (Some(address), Some(r)) = (address, &vm.spec.network_ref) {
+        let networks: Api<ImpNetwork> = Api::namespaced(ctx.client.clone(), &ns);
+        let found = match networks.get_opt(&r.name).await? {
+            None => Err(format!("ImpNetwork {ns}/{} not found", r.name)),
+            Some(net) => spec::attachment(&net, address).map_err(|e| e.to_string()),
+        };
+        match found {
+            Ok(a) => attachment = Some(a),
+            Err(msg) => {
+                ctx.fail(
+                    api,
+                    &name,
+                    api_reason::NETWORK_SETUP_FAILED,
+                    &msg,
+                    Guard::STARTING,
+                )
+                .await?;
+                return Ok(());
+            }
+        }
+    }
+    let spec = match spec::vm_spec(&vm, &class.spec, &pull, attachment) {
+        Ok(s) => s,
+        Err(e) => {
+            ctx.fail(
+                api,
+                &name,
+                api_reason::ROOTFS_PULL_FAILED,
+                &e.to_string(),
+                Guard::STARTING,
+            )
+            .await?;
+            return Ok(());
+        }
+    };
+    info!(vm = %name, image = %vm.spec.image, "asking imp-runtime to start the VM");
+    let note = format!("booting {} on node {}", vm.spec.image, ctx.config.node_name);
+    ctx.event(&starting, false, api_reason::BOOT_REQUESTED, note)
+        .await;
+    match ctx.runtime.ensure_running(&uid, &spec).await {
+        Ok((_, st)) if st.state == VmState::Running => {
+            let written = status::update(api, &name, Guard::STARTING, |vm, s| {
+                let now = Timestamp::now();
+                s.phase = Some(VmPhase::Running);
+                // ARCHITECTURE §3: the agent reports the guest's address once it runs.
+                s.ip = address.map(|a| a.addr().to_string());
+                s.boot_complete_time = Some(Time(now));
+                s.first_running_time.get_or_insert(Time(now));
+                conditions::set(
+                    &mut s.conditions,
+                    condition::READY,
+                    ConditionStatus::True,
+                    api_reason::GUEST_READY,
+                    "the guest agent answered",
+                    vm.metadata.generation,
+                    now,
+                );
+                true
+            })
+            .await?;
+            if let Written::Done(running) = written {
+                if let Some(b) = st.boot_seconds {
+                    ctx.metrics.boot(b);
+                }
+                info!(vm = %name, boot_seconds = ?st.boot_seconds, "VM running");
+                let note = match st.boot_seconds {
+                    Some(b) => format!("the guest agent answered after {b:.2}s"),
+                    None => "the guest agent answered".into(),
+                };
+                ctx.event(&running, false, api_reason::VM_RUNNING, note)
+                    .await;
+            }
+        }
+        Ok((_, st)) => {
+            if let RuntimeFacts::Failed { reason, message } = runtime_facts(Ok(st))? {
+                ctx.fail(api, &name, &reason, &message, Guard::STARTING)
+                    .await?;
+            }
+        }
+        Err(ClientError::Api { status, body }) if status.is_client_error() => {
+            let reason = match body.error.as_str() {
+                api_reason::INVALID_SPEC | api_reason::INVALID_BODY | api_reason::SPEC_CONFLICT => {
+                    api_reason::SPEC_INVALID
+                }
+                r => r,
+            };
+            ctx.fail(api, &name, reason, &body.message, Guard::STARTING)
+                .await?;
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
+}
