@@ -103,7 +103,15 @@ async fn unbound_vm_is_released_at_once_on_deletion() {
         .await
         .unwrap();
     let took = h.wait_gone("vm1", WAIT).await;
-    assert!(took < Duration::from_secs(2), "{took:?}");
+    eprintln!("unbound VM gone {took:?} after its deletion");
+    // "At once" is what the operator did, not a time: a VM it had waited for would have gone by the
+    // forced-finalizer timeout, with that reason (a time bound tells the two apart only on an idle
+    // machine).
+    let reasons: Vec<String> = h.events("vm1").await.into_iter().map(|e| e.0).collect();
+    assert!(
+        !reasons.iter().any(|x| x == reason::FINALIZER_FORCED),
+        "{reasons:?}"
+    );
     h.finish().await;
 }
 

@@ -95,8 +95,9 @@ async fn not_ready_node_beyond_grace_reschedules_persistent_vm() {
             cond(vm, condition::NODE_HEALTHY).is_some_and(|c| c.0 == "Unknown")
         })
         .await;
+    // Running while NodeHealthy is Unknown: a state the operator writes only within the grace period
+    // (past it the VM is NodeLost), so no clock is needed to show it was inside.
     assert_eq!(phase_of(&vm), Some(VmPhase::Running));
-    assert!(went_down.elapsed() < Duration::from_secs(2));
     // Past it: NodeLost, then rescheduled (in-place is impossible on a lost node) onto the other node.
     let vm = h
         .wait_vm("svc", "failed with NodeLost", WAIT, |vm| {

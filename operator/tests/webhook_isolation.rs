@@ -173,3 +173,61 @@ async fn forged_future_job_ids_leave_memory_bounded_and_cannot_suppress_another_
     h.wait_minted("b", 2, WAIT).await;
     assert_eq!(h.runner_vms("a").await.len(), 0);
 }
+
+/// Issue 30: tenant A floods 100k validly signed `queued` deliveries (a repository the sweep never
+/// lists, ids GitHub never made); tenant B's queued job stays in the demand and is served. Before,
+/// one table of 20,000 jobs evicted oldest first across all pools, B's job among the first.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_tenants_flood_of_queued_jobs_leaves_anothers_job_served() {
+    // No sweep during the test: it would find B's job again and hide an eviction.
+    let timing = imp_operator::runnerpool::PoolTiming {
+        sweep_interval: Duration::from_secs(3600),
+        ..fast_timing()
+    };
+    let h = PoolHarness::start_with("wh-qflood", timing).await;
+    two_tenants(&h).await;
+    let b_key = PoolKey::new(h.ns.clone(), "b");
+    let b_body = body("queued", 7, &TENANT_B);
+    assert_eq!(
+        post(&h.webhook_url, "b-7", WEBHOOK_SECRET, b_body).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(h.shared.demand().pool_demand(&b_key).queued, 1);
+    let sign = |delivery: &str, b: &[u8]| {
+        let mut m = HeaderMap::new();
+        m.insert("x-github-event", HeaderValue::from_static("workflow_job"));
+        m.insert(
+            "x-github-delivery",
+            HeaderValue::from_str(delivery).unwrap(),
+        );
+        m.insert(
+            "x-hub-signature-256",
+            HeaderValue::from_str(&sign_body(SECRET_A, b)).unwrap(),
+        );
+        m
+    };
+    let t = std::time::Instant::now();
+    for id in 60_000_000..60_100_000u64 {
+        let b = body("queued", id, &TENANT_A);
+        assert_eq!(
+            handle(&h.shared, &sign(&format!("q-{id}"), &b), &b),
+            DeliveryResult::Accepted
+        );
+    }
+    let a_key = PoolKey::new(h.ns.clone(), "a");
+    let (a, b) = {
+        let d = h.shared.demand();
+        (d.pool_demand(&a_key).queued, d.pool_demand(&b_key).queued)
+    };
+    eprintln!(
+        "100k queued deliveries for pool a in {:?}: a holds {a}, b holds {b}",
+        t.elapsed()
+    );
+    assert_eq!(b, 1, "tenant A's flood evicted tenant B's queued job");
+    assert_eq!(a, 5_000, "pool a held at its own cap");
+    assert_eq!(
+        h.metric("imp_runner_demand_jobs_evicted_total"),
+        (100_000 - 5_000) as f64
+    );
+    h.wait_minted("b", 1, WAIT).await;
+}

@@ -6,8 +6,11 @@
 //!
 //! Tenants are kept apart: a delivery changes only jobs of pools that accept its signing secret, and the
 //! sweep (GitHub's own view) re-routes a job whose recorded pool is not the one its listed labels route
-//! to. Memory is bounded: at most `max_jobs` active and `max_completed` completed jobs are kept; the
-//! oldest go first and are counted in `imp_runner_demand_jobs_evicted_total`.
+//! to. Memory is bounded: at most `max_jobs` active and `max_completed` completed jobs are kept, and at
+//! most `max_jobs_per_pool` active jobs of one pool (jobs routed to no pool count as one pool). A pool
+//! over its cap loses its own oldest job; when the whole table is full, the pool holding the most
+//! loses its oldest: one tenant's flood of validly signed deliveries evicts only its own demand
+//! (issue 30). Evictions are counted in `imp_runner_demand_jobs_evicted_total`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -151,8 +154,10 @@ pub struct DemandLimits {
     pub completed_ttl: Duration,
     /// A job not updated for this long is dropped (a lost completed webhook must not pin demand).
     pub job_ttl: Duration,
-    /// Queued and in-progress jobs kept; beyond, the least recently updated is evicted.
+    /// Queued and in-progress jobs kept; beyond, the oldest of the pool holding the most is evicted.
     pub max_jobs: usize,
+    /// Queued and in-progress jobs kept per pool; beyond, the pool's own oldest is evicted.
+    pub max_jobs_per_pool: usize,
     /// Completed jobs kept (they only guard against reordered deliveries); oldest evicted first.
     pub max_completed: usize,
     /// A queued job missing from this many consecutive complete sweeps is gone (one listing may
@@ -168,6 +173,7 @@ impl Default for DemandLimits {
             completed_ttl: Duration::from_secs(3600),
             job_ttl: Duration::from_secs(24 * 3600),
             max_jobs: 20_000,
+            max_jobs_per_pool: 5_000,
             max_completed: 20_000,
             sweep_misses_to_drop: 2,
         }
@@ -187,7 +193,7 @@ impl DemandMetrics {
     pub fn register(&self, registry: &mut Registry) {
         registry.register(
             "imp_runner_demand_jobs_evicted",
-            "Workflow jobs forgotten because the bounded job map was full (oldest first)",
+            "Workflow jobs forgotten because the bounded job map or a pool's share of it was full (that pool's oldest first)",
             self.evicted.clone(),
         );
         registry.register(
@@ -206,14 +212,23 @@ enum DeliveryKey {
     Digest([u8; 32]),
 }
 
+/// The active jobs of one pool, for its cap.
+#[derive(Debug, Default)]
+struct PoolJobs {
+    held: usize,
+    order: VecDeque<u64>,
+}
+
 /// The demand state of all pools.
 #[derive(Debug)]
 pub struct Demand {
     limits: DemandLimits,
     pools: BTreeMap<PoolKey, PoolRoute>,
     jobs: HashMap<u64, Job>,
-    /// Insertion order of active and of completed jobs (ids may be stale: checked on eviction).
-    active_order: VecDeque<u64>,
+    /// Active jobs per pool (`None`: routed to no pool): how many, and in which order they were
+    /// learnt or routed there (ids may be stale: checked on eviction).
+    active: HashMap<Option<PoolKey>, PoolJobs>,
+    /// Completion order of completed jobs (ids may be stale: checked on eviction).
     completed_order: VecDeque<u64>,
     /// Jobs held per tier: (active, completed).
     held: (usize, usize),
@@ -250,7 +265,7 @@ impl Demand {
             limits,
             pools: BTreeMap::new(),
             jobs: HashMap::new(),
-            active_order: VecDeque::new(),
+            active: HashMap::new(),
             completed_order: VecDeque::new(),
             held: (0, 0),
             deliveries: HashSet::new(),
@@ -299,6 +314,8 @@ impl Demand {
                     j.pool = pool;
                 }
             }
+            self.recount();
+            self.bound_jobs();
         }
         changed
     }
@@ -311,6 +328,8 @@ impl Demand {
                 j.pool = None;
             }
         }
+        self.recount();
+        self.bound_jobs();
     }
 
     pub fn set_global_secret(&mut self, secret: Option<Vec<u8>>) {
@@ -408,6 +427,27 @@ impl Demand {
         signed_with: Option<&[u8]>,
         now: Instant,
     ) -> Option<PoolKey> {
+        let id = u.id;
+        let before = self.jobs.get(&id).map(Job::tier);
+        let pool = self.observe_in_place(u, signed_with, now);
+        // A known job may have moved between pools or tiers; a new one was counted by insert.
+        if let Some(before) = before
+            && let Some(after) = self.jobs.get(&id).map(Job::tier)
+            && before != after
+        {
+            self.untally(&before);
+            self.tally(id, &after);
+        }
+        self.bound_jobs();
+        pool
+    }
+
+    fn observe_in_place(
+        &mut self,
+        u: JobUpdate,
+        signed_with: Option<&[u8]>,
+        now: Instant,
+    ) -> Option<PoolKey> {
         if let Some(job) = self.jobs.get(&u.id) {
             let allowed = match (signed_with, &job.pool) {
                 (None, _) => true,
@@ -448,7 +488,6 @@ impl Demand {
                 self.completed_order.push_back(u.id);
                 self.held.0 = self.held.0.saturating_sub(1);
                 self.held.1 += 1;
-                self.bound_jobs();
             }
             return pool;
         }
@@ -486,14 +525,13 @@ impl Demand {
             self.completed_order.push_back(job.id);
             self.held.1 += 1;
         } else {
-            self.active_order.push_back(job.id);
             self.held.0 += 1;
+            self.tally(job.id, &job.tier());
         }
         if let Some(old) = self.jobs.insert(job.id, job) {
             // Replaced (not reached by observe, which updates known jobs): count it once.
             self.uncount(&old);
         }
-        self.bound_jobs();
     }
 
     fn uncount(&mut self, job: &Job) {
@@ -501,6 +539,22 @@ impl Demand {
             self.held.1 = self.held.1.saturating_sub(1);
         } else {
             self.held.0 = self.held.0.saturating_sub(1);
+            self.untally(&job.tier());
+        }
+    }
+
+    /// Counts job `id` as active in its pool (tier `(true, pool)`); completed jobs are not.
+    fn tally(&mut self, id: u64, (active, pool): &(bool, Option<PoolKey>)) {
+        if *active {
+            let p = self.active.entry(pool.clone()).or_default();
+            p.held += 1;
+            p.order.push_back(id);
+        }
+    }
+
+    fn untally(&mut self, (active, pool): &(bool, Option<PoolKey>)) {
+        if *active && let Some(p) = self.active.get_mut(pool) {
+            p.held = p.held.saturating_sub(1);
         }
     }
 
@@ -510,42 +564,63 @@ impl Demand {
         Some(job)
     }
 
-    /// Evicts the oldest jobs beyond the limits (completed ones by completion order, active ones by
-    /// insertion order) and drops stale entries of the order queues. Amortised O(1) per insert.
+    /// Evicts the oldest jobs beyond the limits and drops stale entries of the order queues:
+    /// completed ones by completion order; active ones from a pool over `max_jobs_per_pool`, else
+    /// (the table over `max_jobs`) from the pool holding the most, oldest of that pool first.
+    /// Amortised O(pools) per insert.
     fn bound_jobs(&mut self) {
         let jobs = &mut self.jobs;
         let evicted = &self.metrics.evicted;
-        let mut evict =
-            |order: &mut VecDeque<u64>, held: &mut usize, completed: bool, max: usize| {
-                let is_member = |j: Option<&Job>| {
-                    j.is_some_and(|j| (j.state == JobState::Completed) == completed)
-                };
-                // Entries of jobs that left this tier (expired, completed, evicted) are stale.
-                if order.len() > max.saturating_mul(2).max(64) {
-                    order.retain(|id| is_member(jobs.get(id)));
-                }
-                while *held > max {
-                    let Some(id) = order.pop_front() else { break };
-                    if is_member(jobs.get(&id)) {
-                        jobs.remove(&id);
-                        evicted.inc();
-                        *held -= 1;
-                    }
-                }
+        let max = self.limits.max_completed;
+        let order = &mut self.completed_order;
+        let done = |j: Option<&Job>| j.is_some_and(|j| j.state == JobState::Completed);
+        // Entries of jobs that left this tier (expired, evicted) are stale.
+        if order.len() > max.saturating_mul(2).max(64) {
+            order.retain(|id| done(jobs.get(id)));
+        }
+        while self.held.1 > max {
+            let Some(id) = order.pop_front() else { break };
+            if done(jobs.get(&id)) {
+                jobs.remove(&id);
+                evicted.inc();
+                self.held.1 -= 1;
+            }
+        }
+        while let Some(pool) = self.pool_to_trim() {
+            let (jobs, evicted) = (&mut self.jobs, &self.metrics.evicted);
+            let p = self.active.get_mut(&pool).expect("chosen among the held");
+            let member = |j: Option<&Job>| {
+                j.is_some_and(|j| j.state != JobState::Completed && j.pool == pool)
             };
-        evict(
-            &mut self.completed_order,
-            &mut self.held.1,
-            true,
-            self.limits.max_completed,
-        );
-        evict(
-            &mut self.active_order,
-            &mut self.held.0,
-            false,
-            self.limits.max_jobs,
-        );
+            if p.order.len() > p.held.saturating_mul(2).max(64) {
+                p.order.retain(|id| member(jobs.get(id)));
+            }
+            let Some(id) = p.order.pop_front() else {
+                // Counted but not in the order: only a bug could do it; recount, never spin.
+                p.held = 0;
+                continue;
+            };
+            if member(jobs.get(&id)) {
+                jobs.remove(&id);
+                evicted.inc();
+                p.held -= 1;
+                self.held.0 = self.held.0.saturating_sub(1);
+            }
+        }
+        self.active.retain(|_, p| p.held > 0 || !p.order.is_empty());
         self.metrics.jobs.set(self.jobs.len() as i64);
+    }
+
+    /// The pool whose oldest active job goes next, if any must: one over its own cap, else (the
+    /// table full) the one holding the most; ties to the smaller key, for determinism.
+    fn pool_to_trim(&self) -> Option<Option<PoolKey>> {
+        let heaviest = self
+            .active
+            .iter()
+            .filter(|(_, p)| p.held > 0)
+            .max_by(|a, b| a.1.held.cmp(&b.1.held).then_with(|| b.0.cmp(a.0)))?;
+        (heaviest.1.held > self.limits.max_jobs_per_pool || self.held.0 > self.limits.max_jobs)
+            .then(|| heaviest.0.clone())
     }
 
     fn recount(&mut self) {
@@ -555,6 +630,19 @@ impl Demand {
             .filter(|j| j.state == JobState::Completed)
             .count();
         self.held = (self.jobs.len() - completed, completed);
+        // Each pool's order rebuilt oldest first (learnt), so eviction keeps its meaning.
+        let mut active: Vec<&Job> = self
+            .jobs
+            .values()
+            .filter(|j| j.state != JobState::Completed)
+            .collect();
+        active.sort_by_key(|j| (j.learnt_at, j.id));
+        self.active.clear();
+        for j in active {
+            let p = self.active.entry(j.pool.clone()).or_default();
+            p.held += 1;
+            p.order.push_back(j.id);
+        }
     }
 
     /// Applies a sweep: `observed` are the jobs listed for `repositories` (every job of their active
@@ -722,6 +810,11 @@ fn since(u: &JobUpdate, now: Timestamp) -> Timestamp {
 }
 
 impl Job {
+    /// Whether it counts against its pool's cap (active), and that pool.
+    fn tier(&self) -> (bool, Option<PoolKey>) {
+        (self.state != JobState::Completed, self.pool.clone())
+    }
+
     /// Records when the job reached `state` (the first report of each step wins; reordered or repeated
     /// deliveries do not move it). A job first seen past `queued` takes GitHub's `created_at` as its
     /// queued time.
@@ -1013,6 +1106,72 @@ mod tests {
         }
         assert_eq!(d.pool_demand(&key("a")).queued, 50);
         assert_eq!(d.job_count(), 100);
+    }
+
+    #[test]
+    fn one_pools_flood_of_signed_queued_jobs_evicts_only_its_own() {
+        // Issue 30: tenant A floods 100k validly signed `queued` deliveries for repositories the
+        // sweep never lists; tenant B's queued job must stay.
+        let metrics = DemandMetrics::default();
+        let mut d = Demand::default().with_metrics(metrics.clone());
+        d.upsert_pool(key("a"), route(&["a"], Some("A")));
+        d.upsert_pool(key("b"), route(&["b"], Some("B")));
+        let t0 = Instant::now();
+        assert_eq!(d.observe(queued(1, &["b"]), Some(b"B"), t0), Some(key("b")));
+        for id in 1_000..101_000u64 {
+            d.observe(queued(id, &["a"]), Some(b"A"), t0);
+        }
+        assert_eq!(d.pool_demand(&key("b")).queued, 1);
+        let cap = d.limits.max_jobs_per_pool;
+        assert_eq!(d.pool_demand(&key("a")).queued as usize, cap);
+        assert_eq!(metrics.evicted.get(), (100_000 - cap) as u64);
+        // A's own oldest went first; its newest are held.
+        assert!(d.job(1_000).is_none() && d.job(100_999).is_some());
+        assert!(d.active[&Some(key("a"))].order.len() <= 2 * cap + 64);
+    }
+
+    #[test]
+    fn a_full_table_evicts_from_the_pool_holding_the_most() {
+        let mut d = Demand::new(DemandLimits {
+            max_jobs: 6,
+            max_jobs_per_pool: 4,
+            ..DemandLimits::default()
+        });
+        for (p, l) in [("a", "A"), ("b", "B"), ("c", "C")] {
+            d.upsert_pool(key(p), route(&[p], Some(l)));
+        }
+        let t0 = Instant::now();
+        let mut next = 0u64;
+        let mut add = |d: &mut Demand, pool: &str, secret: &[u8], n: usize| {
+            for _ in 0..n {
+                next += 1;
+                d.observe(queued(next, &[pool]), Some(secret), t0);
+            }
+        };
+        add(&mut d, "b", b"B", 2);
+        add(&mut d, "a", b"A", 6);
+        // A is capped at 4 on its own (its first two went), B untouched.
+        let held = |d: &Demand| ["a", "b", "c"].map(|p| d.pool_demand(&key(p)).queued);
+        assert_eq!(held(&d), [4, 2, 0]);
+        assert!(d.job(3).is_none() && d.job(4).is_none() && d.job(1).is_some());
+        // The table (6) is full: C's job evicts from A, the pool holding the most.
+        add(&mut d, "c", b"C", 1);
+        assert_eq!(held(&d), [3, 2, 1]);
+        assert!(d.job(5).is_none(), "A's oldest");
+        // Equal holdings: the tie goes to the smaller key, deterministically.
+        add(&mut d, "b", b"B", 1);
+        assert_eq!(held(&d), [2, 3, 1]);
+        // Completing and rerouting keep the counts: B's jobs done free B's share.
+        for id in [1, 2] {
+            let u = with_state(queued(id, &["b"]), JobState::Completed, None);
+            d.observe(u, Some(b"B"), t0);
+        }
+        assert_eq!(held(&d), [2, 1, 1]);
+        d.remove_pool(&key("c"));
+        assert_eq!(d.active[&None].held, 1, "C's job is unrouted now");
+        add(&mut d, "a", b"A", 2);
+        assert_eq!(held(&d), [4, 1, 0]);
+        assert_eq!(d.held.0, 6);
     }
 
     #[test]
