@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: preflight test testenv lint unit crds reasons guest-static guest-vm images chart-lint monitoring real-node smoke clean-testenv
+.PHONY: preflight test testenv lint unit crds reasons guest-static guest-vm images release chart-lint monitoring real-node smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
 test: testenv lint unit guest-static guest-vm images chart-lint monitoring smoke
@@ -56,6 +56,12 @@ guest-vm:
 ## component images (reproducible, each binary runs from its image, the chart renders their digests).
 images: testenv guest-static
 	IMP_GUEST_STATIC_BIN="$${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release/imp-guest" images/test.sh
+
+## One release to an OCI registry: make release REGISTRY=HOST[:PORT]/PATH VERSION=X.Y.Z [PLAIN_HTTP=1]
+## (scripts/release.sh: the three images, the chart with their digests as defaults, digests, package lists).
+release: testenv guest-static
+	scripts/release.sh --registry "$(REGISTRY)" --version "$(VERSION)" $(if $(PLAIN_HTTP),--plain-http) \
+		--guest "$${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release/imp-guest"
 
 ## helm lint with the merged seed values (kernelPath and fcBinPath have no defaults) and every seed values
 ## file over them.

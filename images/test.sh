@@ -12,6 +12,11 @@
 #     chrooted into its unpacked layer (so every library it needs is in the image); operator and agent
 #     are non-root; the runtime image's mkfs.ext4, ip, nft and /bin/sh run there too (needs root for
 #     chroot). IMP_COMPONENT_BIN_DIR gives prebuilt binaries (default: a debug cargo build).
+#   - with qemu-system-x86_64 and vhost-device-vsock: the runtime image --with-qemu starts a pc machine
+#     and vhost-device-vsock from its layer (else SKIPPED, a failure with IMP_REQUIRE_QEMU=1);
+#   - with those, docker-registry and skopeo: scripts/release.sh to the local registry, then the chart
+#     from oci:// with no image values names each pushed image by digest, package lists per image
+#     (else SKIPPED, a failure with IMP_REQUIRE_RELEASE=1).
 # Usage: images/test.sh   (honours CARGO_TARGET_DIR; IMP_FAKE_RUNNER skips building the fake runner)
 set -euo pipefail
 
@@ -242,6 +247,60 @@ while read -r name digest; do
     grep -q "image: ghcr.io/imp-dev/$name@$digest\$" "$t/rendered.yaml" || fail "the chart does not render $name@$digest"
 done <"$t/comp1/digests"
 ok "component images: reproducible ($(tr '\n' ' ' <"$t/comp1/digests")), each binary runs from its image (one build: ${took}s)"
+
+# The QEMU backend's runtime image: QEMU (with its firmware) and vhost-device-vsock run from the image.
+if command -v qemu-system-x86_64 >/dev/null && command -v vhost-device-vsock >/dev/null; then
+    "$components" --bin-dir "$bins" --out "$t/compq" --tag test --only imp-runtime --with-qemu "${guest_args[@]}" >/dev/null
+    check_layout "$t/compq/imp-runtime" test
+    rootq="$t/root-qemu"
+    mkdir "$rootq"
+    tar -xzf "$t/compq/imp-runtime/blobs/sha256/$(layer_blob "$t/compq/imp-runtime")" -C "$rootq"
+    chroot "$rootq" /usr/bin/qemu-system-x86_64 --version >"$t/tool" 2>&1 || fail "QEMU in the runtime image: $(cat "$t/tool")"
+    # The pc machine's BIOS and option ROMs load from the image: QEMU exits at once when one is
+    # missing; started and still running after 3 s (timeout's 124) it found them.
+    rc=0
+    timeout 3 chroot "$rootq" /usr/bin/qemu-system-x86_64 -machine pc -accel tcg -display none \
+        -nodefaults -no-reboot -serial none -monitor none -device virtio-net-pci,netdev=n0 \
+        -netdev user,id=n0 >"$t/tool" 2>&1 || rc=$?
+    [ "$rc" = 124 ] || fail "QEMU cannot start a pc machine from the runtime image (exit $rc): $(cat "$t/tool")"
+    chroot "$rootq" /usr/local/bin/vhost-device-vsock --version >"$t/tool" 2>&1 ||
+        fail "vhost-device-vsock in the runtime image: $(cat "$t/tool")"
+    if cmp -s "$t/comp1/digests" <(grep imp-runtime "$t/compq/digests"); then fail "--with-qemu changed nothing"; fi
+    ok "runtime image --with-qemu: qemu-system-x86_64 starts a pc machine and vhost-device-vsock runs from it"
+elif [ "${IMP_REQUIRE_QEMU:-0}" = 1 ]; then
+    fail "IMP_REQUIRE_QEMU=1: the --with-qemu runtime image needs qemu-system-x86_64 and vhost-device-vsock"
+else
+    echo "images/test.sh: SKIPPED the --with-qemu runtime image: no qemu-system-x86_64 or vhost-device-vsock (IMP_REQUIRE_QEMU=1 fails instead)"
+fi
+
+# --- a release to the local registry (scripts/release.sh) ---------------------------------------
+if [ -n "$registry_pid" ] && command -v qemu-system-x86_64 >/dev/null && command -v vhost-device-vsock >/dev/null; then
+    reg="127.0.0.1:$port/imp-release"
+    "$repo/scripts/release.sh" --registry "$reg" --version 0.0.1-test --out "$t/rel" --bin-dir "$bins" \
+        "${guest_args[@]}" --plain-http >"$t/release.log" 2>&1 || fail "release.sh: $(tail -5 "$t/release.log")"
+    # The chart from the registry, with no image values, names every image by the release's digest.
+    HELM_CACHE_HOME="$t/helm" HELM_CONFIG_HOME="$t/helm" HELM_DATA_HOME="$t/helm" "$helm" template imp \
+        "oci://$reg/charts/imp" --version 0.0.1-test --plain-http \
+        --set agent.env.kernelPath=/var/lib/imp/vmlinux --set agent.env.fcBinPath=/usr/local/bin/firecracker \
+        >"$t/release.yaml" 2>"$t/release.err" || fail "helm template oci://$reg/charts/imp: $(cat "$t/release.err")"
+    grep -c '^chart sha256:[0-9a-f]\{64\}$' "$t/rel/digests" >/dev/null || fail "no chart digest in $t/rel/digests"
+    while read -r name digest; do
+        [ "$name" = chart ] && continue
+        grep -q "image: $reg/$name@$digest\$" "$t/release.yaml" || fail "the released chart does not default to $reg/$name@$digest"
+        skopeo inspect --tls-verify=false "docker://$reg/$name:0.0.1-test" >"$t/remote.json"
+        grep -q "\"Digest\": \"$digest\"" "$t/remote.json" || fail "$reg/$name:0.0.1-test is not $digest"
+        [ -s "$t/rel/packages/$name.txt" ] || fail "no package list for $name"
+        grep -q "^$name 0.0.1-test " "$t/rel/packages/$name.txt" || fail "$name's package list does not name it"
+    done <"$t/rel/digests"
+    for p in e2fsprogs nftables iproute2 busybox-static qemu-system-x86 vhost-device-vsock; do
+        grep -q "^$p " "$t/rel/packages/imp-runtime.txt" || fail "imp-runtime's package list lacks $p: $(cat "$t/rel/packages/imp-runtime.txt")"
+    done
+    ok "release 0.0.1-test pushed to $reg: the chart installs its images by digest with no image values ($(wc -l <"$t/rel/packages/imp-runtime.txt") lines in imp-runtime's package list)"
+elif [ "${IMP_REQUIRE_RELEASE:-0}" = 1 ]; then
+    fail "IMP_REQUIRE_RELEASE=1: the release test needs docker-registry, skopeo, qemu-system-x86_64 and vhost-device-vsock"
+else
+    echo "images/test.sh: SKIPPED the release test: needs docker-registry, skopeo, qemu-system-x86_64 and vhost-device-vsock (IMP_REQUIRE_RELEASE=1 fails instead)"
+fi
 
 # --- initrd (optional: needs the static imp-guest and an installed kernel) ---------------------
 if [ -n "${IMP_GUEST_STATIC_BIN:-}" ]; then

@@ -7,7 +7,12 @@
 #                            (e2fsprogs, with /etc/mke2fs.conf), ip (iproute2), nft (nftables),
 #                            busybox (static: /bin/sh and sleep for the chart's KVM preflight), and the
 #                            static imp-guest at /usr/local/lib/imp/imp-guest (IMP_GUEST_BIN's default),
-#                            which it copies into every VM's root filesystem
+#                            which it copies into every VM's root filesystem; with --with-qemu also
+#                            the QEMU backend's qemu-system-x86_64 (/usr/bin, IMP_QEMU_BIN's default)
+#                            with the firmware it loads (/usr/share/qemu, /usr/share/seabios,
+#                            /usr/lib/ipxe/qemu; symlinks resolved), its
+#                            TCG module, and vhost-device-vsock (/usr/local/bin, IMP_VHOST_VSOCK_BIN's
+#                            default)
 #
 # Usage:
 #   images/components/build.sh --out DIR [--bin-dir DIR] [--tag TAG] [--only NAME]... [--push PREFIX]
@@ -18,6 +23,8 @@
 #                   --locked -p imp-operator -p imp-runtime -p imp-agent --bins`, then target/release
 #   --tag TAG       ref name in each index.json (default: the workspace version, e.g. 0.1.0)
 #   --only NAME     build only this image (repeatable)
+#   --with-qemu     the runtime image carries QEMU and vhost-device-vsock for `runtime.backend: qemu`
+#                   (needs the host's qemu-system-x86 and a vhost-device-vsock on PATH)
 #   --guest PATH    the static imp-guest for the runtime image (default: the one guest/check-static.sh
 #                   builds, <target>/x86_64-unknown-linux-gnu/release/imp-guest); required for imp-runtime
 #   --repository P  registry prefix the images will be pulled from (default ghcr.io/imp-dev), for
@@ -39,13 +46,14 @@ need() { command -v "$1" >/dev/null || die "needs $1 (Debian package: $2)"; }
 
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 all=(imp-operator imp-agent imp-runtime)
-out="" bin_dir="" tag="" push="" repository="" guest="" only=()
+out="" bin_dir="" tag="" push="" repository="" guest="" with_qemu="" only=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) out="${2:?--out needs a directory}"; shift 2 ;;
         --bin-dir) bin_dir="${2:?--bin-dir needs a directory}"; shift 2 ;;
         --tag) tag="${2:?--tag needs a value}"; shift 2 ;;
         --only) only+=("${2:?--only needs an image name}"); shift 2 ;;
+        --with-qemu) with_qemu=1; shift ;;
         --guest) guest="${2:?--guest needs the static imp-guest}"; shift 2 ;;
         --push) push="${2:?--push needs HOST:PORT/PREFIX}"; shift 2 ;;
         --repository) repository="${2:?--repository needs a registry prefix}"; shift 2 ;;
@@ -143,6 +151,22 @@ for name in "${only[@]}"; do
         ln -s busybox "$root/bin/sleep"
         mkdir -p "$root/usr/local/lib/imp"
         cp "$guest" "$root/usr/local/lib/imp/imp-guest"
+        if [ -n "$with_qemu" ]; then
+            put_elf "$root" "$(host_tool qemu-system-x86_64 qemu-system-x86)" /usr/bin/qemu-system-x86_64
+            # The BIOS, option ROMs and keymaps QEMU loads: Debian's build searches these three
+            # directories (the pc machine's BIOS is seabios', virtio-net's option ROM ipxe's).
+            for d in /usr/share/qemu:qemu-system-data /usr/share/seabios:seabios /usr/lib/ipxe/qemu:ipxe-qemu; do
+                [ -d "${d%%:*}" ] || die "--with-qemu needs ${d%%:*} (Debian package: ${d#*:})"
+                mkdir -p "$root$(dirname "${d%%:*}")"
+                cp -rL "${d%%:*}" "$root${d%%:*}"
+            done
+            # Debian builds TCG as a module QEMU loads at start when KVM is not used (qemuAccel tcg,
+            # auto without /dev/kvm); the display and audio modules are not needed headless.
+            tcg=/usr/lib/x86_64-linux-gnu/qemu/accel-tcg-x86_64.so
+            [ ! -e "$tcg" ] || put_elf "$root" "$tcg" "$tcg"
+            put_elf "$root" "$(host_tool vhost-device-vsock "none: cargo install vhost-device-vsock")" \
+                /usr/local/bin/vhost-device-vsock
+        fi
     fi
     # Normalised modes: no group/other write; /tmp sticky and world-writable.
     chmod -R u+rwX,go+rX,go-w "$root"
