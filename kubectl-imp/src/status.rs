@@ -37,7 +37,7 @@ pub fn runner_state(vm: &ImpVM) -> RunnerState {
     let torn_down = status
         .conditions
         .iter()
-        .any(|c| c.type_ == "TornDown" && c.status == "True");
+        .any(|c| c.type_ == imp_api::names::condition::TORN_DOWN && c.status == "True");
     match status.phase {
         Some(VmPhase::Failed | VmPhase::RetryExhausted) => return RunnerState::Failed,
         Some(VmPhase::Succeeded) => return RunnerState::Finished,
@@ -445,11 +445,11 @@ mod tests {
     #[test]
     fn failures_are_warnings_about_imp_objects_and_failed_vms_newest_first() {
         let events = [
-            json!({"type": "Warning", "reason": "MintFailed", "note": "401", "eventTime": "2026-01-01T00:00:05.000000Z",
+            json!({"type": "Warning", "reason": imp_api::names::reason::MINT_FAILED, "note": "401", "eventTime": "2026-01-01T00:00:05.000000Z",
                    "regarding": {"kind": "ImpVMRunnerPool", "name": "p"}}),
             json!({"type": "Normal", "reason": "Booted", "eventTime": "2026-01-01T00:00:06.000000Z",
                    "regarding": {"kind": "ImpVM", "name": "a"}}),
-            json!({"type": "Warning", "reason": "BackOff", "eventTime": "2026-01-01T00:00:07.000000Z",
+            json!({"type": "Warning", "reason": imp_api::names::reason::BACK_OFF, "eventTime": "2026-01-01T00:00:07.000000Z",
                    "regarding": {"kind": "Pod", "name": "x"}}),
         ];
         let failed = vm(
@@ -469,7 +469,10 @@ mod tests {
             now: 0.0,
         });
         let reasons: Vec<_> = s.failures.iter().map(|f| f.reason.as_str()).collect();
-        assert_eq!(reasons, ["BootTimeout", "MintFailed"]);
+        assert_eq!(
+            reasons,
+            ["BootTimeout", imp_api::names::reason::MINT_FAILED]
+        );
         assert!(s.table().contains("ImpVM/b"));
     }
 }

@@ -298,7 +298,7 @@ pub fn compute(inputs: &Inputs) -> Timeline {
     add(
         "torn_down",
         "torn down",
-        condition_true(iv, vm, "TornDown"),
+        condition_true(iv, vm, imp_api::names::condition::TORN_DOWN),
         "ImpVM condition TornDown=True",
     );
     add(
