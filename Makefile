@@ -5,7 +5,7 @@ CARGO ?= cargo
 .PHONY: preflight test testenv lint unit crds reasons guest-static guest-vm images release chart-lint monitoring real-node smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
-test: testenv lint unit guest-static guest-vm images chart-lint monitoring smoke
+test: testenv lint unit images chart-lint monitoring smoke
 
 ## What the target needs (testenv/preflight.sh), checked first, before any long build: installed when
 ## missing (root, apt-get, cargo) unless IMP_INSTALL_DEPS=0, which fails at once naming what is missing and
@@ -30,8 +30,11 @@ lint:
 ## Unit and integration tests; integration tests start their own control plane on 127.0.0.1. Includes
 ## testkit/tests/real_node.rs (`make real-node` alone): the chart on a real kubelet + containerd node,
 ## skipped with the reason where the host cannot (IMP_REQUIRE_REAL_NODE=1 makes that a failure).
-unit: testenv
-	$(CARGO) test --workspace --locked --no-fail-fast
+## The real-VM tests (imp-guest's qemu, imp-runtime's *_qemu) run here too, on the static guest built first:
+## IMP_REQUIRE_QEMU=1 makes a missing piece a failure (`make guest-vm` runs only them, with their output).
+unit: testenv guest-static
+	IMP_GUEST_STATIC_BIN="$${IMP_GUEST_STATIC_BIN:-$$(realpath -m "$${CARGO_TARGET_DIR:-target}")/x86_64-unknown-linux-gnu/release/imp-guest}" \
+		$(CARGO) test --workspace --locked --no-fail-fast
 
 ## Regenerate helm/imp/crds from the Rust types.
 crds:
