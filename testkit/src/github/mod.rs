@@ -11,6 +11,7 @@ pub mod jobs;
 pub mod jwt;
 pub mod keys;
 pub mod model;
+mod registry;
 pub mod runner_protocol;
 pub mod scaleset;
 #[cfg(test)]
@@ -104,6 +105,8 @@ pub(crate) struct Shared {
     pub key: Arc<AppKey>,
     pub base_url: String,
     pub model: Mutex<Model>,
+    /// Runner scale sets (`scaleset.rs`); when both are held, the model is locked first.
+    pub scalesets: Mutex<scaleset::ScaleSets>,
     pub hooks: mpsc::UnboundedSender<HookEvent>,
 }
 
@@ -112,10 +115,22 @@ impl Shared {
         self.model.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The URL written into JIT configs (see [`SimConfig::runner_url`]).
+    pub fn runner_url(&self) -> String {
+        self.config
+            .runner_url
+            .clone()
+            .unwrap_or_else(|| self.base_url.clone())
+    }
+
+    pub fn scalesets(&self) -> MutexGuard<'_, scaleset::ScaleSets> {
+        self.scalesets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Queues a `workflow_job` webhook for the job's current state, and the scale-set message of
     /// the change when a scale set serves the job.
     pub fn emit(&self, job: &SimJob, action: &str) {
-        self.model().scalesets.on_job(job, action);
+        self.scalesets().on_job(job, action);
         let payload = webhooks::workflow_job_payload(
             job,
             action,
@@ -214,13 +229,13 @@ impl GithubSim {
             workflows: Default::default(),
             never_online_next: 0,
             never_online: Default::default(),
-            scalesets: Default::default(),
         };
         let shared = Arc::new(Shared {
             config,
             key,
             base_url,
             model: Mutex::new(model),
+            scalesets: Mutex::new(Default::default()),
             hooks: tx,
         });
         let worker = tokio::spawn(webhooks::delivery_worker(shared.clone(), rx));
@@ -640,4 +655,48 @@ pub fn fake_runner_binary() -> anyhow::Result<std::path::PathBuf> {
         })
         .clone()
         .map_err(|e| anyhow::anyhow!(e))
+}
+
+impl GithubSim {
+    /// The scale sets, their sessions and queues.
+    pub fn scale_sets(&self) -> Vec<scaleset::SimScaleSet> {
+        self.shared.scalesets().sets.values().cloned().collect()
+    }
+
+    /// The jobs routed to scale sets, by runner request id.
+    pub fn scale_set_jobs(&self) -> Vec<scaleset::ScaleSetJob> {
+        self.shared.scalesets().jobs.values().cloned().collect()
+    }
+
+    pub fn scale_set_stats(&self) -> scaleset::ScaleSetStats {
+        self.shared.scalesets().stats.clone()
+    }
+
+    /// Every credential the scale-set protocol handed out (registration, admin and queue tokens):
+    /// what a test checks never reached a log.
+    pub fn scale_set_credentials(&self) -> Vec<String> {
+        let ss = self.shared.scalesets();
+        ss.registration_tokens
+            .keys()
+            .chain(ss.admin_tokens.keys())
+            .cloned()
+            .chain(
+                ss.sets
+                    .values()
+                    .filter_map(|s| s.session.as_ref().map(|x| x.queue_token.clone())),
+            )
+            .collect()
+    }
+
+    /// The next `count` message deletes fail (500) without deleting: the message is redelivered.
+    pub fn fail_scale_set_acks(&self, count: u32) {
+        self.shared.scalesets().failing_acks = count;
+    }
+
+    /// Sets how long an unpolled session lives and how long a poll waits before answering 202.
+    pub fn set_scale_set_timing(&self, session_ttl: Duration, poll_timeout: Duration) {
+        let mut ss = self.shared.scalesets();
+        ss.session_ttl = session_ttl;
+        ss.poll_timeout = poll_timeout;
+    }
 }

@@ -18,12 +18,11 @@ use serde_json::{Value, json};
 use super::Shared;
 use super::jobs::{JobSpec, JobStatus, random_token, run_status};
 use super::jwt::verify_app_jwt;
-use super::model::{
-    Fault, FaultRule, Model, RateWindow, SimRunner, SimScope, WebhookFault, labels_match,
-};
-use super::runner_protocol::JitConfigPayload;
+use super::model::{Fault, FaultRule, RateWindow, SimRunner, SimScope, WebhookFault, labels_match};
+use super::registry::register_runner;
 
 mod dispatch;
+mod scaleset;
 
 type S = State<Arc<Shared>>;
 
@@ -107,7 +106,14 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             get(run_jobs),
         )
         .merge(dispatch::api_routes())
-        .merge(super::scaleset::api_routes())
+        .route(
+            "/orgs/{org}/actions/runners/registration-token",
+            post(org_registration_token),
+        )
+        .route(
+            "/repos/{owner}/{repo}/actions/runners/registration-token",
+            post(repo_registration_token),
+        )
         .fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn_with_state(shared.clone(), api_layer));
     let runner = Router::new()
@@ -136,7 +142,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .merge(dispatch::admin_routes());
     runner
         .merge(admin)
-        .merge(super::scaleset::service_routes())
+        .merge(scaleset::routes())
         .merge(api)
         .with_state(shared)
 }
@@ -466,23 +472,6 @@ fn authorize(
     }
 }
 
-/// [`authorize`] for an organization (`org`) or a repository (`repo`, `owner/name`), answering a
-/// refusal as a response (for the scale-set module's handlers).
-#[allow(clippy::result_large_err)] // the refusal is the handler's answer as it stands
-pub(super) fn authorize_scope(
-    shared: &Shared,
-    headers: &HeaderMap,
-    org: Option<&str>,
-    repo: Option<&str>,
-) -> Result<SimScope, Response> {
-    let scope = match (org, repo.and_then(|r| r.split_once('/'))) {
-        (Some(o), _) => check_org(shared, o),
-        (None, Some((owner, name))) => check_repo(shared, owner, name),
-        (None, None) => Err(ApiError::not_found()),
-    };
-    authorize(shared, headers, &scope, true).map_err(IntoResponse::into_response)
-}
-
 async fn org_runner_groups(
     State(shared): S,
     Path(org): Path<String>,
@@ -545,18 +534,6 @@ fn invalid(msg: &str) -> ApiError {
     )
 }
 
-/// GitHub adds the default labels of a self-hosted runner (`self-hosted`, its OS, its architecture)
-/// to the custom ones a JIT config asks for; the simulated runners run Linux on x64.
-fn with_default_labels(custom: &[String]) -> Vec<String> {
-    let mut out: Vec<String> = ["self-hosted", "Linux", "X64"].map(String::from).to_vec();
-    for l in custom {
-        if !out.iter().any(|o| o.eq_ignore_ascii_case(l)) {
-            out.push(l.clone());
-        }
-    }
-    out
-}
-
 fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
     let v: Value = serde_json::from_slice(body)
         .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "Problems parsing JSON"))?;
@@ -590,8 +567,8 @@ fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
         return Err(ApiError::not_found());
     }
     let (runner, encoded) = register_runner(
-        shared,
         &mut m,
+        shared.runner_url(),
         scope,
         &name,
         group_id,
@@ -610,55 +587,41 @@ fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
     ))
 }
 
-/// Registers a runner (offline until it connects) and its one-time credential; returns it and its
-/// encoded JIT config, or the name when a runner of that name exists in the scope. Used by
-/// `generate-jitconfig` and by a scale set's `generatejitconfig`.
-pub(super) fn register_runner(
-    shared: &Shared,
-    m: &mut Model,
-    scope: SimScope,
-    name: &str,
-    group_id: u64,
-    labels: &[String],
-    work_folder: &str,
-) -> Result<(SimRunner, String), String> {
-    if m.runners
-        .values()
-        .any(|r| r.scope == scope && r.name.eq_ignore_ascii_case(name))
-    {
-        return Err(name.to_string());
-    }
-    let id = m.next_runner_id;
-    m.next_runner_id += 1;
-    let runner = SimRunner {
-        id,
-        name: name.to_string(),
-        scope,
-        labels: with_default_labels(labels),
-        runner_group_id: group_id,
-        work_folder: work_folder.to_string(),
-        status: "offline".into(),
-        busy: false,
-        job_id: None,
-    };
-    let credential = random_token(40);
-    m.credentials.insert(credential.clone(), id);
-    m.runners.insert(id, runner.clone());
-    m.stats.jit_configs_issued += 1;
-    let encoded = JitConfigPayload {
-        url: shared
-            .config
-            .runner_url
-            .clone()
-            .unwrap_or_else(|| shared.base_url.clone()),
-        runner_id: id,
-        runner_name: name.to_string(),
-        labels: labels.to_vec(),
-        work_folder: work_folder.to_string(),
-        credential,
-    }
-    .encode();
-    Ok((runner, encoded))
+// ---- runner registration tokens (the scale-set protocol's first step) ----
+
+async fn org_registration_token(
+    State(shared): S,
+    Path(org): Path<String>,
+    headers: HeaderMap,
+) -> ApiResult {
+    let scope = authorize(&shared, &headers, &check_org(&shared, &org), true)?;
+    Ok(registration_token(&shared, scope))
+}
+
+async fn repo_registration_token(
+    State(shared): S,
+    Path((owner, repo)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> ApiResult {
+    let scope = authorize(&shared, &headers, &check_repo(&shared, &owner, &repo), true)?;
+    Ok(registration_token(&shared, scope))
+}
+
+/// A registration token for `scope` (GitHub: valid one hour).
+fn registration_token(shared: &Shared, scope: SimScope) -> Response {
+    let token = random_token(29).to_uppercase();
+    let expires_at = Utc::now() + chrono::Duration::hours(1);
+    let mut ss = shared.scalesets();
+    ss.registration_tokens
+        .insert(token.clone(), (scope, expires_at));
+    ss.stats.registration_tokens += 1;
+    json_response(
+        StatusCode::CREATED,
+        json!({
+            "token": token,
+            "expires_at": expires_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        }),
+    )
 }
 
 async fn org_list_runners(
@@ -1015,7 +978,7 @@ async fn runner_acquire(State(shared): S, headers: HeaderMap) -> ApiResult {
         let candidate = m.jobs.values().find(|j| {
             j.status == JobStatus::Queued
                 && labels_match(&j.labels, &runner.labels)
-                && m.scalesets.runner_may_take(runner.id, j.id)
+                && shared.scalesets().runner_may_take(runner.id, j.id)
                 && match &runner.scope {
                     SimScope::Organization(o) => j
                         .repository
@@ -1084,7 +1047,7 @@ async fn runner_complete(
         // Ephemeral: the registration goes away with the job.
         m.runners.remove(&runner_id);
         m.sessions.retain(|_, rid| *rid != runner_id);
-        m.scalesets.runner_removed(runner_id);
+        shared.scalesets().runner_removed(runner_id);
         job
     };
     shared.emit(&job, "completed");
