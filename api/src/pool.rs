@@ -73,6 +73,25 @@ pub struct GithubRunnerSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 256))]
     pub work_folder: Option<String>,
+    /// Take demand from a runner scale set (GitHub's listener protocol) instead of only from
+    /// webhooks: Imp creates or adopts the scale set, holds its message session and mints the
+    /// runners through it, so `runs-on: <name>` routes jobs to this pool (docs/github.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_set: Option<ScaleSetSpec>,
+}
+
+/// A runner scale set the pool serves.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScaleSetSpec {
+    /// The scale set's name: what workflows write in `runs-on` (GitHub allows 1-45 characters).
+    #[x_kube(validation = kube::core::Rule::new("self.matches('^[A-Za-z0-9._-]+$')").message("scaleSet.name may hold letters, digits, '.', '_' and '-' only"))]
+    #[schemars(length(min = 1, max = 45))]
+    pub name: String,
+    /// Runner group of the scale set (organization scope); the default group when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 256))]
+    pub runner_group: Option<String>,
 }
 
 /// Exactly one of `org` or `repo`. Enterprise scope is not offered: GitHub refuses App tokens there.

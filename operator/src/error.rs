@@ -41,6 +41,14 @@ pub enum Error {
         source: crate::github::GithubError,
     },
 
+    /// Runner pool: the pool's scale set refused or failed a JIT config mint for the VM.
+    #[error("minting a JIT config for VM {vm} through the scale set failed: {source}")]
+    ScaleSetMint {
+        vm: String,
+        #[source]
+        source: crate::scaleset::ScaleSetError,
+    },
+
     /// Runner pool: the VM's JIT Secret name is taken by a Secret the VM does not own.
     #[error("Secret {secret} exists and is not owned by VM {vm}")]
     JitSecretConflict { secret: String, vm: String },
@@ -79,6 +87,7 @@ impl Error {
             Error::NetworkInvalid { .. } => "network_invalid",
             Error::NetworkNotFound { .. } => "network_not_found",
             Error::Mint { .. } => "jit_mint",
+            Error::ScaleSetMint { .. } => "scale_set_mint",
             Error::JitSecretConflict { .. } => "jit_secret_conflict",
             Error::JitConfigLost { .. } => "jit_config_lost",
             Error::ForeignRunnerVm { .. } => "foreign_runner_vm",
@@ -100,6 +109,7 @@ impl Error {
             | Error::Conflict(_)
             | Error::MissingObjectKey(_)
             | Error::Mint { .. }
+            | Error::ScaleSetMint { .. }
             | Error::JitSecretConflict { .. }
             | Error::JitConfigLost { .. }
             | Error::ForeignRunnerVm { .. }

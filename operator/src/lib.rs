@@ -6,6 +6,7 @@ pub mod leader;
 pub mod metrics;
 pub mod pressure;
 pub mod runnerpool;
+pub mod scaleset;
 pub mod scheduler;
 pub mod vm;
 pub mod webhook;

@@ -210,7 +210,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
-    let pools = run_runnerpool_controller(client, pool_config, shared);
+    let pools = run_runnerpool_controller(client, pool_config, shared.clone());
     let lead = while_leading(leading, async {
         tokio::select! {
             () = vms => error!("the ImpVM controller stopped"),
@@ -224,7 +224,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         r = lead => r.map_err(anyhow::Error::from),
     };
     // The controllers are dropped (cancelled at an await point) before the Lease is released, so the
-    // successor never overlaps them; it reconciles from what the API server holds.
+    // successor never overlaps them; it reconciles from what the API server holds. The scale-set
+    // sessions are deleted so the successor need not wait for them to expire.
+    shared.scale_sets.close_sessions().await;
     let _ = release_tx.send(());
     let _ = elector.await;
     info!("imp-operator stopped");

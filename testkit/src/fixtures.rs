@@ -362,6 +362,7 @@ pub fn pool(name: &str) -> PoolBuilder {
                 runner_group: None,
                 labels: vec!["self-hosted".into(), "imp".into()],
                 work_folder: None,
+                scale_set: None,
             },
             template: RunnerVmTemplate {
                 metadata: None,

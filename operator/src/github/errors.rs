@@ -19,6 +19,8 @@ pub enum Operation {
     ListRepositories,
     ListWorkflowRuns,
     ListWorkflowJobs,
+    /// A runner registration token (the scale-set intake's first step).
+    RegistrationToken,
 }
 
 impl Operation {
@@ -33,6 +35,7 @@ impl Operation {
             Operation::ListRepositories => "list_repositories",
             Operation::ListWorkflowRuns => "list_workflow_runs",
             Operation::ListWorkflowJobs => "list_workflow_jobs",
+            Operation::RegistrationToken => "registration_token",
         }
     }
 }

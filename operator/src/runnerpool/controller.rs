@@ -59,9 +59,7 @@ use super::{
     slo::{ServedFacts, VmTimes, run_phase},
 };
 use crate::error::{Error, Result};
-use crate::github::{
-    DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
-};
+use crate::github::{DeleteOutcome, ErrorClass, GithubApp, JitRequest, RunnerScope, runner_name};
 use crate::metrics::ReasonLabels;
 
 /// The `controller` label of the reconcile metrics.
@@ -158,9 +156,12 @@ pub async fn run_runnerpool_controller(
                 Err(e) => debug!(error = %e, "pool reconcile failed"),
             }
         });
+    let intakes =
+        crate::scaleset::run_intakes(ctx.client.clone(), ctx.shared.clone(), ctx.recorder.clone());
     tokio::select! {
         () = controller => {},
         () = sweep => {},
+        () = intakes => {},
     }
 }
 
@@ -442,7 +443,7 @@ impl Ctx {
                         }
                         let key = PoolKey::new(ns, pool.name_any());
                         let route = PoolRoute {
-                            labels: pool.spec.github.labels.clone(),
+                            labels: crate::scaleset::route_labels(&pool.spec.github),
                             scope,
                             webhook_secret: self.webhook_secret(pool, &key).await,
                         };
@@ -491,15 +492,44 @@ impl Ctx {
         }
     }
 
+    /// Hands a pool with `spec.github.scaleSet` (and a usable App) to the scale-set intake.
+    fn want_scale_set(
+        &self,
+        pool: &ImpVMRunnerPool,
+        key: &PoolKey,
+        app: &std::result::Result<GithubApp, Creds>,
+        scope: &Option<RunnerScope>,
+    ) {
+        let (Some(set), Ok(app), Some(scope), Some(owner)) = (
+            &pool.spec.github.scale_set,
+            app,
+            scope,
+            pool.controller_owner_ref(&()),
+        ) else {
+            self.shared.scale_sets.forget(key);
+            return;
+        };
+        self.shared.scale_sets.want(crate::scaleset::IntakeSpec {
+            key: key.clone(),
+            app: app.clone(),
+            scope: scope.clone(),
+            scale_set: set.clone(),
+            labels: crate::scaleset::route_labels(&pool.spec.github),
+            max_runners: pool.spec.scaling.max_runners,
+            owner,
+        });
+    }
+
     async fn apply(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Result<Action> {
         let timing = &self.config.timing;
         // Observe.
         let app = self.app(pool, key).await;
         let scope = scope_of(pool);
         self.remember_app(key, &app, &scope);
+        self.want_scale_set(pool, key, &app, &scope);
         if let Some(scope) = scope.clone() {
             let route = PoolRoute {
-                labels: pool.spec.github.labels.clone(),
+                labels: crate::scaleset::route_labels(&pool.spec.github),
                 scope,
                 webhook_secret: self.webhook_secret(pool, key).await,
             };
@@ -1052,14 +1082,36 @@ impl Ctx {
                 .clone()
                 .unwrap_or_else(|| "_work".into()),
         };
-        let minted = match app.generate_jit_config(&req).await {
-            Ok(m) => m,
-            Err(e) => {
-                self.mint_failed(pool, key, &vm_name, &e).await;
-                return Err(Error::Mint {
-                    vm: vm_name,
-                    source: e,
-                });
+        let minted = if pool.spec.github.scale_set.is_some() {
+            // Bound to the scale set: GitHub hands this runner the scale set's jobs only.
+            match self
+                .shared
+                .scale_sets
+                .mint(key, &req.runner_name, &req.work_folder)
+                .await
+            {
+                Ok(m) => m,
+                Err(e) => {
+                    self.mint_failed(pool, key, &vm_name, e.metric_label(), false, &e)
+                        .await;
+                    return Err(Error::ScaleSetMint {
+                        vm: vm_name,
+                        source: e,
+                    });
+                }
+            }
+        } else {
+            match app.generate_jit_config(&req).await {
+                Ok(m) => m,
+                Err(e) => {
+                    let invalid = credentials_invalid(&e);
+                    self.mint_failed(pool, key, &vm_name, e.metric_label(), invalid, &e)
+                        .await;
+                    return Err(Error::Mint {
+                        vm: vm_name,
+                        source: e,
+                    });
+                }
             }
         };
         self.shared
@@ -1195,12 +1247,21 @@ impl Ctx {
         }
     }
 
-    async fn mint_failed(&self, pool: &ImpVMRunnerPool, key: &PoolKey, vm: &str, e: &GithubError) {
+    /// `label` is the error's metric label; `invalid`: it says the App's credentials are bad.
+    async fn mint_failed(
+        &self,
+        pool: &ImpVMRunnerPool,
+        key: &PoolKey,
+        vm: &str,
+        label: &str,
+        invalid: bool,
+        e: &(dyn std::fmt::Display + Sync),
+    ) {
         self.shared
             .metrics
             .jit_mint_errors
             .get_or_create(&ReasonLabels {
-                reason: e.metric_label().to_owned(),
+                reason: label.to_owned(),
             })
             .inc();
         let timing = &self.config.timing;
@@ -1208,7 +1269,7 @@ impl Ctx {
             let wait =
                 m.mint_backoff
                     .fail(Instant::now(), timing.mint_backoff, timing.mint_backoff_max);
-            if credentials_invalid(e) {
+            if invalid {
                 m.creds = Creds::Invalid {
                     reason: reason::CREDENTIALS_INVALID,
                     message: e.to_string(),
@@ -1222,7 +1283,7 @@ impl Ctx {
             pool,
             true,
             reason::MINT_FAILED,
-            format!("Minting a JIT runner config for VM {vm} failed ({}); VM deleted, retrying in {wait:?}: {e}", e.metric_label()),
+            format!("Minting a JIT runner config for VM {vm} failed ({label}); VM deleted, retrying in {wait:?}: {e}"),
         )
         .await;
     }
@@ -1406,6 +1467,7 @@ impl Ctx {
 
     fn forget(&self, key: &PoolKey) {
         self.shared.demand().remove_pool(key);
+        self.shared.scale_sets.forget(key);
         self.shared.metrics.remove_pool(&key.to_string());
         self.memory
             .lock()

@@ -15,6 +15,8 @@ pub struct PoolShared {
     demand: Mutex<Demand>,
     pub metrics: PoolMetrics,
     pub apps: Arc<GithubApps>,
+    /// The scale-set intakes (pools with `spec.github.scaleSet`) and their mint path.
+    pub scale_sets: crate::scaleset::ScaleSets,
     notify: Mutex<Option<UnboundedSender<PoolKey>>>,
     /// Every existing pool's webhook secret (and the global one) has been read since start. Until then a
     /// delivery that verifies with no known secret may be a pool's we have not read yet: the receiver
@@ -36,6 +38,7 @@ impl PoolShared {
             demand: Mutex::new(Demand::new(limits).with_metrics(metrics.demand.clone())),
             metrics,
             apps,
+            scale_sets: crate::scaleset::ScaleSets::default(),
             notify: Mutex::new(None),
             routes_loaded: AtomicBool::new(false),
         })
@@ -71,5 +74,25 @@ impl PoolShared {
 
     pub(crate) fn set_notifier(&self, tx: UnboundedSender<PoolKey>) {
         *self.notify.lock().unwrap_or_else(|e| e.into_inner()) = Some(tx);
+    }
+}
+
+impl crate::scaleset::IntakeHost for PoolShared {
+    fn scale_sets(&self) -> &crate::scaleset::ScaleSets {
+        &self.scale_sets
+    }
+
+    fn feed_demand(&self, key: &PoolKey, updates: Vec<super::demand::JobUpdate>) {
+        let now = std::time::Instant::now();
+        let mut changed = false;
+        {
+            let mut demand = self.demand();
+            for u in updates {
+                changed |= demand.observe(u, None, now).is_some();
+            }
+        }
+        if changed {
+            self.notify(key.clone());
+        }
     }
 }
