@@ -208,13 +208,82 @@ pub struct Prepared {
     id: u32,
     root: CString,
     ops: Vec<Op>,
-    seccomp: Option<BpfProgram>,
+    creds: Credentials,
     /// Write end: the child writes the index of the step that failed (CLOEXEC: a successful
     /// exec closes it).
     report: OwnedFd,
     /// Read end, for the parent.
     reports: OwnedFd,
+}
+
+/// The credential half of a jail: what a confined process is left with (uid/gid, no
+/// capability, no_new_privs, the seccomp filter). Public so an escape drill can put a process
+/// into exactly a VMM's state (node/runtime/tests/escape_qemu.rs).
+#[derive(Debug, Clone)]
+pub struct Credentials {
+    pub id: u32,
+    pub seccomp: Option<BpfProgram>,
     last_cap: u32,
+}
+
+impl Credentials {
+    pub fn new(id: u32, seccomp: Option<BpfProgram>) -> Self {
+        let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(63);
+        Credentials {
+            id,
+            seccomp,
+            last_cap,
+        }
+    }
+
+    /// Drop to these credentials, for good. Async-signal-safe (for a forked child).
+    ///
+    /// # Safety
+    /// Changes the calling process's credentials irreversibly: call it in a child before exec.
+    pub unsafe fn drop_privileges(&self) -> Result<(), nix::Error> {
+        unsafe { self.apply() }.map_err(|(_, e)| e)
+    }
+
+    unsafe fn apply(&self) -> Result<(), (Fixed, nix::Error)> {
+        use libc::*;
+        let ck = |f: Fixed, rc: c_int| {
+            if rc < 0 {
+                Err((f, nix::Error::last()))
+            } else {
+                Ok(())
+            }
+        };
+        unsafe {
+            for cap in 0..=self.last_cap {
+                ck(Fixed::Caps, prctl(PR_CAPBSET_DROP, cap as c_ulong, 0, 0, 0))?;
+            }
+            ck(Fixed::Ids, setgroups(0, std::ptr::null()))?;
+            ck(Fixed::Ids, setresgid(self.id, self.id, self.id))?;
+            // From uid 0 to a non-zero uid: the kernel clears the permitted and effective sets.
+            ck(Fixed::Ids, setresuid(self.id, self.id, self.id))?;
+            let mut header = CapHeader {
+                version: LINUX_CAPABILITY_VERSION_3,
+                pid: 0,
+            };
+            let data = [CapData::default(); 2];
+            ck(
+                Fixed::Caps,
+                syscall(SYS_capset, &mut header, data.as_ptr()) as c_int,
+            )?;
+            ck(
+                Fixed::Caps,
+                prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL as c_ulong, 0, 0, 0),
+            )?;
+            ck(Fixed::NoNewPrivs, prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))?;
+            if let Some(f) = &self.seccomp {
+                seccompiler::apply_filter(f).map_err(|_| (Fixed::Seccomp, nix::Error::last()))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Where, counted from the steps after `ops`, the fixed steps are reported.
@@ -348,18 +417,13 @@ impl Jail {
         }
         let (reports, report) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
             .map_err(|e| JailError::Pipe(e.into()))?;
-        let last_cap = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(63);
         Ok(Prepared {
             id: self.vm.id,
             root: cstr(&self.vm.mount_point)?,
             ops,
-            seccomp: self.seccomp.clone(),
+            creds: Credentials::new(self.vm.id, self.seccomp.clone()),
             report,
             reports,
-            last_cap,
         })
     }
 }
@@ -499,37 +563,7 @@ impl Prepared {
                 fx(Fixed::Fds),
                 syscall(SYS_close_range, 3u32, u32::MAX, CLOSE_RANGE_CLOEXEC) as c_int,
             )?;
-            for cap in 0..=self.last_cap {
-                check(
-                    fx(Fixed::Caps),
-                    prctl(PR_CAPBSET_DROP, cap as c_ulong, 0, 0, 0),
-                )?;
-            }
-            check(fx(Fixed::Ids), setgroups(0, std::ptr::null()))?;
-            check(fx(Fixed::Ids), setresgid(self.id, self.id, self.id))?;
-            // From uid 0 to a non-zero uid: the kernel clears the permitted and effective sets.
-            check(fx(Fixed::Ids), setresuid(self.id, self.id, self.id))?;
-            let mut header = CapHeader {
-                version: LINUX_CAPABILITY_VERSION_3,
-                pid: 0,
-            };
-            let data = [CapData::default(); 2];
-            check(
-                fx(Fixed::Caps),
-                syscall(SYS_capset, &mut header, data.as_ptr()) as c_int,
-            )?;
-            check(
-                fx(Fixed::Caps),
-                prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL as c_ulong, 0, 0, 0),
-            )?;
-            check(
-                fx(Fixed::NoNewPrivs),
-                prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0),
-            )?;
-            if let Some(f) = &self.seccomp {
-                seccompiler::apply_filter(f)
-                    .map_err(|_| (fx(Fixed::Seccomp), nix::Error::last()))?;
-            }
+            self.creds.apply().map_err(|(f, e)| (fx(f), e))?;
         }
         Ok(())
     }
@@ -657,7 +691,7 @@ const VHOST_DENIED: &[libc::c_long] = &[
 
 /// vhost-device-vsock's filter: every call allowed but [`VHOST_DENIED`] (EPERM).
 pub fn vhost_filter() -> Result<BpfProgram, JailError> {
-    let rules = VHOST_DENIED.iter().map(|s| (*s as i64, vec![])).collect();
+    let rules = VHOST_DENIED.iter().map(|s| (*s, vec![])).collect();
     let arch = std::env::consts::ARCH
         .try_into()
         .map_err(|e| JailError::Filter(format!("{e:?}")))?;

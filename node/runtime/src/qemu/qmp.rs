@@ -256,6 +256,67 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_descriptor_is_handed_with_getfd_in_the_commands_session() {
+        use std::io::{Read as _, Seek as _, Write as _};
+        use std::os::fd::{AsFd as _, FromRawFd as _};
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("qmp.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.write_all(b"{\"QMP\": {}}\n").unwrap();
+            let mut lines = Vec::new();
+            let mut received = None;
+            for _ in 0..3 {
+                // One command per read: the client waits for each answer.
+                let mut buf = [0u8; 512];
+                let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+                let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+                let msg = nix::sys::socket::recvmsg::<()>(
+                    s.as_raw_fd(),
+                    &mut iov,
+                    Some(&mut space),
+                    MsgFlags::empty(),
+                )
+                .unwrap();
+                for c in msg.cmsgs().unwrap() {
+                    if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
+                        received = Some(fds[0]);
+                    }
+                }
+                let n = msg.bytes;
+                let line = String::from_utf8_lossy(&buf[..n]).trim().to_string();
+                lines.push(serde_json::from_str::<Value>(&line).unwrap());
+                s.write_all(b"{\"return\": {}}\n").unwrap();
+            }
+            // SAFETY: the descriptor SCM_RIGHTS installed in this process.
+            let mut f = unsafe { std::fs::File::from_raw_fd(received.expect("an fd")) };
+            f.rewind().unwrap();
+            let mut text = String::new();
+            f.read_to_string(&mut text).unwrap();
+            (lines, text)
+        });
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(b"stream").unwrap();
+        Qmp::new(&sock)
+            .execute_with_fd(
+                file.as_fd(),
+                "impsuspend",
+                "migrate",
+                Some(json!({"uri": "fd:impsuspend"})),
+            )
+            .await
+            .unwrap();
+        let (lines, text) = server.join().unwrap();
+        assert_eq!(
+            lines[1],
+            json!({"execute": "getfd", "arguments": {"fdname": "impsuspend"}})
+        );
+        assert_eq!(lines[2]["arguments"]["uri"], "fd:impsuspend");
+        assert_eq!(text, "stream", "QEMU got the runtime's file");
+    }
+
+    #[tokio::test]
     async fn no_socket_is_a_connect_error() {
         let e = Qmp::new("/nonexistent/qmp.sock")
             .execute("query-status", None)
