@@ -16,12 +16,7 @@ use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 
-use common::{Harness, is_root};
-use imp_runtime::api::{VmSpec, VmState};
-use imp_runtime::rootfs::store::ImageSpec;
-use imp_testkit::oci::push_gzip_image;
-use imp_testkit::qemu;
-use imp_testkit::registry::{Registry, RegistryOptions};
+use common::Harness;
 
 /// The fields of /proc/<pid>/status this test reads.
 fn status(pid: i32) -> HashMap<String, String> {
@@ -128,57 +123,12 @@ fn owned_by(dir: &Path, ids: &[u32]) -> Vec<PathBuf> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_qemu_vmm_process_is_confined_to_its_own_vm() {
-    let Some(s) = qemu::setup_or_skip() else {
+    let Some(g) = common::confine::guests("confine", true).await else {
         return;
     };
-    if !is_root() {
-        assert!(
-            std::env::var_os("IMP_REQUIRE_ROOT").is_none(),
-            "IMP_REQUIRE_ROOT is set but this test is not root"
-        );
-        eprintln!("SKIP: confinement switches uids: needs root");
-        return;
-    }
-    let images = tempfile::tempdir().unwrap();
-    let initrd = images.path().join("initrd.gz");
-    qemu::scripted_initrd(&s, &initrd);
-    let registry = Registry::start(RegistryOptions::default()).await.unwrap();
-    let base = push_gzip_image(
-        &registry.host(),
-        "imp/runner-base:confine",
-        vec![common::busybox_layer().into_gzip()],
-    )
-    .await;
-    let mut h = Harness::qemu(&s, &initrd, registry.host());
-    h.start_runtime().await;
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 256,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(64 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: Some(imp_runtime::api::NetworkSpec {
-            guest_mac: None,
-            attachment: None,
-        }),
-    };
+    let mut h = g.h;
     let uids = ["conf-a", "conf-b"];
-    for uid in uids {
-        let (_, st) = h
-            .client
-            .ensure_running(uid, &spec)
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", h.runtime_log()));
-        assert_eq!(st.state, VmState::Running);
-    }
+    common::confine::start_all(&h, &g.spec, &uids).await;
     let dirs = uids.map(|u| h.vms_dir().join(u));
     let mut ids = Vec::new();
     for (i, dir) in dirs.iter().enumerate() {

@@ -18,13 +18,7 @@ use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{Harness, is_root};
-use imp_runtime::api::{VmSpec, VmState};
 use imp_runtime::jail::{Credentials, vhost_filter};
-use imp_runtime::rootfs::store::ImageSpec;
-use imp_testkit::oci::push_gzip_image;
-use imp_testkit::qemu;
-use imp_testkit::registry::{Registry, RegistryOptions};
 
 /// VM A's vsock device: (pid, its namespaces' descriptors, its uid).
 struct Vmm {
@@ -68,53 +62,11 @@ fn attempt(as_vmm: Option<&Vmm>, argv: &[&str]) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_with_a_vmms_confinement_reaches_nothing_of_the_node() {
-    let Some(s) = qemu::setup_or_skip() else {
+    let Some(g) = common::confine::guests("escape", false).await else {
         return;
     };
-    if !is_root() {
-        assert!(
-            std::env::var_os("IMP_REQUIRE_ROOT").is_none(),
-            "IMP_REQUIRE_ROOT is set but this test is not root"
-        );
-        eprintln!("SKIP: the drill switches uids and joins namespaces: needs root");
-        return;
-    }
-    let images = tempfile::tempdir().unwrap();
-    let initrd = images.path().join("initrd.gz");
-    qemu::scripted_initrd(&s, &initrd);
-    let registry = Registry::start(RegistryOptions::default()).await.unwrap();
-    let base = push_gzip_image(
-        &registry.host(),
-        "imp/runner-base:escape",
-        vec![common::busybox_layer().into_gzip()],
-    )
-    .await;
-    let mut h = Harness::qemu(&s, &initrd, registry.host());
-    h.start_runtime().await;
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 256,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(64 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: None,
-    };
-    for uid in ["esc-a", "esc-b"] {
-        let (_, st) = h
-            .client
-            .ensure_running(uid, &spec)
-            .await
-            .unwrap_or_else(|e| panic!("{e}\n{}", h.runtime_log()));
-        assert_eq!(st.state, VmState::Running);
-    }
+    let h = g.h;
+    common::confine::start_all(&h, &g.spec, &["esc-a", "esc-b"]).await;
     let dir_a = h.vms_dir().join("esc-a");
     let (pid, _, _) = h
         .vmm_processes()
