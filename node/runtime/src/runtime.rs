@@ -67,6 +67,8 @@ pub struct Config {
     /// Per-VM uids of confined QEMU VMs (none: VMM processes run as the runtime, unconfined;
     /// for debugging only). The Firecracker backend is not confined here yet.
     pub jail: Option<JailConfig>,
+    /// Which ImpNetworks this node admits (network/admit.rs).
+    pub network: crate::network::Admission,
 }
 
 impl From<&VmRecord> for VmStatus {

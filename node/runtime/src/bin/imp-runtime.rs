@@ -10,6 +10,7 @@ use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_runtime::api::Backend;
 use imp_runtime::cgroup::CgroupConfig;
 use imp_runtime::jail::JailConfig;
+use imp_runtime::network::Admission;
 use imp_runtime::qemu::{Accel, QemuConfig};
 use imp_runtime::rootfs::flatten::Limits;
 use imp_runtime::rootfs::pull::PullConfig;
@@ -124,6 +125,18 @@ struct Args {
     /// for debugging only.
     #[arg(long, env = "IMP_NO_CONFINE")]
     no_confine: bool,
+    /// Interfaces an ImpNetwork's `nat.egressInterface` may name besides the default route's
+    /// (comma-separated); any other is refused.
+    #[arg(
+        long,
+        env = "IMP_NETWORK_ALLOWED_EGRESS_INTERFACES",
+        value_delimiter = ','
+    )]
+    network_allowed_egress_interfaces: Vec<String>,
+    /// IPv4 ranges no ImpNetwork subnet may overlap, e.g. the cluster's pod, service and node
+    /// CIDRs (comma-separated). The node's own addresses and routes are refused anyway.
+    #[arg(long, env = "IMP_NETWORK_RESERVED_CIDRS", value_delimiter = ',')]
+    network_reserved_cidrs: Vec<ipnet::Ipv4Net>,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -221,6 +234,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 ..PullConfig::default()
             },
             parallel_fetches: 3,
+        },
+        network: Admission {
+            allowed_egress_interfaces: args.network_allowed_egress_interfaces,
+            reserved: args.network_reserved_cidrs,
         },
     };
     let runtime = Runtime::start(cfg).await.context("start the runtime")?;
