@@ -12,8 +12,8 @@
 use std::collections::BTreeMap;
 
 use imp_api::names::{
-    ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_RUNNER_POOL, LABEL_SECRET_KIND,
-    SECRET_KEY_JITCONFIG, SECRET_KIND_JIT,
+    ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_RUNNER_POOL,
+    LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG, SECRET_KIND_JIT,
 };
 use imp_api::{
     Backoff, ClassRef, DesiredState, GithubRunnerSpec, GithubScope, HttpGetProbe, ImpNetwork,
@@ -487,6 +487,24 @@ pub fn jit_secret(name: &str, jitconfig: &str, runner_id: i64, runner_name: &str
         SECRET_KEY_JITCONFIG.to_owned(),
         jitconfig.to_owned(),
     )]));
+    s
+}
+
+/// [`jit_secret`] as the pool mints it for `vm`: controlled by the VM, and carrying the boot
+/// digest of the VM's spec (the agent refuses a config whose digest differs from the VM's).
+pub fn jit_secret_for(
+    vm: &ImpVM,
+    name: &str,
+    jitconfig: &str,
+    runner_id: i64,
+    runner_name: &str,
+) -> Secret {
+    let mut s = jit_secret(name, jitconfig, runner_id, runner_name);
+    s.metadata.owner_references = vm.controller_owner_ref(&()).map(|o| vec![o]);
+    s.metadata.annotations.get_or_insert_default().insert(
+        ANNOTATION_BOOT_DIGEST.to_owned(),
+        imp_api::frozen::boot_digest(&vm.spec),
+    );
     s
 }
 

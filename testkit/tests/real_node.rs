@@ -215,6 +215,9 @@ async fn scenario(id: &str) {
         ),
         format!("runtime.vmCgroupParent={vm_cgroup_parent}"),
         format!("runtime.insecureRegistries[0]={reg}"),
+        // The node's namespace has no default route: the pool's network names its uplink, which
+        // the platform must allow (node admission of ImpNetworks, docs/network.md).
+        "runtime.network.allowedEgressInterfaces[0]=imp-node0".into(),
         // No Prometheus Operator CRDs in this cluster.
         "metrics.serviceMonitor.enabled=false".into(),
         "metrics.podMonitor.enabled=false".into(),

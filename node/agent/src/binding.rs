@@ -6,10 +6,16 @@
 //! the VM as its controlling owner and Imp's JIT label. So the agent checks, before it reads the
 //! config out of the Secret: the VM is controlled by an ImpVMRunnerPool, the Secret carries the
 //! JIT label, and the Secret's controlling owner is this very VM (by uid: a name can be reused).
+//!
+//! And the VM must still be what the config was minted for: the pool writes the boot digest of
+//! the VM's frozen fields onto the Secret (`imp_api::frozen`), and the agent compares it with the
+//! spec it boots (before the PUT) and with the spec it hands the config to (after the Secret
+//! read). The CRD's CEL rules refuse such changes; this holds where admission was bypassed.
 
-use imp_api::names::{LABEL_SECRET_KIND, SECRET_KIND_JIT, reason};
-use k8s_openapi::api::core::v1::Secret;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use std::collections::BTreeMap;
+
+use imp_api::names::{ANNOTATION_BOOT_DIGEST, LABEL_SECRET_KIND, SECRET_KIND_JIT, reason};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 use imp_api::ImpVM;
 
@@ -22,6 +28,15 @@ pub enum Unbound {
     NotJit { secret: String },
     #[error("Secret {secret} is not controlled by this VM (uid {vm_uid})")]
     NotOwned { secret: String, vm_uid: String },
+    #[error(
+        "the VM's frozen fields (image, runnerImage, classRef, networkRef, imagePullSecrets) differ \
+         from what Secret {secret}'s runner config was minted for (minted {minted}, now {now})"
+    )]
+    Changed {
+        secret: String,
+        minted: String,
+        now: String,
+    },
 }
 
 impl Unbound {
@@ -30,6 +45,7 @@ impl Unbound {
             Unbound::VmNotPooled => reason::RUNNER_VM_NOT_POOLED,
             Unbound::NotJit { .. } => reason::RUNNER_CONFIG_NOT_JIT,
             Unbound::NotOwned { .. } => reason::RUNNER_CONFIG_NOT_OWNED,
+            Unbound::Changed { .. } => reason::RUNNER_VM_CHANGED,
         }
     }
 }
@@ -47,11 +63,11 @@ pub fn check_vm(vm: &ImpVM) -> Result<(), Unbound> {
     }
 }
 
-/// The Secret side: Imp's JIT label and this VM (`vm_uid`) as its controlling owner.
-pub fn check_secret(secret: &Secret, vm_uid: &str) -> Result<(), Unbound> {
-    let name = secret.metadata.name.clone().unwrap_or_default();
+/// The Secret side: Imp's JIT label and this VM (`vm_uid`) as its controlling owner. Takes the
+/// Secret's metadata, so a check before boot needs no read of the config.
+pub fn check_secret(secret: &ObjectMeta, vm_uid: &str) -> Result<(), Unbound> {
+    let name = secret.name.clone().unwrap_or_default();
     let jit = secret
-        .metadata
         .labels
         .as_ref()
         .and_then(|l| l.get(LABEL_SECRET_KIND))
@@ -59,11 +75,7 @@ pub fn check_secret(secret: &Secret, vm_uid: &str) -> Result<(), Unbound> {
     if !jit {
         return Err(Unbound::NotJit { secret: name });
     }
-    let refs = secret
-        .metadata
-        .owner_references
-        .as_deref()
-        .unwrap_or_default();
+    let refs = secret.owner_references.as_deref().unwrap_or_default();
     match controller(refs) {
         Some(o) if o.kind == "ImpVM" && o.uid == vm_uid => Ok(()),
         _ => Err(Unbound::NotOwned {
@@ -73,10 +85,28 @@ pub fn check_secret(secret: &Secret, vm_uid: &str) -> Result<(), Unbound> {
     }
 }
 
+/// The VM's spec against the boot digest on its Secret (`annotations` of Secret `secret`). A
+/// Secret without the digest is refused too: no mint of this version writes one without it.
+pub fn check_boot(
+    vm: &ImpVM,
+    secret: &str,
+    annotations: &BTreeMap<String, String>,
+) -> Result<(), Unbound> {
+    let now = imp_api::frozen::boot_digest(&vm.spec);
+    match annotations.get(ANNOTATION_BOOT_DIGEST) {
+        Some(minted) if *minted == now => Ok(()),
+        minted => Err(Unbound::Changed {
+            secret: secret.to_owned(),
+            minted: minted.cloned().unwrap_or_else(|| "no digest".to_owned()),
+            now,
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::BTreeMap;
+    use k8s_openapi::api::core::v1::Secret;
 
     fn owner(kind: &str, uid: &str, controller: bool) -> OwnerReference {
         OwnerReference {
@@ -114,7 +144,7 @@ mod tests {
             Ok(())
         );
         let s = secret(Some(SECRET_KIND_JIT), vec![owner("ImpVM", "vm-1", true)]);
-        assert_eq!(check_secret(&s, "vm-1"), Ok(()));
+        assert_eq!(check_secret(&s.metadata, "vm-1"), Ok(()));
     }
 
     #[test]
@@ -133,7 +163,7 @@ mod tests {
     fn another_vms_secret_is_refused_by_uid() {
         // The attack: a VM naming the victim's Secret. Same kind, other uid.
         let s = secret(Some(SECRET_KIND_JIT), vec![owner("ImpVM", "victim", true)]);
-        let e = check_secret(&s, "vm-1").unwrap_err();
+        let e = check_secret(&s.metadata, "vm-1").unwrap_err();
         assert_eq!(e.reason(), reason::RUNNER_CONFIG_NOT_OWNED);
         assert!(e.to_string().contains("vm-1"), "{e}");
         // A non-controlling reference to this VM is not enough, nor another kind with its uid.
@@ -144,7 +174,7 @@ mod tests {
         ] {
             let s = secret(Some(SECRET_KIND_JIT), owners);
             assert_eq!(
-                check_secret(&s, "vm-1").unwrap_err().reason(),
+                check_secret(&s.metadata, "vm-1").unwrap_err().reason(),
                 reason::RUNNER_CONFIG_NOT_OWNED
             );
         }
@@ -155,9 +185,32 @@ mod tests {
         for label in [None, Some("other")] {
             let s = secret(label, vec![owner("ImpVM", "vm-1", true)]);
             assert_eq!(
-                check_secret(&s, "vm-1").unwrap_err().reason(),
+                check_secret(&s.metadata, "vm-1").unwrap_err().reason(),
                 reason::RUNNER_CONFIG_NOT_JIT
             );
         }
+    }
+
+    #[test]
+    fn a_vm_changed_after_the_mint_is_refused_and_an_unchanged_one_passes() {
+        let minted = vm(vec![owner("ImpVMRunnerPool", "p", true)]);
+        let ann = BTreeMap::from([(
+            ANNOTATION_BOOT_DIGEST.to_owned(),
+            imp_api::frozen::boot_digest(&minted.spec),
+        )]);
+        assert_eq!(check_boot(&minted, "s", &ann), Ok(()));
+        // Scheduling fields may change after the mint.
+        let mut moved = minted.clone();
+        moved.spec.node_name = Some("n2".into());
+        assert_eq!(check_boot(&moved, "s", &ann), Ok(()));
+        let mut repointed = minted.clone();
+        repointed.spec.image = "evil.example/own:1".into();
+        let e = check_boot(&repointed, "s", &ann).unwrap_err();
+        assert_eq!(e.reason(), reason::RUNNER_VM_CHANGED);
+        assert!(e.to_string().contains("Secret s"), "{e}");
+        // No digest at all: refused, never taken as a match.
+        let e = check_boot(&minted, "s", &BTreeMap::new()).unwrap_err();
+        assert_eq!(e.reason(), reason::RUNNER_VM_CHANGED);
+        assert!(e.to_string().contains("no digest"), "{e}");
     }
 }

@@ -12,6 +12,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
 use tracing::info;
 
+use super::binding::{self, Unbound};
 use super::context::{Context, Error, runtime_facts};
 use super::decide::RuntimeFacts;
 use super::spec;
@@ -78,6 +79,12 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error
         return Ok(());
     };
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
+    if let Some(changed) = changed_since_mint(&secrets, &vm, &uid).await? {
+        let msg = changed.to_string();
+        ctx.fail(api, &name, changed.reason(), &msg, Guard::STARTING)
+            .await?;
+        return Ok(());
+    }
     let mut pull = Vec::new();
     for r in &vm.spec.image_pull_secrets {
         match secrets.get_opt(&r.name).await? {
@@ -189,4 +196,29 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error
         Err(e) => return Err(e.into()),
     }
     Ok(())
+}
+
+/// A runner VM whose frozen fields moved since its pool minted its config (the binding rule's
+/// boot digest) is never booted: booting a re-pointed image and patching the spec back before
+/// the handoff would otherwise pass the handoff's own check. Reads the JIT Secret's metadata
+/// only (never its data); a VM without a runner config, not pooled, or whose Secret is missing
+/// or not its own is left to the handoff, which refuses it with its own reason.
+async fn changed_since_mint(
+    secrets: &Api<Secret>,
+    vm: &ImpVM,
+    uid: &str,
+) -> Result<Option<Unbound>, Error> {
+    let Some(name) = vm.spec.runner_config_secret.as_deref() else {
+        return Ok(None);
+    };
+    if binding::check_vm(vm).is_err() {
+        return Ok(None);
+    }
+    let Some(meta) = secrets.get_metadata_opt(name).await? else {
+        return Ok(None);
+    };
+    if binding::check_secret(&meta.metadata, uid).is_err() {
+        return Ok(None);
+    }
+    Ok(binding::check_boot(vm, name, meta.annotations()).err())
 }

@@ -214,7 +214,8 @@ impl<'a> Run<'a> {
         self.read_at = Some(Instant::now());
         let secret = secrets.get_opt(&self.secret_name).await?;
         if let Some(s) = &secret
-            && let Err(e) = binding::check_secret(s, &self.uid)
+            && let Err(e) = binding::check_secret(&s.metadata, &self.uid)
+                .and_then(|()| binding::check_boot(&self.vm, &self.secret_name, s.annotations()))
         {
             return Ok(unbound(&e));
         }
@@ -484,7 +485,7 @@ async fn delete_bound_secret(ctx: &Context, vm: &ImpVM) {
         let Some(found) = secrets.get_opt(&secret).await? else {
             return Ok(());
         };
-        if let Err(e) = binding::check_secret(&found, &uid) {
+        if let Err(e) = binding::check_secret(&found.metadata, &uid) {
             warn!(vm = %vm_name, error = %e, "not deleting a Secret this VM is not bound to");
             return Ok(());
         }

@@ -63,6 +63,8 @@ pub struct Config {
     /// The rootfs cache (images built from OCI references); its `dir` is usually
     /// `<state_dir>/rootfs`.
     pub rootfs: StoreConfig,
+    /// Which ImpNetworks this node admits (network/admit.rs).
+    pub network: crate::network::Admission,
 }
 
 impl From<&VmRecord> for VmStatus {

@@ -19,7 +19,7 @@ use imp_testkit::{TestEnv, fixtures};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 use serde_json::json;
 
 /// How long a VM may take to reach a phase (the simulator boots in well under a second; a
@@ -92,8 +92,7 @@ impl World {
 
     /// A JIT Secret `name` controlled by `owner` (as the pool mints it), holding `config`.
     async fn jit_secret_for(&self, name: &str, owner: &ImpVM, config: &str) {
-        let mut s = fixtures::jit_secret(name, config, 42, "imp-test-runner");
-        s.metadata.owner_references = Some(vec![owner.controller_owner_ref(&()).unwrap()]);
+        let s = fixtures::jit_secret_for(owner, name, config, 42, "imp-test-runner");
         self.env
             .api::<Secret>()
             .create(&PostParams::default(), &s)
@@ -744,6 +743,83 @@ async fn a_vm_naming_another_vms_jit_secret_never_receives_it() {
         )
         .await
         .unwrap();
+    drop(agent);
+    w.finish().await;
+}
+
+/// Issue 30's first finding with admission bypassed: the VM's image was changed after its pool
+/// minted the config (here: the Secret's boot digest is of another image, as if the spec had been
+/// patched while the CEL rules were off). The agent never boots it and never hands it the config.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_vm_re_pointed_after_the_mint_is_never_booted_nor_given_its_config() {
+    let w = World::new("agent-frozen").await;
+    let agent = w.agent(&w.runner_script(0), 1);
+    let pool = w.pool().await;
+    let build = |image: &str| {
+        fixtures::vm("repointed")
+            .runner_of(&pool)
+            .class(&w.class)
+            .image(image)
+            .bound(&w.node)
+            .finalizer(imp_api::names::FINALIZER_VM_CLEANUP)
+            .runner_config("repointed-jit")
+            .build()
+    };
+    // What the pool minted for: the pool's image. What the node is asked to boot: another one.
+    let mut minted = build(&w.image);
+    let vm = w
+        .vms()
+        .create(
+            &PostParams::default(),
+            &build("registry.example/mallory/own:1"),
+        )
+        .await
+        .unwrap();
+    minted.metadata = vm.metadata.clone();
+    let secret = fixtures::jit_secret_for(&minted, "repointed-jit", JIT, 42, "imp-test-runner");
+    w.env
+        .api::<Secret>()
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    w.set_status("repointed", json!({"phase": VmPhase::Scheduled}))
+        .await;
+    let failed = w
+        .wait_phase("repointed", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
+    let s = failed.status.as_ref().unwrap();
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::RUNNER_VM_CHANGED),
+        "{s:#?}"
+    );
+    assert!(
+        s.message
+            .as_deref()
+            .unwrap_or_default()
+            .contains("repointed-jit"),
+        "{s:#?}"
+    );
+    assert!(
+        s.runner.as_ref().and_then(|r| r.handoff).is_none(),
+        "{s:#?}"
+    );
+    w.wait_event("repointed", reason::VM_FAILED, reason::RUNNER_VM_CHANGED)
+        .await;
+    assert!(
+        !runtime_has(&w.rt, &uid(&vm)).await,
+        "the runtime was asked to boot the re-pointed VM"
+    );
+    assert_eq!(
+        w.got_config(),
+        None,
+        "the re-pointed VM's runner received the config"
+    );
+    assert!(
+        w.secret_exists("repointed-jit").await,
+        "the agent touched the Secret"
+    );
+    assert!(!agent.log().contains("JITSECRET"));
     drop(agent);
     w.finish().await;
 }

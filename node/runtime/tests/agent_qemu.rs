@@ -23,7 +23,7 @@ use imp_testkit::registry::{Registry, RegistryOptions};
 use imp_testkit::{TestEnv, fixtures};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
-use kube::{Api, Resource, ResourceExt};
+use kube::{Api, ResourceExt};
 use serde_json::json;
 
 const JIT: &str = "eyJqaXQiOiJxZW11LWd1ZXN0In0=-JITSECRET-q3mu";
@@ -132,8 +132,7 @@ async fn runner_handoff_on_a_real_qemu_guest() {
         .await
         .unwrap();
     let secrets: Api<Secret> = env.api();
-    let mut secret = fixtures::jit_secret("jit-q", JIT, 42, "imp-qemu-runner");
-    secret.metadata.owner_references = Some(vec![vm.controller_owner_ref(&()).unwrap()]);
+    let secret = fixtures::jit_secret_for(&vm, "jit-q", JIT, 42, "imp-qemu-runner");
     secrets
         .create(&PostParams::default(), &secret)
         .await

@@ -192,15 +192,23 @@ fn reachable(addr: SocketAddr) -> bool {
 }
 
 fn reconcile(node: &str, desired: &[Attachment]) -> (Vec<network::plan::Action>, Duration) {
+    let start = Instant::now();
+    let done = reconcile_admitting(node, desired, &network::Admission::default());
+    assert!(done.failed.is_empty(), "{:?}", done.failed);
+    (done.actions, start.elapsed())
+}
+
+fn reconcile_admitting(
+    node: &str,
+    desired: &[Attachment],
+    admission: &network::Admission,
+) -> network::Reconciled {
     in_netns(node, || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        let start = Instant::now();
-        let done = rt.block_on(network::reconcile(desired)).unwrap();
-        assert!(done.failed.is_empty(), "{:?}", done.failed);
-        (done.actions, start.elapsed())
+        rt.block_on(network::reconcile(desired, admission)).unwrap()
     })
 }
 
@@ -562,4 +570,140 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
         Vec::<String>::new()
     );
     assert_eq!(reconcile(&node, &[]).0, []);
+}
+
+/// Issue 30, step 2: ImpNetworks that would steer the node's routing are refused before anything
+/// is touched: a subnet overlapping the node's uplink, one of its routes, a reserved range or a
+/// network already on the node, and an egress interface the platform did not allow. The node's
+/// routes (and where its traffic goes) are the same before and after; the admitted network is
+/// set up beside them.
+#[test]
+fn networks_that_would_steer_the_node_are_refused_and_its_routing_is_unchanged() {
+    if !nix::unistd::geteuid().is_root() || !available("nft") {
+        return imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "networks_that_would_steer_the_node",
+            "needs root and nft (nftables)",
+        );
+    }
+    let id = std::process::id();
+    let mut w = World::default();
+    let node = w.netns(&format!("impt-adm-{id}"));
+    let inet = w.netns(&format!("impt-admi-{id}"));
+    for args in [
+        vec![
+            "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", &inet,
+        ],
+        vec!["addr", "add", "192.0.2.2/24", "dev", "up0"],
+        vec!["link", "set", "up0", "up"],
+        vec!["route", "add", "default", "via", "192.0.2.1"],
+        vec!["route", "add", "203.0.113.0/25", "via", "192.0.2.1"],
+        // A second interface of the node, not its default route's (a management NIC).
+        vec![
+            "link", "add", "mgmt0", "type", "veth", "peer", "name", "mgmt1",
+        ],
+    ] {
+        let mut all = vec!["-n", node.as_str()];
+        all.extend(args);
+        run("ip", &all);
+    }
+    let routes = |ns: &str| -> Vec<String> {
+        output("ip", &["-n", ns, "route", "show", "table", "all"])
+            .lines()
+            .filter(|l| !l.contains("impbr"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let route_to = |ns: &str, dst: &str| output("ip", &["-n", ns, "route", "get", dst]);
+    let before = routes(&node);
+    let before_get: Vec<String> = ["192.0.2.1", "192.0.2.77", "203.0.113.5", "198.18.0.9"]
+        .iter()
+        .map(|d| route_to(&node, d))
+        .collect();
+
+    let tap = format!("impa{id:x}");
+    let network = |n: &str, subnet: &str, gateway: &str, ip: &str| Attachment {
+        network: VmNetwork {
+            id: format!("net-{n}-{id}"),
+            subnet: subnet.parse().unwrap(),
+            gateway: gateway.parse().unwrap(),
+            nat: true,
+            egress_interface: None,
+            egress_allow: vec![],
+            egress_deny: vec![],
+            ingress: vec![],
+        },
+        ports: vec![Port {
+            tap: if n == "ok" {
+                tap.clone()
+            } else {
+                format!("impa{id:x}{}", &n[..2])
+            },
+            mac: vm_mac(n),
+            ip: ip.parse().unwrap(),
+        }],
+    };
+    let mut mgmt = network(
+        "mgmt",
+        "198.51.100.128/26",
+        "198.51.100.129",
+        "198.51.100.130",
+    );
+    mgmt.network.egress_interface = Some("mgmt0".into());
+    let desired = [
+        network("ok", "198.51.100.0/26", "198.51.100.1", "198.51.100.2"),
+        network("uplink", "192.0.2.0/25", "192.0.2.1", "192.0.2.3"),
+        network("route", "203.0.113.0/24", "203.0.113.1", "203.0.113.2"),
+        network("reserved", "198.18.0.0/24", "198.18.0.1", "198.18.0.2"),
+        network("twin", "198.51.100.0/27", "198.51.100.1", "198.51.100.3"),
+        mgmt,
+    ];
+    let admission = network::Admission {
+        allowed_egress_interfaces: vec![],
+        reserved: vec!["198.18.0.0/15".parse().unwrap()],
+    };
+    let done = reconcile_admitting(&node, &desired, &admission);
+    let mut refused: Vec<(String, &str)> = done
+        .failed
+        .iter()
+        .map(|f| (f.network.clone(), f.error.kind()))
+        .collect();
+    refused.sort();
+    let mut want = vec![
+        (format!("net-mgmt-{id}"), "egress_not_allowed"),
+        (format!("net-reserved-{id}"), "subnet_reserved"),
+        (format!("net-route-{id}"), "subnet_overlap"),
+        (format!("net-twin-{id}"), "subnet_overlap"),
+        (format!("net-uplink-{id}"), "subnet_overlap"),
+    ];
+    want.sort();
+    assert_eq!(refused, want, "{:#?}", done.failed);
+    // Only the admitted network's bridge exists; the refused ones left nothing behind.
+    let links = output("ip", &["-n", &node, "-o", "link", "show"]);
+    assert!(
+        links.contains(&bridge_name(&desired[0].network.id)),
+        "{links}"
+    );
+    for refused in &desired[1..] {
+        assert!(
+            !links.contains(&bridge_name(&refused.network.id)),
+            "{links}"
+        );
+    }
+    assert_eq!(routes(&node), before, "the node's routes changed");
+    let after_get: Vec<String> = ["192.0.2.1", "192.0.2.77", "203.0.113.5", "198.18.0.9"]
+        .iter()
+        .map(|d| route_to(&node, d))
+        .collect();
+    assert_eq!(
+        after_get, before_get,
+        "the node's traffic goes elsewhere now"
+    );
+
+    // The refused networks' VMs gone, the admitted one's too: nothing of Imp's is left.
+    let done = reconcile_admitting(&node, &[], &admission);
+    assert!(done.failed.is_empty(), "{:?}", done.failed);
+    let left = imp_leftovers(&node, &bridge_name(&desired[0].network.id), &[&tap]);
+    assert!(left.is_empty(), "{left:?}");
+    assert_eq!(routes(&node), before);
 }

@@ -104,6 +104,12 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
 
     let mut h = Harness::new(simulator());
     h.netns = Some(node.clone());
+    // The platform allows these egress interfaces besides the default route's (node admission,
+    // docs/network.md): the cases below are about a missing and a vanishing one.
+    h.extra_env.push((
+        "IMP_NETWORK_ALLOWED_EGRESS_INTERFACES".into(),
+        "nosuch0,up1".into(),
+    ));
     h.start_runtime().await;
 
     let net_id = format!("net-uid-{id}");

@@ -12,6 +12,9 @@ pub mod jwt;
 pub mod keys;
 pub mod model;
 pub mod runner_protocol;
+pub mod scaleset;
+#[cfg(test)]
+mod scaleset_tests;
 mod server;
 #[cfg(test)]
 mod sim_tests;
@@ -109,8 +112,10 @@ impl Shared {
         self.model.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues a `workflow_job` webhook for the job's current state.
+    /// Queues a `workflow_job` webhook for the job's current state, and the scale-set message of
+    /// the change when a scale set serves the job.
     pub fn emit(&self, job: &SimJob, action: &str) {
+        self.model().scalesets.on_job(job, action);
         let payload = webhooks::workflow_job_payload(
             job,
             action,
@@ -209,6 +214,7 @@ impl GithubSim {
             workflows: Default::default(),
             never_online_next: 0,
             never_online: Default::default(),
+            scalesets: Default::default(),
         };
         let shared = Arc::new(Shared {
             config,

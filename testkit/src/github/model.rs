@@ -204,6 +204,8 @@ pub(crate) struct Model {
     pub never_online_next: u32,
     /// Runners held offline: their connect answers 503 for good (a runner that never comes online).
     pub never_online: std::collections::BTreeSet<u64>,
+    /// Runner scale sets, their sessions, queues and jobs (`scaleset.rs`).
+    pub scalesets: super::scaleset::ScaleSets,
 }
 
 impl Model {

@@ -18,7 +18,9 @@ use serde_json::{Value, json};
 use super::Shared;
 use super::jobs::{JobSpec, JobStatus, random_token, run_status};
 use super::jwt::verify_app_jwt;
-use super::model::{Fault, FaultRule, RateWindow, SimRunner, SimScope, WebhookFault, labels_match};
+use super::model::{
+    Fault, FaultRule, Model, RateWindow, SimRunner, SimScope, WebhookFault, labels_match,
+};
 use super::runner_protocol::JitConfigPayload;
 
 mod dispatch;
@@ -105,6 +107,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             get(run_jobs),
         )
         .merge(dispatch::api_routes())
+        .merge(super::scaleset::api_routes())
         .fallback(|| async { ApiError::not_found() })
         .layer(middleware::from_fn_with_state(shared.clone(), api_layer));
     let runner = Router::new()
@@ -131,7 +134,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/_admin/health", get(|| async { "ok" }))
         .route("/_admin/runners/{id}", delete(admin_remove_runner))
         .merge(dispatch::admin_routes());
-    runner.merge(admin).merge(api).with_state(shared)
+    runner
+        .merge(admin)
+        .merge(super::scaleset::service_routes())
+        .merge(api)
+        .with_state(shared)
 }
 
 fn auth_value(headers: &HeaderMap) -> Option<String> {
@@ -459,6 +466,23 @@ fn authorize(
     }
 }
 
+/// [`authorize`] for an organization (`org`) or a repository (`repo`, `owner/name`), answering a
+/// refusal as a response (for the scale-set module's handlers).
+#[allow(clippy::result_large_err)] // the refusal is the handler's answer as it stands
+pub(super) fn authorize_scope(
+    shared: &Shared,
+    headers: &HeaderMap,
+    org: Option<&str>,
+    repo: Option<&str>,
+) -> Result<SimScope, Response> {
+    let scope = match (org, repo.and_then(|r| r.split_once('/'))) {
+        (Some(o), _) => check_org(shared, o),
+        (None, Some((owner, name))) => check_repo(shared, owner, name),
+        (None, None) => Err(ApiError::not_found()),
+    };
+    authorize(shared, headers, &scope, true).map_err(IntoResponse::into_response)
+}
+
 async fn org_runner_groups(
     State(shared): S,
     Path(org): Path<String>,
@@ -565,32 +589,61 @@ fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
     if !group_ok {
         return Err(ApiError::not_found());
     }
-    if m.runners
-        .values()
-        .any(|r| r.scope == scope && r.name.eq_ignore_ascii_case(&name))
-    {
-        return Err(ApiError::new(
+    let (runner, encoded) = register_runner(
+        shared,
+        &mut m,
+        scope,
+        &name,
+        group_id,
+        &labels,
+        &work_folder,
+    )
+    .map_err(|name| {
+        ApiError::new(
             StatusCode::CONFLICT,
             format!("Already exists - A runner with the name {name} already exists."),
-        ));
+        )
+    })?;
+    Ok(json_response(
+        StatusCode::CREATED,
+        json!({ "runner": runner.to_github_json(), "encoded_jit_config": encoded }),
+    ))
+}
+
+/// Registers a runner (offline until it connects) and its one-time credential; returns it and its
+/// encoded JIT config, or the name when a runner of that name exists in the scope. Used by
+/// `generate-jitconfig` and by a scale set's `generatejitconfig`.
+pub(super) fn register_runner(
+    shared: &Shared,
+    m: &mut Model,
+    scope: SimScope,
+    name: &str,
+    group_id: u64,
+    labels: &[String],
+    work_folder: &str,
+) -> Result<(SimRunner, String), String> {
+    if m.runners
+        .values()
+        .any(|r| r.scope == scope && r.name.eq_ignore_ascii_case(name))
+    {
+        return Err(name.to_string());
     }
     let id = m.next_runner_id;
     m.next_runner_id += 1;
     let runner = SimRunner {
         id,
-        name: name.clone(),
+        name: name.to_string(),
         scope,
-        labels: with_default_labels(&labels),
+        labels: with_default_labels(labels),
         runner_group_id: group_id,
-        work_folder: work_folder.clone(),
+        work_folder: work_folder.to_string(),
         status: "offline".into(),
         busy: false,
         job_id: None,
     };
     let credential = random_token(40);
     m.credentials.insert(credential.clone(), id);
-    let runner_json = runner.to_github_json();
-    m.runners.insert(id, runner);
+    m.runners.insert(id, runner.clone());
     m.stats.jit_configs_issued += 1;
     let encoded = JitConfigPayload {
         url: shared
@@ -599,16 +652,13 @@ fn jit(shared: &Shared, scope: SimScope, body: &[u8]) -> ApiResult {
             .clone()
             .unwrap_or_else(|| shared.base_url.clone()),
         runner_id: id,
-        runner_name: name,
-        labels,
-        work_folder,
+        runner_name: name.to_string(),
+        labels: labels.to_vec(),
+        work_folder: work_folder.to_string(),
         credential,
     }
     .encode();
-    Ok(json_response(
-        StatusCode::CREATED,
-        json!({ "runner": runner_json, "encoded_jit_config": encoded }),
-    ))
+    Ok((runner, encoded))
 }
 
 async fn org_list_runners(
@@ -965,6 +1015,7 @@ async fn runner_acquire(State(shared): S, headers: HeaderMap) -> ApiResult {
         let candidate = m.jobs.values().find(|j| {
             j.status == JobStatus::Queued
                 && labels_match(&j.labels, &runner.labels)
+                && m.scalesets.runner_may_take(runner.id, j.id)
                 && match &runner.scope {
                     SimScope::Organization(o) => j
                         .repository
@@ -1033,6 +1084,7 @@ async fn runner_complete(
         // Ephemeral: the registration goes away with the job.
         m.runners.remove(&runner_id);
         m.sessions.retain(|_, rid| *rid != runner_id);
+        m.scalesets.runner_removed(runner_id);
         job
     };
     shared.emit(&job, "completed");

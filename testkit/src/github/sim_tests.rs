@@ -20,7 +20,7 @@ fn now() -> i64 {
     chrono::Utc::now().timestamp()
 }
 
-async fn req(
+pub(super) async fn req(
     sim: &GithubSim,
     method: Method,
     path: &str,
@@ -48,7 +48,7 @@ fn app_jwt(sim: &GithubSim, iat_offset: i64, exp_offset: i64) -> String {
     )
 }
 
-async fn token(sim: &GithubSim) -> String {
+pub(super) async fn token(sim: &GithubSim) -> String {
     let path = format!("/app/installations/{}/access_tokens", sim.installation_id());
     let r = req(
         sim,

@@ -9,6 +9,7 @@ use imp_api::parse_positive_duration;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_runtime::api::Backend;
 use imp_runtime::cgroup::CgroupConfig;
+use imp_runtime::network::Admission;
 use imp_runtime::qemu::{Accel, QemuConfig};
 use imp_runtime::rootfs::flatten::Limits;
 use imp_runtime::rootfs::pull::PullConfig;
@@ -112,6 +113,18 @@ struct Args {
     /// How long a VM gets to stop after SendCtrlAltDel before SIGKILL, e.g. "10s".
     #[arg(long, env = "IMP_STOP_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
     stop_timeout: Duration,
+    /// Interfaces an ImpNetwork's `nat.egressInterface` may name besides the default route's
+    /// (comma-separated); any other is refused.
+    #[arg(
+        long,
+        env = "IMP_NETWORK_ALLOWED_EGRESS_INTERFACES",
+        value_delimiter = ','
+    )]
+    network_allowed_egress_interfaces: Vec<String>,
+    /// IPv4 ranges no ImpNetwork subnet may overlap, e.g. the cluster's pod, service and node
+    /// CIDRs (comma-separated). The node's own addresses and routes are refused anyway.
+    #[arg(long, env = "IMP_NETWORK_RESERVED_CIDRS", value_delimiter = ',')]
+    network_reserved_cidrs: Vec<ipnet::Ipv4Net>,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -201,6 +214,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 ..PullConfig::default()
             },
             parallel_fetches: 3,
+        },
+        network: Admission {
+            allowed_egress_interfaces: args.network_allowed_egress_interfaces,
+            reserved: args.network_reserved_cidrs,
         },
     };
     let runtime = Runtime::start(cfg).await.context("start the runtime")?;

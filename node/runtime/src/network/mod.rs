@@ -7,11 +7,13 @@
 //! plan is recomputed from the host on each call, so a retry, or a restarted runtime, converges
 //! from whatever an interrupted attempt left behind.
 
+pub mod admit;
 pub mod netlink;
 pub mod nft;
 pub mod plan;
 pub mod wake;
 
+pub use admit::Admission;
 pub use wake::{sync as wake_sync, wake_packets};
 
 use std::net::Ipv4Addr;
@@ -157,6 +159,50 @@ pub enum NetworkError {
         ip: Ipv4Addr,
         subnet: ipnet::Ipv4Net,
     },
+    #[error(
+        "network {network}: subnet {subnet} overlaps the node's address {address} on {interface}; \
+         choose a subnet the node does not use"
+    )]
+    SubnetOverlapsNode {
+        network: String,
+        subnet: ipnet::Ipv4Net,
+        interface: String,
+        address: ipnet::Ipv4Net,
+    },
+    #[error(
+        "network {network}: subnet {subnet} overlaps the node's route to {route} (via {interface}); \
+         choose a subnet the node does not route"
+    )]
+    SubnetOverlapsRoute {
+        network: String,
+        subnet: ipnet::Ipv4Net,
+        route: ipnet::Ipv4Net,
+        interface: String,
+    },
+    #[error(
+        "network {network}: subnet {subnet} overlaps network {other} ({other_subnet}), already on \
+         this node"
+    )]
+    SubnetOverlapsNetwork {
+        network: String,
+        subnet: ipnet::Ipv4Net,
+        other: String,
+        other_subnet: ipnet::Ipv4Net,
+    },
+    #[error(
+        "network {network}: subnet {subnet} overlaps {reserved}, reserved by the platform \
+         (imp-runtime --network-reserved-cidrs)"
+    )]
+    SubnetReserved {
+        network: String,
+        subnet: ipnet::Ipv4Net,
+        reserved: ipnet::Ipv4Net,
+    },
+    #[error(
+        "network {network}: nat.egressInterface {interface} is neither the default route's \
+         interface nor allowed by the platform (imp-runtime --network-allowed-egress-interfaces)"
+    )]
+    EgressNotAllowed { network: String, interface: String },
     #[error("TAP {tap} is wanted on two networks ({a} and {b})")]
     TapConflict { tap: String, a: String, b: String },
     #[error(transparent)]
@@ -180,6 +226,11 @@ impl NetworkError {
             NetworkError::BadGateway { .. }
             | NetworkError::BadAddress { .. }
             | NetworkError::TapConflict { .. } => "bad_spec",
+            NetworkError::SubnetOverlapsNode { .. }
+            | NetworkError::SubnetOverlapsRoute { .. }
+            | NetworkError::SubnetOverlapsNetwork { .. } => "subnet_overlap",
+            NetworkError::SubnetReserved { .. } => "subnet_reserved",
+            NetworkError::EgressNotAllowed { .. } => "egress_not_allowed",
             NetworkError::Tap(_) => "tap",
             NetworkError::Sysctl { .. } => "sysctl",
             NetworkError::Nft { .. } => "nft",
@@ -204,14 +255,18 @@ impl Reconciled {
 }
 
 /// Observe, plan and apply until the host matches `desired`, network by network: a network
-/// that cannot be set up (bad spec, missing egress, a failing netlink step) is reported in
+/// that cannot be set up (bad spec, refused by the node's `admission`, missing egress, a
+/// failing netlink step) is reported in
 /// [`Reconciled::failed`] and the others are set up all the same. `Err` only for what is
 /// node-wide: netlink unusable, forwarding, the nft tables.
 ///
 /// With no VM desired and no `impbr*` bridge on the host there is nothing of Imp's to remove
 /// (the nft tables are created after a bridge and deleted before the last one), so nft is not
 /// even asked: a node without networked VMs needs neither `nft` nor the privilege to run it.
-pub async fn reconcile(desired: &[Attachment]) -> Result<Reconciled, NetworkError> {
+pub async fn reconcile(
+    desired: &[Attachment],
+    admission: &Admission,
+) -> Result<Reconciled, NetworkError> {
     let (connection, handle, _) = rtnetlink::new_connection().map_err(NetworkError::Socket)?;
     let conn = tokio::spawn(connection);
     let result = async {
@@ -219,7 +274,7 @@ pub async fn reconcile(desired: &[Attachment]) -> Result<Reconciled, NetworkErro
             return Ok(Reconciled::default());
         }
         let observed = netlink::observe(&handle).await?;
-        let plan = plan::plan(desired, &observed);
+        let plan = plan::plan(desired, &observed, admission);
         let mut done = Reconciled {
             actions: Vec::new(),
             failed: plan.failed,

@@ -10,10 +10,11 @@ use rtnetlink::packet_route::address::AddressAttribute;
 use rtnetlink::packet_route::link::{
     InfoBridgePort, InfoPortData, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
 };
-use rtnetlink::packet_route::route::{RouteAttribute, RouteHeader};
+use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage};
 use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkUnspec, RouteMessageBuilder};
 
 use super::NetworkError;
+use super::admit::Route;
 use super::nft;
 use super::plan::{Action, Link, Observed};
 
@@ -116,31 +117,50 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
         .try_collect()
         .await
         .map_err(nl("dump routes"))?;
-    let default_oif = routes
-        .iter()
-        .filter(|r| r.header.destination_prefix_length == 0)
-        .filter(|r| {
-            r.attributes
-                .iter()
-                .find_map(|a| match a {
-                    RouteAttribute::Table(t) => Some(*t),
-                    _ => None,
-                })
-                .unwrap_or(u32::from(r.header.table))
-                == u32::from(RouteHeader::RT_TABLE_MAIN)
-        })
-        .find_map(|r| {
-            r.attributes.iter().find_map(|a| match a {
-                RouteAttribute::Oif(i) => Some(*i),
+    let main = |r: &&RouteMessage| {
+        r.attributes
+            .iter()
+            .find_map(|a| match a {
+                RouteAttribute::Table(t) => Some(*t),
                 _ => None,
             })
-        });
-    let default_route_interface =
-        default_oif.and_then(|i| links.iter().find(|l| l.index == i).map(|l| l.name.clone()));
+            .unwrap_or(u32::from(r.header.table))
+            == u32::from(RouteHeader::RT_TABLE_MAIN)
+    };
+    let oif = |r: &RouteMessage| {
+        r.attributes.iter().find_map(|a| match a {
+            RouteAttribute::Oif(i) => Some(*i),
+            _ => None,
+        })
+    };
+    let name_of = |i: u32| links.iter().find(|l| l.index == i).map(|l| l.name.clone());
+    let default_route_interface = routes
+        .iter()
+        .filter(main)
+        .filter(|r| r.header.destination_prefix_length == 0)
+        .find_map(oif)
+        .and_then(name_of);
+    let other_routes = routes
+        .iter()
+        .filter(main)
+        .filter(|r| r.header.destination_prefix_length > 0)
+        .filter_map(|r| {
+            let destination = r.attributes.iter().find_map(|a| match a {
+                RouteAttribute::Destination(RouteAddress::Inet(ip)) => Some(*ip),
+                _ => None,
+            })?;
+            Some(Route {
+                destination: ipnet::Ipv4Net::new(destination, r.header.destination_prefix_length)
+                    .ok()?,
+                interface: oif(r).and_then(name_of),
+            })
+        })
+        .collect();
     let ip_forward = std::fs::read_to_string(IP_FORWARD).is_ok_and(|v| v.trim() == "1");
     Ok(Observed {
         links,
         default_route_interface,
+        routes: other_routes,
         ip_forward,
         nft: nft::observe().await?,
     })

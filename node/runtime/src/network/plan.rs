@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::admit::{self, Admission};
 use super::nft::{self, Resolved};
 use super::{Attachment, NetworkError, bridge_mac, bridge_name};
 
@@ -36,6 +37,8 @@ pub struct Observed {
     pub links: Vec<Link>,
     /// Interface of the main table's IPv4 default route.
     pub default_route_interface: Option<String>,
+    /// The main table's other IPv4 routes (admission: no network may overlap them).
+    pub routes: Vec<admit::Route>,
     pub ip_forward: bool,
     pub nft: nft::Observed,
 }
@@ -190,12 +193,15 @@ pub fn validate(desired: &[Attachment]) -> (Vec<Attachment>, Vec<Failure>) {
     (valid, failed)
 }
 
-/// The actions that make the host match `desired` (validated first), in execution order; no
+/// The actions that make the host match `desired` (validated, then admitted by the node:
+/// admit.rs), in execution order; no
 /// actions if it does. Networks without ports on this node are not set up (and torn down if
 /// present). A network whose egress interface cannot be resolved still gets its bridge, ports
 /// and isolation rules, without a way out, and is reported failed.
-pub fn plan(desired: &[Attachment], observed: &Observed) -> Plan {
+pub fn plan(desired: &[Attachment], observed: &Observed, admission: &Admission) -> Plan {
     let (desired, mut failed) = validate(desired);
+    let (desired, refused) = admit::admit(desired, observed, admission);
+    failed.extend(refused);
     let by_name: BTreeMap<&str, &Link> = observed
         .links
         .iter()
@@ -409,6 +415,7 @@ mod tests {
         Observed {
             links: vec![uplink()],
             default_route_interface: Some("eth0".into()),
+            routes: vec![],
             ip_forward: false,
             nft: nft::Observed::default(),
         }
@@ -500,12 +507,12 @@ mod tests {
     }
 
     fn converge(desired: &[Attachment], obs: Observed) -> (Vec<Action>, Observed) {
-        let p = plan(desired, &obs);
+        let p = plan(desired, &obs, &Admission::default());
         assert!(p.failed.is_empty(), "{:?}", p.failed);
         let actions = p.actions();
         let after = simulate(desired, obs, &actions);
         assert_eq!(
-            plan(desired, &after).actions(),
+            plan(desired, &after, &Admission::default()).actions(),
             [],
             "a second plan must be empty after {actions:?}"
         );
@@ -543,7 +550,7 @@ mod tests {
     fn matching_host_is_a_no_op_and_drift_is_repaired_precisely() {
         let d = one(vec![port("imptap1", "192.0.2.10")]);
         let (_, good) = converge(&d, fresh());
-        assert_eq!(plan(&d, &good).actions(), []);
+        assert_eq!(plan(&d, &good, &Admission::default()).actions(), []);
         let br = bridge_name("n1");
         let mut drift = good.clone();
         let b = drift.links.iter_mut().find(|l| l.name == br).unwrap();
@@ -573,7 +580,7 @@ mod tests {
                     tap: "imptap1".into()
                 },
                 Action::ReplaceNft {
-                    rules: match &plan(&d, &fresh()).actions().last() {
+                    rules: match &plan(&d, &fresh(), &Admission::default()).actions().last() {
                         Some(Action::ReplaceNft { rules }) => rules.clone(),
                         other => panic!("{other:?}"),
                     }
@@ -645,7 +652,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            plan(&[], &obs).actions(),
+            plan(&[], &obs, &Admission::default()).actions(),
             [Action::DeleteBridge {
                 bridge: "impbr00000000ff".into()
             }]
@@ -702,7 +709,7 @@ mod tests {
         let mut d = one(vec![port("imptap1", "192.0.2.10")]);
         let mut obs = fresh();
         obs.default_route_interface = None;
-        let p = plan(&d, &obs);
+        let p = plan(&d, &obs, &Admission::default());
         assert!(
             matches!(&p.failed[..], [Failure { network, tap: None, error: NetworkError::NoEgress { .. } }] if network == "n1"),
             "{:?}",
@@ -719,17 +726,26 @@ mod tests {
         assert!(w.contains(&"guest IPv4 source only"), "{w:?}");
         assert!(!w.contains(&"guests out the egress interface"), "{w:?}");
         assert!(!w.contains(&"outbound NAT"), "{w:?}");
+        // A named interface other than the default route's needs the platform's leave.
         d[0].network.egress_interface = Some("eth7".into());
         assert!(matches!(
-            &plan(&d, &obs).failed[..],
+            &plan(&d, &obs, &Admission::default()).failed[..],
+            [Failure { error: NetworkError::EgressNotAllowed { interface, .. }, .. }] if interface == "eth7"
+        ));
+        let allowed = Admission {
+            allowed_egress_interfaces: vec!["eth0".into(), "eth7".into()],
+            ..Admission::default()
+        };
+        assert!(matches!(
+            &plan(&d, &obs, &allowed).failed[..],
             [Failure { error: NetworkError::EgressMissing { interface, .. }, .. }] if interface == "eth7"
         ));
         d[0].network.egress_interface = Some("eth0".into());
-        let p = plan(&d, &obs);
+        let p = plan(&d, &obs, &allowed);
         assert!(p.failed.is_empty());
         assert!(whys(&p.actions()).contains(&"outbound NAT"));
         // A network without VMs here needs no egress at all.
-        let p = plan(&one(vec![]), &obs);
+        let p = plan(&one(vec![]), &obs, &Admission::default());
         assert!(p.actions().is_empty() && p.failed.is_empty());
     }
 
@@ -759,7 +775,11 @@ mod tests {
             kind: Some("bridge".into()),
             ..Default::default()
         });
-        let p = plan(&d, &obs);
+        let allowed = Admission {
+            allowed_egress_interfaces: vec!["eth7".into()],
+            ..Admission::default()
+        };
+        let p = plan(&d, &obs, &allowed);
         let failed: Vec<_> = p
             .failed
             .iter()

@@ -77,7 +77,9 @@ impl Runtime {
                 source: e,
             }
         };
-        let mut done = network::reconcile(&desired).await.map_err(fail)?;
+        let mut done = network::reconcile(&desired, &self.config().network)
+            .await
+            .map_err(fail)?;
         if !done.actions.is_empty() {
             tracing::info!(
                 networks = desired.len(),

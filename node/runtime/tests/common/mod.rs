@@ -466,7 +466,10 @@ impl TestNetwork {
                 .enable_all()
                 .build()
                 .unwrap()
-                .block_on(imp_runtime::network::reconcile(desired))
+                .block_on(imp_runtime::network::reconcile(
+                    desired,
+                    &Default::default(),
+                ))
                 .unwrap()
         })
     }
