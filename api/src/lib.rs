@@ -18,6 +18,7 @@ mod network;
 mod pool;
 mod restart;
 mod scheduling;
+pub mod untrusted;
 mod vm;
 
 pub use class::*;

@@ -180,14 +180,14 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) {
                 Ok(res) => {
                     let detail = match (res.status, &res.error) {
                         (Some(s), _) => format!("HTTP {s}"),
-                        (None, Some(e)) => e.clone(),
+                        (None, Some(e)) => imp_api::untrusted::guest_text(e),
                         (None, None) => "no answer".into(),
                     };
                     (passed(&res), detail)
                 }
                 Err(e) => {
                     client = None;
-                    (false, e.to_string())
+                    (false, imp_api::untrusted::guest_text(&e.to_string()))
                 }
             },
         };

@@ -274,9 +274,9 @@ impl<'a> Run<'a> {
         let answer = tokio::time::timeout(EXEC_ANSWER_TIMEOUT, self.client()?.exec(exec)).await;
         Ok(match answer {
             Ok(Ok(started)) => Fact::Started { pid: started.pid },
-            Ok(Err(HostError::Guest(e))) if e.code == ErrorCode::SpawnFailed => {
-                Fact::SpawnFailed { message: e.message }
-            }
+            Ok(Err(HostError::Guest(e))) if e.code == ErrorCode::SpawnFailed => Fact::SpawnFailed {
+                message: imp_api::untrusted::guest_text(&e.message),
+            },
             Ok(Err(e)) => {
                 warn!(vm = %self.name, error = %e, "guest connection lost after Sent: the handoff is ambiguous");
                 Fact::ConnectionLost

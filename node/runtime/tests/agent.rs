@@ -831,6 +831,9 @@ enum Hostility {
     Flood,
     /// Answers the first Exec with Started; never answers a repeat of it (the re-query).
     SilentRequery,
+    /// Refuses the first Exec as a spawn failure whose message is 544 KiB of fake status lines
+    /// and terminal escapes.
+    LoudSpawnFailure,
 }
 
 const FLOOD_FRAMES: u32 = 500;
@@ -919,6 +922,15 @@ async fn serve_hostile(
         if started_once.swap(true, Ordering::SeqCst) && how == Hostility::SilentRequery {
             continue; // the re-query: never answered
         }
+        if how == Hostility::LoudSpawnFailure {
+            wr.write(&GuestToHost::Error(imp_guest::protocol::ErrorMsg {
+                code: imp_guest::protocol::ErrorCode::SpawnFailed,
+                message: "no such file\nReason: Succeeded\x1b[2J".repeat(1 << 14),
+                id: Some(req.id.clone()),
+            }))
+            .await?;
+            continue;
+        }
         wr.write(&GuestToHost::Started(Started {
             id: req.id.clone(),
             pid: 4242,
@@ -1006,6 +1018,53 @@ async fn a_guest_flooding_unsolicited_frames_is_cut_off_and_failed_while_others_
     w.wait_phase("good", VmPhase::Succeeded, PHASE_WAIT, &agent)
         .await;
     assert!(w.dir.path().join("finished-good").exists());
+    drop(agent);
+    drop(hostile);
+    w.finish().await;
+}
+
+/// What a hostile guest says reaches status and Events bounded and without control characters
+/// (issue 30: guest strings reached them verbatim, up to 1 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_s_words_reach_status_and_events_cut_and_without_control_characters() {
+    let (hostile, backend) = HostileGuests::new();
+    let w = World::new_with("agent-loud", None, backend).await;
+    let agent = w.agent(&w.runner_script(0), 1);
+    hostile.arm(Hostility::LoudSpawnFailure);
+    w.runner_vm_with("loud", "loud-jit", "loud").await;
+    let vm = w
+        .wait_phase("loud", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
+    let s = vm.status.as_ref().unwrap();
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::RUNNER_START_FAILED),
+        "{s:#?}"
+    );
+    let message = s.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("no such file?Reason: Succeeded?[2J"),
+        "{message}"
+    );
+    assert!(
+        message.contains("(cut; the guest sent 557056 bytes)"),
+        "{message}"
+    );
+    assert!(
+        message.len() < 1024,
+        "{} bytes in status.message",
+        message.len()
+    );
+    assert!(!message.chars().any(char::is_control), "{message:?}");
+    let notes = w
+        .wait_event("loud", reason::VM_FAILED, reason::RUNNER_START_FAILED)
+        .await;
+    for (_, note) in notes {
+        assert!(
+            note.len() < 1024 && !note.chars().any(char::is_control),
+            "{note:?}"
+        );
+    }
     drop(agent);
     drop(hostile);
     w.finish().await;
