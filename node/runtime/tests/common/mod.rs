@@ -388,6 +388,7 @@ pub fn exec(id: &str, argv: &[&str]) -> imp_guest::protocol::Exec {
         cwd: None,
         uid: None,
         gid: None,
+        refuse_root: false,
         timeout_s: None,
         stream_output: false,
         poweroff_on_exit: false,
