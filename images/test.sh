@@ -98,6 +98,7 @@ done
 grep -q '^opt/actions-runner/lib/ld-linux' "$t/list" || fail "layer lacks the fake runner's loader"
 tar -tvzf "$layer" --numeric-owner >"$t/long"
 grep -q ' 1001/1001 .* opt/actions-runner/run.sh$' "$t/long" || fail "runner dir not owned by 1001:1001"
+grep -q '^d.* 1001/1001 .* home/runner/$' "$t/long" || fail "the runner user's home is not owned by 1001:1001"
 grep -q '^-rwxr-xr-x 0/0 .* usr/local/bin/imp-runner$' "$t/long" || fail "wrapper is not 0755 root"
 if grep -qv ' 1970-01-01 00:00 ' "$t/long"; then fail "entries with mtime other than 0"; fi
 mkdir "$t/fakeroot"
@@ -113,6 +114,7 @@ cat >"$t/tarball/run.sh" <<'SH'
 printf '%s\n' "$@" >"$ARGS_FILE"
 [ -n "${ACTIONS_RUNNER_INPUT_JITCONFIG:-}" ] && echo "jit config in the environment" >>"$ARGS_FILE"
 echo "runner: listening for jobs"
+echo "env: HOME=${HOME:-} PATH=${PATH:-}"
 SH
 printf '#!/bin/sh\necho configured\n' >"$t/tarball/config.sh"
 echo listener >"$t/tarball/bin/Runner.Listener"
@@ -134,6 +136,12 @@ ACTIONS_RUNNER_INPUT_JITCONFIG="$secret" ARGS_FILE="$t/args" IMP_RUNNER_DIR="$t/
 [ "$(cat "$t/args")" = "$(printf '\njit config in the environment')" ] || fail "run.sh got: $(cat "$t/args")"
 if grep -qF "$secret" "$t/out" "$t/err"; then fail "the wrapper printed the JIT config"; fi
 grep -q 'listening for jobs' "$t/out" || fail "run.sh output lost"
+# The guest gives the runner nothing but the config: the wrapper supplies PATH and HOME.
+env -i ACTIONS_RUNNER_INPUT_JITCONFIG="$secret" ARGS_FILE="$t/args" IMP_RUNNER_DIR="$t/realroot/opt/actions-runner" \
+    "$t/realroot/usr/local/bin/imp-runner" >"$t/out" 2>"$t/err" || fail "wrapper failed with an empty env: $(cat "$t/err")"
+if [ "$(id -u)" = 0 ]; then want_home=/root; else want_home=/home/runner; fi
+grep -qx "env: HOME=$want_home PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" "$t/out" ||
+    fail "the wrapper did not set HOME/PATH: $(cat "$t/out")"
 if env -u ACTIONS_RUNNER_INPUT_JITCONFIG IMP_RUNNER_DIR="$t/realroot/opt/actions-runner" \
     "$t/realroot/usr/local/bin/imp-runner" 2>"$t/err"; then fail "wrapper ran without a JIT config"; fi
 grep -q 'ACTIONS_RUNNER_INPUT_JITCONFIG is not set' "$t/err" || fail "no clear message without a JIT config"

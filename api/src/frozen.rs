@@ -14,16 +14,17 @@ use k8s_openapi::api::core::v1::LocalObjectReference;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::{ClassRef, ImpVMSpec, NetworkRef};
+use crate::{ClassRef, ImpVMSpec, NetworkRef, RunnerUser};
 
 /// The spec fields frozen once a runner config is minted, in the order the digest covers them.
 /// The CRD's CEL rules on `ImpVMSpec` name the same fields.
-pub const FROZEN_FIELDS: [&str; 5] = [
+pub const FROZEN_FIELDS: [&str; 6] = [
     "image",
     "runnerImage",
     "classRef",
     "networkRef",
     "imagePullSecrets",
+    "runnerUser",
 ];
 
 /// The boot-relevant part of a spec. Serialized with a fixed field order and no optional field
@@ -36,6 +37,10 @@ struct Boot<'a> {
     class_ref: &'a ClassRef,
     network_ref: Option<&'a NetworkRef>,
     image_pull_secrets: &'a [LocalObjectReference],
+    /// Skipped when unset, so the digests of specs without it stay what they were before the
+    /// field existed (a JSON key cannot collide with another field's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    runner_user: Option<&'a RunnerUser>,
 }
 
 /// `sha256:<hex>` over the frozen fields ([`FROZEN_FIELDS`]) of `spec`. Scheduling fields,
@@ -47,6 +52,7 @@ pub fn boot_digest(spec: &ImpVMSpec) -> String {
         class_ref: &spec.class_ref,
         network_ref: spec.network_ref.as_ref(),
         image_pull_secrets: &spec.image_pull_secrets,
+        runner_user: spec.runner_user.as_ref(),
     };
     // Serializing plain strings and references cannot fail.
     let json = serde_json::to_vec(&boot).unwrap_or_default();
@@ -78,7 +84,7 @@ mod tests {
     fn each_frozen_field_moves_the_digest() {
         let base = boot_digest(&spec());
         type Change = fn(&mut ImpVMSpec);
-        let changes: [(&str, Change); 8] = [
+        let changes: [(&str, Change); 10] = [
             ("image", |s| s.image = "evil.example/own:1".into()),
             ("runnerImage", |s| s.runner_image = Some("evil:1".into())),
             ("runnerImage unset", |s| s.runner_image = None),
@@ -91,6 +97,18 @@ mod tests {
                 s.image_pull_secrets[0].name = "theirs".into()
             }),
             ("imagePullSecrets empty", |s| s.image_pull_secrets.clear()),
+            ("runnerUser runAsRoot", |s| {
+                s.runner_user = Some(crate::RunnerUser {
+                    run_as_root: Some(true),
+                    ..Default::default()
+                })
+            }),
+            ("runnerUser uid", |s| {
+                s.runner_user = Some(crate::RunnerUser {
+                    uid: Some(0),
+                    ..Default::default()
+                })
+            }),
         ];
         for (what, change) in changes {
             let mut s = spec();
@@ -131,6 +149,16 @@ mod tests {
         s.lifecycle = Lifecycle::Ephemeral;
         s.expire_after = Some("1h".parse().unwrap());
         assert_eq!(boot_digest(&s), base);
+    }
+
+    #[test]
+    fn an_unset_runner_user_keeps_the_digest_of_specs_from_before_the_field() {
+        // The digest of spec() as computed before runnerUser existed: JIT Secrets minted then
+        // still bind after an upgrade.
+        assert_eq!(
+            boot_digest(&spec()),
+            "sha256:7f9a6fd7b8409e5aa3f91336fa3a51d76e0386c11c50ebe958b89d77760b3588"
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use k8s_openapi::{
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
-use crate::{ClassRef, KubeDuration, NetworkRef, PullPolicy};
+use crate::{ClassRef, KubeDuration, NetworkRef, PullPolicy, RunnerUser};
 
 /// Keeps enough idle runner VMs registered at GitHub for the jobs whose labels it serves.
 #[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
@@ -155,6 +155,9 @@ pub struct RunnerVmTemplateSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = kube::core::Rule::new("duration(self) > duration('0s')").message("expireAfter must be positive"))]
     pub expire_after: Option<KubeDuration>,
+    /// Who the runner runs as in the guest; unset: uid 1001, never root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_user: Option<RunnerUser>,
 }
 
 /// Pool size limits.

@@ -73,6 +73,8 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
     .message("networkRef cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".networkRef"))]
 #[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.imagePullSecrets) == has(oldSelf.imagePullSecrets) && (!has(self.imagePullSecrets) || self.imagePullSecrets == oldSelf.imagePullSecrets))")
     .message("imagePullSecrets cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".imagePullSecrets"))]
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.runnerUser) == has(oldSelf.runnerUser) && (!has(self.runnerUser) || self.runnerUser == oldSelf.runnerUser))")
+    .message("runnerUser cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".runnerUser"))]
 // A one-job VM has nothing to come back to: suspending it would only hold its node's memory and its
 // runner's job. Runner VMs are ephemeral and carry runnerConfigSecret; either marks a VM as one.
 #[x_kube(validation = kube::core::Rule::new("!has(self.desiredState) || !(self.desiredState in ['Suspended', 'ScaleToZero']) || (self.lifecycle == 'persistent' && !has(self.runnerConfigSecret))")
@@ -127,6 +129,42 @@ pub struct ImpVMSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(min = 1, max = 253))]
     pub runner_config_secret: Option<String>,
+    /// Who the runner runs as in the guest (runner VMs only; set by the pool from its template).
+    /// Unset: uid 1001 (the `runner` user), never root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_user: Option<RunnerUser>,
+}
+
+/// The uid the runner runs as when `runnerUser.uid` is unset: the `runner` user of GitHub's hosted
+/// images, actions-runner-controller's runner image and Imp's runner layer.
+pub const DEFAULT_RUNNER_UID: u32 = 1001;
+
+/// The user the guest starts the runner as. The guest refuses uid 0 unless `runAsRoot` is true.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunnerUser {
+    /// Default 1001.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Default: the uid's primary group in the image's /etc/passwd, else the uid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// Allow the runner to run as root (uid 0). Default false: the guest refuses, and the VM
+    /// fails with reason RunnerStartFailed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as_root: Option<bool>,
+}
+
+impl RunnerUser {
+    /// `uid`, defaulted.
+    pub fn uid(&self) -> u32 {
+        self.uid.unwrap_or(DEFAULT_RUNNER_UID)
+    }
+
+    /// `runAsRoot`, defaulted.
+    pub fn run_as_root(&self) -> bool {
+        self.run_as_root.unwrap_or(false)
+    }
 }
 
 impl ImpVMSpec {

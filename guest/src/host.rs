@@ -495,6 +495,7 @@ mod tests {
             cwd: None,
             uid: None,
             gid: None,
+            refuse_root: false,
             timeout_s: None,
             stream_output,
             poweroff_on_exit: false,

@@ -55,6 +55,11 @@ pub struct Exec {
     pub uid: Option<u32>,
     #[serde(default)]
     pub gid: Option<u32>,
+    /// Refuse to start the process as root: when the uid it would run as (`uid`, else the
+    /// agent's own) is 0, the Exec fails with [`ErrorCode::SpawnFailed`]. The runner's Exec sets
+    /// it unless its pool allows root (`runnerUser.runAsRoot`).
+    #[serde(default)]
+    pub refuse_root: bool,
     /// Kill the whole process group with SIGKILL after this many seconds; reported as
     /// `Exited{signal: 9, timed_out: true}`.
     #[serde(default)]
@@ -235,6 +240,8 @@ mod tests {
         assert_eq!(exec.env["K"].expose_secret(), "v");
         assert_eq!(exec.timeout_s, None);
         assert!(!exec.poweroff_on_exit);
+        // An older host that does not know the field asks for no refusal.
+        assert!(!exec.refuse_root);
         let back = serde_json::to_value(HostToGuest::Exec(exec)).unwrap();
         assert_eq!(back["type"], "exec");
         assert_eq!(back["env"]["K"], "v");
@@ -260,6 +267,7 @@ mod tests {
                 cwd: None,
                 uid: None,
                 gid: None,
+                refuse_root: false,
                 timeout_s: None,
                 stream_output: false,
                 poweroff_on_exit: false,
@@ -347,6 +355,7 @@ mod tests {
             cwd: None,
             uid: None,
             gid: None,
+            refuse_root: true,
             timeout_s: None,
             stream_output: false,
             poweroff_on_exit: true,

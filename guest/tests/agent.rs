@@ -102,6 +102,49 @@ async fn uid_switch() {
 }
 
 #[tokio::test]
+async fn refuse_root_stops_a_root_exec_and_says_why() {
+    let agent = AgentProc::start();
+    let mut client = agent.connect().await;
+    let marker = agent.dir.path().join("ran");
+    let script = format!("touch {}", marker.display());
+    let mut req = sh("root", &script);
+    req.uid = Some(0);
+    req.refuse_root = true;
+    match client.exec(req).await {
+        Err(HostError::Guest(e)) => {
+            assert_eq!(e.code, ErrorCode::SpawnFailed);
+            assert_eq!(e.id.as_deref(), Some("root"));
+            assert!(
+                e.message.contains("as root (uid 0)") && e.message.contains("runAsRoot"),
+                "{}",
+                e.message
+            );
+        }
+        other => panic!("a root exec with refuse_root started: {other:?}"),
+    }
+    assert!(!marker.exists(), "the refused process ran");
+
+    // Without a uid the agent's own counts: refused when the agent is root.
+    let mut req = sh("self", &script);
+    req.refuse_root = true;
+    let answer = client.exec(req).await;
+    if common::is_root() {
+        assert!(
+            matches!(&answer, Err(HostError::Guest(e)) if e.code == ErrorCode::SpawnFailed),
+            "{answer:?}"
+        );
+        // The same request allowed to be root runs.
+        let mut req = sh("allowed", &script);
+        req.uid = Some(0);
+        let (_, _, exited) = run(&mut client, req).await;
+        assert_eq!(exited.code, Some(0));
+        assert!(marker.exists());
+    } else {
+        assert!(answer.is_ok(), "a non-root agent refused: {answer:?}");
+    }
+}
+
+#[tokio::test]
 async fn exit_codes_and_signals_reported() {
     let agent = AgentProc::start();
     let mut client = agent.connect().await;

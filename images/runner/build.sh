@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the runner layer as an OCI image layout: one gzip layer holding the GitHub Actions runner
-# under /opt/actions-runner (owner 1001:1001) and the wrapper /usr/local/bin/imp-runner, which
+# under /opt/actions-runner and the runner user's home /home/runner (both owner 1001:1001, the
+# `runner` user the guest starts the runner as) and the wrapper /usr/local/bin/imp-runner, which
 # starts it with the JIT config Imp delivers in ACTIONS_RUNNER_INPUT_JITCONFIG. The layout is
 # what a pool template's `runnerImage` points at once pushed to a registry.
 #
@@ -53,7 +54,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 root="$work/root"
 runner="$root/opt/actions-runner"
-mkdir -p "$runner" "$root/usr/local/bin"
+mkdir -p "$runner" "$root/usr/local/bin" "$root/home/runner"
 
 if [ -n "$tarball" ]; then
     [ -f "$tarball" ] || die "runner tarball $tarball not found"
@@ -102,6 +103,15 @@ if [ -z "${ACTIONS_RUNNER_INPUT_JITCONFIG:-}" ]; then
     echo "imp-runner: ACTIONS_RUNNER_INPUT_JITCONFIG is not set" >&2
     exit 2
 fi
+# The guest starts this as the pool's runner user (uid 1001, the `runner` user, unless the pool
+# says otherwise) with nothing but the config in the environment: give the runner and its jobs
+# the basics a login would.
+export PATH="${PATH:-/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin}"
+if [ -z "${HOME:-}" ]; then
+    if [ "$(id -u)" = 0 ]; then HOME=/root; else HOME=/home/runner; fi
+    export HOME
+fi
+export USER="${USER:-$(id -un 2>/dev/null || id -u)}"
 cd "${IMP_RUNNER_DIR:-/opt/actions-runner}"
 exec ./run.sh
 EOF
@@ -110,15 +120,16 @@ chmod 0755 "$root/usr/local/bin/imp-runner"
 # Normalised modes; no group/other write anywhere.
 chmod -R u+rwX,go+rX,go-w "$root"
 
-# Three archives concatenated so every entry is in sorted order with its own numeric owner.
+# Archives concatenated so every entry is in sorted order with its own numeric owner.
 topts=(--format=gnu --sort=name --mtime=@0 --numeric-owner --no-recursion -C "$root")
-tar -cf "$work/layer.tar" "${topts[@]}" --owner=0 --group=0 opt
+tar -cf "$work/layer.tar" "${topts[@]}" --owner=0 --group=0 home
+tar -cf "$work/home.tar" "${topts[@]}" --owner=1001 --group=1001 home/runner
+tar -cf "$work/opt.tar" "${topts[@]}" --owner=0 --group=0 opt
 (cd "$root" && find opt/actions-runner -print0 | LC_ALL=C sort -z) |
     tar -cf "$work/runner.tar" "${topts[@]}" --owner=1001 --group=1001 --null -T -
 tar -cf "$work/usr.tar" "${topts[@]}" --owner=0 --group=0 \
     usr usr/local usr/local/bin usr/local/bin/imp-runner
-tar -Af "$work/layer.tar" "$work/runner.tar"
-tar -Af "$work/layer.tar" "$work/usr.tar"
+for part in home opt runner usr; do tar -Af "$work/layer.tar" "$work/$part.tar"; done
 
 oci_write_layout "$work" "$work/layer.tar" \
     '"Entrypoint":["/usr/local/bin/imp-runner"],"WorkingDir":"/opt/actions-runner"' "$tag" "$out" ||

@@ -59,6 +59,7 @@ pub fn vm(name: &str) -> VmBuilder {
             idle_timeout: None,
             expire_after: None,
             runner_config_secret: None,
+            runner_user: None,
         },
     ))
 }
@@ -376,6 +377,7 @@ pub fn pool(name: &str) -> PoolBuilder {
                     node_selector: None,
                     tolerations: None,
                     expire_after: None,
+                    runner_user: None,
                 },
             },
             scaling: Scaling {

@@ -42,6 +42,11 @@ pub enum ExecError {
     EmptyArgv,
     #[error("{program:?} not found in PATH")]
     NotFound { program: String },
+    #[error(
+        "refusing to start {program:?} as root (uid 0): it must run as an unprivileged user \
+         unless its pool allows root (runnerUser.runAsRoot: true)"
+    )]
+    RootRefused { program: String },
     #[error("could not spawn {program:?}: {source}")]
     Spawn { program: String, source: io::Error },
 }
@@ -337,6 +342,11 @@ fn spawn(req: &Exec) -> Result<std::process::Child, ExecError> {
     let Some(argv0) = req.argv.first() else {
         return Err(ExecError::EmptyArgv);
     };
+    if req.refuse_root && req.uid.unwrap_or_else(|| nix::unistd::geteuid().as_raw()) == 0 {
+        return Err(ExecError::RootRefused {
+            program: argv0.clone(),
+        });
+    }
     let path_var = req
         .env
         .get("PATH")

@@ -106,6 +106,7 @@ pub fn exec(id: &str, argv: &[&str]) -> Exec {
         cwd: None,
         uid: None,
         gid: None,
+        refuse_root: false,
         timeout_s: None,
         stream_output: false,
         poweroff_on_exit: false,

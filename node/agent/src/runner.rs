@@ -146,7 +146,12 @@ impl<'a> Run<'a> {
             Step::Requery => {
                 // Same boot (a guest reboot ends the VMM): the id is known to the guest, so this
                 // re-queries the runner and never spawns. No config is sent.
-                let exec = runner_exec(self.ctx, &self.vm, &self.uid, BTreeMap::new());
+                let exec = runner_exec(
+                    &self.ctx.config.runner_command,
+                    &self.vm,
+                    &self.uid,
+                    BTreeMap::new(),
+                );
                 let started = self.client()?.exec(exec).await?;
                 info!(vm = %self.name, pid = started.pid, "reattached to the runner");
                 Fact::Started { pid: started.pid }
@@ -265,7 +270,7 @@ impl<'a> Run<'a> {
             .take()
             .ok_or(Error::Missing("JIT config (read before the Exec)"))?;
         let env = BTreeMap::from([(JITCONFIG_ENV.to_owned(), config)]);
-        let exec = runner_exec(self.ctx, &self.vm, &self.uid, env);
+        let exec = runner_exec(&self.ctx.config.runner_command, &self.vm, &self.uid, env);
         let answer = tokio::time::timeout(EXEC_ANSWER_TIMEOUT, self.client()?.exec(exec)).await;
         Ok(match answer {
             Ok(Ok(started)) => Fact::Started { pid: started.pid },
@@ -426,14 +431,18 @@ fn runner_status(s: &mut imp_api::ImpVMStatus) -> &mut RunnerStatus {
     s.runner.get_or_insert_with(Default::default)
 }
 
-fn runner_exec(ctx: &Context, vm: &ImpVM, uid: &str, env: BTreeMap<String, SecretString>) -> Exec {
+/// The runner's Exec: `command` as the pool's runner user, powering off after an ephemeral run.
+fn runner_exec(command: &str, vm: &ImpVM, uid: &str, env: BTreeMap<String, SecretString>) -> Exec {
+    let user = vm.spec.runner_user.clone().unwrap_or_default();
     Exec {
         id: handoff::exec_id(uid),
-        argv: vec![ctx.config.runner_command.clone()],
+        argv: vec![command.to_owned()],
         env,
         cwd: None,
-        uid: None,
-        gid: None,
+        // The pool's runner user (default 1001); the guest refuses uid 0 unless allowed.
+        uid: Some(user.uid()),
+        gid: user.gid,
+        refuse_root: !user.run_as_root(),
         timeout_s: None,
         stream_output: false,
         poweroff_on_exit: vm.spec.lifecycle == Lifecycle::Ephemeral,
@@ -496,4 +505,43 @@ async fn delete_bound_secret(ctx: &Context, vm: &ImpVM) {
         Ok(())
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use imp_api::{ImpVMSpec, RunnerUser};
+
+    fn vm(user: Option<RunnerUser>) -> ImpVM {
+        let mut spec: ImpVMSpec = serde_json::from_value(serde_json::json!({
+            "classRef": {"name": "c"}, "image": "i", "lifecycle": "ephemeral",
+        }))
+        .unwrap();
+        spec.runner_user = user;
+        ImpVM::new("vm", spec)
+    }
+
+    #[test]
+    fn the_runner_runs_as_1001_and_never_as_root_by_default() {
+        let e = runner_exec("/usr/local/bin/imp-runner", &vm(None), "u", BTreeMap::new());
+        assert_eq!((e.uid, e.gid, e.refuse_root), (Some(1001), None, true));
+        assert_eq!(e.argv, ["/usr/local/bin/imp-runner"]);
+        assert!(e.poweroff_on_exit);
+    }
+
+    #[test]
+    fn the_pool_user_is_carried_and_root_only_when_allowed() {
+        let user = |uid, run_as_root| RunnerUser {
+            uid: Some(uid),
+            gid: Some(121),
+            run_as_root,
+        };
+        let e = runner_exec("r", &vm(Some(user(2000, None))), "u", BTreeMap::new());
+        assert_eq!((e.uid, e.gid, e.refuse_root), (Some(2000), Some(121), true));
+        // uid 0 without runAsRoot: still refused (by the guest, which reports why).
+        let e = runner_exec("r", &vm(Some(user(0, Some(false)))), "u", BTreeMap::new());
+        assert_eq!((e.uid, e.refuse_root), (Some(0), true));
+        let e = runner_exec("r", &vm(Some(user(0, Some(true)))), "u", BTreeMap::new());
+        assert_eq!((e.uid, e.refuse_root), (Some(0), false));
+    }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::agent::{Agent, World, phase_of, tail};
 use common::{Harness, simulator};
 use imp_api::names::{self, condition, reason};
-use imp_api::{HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, VmPhase, conditions};
+use imp_api::{HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, RunnerUser, VmPhase, conditions};
 use imp_testkit::oci::{LayerBlob, PushAuth, push_image};
 use imp_testkit::tarball::TarBuilder;
 use imp_testkit::{TestEnv, fixtures};
@@ -35,7 +35,7 @@ impl World {
         executable(
             &d.join(format!("runner-{code}.sh")),
             &format!(
-                "#!/bin/sh\nprintf '%s' \"$ACTIONS_RUNNER_INPUT_JITCONFIG\" > {d}/got-config\necho \"$0 $*\" > {d}/argv\nexit {code}\n",
+                "#!/bin/sh\nprintf '%s' \"$ACTIONS_RUNNER_INPUT_JITCONFIG\" > {d}/got-config\necho \"$0 $*\" > {d}/argv\nid -u > {d}/uid\nexit {code}\n",
                 d = d.display()
             ),
         )
@@ -103,17 +103,30 @@ impl World {
     /// A runner VM as the pool makes one (controlled by the pool, its label), bound here, with
     /// its own JIT Secret `secret` holding `config`; then phase Scheduled.
     async fn runner_vm_with(&self, name: &str, secret: &str, config: &str) -> ImpVM {
+        self.runner_vm_as(name, secret, config, None).await
+    }
+
+    /// [`World::runner_vm_with`], the runner running as `user` (the pool's `runnerUser`).
+    async fn runner_vm_as(
+        &self,
+        name: &str,
+        secret: &str,
+        config: &str,
+        user: Option<RunnerUser>,
+    ) -> ImpVM {
         let pool = self.pool().await;
-        let vm = fixtures::vm(name)
+        let mut vm = fixtures::vm(name)
             .runner_of(&pool)
             .class(&self.class)
             .image(&self.image)
             .bound(&self.node)
             .finalizer(imp_api::names::FINALIZER_VM_CLEANUP)
-            .runner_config(secret);
+            .runner_config(secret)
+            .build();
+        vm.spec.runner_user = user;
         let vm = self
             .vms()
-            .create(&PostParams::default(), &vm.build())
+            .create(&PostParams::default(), &vm)
             .await
             .unwrap();
         self.jit_secret_for(secret, &vm, config).await;
@@ -293,6 +306,9 @@ async fn runner_handoff_delivers_the_config_deletes_the_secret_and_exit_zero_suc
     );
     let argv = std::fs::read_to_string(w.dir.path().join("argv")).unwrap();
     assert!(!argv.contains(JIT), "config in argv: {argv}");
+    // The pool sets no runnerUser: the runner ran as uid 1001, not as the guest's root.
+    let ran_as = std::fs::read_to_string(w.dir.path().join("uid")).unwrap();
+    assert_eq!(ran_as.trim(), "1001");
     assert!(!w.secret_exists("jit-a").await, "JIT Secret not deleted");
     // The config never reaches the agent's logs (debug level) or the status.
     let log = agent.log();
@@ -336,6 +352,48 @@ async fn runner_exit_non_zero_fails_the_vm() {
     );
     assert_eq!(s.runner.as_ref().unwrap().exit_code, Some(3));
     assert!(!w.secret_exists("jit-b").await);
+    drop(agent);
+    w.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_runner_user_is_refused_by_the_guest_unless_the_pool_allows_root() {
+    let w = World::new("agent-root").await;
+    let agent = w.agent(&w.runner_script(0), 1);
+    let root = |run_as_root| RunnerUser {
+        uid: Some(0),
+        gid: None,
+        run_as_root,
+    };
+    w.runner_vm_as("runner-r", "jit-r", JIT, Some(root(None)))
+        .await;
+    let vm = w
+        .wait_phase("runner-r", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
+    let s = vm.status.as_ref().unwrap();
+    assert_eq!(
+        s.reason.as_deref(),
+        Some(reason::RUNNER_START_FAILED),
+        "{s:#?}"
+    );
+    let msg = s.message.as_deref().unwrap_or_default();
+    assert!(
+        msg.contains("as root (uid 0)") && msg.contains("runAsRoot"),
+        "{msg}"
+    );
+    assert!(w.got_config().is_none(), "the refused runner ran");
+    assert!(!w.secret_exists("jit-r").await, "JIT Secret not deleted");
+
+    w.runner_vm_as("runner-s", "jit-s", JIT, Some(root(Some(true))))
+        .await;
+    w.wait_phase("runner-s", VmPhase::Succeeded, PHASE_WAIT, &agent)
+        .await;
+    let ran_as = std::fs::read_to_string(w.dir.path().join("uid")).unwrap();
+    assert_eq!(
+        ran_as.trim(),
+        "0",
+        "runAsRoot: true runs the runner as root"
+    );
     drop(agent);
     w.finish().await;
 }

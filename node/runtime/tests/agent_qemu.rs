@@ -2,7 +2,7 @@
 //! (testkit TestEnv), the real `imp-runtime` with its QEMU backend (TCG, Debian's kernel, Imp's
 //! initrd, one vhost-device-vsock per VM) booting a root filesystem built from an image in a
 //! local registry. JIT Secret -> Exec of the runner inside the guest (a script that checks the
-//! config arrived in its environment) -> `Started` recorded -> Secret deleted -> exit 0 ->
+//! config arrived in its environment and that it runs as uid 1001, not root) -> `Started` recorded -> Secret deleted -> exit 0 ->
 //! `Succeeded`; deletion -> TornDown and no process left (issue 15: "the same handoff test also
 //! runs on a real guest").
 //!
@@ -30,10 +30,12 @@ const JIT: &str = "eyJqaXQiOiJxZW11LWd1ZXN0In0=-JITSECRET-q3mu";
 const RUNNER: &str = "/opt/actions-runner/run.sh";
 
 /// A base with a static busybox as /bin/sh and the runner stand-in: exit 0 only when its JIT
-/// config arrived intact in its environment (and nothing of it in its argv), 99 otherwise.
+/// config arrived intact in its environment (99), nothing of it in its argv (98), and it runs as
+/// uid 1001 and gid 1001 (97), the pool's default runner user, asked for in the guest itself.
 fn layers() -> Vec<Vec<u8>> {
     let script = format!(
-        "#!/bin/sh\n[ \"$ACTIONS_RUNNER_INPUT_JITCONFIG\" = '{JIT}' ] || exit 99\n[ $# -eq 0 ] || exit 98\nexit 0\n"
+        "#!/bin/sh\n[ \"$ACTIONS_RUNNER_INPUT_JITCONFIG\" = '{JIT}' ] || exit 99\n[ $# -eq 0 ] || exit 98\n\
+         [ \"$(/bin/busybox id -u):$(/bin/busybox id -g)\" = 1001:1001 ] || exit 97\nexit 0\n"
     );
     vec![
         common::busybox_layer()
@@ -186,7 +188,7 @@ async fn runner_handoff_on_a_real_qemu_guest() {
     assert_eq!(
         s.phase,
         Some(VmPhase::Succeeded),
-        "the runner in the guest exited non-zero (99: config missing or altered, 98: argv): {s:#?}"
+        "the runner in the guest exited non-zero (99: config missing or altered, 98: argv, 97: not uid 1001): {s:#?}"
     );
     let r = s.runner.unwrap();
     assert_eq!(

@@ -86,6 +86,7 @@ impl Guest {
             cwd: None,
             uid: None,
             gid: None,
+            refuse_root: false,
             timeout_s: Some(60),
             stream_output: true,
             poweroff_on_exit: false,

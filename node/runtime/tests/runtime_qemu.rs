@@ -80,6 +80,7 @@ async fn run_runner(c: &mut HostClient, id: &str) -> Option<i32> {
         cwd: None,
         uid: None,
         gid: None,
+        refuse_root: false,
         timeout_s: Some(60),
         stream_output: false,
         poweroff_on_exit: false,

@@ -1596,6 +1596,7 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
             idle_timeout: None,
             expire_after: s.expire_after.clone(),
             runner_config_secret: None,
+            runner_user: s.runner_user.clone(),
         },
     );
     vm.metadata = ObjectMeta {

@@ -4,6 +4,7 @@
 //! on what the agent makes of them. Shared by node/runtime/tests/agent.rs and suspend_agent.rs.
 
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::process::Child;
 use std::time::{Duration, Instant};
@@ -176,6 +177,10 @@ impl World {
             .create(&PostParams::default(), &c.build())
             .await
             .unwrap();
+        // The runner runs as uid 1001 (the pool default), also in the simulated guest, which is a
+        // host process: its scripts here must be reachable and its records writable for it.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
         World {
             image: format!("{host}/ci/base:1"),
             registry,
@@ -183,7 +188,7 @@ impl World {
             env,
             node,
             class,
-            dir: tempfile::tempdir().unwrap(),
+            dir,
         }
     }
 

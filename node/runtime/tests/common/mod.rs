@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses part of the harness
 
 pub mod agent;
+pub mod confine;
 pub mod scale_to_zero;
 
 use std::collections::HashMap;
@@ -387,6 +388,7 @@ pub fn exec(id: &str, argv: &[&str]) -> imp_guest::protocol::Exec {
         cwd: None,
         uid: None,
         gid: None,
+        refuse_root: false,
         timeout_s: None,
         stream_output: false,
         poweroff_on_exit: false,
