@@ -180,6 +180,16 @@ async fn a_lost_ack_and_a_restart_between_ledger_write_and_ack_bind_each_job_onc
     h.restart_operator().await;
     h.start_agent(true, Duration::from_millis(200));
     let jobs = all_completed(&h, &ids).await;
+    // The successor takes the session over once the old one expired, and records the rest.
+    h.wait("the ledger to record every completion", WAIT, || async {
+        let l = ledger(&h, "acks").await;
+        (l.entries.len() == ids.len()
+            && l.entries
+                .values()
+                .all(|e| e.state == LedgerState::Completed))
+        .then_some(())
+    })
+    .await;
     assert_bound_once(&h, &jobs);
     let stats = h.sim.scale_set_stats();
     assert_eq!(
