@@ -19,8 +19,6 @@ pub enum Operation {
     ListRepositories,
     ListWorkflowRuns,
     ListWorkflowJobs,
-    /// A runner registration token (the scale-set intake's first step).
-    RegistrationToken,
 }
 
 impl Operation {
@@ -35,7 +33,6 @@ impl Operation {
             Operation::ListRepositories => "list_repositories",
             Operation::ListWorkflowRuns => "list_workflow_runs",
             Operation::ListWorkflowJobs => "list_workflow_jobs",
-            Operation::RegistrationToken => "registration_token",
         }
     }
 }

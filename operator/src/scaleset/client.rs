@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::error::{Call, ScaleSetError};
-use crate::github::{GithubApp, Operation, RunnerScope};
+use crate::github::{GithubApp, RunnerScope};
 use imp_common::{ExposeSecret, SecretString};
 
 /// The Actions service's API version.
@@ -431,21 +431,29 @@ impl ScaleSetClient {
 
     /// Registration token (installation token) -> the Actions service URL and an admin token.
     pub async fn connect(&self) -> Result<AdminConnection, ScaleSetError> {
-        let ctx = self.scope.context(
-            Operation::RegistrationToken,
-            self.app.installation_id(),
-            true,
-        );
         let path = format!(
             "{}/runners/registration-token",
             self.scope.actions_path().map_err(ScaleSetError::Github)?
         );
-        let r = self
+        let token = self
             .app
-            .call(&ctx, Method::POST, &path, None, &[])
+            .installation_token()
             .await
             .map_err(ScaleSetError::Github)?;
-        let reg: Value = decode(Call::RegistrationToken, &r.body)?;
+        let (status, body) = self
+            .send(
+                Call::RegistrationToken,
+                Method::POST,
+                &format!("{}{path}", self.api_base),
+                &format!("Bearer {}", token.expose_secret()),
+                None,
+                None,
+            )
+            .await?;
+        if !status.is_success() {
+            return Err(classify(Call::RegistrationToken, status, &body));
+        }
+        let reg: Value = decode(Call::RegistrationToken, &body)?;
         let reg = reg["token"]
             .as_str()
             .ok_or_else(|| ScaleSetError::Decode {
