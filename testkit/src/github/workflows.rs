@@ -13,7 +13,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::jobs::{JobStatus, SimJob, run_status};
+use super::jobs::{JobStatus, JobStep, SimJob, run_status};
 
 /// Why a workflow file was refused (named after the file and the field).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -32,6 +32,13 @@ pub enum WorkflowError {
         job: String,
         why: &'static str,
     },
+    #[error("{path}: jobs.{job}.steps[{index}]: {why}")]
+    Step {
+        path: String,
+        job: String,
+        index: usize,
+        why: &'static str,
+    },
 }
 
 /// One job of a workflow file.
@@ -43,6 +50,9 @@ pub struct WorkflowJobDef {
     pub name: String,
     /// The `runs-on` labels a runner must all have.
     pub runs_on: Vec<String>,
+    /// `steps:`, in order.
+    #[serde(default)]
+    pub steps: Vec<JobStep>,
 }
 
 /// What the simulator reads from a workflow file.
@@ -68,6 +78,65 @@ fn labels_of(v: &serde_yaml::Value) -> Option<Vec<String>> {
         serde_yaml::Value::Mapping(m) => m.get("labels").and_then(labels_of),
         _ => None,
     }
+}
+
+/// A job's `steps:`: each a `run:` script or a `uses:` action, with its optional `name:` and
+/// `shell:`. Absent steps are none (GitHub requires them; the simulator's own tests omit them).
+fn steps_of(
+    path: &str,
+    job: &str,
+    steps: Option<&serde_yaml::Value>,
+) -> Result<Vec<JobStep>, WorkflowError> {
+    let Some(steps) = steps else {
+        return Ok(Vec::new());
+    };
+    let err = |index, why| WorkflowError::Step {
+        path: path.into(),
+        job: job.into(),
+        index,
+        why,
+    };
+    let items = steps.as_sequence().ok_or_else(|| WorkflowError::Step {
+        path: path.into(),
+        job: job.into(),
+        index: 0,
+        why: "steps is not a list",
+    })?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, step)| {
+            let text = |key: &str| -> Result<Option<String>, WorkflowError> {
+                match step.get(key) {
+                    None => Ok(None),
+                    Some(v) => v
+                        .as_str()
+                        .map(|s| Some(s.to_owned()))
+                        .ok_or_else(|| err(i, "name, run, uses and shell must be strings")),
+                }
+            };
+            if !step.is_mapping() {
+                return Err(err(i, "a step is a mapping"));
+            }
+            let (run, uses) = (text("run")?, text("uses")?);
+            let mut parsed = match (&run, &uses) {
+                (Some(script), None) => JobStep::run(script),
+                (None, Some(action)) => JobStep {
+                    name: format!("Run {action}"),
+                    run: None,
+                    uses: uses.clone(),
+                    shell: None,
+                    conclusion: None,
+                },
+                _ => return Err(err(i, "a step has exactly one of run or uses")),
+            };
+            if let Some(name) = text("name")? {
+                parsed.name = name;
+            }
+            parsed.shell = text("shell")?;
+            Ok(parsed)
+        })
+        .collect()
 }
 
 impl WorkflowFile {
@@ -140,7 +209,13 @@ impl WorkflowFile {
                 .get("name")
                 .and_then(|n| n.as_str())
                 .map_or_else(|| key.clone(), str::to_owned);
-            jobs.push(WorkflowJobDef { key, name, runs_on });
+            let steps = steps_of(path, &key, v.get("steps"))?;
+            jobs.push(WorkflowJobDef {
+                key,
+                name,
+                runs_on,
+                steps,
+            });
         }
         Ok(WorkflowFile {
             name: top
