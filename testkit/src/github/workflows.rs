@@ -446,6 +446,44 @@ mod tests {
         assert_eq!(f.name, "imp-smoke");
         assert_eq!(f.jobs.len(), 1);
         assert_eq!(f.jobs[0].runs_on, vec!["self-hosted", "imp"]);
+        let steps = &f.jobs[0].steps;
+        assert_eq!(steps.len(), 1);
+        let run = steps[0].run.as_deref().unwrap();
+        assert!(run.contains("uname -a") && run.contains("\nid\n"), "{run}");
+    }
+
+    #[test]
+    fn steps_are_run_or_uses_with_names_and_shells() {
+        let f = WorkflowFile::parse(
+            "w.yaml",
+            "on: push\njobs:\n  a:\n    runs-on: x\n    steps:\n      - run: |\n          make\n          make test\n      - {name: Co, uses: actions/checkout@v4}\n      - {run: ls, shell: sh}\n",
+        )
+        .unwrap();
+        let s = &f.jobs[0].steps;
+        assert_eq!(
+            (s[0].name.as_str(), s[0].run.as_deref()),
+            ("Run make", Some("make\nmake test\n"))
+        );
+        assert_eq!(
+            (s[1].name.as_str(), s[1].uses.as_deref()),
+            ("Co", Some("actions/checkout@v4"))
+        );
+        assert_eq!(s[2].shell.as_deref(), Some("sh"));
+        for (steps, why) in [
+            ("[{run: a, uses: b}]", "exactly one of run or uses"),
+            ("[{name: n}]", "exactly one of run or uses"),
+            ("[x]", "a step is a mapping"),
+            ("{a: b}", "steps is not a list"),
+        ] {
+            let yaml = format!("on: push\njobs:\n  a:\n    runs-on: x\n    steps: {steps}\n");
+            let e = WorkflowFile::parse("w.yaml", &yaml)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("w.yaml: jobs.a.steps[") && e.contains(why),
+                "{e}"
+            );
+        }
     }
 
     #[test]
