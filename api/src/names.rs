@@ -377,6 +377,8 @@ pub mod reason {
         CGROUP_SETUP_FAILED = "CgroupSetupFailed" in [VmStatus, Runtime];
         /// imp-runtime's QEMU backend could not start QEMU or its vhost-device-vsock.
         QEMU_START_FAILED = "QemuStartFailed" in [VmStatus, Runtime];
+        /// imp-runtime could not give a VM its own uid from the configured range (all held, or its directory unusable).
+        VMM_CONFINEMENT_FAILED = "VmmConfinementFailed" in [VmStatus, Runtime];
         /// A snapshot, suspend or resume was asked of a VM whose backend cannot do it.
         SNAPSHOT_UNSUPPORTED = "SnapshotUnsupported" in [Runtime];
         /// A resume was asked of a VM that is not Suspended.

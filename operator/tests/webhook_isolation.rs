@@ -134,7 +134,7 @@ async fn forged_future_job_ids_leave_memory_bounded_and_cannot_suppress_another_
     for id in 50_000_000..50_100_000u64 {
         let b = body("completed", id, &TENANT_A);
         assert_eq!(
-            handle(&h.shared, &sign(&format!("f-{id}"), &b), &b),
+            handle(&h.shared, None, &sign(&format!("f-{id}"), &b), &b),
             DeliveryResult::Accepted
         );
     }
@@ -157,7 +157,7 @@ async fn forged_future_job_ids_leave_memory_bounded_and_cannot_suppress_another_
     h.wait_minted("b", 1, WAIT).await;
     for id in next.id + 1..next.id + 4 {
         let b = body("completed", id, &TENANT_A);
-        handle(&h.shared, &sign(&format!("pre-{id}"), &b), &b);
+        handle(&h.shared, None, &sign(&format!("pre-{id}"), &b), &b);
     }
     // ... then B's real job with such an id arrives: its delivery is refused (the record is A's),
     // but the sweep, GitHub's own view, routes it to B.
@@ -206,15 +206,43 @@ async fn one_tenants_flood_of_queued_jobs_leaves_anothers_job_served() {
         );
         m
     };
+    // Each pool's own path checks its own secret only: one HMAC per delivery, and another
+    // tenant's secret or an unknown pool gets nowhere (through the real HTTP receiver).
+    let own = |pool: &str| format!("{}/{}/{pool}", h.webhook_url, h.ns);
+    let b8 = body("queued", 8, &TENANT_B);
+    assert_eq!(
+        post(&own("b"), "b-8", SECRET_A, b8.clone()).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        post(&own("nosuch"), "b-8", WEBHOOK_SECRET, b8.clone())
+            .await
+            .0,
+        StatusCode::NOT_FOUND
+    );
+    let checks = h.metric("imp_webhook_signature_checks_total");
+    assert_eq!(
+        post(&own("b"), "b-8", WEBHOOK_SECRET, b8).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(h.metric("imp_webhook_signature_checks_total") - checks, 1.0);
+    assert_eq!(h.shared.demand().pool_demand(&b_key).queued, 2);
+
+    let a_key = PoolKey::new(h.ns.clone(), "a");
+    let checks = h.metric("imp_webhook_signature_checks_total");
     let t = std::time::Instant::now();
     for id in 60_000_000..60_100_000u64 {
         let b = body("queued", id, &TENANT_A);
         assert_eq!(
-            handle(&h.shared, &sign(&format!("q-{id}"), &b), &b),
+            handle(&h.shared, Some(&a_key), &sign(&format!("q-{id}"), &b), &b),
             DeliveryResult::Accepted
         );
     }
-    let a_key = PoolKey::new(h.ns.clone(), "a");
+    assert_eq!(
+        h.metric("imp_webhook_signature_checks_total") - checks,
+        100_000.0,
+        "a delivery to a pool's own path costs one HMAC"
+    );
     let (a, b) = {
         let d = h.shared.demand();
         (d.pool_demand(&a_key).queued, d.pool_demand(&b_key).queued)
@@ -223,11 +251,11 @@ async fn one_tenants_flood_of_queued_jobs_leaves_anothers_job_served() {
         "100k queued deliveries for pool a in {:?}: a holds {a}, b holds {b}",
         t.elapsed()
     );
-    assert_eq!(b, 1, "tenant A's flood evicted tenant B's queued job");
+    assert_eq!(b, 2, "tenant A's flood evicted tenant B's queued jobs");
     assert_eq!(a, 5_000, "pool a held at its own cap");
     assert_eq!(
         h.metric("imp_runner_demand_jobs_evicted_total"),
         (100_000 - 5_000) as f64
     );
-    h.wait_minted("b", 1, WAIT).await;
+    h.wait_minted("b", 2, WAIT).await;
 }

@@ -3,6 +3,8 @@
 //! Running, which it does on the guest's Hello over the hybrid vsock; beside a bare
 //! qemu-system-x86_64 boot of the same kernel, initrd and base image to the same Hello
 //! (imp_testkit::qemu, QEMU started directly). Several runs each, p50. Prints numbers; not a test.
+//! A second runtime with `IMP_NO_CONFINE=1` (its own state dir) boots the same VMs unconfined,
+//! interleaved with the confined ones: the cost of confinement (docs/security.md) in one run.
 //!
 //! The first VM builds the base image from a local registry (docker-registry) and is reported on its
 //! own; the measured VMs hit the cache, as a pool's VMs do. Both paths use the same accelerator
@@ -80,6 +82,10 @@ async fn main() {
 
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
+    let mut open = Harness::qemu(&s, &initrd, registry.host());
+    open.extra_env
+        .push(("IMP_NO_CONFINE".to_string(), "1".to_string()));
+    open.start_runtime().await;
     let spec = VmSpec {
         vcpu: 1,
         memory_mib: 512,
@@ -96,7 +102,7 @@ async fn main() {
         extra_boot_args: Some("imp.report_grace_s=60".into()),
         network: None,
     };
-    let put = |uid: String| {
+    let put = |h: &Harness, uid: String| {
         let client = h.client.clone();
         let spec = spec.clone();
         async move {
@@ -114,16 +120,23 @@ async fn main() {
     };
 
     // The first VM builds the base image; then the measured runs, one VM at a time.
-    let (first, _) = put("boot-0".into()).await;
+    let (first, _) = put(&h, "boot-0".into()).await;
     h.client.delete("boot-0").await.unwrap();
+    put(&open, "boot-0".into()).await;
+    open.client.delete("boot-0").await.unwrap();
     let mut wall = Vec::new();
     let mut reported = Vec::new();
+    let (mut open_wall, mut open_reported) = (Vec::new(), Vec::new());
     for i in 1..=runs {
         let uid = format!("boot-{i}");
-        let (w, b) = put(uid.clone()).await;
+        let (w, b) = put(&h, uid.clone()).await;
         wall.push(w);
         reported.push(b);
         h.client.delete(&uid).await.unwrap();
+        let (w, b) = put(&open, uid.clone()).await;
+        open_wall.push(w);
+        open_reported.push(b);
+        open.client.delete(&uid).await.unwrap();
     }
 
     // The same kernel, initrd and base booted by QEMU alone.
@@ -154,6 +167,7 @@ async fn main() {
         let _ = std::fs::remove_file(&rw);
     }
     assert!(h.vmm_processes().is_empty(), "no VMM left");
+    assert!(open.vmm_processes().is_empty(), "no VMM left");
 
     println!(
         "boot bench, QEMU {} (accel {}), 1 vCPU, 512 MiB:",
@@ -168,6 +182,19 @@ async fn main() {
     println!(
         "  imp-runtime's own boot_seconds (VMM spawn -> Hello): {}",
         summary(&reported)
+    );
+    println!(
+        "  unconfined (IMP_NO_CONFINE=1) create request -> Running: {}",
+        summary(&open_wall)
+    );
+    println!(
+        "  unconfined boot_seconds (VMM spawn -> Hello): {}",
+        summary(&open_reported)
+    );
+    println!(
+        "  confined / unconfined p50: create request {:.3}x, boot_seconds {:.3}x",
+        median(&wall) / median(&open_wall),
+        median(&reported) / median(&open_reported)
     );
     println!(
         "  bare qemu-system-x86_64 start -> guest Hello: {}",

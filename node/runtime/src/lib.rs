@@ -8,6 +8,7 @@ pub use imp_runtime_api::{api, client};
 pub mod cgroup;
 pub mod firecracker;
 pub mod inventory;
+pub mod jail;
 pub mod metrics;
 pub mod network;
 pub mod procfs;

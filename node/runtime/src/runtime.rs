@@ -28,6 +28,7 @@ use crate::api::{
 };
 use crate::cgroup::{CgroupConfig, CgroupError, VmCgroups};
 use crate::inventory::{Inventory, InventoryError, VmRecord};
+use crate::jail::{self, JailConfig, JailError, VmJail};
 use crate::metrics::{BackendLabel, Metrics, StateLabel};
 use crate::network::NetworkError;
 use crate::qemu::{self, QemuConfig};
@@ -63,6 +64,9 @@ pub struct Config {
     /// The rootfs cache (images built from OCI references); its `dir` is usually
     /// `<state_dir>/rootfs`.
     pub rootfs: StoreConfig,
+    /// Per-VM uids of confined QEMU VMs (none: VMM processes run as the runtime, unconfined;
+    /// for debugging only). The Firecracker backend is not confined here yet.
+    pub jail: Option<JailConfig>,
     /// Which ImpNetworks this node admits (network/admit.rs).
     pub network: crate::network::Admission,
 }
@@ -159,6 +163,8 @@ pub enum RuntimeError {
     RootfsStore(RootfsError),
     #[error("writable-drive templates: {0}")]
     WritableTemplates(WritableError),
+    #[error("confinement of VM {uid}: {source}")]
+    Jail { uid: String, source: JailError },
     #[error(transparent)]
     Inventory(#[from] InventoryError),
 }
@@ -191,6 +197,7 @@ impl RuntimeError {
             RuntimeError::NotSuspended { .. } => reason::NOT_SUSPENDED,
             RuntimeError::Resume { .. } => reason::RESUME_FAILED,
             RuntimeError::QemuStart { .. } => reason::QEMU_START_FAILED,
+            RuntimeError::Jail { .. } => reason::VMM_CONFINEMENT_FAILED,
             RuntimeError::Inventory(_) => reason::INVENTORY_ERROR,
             RuntimeError::StateDir { .. }
             | RuntimeError::RootfsStore(_)
@@ -244,6 +251,8 @@ pub struct Runtime {
     /// Serialises the node's network reconciles, each computed from the whole inventory (see
     /// `reconcile_network`).
     net_lock: tokio::sync::Mutex<()>,
+    /// Serialises per-VM uid assignments (each picks the lowest one no VM directory holds).
+    jail_lock: Mutex<()>,
 }
 
 /// How often the serial logs are held to their cap: a guest writing at disk speed adds at most
@@ -362,6 +371,37 @@ impl Runtime {
         }
     }
 
+    /// The confinement of row `r`'s processes (none when off, or for Firecracker): its
+    /// directory's uid, assigned now if it has none; its writable drive made its own (0600).
+    fn vm_jail(&self, r: &VmRecord) -> Result<Option<VmJail>, RuntimeError> {
+        let Some(cfg) = &self.cfg.jail else {
+            return Ok(None);
+        };
+        if r.backend != Backend::Qemu {
+            return Ok(None);
+        }
+        let err = |source| RuntimeError::Jail {
+            uid: r.uid.clone(),
+            source,
+        };
+        let id = {
+            let _held = self.jail_lock.lock().expect("jail lock");
+            jail::assign(cfg, &self.vms_dir, &r.dir).map_err(err)?
+        };
+        if let Some(w) = r.writable_disk.as_ref().filter(|w| w.exists()) {
+            jail::own(w, id, 0o600).map_err(|source| {
+                err(JailError::VmDir {
+                    path: w.clone(),
+                    source,
+                })
+            })?;
+        }
+        Ok(Some(VmJail {
+            id,
+            mount_point: jail_mount_point(&self.cfg.state_dir),
+        }))
+    }
+
     /// The kernel and initrd a spec boots: its own, or the runtime's.
     fn boot_files(&self, spec: &VmSpec) -> (PathBuf, Option<PathBuf>) {
         let kernel = spec.kernel.clone();
@@ -437,6 +477,11 @@ impl Runtime {
             cached,
         })
     }
+}
+
+/// The empty directory every confined process mounts its own root on (in its own namespace).
+pub fn jail_mount_point(state_dir: &Path) -> PathBuf {
+    state_dir.join("jail")
 }
 
 /// The path a VM's files live under (for tests and tools).

@@ -45,6 +45,7 @@ impl From<RuntimeError> for ApiError {
             | RuntimeError::NetworkSetupFailed { .. }
             | RuntimeError::CgroupSetupFailed { .. }
             | RuntimeError::QemuStart { .. }
+            | RuntimeError::Jail { .. }
             | RuntimeError::DiskSetupFailed { .. }
             | RuntimeError::WritableDrive { .. }
             | RuntimeError::Rootfs { .. }

@@ -13,6 +13,8 @@ pub enum TapError {
     BadName(String),
     #[error("`ip {args}` failed: {message}")]
     Ip { args: String, message: String },
+    #[error("attach to TAP {tap}: {source}")]
+    Open { tap: String, source: std::io::Error },
     #[error("link {0} does not exist")]
     NoSuchLink(String),
     #[error("`ip -j -s link show dev {link}` has no counter {counter}")]
@@ -120,6 +122,34 @@ pub fn delete(name: &str) -> Result<(), TapError> {
         return Ok(());
     }
     ip(&["link", "del", "dev", name])
+}
+
+/// Attach to the TAP as a VMM would (`TUNSETIFF`: no packet info, virtio-net headers), for a
+/// confined VMM that cannot open it itself: it gets the descriptor (`-netdev tap,fd=N`).
+pub fn open(name: &str) -> Result<std::os::fd::OwnedFd, TapError> {
+    use std::os::fd::AsRawFd as _;
+    check(name)?;
+    let failed = |e: std::io::Error| TapError::Open {
+        tap: name.into(),
+        source: e,
+    };
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .map_err(failed)?;
+    // SAFETY: an all-zero ifreq is valid; the name fits (check: at most IFNAMSIZ - 1 bytes).
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *d = s as libc::c_char;
+    }
+    req.ifr_ifru.ifru_flags =
+        (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short;
+    // SAFETY: TUNSETIFF reads an ifreq, which lives across the call.
+    if unsafe { libc::ioctl(tun.as_raw_fd(), libc::TUNSETIFF, &req) } < 0 {
+        return Err(failed(std::io::Error::last_os_error()));
+    }
+    Ok(tun.into())
 }
 
 pub fn stats(name: &str) -> Result<LinkStats, TapError> {

@@ -377,6 +377,16 @@ impl Demand {
         }
     }
 
+    /// The one secret a delivery addressed to `pool` (its own path) may be signed with: the
+    /// pool's own, else the global one; `None` for an unknown pool or one with neither.
+    pub fn secret_for(&self, pool: &PoolKey) -> Option<Vec<u8>> {
+        let route = self.pools.get(pool)?;
+        route
+            .webhook_secret
+            .clone()
+            .or_else(|| self.global_secret.clone())
+    }
+
     /// Does the pool accept deliveries signed with `secret`? (An unknown pool accepts none.)
     pub fn accepts(&self, pool: &PoolKey, secret: &[u8]) -> bool {
         self.pools

@@ -31,6 +31,9 @@ pub struct PoolMetrics {
     pub jit_mint_errors: Family<ReasonLabels, Counter>,
     /// `imp_webhook_deliveries_total{result}`.
     pub webhook_deliveries: Family<ResultLabels, Counter>,
+    /// `imp_webhook_signature_checks_total`: HMACs computed over delivery bodies (a delivery to a
+    /// pool's own path costs one; to the shared path, one per distinct secret until one matches).
+    pub webhook_signature_checks: Counter,
     /// `imp_runner_job_pickup_latency_seconds`: queued job learnt -> a runner Started for it.
     pub job_pickup_latency: Histogram,
     /// `imp_runner_deregistrations_total{result}`: `deleted`, `already_gone`, `busy`, `error`.
@@ -65,6 +68,7 @@ impl Default for PoolMetrics {
             jit_mint_duration: Histogram::new(exponential_buckets(0.01, 2.0, 14)),
             jit_mint_errors: Family::default(),
             webhook_deliveries: Family::default(),
+            webhook_signature_checks: Counter::default(),
             // 0.25 s .. ~34 min: cold boots take seconds, a saturated pool minutes.
             job_pickup_latency: Histogram::new(exponential_buckets(0.25, 2.0, 14)),
             deregistrations: Family::default(),
@@ -165,6 +169,11 @@ impl PoolMetrics {
             "imp_webhook_deliveries",
             "GitHub webhook deliveries by result",
             self.webhook_deliveries.clone(),
+        );
+        registry.register(
+            "imp_webhook_signature_checks",
+            "HMAC-SHA256 checks of webhook delivery bodies",
+            self.webhook_signature_checks.clone(),
         );
         registry.register(
             "imp_runner_job_pickup_latency_seconds",

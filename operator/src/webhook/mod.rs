@@ -15,7 +15,7 @@ use std::time::Instant;
 use axum::{
     Router,
     body::Bytes,
-    extract::{DefaultBodyLimit, State},
+    extract::{DefaultBodyLimit, Path, State},
     http::{HeaderMap, StatusCode},
     routing::post,
 };
@@ -25,12 +25,15 @@ use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
 use crate::runnerpool::{
-    PoolShared,
+    PoolKey, PoolShared,
     demand::{JobState, JobUpdate},
 };
 
 /// Path the receiver is mounted at.
 pub const WEBHOOK_PATH: &str = "/webhooks/github";
+/// One pool's own path: its deliveries are checked against its secret alone (one HMAC), and a
+/// flood aimed at one pool costs no other pool's secret a check.
+pub const POOL_WEBHOOK_PATH: &str = "/webhooks/github/{namespace}/{pool}";
 /// GitHub caps payloads at 25 MB; workflow_job bodies are a few KB.
 const MAX_BODY: usize = 1024 * 1024;
 
@@ -38,6 +41,7 @@ const MAX_BODY: usize = 1024 * 1024;
 pub fn webhook_router(shared: Arc<PoolShared>) -> Router {
     Router::new()
         .route(WEBHOOK_PATH, post(receive))
+        .route(POOL_WEBHOOK_PATH, post(receive_for_pool))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(shared)
 }
@@ -95,6 +99,8 @@ pub enum DeliveryResult {
     Malformed,
     /// The pools' webhook secrets are not all read yet (answered 503, retryable).
     NotReady,
+    /// Sent to a pool's own path, but no such pool (or it has no secret to check against).
+    UnknownPool,
 }
 
 impl DeliveryResult {
@@ -108,6 +114,7 @@ impl DeliveryResult {
             DeliveryResult::Ignored => "ignored",
             DeliveryResult::Malformed => "malformed",
             DeliveryResult::NotReady => "not_ready",
+            DeliveryResult::UnknownPool => "unknown_pool",
         }
     }
 
@@ -116,6 +123,7 @@ impl DeliveryResult {
             DeliveryResult::BadSignature => StatusCode::UNAUTHORIZED,
             DeliveryResult::Malformed => StatusCode::BAD_REQUEST,
             DeliveryResult::NotReady => StatusCode::SERVICE_UNAVAILABLE,
+            DeliveryResult::UnknownPool => StatusCode::NOT_FOUND,
             // Unrouted, foreign and ignored deliveries are fine from GitHub's side: no redelivery
             // wanted.
             _ => StatusCode::OK,
@@ -132,13 +140,31 @@ async fn receive(
     headers: HeaderMap,
     body: Bytes,
 ) -> (StatusCode, &'static str) {
-    let result = handle(&shared, &headers, &body);
+    let result = handle(&shared, None, &headers, &body);
     shared.metrics.delivery(result.as_str());
     (result.status(), result.as_str())
 }
 
-/// Processes one delivery; pure apart from the shared demand and notifications.
-pub fn handle(shared: &PoolShared, headers: &HeaderMap, body: &[u8]) -> DeliveryResult {
+async fn receive_for_pool(
+    State(shared): State<Arc<PoolShared>>,
+    Path((namespace, pool)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> (StatusCode, &'static str) {
+    let key = PoolKey::new(namespace, pool);
+    let result = handle(&shared, Some(&key), &headers, &body);
+    shared.metrics.delivery(result.as_str());
+    (result.status(), result.as_str())
+}
+
+/// Processes one delivery, sent to the shared path (`pool` None) or to a pool's own; pure apart
+/// from the shared demand and notifications.
+pub fn handle(
+    shared: &PoolShared,
+    pool: Option<&PoolKey>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> DeliveryResult {
     let delivery = header(headers, "x-github-delivery").unwrap_or_default();
     if !shared.routes_loaded() {
         info!(
@@ -151,11 +177,20 @@ pub fn handle(shared: &PoolShared, headers: &HeaderMap, body: &[u8]) -> Delivery
         warn!(delivery, "webhook without X-Hub-Signature-256 refused");
         return DeliveryResult::BadSignature;
     };
-    let secrets = shared.demand().candidate_secrets();
-    let Some(signed_with) = secrets
-        .into_iter()
-        .find(|s| signature_valid(s, body, signature))
-    else {
+    let secrets = match pool {
+        None => shared.demand().candidate_secrets(),
+        Some(key) => match shared.demand().secret_for(key) {
+            Some(s) => vec![s],
+            None => {
+                warn!(delivery, pool = %key, "webhook for an unknown pool refused");
+                return DeliveryResult::UnknownPool;
+            }
+        },
+    };
+    let Some(signed_with) = secrets.into_iter().find(|s| {
+        shared.metrics.webhook_signature_checks.inc();
+        signature_valid(s, body, signature)
+    }) else {
         warn!(delivery, "webhook with a bad signature refused");
         return DeliveryResult::BadSignature;
     };
@@ -313,42 +348,75 @@ mod tests {
     }
 
     #[test]
+    fn a_pools_own_path_checks_its_secret_alone() {
+        let s = shared();
+        let key = PoolKey::new("ns", "p");
+        let b = body("queued", 1, &["imp"], None);
+        let checks = || s.metrics.webhook_signature_checks.get();
+        let unknown = PoolKey::new("ns", "nosuch");
+        let good = headers("d1", "workflow_job", &sign(b"pool-secret", &b));
+        assert_eq!(
+            handle(&s, Some(&unknown), &good, &b),
+            DeliveryResult::UnknownPool
+        );
+        assert_eq!(DeliveryResult::UnknownPool.status(), StatusCode::NOT_FOUND);
+        assert_eq!(checks(), 0, "no HMAC for an unknown pool");
+        let forged = headers("d1", "workflow_job", &sign(b"nope", &b));
+        assert_eq!(
+            handle(&s, Some(&key), &forged, &b),
+            DeliveryResult::BadSignature
+        );
+        assert_eq!(checks(), 1);
+        assert_eq!(handle(&s, Some(&key), &good, &b), DeliveryResult::Accepted);
+        assert_eq!(checks(), 2);
+        assert_eq!(s.demand().pool_demand(&key).queued, 1);
+    }
+
+    #[test]
     fn deliveries_are_verified_deduplicated_and_routed() {
         let s = shared();
         let key = PoolKey::new("ns", "p");
         let b = body("queued", 1, &["imp"], None);
         // Forged: signed with another secret.
-        let r = handle(&s, &headers("d1", "workflow_job", &sign(b"nope", &b)), &b);
+        let r = handle(
+            &s,
+            None,
+            &headers("d1", "workflow_job", &sign(b"nope", &b)),
+            &b,
+        );
         assert_eq!(r, DeliveryResult::BadSignature);
         assert_eq!(s.demand().pool_demand(&key).queued, 0);
         // A forged delivery does not burn its id.
         let good = headers("d1", "workflow_job", &sign(b"pool-secret", &b));
-        assert_eq!(handle(&s, &good, &b), DeliveryResult::Accepted);
-        assert_eq!(handle(&s, &good, &b), DeliveryResult::Duplicate);
+        assert_eq!(handle(&s, None, &good, &b), DeliveryResult::Accepted);
+        assert_eq!(handle(&s, None, &good, &b), DeliveryResult::Duplicate);
         assert_eq!(s.demand().pool_demand(&key).queued, 1);
 
         let b2 = body("in_progress", 1, &["imp"], Some("p-abc"));
         let h2 = headers("d2", "workflow_job", &sign(b"pool-secret", &b2));
-        assert_eq!(handle(&s, &h2, &b2), DeliveryResult::Accepted);
+        assert_eq!(handle(&s, None, &h2, &b2), DeliveryResult::Accepted);
         let pd = s.demand().pool_demand(&key);
         assert_eq!(pd.queued, 0);
         assert!(pd.busy_runners.contains("p-abc"));
 
         let b3 = body("queued", 2, &["gpu"], None);
         let h3 = headers("d3", "workflow_job", &sign(b"pool-secret", &b3));
-        assert_eq!(handle(&s, &h3, &b3), DeliveryResult::Unrouted);
+        assert_eq!(handle(&s, None, &h3, &b3), DeliveryResult::Unrouted);
 
         let ping = br#"{"zen":"hi"}"#;
         let h4 = headers("d4", "ping", &sign(b"pool-secret", ping));
-        assert_eq!(handle(&s, &h4, ping), DeliveryResult::Ignored);
+        assert_eq!(handle(&s, None, &h4, ping), DeliveryResult::Ignored);
 
         let junk = b"{not json";
         let h5 = headers("d5", "workflow_job", &sign(b"pool-secret", junk));
-        assert_eq!(handle(&s, &h5, junk), DeliveryResult::Malformed);
+        assert_eq!(handle(&s, None, &h5, junk), DeliveryResult::Malformed);
 
         let mut unsigned = headers("d6", "workflow_job", "x");
         unsigned.remove("x-hub-signature-256");
-        assert_eq!(handle(&s, &unsigned, &b), DeliveryResult::BadSignature);
+        assert_eq!(
+            handle(&s, None, &unsigned, &b),
+            DeliveryResult::BadSignature
+        );
     }
 
     #[test]
@@ -356,12 +424,12 @@ mod tests {
         let s = unloaded();
         let b = body("queued", 1, &["imp"], None);
         let h = headers("early", "workflow_job", &sign(b"pool-secret", &b));
-        let r = handle(&s, &h, &b);
+        let r = handle(&s, None, &h, &b);
         assert_eq!(r, DeliveryResult::NotReady);
         assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
         // Not burnt as a duplicate: the same delivery is judged once the secrets are known.
         load_pool(&s);
-        assert_eq!(handle(&s, &h, &b), DeliveryResult::Accepted);
+        assert_eq!(handle(&s, None, &h, &b), DeliveryResult::Accepted);
     }
 
     #[test]
@@ -371,7 +439,7 @@ mod tests {
         let b = body("queued", 9, &["imp"], None);
         let h = headers("g1", "workflow_job", &sign(b"global", &b));
         // Signature fine, but the only matching pool has its own secret.
-        assert_eq!(handle(&s, &h, &b), DeliveryResult::Unrouted);
+        assert_eq!(handle(&s, None, &h, &b), DeliveryResult::Unrouted);
     }
 
     #[test]
@@ -388,17 +456,17 @@ mod tests {
         let key = PoolKey::new("ns", "p");
         let b = body("queued", 1, &["imp"], None);
         let h = headers("q1", "workflow_job", &sign(b"pool-secret", &b));
-        assert_eq!(handle(&s, &h, &b), DeliveryResult::Accepted);
+        assert_eq!(handle(&s, None, &h, &b), DeliveryResult::Accepted);
         let done = body("completed", 1, &["imp"], None);
         let h = headers("c1", "workflow_job", &sign(b"other-secret", &done));
-        assert_eq!(handle(&s, &h, &done), DeliveryResult::Foreign);
+        assert_eq!(handle(&s, None, &h, &done), DeliveryResult::Foreign);
         assert_eq!(s.demand().pool_demand(&key).queued, 1);
         // The same body under a new delivery id is a replay.
         let b2 = body("queued", 2, &["imp"], None);
         let h = headers("q2", "workflow_job", &sign(b"pool-secret", &b2));
-        assert_eq!(handle(&s, &h, &b2), DeliveryResult::Accepted);
+        assert_eq!(handle(&s, None, &h, &b2), DeliveryResult::Accepted);
         let h = headers("q2-replayed", "workflow_job", &sign(b"pool-secret", &b2));
-        assert_eq!(handle(&s, &h, &b2), DeliveryResult::Duplicate);
+        assert_eq!(handle(&s, None, &h, &b2), DeliveryResult::Duplicate);
         assert_eq!(s.demand().pool_demand(&key).queued, 2);
     }
 }

@@ -9,6 +9,7 @@ use imp_api::parse_positive_duration;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_runtime::api::Backend;
 use imp_runtime::cgroup::CgroupConfig;
+use imp_runtime::jail::JailConfig;
 use imp_runtime::network::Admission;
 use imp_runtime::qemu::{Accel, QemuConfig};
 use imp_runtime::rootfs::flatten::Limits;
@@ -113,6 +114,17 @@ struct Args {
     /// How long a VM gets to stop after SendCtrlAltDel before SIGKILL, e.g. "10s".
     #[arg(long, env = "IMP_STOP_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
     stop_timeout: Duration,
+    /// First uid (and gid) of the range confined VMs run as: each live VM gets its own, held
+    /// while its directory exists (docs/security.md).
+    #[arg(long, env = "IMP_JAIL_UID_BASE", default_value_t = 900_000)]
+    jail_uid_base: u32,
+    /// Size of that range: at most this many VMs (live, suspended or failed) on the node.
+    #[arg(long, env = "IMP_JAIL_UID_COUNT", default_value_t = 4096)]
+    jail_uid_count: u32,
+    /// Run VMM processes as the runtime (root, every capability, the host's filesystem):
+    /// for debugging only.
+    #[arg(long, env = "IMP_NO_CONFINE")]
+    no_confine: bool,
     /// Interfaces an ImpNetwork's `nat.egressInterface` may name besides the default route's
     /// (comma-separated); any other is refused.
     #[arg(
@@ -169,6 +181,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     } else {
         args.image_dirs
     };
+    anyhow::ensure!(
+        args.no_confine || (args.jail_uid_base > 0 && args.jail_uid_count > 0),
+        "--jail-uid-base must be above 0 (root) and --jail-uid-count at least 1"
+    );
     std::fs::create_dir_all(&args.state_dir)
         .with_context(|| format!("create {}", args.state_dir.display()))?;
     let writable_budget_bytes = match args.writable_budget_bytes {
@@ -201,6 +217,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
         boot_timeout: args.boot_timeout,
         stop_timeout: args.stop_timeout,
+        jail: (!args.no_confine).then_some(JailConfig {
+            uid_base: args.jail_uid_base,
+            uid_count: args.jail_uid_count,
+        }),
         rootfs: StoreConfig {
             dir: args.state_dir.join("rootfs"),
             guest_bin: args.guest_bin,

@@ -133,8 +133,8 @@ pub fn spawn(
         .stdin(Stdio::null())
         .stdout(open(&files.serial_log)?)
         .stderr(open(&files.stderr_log)?);
-    let (pid, start_time) =
-        process::spawn_detached(cmd, cgroups).map_err(|e| start_failed(e.to_string()))?;
+    let (pid, start_time) = process::spawn_detached(cmd, cgroups, &[], None)
+        .map_err(|e| start_failed(e.to_string()))?;
     // A process that has already exited has no start time: that is a start failure too.
     let start_time = start_time.ok_or_else(|| DriverError::FirecrackerStartFailed {
         message: "exited immediately".into(),

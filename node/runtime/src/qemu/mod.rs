@@ -10,6 +10,7 @@
 
 pub mod qmp;
 
+use std::os::fd::{AsRawFd as _, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -17,7 +18,9 @@ use std::time::Duration;
 use serde_json::json;
 use tokio::time::Instant;
 
-use crate::vmm::process::{self, Proc};
+use crate::jail::{self, Device, Jail, JailError, VmJail};
+use crate::tap;
+use crate::vmm::process::{self, Proc, SpawnError};
 use crate::vmm::{VmPlan, kvm_usable, serial};
 pub use qmp::{Qmp, QmpError};
 
@@ -27,6 +30,12 @@ const POLL: Duration = Duration::from_millis(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum QemuError {
+    #[error("{what} failed to start: {source}; its log: {log}")]
+    Jail {
+        what: &'static str,
+        source: JailError,
+        log: String,
+    },
     #[error("{what} failed to start: {message}; its log: {log}")]
     StartFailed {
         what: &'static str,
@@ -56,6 +65,8 @@ pub struct QemuConfig {
 /// The files of one QEMU VM, all in its directory.
 #[derive(Debug, Clone)]
 pub struct QemuFiles {
+    /// The VM's directory (a confined VM's processes see only it read-write).
+    pub dir: PathBuf,
     /// QMP control socket.
     pub qmp_sock: PathBuf,
     /// vhost-user socket between QEMU and vhost-device-vsock.
@@ -71,6 +82,7 @@ pub struct QemuFiles {
 impl QemuFiles {
     pub fn in_dir(dir: &Path, qmp_sock: &Path, vsock: &Path, serial_log: &Path) -> Self {
         QemuFiles {
+            dir: dir.to_path_buf(),
             qmp_sock: qmp_sock.to_path_buf(),
             vhost_sock: dir.join("vhost.sock"),
             vsock: vsock.to_path_buf(),
@@ -112,10 +124,26 @@ pub fn vhost_args(files: &QemuFiles, guest_cid: u32) -> Vec<String> {
     ]
 }
 
+/// What a confined QEMU is handed instead of opening it: one TAP descriptor per NIC, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handed {
+    pub tap_fds: Vec<RawFd>,
+}
+
+/// QEMU's own seccomp sandbox for a confined VM: no obsolete calls, no privilege changes, no
+/// processes, no scheduler or resource changes.
+pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+
 /// The QEMU command line (after the binary) for `plan`. The kernel is told the root itself
 /// (Firecracker adds `root=` on its own): with an initrd, imp-guest (its /init) mounts
-/// `imp.lower`; without, the kernel mounts vda and runs imp-guest from it.
-pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
+/// `imp.lower`; without, the kernel mounts vda and runs imp-guest from it. `handed`: a confined
+/// QEMU (its sandbox on, TAPs by descriptor).
+pub fn qemu_args(
+    plan: &VmPlan,
+    files: &QemuFiles,
+    accel: &str,
+    handed: Option<&Handed>,
+) -> Vec<String> {
     let mem = format!("{}M", plan.memory_mib);
     let mut a: Vec<String> = vec![
         "-name".into(),
@@ -160,10 +188,14 @@ pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
             format!("virtio-blk-pci,drive=drive{i}"),
         ]);
     }
-    for n in &plan.nics {
+    for (i, n) in plan.nics.iter().enumerate() {
+        let attach = match handed.and_then(|h| h.tap_fds.get(i)) {
+            Some(fd) => format!("fd={fd}"),
+            None => format!("ifname={},script=no,downscript=no", n.tap),
+        };
         a.extend([
             "-netdev".into(),
-            format!("tap,id={0},ifname={1},script=no,downscript=no", n.id, n.tap),
+            format!("tap,id={},{attach}", n.id),
             "-device".into(),
             format!("virtio-net-pci,netdev={},mac={}", n.id, n.mac),
         ]);
@@ -185,53 +217,65 @@ pub fn qemu_args(plan: &VmPlan, files: &QemuFiles, accel: &str) -> Vec<String> {
         "-qmp".into(),
         format!("unix:{},server=on,wait=off", files.qmp_sock.display()),
     ]);
+    if handed.is_some() {
+        a.extend(["-sandbox".into(), SANDBOX.into()]);
+    }
     a
 }
 
 const VSOCK_DEVICE: &str = "vhost-user-vsock-pci";
+/// The name a suspend's migration descriptor gets in QEMU (`getfd`).
+const MIGRATION_FD: &str = "impsuspend";
 const VSOCK_ID: &str = "vsock0dev";
 /// Hot-unplug needs the guest's ACPI eject; a TCG guest on a loaded host takes seconds.
 const UNPLUG_TIMEOUT: Duration = Duration::from_secs(60);
 /// Migration to a file of a few hundred MiB: seconds, far longer under TCG and load.
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// The command line of a QEMU that loads a suspend's migration stream from `state`: the same
-/// devices as the source had when it migrated (no vsock device: `finish_incoming` plugs it).
-pub fn incoming_args(plan: &VmPlan, files: &QemuFiles, accel: &str, state: &Path) -> Vec<String> {
-    let mut a = qemu_args(plan, files, accel);
+/// The command line of a QEMU that loads a suspend's migration stream from descriptor
+/// `state_fd`: the same devices as the source had when it migrated (no vsock device:
+/// `finish_incoming` plugs it). A descriptor, not `exec:cat` (QEMU 7.2 has no `file:`): a
+/// sandboxed QEMU may not spawn, and a confined one may not open the runtime's file.
+pub fn incoming_args(
+    plan: &VmPlan,
+    files: &QemuFiles,
+    accel: &str,
+    handed: Option<&Handed>,
+    state_fd: RawFd,
+) -> Vec<String> {
+    let mut a = qemu_args(plan, files, accel, handed);
     if let Some(i) = a.iter().position(|x| x.starts_with(VSOCK_DEVICE)) {
         a.drain(i - 1..=i);
     }
-    // exec: (QEMU 7.2 has no file: URI); the path is the runtime's own, no shell metacharacters
-    // but quoted anyway.
-    a.extend([
-        "-incoming".into(),
-        format!("exec:cat '{}'", state.display()),
-    ]);
+    a.extend(["-incoming".into(), format!("fd:{state_fd}")]);
     a
 }
 
-/// Start QEMU loading a suspend's migration stream (its vsock device already listening).
+/// Start QEMU loading a suspend's migration stream from `state` (its vsock device already
+/// listening).
 pub async fn spawn_qemu_incoming(
     cfg: &QemuConfig,
     files: &QemuFiles,
     plan: &VmPlan,
     cgroups: &[PathBuf],
+    jail: Option<&VmJail>,
     state: &Path,
 ) -> Result<Proc, QemuError> {
     let accel = resolve_accel(cfg.accel, kvm_usable());
-    spawn_qemu_args(
-        cfg,
-        files,
-        &incoming_args(plan, files, accel, state),
-        cgroups,
-    )
+    let stream = std::fs::File::open(state).map_err(|e| QemuError::StartFailed {
+        what: "QEMU",
+        message: format!("open {}: {e}", state.display()),
+        log: String::new(),
+    })?;
+    let fd = stream.as_raw_fd();
+    spawn_qemu_args(cfg, files, plan, accel, cgroups, jail, Some(fd), |h| {
+        incoming_args(plan, files, accel, h, fd)
+    })
     .await
 }
 
-/// Wait until no process has `path` open: the `cat` of an `exec:` migration keeps writing
-/// the stream's tail after QEMU reports it complete (and holds QEMU's inherited fds, the TAP
-/// among them, until it exits). False on timeout.
+/// Wait until no process has `path` open (a migration's writer may hold the stream a moment
+/// after QEMU reports it complete). False on timeout.
 pub async fn wait_file_closed(path: &Path, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
@@ -301,17 +345,25 @@ fn open_anywhere(path: &Path) -> bool {
     })
 }
 
-/// Spawn `bin args` through the seam (`process::spawn_detached`), stdout/stderr to `log`.
+/// Spawn `bin args` through the seam (`process::spawn_detached`), stdout/stderr to `log`,
+/// inheriting `keep`, confined to `jail` (with an empty environment) when given.
 fn spawn_logged(
     what: &'static str,
     bin: &Path,
     args: &[String],
     log: &Path,
     cgroups: &[PathBuf],
+    keep: &[RawFd],
+    jail: Option<Jail>,
 ) -> Result<Proc, QemuError> {
     let failed = |message: String| QemuError::StartFailed {
         what,
         message,
+        log: serial::tail(log),
+    };
+    let jailed = |source| QemuError::Jail {
+        what,
+        source,
         log: serial::tail(log),
     };
     let out =
@@ -321,8 +373,19 @@ fn spawn_logged(
         .map_err(|e| failed(format!("dup {}: {e}", log.display())))?;
     let mut cmd = std::process::Command::new(bin);
     cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
+    let prepared = match jail {
+        Some(j) => {
+            // Nothing of the runtime's environment reaches a confined process.
+            cmd.env_clear();
+            Some(j.prepare().map_err(jailed)?)
+        }
+        None => None,
+    };
     let (pid, start_time) =
-        process::spawn_detached(cmd, cgroups).map_err(|e| failed(e.to_string()))?;
+        process::spawn_detached(cmd, cgroups, keep, prepared).map_err(|e| match e {
+            SpawnError::Jail { source, .. } => jailed(source),
+            e => failed(e.to_string()),
+        })?;
     let start_time = start_time.ok_or_else(|| failed("exited immediately".into()))?;
     Ok(Proc { pid, start_time })
 }
@@ -334,14 +397,31 @@ pub async fn spawn_vhost(
     files: &QemuFiles,
     guest_cid: u32,
     cgroups: &[PathBuf],
+    jail: Option<&VmJail>,
 ) -> Result<Proc, QemuError> {
     let _ = std::fs::remove_file(&files.vhost_sock);
+    let jail = match jail {
+        Some(vm) => Some(Jail {
+            vm: vm.clone(),
+            rw_dirs: vec![files.dir.clone()],
+            ro_files: vec![cfg.vhost_vsock_bin.clone()],
+            devices: Vec::new(),
+            seccomp: Some(jail::vhost_filter().map_err(|source| QemuError::Jail {
+                what: "vhost-device-vsock",
+                source,
+                log: String::new(),
+            })?),
+        }),
+        None => None,
+    };
     let p = spawn_logged(
         "vhost-device-vsock",
         &cfg.vhost_vsock_bin,
         &vhost_args(files, guest_cid),
         &files.vhost_log,
         cgroups,
+        &[],
+        jail,
     )?;
     let deadline = Instant::now() + READY_TIMEOUT;
     while !files.vhost_sock.exists() {
@@ -371,18 +451,89 @@ pub async fn spawn_qemu(
     files: &QemuFiles,
     plan: &VmPlan,
     cgroups: &[PathBuf],
+    jail: Option<&VmJail>,
 ) -> Result<Proc, QemuError> {
     let accel = resolve_accel(cfg.accel, kvm_usable());
-    spawn_qemu_args(cfg, files, &qemu_args(plan, files, accel), cgroups).await
+    spawn_qemu_args(cfg, files, plan, accel, cgroups, jail, None, |h| {
+        qemu_args(plan, files, accel, h)
+    })
+    .await
 }
 
+/// What a confined QEMU of `plan` sees: its directory read-write; its kernel, initrd, drives
+/// outside that directory and its binary read-only; `/dev/kvm` when it uses KVM.
+pub fn qemu_jail(
+    cfg: &QemuConfig,
+    files: &QemuFiles,
+    plan: &VmPlan,
+    accel: &str,
+    vm: &VmJail,
+) -> Jail {
+    let mut ro_files = vec![cfg.qemu_bin.clone(), plan.kernel.clone()];
+    ro_files.extend(plan.initrd.iter().cloned());
+    ro_files.extend(
+        plan.drives
+            .iter()
+            .filter(|d| !d.path.starts_with(&files.dir))
+            .map(|d| d.path.clone()),
+    );
+    Jail {
+        vm: vm.clone(),
+        rw_dirs: vec![files.dir.clone()],
+        ro_files,
+        devices: if accel == "kvm" {
+            vec![Device::Kvm]
+        } else {
+            Vec::new()
+        },
+        seccomp: None,
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn spawn_qemu_args(
     cfg: &QemuConfig,
     files: &QemuFiles,
-    args: &[String],
+    plan: &VmPlan,
+    accel: &str,
     cgroups: &[PathBuf],
+    jail: Option<&VmJail>,
+    stream: Option<RawFd>,
+    args: impl FnOnce(Option<&Handed>) -> Vec<String>,
 ) -> Result<Proc, QemuError> {
-    let p = spawn_logged("QEMU", &cfg.qemu_bin, args, &files.qemu_log, cgroups)?;
+    let failed = |message: String| QemuError::StartFailed {
+        what: "QEMU",
+        message,
+        log: serial::tail(&files.qemu_log),
+    };
+    // A confined QEMU cannot attach to its TAPs itself: the runtime does, and hands them over.
+    let taps: Vec<OwnedFd> = match jail {
+        Some(_) => plan
+            .nics
+            .iter()
+            .map(|n| tap::open(&n.tap))
+            .collect::<Result<_, _>>()
+            .map_err(|e| failed(e.to_string()))?,
+        None => Vec::new(),
+    };
+    let handed = jail.map(|_| Handed {
+        tap_fds: taps.iter().map(|t| t.as_raw_fd()).collect(),
+    });
+    let mut keep: Vec<RawFd> = taps.iter().map(|t| t.as_raw_fd()).collect();
+    keep.extend(stream);
+    let confined = jail.map(|vm| qemu_jail(cfg, files, plan, accel, vm));
+    let args = args(handed.as_ref());
+    let p = spawn_logged(
+        "QEMU",
+        &cfg.qemu_bin,
+        &args,
+        &files.qemu_log,
+        cgroups,
+        &keep,
+        confined,
+    )?;
+    // QEMU holds its own copies now.
+    drop(taps);
     let qmp = Qmp::new(&files.qmp_sock);
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
@@ -479,9 +630,23 @@ impl QemuVm {
         }
         let r = async {
             self.qmp.execute("stop", None).await?;
-            let uri = format!("exec:cat > '{}'", state.display());
+            // The stream goes to a descriptor the runtime opened (see `incoming_args`).
+            use std::os::fd::AsFd as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(state)
+                .map_err(|e| refused(format!("open {}: {e}", state.display())))?;
             self.qmp
-                .execute("migrate", Some(json!({"uri": uri})))
+                .execute_with_fd(
+                    file.as_fd(),
+                    MIGRATION_FD,
+                    "migrate",
+                    Some(json!({"uri": format!("fd:{MIGRATION_FD}")})),
+                )
                 .await?;
             let deadline = Instant::now() + MIGRATE_TIMEOUT;
             loop {
@@ -608,7 +773,7 @@ mod tests {
 
     #[test]
     fn memory_is_a_shared_memfd_the_vsock_device_can_map() {
-        let a = qemu_args(&plan(), &files(), "tcg");
+        let a = qemu_args(&plan(), &files(), "tcg", None);
         assert_eq!(
             after(&a, "-object"),
             ["memory-backend-memfd,id=mem0,size=512M,share=on"]
@@ -621,7 +786,7 @@ mod tests {
 
     #[test]
     fn drives_keep_their_order_and_the_base_is_read_only() {
-        let a = qemu_args(&plan(), &files(), "kvm");
+        let a = qemu_args(&plan(), &files(), "kvm", None);
         assert_eq!(
             after(&a, "-drive"),
             [
@@ -636,7 +801,7 @@ mod tests {
 
     #[test]
     fn network_console_vsock_and_qmp_are_wired_to_the_vm_files() {
-        let a = qemu_args(&plan(), &files(), "kvm");
+        let a = qemu_args(&plan(), &files(), "kvm", None);
         assert_eq!(
             after(&a, "-netdev"),
             ["tap,id=eth0,ifname=imp0123abcd,script=no,downscript=no"]
@@ -659,7 +824,7 @@ mod tests {
 
     #[test]
     fn the_root_comes_from_the_initrd_or_the_kernel() {
-        let a = qemu_args(&plan(), &files(), "tcg");
+        let a = qemu_args(&plan(), &files(), "tcg", None);
         assert_eq!(after(&a, "-initrd"), ["/images/initrd.img"]);
         assert_eq!(
             after(&a, "-append"),
@@ -669,12 +834,63 @@ mod tests {
             initrd: None,
             ..plan()
         };
-        let a = qemu_args(&bare, &files(), "tcg");
+        let a = qemu_args(&bare, &files(), "tcg", None);
         assert!(after(&a, "-initrd").is_empty());
         assert_eq!(
             after(&a, "-append"),
             ["console=ttyS0 reboot=k panic=1 root=/dev/vda ro"]
         );
+    }
+
+    #[test]
+    fn a_confined_qemu_gets_its_taps_by_descriptor_and_its_sandbox() {
+        let handed = Handed { tap_fds: vec![7] };
+        let a = qemu_args(&plan(), &files(), "kvm", Some(&handed));
+        assert_eq!(after(&a, "-netdev"), ["tap,id=eth0,fd=7"]);
+        assert_eq!(
+            after(&a, "-sandbox"),
+            ["on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
+        );
+        assert!(after(&qemu_args(&plan(), &files(), "kvm", None), "-sandbox").is_empty());
+        let inc = incoming_args(&plan(), &files(), "kvm", Some(&handed), 9);
+        assert_eq!(after(&inc, "-incoming"), ["fd:9"]);
+        assert!(
+            !inc.iter().any(|x| x.starts_with(VSOCK_DEVICE)),
+            "the vsock device is plugged after the migration"
+        );
+    }
+
+    #[test]
+    fn a_confined_qemu_sees_its_boot_files_and_kvm_only_when_it_uses_it() {
+        let cfg = QemuConfig {
+            qemu_bin: "/usr/bin/qemu-system-x86_64".into(),
+            vhost_vsock_bin: "/usr/local/bin/vhost-device-vsock".into(),
+            accel: Accel::Auto,
+        };
+        let vm = VmJail {
+            id: 900_001,
+            mount_point: "/s/jail".into(),
+        };
+        let j = qemu_jail(&cfg, &files(), &plan(), "kvm", &vm);
+        assert_eq!(j.rw_dirs, [PathBuf::from("/vms/a")]);
+        // The writable drive is in the VM directory: not bound on its own.
+        let ro: Vec<_> = j.ro_files.iter().map(|p| p.display().to_string()).collect();
+        assert_eq!(
+            ro,
+            [
+                "/usr/bin/qemu-system-x86_64",
+                "/images/vmlinuz",
+                "/images/initrd.img",
+                "/cache/base.ext4"
+            ]
+        );
+        assert_eq!(j.devices, [Device::Kvm]);
+        assert!(
+            qemu_jail(&cfg, &files(), &plan(), "tcg", &vm)
+                .devices
+                .is_empty()
+        );
+        assert!(j.seccomp.is_none(), "QEMU's own sandbox");
     }
 
     #[test]

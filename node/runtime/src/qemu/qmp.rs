@@ -4,7 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use nix::sys::socket::{ControlMessage, MsgFlags};
 use serde_json::{Value, json};
+use std::os::fd::{AsRawFd as _, BorrowedFd};
+use tokio::io::Interest;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 
@@ -55,7 +58,7 @@ impl Qmp {
         command: &str,
         arguments: Option<Value>,
     ) -> Result<Value, QmpError> {
-        tokio::time::timeout(CALL_TIMEOUT, self.exchange(command, arguments))
+        tokio::time::timeout(CALL_TIMEOUT, self.exchange(None, command, arguments))
             .await
             .map_err(|_| QmpError::Timeout {
                 path: self.socket.clone(),
@@ -63,7 +66,32 @@ impl Qmp {
             })?
     }
 
-    async fn exchange(&self, command: &str, arguments: Option<Value>) -> Result<Value, QmpError> {
+    /// Hand QEMU descriptor `fd` as `name` (`getfd`, the descriptor passed with SCM_RIGHTS),
+    /// then run `command` in the same session (a named descriptor belongs to the monitor).
+    pub async fn execute_with_fd(
+        &self,
+        fd: BorrowedFd<'_>,
+        name: &str,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
+        tokio::time::timeout(
+            CALL_TIMEOUT,
+            self.exchange(Some((fd, name)), command, arguments),
+        )
+        .await
+        .map_err(|_| QmpError::Timeout {
+            path: self.socket.clone(),
+            command: command.into(),
+        })?
+    }
+
+    async fn exchange(
+        &self,
+        handed: Option<(BorrowedFd<'_>, &str)>,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Value, QmpError> {
         let path = self.socket.clone();
         let stream = UnixStream::connect(&path)
             .await
@@ -72,6 +100,11 @@ impl Qmp {
                 source,
             })?;
         let (read, mut write) = stream.into_split();
+        let path2 = path.clone();
+        let io2 = move |source| QmpError::Io {
+            path: path2.clone(),
+            source,
+        };
         let mut lines = BufReader::new(read).lines();
         let io = |source| QmpError::Io {
             path: path.clone(),
@@ -96,19 +129,47 @@ impl Qmp {
             }
         };
         next().await?;
-        let mut send = async |cmd: &str, args: Option<Value>| -> Result<Value, QmpError> {
+        let mut send = async |cmd: &str,
+                              args: Option<Value>,
+                              fd: Option<BorrowedFd<'_>>|
+               -> Result<(), QmpError> {
             let mut msg = json!({ "execute": cmd });
             if let Some(a) = args {
                 msg["arguments"] = a;
             }
             let mut text = msg.to_string();
             text.push('\n');
-            write.write_all(text.as_bytes()).await.map_err(io)?;
-            Ok(msg)
+            let Some(fd) = fd else {
+                return write.write_all(text.as_bytes()).await.map_err(&io2);
+            };
+            // The descriptor rides on the command's own bytes (SCM_RIGHTS).
+            let sock: &UnixStream = write.as_ref();
+            let sent = sock
+                .async_io(Interest::WRITABLE, || {
+                    let raw = [fd.as_raw_fd()];
+                    nix::sys::socket::sendmsg::<()>(
+                        sock.as_raw_fd(),
+                        &[std::io::IoSlice::new(text.as_bytes())],
+                        &[ControlMessage::ScmRights(&raw)],
+                        MsgFlags::empty(),
+                        None,
+                    )
+                    .map_err(std::io::Error::from)
+                })
+                .await
+                .map_err(&io2)?;
+            if sent != text.len() {
+                return Err(io2(std::io::Error::other(format!("{cmd} sent in part"))));
+            }
+            Ok(())
         };
-        send("qmp_capabilities", None).await?;
+        send("qmp_capabilities", None, None).await?;
         answer("qmp_capabilities", next().await?)?;
-        send(command, arguments).await?;
+        if let Some((fd, name)) = handed {
+            send("getfd", Some(json!({ "fdname": name })), Some(fd)).await?;
+            answer("getfd", next().await?)?;
+        }
+        send(command, arguments, None).await?;
         answer(command, next().await?)
     }
 }
@@ -192,6 +253,67 @@ mod tests {
         );
         let got = server.await.unwrap();
         assert_eq!(got[1]["arguments"], json!({"keys": []}));
+    }
+
+    #[tokio::test]
+    async fn a_descriptor_is_handed_with_getfd_in_the_commands_session() {
+        use std::io::{Read as _, Seek as _, Write as _};
+        use std::os::fd::{AsFd as _, FromRawFd as _};
+        let d = tempfile::tempdir().unwrap();
+        let sock = d.path().join("qmp.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.write_all(b"{\"QMP\": {}}\n").unwrap();
+            let mut lines = Vec::new();
+            let mut received = None;
+            for _ in 0..3 {
+                // One command per read: the client waits for each answer.
+                let mut buf = [0u8; 512];
+                let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+                let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+                let msg = nix::sys::socket::recvmsg::<()>(
+                    s.as_raw_fd(),
+                    &mut iov,
+                    Some(&mut space),
+                    MsgFlags::empty(),
+                )
+                .unwrap();
+                for c in msg.cmsgs().unwrap() {
+                    if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
+                        received = Some(fds[0]);
+                    }
+                }
+                let n = msg.bytes;
+                let line = String::from_utf8_lossy(&buf[..n]).trim().to_string();
+                lines.push(serde_json::from_str::<Value>(&line).unwrap());
+                s.write_all(b"{\"return\": {}}\n").unwrap();
+            }
+            // SAFETY: the descriptor SCM_RIGHTS installed in this process.
+            let mut f = unsafe { std::fs::File::from_raw_fd(received.expect("an fd")) };
+            f.rewind().unwrap();
+            let mut text = String::new();
+            f.read_to_string(&mut text).unwrap();
+            (lines, text)
+        });
+        let mut file = tempfile::tempfile().unwrap();
+        file.write_all(b"stream").unwrap();
+        Qmp::new(&sock)
+            .execute_with_fd(
+                file.as_fd(),
+                "impsuspend",
+                "migrate",
+                Some(json!({"uri": "fd:impsuspend"})),
+            )
+            .await
+            .unwrap();
+        let (lines, text) = server.join().unwrap();
+        assert_eq!(
+            lines[1],
+            json!({"execute": "getfd", "arguments": {"fdname": "impsuspend"}})
+        );
+        assert_eq!(lines[2]["arguments"]["uri"], "fd:impsuspend");
+        assert_eq!(text, "stream", "QEMU got the runtime's file");
     }
 
     #[tokio::test]

@@ -11,6 +11,7 @@ use super::{Ensured, InFlight, Runtime, RuntimeError, Vm, valid_uid, validate, v
 use crate::api::{Backend, Failure, VmSpec, VmState, VmStatus};
 use crate::firecracker::{self, BootPlan, VmmFiles};
 use crate::inventory::VmRecord;
+use crate::jail::VmJail;
 use crate::metrics::ReasonLabel;
 use crate::qemu::{self, QemuFiles, QemuVm};
 use crate::rootfs::store::ImageSpec;
@@ -305,10 +306,11 @@ impl Runtime {
                 None,
             )
         })?;
+        let jail = self.vm_jail(rec).map_err(|e| (e, None))?;
         let spawned_at = Instant::now();
         let vm = match rec.backend {
             Backend::Firecracker => self.start_firecracker(rec, &files, &plan, &procs).await?,
-            Backend::Qemu => self.start_qemu(rec, &plan, &procs).await?,
+            Backend::Qemu => self.start_qemu(rec, &plan, &procs, jail.as_ref()).await?,
         };
         let fail = |source, vm: &Vm| {
             (
@@ -373,12 +375,14 @@ impl Runtime {
         Ok(vm)
     }
 
-    /// Spawn the vsock device, then QEMU (each recorded as soon as it exists).
+    /// Spawn the vsock device, then QEMU (each recorded as soon as it exists), confined to
+    /// `jail` when given.
     pub(super) async fn start_qemu(
         &self,
         rec: &mut VmRecord,
         plan: &VmPlan,
         cgroups: &[PathBuf],
+        jail: Option<&VmJail>,
     ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let files = QemuFiles::in_dir(&rec.dir, &rec.api_socket, &rec.vsock_path, &rec.serial_log);
@@ -386,7 +390,7 @@ impl Runtime {
             uid: uid.clone(),
             source,
         };
-        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroups)
+        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroups, jail)
             .await
             .map_err(|e| (start_err(e), None))?;
         let helper_only = |vhost| {
@@ -402,7 +406,7 @@ impl Runtime {
             .map_err(|e| (e.into(), helper_only(vhost)))?;
         rec.helper_pid = Some(vhost.pid);
         rec.helper_start_time = Some(vhost.start_time);
-        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroups)
+        let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroups, jail)
             .await
             .map_err(|e| (start_err(e), helper_only(vhost)))?;
         let vm = Vm::Qemu(QemuVm {

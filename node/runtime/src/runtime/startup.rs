@@ -30,6 +30,11 @@ impl Runtime {
             path: vms_dir.clone(),
             source,
         })?;
+        let mount_point = super::jail_mount_point(&cfg.state_dir);
+        std::fs::create_dir_all(&mount_point).map_err(|source| RuntimeError::StateDir {
+            path: mount_point.clone(),
+            source,
+        })?;
         let inventory = Inventory::open(&cfg.state_dir).await?;
         let metrics = Metrics::new();
         let rootfs = RootfsStore::open(
@@ -58,6 +63,7 @@ impl Runtime {
             locks: Mutex::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
             net_lock: tokio::sync::Mutex::new(()),
+            jail_lock: Mutex::new(()),
         });
         rt.recover().await?;
         rt.readiness();

@@ -303,12 +303,14 @@ impl Runtime {
             Backend::Qemu => {
                 let files = QemuFiles::in_dir(&r.dir, &r.api_socket, &r.vsock_path, &r.serial_log);
                 let plan = self.plan_of(r, &spec);
+                let jail = self.vm_jail(r).map_err(|e| (e.to_string(), None))?;
+                let jail = jail.as_ref();
                 if let Some(tap) = &r.tap
                     && let Err(holders) = qemu::wait_tap_free(tap, SNAPSHOT_WRITER_TIMEOUT).await
                 {
                     return Err((format!("TAP {tap} is still held by {holders:?}"), None));
                 }
-                let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, &procs)
+                let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, &procs, jail)
                     .await
                     .map_err(|e| (e.to_string(), None))?;
                 let helper_only = Vm::Qemu(QemuVm {
@@ -324,8 +326,15 @@ impl Runtime {
                 // TAP: the new QEMU's TUNSETIFF fails with EBUSY for a moment. Retry that.
                 let mut tries = 0;
                 let proc = loop {
-                    match qemu::spawn_qemu_incoming(&self.cfg.qemu, &files, &plan, &procs, &mem)
-                        .await
+                    match qemu::spawn_qemu_incoming(
+                        &self.cfg.qemu,
+                        &files,
+                        &plan,
+                        &procs,
+                        jail,
+                        &mem,
+                    )
+                    .await
                     {
                         Ok(p) => break p,
                         Err(e)

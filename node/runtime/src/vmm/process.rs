@@ -1,6 +1,7 @@
 //! The one place imp-runtime starts VMM and helper processes, and how it knows them afterwards:
 //! by pid and start time, so a recycled pid is never taken for one of its VMs.
 
+use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -8,6 +9,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::time::Instant;
 
+use crate::jail::{JailError, Prepared};
 use crate::procfs;
 
 const POLL: Duration = Duration::from_millis(5);
@@ -18,6 +20,8 @@ pub enum SpawnError {
     NulInCgroup(PathBuf),
     #[error("spawn {bin}: {source}")]
     Spawn { bin: String, source: std::io::Error },
+    #[error("spawn {bin}: {source}")]
+    Jail { bin: String, source: JailError },
 }
 
 /// A process by identity (pid + start time).
@@ -64,12 +68,16 @@ pub fn append_log(path: &Path) -> std::io::Result<std::fs::File> {
 /// Spawn `cmd` in a session of its own (no controlling terminal, no parent-death signal: the
 /// runtime dying never takes a VM with it) and inside `cgroups` (`cgroup.procs` files, one per
 /// hierarchy) from before it execs, so none of its memory or CPU is ever charged to the
-/// runtime's.
+/// runtime's. With `jail`, it is confined before it execs (`jail::Prepared::enter`). `keep`
+/// are descriptors it inherits across exec (a TAP, a migration stream), named by number on its
+/// command line.
 /// A task reaps it if it exits while this runtime is its parent. Returns its pid and start
 /// time (none when it has already exited).
 pub fn spawn_detached(
     mut cmd: std::process::Command,
     cgroups: &[PathBuf],
+    keep: &[RawFd],
+    jail: Option<Prepared>,
 ) -> Result<(i32, Option<u64>), SpawnError> {
     use std::os::unix::process::CommandExt as _;
     let procs = cgroups
@@ -79,22 +87,45 @@ pub fn spawn_detached(
                 .map_err(|_| SpawnError::NulInCgroup(p.clone()))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let keep = keep.to_vec();
+    let jail = jail.map(std::sync::Arc::new);
+    let in_child = jail.clone();
     // SAFETY: between fork and exec only async-signal-safe calls, no allocation: setsid,
-    // getpid, open/write/close of a path prepared before the fork.
+    // getpid, open/write/close of a path prepared before the fork, the jail's system calls
+    // (jail.rs), fcntl.
     unsafe {
         cmd.pre_exec(move || {
             nix::unistd::setsid().map_err(std::io::Error::from)?;
             for p in &procs {
                 enter_cgroup(p)?;
             }
+            if let Some(j) = &in_child {
+                j.enter()?;
+            }
+            for fd in &keep {
+                if libc::fcntl(*fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
     let bin = cmd.get_program().to_string_lossy().into_owned();
-    let mut child = tokio::process::Command::from(cmd)
+    let spawned = tokio::process::Command::from(cmd)
         .kill_on_drop(false)
-        .spawn()
-        .map_err(|source| SpawnError::Spawn { bin, source })?;
+        .spawn();
+    let mut child = spawned.map_err(|source| {
+        match jail.as_ref().and_then(|j| j.failure(source.raw_os_error())) {
+            Some(source) => SpawnError::Jail {
+                bin: bin.clone(),
+                source,
+            },
+            None => SpawnError::Spawn {
+                bin: bin.clone(),
+                source,
+            },
+        }
+    })?;
     let pid = child.id().expect("a just-spawned child has a pid") as i32;
     tokio::spawn(async move {
         let _ = child.wait().await;

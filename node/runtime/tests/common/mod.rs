@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses part of the harness
 
 pub mod agent;
+pub mod confine;
 pub mod scale_to_zero;
 
 use std::collections::HashMap;
