@@ -8,10 +8,12 @@
 //!    one-time credential for a session (a second exchange answers 401). The runner goes online.
 //! 2. `POST /_runner/acquire` with `Authorization: RunnerSession <session>`: 200 with a job whose
 //!    labels all match the runner's (the job goes in_progress, webhook `in_progress`), or 204.
-//! 3. `POST /_runner/jobs/{id}/complete` with `{"conclusion": "success"}`: the job completes
-//!    (webhook `completed`) and the ephemeral runner's registration is removed.
+//! 3. It runs the job's `run:` steps ([`steps`]) and `POST /_runner/jobs/{id}/complete` with
+//!    `{"conclusion": "success" | "failure", "steps": [<each step's conclusion>]}`: the job
+//!    completes (webhook `completed`) and the ephemeral runner's registration is removed.
 
 pub mod http;
+pub mod steps;
 
 use std::time::Duration;
 
@@ -61,7 +63,7 @@ pub struct FakeRunnerOptions {
     pub job_wait: Duration,
     /// How long the "job" runs.
     pub job_duration: Duration,
-    /// The conclusion reported.
+    /// The conclusion reported when no step failed (a failed step always reports `failure`).
     pub conclusion: String,
     /// Talk to this simulator URL instead of the one in the JIT config.
     pub url_override: Option<String>,
@@ -118,7 +120,7 @@ pub async fn run(encoded: &str, opts: &FakeRunnerOptions) -> anyhow::Result<serd
         .ok_or_else(|| anyhow::anyhow!("connect: no session"))?
         .to_string();
     let auth = [("authorization", format!("RunnerSession {session}"))];
-    let job_id = loop {
+    let job = loop {
         let resp = http
             .json(
                 Method::POST,
@@ -128,11 +130,7 @@ pub async fn run(encoded: &str, opts: &FakeRunnerOptions) -> anyhow::Result<serd
             )
             .await?;
         match resp.status {
-            StatusCode::OK => {
-                break resp.json()["id"]
-                    .as_u64()
-                    .ok_or_else(|| anyhow::anyhow!("acquire: a job without an id"))?;
-            }
+            StatusCode::OK => break resp.json(),
             StatusCode::NO_CONTENT => {}
             s => anyhow::bail!("acquire failed: {s} {}", resp.json()),
         }
@@ -144,8 +142,39 @@ pub async fn run(encoded: &str, opts: &FakeRunnerOptions) -> anyhow::Result<serd
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
+    let job_id = job["id"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("acquire: a job without an id"))?;
+    let job_steps: Vec<steps::Step> = match &job["steps"] {
+        serde_json::Value::Null => Vec::new(),
+        v => serde_json::from_value(v.clone())
+            .map_err(|e| anyhow::anyhow!("acquire: job {job_id} has malformed steps: {e}"))?,
+    };
     tokio::time::sleep(opts.job_duration).await;
-    let body = serde_json::json!({ "conclusion": opts.conclusion });
+    let outcomes = if job_steps.is_empty() {
+        Vec::new()
+    } else {
+        let repository = job["repository"].as_str().unwrap_or("repo");
+        let (dirs, scratch) = job_dirs(&cfg, repository)?;
+        let env = job_env(&job, &cfg, &dirs);
+        println!(
+            "imp-fake-runner: job {job_id} ({}) in {}: {} step(s)",
+            job["name"].as_str().unwrap_or_default(),
+            dirs.workspace.display(),
+            job_steps.len()
+        );
+        let outcomes = steps::run_steps(&job_steps, &dirs, &env).await;
+        if let Some(dir) = scratch {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        outcomes
+    };
+    let conclusion = match steps::job_conclusion(&outcomes) {
+        "success" => opts.conclusion.as_str(),
+        failed => failed,
+    };
+    let step_conclusions: Vec<&str> = outcomes.iter().map(|o| o.conclusion()).collect();
+    let body = serde_json::json!({ "conclusion": conclusion, "steps": step_conclusions });
     let resp = http
         .json(
             Method::POST,
@@ -161,6 +190,59 @@ pub async fn run(encoded: &str, opts: &FakeRunnerOptions) -> anyhow::Result<serd
         resp.json()
     );
     Ok(resp.json())
+}
+
+/// The job's directories under the work folder, which is relative to the runner's directory
+/// (where the wrapper starts it, as actions/runner's is to its root). A runner started where it
+/// may not write, or in `/` (a host process: the Firecracker simulator's guest) works under a scratch
+/// directory in the temp dir instead, returned for removal after the job.
+fn job_dirs(
+    cfg: &JitConfigPayload,
+    repository: &str,
+) -> anyhow::Result<(steps::JobDirs, Option<std::path::PathBuf>)> {
+    let work = std::path::Path::new(&cfg.work_folder);
+    let in_root = std::env::current_dir().is_ok_and(|d| d == std::path::Path::new("/"));
+    let created = if in_root && work.is_relative() {
+        // Never a work folder at the top of a host's filesystem.
+        Err(std::io::ErrorKind::PermissionDenied.into())
+    } else {
+        steps::JobDirs::create(work, repository)
+    };
+    match created {
+        Ok(dirs) => Ok((dirs, None)),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied && work.is_relative() => {
+            let scratch = std::env::temp_dir().join(format!("imp-fake-runner-{}", cfg.runner_id));
+            let dirs = steps::JobDirs::create(&scratch.join(work), repository)
+                .map_err(|e| anyhow::anyhow!("work folder {}: {e}", scratch.display()))?;
+            Ok((dirs, Some(scratch)))
+        }
+        Err(e) => anyhow::bail!("work folder {}: {e}", cfg.work_folder),
+    }
+}
+
+/// The variables actions/runner gives every step (the ones a `run:` script commonly reads).
+fn job_env(
+    job: &serde_json::Value,
+    cfg: &JitConfigPayload,
+    dirs: &steps::JobDirs,
+) -> Vec<(String, String)> {
+    let text = |k: &str| job[k].as_str().unwrap_or_default().to_owned();
+    vec![
+        ("CI".into(), "true".into()),
+        ("GITHUB_ACTIONS".into(), "true".into()),
+        ("GITHUB_JOB".into(), text("name")),
+        ("GITHUB_REPOSITORY".into(), text("repository")),
+        ("GITHUB_RUN_ID".into(), job["run_id"].to_string()),
+        ("GITHUB_SHA".into(), text("head_sha")),
+        ("GITHUB_REF_NAME".into(), text("head_branch")),
+        (
+            "GITHUB_WORKSPACE".into(),
+            dirs.workspace.display().to_string(),
+        ),
+        ("RUNNER_NAME".into(), cfg.runner_name.clone()),
+        ("RUNNER_OS".into(), "Linux".into()),
+        ("RUNNER_TEMP".into(), dirs.temp.display().to_string()),
+    ]
 }
 
 #[cfg(test)]

@@ -3,11 +3,13 @@
 //! imp-fake-runner`, smoke/imp-smoke.sh --guest qemu).
 //!
 //! Like `actions/runner run --jitconfig <config>`, it takes a one-time JIT config, connects,
-//! takes one queued job whose labels match, reports completion and exits 0. Imp delivers the
+//! takes one queued job whose labels match, runs its `run:` steps (as its own user: the guest
+//! starts it as the pool's runner user), reports the job's conclusion and exits 0, also when
+//! the job failed (as actions/runner does). Imp delivers the
 //! config in the environment variable `ACTIONS_RUNNER_INPUT_JITCONFIG` (so it never appears in
 //! process listings); `--jitconfig <value>` is accepted for parity with actions/runner.
 //!
-//! Exit codes: 0 job completed; 2 usage (no JIT config); 1 any other failure.
+//! Exit codes: 0 job completed (whatever its conclusion); 2 usage (no JIT config); 1 any other failure.
 
 use std::time::Duration;
 
@@ -59,9 +61,11 @@ async fn main() {
     };
     match imp_fake_runner::run(&config, &opts).await {
         Ok(job) => {
+            // Like actions/runner, a failed job is still a completed run: exit 0.
             println!(
                 "imp-fake-runner: job {} completed ({})",
-                job["id"], opts.conclusion
+                job["id"],
+                job["conclusion"].as_str().unwrap_or("unknown")
             );
         }
         Err(e) => {

@@ -149,3 +149,39 @@ async fn the_sweep_stops_at_the_reserve_left_to_minting() {
         cold.deferred.len()
     );
 }
+
+/// Issue 30: a repository with more active runs than the sweep reads (50 pages of 100) used to be
+/// recorded as fully listed from its first 5,000 runs; now its listing fails with
+/// `TooManyPages` (counted under `too_many_pages`), so its jobs are left as they are, and the other
+/// repositories are swept as before.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_repository_with_more_runs_than_the_sweep_reads_is_not_taken_as_fully_listed() {
+    let all = repos(2);
+    let sim = sim_with(|c| c.repos = all.clone()).await;
+    let app = app(&sim);
+    for _ in 0..5_001 {
+        sim.queue_job(JobSpec {
+            labels: vec!["self-hosted".into(), "imp".into()],
+            repository: Some(all[0].clone()),
+            ..Default::default()
+        });
+    }
+    let small = sim.queue_job(JobSpec {
+        labels: vec!["self-hosted".into(), "imp".into()],
+        repository: Some(all[1].clone()),
+        ..Default::default()
+    });
+    let swept = app
+        .sweep_jobs(&HashSet::new(), &all.iter().cloned().collect())
+        .await
+        .unwrap();
+    assert_eq!(swept.repositories, [all[1].clone()]);
+    assert!(swept.jobs.iter().all(|(repo, _)| *repo == all[1]));
+    assert!(swept.jobs.iter().any(|(_, j)| j.id == small.id));
+    let [(repo, error)] = &swept.failed[..] else {
+        panic!("{:?}", swept.failed)
+    };
+    assert_eq!(repo, &all[0]);
+    assert_eq!(error.metric_label(), "too_many_pages", "{error}");
+    assert!(error.to_string().contains("more than 50 pages"), "{error}");
+}

@@ -114,6 +114,8 @@ const SUPPLIED: &[&str] = &[
     "APP_KEY",
     "WEBHOOK_SECRET",
     "GITHUB_ORG",
+    "RUNNER_BASE_IMAGE",
+    "RUNNER_IMAGE",
 ];
 
 /// Every block, run or shown: kubectl and helm parse each command line (unknown flags and commands
@@ -267,7 +269,21 @@ fn shell(work: &Path, kubeconfig: &Path) -> Command {
         .env("INSTALLATION_ID", "7890123")
         .env("APP_KEY", work.join("imp-app.private-key.pem"))
         .env("WEBHOOK_SECRET", uuid::Uuid::new_v4().simple().to_string())
-        .env("GITHUB_ORG", "acme");
+        .env("GITHUB_ORG", "acme")
+        .env(
+            "RUNNER_BASE_IMAGE",
+            format!(
+                "registry.example/acme/runner-base@{}",
+                digest_of("runner-base")
+            ),
+        )
+        .env(
+            "RUNNER_IMAGE",
+            format!(
+                "registry.example/acme/actions-runner@{}",
+                digest_of("actions-runner")
+            ),
+        );
     cmd
 }
 

@@ -254,7 +254,8 @@ impl GithubApp {
             | GithubError::Timeout { operation, .. }
             | GithubError::Transport { operation, .. }
             | GithubError::UnexpectedStatus { operation, .. }
-            | GithubError::Decode { operation, .. } => operation.as_str(),
+            | GithubError::Decode { operation, .. }
+            | GithubError::TooManyPages { operation, .. } => operation.as_str(),
             GithubError::RunnerBusy { .. } => Operation::DeleteRunner.as_str(),
             _ => "client",
         };
@@ -509,7 +510,8 @@ impl GithubApp {
     }
 
     /// GETs `first_path` and every following page (`Link: rel="next"`, at most `max_pages`),
-    /// collecting the array under `key`. Pages are revalidated with their ETags.
+    /// collecting the array under `key`. Pages are revalidated with their ETags. A listing with
+    /// more pages is [`GithubError::TooManyPages`], never a short answer taken as the whole.
     pub(crate) async fn get_all_pages<T: serde::de::DeserializeOwned>(
         &self,
         ctx: &CallContext,
@@ -532,7 +534,7 @@ impl GithubApp {
     ) -> Result<Vec<T>, GithubError> {
         let mut path = first_path;
         let mut all = Vec::new();
-        for _ in 0..max_pages {
+        for number in 1..=max_pages {
             let resp = self.get_revalidated(ctx, &path, calls).await?;
             let decode = |message: String| {
                 self.record(GithubError::Decode {
@@ -549,6 +551,12 @@ impl GithubApp {
             let items: Vec<T> = serde_json::from_value(items).map_err(|e| decode(e.to_string()))?;
             all.extend(items);
             match next_link(&resp.headers) {
+                Some(_) if number == max_pages => {
+                    return Err(self.record(GithubError::TooManyPages {
+                        operation: ctx.operation,
+                        max_pages,
+                    }));
+                }
                 Some(next) => path = next,
                 None => break,
             }

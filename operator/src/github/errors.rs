@@ -135,6 +135,13 @@ pub enum GithubError {
     RunnerGroupNotFound { org: String, name: String },
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// A listing with more pages than Imp reads: what was read is not the whole answer, so it
+    /// is never taken as one.
+    #[error("{operation}: more than {max_pages} pages; the listing was not read to its end")]
+    TooManyPages {
+        operation: Operation,
+        max_pages: usize,
+    },
 }
 
 impl GithubError {
@@ -152,6 +159,7 @@ impl GithubError {
             | Invalid { .. }
             | UnexpectedStatus { .. }
             | Decode { .. }
+            | TooManyPages { .. }
             | EnterpriseScopeUnsupported
             | RunnerGroupNotFound { .. }
             | InvalidRequest(_) => ErrorClass::Permanent,
@@ -186,6 +194,7 @@ impl GithubError {
             EnterpriseScopeUnsupported => "enterprise_scope_unsupported",
             RunnerGroupNotFound { .. } => "runner_group_not_found",
             InvalidRequest(_) => "invalid_request",
+            TooManyPages { .. } => "too_many_pages",
         }
     }
 }

@@ -46,7 +46,11 @@ struct WorkflowRun {
     id: u64,
 }
 
+/// Pages of one repository's active runs, or of one run's jobs (100 each): a repository with
+/// more fails its listing (`TooManyPages`) and its jobs are left as they are.
 const MAX_PAGES: usize = 50;
+/// Pages of the installation's repositories (100 each).
+const MAX_REPOSITORY_PAGES: usize = 1000;
 
 /// Run statuses whose jobs can be (or become) demand: `queued` (no job started) and `in_progress`
 /// (some started, others may still be queued). `waiting` runs wait for an environment approval: not
@@ -91,7 +95,7 @@ impl GithubApp {
                 &ctx,
                 "/installation/repositories?per_page=100".into(),
                 "repositories",
-                MAX_PAGES,
+                MAX_REPOSITORY_PAGES,
                 calls,
             )
             .await?;

@@ -16,6 +16,39 @@ pub enum JobStatus {
     Completed,
 }
 
+/// One step of a job, as a runner receives it. The simulator's runners run `run:` steps only: a
+/// `uses:` step (an action) is kept so a runner can say it skipped it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobStep {
+    /// `name:`, else GitHub's default: `Run <first line of run>`, or `Run <uses>`.
+    pub name: String,
+    /// The `run:` script.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    /// The `uses:` action.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uses: Option<String>,
+    /// `shell:`, when the step names one (default: bash if present, else sh; GitHub's rule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shell: Option<String>,
+    /// Once the job completed: `success`, `failure` or `skipped`, as its runner reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conclusion: Option<String>,
+}
+
+impl JobStep {
+    /// A `run:` step with GitHub's default name.
+    pub fn run(script: &str) -> JobStep {
+        JobStep {
+            name: format!("Run {}", script.lines().next().unwrap_or_default().trim()),
+            run: Some(script.to_owned()),
+            uses: None,
+            shell: None,
+            conclusion: None,
+        }
+    }
+}
+
 /// A workflow job in the simulator's job model.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SimJob {
@@ -37,6 +70,9 @@ pub struct SimJob {
     pub completed_at: Option<DateTime<Utc>>,
     pub head_sha: String,
     pub head_branch: String,
+    /// What the runner runs, in order (none for jobs queued without steps).
+    #[serde(default)]
+    pub steps: Vec<JobStep>,
 }
 
 impl SimJob {
@@ -62,6 +98,7 @@ impl SimJob {
             completed_at: None,
             head_sha: "3484a3fb816e0859fd6e1cea078d76385ff50625".into(),
             head_branch: "main".into(),
+            steps: spec.steps,
         }
     }
 }
@@ -81,6 +118,9 @@ pub struct JobSpec {
     /// Joins this workflow run (a matrix or `needs:` job); default: a run of its own.
     #[serde(default)]
     pub run_id: Option<u64>,
+    /// The job's steps (from its workflow file when dispatched).
+    #[serde(default)]
+    pub steps: Vec<JobStep>,
 }
 
 /// A workflow run's status as GitHub derives it from its jobs: `queued` until one starts,

@@ -18,6 +18,8 @@ mod scaleset_tests;
 mod server;
 #[cfg(test)]
 mod sim_tests;
+#[cfg(test)]
+mod steps_tests;
 pub mod webhooks;
 pub mod workflows;
 

@@ -1051,6 +1051,9 @@ async fn runner_acquire(State(shared): S, headers: HeaderMap) -> ApiResult {
 #[derive(Deserialize)]
 struct CompleteBody {
     conclusion: Option<String>,
+    /// Each step's conclusion, in order (as many as the job has steps).
+    #[serde(default)]
+    steps: Option<Vec<String>>,
 }
 
 async fn runner_complete(
@@ -1060,12 +1063,22 @@ async fn runner_complete(
     body: Option<Json<CompleteBody>>,
 ) -> ApiResult {
     let runner_id = session_runner(&shared, &headers)?;
-    let conclusion = body
-        .and_then(|b| b.0.conclusion)
-        .unwrap_or_else(|| "success".into());
-    if !["success", "failure", "cancelled", "skipped"].contains(&conclusion.as_str()) {
+    let (conclusion, step_conclusions) = match body {
+        Some(Json(b)) => (b.conclusion, b.steps),
+        None => (None, None),
+    };
+    let conclusion = conclusion.unwrap_or_else(|| "success".into());
+    const CONCLUSIONS: [&str; 4] = ["success", "failure", "cancelled", "skipped"];
+    if !CONCLUSIONS.contains(&conclusion.as_str()) {
         return Err(invalid(
             "conclusion must be success, failure, cancelled or skipped",
+        ));
+    }
+    if let Some(steps) = &step_conclusions
+        && steps.iter().any(|c| !CONCLUSIONS.contains(&c.as_str()))
+    {
+        return Err(invalid(
+            "steps[]: each must be success, failure, cancelled or skipped",
         ));
     }
     let job = {
@@ -1077,6 +1090,18 @@ async fn runner_complete(
             ));
         }
         let job = m.jobs.get_mut(&job_id).ok_or_else(ApiError::not_found)?;
+        if let Some(steps) = step_conclusions {
+            if steps.len() != job.steps.len() {
+                return Err(invalid(&format!(
+                    "steps: {} conclusions for a job with {} steps",
+                    steps.len(),
+                    job.steps.len()
+                )));
+            }
+            for (step, c) in job.steps.iter_mut().zip(steps) {
+                step.conclusion = Some(c);
+            }
+        }
         job.status = JobStatus::Completed;
         job.conclusion = Some(conclusion);
         job.completed_at = Some(Utc::now());

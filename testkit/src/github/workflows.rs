@@ -13,7 +13,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::jobs::{JobStatus, SimJob, run_status};
+use super::jobs::{JobStatus, JobStep, SimJob, run_status};
 
 /// Why a workflow file was refused (named after the file and the field).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -32,6 +32,13 @@ pub enum WorkflowError {
         job: String,
         why: &'static str,
     },
+    #[error("{path}: jobs.{job}.steps[{index}]: {why}")]
+    Step {
+        path: String,
+        job: String,
+        index: usize,
+        why: &'static str,
+    },
 }
 
 /// One job of a workflow file.
@@ -43,6 +50,9 @@ pub struct WorkflowJobDef {
     pub name: String,
     /// The `runs-on` labels a runner must all have.
     pub runs_on: Vec<String>,
+    /// `steps:`, in order.
+    #[serde(default)]
+    pub steps: Vec<JobStep>,
 }
 
 /// What the simulator reads from a workflow file.
@@ -68,6 +78,65 @@ fn labels_of(v: &serde_yaml::Value) -> Option<Vec<String>> {
         serde_yaml::Value::Mapping(m) => m.get("labels").and_then(labels_of),
         _ => None,
     }
+}
+
+/// A job's `steps:`: each a `run:` script or a `uses:` action, with its optional `name:` and
+/// `shell:`. Absent steps are none (GitHub requires them; the simulator's own tests omit them).
+fn steps_of(
+    path: &str,
+    job: &str,
+    steps: Option<&serde_yaml::Value>,
+) -> Result<Vec<JobStep>, WorkflowError> {
+    let Some(steps) = steps else {
+        return Ok(Vec::new());
+    };
+    let err = |index, why| WorkflowError::Step {
+        path: path.into(),
+        job: job.into(),
+        index,
+        why,
+    };
+    let items = steps.as_sequence().ok_or_else(|| WorkflowError::Step {
+        path: path.into(),
+        job: job.into(),
+        index: 0,
+        why: "steps is not a list",
+    })?;
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, step)| {
+            let text = |key: &str| -> Result<Option<String>, WorkflowError> {
+                match step.get(key) {
+                    None => Ok(None),
+                    Some(v) => v
+                        .as_str()
+                        .map(|s| Some(s.to_owned()))
+                        .ok_or_else(|| err(i, "name, run, uses and shell must be strings")),
+                }
+            };
+            if !step.is_mapping() {
+                return Err(err(i, "a step is a mapping"));
+            }
+            let (run, uses) = (text("run")?, text("uses")?);
+            let mut parsed = match (&run, &uses) {
+                (Some(script), None) => JobStep::run(script),
+                (None, Some(action)) => JobStep {
+                    name: format!("Run {action}"),
+                    run: None,
+                    uses: uses.clone(),
+                    shell: None,
+                    conclusion: None,
+                },
+                _ => return Err(err(i, "a step has exactly one of run or uses")),
+            };
+            if let Some(name) = text("name")? {
+                parsed.name = name;
+            }
+            parsed.shell = text("shell")?;
+            Ok(parsed)
+        })
+        .collect()
 }
 
 impl WorkflowFile {
@@ -140,7 +209,13 @@ impl WorkflowFile {
                 .get("name")
                 .and_then(|n| n.as_str())
                 .map_or_else(|| key.clone(), str::to_owned);
-            jobs.push(WorkflowJobDef { key, name, runs_on });
+            let steps = steps_of(path, &key, v.get("steps"))?;
+            jobs.push(WorkflowJobDef {
+                key,
+                name,
+                runs_on,
+                steps,
+            });
         }
         Ok(WorkflowFile {
             name: top
@@ -371,6 +446,44 @@ mod tests {
         assert_eq!(f.name, "imp-smoke");
         assert_eq!(f.jobs.len(), 1);
         assert_eq!(f.jobs[0].runs_on, vec!["self-hosted", "imp"]);
+        let steps = &f.jobs[0].steps;
+        assert_eq!(steps.len(), 1);
+        let run = steps[0].run.as_deref().unwrap();
+        assert!(run.contains("uname -a") && run.contains("\nid\n"), "{run}");
+    }
+
+    #[test]
+    fn steps_are_run_or_uses_with_names_and_shells() {
+        let f = WorkflowFile::parse(
+            "w.yaml",
+            "on: push\njobs:\n  a:\n    runs-on: x\n    steps:\n      - run: |\n          make\n          make test\n      - {name: Co, uses: actions/checkout@v4}\n      - {run: ls, shell: sh}\n",
+        )
+        .unwrap();
+        let s = &f.jobs[0].steps;
+        assert_eq!(
+            (s[0].name.as_str(), s[0].run.as_deref()),
+            ("Run make", Some("make\nmake test\n"))
+        );
+        assert_eq!(
+            (s[1].name.as_str(), s[1].uses.as_deref()),
+            ("Co", Some("actions/checkout@v4"))
+        );
+        assert_eq!(s[2].shell.as_deref(), Some("sh"));
+        for (steps, why) in [
+            ("[{run: a, uses: b}]", "exactly one of run or uses"),
+            ("[{name: n}]", "exactly one of run or uses"),
+            ("[x]", "a step is a mapping"),
+            ("{a: b}", "steps is not a list"),
+        ] {
+            let yaml = format!("on: push\njobs:\n  a:\n    runs-on: x\n    steps: {steps}\n");
+            let e = WorkflowFile::parse("w.yaml", &yaml)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.starts_with("w.yaml: jobs.a.steps[") && e.contains(why),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -190,6 +190,7 @@ async fn dispatch(
                 name: Some(def.name.clone()),
                 workflow_name: Some(w.file.name.clone()),
                 run_id: Some(run_id),
+                steps: def.steps.clone(),
             };
             let mut job = SimJob::queued(id, spec, &full);
             job.head_branch = branch.clone();
