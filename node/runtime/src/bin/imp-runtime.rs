@@ -123,7 +123,7 @@ struct Args {
     jail_uid_count: u32,
     /// Run VMM processes as the runtime (root, every capability, the host's filesystem):
     /// for debugging only.
-    #[arg(long, env = "IMP_NO_CONFINE")]
+    #[arg(long, env = "IMP_NO_CONFINE", value_parser = clap::builder::BoolishValueParser::new())]
     no_confine: bool,
     /// Interfaces an ImpNetwork's `nat.egressInterface` may name besides the default route's
     /// (comma-separated); any other is refused.
