@@ -544,6 +544,7 @@ const KNOWN: &[&str] = &[
     // node/runtime: impl blocks of Runtime in runtime/*.rs (issue 28 step 3's split by concern), and types defined in lib.rs and mod.rs (Error, NetworkError, ...).
     "imports its parent: node/runtime/src/inventory.rs -> node/runtime/src/lib.rs",
     "imports its parent: node/runtime/src/network/mod.rs -> node/runtime/src/lib.rs",
+    "imports its parent: node/runtime/src/network/admit.rs -> node/runtime/src/network/mod.rs",
     "imports its parent: node/runtime/src/network/netlink.rs -> node/runtime/src/network/mod.rs",
     "imports its parent: node/runtime/src/network/nft.rs -> node/runtime/src/network/mod.rs",
     "imports its parent: node/runtime/src/network/plan.rs -> node/runtime/src/network/mod.rs",
@@ -562,6 +563,7 @@ const KNOWN: &[&str] = &[
     "imports its parent: node/runtime/src/vmm/mod.rs -> node/runtime/src/lib.rs",
     // node/runtime tests: the shared harness in tests/common/mod.rs.
     "imports its parent: node/runtime/tests/common/agent.rs -> node/runtime/tests/common/mod.rs",
+    "imports its parent: node/runtime/tests/common/confine.rs -> node/runtime/tests/common/mod.rs",
     "imports its parent: node/runtime/tests/common/scale_to_zero.rs -> node/runtime/tests/common/mod.rs",
     // kubectl-imp: lib.rs defines what its modules use (issue 34).
     "imports its parent: kubectl-imp/src/cli.rs -> kubectl-imp/src/lib.rs",
@@ -569,6 +571,8 @@ const KNOWN: &[&str] = &[
     "imports its parent: kubectl-imp/src/drain.rs -> kubectl-imp/src/lib.rs",
     "imports its parent: kubectl-imp/src/observe.rs -> kubectl-imp/src/lib.rs",
     "imports its parent: kubectl-imp/src/output.rs -> kubectl-imp/src/lib.rs",
+    // fake-runner: lib.rs defines the JIT config's variable name, which steps.rs keeps out of steps.
+    "imports its parent: fake-runner/src/steps.rs -> fake-runner/src/lib.rs",
     // api: lib.rs defines types its modules use.
     "imports its parent: api/src/restart.rs -> api/src/lib.rs",
     "imports its parent: api/src/vm.rs -> api/src/lib.rs",

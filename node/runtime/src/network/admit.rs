@@ -12,7 +12,7 @@
 
 use ipnet::Ipv4Net;
 
-use super::plan::{Failure, Observed};
+use super::plan::{Failure, Observed, Route};
 use super::{Attachment, NetworkError};
 
 /// The platform admin's rules (imp-runtime flags, the chart's `runtime.network` values).
@@ -22,14 +22,6 @@ pub struct Admission {
     pub allowed_egress_interfaces: Vec<String>,
     /// Ranges no ImpNetwork subnet may overlap (the cluster's pod, service and node CIDRs).
     pub reserved: Vec<Ipv4Net>,
-}
-
-/// One IPv4 route of the node's main table (default routes left out: every subnet is in 0/0).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Route {
-    pub destination: Ipv4Net,
-    /// The route's output interface, when it has one.
-    pub interface: Option<String>,
 }
 
 fn overlaps(a: &Ipv4Net, b: &Ipv4Net) -> bool {
@@ -124,7 +116,7 @@ pub fn admit(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::network::plan::Link;
+    use crate::network::plan::{Link, Route};
     use crate::network::{Port, VmNetwork, bridge_name};
 
     fn net(id: &str, subnet: &str, gateway: &str) -> Attachment {

@@ -274,10 +274,16 @@ pub async fn reconcile(
             return Ok(Reconciled::default());
         }
         let observed = netlink::observe(&handle).await?;
-        let plan = plan::plan(desired, &observed, admission);
+        // Validated, then admitted by the node, then planned: a refused network gets nothing
+        // (and loses its bridge, if an earlier admission had given it one).
+        let (valid, mut failed) = plan::validate(desired);
+        let (admitted, refused) = admit::admit(valid, &observed, admission);
+        let plan = plan::plan(&admitted, &observed);
+        failed.extend(refused);
+        failed.extend(plan.failed);
         let mut done = Reconciled {
             actions: Vec::new(),
-            failed: plan.failed,
+            failed,
         };
         for (network, actions) in plan.networks {
             for action in actions {

@@ -14,9 +14,8 @@ use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, 
 use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkUnspec, RouteMessageBuilder};
 
 use super::NetworkError;
-use super::admit::Route;
 use super::nft;
-use super::plan::{Action, Link, Observed};
+use super::plan::{Action, Link, Observed, Route};
 
 fn nl(step: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetworkError {
     let step = step.into();

@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::admit::{self, Admission};
 use super::nft::{self, Resolved};
 use super::{Attachment, NetworkError, bridge_mac, bridge_name};
 
@@ -32,13 +31,21 @@ impl Link {
     }
 }
 
+/// One IPv4 route of the node's main table (default routes left out: every subnet is in 0/0).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub destination: ipnet::Ipv4Net,
+    /// The route's output interface, when it has one.
+    pub interface: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Observed {
     pub links: Vec<Link>,
     /// Interface of the main table's IPv4 default route.
     pub default_route_interface: Option<String>,
     /// The main table's other IPv4 routes (admission: no network may overlap them).
-    pub routes: Vec<admit::Route>,
+    pub routes: Vec<Route>,
     pub ip_forward: bool,
     pub nft: nft::Observed,
 }
@@ -193,15 +200,12 @@ pub fn validate(desired: &[Attachment]) -> (Vec<Attachment>, Vec<Failure>) {
     (valid, failed)
 }
 
-/// The actions that make the host match `desired` (validated, then admitted by the node:
-/// admit.rs), in execution order; no
+/// The actions that make the host match `desired` (validated first), in execution order; no
 /// actions if it does. Networks without ports on this node are not set up (and torn down if
 /// present). A network whose egress interface cannot be resolved still gets its bridge, ports
 /// and isolation rules, without a way out, and is reported failed.
-pub fn plan(desired: &[Attachment], observed: &Observed, admission: &Admission) -> Plan {
+pub fn plan(desired: &[Attachment], observed: &Observed) -> Plan {
     let (desired, mut failed) = validate(desired);
-    let (desired, refused) = admit::admit(desired, observed, admission);
-    failed.extend(refused);
     let by_name: BTreeMap<&str, &Link> = observed
         .links
         .iter()
@@ -507,12 +511,12 @@ mod tests {
     }
 
     fn converge(desired: &[Attachment], obs: Observed) -> (Vec<Action>, Observed) {
-        let p = plan(desired, &obs, &Admission::default());
+        let p = plan(desired, &obs);
         assert!(p.failed.is_empty(), "{:?}", p.failed);
         let actions = p.actions();
         let after = simulate(desired, obs, &actions);
         assert_eq!(
-            plan(desired, &after, &Admission::default()).actions(),
+            plan(desired, &after).actions(),
             [],
             "a second plan must be empty after {actions:?}"
         );
@@ -550,7 +554,7 @@ mod tests {
     fn matching_host_is_a_no_op_and_drift_is_repaired_precisely() {
         let d = one(vec![port("imptap1", "192.0.2.10")]);
         let (_, good) = converge(&d, fresh());
-        assert_eq!(plan(&d, &good, &Admission::default()).actions(), []);
+        assert_eq!(plan(&d, &good).actions(), []);
         let br = bridge_name("n1");
         let mut drift = good.clone();
         let b = drift.links.iter_mut().find(|l| l.name == br).unwrap();
@@ -580,7 +584,7 @@ mod tests {
                     tap: "imptap1".into()
                 },
                 Action::ReplaceNft {
-                    rules: match &plan(&d, &fresh(), &Admission::default()).actions().last() {
+                    rules: match &plan(&d, &fresh()).actions().last() {
                         Some(Action::ReplaceNft { rules }) => rules.clone(),
                         other => panic!("{other:?}"),
                     }
@@ -652,7 +656,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            plan(&[], &obs, &Admission::default()).actions(),
+            plan(&[], &obs).actions(),
             [Action::DeleteBridge {
                 bridge: "impbr00000000ff".into()
             }]
@@ -709,7 +713,7 @@ mod tests {
         let mut d = one(vec![port("imptap1", "192.0.2.10")]);
         let mut obs = fresh();
         obs.default_route_interface = None;
-        let p = plan(&d, &obs, &Admission::default());
+        let p = plan(&d, &obs);
         assert!(
             matches!(&p.failed[..], [Failure { network, tap: None, error: NetworkError::NoEgress { .. } }] if network == "n1"),
             "{:?}",
@@ -726,26 +730,17 @@ mod tests {
         assert!(w.contains(&"guest IPv4 source only"), "{w:?}");
         assert!(!w.contains(&"guests out the egress interface"), "{w:?}");
         assert!(!w.contains(&"outbound NAT"), "{w:?}");
-        // A named interface other than the default route's needs the platform's leave.
         d[0].network.egress_interface = Some("eth7".into());
         assert!(matches!(
-            &plan(&d, &obs, &Admission::default()).failed[..],
-            [Failure { error: NetworkError::EgressNotAllowed { interface, .. }, .. }] if interface == "eth7"
-        ));
-        let allowed = Admission {
-            allowed_egress_interfaces: vec!["eth0".into(), "eth7".into()],
-            ..Admission::default()
-        };
-        assert!(matches!(
-            &plan(&d, &obs, &allowed).failed[..],
+            &plan(&d, &obs).failed[..],
             [Failure { error: NetworkError::EgressMissing { interface, .. }, .. }] if interface == "eth7"
         ));
         d[0].network.egress_interface = Some("eth0".into());
-        let p = plan(&d, &obs, &allowed);
+        let p = plan(&d, &obs);
         assert!(p.failed.is_empty());
         assert!(whys(&p.actions()).contains(&"outbound NAT"));
         // A network without VMs here needs no egress at all.
-        let p = plan(&one(vec![]), &obs, &Admission::default());
+        let p = plan(&one(vec![]), &obs);
         assert!(p.actions().is_empty() && p.failed.is_empty());
     }
 
@@ -775,11 +770,7 @@ mod tests {
             kind: Some("bridge".into()),
             ..Default::default()
         });
-        let allowed = Admission {
-            allowed_egress_interfaces: vec!["eth7".into()],
-            ..Admission::default()
-        };
-        let p = plan(&d, &obs, &allowed);
+        let p = plan(&d, &obs);
         let failed: Vec<_> = p
             .failed
             .iter()
