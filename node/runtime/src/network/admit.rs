@@ -12,7 +12,7 @@
 
 use ipnet::Ipv4Net;
 
-use super::plan::{Failure, Observed, Route};
+use super::plan::{Failure, Observed};
 use super::{Attachment, NetworkError};
 
 /// The platform admin's rules (imp-runtime flags, the chart's `runtime.network` values).
