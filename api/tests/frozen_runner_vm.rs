@@ -60,6 +60,11 @@ fn changes() -> Vec<(&'static str, Value)> {
             "imagePullSecrets",
             json!({"spec": {"imagePullSecrets": null}}),
         ),
+        // The minted VM has none: adding one (a root runner) is a change too.
+        (
+            "runnerUser",
+            json!({"spec": {"runnerUser": {"uid": 0, "runAsRoot": true}}}),
+        ),
     ]
 }
 
