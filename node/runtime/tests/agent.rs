@@ -382,7 +382,15 @@ async fn a_root_runner_user_is_refused_by_the_guest_unless_the_pool_allows_root(
         "{msg}"
     );
     assert!(w.got_config().is_none(), "the refused runner ran");
-    assert!(!w.secret_exists("jit-r").await, "JIT Secret not deleted");
+    // Failed is written first, the Secret's delete follows (the handoff's last step).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while w.secret_exists("jit-r").await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "JIT Secret not deleted within 20 s of Failed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     w.runner_vm_as("runner-s", "jit-s", JIT, Some(root(Some(true))))
         .await;
