@@ -1,6 +1,6 @@
 //! The scale-set boundary: GitHub's runner-registration exchange, the Actions service's scale-set,
 //! session, acquire and JIT endpoints, and the message queue. Types mirror the wire shapes
-//! (../shared/design/SCALESET.md); every failure is a [`ScaleSetError`] variant. Tokens are
+//! (docs/github.md, the scale-set intake); every failure is a [`ScaleSetError`] variant. Tokens are
 //! [`SecretString`]s: never logged, never in an error message.
 
 use std::collections::HashMap;

@@ -2,7 +2,7 @@
 //! scale set instead of (or beside) webhooks. Imp creates or adopts the scale set, holds one message
 //! session per scale set, long-polls it, records every job in a durable ledger before
 //! acknowledging the message, acquires the jobs the pool serves, and mints runners through the
-//! scale set's `generatejitconfig` (../shared/design/SCALESET.md, docs/github.md).
+//! scale set's `generatejitconfig` (docs/github.md).
 //!
 //! [`client`] is the process boundary (typed requests and answers), [`ledger`] the durable record,
 //! [`decide`] the pure decisions, [`intake`] the thin executor and the per-pool supervisor.

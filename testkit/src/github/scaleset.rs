@@ -1,4 +1,4 @@
-//! GitHub's runner scale-set protocol, as the simulator speaks it (../shared/design/SCALESET.md):
+//! GitHub's runner scale-set protocol, as the simulator speaks it (docs/github.md, the simulator's scale-set section):
 //! registration token -> `POST /actions/runner-registration` (`RemoteAuth`) -> the Actions service
 //! URL and an admin token; scale sets (get by name, create), runner groups by name, one message
 //! session per scale set (a second create while one is live answers 409), the long-polled message
