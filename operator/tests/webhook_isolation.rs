@@ -62,6 +62,22 @@ fn body(action: &str, id: u64, labels: &[&str]) -> Vec<u8> {
     .unwrap()
 }
 
+/// The headers of a `workflow_job` delivery `delivery` of `b`, signed with tenant A's secret (for the
+/// receiver's handler, called in process).
+fn signed_by_a(delivery: &str, b: &[u8]) -> HeaderMap {
+    let mut m = HeaderMap::new();
+    m.insert("x-github-event", HeaderValue::from_static("workflow_job"));
+    m.insert(
+        "x-github-delivery",
+        HeaderValue::from_str(delivery).unwrap(),
+    );
+    m.insert(
+        "x-hub-signature-256",
+        HeaderValue::from_str(&sign_body(SECRET_A, b)).unwrap(),
+    );
+    m
+}
+
 async fn post(url: &str, delivery: &str, secret: &str, body: Vec<u8>) -> (StatusCode, String) {
     let headers = vec![
         ("x-github-event", "workflow_job".to_string()),
@@ -116,25 +132,12 @@ async fn forged_future_job_ids_leave_memory_bounded_and_cannot_suppress_another_
     };
     let h = PoolHarness::start_with("wh-flood", timing).await;
     two_tenants(&h).await;
-    let sign = |delivery: &str, b: &[u8]| {
-        let mut m = HeaderMap::new();
-        m.insert("x-github-event", HeaderValue::from_static("workflow_job"));
-        m.insert(
-            "x-github-delivery",
-            HeaderValue::from_str(delivery).unwrap(),
-        );
-        m.insert(
-            "x-hub-signature-256",
-            HeaderValue::from_str(&sign_body(SECRET_A, b)).unwrap(),
-        );
-        m
-    };
     // Tenant A floods `completed` for 100k future job ids (in process: the receiver's handler).
     let t = std::time::Instant::now();
     for id in 50_000_000..50_100_000u64 {
         let b = body("completed", id, &TENANT_A);
         assert_eq!(
-            handle(&h.shared, None, &sign(&format!("f-{id}"), &b), &b),
+            handle(&h.shared, None, &signed_by_a(&format!("f-{id}"), &b), &b),
             DeliveryResult::Accepted
         );
     }
@@ -157,7 +160,7 @@ async fn forged_future_job_ids_leave_memory_bounded_and_cannot_suppress_another_
     h.wait_minted("b", 1, WAIT).await;
     for id in next.id + 1..next.id + 4 {
         let b = body("completed", id, &TENANT_A);
-        handle(&h.shared, None, &sign(&format!("pre-{id}"), &b), &b);
+        handle(&h.shared, None, &signed_by_a(&format!("pre-{id}"), &b), &b);
     }
     // ... then B's real job with such an id arrives: its delivery is refused (the record is A's),
     // but the sweep, GitHub's own view, routes it to B.
@@ -193,19 +196,6 @@ async fn one_tenants_flood_of_queued_jobs_leaves_anothers_job_served() {
         StatusCode::OK
     );
     assert_eq!(h.shared.demand().pool_demand(&b_key).queued, 1);
-    let sign = |delivery: &str, b: &[u8]| {
-        let mut m = HeaderMap::new();
-        m.insert("x-github-event", HeaderValue::from_static("workflow_job"));
-        m.insert(
-            "x-github-delivery",
-            HeaderValue::from_str(delivery).unwrap(),
-        );
-        m.insert(
-            "x-hub-signature-256",
-            HeaderValue::from_str(&sign_body(SECRET_A, b)).unwrap(),
-        );
-        m
-    };
     // Each pool's own path checks its own secret only: one HMAC per delivery, and another
     // tenant's secret or an unknown pool gets nowhere (through the real HTTP receiver).
     let own = |pool: &str| format!("{}/{}/{pool}", h.webhook_url, h.ns);
@@ -234,7 +224,12 @@ async fn one_tenants_flood_of_queued_jobs_leaves_anothers_job_served() {
     for id in 60_000_000..60_100_000u64 {
         let b = body("queued", id, &TENANT_A);
         assert_eq!(
-            handle(&h.shared, Some(&a_key), &sign(&format!("q-{id}"), &b), &b),
+            handle(
+                &h.shared,
+                Some(&a_key),
+                &signed_by_a(&format!("q-{id}"), &b),
+                &b
+            ),
             DeliveryResult::Accepted
         );
     }
