@@ -261,6 +261,8 @@ pub mod reason {
         RUNNER_START_FAILED = "RunnerStartFailed" in [VmStatus];
         /// The guest connection was lost after the config was sent: the runner may or may not run.
         HANDOFF_AMBIGUOUS = "HandoffAmbiguous" in [VmStatus];
+        /// The agent refused to boot the VM: with the node's other VMs it exceeds the capacity the node publishes.
+        NODE_CAPACITY_EXCEEDED = "NodeCapacityExceeded" in [VmStatus];
 
         // Starting a VM (imp-runtime; the agent copies them into the ImpVM status).
         /// The registry refused, lacks the tag, or cannot be reached.

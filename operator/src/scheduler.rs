@@ -171,11 +171,19 @@ impl fmt::Display for Rejection {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unschedulable {
     pub rejections: BTreeMap<String, Rejection>,
+    /// The node the user named in spec.nodeName, when only that node was considered.
+    pub pinned: Option<String>,
 }
 
 impl fmt::Display for Unschedulable {
     /// `0/3 nodes are available: 2 insufficient memory, 1 not Ready`, like kube-scheduler, so it can be acted on.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(node) = &self.pinned {
+            return match self.rejections.get(node) {
+                Some(r) => write!(f, "spec.nodeName {node}: {r}"),
+                None => write!(f, "spec.nodeName {node}: no such Node"),
+            };
+        }
         if self.rejections.is_empty() {
             return write!(
                 f,
@@ -236,7 +244,38 @@ pub fn schedule(
     }
     match best {
         Some((_, _, name)) => Ok(name.to_owned()),
-        None => Err(Unschedulable { rejections }),
+        None => Err(Unschedulable {
+            rejections,
+            pinned: None,
+        }),
+    }
+}
+
+/// Checks the node the user named in spec.nodeName with the taint and capacity filters of
+/// [`schedule`]'s own choice: a user-set nodeName does not bypass them. (Readiness, pressure and
+/// the agent's heartbeat are the VM controller's node health, as for any bound VM.)
+pub fn schedule_pinned(
+    vm: &VmRequest,
+    node: &str,
+    nodes: &[NodeInfo],
+    residents: &[Resident],
+) -> Result<String, Unschedulable> {
+    let refused = |rejections: BTreeMap<String, Rejection>| Unschedulable {
+        rejections,
+        pinned: Some(node.to_owned()),
+    };
+    let Some(info) = nodes.iter().find(|n| n.name == node) else {
+        return Err(refused(BTreeMap::new()));
+    };
+    let mut used = Capacity::default();
+    for r in residents.iter().filter(|r| r.node == node) {
+        used.millicpu += u64::from(r.vcpu) * 1000;
+        used.memory_mib += r.memory_mib;
+        *used.disk_mib.get_or_insert(0) += r.disk_mib;
+    }
+    match admits(vm, info, used) {
+        Ok(_) => Ok(node.to_owned()),
+        Err(r) => Err(refused(BTreeMap::from([(node.to_owned(), r)]))),
     }
 }
 
@@ -264,6 +303,12 @@ fn fit(vm: &VmRequest, node: &NodeInfo, used: Capacity) -> Result<Capacity, Reje
             return Err(Rejection::SelectorMismatch { key: key.clone() });
         }
     }
+    admits(vm, node, used)
+}
+
+/// The taint and capacity filters: what a node must pass for any VM put on it, also one the
+/// user bound there (whose node's health the VM controller watches instead).
+fn admits(vm: &VmRequest, node: &NodeInfo, used: Capacity) -> Result<Capacity, Rejection> {
     for taint in &node.taints {
         let blocking = matches!(taint.effect.as_str(), "NoSchedule" | "NoExecute");
         if blocking && !vm.tolerations.iter().any(|t| tolerates(t, taint)) {
@@ -599,6 +644,54 @@ mod tests {
 
     fn rejection(r: Result<String, Unschedulable>, node: &str) -> Rejection {
         r.unwrap_err().rejections.get(node).cloned().unwrap()
+    }
+
+    #[test]
+    fn a_pinned_node_passes_the_same_filters_and_says_why_not() {
+        let mut tainted = node("t", 8, 8192);
+        tainted.taints = vec![taint("dedicated", Some("gpu"), "NoSchedule")];
+        let nodes = [node("small", 2, 1024), node("big", 8, 8192), tainted];
+        let residents = [resident("small", 1, 768)];
+        // Capacity: the other node would fit, but the user named this one.
+        let full = schedule_pinned(&req(1, 512), "small", &nodes, &residents).unwrap_err();
+        assert_eq!(
+            full.to_string(),
+            "spec.nodeName small: insufficient memory: requested 512Mi, free 256Mi"
+        );
+        assert_eq!(full.rejections.len(), 1, "only the named node is judged");
+        // Taints.
+        assert_eq!(
+            schedule_pinned(&req(1, 512), "t", &nodes, &[])
+                .unwrap_err()
+                .to_string(),
+            "spec.nodeName t: untolerated taint dedicated:NoSchedule"
+        );
+        let mut tolerant = req(1, 512);
+        tolerant.tolerations = vec![Toleration {
+            key: Some("dedicated".into()),
+            operator: Some("Exists".into()),
+            ..Default::default()
+        }];
+        assert_eq!(schedule_pinned(&tolerant, "t", &nodes, &[]).unwrap(), "t");
+        // Health is not the scheduler's to judge for a bound VM (the VM controller watches it).
+        let mut pressured = node("p", 8, 8192);
+        pressured.pressures = vec!["MemoryPressure".into()];
+        assert_eq!(
+            schedule_pinned(&req(1, 512), "p", &[pressured], &[]).unwrap(),
+            "p"
+        );
+        // A node that is not there.
+        assert_eq!(
+            schedule_pinned(&req(1, 512), "gone", &nodes, &[])
+                .unwrap_err()
+                .to_string(),
+            "spec.nodeName gone: no such Node"
+        );
+        // Fits: the named node, not the best fit.
+        assert_eq!(
+            schedule_pinned(&req(1, 128), "big", &nodes, &residents).unwrap(),
+            "big"
+        );
     }
 
     #[test]

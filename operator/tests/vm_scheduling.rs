@@ -316,3 +316,86 @@ async fn a_teardown_schedules_the_waiting_vm_at_once() {
     assert_eq!(node_of(&vm), Some(node.as_str()));
     h.finish().await;
 }
+
+/// Issue 30: a user-set spec.nodeName passes the same capacity and taint checks as the
+/// scheduler's own choice: a VM pinned to a full or tainted node waits Pending, saying why, and is
+/// Scheduled (the agent boots only Scheduled VMs) once the node can take it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_user_pinned_vm_waits_for_capacity_and_taints_like_any_other() {
+    let mut h = Harness::start("vmpin").await;
+    let node = h.add_node("n", 2, 8192).await;
+    let tainted = h
+        .add_node_with("t", 8, 16384, json!({}), json!({"taints": [{"key": "imp.dev/dedicated", "value": "gpu", "effect": "NoSchedule"}]}))
+        .await;
+    let class = h.add_class("two-cpu", 2, 1024, None).await;
+    h.create_vm(fixtures::vm("first").class(&class)).await;
+    let first = h.wait_phase("first", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&first), Some(node.as_str()), "the untainted node");
+
+    // Pinned by the user to the full node: Pending, Unschedulable naming the node and its lack.
+    h.create_vm(fixtures::vm("pinned").class(&class).bound(&node))
+        .await;
+    let pending = |reason_wanted: &'static str| {
+        move |vm: &imp_api::ImpVM| {
+            phase_of(vm) == Some(VmPhase::Pending)
+                && vm.status.as_ref().unwrap().reason.as_deref() == Some(reason_wanted)
+        }
+    };
+    let vm = h
+        .wait_vm(
+            "pinned",
+            "Pending Unschedulable",
+            WAIT,
+            pending(reason::UNSCHEDULABLE),
+        )
+        .await;
+    let message = vm.status.as_ref().unwrap().message.clone().unwrap();
+    assert_eq!(
+        message,
+        format!("spec.nodeName {node}: insufficient cpu: requested 2000m, free 0m")
+    );
+    assert_eq!(
+        cond(&vm, condition::SCHEDULED),
+        Some(("False".into(), reason::UNSCHEDULABLE.into()))
+    );
+    // Pinned to the tainted node, no toleration: waits too.
+    h.create_vm(fixtures::vm("pinned-t").class(&class).bound(&tainted))
+        .await;
+    let vm = h
+        .wait_vm(
+            "pinned-t",
+            "Pending Unschedulable",
+            WAIT,
+            pending(reason::UNSCHEDULABLE),
+        )
+        .await;
+    assert_eq!(
+        vm.status.unwrap().message.unwrap(),
+        format!("spec.nodeName {tainted}: untolerated taint imp.dev/dedicated:NoSchedule")
+    );
+    // Still waiting a while later: never Scheduled beyond capacity.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for name in ["pinned", "pinned-t"] {
+        assert_eq!(
+            phase_of(&h.vms().get(name).await.unwrap()),
+            Some(VmPhase::Pending),
+            "{name}"
+        );
+    }
+
+    // The first VM goes: the pinned one fits and is Scheduled on its node.
+    h.vms()
+        .delete("first", &DeleteParams::default())
+        .await
+        .unwrap();
+    h.wait_phase("first", VmPhase::Terminating, WAIT).await;
+    h.agent_torn_down("first").await;
+    h.wait_gone("first", WAIT).await;
+    let vm = h.wait_phase("pinned", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&vm), Some(node.as_str()));
+    assert_eq!(
+        cond(&vm, condition::SCHEDULED),
+        Some(("True".into(), reason::NODE_ASSIGNED.into()))
+    );
+    h.finish().await;
+}

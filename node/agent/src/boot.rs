@@ -5,20 +5,61 @@
 
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{self, condition, reason as api_reason};
-use imp_api::{ImpNetwork, ImpVM, ImpVMClass, VmPhase};
-use k8s_openapi::api::core::v1::Secret;
+use imp_api::{ImpNetwork, ImpVM, ImpVMClass, ImpVMClassSpec, VmPhase};
+use k8s_openapi::api::core::v1::{Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::{Api, ResourceExt};
+use kube::{Api, ResourceExt, api::ListParams};
 use tracing::info;
 
 use super::binding::{self, Unbound};
+use super::capacity::{self, VmSize};
 use super::context::{Context, Error, runtime_facts};
 use super::decide::RuntimeFacts;
 use super::spec;
 use super::status::{self, Guard, Written};
 use imp_runtime_api::api::VmState;
 use imp_runtime_api::client::ClientError;
+
+/// [`capacity::admit`] on what the API server says now: the capacity published on this node's
+/// Node, and the VMs bound here (but `uid`) that hold a share, sized by their classes.
+async fn admission(
+    ctx: &Context,
+    uid: &str,
+    class: &ImpVMClassSpec,
+) -> Result<Result<(), String>, Error> {
+    let node_name = &ctx.config.node_name;
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let published = nodes
+        .get_opt(node_name)
+        .await?
+        .map(|n| n.annotations().clone())
+        .unwrap_or_default();
+    let vms: Api<ImpVM> = Api::all(ctx.client.clone());
+    let bound = vms
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node_name}")))
+        .await?;
+    let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
+    let classes = classes.list(&ListParams::default()).await?;
+    let size = |c: &ImpVMClassSpec| VmSize {
+        vcpu: c.vcpu,
+        memory_mib: u64::from(c.memory_mib),
+    };
+    let held: Vec<VmSize> = bound
+        .items
+        .iter()
+        .filter(|v| v.uid().as_deref() != Some(uid))
+        .filter(|v| capacity::holds_capacity(v.status.as_ref().and_then(|s| s.phase)))
+        .filter_map(|v| {
+            let class = classes
+                .items
+                .iter()
+                .find(|c| c.name_any() == v.spec.class_ref.name)?;
+            Some(size(&class.spec))
+        })
+        .collect();
+    Ok(capacity::admit(&published, &held, size(class)))
+}
 
 /// Starting (+bootStartTime), PUT the spec, then Running (+times, Ready) or Failed.
 pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error> {
@@ -78,6 +119,20 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error
             .await?;
         return Ok(());
     };
+    // A VM bound here past the scheduler (a user-set nodeName or phase) is checked here too.
+    if vm.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Scheduled)
+        && let Err(msg) = admission(ctx, &uid, &class.spec).await?
+    {
+        ctx.fail(
+            api,
+            &name,
+            api_reason::NODE_CAPACITY_EXCEEDED,
+            &msg,
+            Guard::STARTING,
+        )
+        .await?;
+        return Ok(());
+    }
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), &ns);
     if let Some(changed) = changed_since_mint(&secrets, &vm, &uid).await? {
         let msg = changed.to_string();

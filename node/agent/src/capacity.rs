@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 
+use imp_api::VmPhase;
 use imp_api::names::{
     ANNOTATION_CAPACITY_DISK_MIB, ANNOTATION_CAPACITY_MEMORY_MIB, ANNOTATION_CAPACITY_VCPU,
 };
@@ -130,9 +131,139 @@ pub async fn publish(
     Ok(())
 }
 
+/// What one VM takes of the node: its class's vCPUs and memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmSize {
+    pub vcpu: u32,
+    pub memory_mib: u64,
+}
+
+/// The phases in which a VM holds its share of the node: from Starting (written before the
+/// runtime is asked) until it stops; Scheduled ones have not passed [`admit`] yet.
+pub fn holds_capacity(phase: Option<VmPhase>) -> bool {
+    matches!(
+        phase,
+        Some(
+            VmPhase::Starting
+                | VmPhase::Running
+                | VmPhase::Suspending
+                | VmPhase::Suspended
+                | VmPhase::Resuming
+        )
+    )
+}
+
+/// The agent's own admission, independent of the scheduler (a user may bind a VM to the node,
+/// or write its phase, past the operator's checks): `vm` is refused when, with the VMs that
+/// already hold a share (`held`), it would exceed the vCPUs or memory the node publishes
+/// (`published`, the Node's annotations). A capacity not published is not checked (as the
+/// scheduler, which then falls back to the Node's allocatable). Err is the refusal's message.
+pub fn admit(
+    published: &BTreeMap<String, String>,
+    held: &[VmSize],
+    vm: VmSize,
+) -> Result<(), String> {
+    let read = |key: &str| {
+        published
+            .get(key)
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let used_vcpu: u64 = held.iter().map(|h| u64::from(h.vcpu)).sum();
+    let used_mem: u64 = held.iter().map(|h| h.memory_mib).sum();
+    let others = match held.len() {
+        1 => "1 other VM".to_owned(),
+        n => format!("{n} other VMs"),
+    };
+    if let Some(cap) = read(ANNOTATION_CAPACITY_VCPU)
+        && used_vcpu + u64::from(vm.vcpu) > cap
+    {
+        return Err(format!(
+            "the VM's {} vCPU do not fit: the node publishes {cap} ({ANNOTATION_CAPACITY_VCPU}), \
+             {used_vcpu} held by {others}",
+            vm.vcpu
+        ));
+    }
+    if let Some(cap) = read(ANNOTATION_CAPACITY_MEMORY_MIB)
+        && used_mem + vm.memory_mib > cap
+    {
+        return Err(format!(
+            "the VM's {} MiB do not fit: the node publishes {cap} MiB \
+             ({ANNOTATION_CAPACITY_MEMORY_MIB}), {used_mem} MiB held by {others}",
+            vm.memory_mib
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn size(vcpu: u32, memory_mib: u64) -> VmSize {
+        VmSize { vcpu, memory_mib }
+    }
+
+    fn published(vcpu: &str, mem: &str) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            (ANNOTATION_CAPACITY_VCPU.to_owned(), vcpu.to_owned()),
+            (ANNOTATION_CAPACITY_MEMORY_MIB.to_owned(), mem.to_owned()),
+        ])
+    }
+
+    #[test]
+    fn a_vm_beyond_the_published_capacity_is_refused_naming_what_does_not_fit() {
+        let p = published("4", "8192");
+        assert_eq!(admit(&p, &[size(2, 4096)], size(2, 4096)), Ok(()));
+        assert_eq!(
+            admit(&p, &[size(2, 1024), size(1, 1024)], size(2, 1024)).unwrap_err(),
+            "the VM's 2 vCPU do not fit: the node publishes 4 (imp.dev/capacity-vcpu), 3 held by 2 \
+             other VMs"
+        );
+        assert_eq!(
+            admit(&p, &[size(1, 8000)], size(1, 256)).unwrap_err(),
+            "the VM's 256 MiB do not fit: the node publishes 8192 MiB \
+             (imp.dev/capacity-memory-mib), 8000 MiB held by 1 other VM"
+        );
+        // Alone and too big.
+        assert!(admit(&p, &[], size(5, 1)).is_err());
+    }
+
+    #[test]
+    fn what_is_not_published_is_not_checked() {
+        assert_eq!(
+            admit(&BTreeMap::new(), &[size(64, 1 << 20)], size(64, 1 << 20)),
+            Ok(())
+        );
+        let only_cpu = BTreeMap::from([(ANNOTATION_CAPACITY_VCPU.to_owned(), "2".to_owned())]);
+        assert_eq!(admit(&only_cpu, &[], size(2, 1 << 30)), Ok(()));
+        assert!(admit(&only_cpu, &[], size(3, 1)).is_err());
+        // Unreadable counts as not published, as for the scheduler.
+        assert_eq!(admit(&published("lots", "x"), &[], size(99, 99)), Ok(()));
+    }
+
+    #[test]
+    fn only_vms_past_their_own_admission_hold_a_share() {
+        for held in [
+            VmPhase::Starting,
+            VmPhase::Running,
+            VmPhase::Suspending,
+            VmPhase::Suspended,
+            VmPhase::Resuming,
+        ] {
+            assert!(holds_capacity(Some(held)), "{held:?}");
+        }
+        for not in [
+            VmPhase::Pending,
+            VmPhase::Scheduled,
+            VmPhase::Succeeded,
+            VmPhase::Failed,
+            VmPhase::RetryExhausted,
+            VmPhase::Terminating,
+        ] {
+            assert!(!holds_capacity(Some(not)), "{not:?}");
+        }
+        assert!(!holds_capacity(None));
+    }
 
     fn rt(budget: u64) -> imp_runtime_api::api::Capacity {
         imp_runtime_api::api::Capacity {

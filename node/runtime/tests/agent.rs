@@ -1551,3 +1551,67 @@ fn runtime_images(rt: &Harness) -> usize {
         .map(|d| d.count())
         .unwrap_or(0)
 }
+
+/// Issue 30: the agent refuses, on its own, a VM beyond the capacity its node publishes (bound
+/// and written Scheduled past the operator's scheduler): Failed NodeCapacityExceeded, never
+/// handed to imp-runtime, while the VM that fits runs.
+#[tokio::test]
+async fn a_vm_bound_beyond_the_published_capacity_is_refused_not_booted() {
+    use k8s_openapi::api::core::v1::Node;
+    let w = World::new("agent-admit").await;
+    let nodes: Api<Node> = Api::all(w.env.client.clone());
+    let mut node = Node::default();
+    node.metadata.name = Some(w.node.clone());
+    nodes.create(&PostParams::default(), &node).await.unwrap();
+    // Room for one VM of the test class (1 vCPU, 128 MiB).
+    let agent = w.agent_env(
+        &w.runner_script(0),
+        1,
+        &[
+            ("IMP_CAPACITY_VCPU", "1"),
+            ("IMP_CAPACITY_MEMORY_MIB", "256"),
+        ],
+    );
+    let started = Instant::now();
+    loop {
+        let a = nodes.get(&w.node).await.unwrap().metadata.annotations;
+        if a.is_some_and(|a| {
+            a.get(names::ANNOTATION_CAPACITY_VCPU).map(String::as_str) == Some("1")
+        }) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "capacity never published\nagent log tail:\n{}",
+            tail(&agent.log(), 20)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    w.bound_vm("fits", &w.image, None).await;
+    w.wait_phase("fits", VmPhase::Running, PHASE_WAIT, &agent)
+        .await;
+    let over = w.bound_vm("over", &w.image, None).await;
+    let vm = w
+        .wait_phase("over", VmPhase::Failed, PHASE_WAIT, &agent)
+        .await;
+    let s = vm.status.as_ref().unwrap();
+    assert_eq!(s.reason.as_deref(), Some(reason::NODE_CAPACITY_EXCEEDED));
+    assert_eq!(
+        s.message.as_deref(),
+        Some(
+            "the VM's 1 vCPU do not fit: the node publishes 1 (imp.dev/capacity-vcpu), 1 held by \
+             1 other VM"
+        )
+    );
+    assert!(
+        !runtime_has(&w.rt, &uid(&over)).await,
+        "the refused VM reached imp-runtime"
+    );
+    assert_eq!(
+        phase_of(&w.vms().get("fits").await.unwrap()),
+        Some(VmPhase::Running)
+    );
+    drop(agent);
+    let _ = nodes.delete(&w.node, &DeleteParams::default()).await;
+    w.finish().await;
+}

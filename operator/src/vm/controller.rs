@@ -545,6 +545,13 @@ impl Context {
         }
 
         if let Some(request) = &plan.schedule {
+            if let Some(node) = &plan.schedule_on {
+                let base = ImpVM {
+                    status: plan.status.clone().or_else(|| vm.status.clone()),
+                    ..vm.clone()
+                };
+                return self.schedule_pinned(&api, &base, request, node, now).await;
+            }
             return self
                 .schedule(&api, vm, request, plan.allocate.as_deref(), now)
                 .await;
@@ -642,7 +649,12 @@ impl Context {
             ) || vm.status.as_ref().is_some_and(|s| {
                 imp_api::conditions::is_true(&s.conditions, imp_api::names::condition::TORN_DOWN)
             });
-            if uid == except_uid || stopped {
+            // A VM the user bound to a node that cannot take it waits there and holds nothing.
+            let waiting = vm.status.as_ref().is_some_and(|s| {
+                s.phase == Some(VmPhase::Pending)
+                    && s.reason.as_deref() == Some(imp_api::names::reason::UNSCHEDULABLE)
+            });
+            if uid == except_uid || stopped || waiting {
                 continue;
             }
             if let Some((vcpu, memory_mib, disk_mib)) = size(&vm.spec.class_ref.name) {
@@ -674,6 +686,74 @@ impl Context {
             }
         }
         out
+    }
+
+    /// A VM whose spec.nodeName the user set: that node alone, through the scheduler's filters;
+    /// Scheduled if it fits (its capacity reserved as for our own choices), else Pending and
+    /// Unschedulable naming the node and why.
+    async fn schedule_pinned(
+        &self,
+        api: &Api<ImpVM>,
+        vm: &ImpVM,
+        request: &VmRequest,
+        node: &str,
+        now: Timestamp,
+    ) -> Result<Action> {
+        let what = format!(
+            "impvm {}/{}",
+            vm.namespace().unwrap_or_default(),
+            vm.name_any()
+        );
+        let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
+        let stale_after = self.config.timing.heartbeat_stale_after;
+        let mut assumed = self.assumed.lock().await;
+        let nodes: Vec<NodeInfo> = self
+            .nodes
+            .state()
+            .iter()
+            .filter(|n| n.name_any() == node)
+            .map(|n| {
+                NodeInfo::from_node(
+                    n,
+                    health::heartbeat(self.lease(&n.name_any()).as_deref(), stale_after, now),
+                )
+            })
+            .collect();
+        let residents = self.residents(&uid, &mut assumed);
+        match scheduler::schedule_pinned(request, node, &nodes, &residents) {
+            Ok(node) => {
+                assumed.insert(
+                    uid,
+                    Assumed {
+                        node: node.clone(),
+                        vcpu: request.vcpu,
+                        memory_mib: request.memory_mib,
+                        disk_mib: request.disk_mib,
+                        at: Instant::now(),
+                    },
+                );
+                drop(assumed);
+                self.attempt("scheduled");
+                let (status, note, _) = decide::bound(vm, &node, now);
+                info!(vm = %what, node = %node, "bound by the user: fits, scheduled");
+                self.write_status(api, vm.clone(), status).await?;
+                self.report(vm, &[note], &[]).await;
+                Ok(Action::requeue(self.config.timing.resync))
+            }
+            Err(why) => {
+                drop(assumed);
+                self.attempt("unschedulable");
+                let (status, note) = decide::unschedulable(vm, &why, now);
+                if Some(&status) != vm.status.as_ref() {
+                    self.write_status(api, vm.clone(), status).await?;
+                }
+                if let Some(note) = note {
+                    info!(vm = %what, reason = %why, "bound by the user to a node that cannot take it");
+                    self.report(vm, &[note], &[]).await;
+                }
+                Ok(Action::requeue(self.config.timing.unschedulable_retry))
+            }
+        }
     }
 
     async fn schedule(

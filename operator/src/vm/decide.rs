@@ -78,6 +78,9 @@ pub struct Plan {
     pub allocate: Option<String>,
     /// Free the VM's address on this ImpNetwork before the finalizer is removed.
     pub release: Option<String>,
+    /// With [`Plan::schedule`]: the node in spec.nodeName (set by the user), checked alone; the
+    /// status in [`Plan::status`] is the base the Scheduled or Unschedulable status builds on.
+    pub schedule_on: Option<String>,
     /// Clear spec.nodeName (reschedule) before writing status.
     pub clear_node: bool,
     /// The full new status, when it differs from the observed one.
@@ -489,17 +492,14 @@ fn active_on_node(i: &Input<'_>, observed: ImpVMStatus, node: &str, mut plan: Pl
             plan.set_status(&observed, status);
             return plan;
         }
-        // spec.nodeName set by the user, or the status half of our own binding did not land.
-        let (s, note, _) = bound(
-            &ImpVM {
-                status: Some(status),
-                ..i.vm.clone()
-            },
-            node,
-            i.now,
-        );
-        status = s;
-        plan.notes.push(note);
+        // spec.nodeName set by the user, or the status half of our own binding did not land:
+        // the node passes the scheduler's filters (taints, capacity) as any choice of ours does,
+        // else the VM waits Pending and the agent never sees it Scheduled.
+        let Some(class) = i.class else {
+            return schedule_or_invalid(i, observed, plan);
+        };
+        plan.schedule = Some(request(i.vm, class));
+        plan.schedule_on = Some(node.to_owned());
     }
     plan.set_status(&observed, status);
     plan
@@ -1070,6 +1070,7 @@ mod tests {
         let v = vm("ephemeral", json!({}));
         let why = Unschedulable {
             rejections: [("n1".to_owned(), Rejection::Cordoned)].into(),
+            pinned: None,
         };
         let (s, note) = unschedulable(&v, &why, t(1));
         assert_eq!(s.phase, Some(VmPhase::Pending));
@@ -1093,12 +1094,13 @@ mod tests {
         );
         let other = Unschedulable {
             rejections: [("n1".to_owned(), Rejection::NotReady)].into(),
+            pinned: None,
         };
         assert!(unschedulable(&v, &other, t(21)).1.is_some());
     }
 
     #[test]
-    fn user_bound_vm_is_marked_scheduled_and_node_healthy() {
+    fn a_user_bound_vm_goes_through_the_scheduler_on_its_node_alone() {
         let mut v = vm("ephemeral", json!({}));
         v.spec.node_name = Some("n1".into());
         let p = run(
@@ -1108,11 +1110,55 @@ mod tests {
             },
             10,
         );
+        // Not Scheduled by the decision: the executor checks n1's taints and capacity first.
         let s = status(&p);
-        assert_eq!(s.phase, Some(VmPhase::Scheduled));
+        assert_eq!(s.phase, None);
         assert_eq!(cond(s, condition::NODE_HEALTHY).status, "True");
         assert_eq!(p.requeue_after, Some(Duration::from_secs(20)));
-        assert!(p.schedule.is_none());
+        assert!(p.schedule.is_some());
+        assert_eq!(p.schedule_on.as_deref(), Some("n1"));
+        // Once Scheduled (by the executor), the decision leaves the binding alone.
+        let (scheduled, _, _) = bound(&apply(v, &p), "n1", t(11));
+        let mut v = vm("ephemeral", json!({}));
+        v.spec.node_name = Some("n1".into());
+        v.status = Some(scheduled);
+        let p = run(&v, &HEALTHY, 12);
+        assert!(p.schedule.is_none() && p.schedule_on.is_none(), "{p:?}");
+    }
+
+    #[test]
+    fn a_user_bound_vm_on_a_node_that_cannot_take_it_waits_pending_naming_why() {
+        let mut v = vm("ephemeral", json!({}));
+        v.spec.node_name = Some("n1".into());
+        let full = Unschedulable {
+            rejections: [(
+                "n1".to_owned(),
+                Rejection::InsufficientMemory {
+                    requested_mib: 512,
+                    free_mib: 100,
+                },
+            )]
+            .into(),
+            pinned: Some("n1".into()),
+        };
+        let (s, note) = unschedulable(&v, &full, t(1));
+        assert_eq!(s.phase, Some(VmPhase::Pending));
+        assert_eq!(s.reason.as_deref(), Some(reason::UNSCHEDULABLE));
+        let message = "spec.nodeName n1: insufficient memory: requested 512Mi, free 100Mi";
+        assert_eq!(s.message.as_deref(), Some(message));
+        assert_eq!(cond(&s, condition::SCHEDULED).message, message);
+        assert_eq!(note.unwrap().reason, reason::FAILED_SCHEDULING);
+        // Still Pending and unschedulable: the next pass asks the executor again, nothing more.
+        v.status = Some(s);
+        let p = run(&v, &HEALTHY, 5);
+        assert_eq!(p.schedule_on.as_deref(), Some("n1"));
+        assert_eq!(
+            p.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .or(Some(VmPhase::Pending)),
+            Some(VmPhase::Pending)
+        );
     }
 
     #[test]
@@ -1541,7 +1587,8 @@ mod tests {
         );
         let p = run_net(&v, &HEALTHY, true, 2);
         assert!(p.allocate.is_none());
-        assert_eq!(status(&p).phase, Some(VmPhase::Scheduled));
+        // With the address, the node's filters next (the executor marks it Scheduled).
+        assert_eq!(p.schedule_on.as_deref(), Some("n1"));
         // Bound by the user to a network that does not exist: Pending, said why.
         let mut v = with_network(vm("ephemeral", json!({})));
         v.spec.node_name = Some("n1".into());
