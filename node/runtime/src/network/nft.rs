@@ -202,23 +202,26 @@ pub fn rules(networks: &[Resolved<'_>], denied: &Denied) -> Vec<Rule> {
         })
     };
     let link_local: Ipv4Net = LINK_LOCAL.parse().unwrap();
+    // Every guest's packet jumps to its own network's egress chain before any packet is
+    // matched by the network it is sent to: those chains end in a drop, so another network's
+    // ingress rules never see (and never admit) it.
     for n in networks {
-        let br = json!(n.bridge);
-        let from_br = || meta("iifname", "==", br.clone());
         rule(
             Family::Inet,
             "forward",
             vec![
-                from_br(),
+                meta("iifname", "==", json!(n.bridge)),
                 json!({"jump": {"target": egress_chain(&n.bridge)}}),
             ],
             "guests' traffic: their network's egress chain",
         );
+    }
+    for n in networks {
         rule(
             Family::Inet,
             "forward",
             vec![
-                meta("oifname", "==", br.clone()),
+                meta("oifname", "==", json!(n.bridge)),
                 json!({"jump": {"target": ingress_chain(&n.bridge)}}),
             ],
             "traffic to guests: their network's ingress chain",
@@ -905,8 +908,7 @@ mod tests {
             );
         }
         // Every egress chain ends in a drop: a guest's packet is decided in its own network's
-        // chain and never reaches another network's ingress chain (B's `from 0.0.0.0/0` cannot
-        // admit A's guests, or the other way round).
+        // chain and never returns to the base chain's ingress jumps.
         for br in ["impbr000000000a", "impbr000000000b"] {
             let egress = chain(&r, &egress_chain(br));
             assert_eq!(text(egress.last().unwrap()), r#"[{"drop":null}]"#, "{br}");
