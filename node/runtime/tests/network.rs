@@ -154,6 +154,35 @@ impl Drop for World {
     }
 }
 
+/// `ip -n ns ARGS...` for each (ns, args), in order.
+fn ip_all(steps: &[(&str, Vec<&str>)]) {
+    for (ns, args) in steps {
+        let mut all = vec!["-n", ns];
+        all.extend(args);
+        run("ip", &all);
+    }
+}
+
+/// A node namespace and its "internet" on the uplink: node up0 192.0.2.2/24 <-> wan0 192.0.2.1/24,
+/// the node's default route.
+fn node_with_uplink(w: &mut World, node: &str, inet: &str) -> (String, String) {
+    let (node, inet) = (w.netns(node), w.netns(inet));
+    ip_all(&[
+        (
+            &node,
+            vec![
+                "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", &inet,
+            ],
+        ),
+        (&node, vec!["addr", "add", "192.0.2.2/24", "dev", "up0"]),
+        (&node, vec!["link", "set", "up0", "up"]),
+        (&node, vec!["route", "add", "default", "via", "192.0.2.1"]),
+        (&inet, vec!["addr", "add", "192.0.2.1/24", "dev", "wan0"]),
+        (&inet, vec!["link", "set", "wan0", "up"]),
+    ]);
+    (node, inet)
+}
+
 fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<Vec<u8>> {
     let mut c = TcpStream::connect_timeout(&addr, UNREACHABLE_WAIT)?;
     c.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -249,33 +278,14 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
     }
     let id = std::process::id();
     let mut w = World::default();
-    let node = w.netns(&format!("impt-node-{id}"));
-    let inet = w.netns(&format!("impt-inet-{id}"));
+    // The uplink: node 192.0.2.2 <-> "internet" 192.0.2.1, the node's default route.
+    let (node, inet) = node_with_uplink(
+        &mut w,
+        &format!("impt-node-{id}"),
+        &format!("impt-inet-{id}"),
+    );
     let g1 = w.netns(&format!("impt-g1-{id}"));
     let g2 = w.netns(&format!("impt-g2-{id}"));
-
-    // The uplink: node 192.0.2.2 <-> "internet" 192.0.2.1, the node's default route.
-    run(
-        "ip",
-        &[
-            "-n", &node, "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns",
-            &inet,
-        ],
-    );
-    run(
-        "ip",
-        &["-n", &node, "addr", "add", "192.0.2.2/24", "dev", "up0"],
-    );
-    run("ip", &["-n", &node, "link", "set", "up0", "up"]);
-    run(
-        "ip",
-        &["-n", &node, "route", "add", "default", "via", "192.0.2.1"],
-    );
-    run(
-        "ip",
-        &["-n", &inet, "addr", "add", "192.0.2.1/24", "dev", "wan0"],
-    );
-    run("ip", &["-n", &inet, "link", "set", "wan0", "up"]);
     // Cloud metadata look-alike on the node.
     run(
         "ip",
@@ -590,25 +600,24 @@ fn networks_that_would_steer_the_node_are_refused_and_its_routing_is_unchanged()
     }
     let id = std::process::id();
     let mut w = World::default();
-    let node = w.netns(&format!("impt-adm-{id}"));
-    let inet = w.netns(&format!("impt-admi-{id}"));
-    for args in [
-        vec![
-            "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", &inet,
-        ],
-        vec!["addr", "add", "192.0.2.2/24", "dev", "up0"],
-        vec!["link", "set", "up0", "up"],
-        vec!["route", "add", "default", "via", "192.0.2.1"],
-        vec!["route", "add", "203.0.113.0/25", "via", "192.0.2.1"],
+    let (node, _inet) = node_with_uplink(
+        &mut w,
+        &format!("impt-adm-{id}"),
+        &format!("impt-admi-{id}"),
+    );
+    ip_all(&[
+        (
+            &node,
+            vec!["route", "add", "203.0.113.0/25", "via", "192.0.2.1"],
+        ),
         // A second interface of the node, not its default route's (a management NIC).
-        vec![
-            "link", "add", "mgmt0", "type", "veth", "peer", "name", "mgmt1",
-        ],
-    ] {
-        let mut all = vec!["-n", node.as_str()];
-        all.extend(args);
-        run("ip", &all);
-    }
+        (
+            &node,
+            vec![
+                "link", "add", "mgmt0", "type", "veth", "peer", "name", "mgmt1",
+            ],
+        ),
+    ]);
     let routes = |ns: &str| -> Vec<String> {
         output("ip", &["-n", ns, "route", "show", "table", "all"])
             .lines()
@@ -763,42 +772,27 @@ fn egress_is_denied_by_default_and_networks_do_not_decide_for_each_other() {
     }
     let id = std::process::id();
     let mut w = World::default();
-    let node = w.netns(&format!("impt-egn-{id}"));
-    let inet = w.netns(&format!("impt-egi-{id}"));
+    let (node, inet) =
+        node_with_uplink(&mut w, &format!("impt-egn-{id}"), &format!("impt-egi-{id}"));
     let (g1, g2, g3) = (
         w.netns(&format!("impt-eg1-{id}")),
         w.netns(&format!("impt-eg2-{id}")),
         w.netns(&format!("impt-eg3-{id}")),
     );
-    for (ns, args) in [
-        (
-            &node,
-            vec![
-                "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", &inet,
-            ],
-        ),
-        (&node, vec!["addr", "add", "192.0.2.2/24", "dev", "up0"]),
+    ip_all(&[
         // The node's private network, on its uplink (as a cloud VPC is).
         (&node, vec!["addr", "add", "10.77.0.2/24", "dev", "up0"]),
-        (&node, vec!["link", "set", "up0", "up"]),
-        (&node, vec!["route", "add", "default", "via", "192.0.2.1"]),
         (
             &node,
             vec!["route", "add", "198.18.0.0/16", "via", "192.0.2.1"],
         ),
-        (&inet, vec!["addr", "add", "192.0.2.1/24", "dev", "wan0"]),
         (&inet, vec!["addr", "add", "10.77.0.1/24", "dev", "wan0"]),
         (&inet, vec!["addr", "add", "198.18.0.5/32", "dev", "lo"]),
-        (&inet, vec!["link", "set", "wan0", "up"]),
         (
             &inet,
             vec!["route", "add", "198.51.100.0/24", "via", "192.0.2.2"],
         ),
-    ] {
-        let mut all = vec!["-n", ns.as_str()];
-        all.extend(args);
-        run("ip", &all);
-    }
+    ]);
     // kube-proxy's part: service IPs rewritten in prerouting at dstnat, before the forward hook.
     let kube_proxy = "table ip kubeproxy { chain pre { type nat hook prerouting priority dstnat; \
                       ip daddr 198.19.0.10 tcp dport 80 dnat to 198.18.0.5:7200; }; }";
