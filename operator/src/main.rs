@@ -31,7 +31,7 @@ use imp_operator::{
         run_runnerpool_controller,
     },
     vm::{VmControllerConfig, run_vm_controller},
-    webhook::webhook_router,
+    webhook::{WebhookLimits, webhook_router_with},
 };
 use prometheus_client::registry::Registry;
 use tokio::sync::{oneshot, watch};
@@ -49,6 +49,13 @@ struct Args {
     /// Secret (key `webhook-secret`) verifying deliveries for pools without a secret of their own.
     #[arg(long, env = "IMP_WEBHOOK_SECRET_NAME", default_value = "")]
     webhook_secret_name: String,
+    /// Webhook deliveries read and signature-checked at once (each holds up to 1 MiB of body and
+    /// costs an HMAC over it); beyond this, a delivery waits `--webhook-check-wait`, then 503.
+    #[arg(long, env = "IMP_WEBHOOK_CONCURRENT_CHECKS", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    webhook_concurrent_checks: u16,
+    /// How long a delivery waits for a signature-check slot before it answers 503 `busy`.
+    #[arg(long, env = "IMP_WEBHOOK_CHECK_WAIT", default_value = "2s", value_parser = parse_positive_duration)]
+    webhook_check_wait: Duration,
     /// Manage ImpVMs in this namespace only (default: every namespace).
     #[arg(long, env = "IMP_WATCH_NAMESPACE")]
     watch_namespace: Option<String>,
@@ -176,7 +183,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
             key: "webhook-secret".into(),
         });
     }
-    let webhooks = webhook_router(shared.clone())
+    let limits = WebhookLimits {
+        concurrent_checks: args.webhook_concurrent_checks.into(),
+        queue_wait: args.webhook_check_wait,
+    };
+    let webhooks = webhook_router_with(shared.clone(), limits)
         .layer(middleware::from_fn_with_state(leading.clone(), leader_only));
     let app = router(state).merge(webhooks);
 

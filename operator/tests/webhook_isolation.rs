@@ -254,3 +254,109 @@ async fn one_tenants_flood_of_queued_jobs_leaves_anothers_job_served() {
     );
     h.wait_minted("b", 2, WAIT).await;
 }
+
+/// Issue 30: a flood of 1 MiB deliveries (a wrong signature costs the HMAC all the same) is checked
+/// at most `concurrent_checks` at a time through the real HTTP receiver; the rest answer 503 `busy`
+/// with Retry-After, counted; pool b's queued job is still served.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_flood_of_deliveries_is_checked_within_the_bound_and_another_pool_is_served() {
+    use imp_operator::webhook::{MAX_BODY, WebhookLimits, webhook_router_with};
+    use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+    let timing = imp_operator::runnerpool::PoolTiming {
+        sweep_interval: Duration::from_secs(1),
+        ..fast_timing()
+    };
+    let h = PoolHarness::start_with("wh-bound", timing).await;
+    two_tenants(&h).await;
+    const BOUND: usize = 2;
+    let limits = WebhookLimits {
+        concurrent_checks: BOUND,
+        queue_wait: Duration::from_millis(20),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}/webhooks/github", listener.local_addr().unwrap());
+    let router = webhook_router_with(h.shared.clone(), limits);
+    let server = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    // The simulator's deliveries (b's job) go through the bounded receiver too.
+    h.sim.set_webhook(&base, WEBHOOK_SECRET);
+
+    let gauge = h.shared.metrics.webhook_checks_in_flight.clone();
+    let (stop, peak) = (
+        std::sync::Arc::new(AtomicBool::new(false)),
+        std::sync::Arc::new(AtomicI64::new(0)),
+    );
+    let sampler = std::thread::spawn({
+        let (stop, peak) = (stop.clone(), peak.clone());
+        move || {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(gauge.get(), Ordering::Relaxed);
+                std::thread::yield_now();
+            }
+        }
+    });
+    let checks = h.metric("imp_webhook_signature_checks_total");
+    let a_path = format!("{base}/{}/a", h.ns);
+    let big = bytes::Bytes::from(vec![b' '; MAX_BODY]);
+    const FLOOD: usize = 64;
+    let mut flood = tokio::task::JoinSet::new();
+    for i in 0..FLOOD {
+        let (url, body) = (a_path.clone(), big.clone());
+        flood.spawn(async move {
+            let headers = vec![
+                ("x-github-event", "workflow_job".to_string()),
+                ("x-github-delivery", format!("flood-{i}")),
+                ("x-hub-signature-256", sign_body("not-the-secret", &body)),
+            ];
+            let r = HttpClient::new(Duration::from_secs(60))
+                .send(Method::POST, &url, &headers, Some(body))
+                .await
+                .unwrap();
+            (r.status, r.headers.contains_key(http::header::RETRY_AFTER))
+        });
+    }
+    // b's job is queued at GitHub while the flood runs.
+    h.sim.queue_job(JobSpec {
+        labels: TENANT_B.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    });
+    let (mut refused, mut busy) = (0, 0);
+    while let Some(r) = flood.join_next().await {
+        match r.unwrap() {
+            (StatusCode::UNAUTHORIZED, _) => refused += 1,
+            (StatusCode::SERVICE_UNAVAILABLE, true) => busy += 1,
+            other => panic!("unexpected answer to a flood delivery: {other:?}"),
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let peak = peak.load(Ordering::Relaxed);
+    eprintln!("{FLOOD} deliveries of 1 MiB: {refused} checked (401), {busy} busy, peak {peak}");
+    assert!(peak >= 1, "the sampler never saw a check in flight");
+    assert!(
+        peak <= BOUND as i64,
+        "{peak} checks in flight, bound {BOUND}"
+    );
+    assert!(
+        busy > 0,
+        "a flood of {FLOOD} never saturated a bound of {BOUND}"
+    );
+    assert_eq!(refused + busy, FLOOD);
+    // The simulator's own delivery of b's job may have found the receiver busy too.
+    let counted = h.metric("imp_webhook_deliveries_total{result=\"busy\"}");
+    assert!(
+        counted == busy as f64 || counted == busy as f64 + 1.0,
+        "busy counted {counted}, answered {busy}"
+    );
+    assert_eq!(
+        h.metric("imp_webhook_signature_checks_total") - checks,
+        refused as f64,
+        "a busy delivery costs no HMAC"
+    );
+    assert_eq!(h.metric("imp_webhook_signature_checks_in_flight"), 0.0);
+    h.wait_minted("b", 1, WAIT).await;
+    assert_eq!(h.runner_vms("a").await.len(), 0);
+    server.abort();
+}

@@ -34,6 +34,9 @@ pub struct PoolMetrics {
     /// `imp_webhook_signature_checks_total`: HMACs computed over delivery bodies (a delivery to a
     /// pool's own path costs one; to the shared path, one per distinct secret until one matches).
     pub webhook_signature_checks: Counter,
+    /// `imp_webhook_signature_checks_in_flight`: deliveries being read and checked now (at most
+    /// `--webhook-concurrent-checks`).
+    pub webhook_checks_in_flight: Gauge,
     /// `imp_runner_job_pickup_latency_seconds`: queued job learnt -> a runner Started for it.
     pub job_pickup_latency: Histogram,
     /// `imp_runner_deregistrations_total{result}`: `deleted`, `already_gone`, `busy`, `error`.
@@ -69,6 +72,7 @@ impl Default for PoolMetrics {
             jit_mint_errors: Family::default(),
             webhook_deliveries: Family::default(),
             webhook_signature_checks: Counter::default(),
+            webhook_checks_in_flight: Gauge::default(),
             // 0.25 s .. ~34 min: cold boots take seconds, a saturated pool minutes.
             job_pickup_latency: Histogram::new(exponential_buckets(0.25, 2.0, 14)),
             deregistrations: Family::default(),
@@ -174,6 +178,11 @@ impl PoolMetrics {
             "imp_webhook_signature_checks",
             "HMAC-SHA256 checks of webhook delivery bodies",
             self.webhook_signature_checks.clone(),
+        );
+        registry.register(
+            "imp_webhook_signature_checks_in_flight",
+            "Webhook deliveries being read and signature-checked now (bounded by --webhook-concurrent-checks)",
+            self.webhook_checks_in_flight.clone(),
         );
         registry.register(
             "imp_runner_job_pickup_latency_seconds",

@@ -8,20 +8,30 @@
 //! new leader's first moments) every delivery answers 503 `not_ready`: a delivery signed with a secret
 //! not read yet must not get 401, nor a 2xx that routes it nowhere. Outcomes are counted in
 //! `imp_webhook_deliveries_total{result}`.
+//!
+//! Anyone can POST, and every delivery costs an HMAC over up to [`MAX_BODY`] whatever its
+//! signature, so at most [`WebhookLimits::concurrent_checks`] deliveries are read and checked at
+//! once (a permit is taken before the body is read: bodies held in memory stay under
+//! `concurrent_checks` x [`MAX_BODY`]); the check runs off the async runtime, which the
+//! controllers share. A delivery that finds every permit taken for longer than
+//! [`WebhookLimits::queue_wait`] answers 503 `busy` with `Retry-After`.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::{
     Router,
     body::Bytes,
-    extract::{DefaultBodyLimit, Path, State},
-    http::{HeaderMap, StatusCode},
+    extract::{DefaultBodyLimit, Path, Request, State},
+    http::{HeaderMap, HeaderValue, StatusCode, header::RETRY_AFTER},
+    response::{IntoResponse, Response},
     routing::post,
 };
 use hmac::{Hmac, Mac};
+use prometheus_client::metrics::gauge::Gauge;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
 use crate::runnerpool::{
@@ -35,15 +45,95 @@ pub const WEBHOOK_PATH: &str = "/webhooks/github";
 /// flood aimed at one pool costs no other pool's secret a check.
 pub const POOL_WEBHOOK_PATH: &str = "/webhooks/github/{namespace}/{pool}";
 /// GitHub caps payloads at 25 MB; workflow_job bodies are a few KB.
-const MAX_BODY: usize = 1024 * 1024;
+pub const MAX_BODY: usize = 1024 * 1024;
+/// A delivery still sending its body after this long gives its permit back (408).
+const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The `Retry-After` of a `busy` answer, in seconds.
+const BUSY_RETRY_AFTER_SECS: u64 = 1;
+
+/// How many deliveries are read and checked at once, and how long one waits for its turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WebhookLimits {
+    /// Deliveries read and HMAC'd at once (`--webhook-concurrent-checks`).
+    pub concurrent_checks: usize,
+    /// How long a delivery waits for a permit before it answers 503 `busy`.
+    pub queue_wait: Duration,
+}
+
+impl Default for WebhookLimits {
+    /// 8 checks: 8 MiB of bodies at most, and a few cores' worth of HMACs (a 1 MiB body takes
+    /// a few milliseconds), far above GitHub's delivery rate for a fleet.
+    fn default() -> Self {
+        WebhookLimits {
+            concurrent_checks: 8,
+            queue_wait: Duration::from_secs(2),
+        }
+    }
+}
+
+/// The bound on signature checks: a permit per check, and the in-flight gauge it keeps.
+#[derive(Clone)]
+pub struct CheckGate {
+    permits: Arc<Semaphore>,
+    queue_wait: Duration,
+    in_flight: Gauge,
+}
+
+/// One delivery's turn to be read and checked; the in-flight gauge drops with it.
+pub struct CheckPermit {
+    _permit: OwnedSemaphorePermit,
+    in_flight: Gauge,
+}
+
+impl Drop for CheckPermit {
+    fn drop(&mut self) {
+        self.in_flight.dec();
+    }
+}
+
+impl CheckGate {
+    /// `in_flight` is `imp_webhook_signature_checks_in_flight`.
+    pub fn new(limits: WebhookLimits, in_flight: Gauge) -> Self {
+        CheckGate {
+            permits: Arc::new(Semaphore::new(limits.concurrent_checks.max(1))),
+            queue_wait: limits.queue_wait,
+            in_flight,
+        }
+    }
+
+    /// A permit, or None when every permit stayed taken for the whole queue wait.
+    pub async fn enter(&self) -> Option<CheckPermit> {
+        let permit = tokio::time::timeout(self.queue_wait, self.permits.clone().acquire_owned())
+            .await
+            .ok()?
+            .ok()?;
+        self.in_flight.inc();
+        Some(CheckPermit {
+            _permit: permit,
+            in_flight: self.in_flight.clone(),
+        })
+    }
+}
+
+#[derive(Clone)]
+struct Receiver {
+    shared: Arc<PoolShared>,
+    gate: CheckGate,
+}
+
+/// A router with the receiver and the default [`WebhookLimits`].
+pub fn webhook_router(shared: Arc<PoolShared>) -> Router {
+    webhook_router_with(shared, WebhookLimits::default())
+}
 
 /// A router with the receiver, to merge into the operator's HTTP server.
-pub fn webhook_router(shared: Arc<PoolShared>) -> Router {
+pub fn webhook_router_with(shared: Arc<PoolShared>, limits: WebhookLimits) -> Router {
+    let gate = CheckGate::new(limits, shared.metrics.webhook_checks_in_flight.clone());
     Router::new()
         .route(WEBHOOK_PATH, post(receive))
         .route(POOL_WEBHOOK_PATH, post(receive_for_pool))
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .with_state(shared)
+        .with_state(Receiver { shared, gate })
 }
 
 /// Checks `sha256=<hex>` against the HMAC-SHA256 of `body` in constant time.
@@ -101,6 +191,12 @@ pub enum DeliveryResult {
     NotReady,
     /// Sent to a pool's own path, but no such pool (or it has no secret to check against).
     UnknownPool,
+    /// Every signature-check permit stayed taken for the queue wait (503 with `Retry-After`).
+    Busy,
+    /// The body was larger than [`MAX_BODY`] (413).
+    TooLarge,
+    /// The body did not arrive within the read timeout, or the connection broke (408).
+    BodyUnread,
 }
 
 impl DeliveryResult {
@@ -115,7 +211,20 @@ impl DeliveryResult {
             DeliveryResult::Malformed => "malformed",
             DeliveryResult::NotReady => "not_ready",
             DeliveryResult::UnknownPool => "unknown_pool",
+            DeliveryResult::Busy => "busy",
+            DeliveryResult::TooLarge => "too_large",
+            DeliveryResult::BodyUnread => "body_unread",
         }
+    }
+
+    /// The HTTP answer: the status, the result as the body, and `Retry-After` when busy.
+    pub fn response(self) -> Response {
+        let mut r = (self.status(), self.as_str()).into_response();
+        if self == DeliveryResult::Busy {
+            r.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(BUSY_RETRY_AFTER_SECS));
+        }
+        r
     }
 
     fn status(self) -> StatusCode {
@@ -124,6 +233,9 @@ impl DeliveryResult {
             DeliveryResult::Malformed => StatusCode::BAD_REQUEST,
             DeliveryResult::NotReady => StatusCode::SERVICE_UNAVAILABLE,
             DeliveryResult::UnknownPool => StatusCode::NOT_FOUND,
+            DeliveryResult::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            DeliveryResult::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            DeliveryResult::BodyUnread => StatusCode::REQUEST_TIMEOUT,
             // Unrouted, foreign and ignored deliveries are fine from GitHub's side: no redelivery
             // wanted.
             _ => StatusCode::OK,
@@ -135,26 +247,61 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
     headers.get(name).and_then(|v| v.to_str().ok())
 }
 
-async fn receive(
-    State(shared): State<Arc<PoolShared>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> (StatusCode, &'static str) {
-    let result = handle(&shared, None, &headers, &body);
-    shared.metrics.delivery(result.as_str());
-    (result.status(), result.as_str())
+async fn receive(State(r): State<Receiver>, request: Request) -> Response {
+    let result = gated(&r, None, request).await;
+    r.shared.metrics.delivery(result.as_str());
+    result.response()
 }
 
 async fn receive_for_pool(
-    State(shared): State<Arc<PoolShared>>,
+    State(r): State<Receiver>,
     Path((namespace, pool)): Path<(String, String)>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> (StatusCode, &'static str) {
+    request: Request,
+) -> Response {
     let key = PoolKey::new(namespace, pool);
-    let result = handle(&shared, Some(&key), &headers, &body);
-    shared.metrics.delivery(result.as_str());
-    (result.status(), result.as_str())
+    let result = gated(&r, Some(key), request).await;
+    r.shared.metrics.delivery(result.as_str());
+    result.response()
+}
+
+/// Waits for a check permit, then reads the body and runs [`handle`] on a blocking thread.
+async fn gated(r: &Receiver, pool: Option<PoolKey>, request: Request) -> DeliveryResult {
+    let (parts, body) = request.into_parts();
+    let Some(permit) = r.gate.enter().await else {
+        let delivery = header(&parts.headers, "x-github-delivery").unwrap_or_default();
+        warn!(
+            delivery,
+            "webhook signature checks saturated: 503, retry later"
+        );
+        return DeliveryResult::Busy;
+    };
+    let body: Bytes =
+        match tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, MAX_BODY)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) if is_length_limit(&e) => return DeliveryResult::TooLarge,
+            Ok(Err(_)) | Err(_) => return DeliveryResult::BodyUnread,
+        };
+    let shared = r.shared.clone();
+    let headers = parts.headers;
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        handle(&shared, pool.as_ref(), &headers, &body)
+    })
+    .await
+    // Only a panic in `handle` gets here; the demand is unchanged unless it panicked midway.
+    .unwrap_or(DeliveryResult::Malformed)
+}
+
+/// Whether reading the body failed on the length limit (rather than the connection).
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// Processes one delivery, sent to the shared path (`pool` None) or to a pool's own; pure apart
@@ -468,5 +615,76 @@ mod tests {
         let h = headers("q2-replayed", "workflow_job", &sign(b"pool-secret", &b2));
         assert_eq!(handle(&s, None, &h, &b2), DeliveryResult::Duplicate);
         assert_eq!(s.demand().pool_demand(&key).queued, 2);
+    }
+
+    #[tokio::test]
+    async fn the_gate_admits_its_bound_and_answers_busy_past_the_wait() {
+        let in_flight = Gauge::default();
+        let limits = WebhookLimits {
+            concurrent_checks: 2,
+            queue_wait: Duration::from_millis(200),
+        };
+        let gate = CheckGate::new(limits, in_flight.clone());
+        let a = gate.enter().await.expect("first permit");
+        let b = gate.enter().await.expect("second permit");
+        assert_eq!(in_flight.get(), 2);
+        // Saturated past the wait: no permit, nothing counted in flight.
+        assert!(gate.enter().await.is_none());
+        assert_eq!(in_flight.get(), 2);
+        // A permit freed within the wait goes to the waiter.
+        let waiter = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.enter().await.is_some() }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        drop(a);
+        assert!(waiter.await.unwrap());
+        assert_eq!(
+            in_flight.get(),
+            1,
+            "the waiter's permit was dropped with its task"
+        );
+        drop(b);
+        assert_eq!(in_flight.get(), 0);
+    }
+
+    #[test]
+    fn busy_answers_503_with_retry_after_and_others_do_not() {
+        let busy = DeliveryResult::Busy.response();
+        assert_eq!(busy.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(busy.headers()[RETRY_AFTER], "1");
+        let not_ready = DeliveryResult::NotReady.response();
+        assert_eq!(not_ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(not_ready.headers().get(RETRY_AFTER).is_none());
+        assert_eq!(
+            DeliveryResult::TooLarge.response().status(),
+            StatusCode::PAYLOAD_TOO_LARGE
+        );
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_refused_before_any_hmac() {
+        let s = shared();
+        let r = Receiver {
+            gate: CheckGate::new(WebhookLimits::default(), Gauge::default()),
+            shared: s.clone(),
+        };
+        let big = vec![b' '; MAX_BODY + 1];
+        let req = axum::http::Request::post(WEBHOOK_PATH)
+            .header("x-github-delivery", "big")
+            .header("x-hub-signature-256", sign(b"pool-secret", &big))
+            .body(axum::body::Body::from(big))
+            .unwrap();
+        assert_eq!(gated(&r, None, req).await, DeliveryResult::TooLarge);
+        assert_eq!(s.metrics.webhook_signature_checks.get(), 0);
+        let b = body("queued", 1, &["imp"], None);
+        let req = axum::http::Request::post(WEBHOOK_PATH)
+            .header("x-github-delivery", "small")
+            .header("x-github-event", "workflow_job")
+            .header("x-hub-signature-256", sign(b"pool-secret", &b))
+            .body(axum::body::Body::from(b))
+            .unwrap();
+        assert_eq!(gated(&r, None, req).await, DeliveryResult::Accepted);
+        assert_eq!(r.gate.in_flight.get(), 0, "the permit is given back");
     }
 }
