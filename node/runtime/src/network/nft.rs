@@ -872,7 +872,10 @@ mod tests {
             },
         ];
         let r = rules_of(&nets);
-        // The base chain holds nothing but jumps, chosen by the bridge alone.
+        // The base chain holds nothing but jumps, chosen by the bridge alone, and every guest's
+        // packet meets its own network's egress jump before any ingress jump: a guest of A
+        // sending to B's guest is decided (dropped) in A's chain, never admitted by B's
+        // `from 0.0.0.0/0` (the real-kernel test caught an interleaved order).
         let forward = chain(&r, "forward");
         assert_eq!(forward.len(), 4);
         for (f, (dir, br, target)) in forward.iter().zip([
@@ -882,14 +885,14 @@ mod tests {
                 egress_chain("impbr000000000b"),
             ),
             (
-                "oifname",
-                "impbr000000000b",
-                ingress_chain("impbr000000000b"),
-            ),
-            (
                 "iifname",
                 "impbr000000000a",
                 egress_chain("impbr000000000a"),
+            ),
+            (
+                "oifname",
+                "impbr000000000b",
+                ingress_chain("impbr000000000b"),
             ),
             (
                 "oifname",
