@@ -355,8 +355,9 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.netns = Some(node.clone());
     // The cluster's pod and service ranges, reserved by the platform.
+    const RESERVED: &str = "198.18.0.0/15";
     h.extra_env
-        .push(("IMP_NETWORK_RESERVED_CIDRS".into(), "198.18.0.0/15".into()));
+        .push(("IMP_NETWORK_RESERVED_CIDRS".into(), RESERVED.into()));
     h.start_runtime().await;
 
     let net_id = format!("net-uid-{id}");
@@ -534,7 +535,12 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
             .zip(&attachments)
             .map(|((uid, _), at)| (h.tap_for(uid), vm_mac(uid), at)),
     );
-    let again = tn.reconcile(&desired);
+    // With the runtime's own flags: the reserved ranges are part of the rules.
+    let admission = network::Admission {
+        reserved: vec![RESERVED.parse().unwrap()],
+        ..network::Admission::default()
+    };
+    let again = tn.reconcile_admitting(&desired, &admission);
     assert!(
         again.actions.is_empty() && again.failed.is_empty(),
         "a repeated setup must be a no-op: {again:?}"
