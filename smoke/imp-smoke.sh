@@ -292,19 +292,9 @@ if [[ $guest == qemu ]]; then
   # What the guest runs: a base with Debian's static busybox as /bin/sh (the runner image's
   # wrappers are shell scripts), and the runner image as images/runner/build.sh makes it, with the
   # static imp-fake-runner in place of actions/runner.
-  . "$repo/images/oci-layout.sh"
-  mkdir -p "$work/base/root/bin" "$work/base/root/etc" "$work/base/root/tmp"
-  cp /bin/busybox "$work/base/root/bin/busybox"
-  # Every applet as a command (the wrappers call dirname, pwd, ...).
-  for applet in $(/bin/busybox --list); do [[ $applet == busybox ]] || ln -s busybox "$work/base/root/bin/$applet"; done
-  echo 'root:x:0:0::/:/bin/sh' >"$work/base/root/etc/passwd"
-  echo base >"$work/base/root/etc/imp-smoke"
-  chmod 1777 "$work/base/root/tmp"
-  tar -cf "$work/base/layer.tar" --format=gnu --sort=name --mtime=@0 --numeric-owner --owner=0 --group=0 -C "$work/base/root" bin etc tmp
-  oci_write_layout "$work/base" "$work/base/layer.tar" '"Cmd":["/bin/sh"]' smoke "$work/base-oci" || fail "writing the base image layout"
   base_img="127.0.0.1:$reg_port/imp-dev/runner-base:smoke"
-  skopeo copy --quiet --dest-tls-verify=false "oci:$work/base-oci:smoke" "docker://$base_img" >"$work/skopeo.log" 2>&1 \
-    || fail "pushing the base image: $(tail -3 "$work/skopeo.log")"
+  "$repo/images/busybox-base/build.sh" --out "$work/base-oci" --tag smoke --push "$base_img" >"$work/skopeo.log" 2>&1 \
+    || fail "images/busybox-base/build.sh: $(tail -3 "$work/skopeo.log")"
   runner_img="127.0.0.1:$reg_port/imp-dev/actions-runner:smoke"
   "$repo/images/runner/build.sh" --fake-runner "$static_dir/imp-fake-runner" --out "$work/runner-oci" --tag smoke --push "$runner_img" \
     >"$work/runner-image.log" 2>&1 || fail "images/runner/build.sh: $(tail -3 "$work/runner-image.log")"

@@ -54,8 +54,10 @@ pub struct ImpNetworkSpec {
     pub dns: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ipam: Option<Ipam>,
-    /// Where guests may send traffic. Default: anywhere out of the node's egress interface,
-    /// except the node itself and link-local 169.254.0.0/16 (never reachable).
+    /// Where guests may send traffic. Default: anywhere out of the node's egress interface
+    /// except private ranges (10/8, 172.16/12, 192.168/16, 100.64/10) and the platform's
+    /// reserved ranges, which `allow` opens where the platform allows it; never the node itself
+    /// or link-local 169.254.0.0/16.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<Egress>,
     /// Connections into the guests the node admits, e.g. to a persistent VM's service or to
@@ -97,7 +99,9 @@ pub enum IngressProtocol {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Egress {
-    /// When non-empty, guests may reach only these IPv4 CIDRs.
+    /// When non-empty, guests may reach only these IPv4 CIDRs. An entry reaching into a private
+    /// or reserved range must lie inside the ranges the platform allows (else the node refuses
+    /// the network) and opens that range to the guests.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[x_kube(validation = kube::core::Rule::new("self.all(c, isCIDR(c) && cidr(c).ip().family() == 4)").message("every egress.allow entry must be an IPv4 CIDR"))]
     #[schemars(length(max = 64), inner(length(max = 64)))]

@@ -182,12 +182,7 @@ impl NodeNetns {
     /// Moves the calling thread into the namespace until the guard drops. (`nsenter --net`, not `ip netns
     /// exec`, is the shell equivalent: the latter remounts /sys and hides the cgroup mounts.)
     pub fn enter(&self) -> Result<EnteredNetns, NodeError> {
-        let original = std::fs::File::open("/proc/thread-self/ns/net")
-            .map_err(io_err("open this thread's network namespace"))?;
-        let target = std::fs::File::open(self.path())
-            .map_err(io_err(format!("open {}", self.path().display())))?;
-        setns(&target)?;
-        Ok(EnteredNetns { original })
+        enter(&self.path())
     }
 
     /// The namespace's inode, as `/proc/<pid>/ns/net` links name it (`net:[<inode>]`).
@@ -196,6 +191,14 @@ impl NodeNetns {
         let ino = std::fs::metadata(self.path()).ok()?.ino();
         Some(format!("net:[{ino}]"))
     }
+}
+
+fn enter(netns: &Path) -> Result<EnteredNetns, NodeError> {
+    let original = std::fs::File::open("/proc/thread-self/ns/net")
+        .map_err(io_err("open this thread's network namespace"))?;
+    let target = std::fs::File::open(netns).map_err(io_err(format!("open {}", netns.display())))?;
+    setns(&target)?;
+    Ok(EnteredNetns { original })
 }
 
 fn setns(file: &std::fs::File) -> Result<(), NodeError> {
@@ -212,6 +215,63 @@ fn setns(file: &std::fs::File) -> Result<(), NodeError> {
 /// The calling thread's stay in a [`NodeNetns`]; dropping it returns the thread to where it was.
 pub struct EnteredNetns {
     original: std::fs::File,
+}
+
+/// What lies beyond the node's uplink: a namespace holding the other end of the node's veth
+/// (`imp-node1`, [`UPLINK_PEER_IP`]) with its default route back through the node. A server bound here
+/// is reached from the node by its connected route and from a guest only through the node's NAT, as a
+/// guest reaches anything off the node (a guest reaches no address of the node itself).
+pub struct UplinkPeer {
+    name: String,
+}
+
+/// The address of [`UplinkPeer`]'s end of the node's uplink.
+pub const UPLINK_PEER_IP: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+
+impl NodeNetns {
+    /// Moves `imp-node1` into a new namespace `name` (see [`UplinkPeer`]).
+    pub fn uplink_peer(&self, name: &str) -> Result<UplinkPeer, NodeError> {
+        run(Command::new("ip").args(["netns", "add", name]))?;
+        let peer = UplinkPeer {
+            name: name.to_owned(),
+        };
+        run(Command::new("ip").args([
+            "-n",
+            &self.name,
+            "link",
+            "set",
+            "imp-node1",
+            "netns",
+            name,
+        ]))?;
+        let ip = |args: &[&str]| run(Command::new("ip").args(["-n", name]).args(args));
+        ip(&["link", "set", "lo", "up"])?;
+        ip(&[
+            "addr",
+            "add",
+            &format!("{UPLINK_PEER_IP}/24"),
+            "dev",
+            "imp-node1",
+        ])?;
+        ip(&["link", "set", "imp-node1", "up"])?;
+        ip(&["route", "add", "default", "via", &NODE_IP.to_string()])?;
+        Ok(peer)
+    }
+}
+
+impl UplinkPeer {
+    /// Moves the calling thread into the namespace until the guard drops: sockets created meanwhile
+    /// (a listener) stay in it.
+    pub fn enter(&self) -> Result<EnteredNetns, NodeError> {
+        enter(&Path::new("/var/run/netns").join(&self.name))
+    }
+}
+
+impl Drop for UplinkPeer {
+    fn drop(&mut self) {
+        // Deleting the namespace destroys the veth pair, the node's end too.
+        let _ = run(Command::new("ip").args(["netns", "del", &self.name]));
+    }
 }
 
 impl Drop for EnteredNetns {
@@ -323,6 +383,10 @@ pub struct RealNode {
     cgroup_root: String,
     // Stopped in reverse start order by Drop (kubelet first).
     processes: Vec<ManagedProcess>,
+    /// When the node started: Debian's containerd 1.6 puts its pods' network namespaces in
+    /// /var/run/netns (`cni-<uuid>`) whatever `netns_mounts_under` says, and leaves those of pods
+    /// still running when it is killed; Drop removes the ones made since.
+    started: std::time::SystemTime,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
@@ -339,6 +403,7 @@ impl RealNode {
             containerd_socket: dir.join("containerd/containerd.sock"),
             cgroup_root: cgroup_root.clone(),
             processes: Vec::new(),
+            started: std::time::SystemTime::now(),
         };
         // The kubelet refuses a cgroup root that does not exist in every hierarchy.
         for hierarchy in cgroup_hierarchies() {
@@ -551,6 +616,17 @@ impl Drop for RealNode {
             }
         }
         unmount_under(&self.dir);
+        for e in std::fs::read_dir("/var/run/netns")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let made = e.metadata().and_then(|m| m.modified());
+            if name.starts_with("cni-") && made.is_ok_and(|t| t >= self.started) {
+                let _ = run(Command::new("ip").args(["netns", "del", &name]));
+            }
+        }
         remove_cgroup_everywhere(self.cgroup_root.trim_start_matches('/'));
         // The kubelet links each container's log into /var/log/containers (a fixed path).
         let pod_logs = self.dir.join("pod-logs");

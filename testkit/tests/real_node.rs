@@ -1,12 +1,14 @@
-//! The chart on a real node (issue 20): a control plane with kube-scheduler and the workload
+//! The chart on a real node (issues 20 and 35): a control plane with kube-scheduler and the workload
 //! controllers, Debian's containerd + runc and the kubelet from testenv/ in a network namespace this test
-//! creates (testkit::node), the component images from images/components/build.sh pushed to a local
-//! registry, `helm install`: the operator, agent, runtime and KVM-preflight pods become Ready; `helm
-//! upgrade` from the previous chart version keeps the runtime pod and a running VM (OnDelete); the local
-//! smoke's runner lifecycle completes through those pods (lifecycle.rs: GitHub simulator webhook ->
-//! operator pod -> VM on the runtime pod, Firecracker simulator -> JIT handoff by the agent pod -> the fake
-//! runner completes the job -> VM and Secret gone, pool replenished); `helm uninstall` leaves no Imp
-//! object, pod, container, VM cgroup or TAP behind.
+//! creates (testkit::node). A release (scripts/release.sh: images and chart) pushed to a local registry
+//! and installed from it with no image values: the operator, agent, runtime and KVM-preflight pods
+//! become Ready on the release's images; `helm upgrade` from a previous chart version keeps the runtime
+//! pod and a running VM (OnDelete); the local smoke's runner lifecycle completes through those pods
+//! (lifecycle.rs: GitHub simulator webhook -> operator pod -> VM on the runtime pod -> JIT handoff by
+//! the agent pod -> the fake runner completes the job -> VM and Secret gone, pool replenished), first on
+//! the Firecracker simulator, then on `runtime.backend: qemu` with a real guest (qemu.rs); `kubectl imp
+//! console` shows each VM's console through the runtime pod; runbooks/uninstall.md, run as written,
+//! leaves no Imp object, CRD, pod, container, link, nftables table, VM cgroup or state behind.
 //!
 //! Skips, saying why, where the host cannot run a node (not root, no containerd/runc/CNI plugins, no
 //! kubelet in testenv/bin); IMP_REQUIRE_REAL_NODE=1 turns the skip into a failure (CI sets it).
@@ -27,10 +29,12 @@ use imp_testkit::{
     registry::{Registry, RegistryOptions},
 };
 use k8s_openapi::api::core::v1::Pod;
-use kube::{Api, api::ListParams};
+use kube::{Api, ResourceExt as _, api::ListParams};
 
 #[path = "real_node/lifecycle.rs"]
 mod lifecycle;
+#[path = "real_node/qemu.rs"]
+mod qemu;
 
 const REQUIRE_ENV: &str = "IMP_REQUIRE_REAL_NODE";
 const NAMESPACE: &str = "imp-system";
@@ -73,13 +77,13 @@ fn chart_pods_become_ready_on_a_real_node_and_uninstall_leaves_nothing() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    rt.block_on(scenario(&id));
+    rt.block_on(scenario(&id, &netns));
     drop(rt);
     drop(entered);
     drop(netns);
 }
 
-async fn scenario(id: &str) {
+async fn scenario(id: &str, netns: &node::NodeNetns) {
     let work = tempfile::Builder::new()
         .prefix("imp-real-node-")
         .tempdir()
@@ -126,6 +130,7 @@ async fn scenario(id: &str) {
             ("imp-runtime", "imp-runtime"),
             ("imp-testkit", "imp-firecracker-sim"),
             ("imp-fake-runner", "imp-fake-runner"),
+            ("kubectl-imp", "kubectl-imp"),
         ],
         &[
             "api",
@@ -134,6 +139,7 @@ async fn scenario(id: &str) {
             "node",
             "testkit/src",
             "fake-runner/src",
+            "kubectl-imp/src",
             "Cargo.lock",
         ],
     )
@@ -152,38 +158,105 @@ async fn scenario(id: &str) {
         )
         .expect("guest/check-static.sh (the static imp-guest for the runtime image)");
     }
+    // The release as a user publishes it (scripts/release.sh, `make release`): the three images (the
+    // runtime's with QEMU), the chart with their repository and digests as defaults, pushed to the
+    // registry. Then the same chart as a previous version, for the upgrade below.
     let t2 = Instant::now();
-    let images = work.join("images");
-    let out = Command::new(paths::workspace_root().join("images/components/build.sh"))
+    let release_repo = format!("{reg}/imp-dev");
+    let previous = "0.0.9-prev";
+    let current = chart_version();
+    let release_dir = work.join("release");
+    let out = Command::new(paths::workspace_root().join("scripts/release.sh"))
+        .args([
+            "--registry",
+            &release_repo,
+            "--version",
+            &current,
+            "--plain-http",
+        ])
+        .arg("--out")
+        .arg(&release_dir)
         .arg("--bin-dir")
         .arg(built[0].parent().expect("profile dir"))
-        .arg("--out")
-        .arg(&images)
         .arg("--guest")
         .arg(&static_guest)
-        .args(["--push", &format!("{reg}/imp-dev")])
         .output()
-        .expect("run images/components/build.sh");
+        .expect("run scripts/release.sh");
     assert!(
         out.status.success(),
-        "images/components/build.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
+        "scripts/release.sh --version {current}: {}{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
     );
+    let digests = std::fs::read_to_string(release_dir.join("digests")).unwrap_or_default();
+    let previous_dir = work.join("previous");
+    node::run(
+        Command::new("tar")
+            .arg("-xzf")
+            .arg(release_dir.join(format!("imp-{current}.tgz")))
+            .arg("-C")
+            .arg(work.clone()),
+    )
+    .expect("unpack the release's chart");
+    std::fs::rename(work.join("imp"), &previous_dir).expect("the release's chart");
+    let chart_yaml = previous_dir.join("Chart.yaml");
+    let text = std::fs::read_to_string(&chart_yaml).expect("Chart.yaml");
+    std::fs::write(
+        &chart_yaml,
+        text.replace(
+            &format!("version: {current}"),
+            &format!("version: {previous}"),
+        ),
+    )
+    .expect("write Chart.yaml");
+    helm_in(
+        &work,
+        &[
+            "package",
+            &previous_dir.display().to_string(),
+            "--destination",
+            &work.display().to_string(),
+        ],
+    )
+    .expect("helm package the previous version");
+    helm_in(
+        &work,
+        &[
+            "push",
+            &work
+                .join(format!("imp-{previous}.tgz"))
+                .display()
+                .to_string(),
+            &format!("oci://{release_repo}/charts"),
+            "--plain-http",
+        ],
+    )
+    .expect("helm push the previous version");
     println!(
-        "real_node: component images built and pushed in {:.1}s:\n{}",
+        "real_node: release {current} built and pushed to {release_repo} (and its chart as {previous}) in {:.1}s:\n{digests}",
         t2.elapsed().as_secs_f64(),
-        std::fs::read_to_string(images.join("digests")).unwrap_or_default()
     );
 
-    // The GitHub simulator on the node's IP: the operator pod reaches it over the pod network, the
-    // simulated VMs (processes in the runtime pod, on the host network) as the node's own address.
-    let sim = GithubSim::start_on(
+    // The GitHub simulator beyond the node's uplink (node::UplinkPeer): the operator pod reaches it
+    // through the node's routing, the simulated VMs (processes in the runtime pod, on the host network)
+    // by the connected route, a real guest only through its network's NAT, as it would reach GitHub.
+    let uplink = netns
+        .uplink_peer(&format!("imp-gh-{id}"))
+        .expect("the namespace beyond the node's uplink");
+    let listener = {
+        let _beyond = uplink.enter().expect("enter the uplink peer's namespace");
+        std::net::TcpListener::bind((node::UPLINK_PEER_IP, 0)).expect("bind the simulator")
+    };
+    listener
+        .set_nonblocking(true)
+        .expect("non-blocking listener");
+    let sim = GithubSim::start_listening(
         SimConfig {
             org: "acme".into(),
             repos: vec!["acme/app".into()],
             ..SimConfig::default()
         },
-        &format!("{}:0", node::NODE_IP),
+        tokio::net::TcpListener::from_std(listener).expect("tokio listener"),
     )
     .await
     .expect("GitHub simulator");
@@ -222,47 +295,15 @@ async fn scenario(id: &str) {
         "metrics.serviceMonitor.enabled=false".into(),
         "metrics.podMonitor.enabled=false".into(),
     ];
-    // Published as seed 001 installs it: `helm package` + `helm push` to the registry, installed from
-    // oci://. A previous version first, then the upgrade to this one.
-    let charts = work.join("charts");
-    let previous = "0.0.9-prev";
-    let current = chart_version();
-    for version in [previous, current.as_str()] {
-        helm(
-            &cp,
-            &[
-                "package",
-                &paths::chart_dir().display().to_string(),
-                "--version",
-                version,
-                "--destination",
-                &charts.display().to_string(),
-            ],
-        )
-        .expect("helm package");
-        helm(
-            &cp,
-            &[
-                "push",
-                &charts
-                    .join(format!("imp-{version}.tgz"))
-                    .display()
-                    .to_string(),
-                &format!("oci://{reg}/charts"),
-                "--plain-http",
-            ],
-        )
-        .expect("helm push");
-    }
-    let chart_ref = format!("oci://{reg}/charts/imp");
+    // Installed from oci:// with no image values: the release's chart names its own images.
+    let chart_ref = format!("oci://{release_repo}/charts/imp");
     let seed = paths::reference_dir().join("seed-examples/helm-values-seed.yaml");
-    let image_values = images.join("values.yaml");
-    let install_args = |version: &str, extra: &str| -> Vec<String> {
+    let install_args = |version: &str, extra: &str, file: Option<&Path>| -> Vec<String> {
         let mut set = sets.join(",");
         if !extra.is_empty() {
             set = format!("{set},{extra}");
         }
-        [
+        let mut args: Vec<String> = [
             "upgrade",
             "--install",
             "imp",
@@ -276,8 +317,6 @@ async fn scenario(id: &str) {
             "-f",
             &seed.display().to_string(),
             "-f",
-            &image_values.display().to_string(),
-            "-f",
             &lifecycle_values.display().to_string(),
             "--set",
             &set,
@@ -286,11 +325,15 @@ async fn scenario(id: &str) {
             "5m",
         ]
         .map(str::to_owned)
-        .to_vec()
+        .to_vec();
+        if let Some(f) = file {
+            args.extend(["-f".to_owned(), f.display().to_string()]);
+        }
+        args
     };
     let pods: Api<Pod> = Api::namespaced(client.clone(), NAMESPACE);
     let t3 = Instant::now();
-    let install = helm(&cp, &as_strs(&install_args(previous, "")));
+    let install = helm(&cp, &as_strs(&install_args(previous, "", None)));
     if let Err(e) = install {
         panic!(
             "helm upgrade --install {chart_ref} --version {previous} --wait: {e}\npods: {}\nkubelet log:\n{}",
@@ -304,6 +347,27 @@ async fn scenario(id: &str) {
     );
     for component in ["operator", "agent", "runtime", "kvm-preflight"] {
         ready_pod_on(&pods, component, &node_name).await;
+    }
+    // Each component runs the release's own image, by digest, though no value named it.
+    for component in ["operator", "agent", "runtime"] {
+        let digest = digests
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("imp-{component} ")))
+            .unwrap_or_else(|| panic!("no imp-{component} in the release's digests: {digests}"))
+            .trim()
+            .to_owned();
+        let pod = ready_pod_on(&pods, component, &node_name).await;
+        let image = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.containers.first())
+            .and_then(|c| c.image.clone())
+            .unwrap_or_default();
+        assert_eq!(
+            image,
+            format!("{release_repo}/imp-{component}@{digest}"),
+            "the {component} pod does not run the release's image"
+        );
     }
     let runtime_before = ready_pod_on(&pods, "runtime", &node_name).await;
     // What each component said on a real node (read from the kubelet's pod log directory).
@@ -325,13 +389,27 @@ async fn scenario(id: &str) {
         runtime_socket: work.join("run-imp/runtime.sock"),
         work: work.clone(),
     };
-    let warm = life.warm_runner(&reg).await;
+    let (warm, jit_config) = life.warm_runner(&reg).await;
+
+    // `kubectl imp console`: the guest's serial log, read through exec in the runtime pod (API server ->
+    // kubelet -> containerd), with its JIT config never shown.
+    console_shows(
+        &built[5],
+        &cp,
+        &warm,
+        &jit_config.expect("the warm runner's JIT config, read before its handoff"),
+        "imp-guest: agent started",
+    );
 
     // The upgrade changes the runtime's pod template; OnDelete keeps the running pod (and so its VMs).
     let t4 = Instant::now();
     if let Err(e) = helm(
         &cp,
-        &as_strs(&install_args(&current, "runtime.serialLogCapBytes=4194304")),
+        &as_strs(&install_args(
+            &current,
+            "runtime.serialLogCapBytes=4194304",
+            None,
+        )),
     ) {
         panic!(
             "helm upgrade to {current}: {e}\npods: {}",
@@ -388,24 +466,88 @@ async fn scenario(id: &str) {
         .status
         .and_then(|s| s.pod_ip)
         .expect("the operator pod has an IP");
-    life.job_through(&warm, &format!("http://{operator_ip}:8080"))
+    life.job_through(&warm, &format!("http://{operator_ip}:8080"), 120)
         .await;
     life.delete_pool().await;
 
-    // Uninstall: no pod, no Imp object, no container, no VM cgroup left.
-    helm(
-        &cp,
-        &[
-            "uninstall",
-            "imp",
-            "-n",
-            NAMESPACE,
-            "--wait",
-            "--timeout",
-            "3m",
-        ],
-    )
-    .expect("helm uninstall");
+    // The same release on `runtime.backend: qemu`: the runtime pod boots a real guest (TCG) from the
+    // QEMU and vhost-device-vsock of its image; the job runs inside it.
+    match qemu::unavailable() {
+        Some(why) => imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_QEMU",
+            "real_node's qemu phase",
+            &format!("this host cannot boot a real guest in the runtime pod: {why}"),
+        ),
+        None => {
+            let t5 = Instant::now();
+            let parts = qemu::build(&work, &reg, &target_dir, &static_guest);
+            let qemu_values = work.join("qemu-values.yaml");
+            std::fs::write(&qemu_values, qemu::VALUES).expect("write the qemu values");
+            // The kernel and initrd as --set too: the test's --set of the placeholder kernel wins
+            // over any values file.
+            let kernel_sets = format!(
+                "runtime.serialLogCapBytes=4194304,agent.env.kernelPath={},agent.env.initrdPath={}",
+                parts.kernel.display(),
+                parts.initrd.display()
+            );
+            let args = install_args(&current, &kernel_sets, Some(&qemu_values));
+            if let Err(e) = helm(&cp, &as_strs(&args)) {
+                panic!(
+                    "helm upgrade to runtime.backend qemu: {e}\npods: {}",
+                    describe_pods(&pods).await
+                );
+            }
+            // OnDelete: the runtime pod takes the new template once it is deleted (docs/real-node.md).
+            let old_runtime = ready_pod_on(&pods, "runtime", &node_name).await;
+            pods.delete(&old_runtime.name_any(), &Default::default())
+                .await
+                .expect("delete the runtime pod");
+            let deadline = Instant::now() + Duration::from_secs(180);
+            while ready_pod_on(&pods, "runtime", &node_name)
+                .await
+                .metadata
+                .uid
+                == old_runtime.metadata.uid
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "no new runtime pod: {}",
+                    describe_pods(&pods).await
+                );
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            println!(
+                "real_node: guest parts built (kernel {}, initrd, busybox base, runner image) and the runtime pod \
+                 moved to QEMU in {:.1}s",
+                parts.kernel.display(),
+                t5.elapsed().as_secs_f64()
+            );
+            let (guest, jit_config) = life
+                .warm_runner_on(&parts.base_image, &parts.runner_image, 420)
+                .await;
+            console_shows(
+                &built[5],
+                &cp,
+                &guest,
+                &jit_config.expect("the guest runner's JIT config, read before its handoff"),
+                "Linux version",
+            );
+            life.job_through(&guest, &format!("http://{operator_ip}:8080"), 420)
+                .await;
+            life.delete_pool().await;
+        }
+    }
+
+    // Uninstall as runbooks/uninstall.md says, its blocks run as written: pools and objects first, the
+    // chart, then (after the checks below) the CRDs and each node's host state.
+    let uninstall = Uninstall {
+        cp: &cp,
+        node: &node_name,
+        work: &work,
+        vm_cgroup_parent: &vm_cgroup_parent,
+    };
+    uninstall.section(1);
+    uninstall.section(2);
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let left = pods.list(&ListParams::default()).await.expect("list pods");
@@ -447,10 +589,159 @@ async fn scenario(id: &str) {
         leftover_cgroups.is_empty(),
         "VM cgroups with processes after uninstall: {leftover_cgroups:?}"
     );
+    uninstall.section(3);
+    let crds = kubectl(&cp, &["get", "crd", "-o", "name"]).expect("list CRDs");
+    assert!(
+        !crds.contains("imp.dev"),
+        "Imp's CRDs left after uninstall.md section 3: {crds}"
+    );
+    uninstall.section(4);
+    let links = node::run(Command::new("ip").args(["-o", "link", "show"])).expect("ip link show");
+    // Imp's bridges `impbr<hex>` and TAPs `imp<hex>` (the test's own `imp-node0`, `imp-cni0` aside).
+    let imp_links: Vec<&str> = links
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n))
+        .filter(|n| {
+            let hex = n.strip_prefix("impbr").or_else(|| n.strip_prefix("imp"));
+            hex.is_some_and(|h| !h.is_empty() && h.chars().all(|c| c.is_ascii_hexdigit()))
+        })
+        .collect();
+    assert!(
+        imp_links.is_empty(),
+        "Imp links left after uninstall.md: {imp_links:?}"
+    );
+    let tables = node::run(Command::new("nft").args(["list", "tables"])).expect("nft list tables");
+    assert!(
+        !tables
+            .split_whitespace()
+            .any(|w| w == "imp" || w == "imp_wake"),
+        "nftables tables left after uninstall.md: {tables}"
+    );
+    for dir in ["var-lib-imp", "run-imp"] {
+        assert!(
+            !work.join(dir).exists(),
+            "the node's {dir} is left after uninstall.md section 4"
+        );
+    }
+    println!(
+        "real_node: uninstall.md sections 1-4 as written: no object, CRD, pod, container, link, nftables table, cgroup or state left"
+    );
     drop(real_node);
     drop(registry);
     drop(cp);
+    drop(sim);
+    drop(uplink);
     let _ = std::fs::remove_dir_all(&work);
+}
+
+/// `kubectl imp console VM` prints the VM's console, `expected` among it, and never its JIT config.
+fn console_shows(
+    kubectl_imp: &Path,
+    cp: &ControlPlane,
+    vm: &imp_api::ImpVM,
+    jit: &str,
+    expected: &str,
+) {
+    let name = vm.name_any();
+    let out = Command::new(kubectl_imp)
+        .args(["console", &name, "-n", lifecycle::RUNNER_NAMESPACE])
+        .args(["--imp-namespace", NAMESPACE])
+        .env("KUBECONFIG", cp.kubeconfig_path())
+        .output()
+        .expect("run kubectl-imp console");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && shown.contains(expected),
+        "kubectl imp console {name}: exit {:?}, no {expected:?} in:\n{shown}\n{err}",
+        out.status.code(),
+    );
+    assert!(
+        !shown.contains(jit) && !err.contains(jit),
+        "kubectl imp console {name} showed the JIT config"
+    );
+    println!(
+        "real_node: kubectl imp console {name}: {} lines of the guest's console through the runtime pod \
+         ({expected:?} among them), no JIT config",
+        shown.lines().count()
+    );
+}
+
+/// runbooks/uninstall.md's shell blocks, run section by section against this cluster and node, the
+/// host paths of the runbook (`/var/lib/imp`, `/run/imp`, the `imp-vms` cgroup parent) replaced by the
+/// test's own; a block that fails fails the test.
+struct Uninstall<'a> {
+    cp: &'a ControlPlane,
+    node: &'a str,
+    work: &'a Path,
+    vm_cgroup_parent: &'a str,
+}
+
+impl Uninstall<'_> {
+    fn section(&self, n: u32) {
+        let page = std::fs::read_to_string(paths::workspace_root().join("runbooks/uninstall.md"))
+            .expect("runbooks/uninstall.md");
+        let heading = format!("## {n}. ");
+        let body = page
+            .split("\n## ")
+            .find_map(|s| s.strip_prefix(&heading[3..]))
+            .unwrap_or_else(|| panic!("runbooks/uninstall.md has no section {heading:?}"));
+        let mut script = String::new();
+        let mut in_block = false;
+        for line in body.lines() {
+            if line.starts_with("```") {
+                in_block = !in_block && line.trim_start_matches('`').starts_with("sh");
+                continue;
+            }
+            if in_block {
+                script.push_str(line);
+                script.push('\n');
+            }
+        }
+        assert!(
+            !script.is_empty(),
+            "uninstall.md section {n} has no sh block"
+        );
+        let script = script
+            .replace(
+                "/var/lib/imp",
+                &self.work.join("var-lib-imp").display().to_string(),
+            )
+            .replace("/run/imp", &self.work.join("run-imp").display().to_string())
+            .replace("/imp-vms", &format!("/{}", self.vm_cgroup_parent));
+        for host_path in ["/var/lib/imp", "/run/imp", "/imp-vms "] {
+            assert!(
+                !script.contains(host_path),
+                "uninstall.md section {n} still names the host's {host_path} after replacement:\n{script}"
+            );
+        }
+        let path = format!(
+            "{}:{}",
+            paths::testenv_bin_dir().display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let out = Command::new("bash")
+            .args(["-euo", "pipefail", "-c", &script])
+            .env("PATH", path)
+            .env("NODE", self.node)
+            .env("KUBECONFIG", self.cp.kubeconfig_path())
+            .env("HELM_CACHE_HOME", self.cp.dir().join("helm/cache"))
+            .env("HELM_CONFIG_HOME", self.cp.dir().join("helm/config"))
+            .env("HELM_DATA_HOME", self.cp.dir().join("helm/data"))
+            .output()
+            .expect("run bash");
+        assert!(
+            out.status.success(),
+            "uninstall.md section {n} failed:\n{script}\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!(
+            "real_node: uninstall.md section {n}:\n{}",
+            String::from_utf8_lossy(&out.stdout).trim_end()
+        );
+    }
 }
 
 /// The chart's own version (Chart.yaml).
@@ -569,6 +860,25 @@ async fn describe_pods(pods: &Api<Pod>) -> String {
             )
         })
         .collect()
+}
+
+/// helm before the control plane matters (package, push), its caches under `dir`.
+fn helm_in(dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = Command::new(paths::testenv_bin("helm"))
+        .args(args)
+        .env("HELM_CACHE_HOME", dir.join("helm/cache"))
+        .env("HELM_CONFIG_HOME", dir.join("helm/config"))
+        .env("HELM_DATA_HOME", dir.join("helm/data"))
+        .output()
+        .map_err(|e| format!("helm: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(format!(
+            "helm {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
 }
 
 fn helm(cp: &ControlPlane, args: &[&str]) -> Result<String, String> {

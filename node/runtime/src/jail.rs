@@ -100,8 +100,8 @@ pub fn free_id(cfg: &JailConfig, used: &BTreeSet<u32>) -> Option<u32> {
 }
 
 /// Give VM directory `dir` (under `vms_dir`) a uid of its own: the one it has, or the lowest
-/// one no directory of `vms_dir` holds. The directory becomes `id:id` 0700. The caller
-/// serialises allocations (two at once could pick the same id).
+/// one no directory of `vms_dir` holds. The directory becomes `id:0` with mode [`VM_DIR_MODE`].
+/// The caller serialises allocations (two at once could pick the same id).
 pub fn assign(cfg: &JailConfig, vms_dir: &Path, dir: &Path) -> Result<u32, JailError> {
     let io = |source| JailError::VmDir {
         path: dir.to_path_buf(),
@@ -122,9 +122,19 @@ pub fn assign(cfg: &JailConfig, vms_dir: &Path, dir: &Path) -> Result<u32, JailE
             })?
         }
     };
-    own(dir, id, 0o700).map_err(io)?;
+    std::os::unix::fs::chown(dir, Some(id), Some(0)).map_err(io)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(VM_DIR_MODE)).map_err(io)?;
     Ok(id)
 }
+
+/// A VM directory: its VMM's (uid) to use, group root's only to pass through, setgid so what the
+/// VMM creates in it (the vsock socket, 0770 under [`VMM_UMASK`]) is group root: imp-agent, uid 0
+/// with no capability in the chart, connects to the guest that way. Another VM's uid (no group
+/// root) gets nothing.
+pub const VM_DIR_MODE: u32 = 0o2710;
+/// The jailed processes' umask: their sockets and files are open to the directory's group (root),
+/// never to others.
+pub const VMM_UMASK: u32 = 0o007;
 
 /// `path` owned by `id:id` with `mode`.
 pub fn own(path: &Path, id: u32, mode: u32) -> std::io::Result<()> {
@@ -260,6 +270,7 @@ impl Credentials {
             for cap in 0..=self.last_cap {
                 ck(Fixed::Caps, prctl(PR_CAPBSET_DROP, cap as c_ulong, 0, 0, 0))?;
             }
+            umask(VMM_UMASK as mode_t);
             ck(Fixed::Ids, setgroups(0, std::ptr::null()))?;
             ck(Fixed::Ids, setresgid(self.id, self.id, self.id))?;
             // From uid 0 to a non-zero uid: the kernel clears the permitted and effective sets.
@@ -744,7 +755,7 @@ mod tests {
         assert_eq!(assign(&cfg, d.path(), &a).unwrap(), ia, "kept");
         assert_eq!(id_of(&cfg, &a), Some(ia));
         let m = std::fs::metadata(&a).unwrap();
-        assert_eq!((m.uid(), m.gid(), m.mode() & 0o777), (ia, ia, 0o700));
+        assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (ia, 0, VM_DIR_MODE));
         assert_eq!(assign(&cfg, d.path(), &b).unwrap(), 900_101);
         assert!(matches!(
             assign(&cfg, d.path(), &c),

@@ -82,9 +82,15 @@ fn assert_confined(pid: i32, what: &str, own_dir: &Path, other_dir: &Path, h: &H
         "{what}: the same directory"
     );
     assert_eq!(
-        (mine.uid(), mine.mode() & 0o777),
-        (uid, 0o700),
-        "its directory is its own"
+        (mine.uid(), mine.gid(), mine.mode() & 0o7777),
+        (uid, 0, 0o2710),
+        "its directory is its own (group root may only pass through: imp-agent's way to its vsock)"
+    );
+    let vsock = std::fs::metadata(own_dir.join("vsock.sock")).expect("its vsock socket");
+    assert_eq!(
+        (vsock.uid(), vsock.gid(), vsock.mode() & 0o777),
+        (uid, 0, 0o770),
+        "its vsock socket: group root may connect (imp-agent, uid 0 without capabilities)"
     );
     for p in [
         Path::new("/etc/shadow"),

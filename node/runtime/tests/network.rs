@@ -154,6 +154,35 @@ impl Drop for World {
     }
 }
 
+/// `ip -n ns ARGS...` for each (ns, args), in order.
+fn ip_all(steps: &[(&str, Vec<&str>)]) {
+    for (ns, args) in steps {
+        let mut all = vec!["-n", ns];
+        all.extend(args);
+        run("ip", &all);
+    }
+}
+
+/// A node namespace and its "internet" on the uplink: node up0 192.0.2.2/24 <-> wan0 192.0.2.1/24,
+/// the node's default route.
+fn node_with_uplink(w: &mut World, node: &str, inet: &str) -> (String, String) {
+    let (node, inet) = (w.netns(node), w.netns(inet));
+    ip_all(&[
+        (
+            &node,
+            vec![
+                "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", &inet,
+            ],
+        ),
+        (&node, vec!["addr", "add", "192.0.2.2/24", "dev", "up0"]),
+        (&node, vec!["link", "set", "up0", "up"]),
+        (&node, vec!["route", "add", "default", "via", "192.0.2.1"]),
+        (&inet, vec!["addr", "add", "192.0.2.1/24", "dev", "wan0"]),
+        (&inet, vec!["link", "set", "wan0", "up"]),
+    ]);
+    (node, inet)
+}
+
 fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<Vec<u8>> {
     let mut c = TcpStream::connect_timeout(&addr, UNREACHABLE_WAIT)?;
     c.set_read_timeout(Some(Duration::from_secs(10)))?;
@@ -249,33 +278,14 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
     }
     let id = std::process::id();
     let mut w = World::default();
-    let node = w.netns(&format!("impt-node-{id}"));
-    let inet = w.netns(&format!("impt-inet-{id}"));
+    // The uplink: node 192.0.2.2 <-> "internet" 192.0.2.1, the node's default route.
+    let (node, inet) = node_with_uplink(
+        &mut w,
+        &format!("impt-node-{id}"),
+        &format!("impt-inet-{id}"),
+    );
     let g1 = w.netns(&format!("impt-g1-{id}"));
     let g2 = w.netns(&format!("impt-g2-{id}"));
-
-    // The uplink: node 192.0.2.2 <-> "internet" 192.0.2.1, the node's default route.
-    run(
-        "ip",
-        &[
-            "-n", &node, "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns",
-            &inet,
-        ],
-    );
-    run(
-        "ip",
-        &["-n", &node, "addr", "add", "192.0.2.2/24", "dev", "up0"],
-    );
-    run("ip", &["-n", &node, "link", "set", "up0", "up"]);
-    run(
-        "ip",
-        &["-n", &node, "route", "add", "default", "via", "192.0.2.1"],
-    );
-    run(
-        "ip",
-        &["-n", &inet, "addr", "add", "192.0.2.1/24", "dev", "wan0"],
-    );
-    run("ip", &["-n", &inet, "link", "set", "wan0", "up"]);
     // Cloud metadata look-alike on the node.
     run(
         "ip",
@@ -338,6 +348,7 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
             tap: host_end,
             mac,
             ip: ip.parse().unwrap(),
+            dns: vec![],
         });
     }
     // And one real TAP (no VM behind it): the plan creates it.
@@ -346,6 +357,7 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
         tap: tap.clone(),
         mac: vm_mac(&uid(9)),
         ip: "198.51.100.12".parse().unwrap(),
+        dns: vec![],
     });
 
     // The "internet": DNS, HTTP and a UDP sink that reports the sources it saw.
@@ -535,7 +547,7 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
     let mut admitted = desired.clone();
     // The second rule names the subnet itself: guest-to-guest traffic stays dropped anyway.
     admitted[0].network.ingress = vec![tcp("192.0.2.0/24"), tcp("198.51.100.0/24")];
-    admitted[0].network.egress_allow = vec!["10.1.0.0/16".parse().unwrap()];
+    admitted[0].network.egress_allow = vec!["203.0.113.0/24".parse().unwrap()];
     assert_ne!(reconcile(&node, &admitted).0, []);
     assert!(
         from_inet(7000),
@@ -588,25 +600,24 @@ fn networks_that_would_steer_the_node_are_refused_and_its_routing_is_unchanged()
     }
     let id = std::process::id();
     let mut w = World::default();
-    let node = w.netns(&format!("impt-adm-{id}"));
-    let inet = w.netns(&format!("impt-admi-{id}"));
-    for args in [
-        vec![
-            "link", "add", "up0", "type", "veth", "peer", "name", "wan0", "netns", &inet,
-        ],
-        vec!["addr", "add", "192.0.2.2/24", "dev", "up0"],
-        vec!["link", "set", "up0", "up"],
-        vec!["route", "add", "default", "via", "192.0.2.1"],
-        vec!["route", "add", "203.0.113.0/25", "via", "192.0.2.1"],
+    let (node, _inet) = node_with_uplink(
+        &mut w,
+        &format!("impt-adm-{id}"),
+        &format!("impt-admi-{id}"),
+    );
+    ip_all(&[
+        (
+            &node,
+            vec!["route", "add", "203.0.113.0/25", "via", "192.0.2.1"],
+        ),
         // A second interface of the node, not its default route's (a management NIC).
-        vec![
-            "link", "add", "mgmt0", "type", "veth", "peer", "name", "mgmt1",
-        ],
-    ] {
-        let mut all = vec!["-n", node.as_str()];
-        all.extend(args);
-        run("ip", &all);
-    }
+        (
+            &node,
+            vec![
+                "link", "add", "mgmt0", "type", "veth", "peer", "name", "mgmt1",
+            ],
+        ),
+    ]);
     let routes = |ns: &str| -> Vec<String> {
         output("ip", &["-n", ns, "route", "show", "table", "all"])
             .lines()
@@ -641,6 +652,7 @@ fn networks_that_would_steer_the_node_are_refused_and_its_routing_is_unchanged()
             },
             mac: vm_mac(n),
             ip: ip.parse().unwrap(),
+            dns: vec![],
         }],
     };
     let mut mgmt = network(
@@ -659,8 +671,8 @@ fn networks_that_would_steer_the_node_are_refused_and_its_routing_is_unchanged()
         mgmt,
     ];
     let admission = network::Admission {
-        allowed_egress_interfaces: vec![],
         reserved: vec!["198.18.0.0/15".parse().unwrap()],
+        ..network::Admission::default()
     };
     let done = reconcile_admitting(&node, &desired, &admission);
     let mut refused: Vec<(String, &str)> = done
@@ -706,4 +718,267 @@ fn networks_that_would_steer_the_node_are_refused_and_its_routing_is_unchanged()
     let left = imp_leftovers(&node, &bridge_name(&desired[0].network.id), &[&tap]);
     assert!(left.is_empty(), "{left:?}");
     assert_eq!(routes(&node), before);
+}
+
+/// In `node`, a guest namespace on a veth whose node end is `host_end`: address `ip/prefix`,
+/// default route via `gateway`, the MAC Imp expects for `uid`. Returns its port.
+fn guest(node: &str, ns: &str, host_end: &str, uid: &str, addr: &str, gateway: &str) -> Port {
+    let mac = vm_mac(uid);
+    run(
+        "ip",
+        &[
+            "-n", node, "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns",
+            ns,
+        ],
+    );
+    let mac_s = network::format_mac(&mac);
+    run(
+        "ip",
+        &["-n", ns, "link", "set", "eth0", "address", &mac_s, "up"],
+    );
+    run("ip", &["-n", ns, "addr", "add", addr, "dev", "eth0"]);
+    run("ip", &["-n", ns, "route", "add", "default", "via", gateway]);
+    Port {
+        tap: host_end.to_owned(),
+        mac,
+        ip: addr.split('/').next().unwrap().parse().unwrap(),
+        dns: vec![],
+    }
+}
+
+/// Issue 30, step 3: guests open no connection to the node's private networks by default.
+///
+/// ```text
+///  g1 (net A, 198.51.100.10)  ─┐                ┌─ "internet" + private uplink network ──┐
+///  g2 (net B, 198.51.100.130) ─┼─ node ─ up0 ────┤ 192.0.2.1: HTTP        (public)       │
+///  g3 (net C, 203.0.113.10)   ─┘  192.0.2.2      │ 10.77.0.1: host, DNS   (private)      │
+///                                  10.77.0.2     │ 198.18.0.5: a "pod"    (reserved)     │
+///   kube-proxy stand-in on the node: DNAT 198.19.0.10:80 (a "service") -> 198.18.0.5:7200 │
+/// ```
+///
+/// Every destination is out of the egress interface, so only the default deny keeps guests
+/// from the private host, the pod and the service: A's guest reaches the internet and its
+/// private resolver (DNS only), nothing else of them; C's `egress.allow`, inside what the
+/// platform allows, opens them; an allow beyond that is refused; A's and B's ingress rules
+/// (from anywhere) admit the outside but never the other network's guest.
+#[test]
+fn egress_is_denied_by_default_and_networks_do_not_decide_for_each_other() {
+    if !nix::unistd::geteuid().is_root() || !available("nft") || !available("dnsmasq") {
+        return imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "egress_is_denied_by_default",
+            "needs root, nft (nftables) and dnsmasq",
+        );
+    }
+    let id = std::process::id();
+    let mut w = World::default();
+    let (node, inet) =
+        node_with_uplink(&mut w, &format!("impt-egn-{id}"), &format!("impt-egi-{id}"));
+    let (g1, g2, g3) = (
+        w.netns(&format!("impt-eg1-{id}")),
+        w.netns(&format!("impt-eg2-{id}")),
+        w.netns(&format!("impt-eg3-{id}")),
+    );
+    ip_all(&[
+        // The node's private network, on its uplink (as a cloud VPC is).
+        (&node, vec!["addr", "add", "10.77.0.2/24", "dev", "up0"]),
+        (
+            &node,
+            vec!["route", "add", "198.18.0.0/16", "via", "192.0.2.1"],
+        ),
+        (&inet, vec!["addr", "add", "10.77.0.1/24", "dev", "wan0"]),
+        (&inet, vec!["addr", "add", "198.18.0.5/32", "dev", "lo"]),
+        (
+            &inet,
+            vec!["route", "add", "198.51.100.0/24", "via", "192.0.2.2"],
+        ),
+    ]);
+    // kube-proxy's part: service IPs rewritten in prerouting at dstnat, before the forward hook.
+    let kube_proxy = "table ip kubeproxy { chain pre { type nat hook prerouting priority dstnat; \
+                      ip daddr 198.19.0.10 tcp dport 80 dnat to 198.18.0.5:7200; }; }";
+    run("ip", &["netns", "exec", &node, "nft", kube_proxy]);
+
+    let mut dns = Command::new("ip");
+    dns.args(["netns", "exec", &inet])
+        .args(common::dnsmasq_argv("10.77.0.1", "web.test", "192.0.2.1"));
+    w.children.push(
+        dns.stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    for addr in ["192.0.2.1:8080", "10.77.0.1:7100", "0.0.0.0:7200"] {
+        w.listener(&inet, addr.parse().unwrap(), |_| {})
+            .recv()
+            .unwrap();
+    }
+    for g in [&g1, &g2] {
+        w.listener(g, "0.0.0.0:7000".parse().unwrap(), |_| {})
+            .recv()
+            .unwrap();
+    }
+
+    let mut p1 = guest(
+        &node,
+        &g1,
+        &format!("impe{id:x}1"),
+        "eg-1",
+        "198.51.100.10/25",
+        "198.51.100.1",
+    );
+    p1.dns = vec!["10.77.0.1".parse().unwrap()];
+    let p2 = guest(
+        &node,
+        &g2,
+        &format!("impe{id:x}2"),
+        "eg-2",
+        "198.51.100.130/25",
+        "198.51.100.129",
+    );
+    let p3 = guest(
+        &node,
+        &g3,
+        &format!("impe{id:x}3"),
+        "eg-3",
+        "203.0.113.10/26",
+        "203.0.113.1",
+    );
+    let everyone = vec![imp_runtime::api::Ingress {
+        from: "0.0.0.0/0".parse().unwrap(),
+        protocol: imp_api::IngressProtocol::Tcp,
+        ports: vec![7000],
+    }];
+    let net = |n: &str, subnet: &str, gateway: &str, port: &Port| Attachment {
+        network: VmNetwork {
+            id: format!("net-{n}-{id}"),
+            subnet: subnet.parse().unwrap(),
+            gateway: gateway.parse().unwrap(),
+            nat: true,
+            egress_interface: None,
+            egress_allow: vec![],
+            egress_deny: vec![],
+            ingress: everyone.clone(),
+        },
+        ports: vec![port.clone()],
+    };
+    let cidrs = |l: &[&str]| l.iter().map(|c| c.parse().unwrap()).collect::<Vec<_>>();
+    // B first: in one shared chain, B's "from anywhere" came before A's catch-all drop.
+    let b = net("b", "198.51.100.128/25", "198.51.100.129", &p2);
+    let a = net("a", "198.51.100.0/25", "198.51.100.1", &p1);
+    let mut c = net("c", "203.0.113.0/26", "203.0.113.1", &p3);
+    c.network.egress_allow = cidrs(&["192.0.2.0/24", "10.77.0.0/24", "198.18.0.0/15"]);
+    // Asks for all of 10/8, the platform allows 10.77.0.0/24 only.
+    let mut greedy = net(
+        "greedy",
+        "203.0.113.64/26",
+        "203.0.113.65",
+        &Port {
+            tap: format!("impe{id:x}4"),
+            mac: vm_mac("eg-4"),
+            ip: "203.0.113.66".parse().unwrap(),
+            dns: vec![],
+        },
+    );
+    greedy.network.egress_allow = cidrs(&["10.0.0.0/8"]);
+    let admission = network::Admission {
+        reserved: cidrs(&["198.18.0.0/15"]),
+        allowable_egress: cidrs(&["10.77.0.0/24", "198.18.0.0/15"]),
+        ..network::Admission::default()
+    };
+    let desired = vec![b, a, c.clone(), greedy];
+    let done = reconcile_admitting(&node, &desired, &admission);
+    let refused: Vec<_> = done
+        .failed
+        .iter()
+        .map(|f| (f.network.clone(), f.error.kind()))
+        .collect();
+    assert_eq!(
+        refused,
+        [(format!("net-greedy-{id}"), "egress_range_not_allowed")],
+        "{:#?}",
+        done.failed
+    );
+    assert!(done.failed[0].error.to_string().contains("10.0.0.0/8"));
+
+    // Positive controls: from the node, every listener is there.
+    in_netns(&node, || {
+        for addr in ["192.0.2.1:8080", "10.77.0.1:7100", "198.18.0.5:7200"] {
+            assert!(reachable(addr.parse().unwrap()), "node to {addr}");
+        }
+    });
+    let can = |ns: &str, addr: &str| {
+        let addr: SocketAddr = addr.parse().unwrap();
+        in_netns(ns, move || reachable(addr))
+    };
+    // A (no egress.allow): the internet, not the private host, the pod or the service.
+    assert!(can(&g1, "192.0.2.1:8080"), "A's guest lost the internet");
+    for (what, addr) in [
+        (
+            "the host on the node's private uplink network",
+            "10.77.0.1:7100",
+        ),
+        ("a pod (reserved range)", "198.18.0.5:7200"),
+        ("a service IP (DNAT to a pod)", "198.19.0.10:80"),
+    ] {
+        assert!(!can(&g1, addr), "A's guest reached {what}");
+        assert!(!can(&g2, addr), "B's guest reached {what}");
+    }
+    // Its resolver stays reachable although private, for DNS only.
+    let resolved = in_netns(&g1, || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let got = resolve("10.77.0.1:53".parse().unwrap(), "web.test");
+            if got.is_some() || Instant::now() > deadline {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    assert_eq!(resolved, Some("192.0.2.1".parse().unwrap()), "A's resolver");
+    assert_eq!(
+        in_netns(&g2, || resolve("10.77.0.1:53".parse().unwrap(), "web.test")),
+        None,
+        "B's guest used a private resolver it was not given"
+    );
+    // C: what its egress.allow opens (inside the platform's ranges), via the service IP too.
+    for addr in [
+        "192.0.2.1:8080",
+        "10.77.0.1:7100",
+        "198.18.0.5:7200",
+        "198.19.0.10:80",
+    ] {
+        assert!(can(&g3, addr), "C's guest did not reach {addr}");
+    }
+    // Opening the pods but not the services: the service IP stays closed although its DNAT
+    // target is open; the match on the original destination decides.
+    let mut pods_only = desired[..3].to_vec();
+    pods_only[2].network.egress_allow = cidrs(&["192.0.2.0/24", "198.18.0.0/16"]);
+    let done = reconcile_admitting(&node, &pods_only, &admission);
+    assert!(done.failed.is_empty(), "{:?}", done.failed);
+    assert!(can(&g3, "198.18.0.5:7200"), "C's guest lost the pod");
+    assert!(
+        !can(&g3, "198.19.0.10:80"),
+        "C's guest reached an unopened service IP"
+    );
+    assert!(
+        !can(&g3, "10.77.0.1:7100"),
+        "C's guest kept a range no longer allowed"
+    );
+
+    // Ingress from anywhere on A and on B: the outside gets in, the other network's guest not.
+    assert!(can(&inet, "198.51.100.130:7000"), "B's ingress rule");
+    assert!(can(&inet, "198.51.100.10:7000"), "A's ingress rule");
+    assert!(
+        !can(&g1, "198.51.100.130:7000"),
+        "B's ingress admitted A's guest"
+    );
+    assert!(
+        !can(&g2, "198.51.100.10:7000"),
+        "A's ingress admitted B's guest"
+    );
+
+    let done = reconcile_admitting(&node, &[], &admission);
+    assert!(done.failed.is_empty(), "{:?}", done.failed);
+    let nft = output("ip", &["netns", "exec", &node, "nft", "list", "tables"]);
+    assert!(!nft.contains(" imp"), "{nft}");
 }

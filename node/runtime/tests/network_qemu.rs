@@ -11,7 +11,10 @@
 //!
 //! Guest a gets its address and resolv.conf from the kernel command line, resolves `web.test`
 //! through dnsmasq, fetches a page whose server sees the node's uplink address (NAT); it cannot
-//! reach the node's addresses, 169.254.169.254 or guest b, a spoofed source gets nowhere, and
+//! reach the node's addresses, 169.254.169.254 or guest b, nor (the default deny) a host on the
+//! node's private uplink network, a pod in a reserved range or a service IP DNATed to that pod
+//! (a stand-in for kube-proxy), while the "internet" stays reachable; a spoofed source gets
+//! nowhere, and
 //! it has no IPv6 route to the host. `kill -9` and restart of the runtime changes nothing and
 //! keeps a's connectivity; a repeated setup is a no-op; DELETE of both leaves no link, address,
 //! route or nft table of Imp's. Prints the guest's and the node's throughput and latency to
@@ -329,8 +332,32 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
         &["busybox", "httpd", "-f", "-p", "0.0.0.0:9100", "-h", &www_s],
     );
 
+    // The node's private network on its uplink (10.77.0.0/24, as a cloud VPC is), a "pod" in
+    // a reserved range routed out the uplink, and kube-proxy's DNAT of a "service" IP to it
+    // (prerouting, before the forward hook): the default deny keeps guests from all three.
+    for (ns, args) in [
+        (&node, vec!["addr", "add", "10.77.0.2/24", "dev", "up0"]),
+        (
+            &node,
+            vec!["route", "add", "198.18.0.0/16", "via", "192.0.2.1"],
+        ),
+        (&tn.inet, vec!["addr", "add", "10.77.0.1/24", "dev", "wan0"]),
+        (&tn.inet, vec!["addr", "add", "198.18.0.5/32", "dev", "lo"]),
+    ] {
+        let mut all = vec!["-n", ns.as_str()];
+        all.extend(args);
+        output("ip", &all);
+    }
+    let kube_proxy = "table ip kubeproxy { chain pre { type nat hook prerouting priority dstnat; \
+                      ip daddr 198.19.0.10 tcp dport 80 dnat to 198.18.0.5:8080; }; }";
+    output("ip", &["netns", "exec", &node, "nft", kube_proxy]);
+
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.netns = Some(node.clone());
+    // The cluster's pod and service ranges, reserved by the platform.
+    const RESERVED: &str = "198.18.0.0/15";
+    h.extra_env
+        .push(("IMP_NETWORK_RESERVED_CIDRS".into(), RESERVED.into()));
     h.start_runtime().await;
 
     let net_id = format!("net-uid-{id}");
@@ -410,6 +437,35 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
         assert!(!a.reaches(url).await, "guest a reached {what}");
         assert!(node_reaches(&node, url), "the node cannot reach {what}");
     }
+    // Egress denied by default (issue 30): out of the egress interface like the "internet",
+    // yet not reachable; the service IP's DNAT target is the node-reachable pod.
+    for (what, url, node_url) in [
+        (
+            "a host on the node's private uplink network",
+            "http://10.77.0.1:8080/",
+            "http://10.77.0.1:8080/",
+        ),
+        (
+            "a pod (reserved range)",
+            "http://198.18.0.5:8080/",
+            "http://198.18.0.5:8080/",
+        ),
+        (
+            "a service IP (DNAT to the pod)",
+            "http://198.19.0.10/",
+            "http://198.18.0.5:8080/",
+        ),
+    ] {
+        assert!(!a.reaches(url).await, "guest a reached {what}");
+        assert!(
+            node_reaches(&node, node_url),
+            "the node cannot reach {what}"
+        );
+    }
+    assert!(
+        a.reaches(&format!("http://{WEB}:8080/")).await,
+        "guest a lost the internet"
+    );
 
     // A spoofed source: the same fetch from an address a does not own gets nowhere.
     let spoof = "busybox ip addr add 198.51.100.50/32 dev eth0 && \
@@ -479,7 +535,12 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
             .zip(&attachments)
             .map(|((uid, _), at)| (h.tap_for(uid), vm_mac(uid), at)),
     );
-    let again = tn.reconcile(&desired);
+    // With the runtime's own flags: the reserved ranges are part of the rules.
+    let admission = network::Admission {
+        reserved: vec![RESERVED.parse().unwrap()],
+        ..network::Admission::default()
+    };
+    let again = tn.reconcile_admitting(&desired, &admission);
     assert!(
         again.actions.is_empty() && again.failed.is_empty(),
         "a repeated setup must be a no-op: {again:?}"

@@ -183,6 +183,7 @@ async fn put_delete_and_restart_keep_the_bridge_taps_and_rules_in_step() {
                 tap: tap.clone(),
                 mac: vm_mac(uid),
                 ip: ip.parse().unwrap(),
+                dns: attachment(&net_id, "198.51.100.10/24").dns,
             })
             .collect(),
     }];

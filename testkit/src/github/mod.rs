@@ -183,8 +183,15 @@ impl GithubSim {
 
     /// Starts a simulator on the given address (the standalone `github-sim` binary uses this).
     pub async fn start_on(config: SimConfig, addr: &str) -> anyhow::Result<GithubSim> {
+        Self::start_listening(config, tokio::net::TcpListener::bind(addr).await?).await
+    }
+
+    /// Starts a simulator on a listener the caller bound (e.g. in another network namespace).
+    pub async fn start_listening(
+        config: SimConfig,
+        listener: tokio::net::TcpListener,
+    ) -> anyhow::Result<GithubSim> {
         let key = test_key(config.key_index);
-        let listener = tokio::net::TcpListener::bind(addr).await?;
         let base_url = format!("http://{}", listener.local_addr()?);
         let (tx, rx) = mpsc::unbounded_channel();
         let mut groups = vec![SimRunnerGroup {

@@ -1,10 +1,10 @@
-//! The local smoke's runner lifecycle through the chart's pods on the real node: the GitHub simulator on
-//! the node's IP (the operator pod calls it, the runtime pod's "VMs" run the fake runner against it), a
-//! runner pool with one warm runner, a queued job whose `workflow_job` webhook reaches the operator pod,
-//! the job run and completed by the warm runner, the VM and its JIT Secret gone, the pool replenished;
-//! then the pool deleted and nothing of it left. The runtime pod drives the Firecracker simulator (the
-//! binary the chart mounts from `agent.env.fcBinPath`), so imp-guest and the fake runner run as
-//! processes inside the runtime container: no kernel boots.
+//! The local smoke's runner lifecycle through the chart's pods on the real node: the GitHub simulator
+//! beyond the node's uplink (the operator pod calls it, the runner reaches it), a runner pool with one
+//! warm runner, a queued job whose `workflow_job` webhook reaches the operator pod, the job run and
+//! completed by the warm runner, the VM and its JIT Secret gone, the pool replenished; then the pool
+//! deleted and nothing of it left. On the Firecracker simulator (the binary the chart mounts from
+//! `agent.env.fcBinPath`) imp-guest and the fake runner run as processes inside the runtime container;
+//! on QEMU (qemu.rs) they run in a real guest.
 
 use std::{
     collections::BTreeMap,
@@ -285,9 +285,9 @@ impl Lifecycle<'_> {
             .collect()
     }
 
-    /// Pushes the pool's images and applies the smoke's pool manifest; returns the warm VM once its
-    /// runner has Started (JIT Secret owned by the VM, deleted after the handoff).
-    pub async fn warm_runner(&self, registry: &str) -> ImpVM {
+    /// Pushes the pool's images (one-file layers: the Firecracker simulator boots nothing) and
+    /// [`Self::warm_runner_on`] them.
+    pub async fn warm_runner(&self, registry: &str) -> (ImpVM, Option<String>) {
         let layer = |path: &str, content: &[u8]| {
             [imp_testkit::oci::LayerBlob::tar_gzip(&[(path, content)])]
         };
@@ -310,8 +310,21 @@ impl Lifecycle<'_> {
         )
         .await
         .expect("push the runner image");
+        self.warm_runner_on(&base, &runner_image, 120).await
+    }
+
+    /// Applies the smoke's pool manifest with these images; returns the warm VM once its runner has
+    /// Started within `boot_secs` of its mint (JIT Secret owned by the VM, deleted after the handoff),
+    /// and its JIT config when the test read the Secret before the handoff deleted it (to prove no
+    /// output carries it).
+    pub async fn warm_runner_on(
+        &self,
+        base: &str,
+        runner_image: &str,
+        boot_secs: u64,
+    ) -> (ImpVM, Option<String>) {
         let manifest = self.work.join("runner-pool.yaml");
-        std::fs::write(&manifest, pool_manifest(&base, &runner_image))
+        std::fs::write(&manifest, pool_manifest(base, runner_image))
             .expect("write the pool manifest");
         (self.kubectl)(&[
             "-n",
@@ -338,15 +351,21 @@ impl Lifecycle<'_> {
         let name = minted.name_any();
         let secret_name = minted.spec.runner_config_secret.clone().expect("secret");
         let secrets: Api<Secret> = Api::namespaced(self.client.clone(), RUNNER_NAMESPACE);
+        let mut jit_config = None;
         if let Ok(s) = secrets.get(&secret_name).await {
             let owner = s.owner_references().first().map(|o| o.uid.clone());
             assert_eq!(
                 owner, minted.metadata.uid,
                 "JIT Secret {secret_name} is not owned by {name}"
             );
+            jit_config = s
+                .data
+                .as_ref()
+                .and_then(|d| d.get("jitconfig"))
+                .map(|v| String::from_utf8_lossy(&v.0).into_owned());
         }
         let vm = wait_for(
-            120,
+            boot_secs,
             &format!("runner VM {name}: handoff Started"),
             || async {
                 self.vms()
@@ -385,13 +404,14 @@ impl Lifecycle<'_> {
             "imp-runtime does not hold {name} ({uid}): {:?}",
             self.runtime_vms()
         );
-        vm
+        (vm, jit_config)
     }
 
     /// A queued job whose webhook reaches the operator pod (`operator_url`), taken and completed by the
     /// warm runner `vm`; then the VM is gone from the API and the runtime, and the pool has a new
     /// started runner.
-    pub async fn job_through(&self, vm: &ImpVM, operator_url: &str) -> SimJob {
+    /// `boot_secs`: how long the replacement runner may take to boot and start.
+    pub async fn job_through(&self, vm: &ImpVM, operator_url: &str, boot_secs: u64) -> SimJob {
         let name = vm.name_any();
         let uid = vm.metadata.uid.clone().expect("uid");
         self.sim.set_webhook(
@@ -479,7 +499,7 @@ impl Lifecycle<'_> {
         )
         .await;
         let replacement = wait_for(
-            120,
+            boot_secs,
             "a replacement runner Started (minIdle 1)",
             || async {
                 self.live_vms()

@@ -135,8 +135,18 @@ struct Args {
     network_allowed_egress_interfaces: Vec<String>,
     /// IPv4 ranges no ImpNetwork subnet may overlap, e.g. the cluster's pod, service and node
     /// CIDRs (comma-separated). The node's own addresses and routes are refused anyway.
+    /// Guests open no connection to them by default, like the private ranges.
     #[arg(long, env = "IMP_NETWORK_RESERVED_CIDRS", value_delimiter = ',')]
     network_reserved_cidrs: Vec<ipnet::Ipv4Net>,
+    /// IPv4 ranges an ImpNetwork's `egress.allow` may open out of the guests' default deny
+    /// (private and reserved ranges; comma-separated). An allow entry reaching into a denied
+    /// range outside them refuses the network.
+    #[arg(
+        long,
+        env = "IMP_NETWORK_ALLOWABLE_EGRESS_CIDRS",
+        value_delimiter = ','
+    )]
+    network_allowable_egress_cidrs: Vec<ipnet::Ipv4Net>,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -238,6 +248,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         network: Admission {
             allowed_egress_interfaces: args.network_allowed_egress_interfaces,
             reserved: args.network_reserved_cidrs,
+            allowable_egress: args.network_allowable_egress_cidrs,
         },
     };
     let runtime = Runtime::start(cfg).await.context("start the runtime")?;

@@ -1,5 +1,6 @@
 //! Node admission of ImpNetworks, pure: a network may use only address space the node does not
-//! route elsewhere, and leave only through the interface the platform allows.
+//! route elsewhere, leave only through the interface the platform allows, and open only the
+//! denied ranges the platform allows.
 //!
 //! An ImpNetwork's gateway goes onto a bridge, which adds a connected route for the whole
 //! subnet. A subnet overlapping the node's own uplink, one of its routes, a cluster range or
@@ -8,7 +9,10 @@
 //! masquerade guests onto a management or overlay network. So before anything is touched, each
 //! network is checked against what the node has outside Imp's own bridges, the platform's
 //! reserved ranges and the networks admitted before it (first come, first kept: a running
-//! network is never displaced by a new one).
+//! network is never displaced by a new one). Guests are denied the private and reserved ranges
+//! by default (`nft::Denied`); a namespace user's `egress.allow` reopens part of them only
+//! inside what the platform admin allows (`Admission::allowable_egress`), else the network is
+//! refused, so the user learns why rather than finding the range silently closed.
 
 use ipnet::Ipv4Net;
 
@@ -20,8 +24,30 @@ use super::{Attachment, NetworkError};
 pub struct Admission {
     /// Interfaces an ImpNetwork's `nat.egressInterface` may name besides the default route's.
     pub allowed_egress_interfaces: Vec<String>,
-    /// Ranges no ImpNetwork subnet may overlap (the cluster's pod, service and node CIDRs).
+    /// Ranges no ImpNetwork subnet may overlap (the cluster's pod, service and node CIDRs);
+    /// guests are denied them by default, like the private ranges (`nft::Denied`).
     pub reserved: Vec<Ipv4Net>,
+    /// Ranges an ImpNetwork's `egress.allow` may open out of the default deny (private and
+    /// reserved ranges); an allow entry reaching into a denied range outside them is refused.
+    pub allowable_egress: Vec<Ipv4Net>,
+}
+
+impl Admission {
+    /// The first range an `egress.allow` entry would open that the platform does not allow:
+    /// (the entry, the denied range it reaches into).
+    fn unallowed_opening(&self, allow: &[Ipv4Net]) -> Option<(Ipv4Net, Ipv4Net)> {
+        let denied = super::nft::Denied::new(&self.reserved, []).ranges;
+        allow.iter().find_map(|entry| {
+            let allowed = self
+                .allowable_egress
+                .iter()
+                .any(|a| a.trunc().contains(&entry.trunc()));
+            denied
+                .iter()
+                .find(|d| !allowed && overlaps(d, entry))
+                .map(|d| (entry.trunc(), *d))
+        })
+    }
 }
 
 fn overlaps(a: &Ipv4Net, b: &Ipv4Net) -> bool {
@@ -104,6 +130,12 @@ pub fn admit(
                 network: n.id.clone(),
                 interface: i.clone(),
             }
+        } else if let Some((range, denied)) = rules.unallowed_opening(&n.egress_allow) {
+            NetworkError::EgressRangeNotAllowed {
+                network: n.id.clone(),
+                range,
+                denied,
+            }
         } else {
             admitted.push(a);
             continue;
@@ -138,6 +170,7 @@ mod tests {
                     .parse::<std::net::Ipv4Addr>()
                     .map(|g| std::net::Ipv4Addr::from(u32::from(g) + 1))
                     .unwrap(),
+                dns: vec![],
             }],
         }
     }
@@ -263,5 +296,83 @@ mod tests {
         assert_eq!(admit(vec![a.clone()], &node(), &allowed).0.len(), 1);
         a.network.egress_interface = Some("uplink0".into());
         assert_eq!(admit(vec![a], &node(), &Admission::default()).0.len(), 1);
+    }
+
+    #[test]
+    fn egress_allow_opens_a_denied_range_only_inside_what_the_platform_allows() {
+        let with_allow = |id: &str, allow: &[&str]| {
+            let mut a = net(id, "198.51.100.0/28", "198.51.100.1");
+            a.network.egress_allow = allow.iter().map(|c| c.parse().unwrap()).collect();
+            a
+        };
+        let rules = Admission {
+            reserved: vec!["198.18.0.0/15".parse().unwrap()],
+            allowable_egress: vec![
+                "10.20.0.0/16".parse().unwrap(),
+                "198.18.5.0/24".parse().unwrap(),
+            ],
+            ..Admission::default()
+        };
+        let cases = [
+            // Public ranges are no opening: always admitted.
+            (&["203.0.113.0/24"][..], None),
+            // Inside an allowable range (private, or reserved).
+            (&["10.20.1.0/24"][..], None),
+            (&["198.18.5.7/32"][..], None),
+            // A private range the admin did not allow; wider than an allowable one.
+            (&["10.30.0.0/16"][..], Some(("10.30.0.0/16", "10.0.0.0/8"))),
+            (&["10.0.0.0/8"][..], Some(("10.0.0.0/8", "10.0.0.0/8"))),
+            // CGNAT, a reserved range, and "anywhere" (which covers all of them).
+            (
+                &["100.64.1.0/24"][..],
+                Some(("100.64.1.0/24", "100.64.0.0/10")),
+            ),
+            (
+                &["198.19.0.0/16"][..],
+                Some(("198.19.0.0/16", "198.18.0.0/15")),
+            ),
+            (
+                &["203.0.113.0/24", "0.0.0.0/0"][..],
+                Some(("0.0.0.0/0", "10.0.0.0/8")),
+            ),
+        ];
+        for (allow, refused) in cases {
+            let (ok, failed) = admit(vec![with_allow("n", allow)], &node(), &rules);
+            match refused {
+                None => assert!(failed.is_empty() && ok.len() == 1, "{allow:?}: {failed:?}"),
+                Some((range, denied)) => {
+                    assert!(ok.is_empty(), "{allow:?} admitted");
+                    assert_eq!(
+                        reasons(&failed),
+                        [("n".to_string(), "egress_range_not_allowed")]
+                    );
+                    let m = failed[0].error.to_string();
+                    assert!(
+                        m.contains(&format!("spec.egress.allow {range} opens {denied}"))
+                            && m.contains("--network-allowable-egress-cidrs"),
+                        "{allow:?}: {m}"
+                    );
+                }
+            }
+        }
+        // Without any allowable range, every opening is refused; the admin's "anywhere" allows
+        // every one.
+        let none = Admission::default();
+        assert_eq!(
+            admit(vec![with_allow("n", &["192.168.1.0/24"])], &node(), &none)
+                .1
+                .len(),
+            1
+        );
+        let anywhere = Admission {
+            allowable_egress: vec!["0.0.0.0/0".parse().unwrap()],
+            ..Admission::default()
+        };
+        assert_eq!(
+            admit(vec![with_allow("n", &["0.0.0.0/0"])], &node(), &anywhere)
+                .0
+                .len(),
+            1
+        );
     }
 }

@@ -47,6 +47,7 @@ pub fn desired<'a>(
             tap,
             mac,
             ip: a.address.addr(),
+            dns: a.dns.clone(),
         };
         match out.iter_mut().find(|x| x.network.id == a.network_id) {
             Some(x) => {
@@ -86,6 +87,9 @@ pub struct Port {
     pub tap: String,
     pub mac: [u8; 6],
     pub ip: Ipv4Addr,
+    /// The guest's resolvers (`spec.dns` of its start): reachable for DNS whatever the default
+    /// deny says about their addresses.
+    pub dns: Vec<Ipv4Addr>,
 }
 
 /// A network and the VMs of this node on it: the whole desired state is a list of these.
@@ -203,6 +207,15 @@ pub enum NetworkError {
          interface nor allowed by the platform (imp-runtime --network-allowed-egress-interfaces)"
     )]
     EgressNotAllowed { network: String, interface: String },
+    #[error(
+        "network {network}: spec.egress.allow {range} opens {denied}, which guests reach only \
+         where the platform allows it (imp-runtime --network-allowable-egress-cidrs)"
+    )]
+    EgressRangeNotAllowed {
+        network: String,
+        range: ipnet::Ipv4Net,
+        denied: ipnet::Ipv4Net,
+    },
     #[error("TAP {tap} is wanted on two networks ({a} and {b})")]
     TapConflict { tap: String, a: String, b: String },
     #[error(transparent)]
@@ -231,6 +244,7 @@ impl NetworkError {
             | NetworkError::SubnetOverlapsNetwork { .. } => "subnet_overlap",
             NetworkError::SubnetReserved { .. } => "subnet_reserved",
             NetworkError::EgressNotAllowed { .. } => "egress_not_allowed",
+            NetworkError::EgressRangeNotAllowed { .. } => "egress_range_not_allowed",
             NetworkError::Tap(_) => "tap",
             NetworkError::Sysctl { .. } => "sysctl",
             NetworkError::Nft { .. } => "nft",
@@ -278,7 +292,7 @@ pub async fn reconcile(
         // (and loses its bridge, if an earlier admission had given it one).
         let (valid, mut failed) = plan::validate(desired);
         let (admitted, refused) = admit::admit(valid, &observed, admission);
-        let plan = plan::plan(&admitted, &observed);
+        let plan = plan::plan(&admitted, &observed, &admission.reserved);
         failed.extend(refused);
         failed.extend(plan.failed);
         let mut done = Reconciled {

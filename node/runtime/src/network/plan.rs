@@ -204,7 +204,10 @@ pub fn validate(desired: &[Attachment]) -> (Vec<Attachment>, Vec<Failure>) {
 /// actions if it does. Networks without ports on this node are not set up (and torn down if
 /// present). A network whose egress interface cannot be resolved still gets its bridge, ports
 /// and isolation rules, without a way out, and is reported failed.
-pub fn plan(desired: &[Attachment], observed: &Observed) -> Plan {
+///
+/// `reserved` (the platform's ranges) join the private ranges every guest is denied by default
+/// (`nft::Denied`), as do the node's own addresses.
+pub fn plan(desired: &[Attachment], observed: &Observed, reserved: &[ipnet::Ipv4Net]) -> Plan {
     let (desired, mut failed) = validate(desired);
     let by_name: BTreeMap<&str, &Link> = observed
         .links
@@ -350,7 +353,12 @@ pub fn plan(desired: &[Attachment], observed: &Observed) -> Plan {
     if !resolved.is_empty() && !observed.ip_forward {
         actions.push(Action::EnableForwarding);
     }
-    let rules = nft::rules(&resolved);
+    let node_addresses = observed
+        .links
+        .iter()
+        .filter(|l| !l.is_imp_bridge())
+        .flat_map(|l| l.ipv4.iter().map(|a| a.addr()));
+    let rules = nft::rules(&resolved, &nft::Denied::new(reserved, node_addresses));
     if rules.is_empty() {
         if observed.nft.present {
             actions.push(Action::DeleteNft);
@@ -395,6 +403,7 @@ mod tests {
             tap: tap.into(),
             mac: crate::network::vm_mac(tap),
             ip: ip.parse().unwrap(),
+            dns: vec![],
         }
     }
 
@@ -511,12 +520,12 @@ mod tests {
     }
 
     fn converge(desired: &[Attachment], obs: Observed) -> (Vec<Action>, Observed) {
-        let p = plan(desired, &obs);
+        let p = plan(desired, &obs, &[]);
         assert!(p.failed.is_empty(), "{:?}", p.failed);
         let actions = p.actions();
         let after = simulate(desired, obs, &actions);
         assert_eq!(
-            plan(desired, &after).actions(),
+            plan(desired, &after, &[]).actions(),
             [],
             "a second plan must be empty after {actions:?}"
         );
@@ -554,7 +563,7 @@ mod tests {
     fn matching_host_is_a_no_op_and_drift_is_repaired_precisely() {
         let d = one(vec![port("imptap1", "192.0.2.10")]);
         let (_, good) = converge(&d, fresh());
-        assert_eq!(plan(&d, &good).actions(), []);
+        assert_eq!(plan(&d, &good, &[]).actions(), []);
         let br = bridge_name("n1");
         let mut drift = good.clone();
         let b = drift.links.iter_mut().find(|l| l.name == br).unwrap();
@@ -584,7 +593,7 @@ mod tests {
                     tap: "imptap1".into()
                 },
                 Action::ReplaceNft {
-                    rules: match &plan(&d, &fresh()).actions().last() {
+                    rules: match &plan(&d, &fresh(), &[]).actions().last() {
                         Some(Action::ReplaceNft { rules }) => rules.clone(),
                         other => panic!("{other:?}"),
                     }
@@ -656,7 +665,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(
-            plan(&[], &obs).actions(),
+            plan(&[], &obs, &[]).actions(),
             [Action::DeleteBridge {
                 bridge: "impbr00000000ff".into()
             }]
@@ -698,6 +707,60 @@ mod tests {
         }));
     }
 
+    #[test]
+    fn the_node_s_addresses_and_reserved_ranges_reach_the_default_deny() {
+        let d = one(vec![port("imptap1", "192.0.2.10")]);
+        let with_uplink = |addr: &str| {
+            let mut obs = fresh();
+            obs.links[0].ipv4 = vec![addr.parse().unwrap()];
+            obs
+        };
+        // The rules a fresh node gets, as text per reason.
+        let rules =
+            |obs: &Observed, reserved: &[ipnet::Ipv4Net], why: &str| match plan(&d, obs, reserved)
+                .actions()
+                .last()
+            {
+                Some(Action::ReplaceNft { rules }) => serde_json::to_string(
+                    &rules
+                        .iter()
+                        .filter(|r| r.why == why)
+                        .map(|r| &r.expr)
+                        .collect::<Vec<_>>(),
+                )
+                .unwrap(),
+                other => panic!("{other:?}"),
+            };
+        let deny = "private and reserved ranges (default deny; egress.allow opens)";
+        let reserved = ["198.18.0.0/15".parse().unwrap()];
+        let t = rules(&fresh(), &reserved, deny);
+        assert!(t.contains("198.18.0.0") && t.contains("10.0.0.0"), "{t}");
+        assert!(!rules(&fresh(), &[], deny).contains("198.18.0.0"));
+        let node = rules(
+            &with_uplink("203.0.113.7/24"),
+            &[],
+            "no address of the node",
+        );
+        assert!(node.contains(r#""addr":"203.0.113.7","len":32"#), "{node}");
+        // The gateway on Imp's bridge is no node address here (the input chain keeps guests
+        // off it); the uplink's address changing rewrites the rules and touches nothing else.
+        let (_, mut up) = converge(&d, with_uplink("203.0.113.7/24"));
+        up.links[0].ipv4 = vec!["203.0.113.8/24".parse().unwrap()];
+        let p = plan(&d, &up, &[]);
+        match &p.actions()[..] {
+            [Action::ReplaceNft { rules }] => {
+                let t = serde_json::to_string(&rules.iter().map(|r| &r.expr).collect::<Vec<_>>())
+                    .unwrap();
+                assert!(
+                    t.contains("203.0.113.8") && !t.contains("203.0.113.7"),
+                    "{t}"
+                );
+                assert!(!t.contains(r#""addr":"192.0.2.1","len":32"#), "{t}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     fn whys(actions: &[Action]) -> Vec<&'static str> {
         actions
             .iter()
@@ -713,7 +776,7 @@ mod tests {
         let mut d = one(vec![port("imptap1", "192.0.2.10")]);
         let mut obs = fresh();
         obs.default_route_interface = None;
-        let p = plan(&d, &obs);
+        let p = plan(&d, &obs, &[]);
         assert!(
             matches!(&p.failed[..], [Failure { network, tap: None, error: NetworkError::NoEgress { .. } }] if network == "n1"),
             "{:?}",
@@ -732,15 +795,15 @@ mod tests {
         assert!(!w.contains(&"outbound NAT"), "{w:?}");
         d[0].network.egress_interface = Some("eth7".into());
         assert!(matches!(
-            &plan(&d, &obs).failed[..],
+            &plan(&d, &obs, &[]).failed[..],
             [Failure { error: NetworkError::EgressMissing { interface, .. }, .. }] if interface == "eth7"
         ));
         d[0].network.egress_interface = Some("eth0".into());
-        let p = plan(&d, &obs);
+        let p = plan(&d, &obs, &[]);
         assert!(p.failed.is_empty());
         assert!(whys(&p.actions()).contains(&"outbound NAT"));
         // A network without VMs here needs no egress at all.
-        let p = plan(&one(vec![]), &obs);
+        let p = plan(&one(vec![]), &obs, &[]);
         assert!(p.actions().is_empty() && p.failed.is_empty());
     }
 
@@ -770,7 +833,7 @@ mod tests {
             kind: Some("bridge".into()),
             ..Default::default()
         });
-        let p = plan(&d, &obs);
+        let p = plan(&d, &obs, &[]);
         let failed: Vec<_> = p
             .failed
             .iter()

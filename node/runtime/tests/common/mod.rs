@@ -462,15 +462,21 @@ impl TestNetwork {
         &self,
         desired: &[imp_runtime::network::Attachment],
     ) -> imp_runtime::network::Reconciled {
+        self.reconcile_admitting(desired, &Default::default())
+    }
+
+    /// As a runtime started with the platform's network flags (`admission`) reconciles.
+    pub fn reconcile_admitting(
+        &self,
+        desired: &[imp_runtime::network::Attachment],
+        admission: &imp_runtime::network::Admission,
+    ) -> imp_runtime::network::Reconciled {
         self.in_node(|| {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap()
-                .block_on(imp_runtime::network::reconcile(
-                    desired,
-                    &Default::default(),
-                ))
+                .block_on(imp_runtime::network::reconcile(desired, admission))
                 .unwrap()
         })
     }

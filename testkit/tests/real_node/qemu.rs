@@ -1,0 +1,138 @@
+//! The runtime pod on `runtime.backend: qemu`: the release's runtime image carries QEMU and
+//! vhost-device-vsock, the node only the guest kernel (Debian's cloud kernel) and Imp's initrd. The
+//! pool's images are the smoke's real-guest ones: a static busybox base (images/busybox-base) and the
+//! runner image images/runner/build.sh makes around the static imp-fake-runner, which reaches the
+//! GitHub simulator only through its network's NAT.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use imp_testkit::{node, paths};
+
+/// What a real guest on the node needs, built and pushed.
+pub struct GuestParts {
+    pub kernel: PathBuf,
+    pub initrd: PathBuf,
+    pub base_image: String,
+    pub runner_image: String,
+}
+
+/// The newest Debian cloud kernel with its modules, or why this host has none.
+fn cloud_kernel() -> Result<(PathBuf, String), String> {
+    let kernel = std::fs::read_dir("/boot")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-") && n.ends_with("-cloud-amd64"))
+        })
+        .max()
+        .ok_or("no /boot/vmlinuz-*-cloud-amd64 (Debian: linux-image-cloud-amd64)")?;
+    let version = kernel
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("vmlinuz-"))
+        .unwrap_or_default()
+        .to_owned();
+    if !Path::new("/lib/modules").join(&version).is_dir() {
+        return Err(format!(
+            "no /lib/modules/{version} for the initrd's modules"
+        ));
+    }
+    Ok((kernel, version))
+}
+
+/// Why this host cannot boot a real guest in the runtime pod, if it cannot.
+pub fn unavailable() -> Option<String> {
+    if let Err(why) = cloud_kernel() {
+        return Some(why);
+    }
+    for (tool, package) in [
+        ("qemu-system-x86_64", "qemu-system-x86"),
+        ("vhost-device-vsock", "cargo install vhost-device-vsock"),
+        ("cpio", "cpio"),
+        ("readelf", "binutils"),
+    ] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            return Some(format!("no {tool} ({package})"));
+        }
+    }
+    None
+}
+
+/// Builds the static imp-fake-runner (as the smoke does), Imp's initrd for the cloud kernel, and
+/// pushes the two images to `registry`.
+pub fn build(work: &Path, registry: &str, target_dir: &Path, static_guest: &Path) -> GuestParts {
+    let (kernel, version) = cloud_kernel().expect("the cloud kernel");
+    let root = paths::workspace_root();
+    node::run(
+        Command::new("cargo")
+            .args(["build", "-q", "--release", "--locked"])
+            .args([
+                "--target",
+                "x86_64-unknown-linux-gnu",
+                "-p",
+                "imp-fake-runner",
+            ])
+            .current_dir(&root)
+            .env("CARGO_TARGET_DIR", target_dir)
+            .env("RUSTFLAGS", "-C target-feature=+crt-static")
+            .env("CARGO_PROFILE_RELEASE_STRIP", "symbols"),
+    )
+    .expect("the static imp-fake-runner");
+    let fake_runner = target_dir.join("x86_64-unknown-linux-gnu/release/imp-fake-runner");
+    let initrd = work.join("initrd.gz");
+    node::run(
+        Command::new(root.join("images/initrd/build.sh"))
+            .arg("--guest")
+            .arg(static_guest)
+            .arg("--out")
+            .arg(&initrd)
+            .args(["--kernel-version", &version, "--gzip"]),
+    )
+    .expect("images/initrd/build.sh");
+    let base_image = format!("{registry}/imp-dev/runner-base:real-node-qemu");
+    node::run(
+        Command::new(root.join("images/busybox-base/build.sh"))
+            .arg("--out")
+            .arg(work.join("base-oci"))
+            .args(["--tag", "real-node-qemu", "--push", &base_image]),
+    )
+    .expect("images/busybox-base/build.sh");
+    let runner_image = format!("{registry}/imp-dev/actions-runner:real-node-qemu");
+    node::run(
+        Command::new(root.join("images/runner/build.sh"))
+            .arg("--fake-runner")
+            .arg(&fake_runner)
+            .arg("--out")
+            .arg(work.join("runner-oci"))
+            .args(["--tag", "real-node-qemu", "--push", &runner_image]),
+    )
+    .expect("images/runner/build.sh");
+    GuestParts {
+        kernel,
+        initrd,
+        base_image,
+        runner_image,
+    }
+}
+
+/// Chart values that move the node to QEMU (TCG: a nested /dev/kvm may open and still boot nothing):
+/// the runner command back to the runner image's wrapper inside the guest (the Firecracker phase ran
+/// a host binary), a boot timeout for a TCG guest on a busy host. The kernel and initrd paths are
+/// the caller's `--set`s.
+pub const VALUES: &str = "agent:\n  extraEnv:\n\
+     \x20   - {name: IMP_POLL_INTERVAL, value: 1s}\n\
+     \x20   - {name: IMP_SWEEP_INTERVAL, value: 2s}\n\
+     runtime:\n  backend: qemu\n  qemuAccel: tcg\n  extraEnv:\n\
+     \x20   - {name: IMP_GUEST_BIN, value: /usr/local/lib/imp/imp-guest}\n\
+     \x20   - {name: IMP_BOOT_TIMEOUT, value: 240s}\n";
