@@ -71,6 +71,19 @@ struct Assumed {
     at: Instant,
 }
 
+impl Assumed {
+    /// `request`'s share of `node`, reserved from now.
+    fn of(request: &VmRequest, node: &str) -> Self {
+        Assumed {
+            node: node.to_owned(),
+            vcpu: request.vcpu,
+            memory_mib: request.memory_mib,
+            disk_mib: request.disk_mib,
+            at: Instant::now(),
+        }
+    }
+}
+
 /// Shared state of the ImpVM controller.
 pub struct Context {
     client: Client,
@@ -705,33 +718,12 @@ impl Context {
             vm.name_any()
         );
         let uid = vm.uid().ok_or(Error::MissingObjectKey(".metadata.uid"))?;
-        let stale_after = self.config.timing.heartbeat_stale_after;
         let mut assumed = self.assumed.lock().await;
-        let nodes: Vec<NodeInfo> = self
-            .nodes
-            .state()
-            .iter()
-            .filter(|n| n.name_any() == node)
-            .map(|n| {
-                NodeInfo::from_node(
-                    n,
-                    health::heartbeat(self.lease(&n.name_any()).as_deref(), stale_after, now),
-                )
-            })
-            .collect();
+        let nodes = self.node_infos(now);
         let residents = self.residents(&uid, &mut assumed);
         match scheduler::schedule_pinned(request, node, &nodes, &residents) {
             Ok(node) => {
-                assumed.insert(
-                    uid,
-                    Assumed {
-                        node: node.clone(),
-                        vcpu: request.vcpu,
-                        memory_mib: request.memory_mib,
-                        disk_mib: request.disk_mib,
-                        at: Instant::now(),
-                    },
-                );
+                assumed.insert(uid, Assumed::of(request, &node));
                 drop(assumed);
                 self.attempt("scheduled");
                 let (status, note, _) = decide::bound(vm, &node, now);
@@ -742,16 +734,7 @@ impl Context {
             }
             Err(why) => {
                 drop(assumed);
-                self.attempt("unschedulable");
-                let (status, note) = decide::unschedulable(vm, &why, now);
-                if Some(&status) != vm.status.as_ref() {
-                    self.write_status(api, vm.clone(), status).await?;
-                }
-                if let Some(note) = note {
-                    info!(vm = %what, reason = %why, "bound by the user to a node that cannot take it");
-                    self.report(vm, &[note], &[]).await;
-                }
-                Ok(Action::requeue(self.config.timing.unschedulable_retry))
+                self.unschedulable(api, vm, &why, now).await
             }
         }
     }
@@ -770,20 +753,9 @@ impl Context {
         let rv = vm
             .resource_version()
             .ok_or(Error::MissingObjectKey(".metadata.resourceVersion"))?;
-        let stale_after = self.config.timing.heartbeat_stale_after;
 
         let mut assumed = self.assumed.lock().await;
-        let nodes: Vec<NodeInfo> = self
-            .nodes
-            .state()
-            .iter()
-            .map(|n| {
-                NodeInfo::from_node(
-                    n,
-                    health::heartbeat(self.lease(&n.name_any()).as_deref(), stale_after, now),
-                )
-            })
-            .collect();
+        let nodes = self.node_infos(now);
         let residents = self.residents(&uid, &mut assumed);
         match scheduler::schedule(request, &nodes, &residents) {
             Ok(node) => {
@@ -807,16 +779,7 @@ impl Context {
                     .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
                     .map_err(|e| Error::from_kube(&what, e))?;
-                assumed.insert(
-                    uid,
-                    Assumed {
-                        node: node.clone(),
-                        vcpu: request.vcpu,
-                        memory_mib: request.memory_mib,
-                        disk_mib: request.disk_mib,
-                        at: Instant::now(),
-                    },
-                );
+                assumed.insert(uid, Assumed::of(request, &node));
                 drop(assumed);
                 self.attempt("scheduled");
                 let (status, note, latency) = decide::bound(&patched, &node, now);
@@ -831,18 +794,44 @@ impl Context {
             }
             Err(why) => {
                 drop(assumed);
-                self.attempt("unschedulable");
-                let (status, note) = decide::unschedulable(vm, &why, now);
-                if Some(&status) != vm.status.as_ref() {
-                    self.write_status(api, vm.clone(), status).await?;
-                }
-                if let Some(note) = note {
-                    info!(vm = %what, reason = %why, "unschedulable");
-                    self.report(vm, &[note], &[]).await;
-                }
-                Ok(Action::requeue(self.config.timing.unschedulable_retry))
+                self.unschedulable(api, vm, &why, now).await
             }
         }
+    }
+
+    /// The scheduler's view of every node in the cache, heartbeats judged at `now`.
+    fn node_infos(&self, now: Timestamp) -> Vec<NodeInfo> {
+        let stale_after = self.config.timing.heartbeat_stale_after;
+        self.nodes
+            .state()
+            .iter()
+            .map(|n| {
+                NodeInfo::from_node(
+                    n,
+                    health::heartbeat(self.lease(&n.name_any()).as_deref(), stale_after, now),
+                )
+            })
+            .collect()
+    }
+
+    /// Pending Unschedulable with `why` (status and Event when it changed); retried later.
+    async fn unschedulable(
+        &self,
+        api: &Api<ImpVM>,
+        vm: &ImpVM,
+        why: &scheduler::Unschedulable,
+        now: Timestamp,
+    ) -> Result<Action> {
+        self.attempt("unschedulable");
+        let (status, note) = decide::unschedulable(vm, why, now);
+        if Some(&status) != vm.status.as_ref() {
+            self.write_status(api, vm.clone(), status).await?;
+        }
+        if let Some(note) = note {
+            info!(vm = %vm.name_any(), reason = %why, "unschedulable");
+            self.report(vm, &[note], &[]).await;
+        }
+        Ok(Action::requeue(self.config.timing.unschedulable_retry))
     }
 
     /// The VM's address on `net` (the one it holds, else a new one).
