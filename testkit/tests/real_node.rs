@@ -291,6 +291,10 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         // The node's namespace has no default route: the pool's network names its uplink, which
         // the platform must allow (node admission of ImpNetworks, docs/network.md).
         "runtime.network.allowedEgressInterfaces[0]=imp-node0".into(),
+        // The cluster's pod and Service ranges: refused as VM subnets and denied to guests by default
+        // (docs/network.md), as a platform admin sets them.
+        format!("runtime.network.reservedCIDRs[0]={}", node::POD_CIDR),
+        format!("runtime.network.reservedCIDRs[1]={}", node::SERVICE_CIDR),
         // No Prometheus Operator CRDs in this cluster.
         "metrics.serviceMonitor.enabled=false".into(),
         "metrics.podMonitor.enabled=false".into(),

@@ -154,6 +154,20 @@ impl Drop for World {
     }
 }
 
+/// A network with NAT out of the default route and no egress lists or ingress rules.
+fn nat_network(id: &str, subnet: &str, gateway: &str) -> VmNetwork {
+    VmNetwork {
+        id: id.to_owned(),
+        subnet: subnet.parse().unwrap(),
+        gateway: gateway.parse().unwrap(),
+        nat: true,
+        egress_interface: None,
+        egress_allow: vec![],
+        egress_deny: vec![],
+        ingress: vec![],
+    }
+}
+
 /// `ip -n ns ARGS...` for each (ns, args), in order.
 fn ip_all(steps: &[(&str, Vec<&str>)]) {
     for (ns, args) in steps {
@@ -634,16 +648,7 @@ fn networks_that_would_steer_the_node_are_refused_and_its_routing_is_unchanged()
 
     let tap = format!("impa{id:x}");
     let network = |n: &str, subnet: &str, gateway: &str, ip: &str| Attachment {
-        network: VmNetwork {
-            id: format!("net-{n}-{id}"),
-            subnet: subnet.parse().unwrap(),
-            gateway: gateway.parse().unwrap(),
-            nat: true,
-            egress_interface: None,
-            egress_allow: vec![],
-            egress_deny: vec![],
-            ingress: vec![],
-        },
+        network: nat_network(&format!("net-{n}-{id}"), subnet, gateway),
         ports: vec![Port {
             tap: if n == "ok" {
                 tap.clone()
@@ -850,14 +855,8 @@ fn egress_is_denied_by_default_and_networks_do_not_decide_for_each_other() {
     }];
     let net = |n: &str, subnet: &str, gateway: &str, port: &Port| Attachment {
         network: VmNetwork {
-            id: format!("net-{n}-{id}"),
-            subnet: subnet.parse().unwrap(),
-            gateway: gateway.parse().unwrap(),
-            nat: true,
-            egress_interface: None,
-            egress_allow: vec![],
-            egress_deny: vec![],
             ingress: everyone.clone(),
+            ..nat_network(&format!("net-{n}-{id}"), subnet, gateway)
         },
         ports: vec![port.clone()],
     };

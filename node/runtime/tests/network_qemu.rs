@@ -546,6 +546,46 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
         "a repeated setup must be a no-op: {again:?}"
     );
 
+    // The node's private network opened by `egress.allow`, inside what the platform allows
+    // (--network-allowable-egress-cidrs): reachable from the real guest, and only it; then the
+    // rules go back to the runtime's and the range is closed again.
+    let private_net: ipnet::Ipv4Net = "10.77.0.0/24".parse().unwrap();
+    let opened: Vec<NetworkAttachment> = attachments
+        .iter()
+        .map(|at| NetworkAttachment {
+            egress_allow: vec![private_net],
+            ..at.clone()
+        })
+        .collect();
+    let desired_open = network::desired(
+        vms.iter()
+            .zip(&opened)
+            .map(|((uid, _), at)| (h.tap_for(uid), vm_mac(uid), at)),
+    );
+    let allowing = network::Admission {
+        allowable_egress: vec![private_net],
+        ..admission.clone()
+    };
+    let open = tn.reconcile_admitting(&desired_open, &allowing);
+    assert!(open.failed.is_empty(), "opening {private_net}: {open:?}");
+    assert!(
+        a.reaches("http://10.77.0.1:8080/").await,
+        "an allowed range stayed closed to the real guest"
+    );
+    assert!(
+        !a.reaches("http://198.18.0.5:8080/").await,
+        "opening {private_net} opened the pod range too"
+    );
+    let closed = tn.reconcile_admitting(&desired, &admission);
+    assert!(
+        closed.failed.is_empty(),
+        "closing {private_net}: {closed:?}"
+    );
+    assert!(
+        !a.reaches("http://10.77.0.1:8080/").await,
+        "the range stayed open after the rules went back"
+    );
+
     // Throughput and latency to the "internet", guest vs node, with the same client.
     let big = format!("busybox wget -q -O /dev/null http://{WEB}:8080/big");
     let small = format!(
