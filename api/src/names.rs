@@ -105,6 +105,9 @@ pub mod condition {
     pub const AT_CAPACITY: &str = "AtCapacity";
     /// Pool: scaling held back (scaleUpStep, governor, backoff).
     pub const SCALING_LIMITED: &str = "ScalingLimited";
+    /// Pool: the periodic sweep listed every repository of the pool's scope in full (False: some
+    /// repository's active runs are beyond what the sweep reads; its jobs come from webhooks only).
+    pub const DEMAND_LISTED: &str = "DemandListed";
     /// ImpNetwork: subnet accepted and IPAM ready.
     pub const NETWORK_READY: &str = "Ready";
 }
@@ -177,8 +180,8 @@ pub mod reason {
 
     use Site::*;
     use condition::{
-        AT_CAPACITY, CREDENTIALS_VALID, NETWORK_READY, NODE_HEALTHY, READY, SCALING_LIMITED,
-        SCHEDULED as SCHEDULED_C, TORN_DOWN as TORN_DOWN_C,
+        AT_CAPACITY, CREDENTIALS_VALID, DEMAND_LISTED, NETWORK_READY, NODE_HEALTHY, READY,
+        SCALING_LIMITED, SCHEDULED as SCHEDULED_C, TORN_DOWN as TORN_DOWN_C,
     };
 
     reasons! {
@@ -355,6 +358,10 @@ pub mod reason {
         MINT_BACKOFF = "MintBackoff" in [PoolCondition(SCALING_LIMITED)];
         /// Runner VMs keep failing before their runner starts; new VMs wait out a backoff.
         VM_START_FAILING = "VmStartFailing" in [PoolCondition(SCALING_LIMITED)];
+        /// The last sweep listed every repository of the pool's scope in full.
+        SWEEP_COMPLETE = "SweepComplete" in [PoolCondition(DEMAND_LISTED)];
+        /// A repository of the pool's scope has more active runs than the sweep reads (its page cap): its queued jobs are known from webhooks only, and a lost delivery is not recovered.
+        SWEEP_PAGE_CAP = "SweepPageCap" in [PoolCondition(DEMAND_LISTED)];
         /// Runner VMs were created.
         SCALED_UP = "ScaledUp" in [PoolEvent];
         /// Idle runners were retired.

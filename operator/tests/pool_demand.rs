@@ -138,3 +138,63 @@ async fn default_runner_labels_route_to_a_pool_without_them() {
     assert_eq!(arm.status, JobStatus::Queued, "no Imp runner takes arm64");
     assert_eq!(h.shared.demand().pool_demand(&key).queued, 0);
 }
+
+/// Issue 30: a repository with more active runs than the sweep reads (50 pages of 100) is shown
+/// on the pool: DemandListed False with SweepPageCap naming it, its jobs known from webhooks only.
+/// Once its runs are done the next sweep lists it in full again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_repository_beyond_the_sweep_s_page_cap_is_a_pool_condition() {
+    use imp_api::names::{condition, reason};
+    let timing = imp_operator::runnerpool::PoolTiming {
+        sweep_interval: Duration::from_secs(1),
+        ..fast_timing()
+    };
+    let h = PoolHarness::start_with("pool-pagecap", timing).await;
+    h.create_pool("capped", json!({"maxRunners": 1})).await;
+    let demand_listed = || async {
+        h.pool_status("capped")
+            .await
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == condition::DEMAND_LISTED)
+    };
+    h.wait("DemandListed SweepComplete", WAIT, || async {
+        demand_listed()
+            .await
+            .filter(|c| c.status == "True" && c.reason == reason::SWEEP_COMPLETE)
+    })
+    .await;
+    // Jobs for labels no pool serves (no runner is wanted), their webhooks lost.
+    h.sim.inject_webhook_fault(WebhookFault::Drop, 20_000);
+    let others = JobSpec {
+        labels: vec!["self-hosted".into(), "gpu".into()],
+        ..job()
+    };
+    let jobs: Vec<u64> = (0..5_001)
+        .map(|_| h.sim.queue_job(others.clone()).id)
+        .collect();
+    let repository = h.sim.job(jobs[0]).expect("job").repository;
+    let capped = h
+        .wait("DemandListed SweepPageCap", WAIT, || async {
+            demand_listed()
+                .await
+                .filter(|c| c.status == "False" && c.reason == reason::SWEEP_PAGE_CAP)
+        })
+        .await;
+    assert!(
+        capped
+            .message
+            .starts_with(&format!("{repository}: more active runs")),
+        "{}",
+        capped.message
+    );
+    for id in jobs {
+        h.sim.complete_job(id, "cancelled");
+    }
+    h.wait("DemandListed SweepComplete again", WAIT, || async {
+        demand_listed()
+            .await
+            .filter(|c| c.status == "True" && c.reason == reason::SWEEP_COMPLETE)
+    })
+    .await;
+}

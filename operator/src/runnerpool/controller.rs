@@ -49,7 +49,7 @@ use super::{
     config::{DEFAULT_WEBHOOK_SECRET_KEY, PoolControllerConfig},
     decide::{
         Creds, Deadlines, Done, Input, JitSecretFacts, MintAction, PoolPlan, RequeueInput,
-        RunnerFacts, StartFacts, StatusInput, VmFacts, account_start_failures,
+        RunnerFacts, StartFacts, StatusInput, Sweep, VmFacts, account_start_failures,
         after_store_conflict, credentials_invalid, decide, mint_action, needs_listing,
         online_suspect, orphans, phase_spans, pool_status, requeue_after,
     },
@@ -59,7 +59,9 @@ use super::{
     slo::{ServedFacts, VmTimes, run_phase},
 };
 use crate::error::{Error, Result};
-use crate::github::{DeleteOutcome, ErrorClass, GithubApp, JitRequest, RunnerScope, runner_name};
+use crate::github::{
+    DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
+};
 use crate::metrics::ReasonLabels;
 
 /// The `controller` label of the reconcile metrics.
@@ -79,6 +81,8 @@ struct PoolMemory {
     github: Option<(GithubApp, RunnerScope)>,
     /// A sweep covered this pool since the operator started (its demand is known).
     swept: bool,
+    /// What the last sweeps learnt of the pool's scope (the DemandListed condition).
+    sweep: Sweep,
     /// Runner ids of the pool's VMs GitHub listed online or busy: their online deadline is met.
     confirmed_online: HashSet<u64>,
     /// Last GitHub runner listing of the pool (the reaper's clock).
@@ -1298,6 +1302,7 @@ impl Ctx {
         mint_failed: bool,
     ) -> Result<()> {
         let old = pool.status.clone().unwrap_or_default();
+        let sweep = self.memory(key, |m| m.sweep.clone());
         let status = pool_status(&StatusInput {
             old: &old,
             plan: &pp.plan,
@@ -1306,6 +1311,7 @@ impl Ctx {
             mint_failed,
             generation: pool.metadata.generation,
             max_runners: pool.spec.scaling.max_runners,
+            sweep: &sweep,
             now: Timestamp::now(),
         });
         let m = &self.shared.metrics;
@@ -1611,7 +1617,26 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
 }
 
 /// One App's sweep: its client, the organizations and the repositories its pools serve, the pools.
-type AppSweep = (GithubApp, HashSet<String>, HashSet<String>, Vec<PoolKey>);
+type AppSweep = (
+    GithubApp,
+    HashSet<String>,
+    HashSet<String>,
+    Vec<(PoolKey, RunnerScope)>,
+);
+
+/// Whether repository `full_name` (`owner/name`) is in a pool's scope, as the sweep lists it. An
+/// enterprise scope has no repositories of its own to sweep.
+fn in_scope(scope: &RunnerScope, full_name: &str) -> bool {
+    match scope {
+        RunnerScope::Organization { org } => full_name
+            .split_once('/')
+            .is_some_and(|(owner, _)| owner.eq_ignore_ascii_case(org)),
+        RunnerScope::Repository { owner, repo } => {
+            full_name.eq_ignore_ascii_case(&format!("{owner}/{repo}"))
+        }
+        RunnerScope::Enterprise { .. } => false,
+    }
+}
 
 /// Periodically lists queued jobs through the REST API (per App, once per repository), so jobs whose
 /// webhooks were lost raise demand within one interval; also expires old jobs and refreshes the global
@@ -1671,7 +1696,7 @@ impl Ctx {
             let e = by_app
                 .entry((app.app_id(), app.installation_id()))
                 .or_insert_with(|| (app.clone(), HashSet::new(), HashSet::new(), Vec::new()));
-            e.3.push(key);
+            e.3.push((key, scope.clone()));
             match scope {
                 RunnerScope::Organization { org } => {
                     e.1.insert(org.to_ascii_lowercase());
@@ -1704,6 +1729,12 @@ impl Ctx {
                 );
             }
             let complete = listing.failed.is_empty() && listing.deferred.is_empty();
+            let capped: Vec<String> = listing
+                .failed
+                .iter()
+                .filter(|(_, e)| matches!(e, GithubError::TooManyPages { .. }))
+                .map(|(repo, _)| repo.clone())
+                .collect();
             next = next.max(app.record_sweep(listing.calls, min));
             let changed = {
                 let mut d = self.shared.demand();
@@ -1721,12 +1752,19 @@ impl Ctx {
                 debug!(pool = %key, "sweep changed demand");
                 self.shared.notify(key);
             }
-            if complete {
-                for key in keys {
-                    if !self.memory(&key, |m| std::mem::replace(&mut m.swept, true)) {
-                        // Its demand is known now: surplus may be retired.
-                        self.shared.notify(key);
-                    }
+            for (key, scope) in keys {
+                let outcome = match scope {
+                    RunnerScope::Enterprise { .. } => Sweep::Unknown,
+                    _ => Sweep::of(&capped, |r| in_scope(&scope, r), complete),
+                };
+                let changed = outcome != Sweep::Unknown
+                    && self.memory(&key, |m| std::mem::replace(&mut m.sweep, outcome.clone()))
+                        != outcome;
+                // Its demand is known now: surplus may be retired.
+                let first =
+                    complete && !self.memory(&key, |m| std::mem::replace(&mut m.swept, true));
+                if changed || first {
+                    self.shared.notify(key);
                 }
             }
         }
@@ -1755,5 +1793,28 @@ mod from_template_tests {
             !from_template(&pool, &vm),
             "another image is not the pool's runner"
         );
+    }
+}
+
+#[cfg(test)]
+mod sweep_scope_tests {
+    use super::*;
+
+    #[test]
+    fn a_repository_is_in_the_scope_the_sweep_listed_it_for() {
+        let org = RunnerScope::Organization { org: "Acme".into() };
+        assert!(in_scope(&org, "acme/app"));
+        assert!(!in_scope(&org, "acmeco/app"));
+        assert!(!in_scope(&org, "other/acme"));
+        let repo = RunnerScope::Repository {
+            owner: "acme".into(),
+            repo: "app".into(),
+        };
+        assert!(in_scope(&repo, "Acme/App"));
+        assert!(!in_scope(&repo, "acme/app2"));
+        let ent = RunnerScope::Enterprise {
+            enterprise: "e".into(),
+        };
+        assert!(!in_scope(&ent, "acme/app"));
     }
 }

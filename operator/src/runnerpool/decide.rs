@@ -107,6 +107,37 @@ pub struct Done {
     pub cleaned: u32,
 }
 
+/// What the periodic sweep last learnt of the pool's scope (DemandListed).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Sweep {
+    /// No sweep has covered the pool yet, or the last ones failed for passing reasons (a rate
+    /// limit, an error): the condition keeps what it said.
+    #[default]
+    Unknown,
+    /// Every repository of the scope was listed in full.
+    Complete,
+    /// These repositories have more active runs than the sweep reads (its page cap).
+    PageCap(Vec<String>),
+}
+
+impl Sweep {
+    /// The sweep's outcome for one pool: the repositories of `in_scope` among those whose
+    /// listing hit the page cap; else Complete when the whole sweep was.
+    pub fn of(capped: &[String], in_scope: impl Fn(&str) -> bool, complete: bool) -> Sweep {
+        let mine: Vec<String> = capped.iter().filter(|r| in_scope(r)).cloned().collect();
+        if !mine.is_empty() {
+            Sweep::PageCap(mine)
+        } else if complete {
+            Sweep::Complete
+        } else {
+            Sweep::Unknown
+        }
+    }
+}
+
+/// Repositories named in a condition message; the rest are counted.
+const NAMED_REPOSITORIES: usize = 5;
+
 /// Inputs of [`pool_status`].
 pub struct StatusInput<'a> {
     pub old: &'a ImpVMRunnerPoolStatus,
@@ -117,11 +148,12 @@ pub struct StatusInput<'a> {
     pub mint_failed: bool,
     pub generation: Option<i64>,
     pub max_runners: u32,
+    pub sweep: &'a Sweep,
     pub now: Timestamp,
 }
 
 /// The pool's status after a pass: counts from the plan's observation adjusted by what the pass did,
-/// and the CredentialsValid, Ready, AtCapacity and ScalingLimited conditions.
+/// and the CredentialsValid, Ready, AtCapacity, ScalingLimited and DemandListed conditions.
 pub fn pool_status(i: &StatusInput) -> ImpVMRunnerPoolStatus {
     let (c, p) = (&i.plan.counts, i.plan);
     let Done {
@@ -186,6 +218,35 @@ pub fn pool_status(i: &StatusInput) -> ImpVMRunnerPoolStatus {
             None => "scaling follows demand".to_owned(),
         },
     );
+    match i.sweep {
+        Sweep::Unknown => {}
+        Sweep::Complete => cond(
+            condition::DEMAND_LISTED,
+            Some(true),
+            reason::SWEEP_COMPLETE,
+            "the last sweep listed every repository of the pool's scope in full".to_owned(),
+        ),
+        Sweep::PageCap(repos) => {
+            let mut named = repos
+                .iter()
+                .take(NAMED_REPOSITORIES)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ");
+            if repos.len() > NAMED_REPOSITORIES {
+                named.push_str(&format!(" and {} more", repos.len() - NAMED_REPOSITORIES));
+            }
+            cond(
+                condition::DEMAND_LISTED,
+                Some(false),
+                reason::SWEEP_PAGE_CAP,
+                format!(
+                    "{named}: more active runs than the sweep reads; their queued jobs are known from \
+                     webhooks only, and a lost delivery is not recovered"
+                ),
+            )
+        }
+    }
     ImpVMRunnerPoolStatus {
         observed_generation: i.generation,
         desired: p.desired,
@@ -712,8 +773,65 @@ mod tests {
             mint_failed,
             generation: Some(3),
             max_runners: 4,
+            sweep: &Sweep::Unknown,
             now: t(0),
         })
+    }
+
+    #[test]
+    fn the_sweep_s_page_cap_is_a_condition_naming_the_pool_s_repositories() {
+        let capped = ["acme/big".to_owned(), "other/big".to_owned()];
+        let acme = |r: &str| r.starts_with("acme/");
+        assert_eq!(
+            Sweep::of(&capped, acme, true),
+            Sweep::PageCap(vec!["acme/big".into()])
+        );
+        assert_eq!(
+            Sweep::of(&capped, |r| r == "acme/app", true),
+            Sweep::Complete,
+            "another scope's capped repository is not the pool's"
+        );
+        assert_eq!(Sweep::of(&[], acme, false), Sweep::Unknown);
+        let status = |old: &ImpVMRunnerPoolStatus, sweep: &Sweep| {
+            pool_status(&StatusInput {
+                old,
+                plan: &Plan::default(),
+                done: Done::default(),
+                creds: &Creds::Unknown,
+                mint_failed: false,
+                generation: Some(1),
+                max_runners: 4,
+                sweep,
+                now: t(0),
+            })
+        };
+        let none = status(&ImpVMRunnerPoolStatus::default(), &Sweep::Unknown);
+        assert!(conditions::find(&none.conditions, condition::DEMAND_LISTED).is_none());
+        let many: Vec<String> = (0..7).map(|i| format!("acme/r{i}")).collect();
+        let capped = status(&none, &Sweep::PageCap(many));
+        let c = cond(&capped, condition::DEMAND_LISTED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", reason::SWEEP_PAGE_CAP)
+        );
+        assert!(
+            c.message
+                .starts_with("acme/r0, acme/r1, acme/r2, acme/r3, acme/r4 and 2 more:"),
+            "{}",
+            c.message
+        );
+        let kept = status(&capped, &Sweep::Unknown);
+        assert_eq!(
+            cond(&kept, condition::DEMAND_LISTED).reason,
+            reason::SWEEP_PAGE_CAP,
+            "a sweep that learnt nothing keeps the condition"
+        );
+        let listed = status(&kept, &Sweep::Complete);
+        let c = cond(&listed, condition::DEMAND_LISTED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", reason::SWEEP_COMPLETE)
+        );
     }
 
     fn cond<'a>(
