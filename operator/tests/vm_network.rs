@@ -248,12 +248,7 @@ async fn exhausted_network_keeps_the_vm_pending_until_an_address_frees() {
 
     // The first VM goes (the agent tears it down): its address passes to the second.
     h.agent_run("first").await;
-    h.vms()
-        .delete("first", &DeleteParams::default())
-        .await
-        .unwrap();
-    h.wait_phase("first", VmPhase::Terminating, WAIT).await;
-    h.agent_torn_down("first").await;
+    h.delete_and_tear_down("first", WAIT).await;
     h.wait_gone("first", WAIT).await;
     let gone = Instant::now();
     let vm = h.wait_phase("second", VmPhase::Scheduled, WAIT).await;

@@ -304,12 +304,7 @@ async fn a_teardown_schedules_the_waiting_vm_at_once() {
         vm.status.as_ref().and_then(|s| s.reason.as_deref()) == Some(reason::UNSCHEDULABLE)
     })
     .await;
-    h.vms()
-        .delete("first", &DeleteParams::default())
-        .await
-        .unwrap();
-    h.wait_phase("first", VmPhase::Terminating, WAIT).await;
-    h.agent_torn_down("first").await;
+    h.delete_and_tear_down("first", WAIT).await;
     let vm = h
         .wait_phase("second", VmPhase::Scheduled, Duration::from_secs(10))
         .await;
@@ -384,12 +379,7 @@ async fn a_user_pinned_vm_waits_for_capacity_and_taints_like_any_other() {
     }
 
     // The first VM goes: the pinned one fits and is Scheduled on its node.
-    h.vms()
-        .delete("first", &DeleteParams::default())
-        .await
-        .unwrap();
-    h.wait_phase("first", VmPhase::Terminating, WAIT).await;
-    h.agent_torn_down("first").await;
+    h.delete_and_tear_down("first", WAIT).await;
     h.wait_gone("first", WAIT).await;
     let vm = h.wait_phase("pinned", VmPhase::Scheduled, WAIT).await;
     assert_eq!(node_of(&vm), Some(node.as_str()));

@@ -424,6 +424,17 @@ impl Harness {
         .await
     }
 
+    /// Deletes the VM and, once the operator has it Terminating, acts as its agent finishing the
+    /// teardown (what frees its node's capacity and its address).
+    pub async fn delete_and_tear_down(&self, name: &str, within: Duration) {
+        self.vms()
+            .delete(name, &kube::api::DeleteParams::default())
+            .await
+            .unwrap();
+        self.wait_phase(name, VmPhase::Terminating, within).await;
+        self.agent_torn_down(name).await;
+    }
+
     /// (reason, note) of the Events about one VM, oldest first.
     pub async fn events(&self, vm: &str) -> Vec<(String, String)> {
         let events: Api<Event> = self.env.api();
