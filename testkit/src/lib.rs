@@ -19,6 +19,7 @@ pub mod process;
 pub mod proxy;
 pub mod qemu;
 pub mod registry;
+pub mod runbook;
 pub mod skip;
 pub mod tarball;
 pub mod waits;

@@ -176,7 +176,7 @@ impl NodeNetns {
 
     /// `/var/run/netns/<name>`.
     pub fn path(&self) -> PathBuf {
-        Path::new("/var/run/netns").join(&self.name)
+        netns_path(&self.name)
     }
 
     /// Moves the calling thread into the namespace until the guard drops. (`nsenter --net`, not `ip netns
@@ -191,6 +191,11 @@ impl NodeNetns {
         let ino = std::fs::metadata(self.path()).ok()?.ino();
         Some(format!("net:[{ino}]"))
     }
+}
+
+/// Where `ip netns` keeps namespace `name`.
+fn netns_path(name: &str) -> PathBuf {
+    Path::new("/var/run/netns").join(name)
 }
 
 fn enter(netns: &Path) -> Result<EnteredNetns, NodeError> {
@@ -263,7 +268,7 @@ impl UplinkPeer {
     /// Moves the calling thread into the namespace until the guard drops: sockets created meanwhile
     /// (a listener) stay in it.
     pub fn enter(&self) -> Result<EnteredNetns, NodeError> {
-        enter(&Path::new("/var/run/netns").join(&self.name))
+        enter(&netns_path(&self.name))
     }
 }
 

@@ -76,6 +76,11 @@ pub fn detect() -> Result<Setup, String> {
     let guest_bin = PathBuf::from(
         std::env::var("IMP_GUEST_STATIC_BIN").map_err(|_| "IMP_GUEST_STATIC_BIN is not set")?,
     );
+    detect_with(guest_bin)
+}
+
+/// [`detect`] with the static imp-guest the caller built.
+pub fn detect_with(guest_bin: PathBuf) -> Result<Setup, String> {
     let qemu = which("qemu-system-x86_64").ok_or("qemu-system-x86_64 not in PATH")?;
     let vhost = which("vhost-device-vsock").ok_or("vhost-device-vsock not in PATH")?;
     if !is_static(Path::new("/bin/busybox")) {

@@ -27,6 +27,7 @@ use imp_testkit::{
     github::{GithubSim, SimConfig},
     node, paths,
     registry::{Registry, RegistryOptions},
+    runbook,
 };
 use k8s_openapi::api::core::v1::Pod;
 use kube::{Api, ResourceExt as _, api::ListParams};
@@ -189,41 +190,32 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         String::from_utf8_lossy(&out.stdout)
     );
     let digests = std::fs::read_to_string(release_dir.join("digests")).unwrap_or_default();
-    let previous_dir = work.join("previous");
     node::run(
         Command::new("tar")
             .arg("-xzf")
             .arg(release_dir.join(format!("imp-{current}.tgz")))
             .arg("-C")
-            .arg(work.clone()),
+            .arg(&work),
     )
     .expect("unpack the release's chart");
-    std::fs::rename(work.join("imp"), &previous_dir).expect("the release's chart");
-    let chart_yaml = previous_dir.join("Chart.yaml");
-    let text = std::fs::read_to_string(&chart_yaml).expect("Chart.yaml");
-    std::fs::write(
-        &chart_yaml,
-        text.replace(
-            &format!("version: {current}"),
-            &format!("version: {previous}"),
-        ),
-    )
-    .expect("write Chart.yaml");
-    helm_in(
-        &work,
+    let charts = work.join("charts");
+    helm(
+        &cp,
         &[
             "package",
-            &previous_dir.display().to_string(),
+            &work.join("imp").display().to_string(),
+            "--version",
+            previous,
             "--destination",
-            &work.display().to_string(),
+            &charts.display().to_string(),
         ],
     )
     .expect("helm package the previous version");
-    helm_in(
-        &work,
+    helm(
+        &cp,
         &[
             "push",
-            &work
+            &charts
                 .join(format!("imp-{previous}.tgz"))
                 .display()
                 .to_string(),
@@ -476,15 +468,15 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
 
     // The same release on `runtime.backend: qemu`: the runtime pod boots a real guest (TCG) from the
     // QEMU and vhost-device-vsock of its image; the job runs inside it.
-    match qemu::unavailable() {
-        Some(why) => imp_testkit::skip::skip_or_fail(
+    match imp_testkit::qemu::detect_with(static_guest.clone()) {
+        Err(why) => imp_testkit::skip::skip_or_fail(
             "IMP_REQUIRE_QEMU",
             "real_node's qemu phase",
             &format!("this host cannot boot a real guest in the runtime pod: {why}"),
         ),
-        None => {
+        Ok(setup) => {
             let t5 = Instant::now();
-            let parts = qemu::build(&work, &reg, &target_dir, &static_guest);
+            let parts = qemu::build(&work, &reg, &target_dir, &setup);
             let qemu_values = work.join("qemu-values.yaml");
             std::fs::write(&qemu_values, qemu::VALUES).expect("write the qemu values");
             // The kernel and initrd as --set too: the test's --set of the placeholder kernel wins
@@ -574,14 +566,9 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         let out = kubectl(&cp, &["get", kind, "-A", "-o", "name"]).unwrap_or_default();
         assert!(out.trim().is_empty(), "{kind} left after uninstall: {out}");
     }
-    let taps: Vec<String> = node::run(Command::new("ip").args(["-o", "link", "show"]))
-        .expect("ip link show")
-        .lines()
-        .filter_map(|l| l.split(": ").nth(1))
-        .map(|n| n.split('@').next().unwrap_or(n).to_owned())
-        .filter(|n| {
-            n.len() == 14 && n.starts_with("imp") && n[3..].chars().all(|c| c.is_ascii_hexdigit())
-        })
+    let taps: Vec<String> = imp_links()
+        .into_iter()
+        .filter(|n| !n.starts_with("impbr"))
         .collect();
     assert!(taps.is_empty(), "VM TAPs left after uninstall: {taps:?}");
     let leftover_cgroups: Vec<PathBuf> = node::cgroup_hierarchies()
@@ -600,20 +587,10 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         "Imp's CRDs left after uninstall.md section 3: {crds}"
     );
     uninstall.section(4);
-    let links = node::run(Command::new("ip").args(["-o", "link", "show"])).expect("ip link show");
-    // Imp's bridges `impbr<hex>` and TAPs `imp<hex>` (the test's own `imp-node0`, `imp-cni0` aside).
-    let imp_links: Vec<&str> = links
-        .lines()
-        .filter_map(|l| l.split(": ").nth(1))
-        .map(|n| n.split('@').next().unwrap_or(n))
-        .filter(|n| {
-            let hex = n.strip_prefix("impbr").or_else(|| n.strip_prefix("imp"));
-            hex.is_some_and(|h| !h.is_empty() && h.chars().all(|c| c.is_ascii_hexdigit()))
-        })
-        .collect();
+    let links = imp_links();
     assert!(
-        imp_links.is_empty(),
-        "Imp links left after uninstall.md: {imp_links:?}"
+        links.is_empty(),
+        "Imp links left after uninstall.md: {links:?}"
     );
     let tables = node::run(Command::new("nft").args(["list", "tables"])).expect("nft list tables");
     assert!(
@@ -637,6 +614,21 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
     drop(sim);
     drop(uplink);
     let _ = std::fs::remove_dir_all(&work);
+}
+
+/// Imp's links in the node's namespace: bridges `impbr<hex>` and TAPs `imp<hex>` (the test's own
+/// `imp-node0` and `imp-cni0` aside).
+fn imp_links() -> Vec<String> {
+    node::run(Command::new("ip").args(["-o", "link", "show"]))
+        .expect("ip link show")
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n).to_owned())
+        .filter(|n| {
+            let hex = n.strip_prefix("impbr").or_else(|| n.strip_prefix("imp"));
+            hex.is_some_and(|h| !h.is_empty() && h.chars().all(|c| c.is_ascii_hexdigit()))
+        })
+        .collect()
 }
 
 /// `kubectl imp console VM` prints the VM's console, `expected` among it, and never its JIT config.
@@ -684,25 +676,17 @@ struct Uninstall<'a> {
 
 impl Uninstall<'_> {
     fn section(&self, n: u32) {
-        let page = std::fs::read_to_string(paths::workspace_root().join("runbooks/uninstall.md"))
+        let page = "uninstall.md";
+        let text = std::fs::read_to_string(paths::workspace_root().join("runbooks").join(page))
             .expect("runbooks/uninstall.md");
-        let heading = format!("## {n}. ");
-        let body = page
-            .split("\n## ")
-            .find_map(|s| s.strip_prefix(&heading[3..]))
-            .unwrap_or_else(|| panic!("runbooks/uninstall.md has no section {heading:?}"));
-        let mut script = String::new();
-        let mut in_block = false;
-        for line in body.lines() {
-            if line.starts_with("```") {
-                in_block = !in_block && line.trim_start_matches('`').starts_with("sh");
-                continue;
-            }
-            if in_block {
-                script.push_str(line);
-                script.push('\n');
-            }
-        }
+        let lines = runbook::section_lines(&text, &format!("{n}. "))
+            .unwrap_or_else(|| panic!("runbooks/uninstall.md has no section \"## {n}. \""));
+        let script: String = runbook::sh_blocks(page, &text)
+            .unwrap_or_else(|e| panic!("runbooks/{e}"))
+            .into_iter()
+            .filter(|b| lines.contains(&b.line))
+            .map(|b| b.script)
+            .collect();
         assert!(
             !script.is_empty(),
             "uninstall.md section {n} has no sh block"
@@ -725,14 +709,10 @@ impl Uninstall<'_> {
             paths::testenv_bin_dir().display(),
             std::env::var("PATH").unwrap_or_default()
         );
-        let out = Command::new("bash")
+        let out = with_cluster(self.cp, "bash")
             .args(["-euo", "pipefail", "-c", &script])
             .env("PATH", path)
             .env("NODE", self.node)
-            .env("KUBECONFIG", self.cp.kubeconfig_path())
-            .env("HELM_CACHE_HOME", self.cp.dir().join("helm/cache"))
-            .env("HELM_CONFIG_HOME", self.cp.dir().join("helm/config"))
-            .env("HELM_DATA_HOME", self.cp.dir().join("helm/data"))
             .output()
             .expect("run bash");
         assert!(
@@ -866,25 +846,6 @@ async fn describe_pods(pods: &Api<Pod>) -> String {
         .collect()
 }
 
-/// helm before the control plane matters (package, push), its caches under `dir`.
-fn helm_in(dir: &Path, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(paths::testenv_bin("helm"))
-        .args(args)
-        .env("HELM_CACHE_HOME", dir.join("helm/cache"))
-        .env("HELM_CONFIG_HOME", dir.join("helm/config"))
-        .env("HELM_DATA_HOME", dir.join("helm/data"))
-        .output()
-        .map_err(|e| format!("helm: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(format!(
-            "helm {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
 fn helm(cp: &ControlPlane, args: &[&str]) -> Result<String, String> {
     tool(cp, "helm", args)
 }
@@ -893,13 +854,19 @@ fn kubectl(cp: &ControlPlane, args: &[&str]) -> Result<String, String> {
     tool(cp, "kubectl", args)
 }
 
-fn tool(cp: &ControlPlane, name: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(paths::testenv_bin(name))
-        .args(args)
-        .env("KUBECONFIG", cp.kubeconfig_path())
+/// `program` with the control plane's kubeconfig and helm's directories under it.
+fn with_cluster(cp: &ControlPlane, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env("KUBECONFIG", cp.kubeconfig_path())
         .env("HELM_CACHE_HOME", cp.dir().join("helm/cache"))
         .env("HELM_CONFIG_HOME", cp.dir().join("helm/config"))
-        .env("HELM_DATA_HOME", cp.dir().join("helm/data"))
+        .env("HELM_DATA_HOME", cp.dir().join("helm/data"));
+    cmd
+}
+
+fn tool(cp: &ControlPlane, name: &str, args: &[&str]) -> Result<String, String> {
+    let out = with_cluster(cp, paths::testenv_bin(name))
+        .args(args)
         .output()
         .map_err(|e| format!("{name}: {e}"))?;
     if out.status.success() {

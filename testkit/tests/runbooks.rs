@@ -14,6 +14,7 @@ use imp_api::names::reason;
 use imp_testkit::{
     controlplane::{ControlPlane, ControlPlaneOptions},
     paths,
+    runbook::{Block, sh_blocks},
 };
 use sha2::{Digest, Sha256};
 
@@ -26,68 +27,8 @@ const PAGES: &[&str] = &[
     "job-queued.md",
     "uninstall.md",
 ];
-/// Info-string markers of blocks that need more than the test control plane.
-const NEEDS: &[&str] = &["needs-github", "needs-node", "needs-cluster"];
-
 fn runbooks_dir() -> PathBuf {
     paths::workspace_root().join("runbooks")
-}
-
-#[derive(Debug)]
-struct Block {
-    page: String,
-    line: usize,
-    /// `None`: runnable; `Some(marker)`: shown, not run.
-    needs: Option<String>,
-    script: String,
-}
-
-/// The ` ```sh ` blocks of one page. A `sh` block with an info string other than a NEEDS marker is an
-/// error naming its line.
-fn sh_blocks(page: &str, text: &str) -> Result<Vec<Block>, String> {
-    let mut blocks = Vec::new();
-    let mut lines = text.lines().enumerate();
-    while let Some((i, line)) = lines.next() {
-        let Some(info) = line.trim_start().strip_prefix("```") else {
-            continue;
-        };
-        let mut words = info.split_whitespace();
-        let lang = words.next();
-        let rest: Vec<&str> = words.collect();
-        let mut body = String::new();
-        let mut closed = false;
-        for (_, l) in lines.by_ref() {
-            if l.trim_start().starts_with("```") {
-                closed = true;
-                break;
-            }
-            body.push_str(l);
-            body.push('\n');
-        }
-        if !closed {
-            return Err(format!("{page}:{}: unclosed code block", i + 1));
-        }
-        if lang != Some("sh") {
-            continue;
-        }
-        let needs = match rest.as_slice() {
-            [] => None,
-            [marker] if NEEDS.contains(marker) => Some((*marker).to_owned()),
-            other => {
-                return Err(format!(
-                    "{page}:{}: sh block marked {other:?}; use one of {NEEDS:?} or none (runbooks/README.md)",
-                    i + 1
-                ));
-            }
-        };
-        blocks.push(Block {
-            page: page.to_owned(),
-            line: i + 1,
-            needs,
-            script: body,
-        });
-    }
-    Ok(blocks)
 }
 
 fn all_blocks() -> Vec<Block> {

@@ -1,15 +1,15 @@
 //! The runtime pod on `runtime.backend: qemu`: the release's runtime image carries QEMU and
-//! vhost-device-vsock, the node only the guest kernel (Debian's cloud kernel) and Imp's initrd. The
-//! pool's images are the smoke's real-guest ones: a static busybox base (images/busybox-base) and the
-//! runner image images/runner/build.sh makes around the static imp-fake-runner, which reaches the
-//! GitHub simulator only through its network's NAT.
+//! vhost-device-vsock, the node only the guest kernel (the host's, as testkit's QEMU tests find it)
+//! and Imp's initrd. The pool's images are the smoke's real-guest ones: a static busybox base
+//! (images/busybox-base) and the runner image images/runner/build.sh makes around the static
+//! imp-fake-runner, which reaches the GitHub simulator only through its network's NAT.
 
 use std::{
     path::{Path, PathBuf},
     process::Command,
 };
 
-use imp_testkit::{node, paths};
+use imp_testkit::{node, paths, qemu::Setup};
 
 /// What a real guest on the node needs, built and pushed.
 pub struct GuestParts {
@@ -19,60 +19,9 @@ pub struct GuestParts {
     pub runner_image: String,
 }
 
-/// The newest Debian cloud kernel with its modules, or why this host has none.
-fn cloud_kernel() -> Result<(PathBuf, String), String> {
-    let kernel = std::fs::read_dir("/boot")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("vmlinuz-") && n.ends_with("-cloud-amd64"))
-        })
-        .max()
-        .ok_or("no /boot/vmlinuz-*-cloud-amd64 (Debian: linux-image-cloud-amd64)")?;
-    let version = kernel
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_prefix("vmlinuz-"))
-        .unwrap_or_default()
-        .to_owned();
-    if !Path::new("/lib/modules").join(&version).is_dir() {
-        return Err(format!(
-            "no /lib/modules/{version} for the initrd's modules"
-        ));
-    }
-    Ok((kernel, version))
-}
-
-/// Why this host cannot boot a real guest in the runtime pod, if it cannot.
-pub fn unavailable() -> Option<String> {
-    if let Err(why) = cloud_kernel() {
-        return Some(why);
-    }
-    for (tool, package) in [
-        ("qemu-system-x86_64", "qemu-system-x86"),
-        ("vhost-device-vsock", "cargo install vhost-device-vsock"),
-        ("cpio", "cpio"),
-        ("readelf", "binutils"),
-    ] {
-        let found = Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !found {
-            return Some(format!("no {tool} ({package})"));
-        }
-    }
-    None
-}
-
-/// Builds the static imp-fake-runner (as the smoke does), Imp's initrd for the cloud kernel, and
-/// pushes the two images to `registry`.
-pub fn build(work: &Path, registry: &str, target_dir: &Path, static_guest: &Path) -> GuestParts {
-    let (kernel, version) = cloud_kernel().expect("the cloud kernel");
+/// Builds the static imp-fake-runner (as the smoke does) and Imp's initrd for the host's kernel
+/// (testkit's, as every real-guest test), and pushes the two images to `registry`.
+pub fn build(work: &Path, registry: &str, target_dir: &Path, setup: &Setup) -> GuestParts {
     let root = paths::workspace_root();
     node::run(
         Command::new("cargo")
@@ -91,15 +40,7 @@ pub fn build(work: &Path, registry: &str, target_dir: &Path, static_guest: &Path
     .expect("the static imp-fake-runner");
     let fake_runner = target_dir.join("x86_64-unknown-linux-gnu/release/imp-fake-runner");
     let initrd = work.join("initrd.gz");
-    node::run(
-        Command::new(root.join("images/initrd/build.sh"))
-            .arg("--guest")
-            .arg(static_guest)
-            .arg("--out")
-            .arg(&initrd)
-            .args(["--kernel-version", &version, "--gzip"]),
-    )
-    .expect("images/initrd/build.sh");
+    imp_testkit::qemu::scripted_initrd(setup, &initrd);
     let base_image = format!("{registry}/imp-dev/runner-base:real-node-qemu");
     node::run(
         Command::new(root.join("images/busybox-base/build.sh"))
@@ -119,7 +60,7 @@ pub fn build(work: &Path, registry: &str, target_dir: &Path, static_guest: &Path
     )
     .expect("images/runner/build.sh");
     GuestParts {
-        kernel,
+        kernel: setup.kernel.clone(),
         initrd,
         base_image,
         runner_image,
