@@ -5,6 +5,7 @@
 
 pub mod agent;
 pub mod confine;
+pub mod jailer;
 pub mod scale_to_zero;
 
 use std::collections::HashMap;
@@ -291,7 +292,14 @@ impl Harness {
     /// VMM processes (Firecracker, simulator, QEMU, vhost-device-vsock) of this harness's
     /// state dir.
     pub fn vmm_processes(&self) -> Vec<(i32, u64, PathBuf)> {
-        imp_runtime::procfs::firecrackers_under(&self.vms_dir())
+        let mut found = imp_runtime::procfs::firecrackers_under(&self.vms_dir());
+        // Jailed Firecrackers (runtime default `<state>/jailer/<exec name>`).
+        if let Ok(d) = std::fs::read_dir(self.state_dir.join("jailer")) {
+            for e in d.flatten() {
+                found.extend(imp_runtime::procfs::jailed_vmms(&e.path()));
+            }
+        }
+        found
     }
 
     pub async fn metrics(&self) -> String {
