@@ -296,11 +296,11 @@ async fn boot_latency_through_the_jailer_vs_direct() {
     j.h.start_runtime().await;
     let mut direct = common::Harness::new(common::simulator());
     direct.start_runtime().await;
-    let spec = j.h.spec(false);
     let (mut jb, mut db, mut jp, mut dp) = (vec![], vec![], vec![], vec![]);
     for i in 0..7 {
         for (h, boot, put) in [(&j.h, &mut jb, &mut jp), (&direct, &mut db, &mut dp)] {
             let uid = format!("bench-{i}");
+            let spec = h.spec(false);
             let t = Instant::now();
             let (_, st) = h.client.ensure_running(&uid, &spec).await.unwrap();
             put.push(t.elapsed().as_secs_f64());

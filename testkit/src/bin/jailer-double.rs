@@ -230,6 +230,8 @@ fn run(args: Args) -> Result<(), String> {
         dup(nix::unistd::dup2_stderr(&null))?;
     }
 
+    // The jailer's own CPU time, measured before a fork resets the clock.
+    let parent_cpu_us = now_us(libc::CLOCK_PROCESS_CPUTIME_ID).saturating_sub(start_cpu_us);
     if args.new_pid_ns {
         unshare(CloneFlags::CLONE_NEWPID).map_err(|e| format!("new PID namespace: {e}"))?;
         // SAFETY: this process is single-threaded (no runtime, no threads spawned).
@@ -243,7 +245,6 @@ fn run(args: Args) -> Result<(), String> {
             ForkResult::Child => {}
         }
     }
-    let parent_cpu_us = now_us(libc::CLOCK_PROCESS_CPUTIME_ID) - start_cpu_us;
     let mut argv = vec![
         format!("/{exec_name}"),
         format!("--id={id}"),
