@@ -675,5 +675,9 @@ fn the_jailer_path_the_metrics_address_and_the_agent_s_mounts() {
     let objects = render_ok(&[&seed_values("helm-values-seed.yaml")], &[]);
     let runtime = get(&objects, "DaemonSet", "imp-runtime");
     let c = container(runtime, "containers", "runtime");
-    assert_eq!(env_value(c, "IMP_JAILER_PATH"), None, "no jailer unless given");
+    assert_eq!(
+        env_value(c, "IMP_JAILER_PATH"),
+        None,
+        "no jailer unless given"
+    );
 }

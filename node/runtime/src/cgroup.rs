@@ -288,11 +288,7 @@ impl VmCgroups {
     /// What Firecracker's jailer is told to make VM `uid`'s cgroups with (it creates
     /// `<hierarchy>/<parent>/<uid>`, the directories [`VmCgroups::create`] would, so removal,
     /// listing and the leak checks are the same for both).
-    pub fn jailer_args(
-        &self,
-        memory_mib: u64,
-        vcpu: u32,
-    ) -> CgroupArgs {
+    pub fn jailer_args(&self, memory_mib: u64, vcpu: u32) -> CgroupArgs {
         let limits = Limits::of(memory_mib, vcpu, self.overhead_mib, self.pids_max);
         CgroupArgs {
             version: self.version,

@@ -27,8 +27,8 @@ use crate::api::{
     Backend, Failure, PrebuildRequest, PrebuildStatus, Readiness, VmSpec, VmState, VmStatus,
 };
 use crate::cgroup::{CgroupConfig, CgroupError, VmCgroups};
-use crate::inventory::{Inventory, InventoryError, VmRecord};
 use crate::firecracker::jailer::{self, JailerConfig, JailerError};
+use crate::inventory::{Inventory, InventoryError, VmRecord};
 use crate::jail::{self, JailConfig, JailError, VmJail};
 use crate::metrics::{BackendLabel, Metrics, StateLabel};
 use crate::network::NetworkError;

@@ -40,7 +40,10 @@ fn assert_confined(j: &Jailed, uid: &str, pid: i32, memory_mib: u64) -> u32 {
     let id = c.uids[0];
     assert!(id != 0, "{uid}: runs as root: {c:?}");
     assert!(c.uids.iter().all(|u| *u == id), "{uid}: {c:?}");
-    assert!(c.gids.iter().all(|g| *g == id), "{uid}: gid is the uid: {c:?}");
+    assert!(
+        c.gids.iter().all(|g| *g == id),
+        "{uid}: gid is the uid: {c:?}"
+    );
     assert_eq!(c.cap_eff, 0, "{uid}: effective capabilities left");
     assert_eq!(c.nspid.len(), 2, "{uid}: a PID namespace of its own: {c:?}");
     assert_eq!(c.nspid[1], 1, "{uid}: pid 1 of its namespace");
@@ -107,9 +110,17 @@ async fn assert_no_leaks(j: &Jailed) {
             .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
             .unwrap_or_default()
     };
-    assert!(left(&j.jails()).is_empty(), "jails left: {:?}", left(&j.jails()));
+    assert!(
+        left(&j.jails()).is_empty(),
+        "jails left: {:?}",
+        left(&j.jails())
+    );
     assert!(left(&j.h.vms_dir()).is_empty());
-    assert!(j.cgroups.children().is_empty(), "{:?}", j.cgroups.children());
+    assert!(
+        j.cgroups.children().is_empty(),
+        "{:?}",
+        j.cgroups.children()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -117,7 +128,8 @@ async fn lifecycle_through_the_jailer_confines_each_vm() {
     let Some(mut j) = jailed("life") else { return };
     j.h.start_runtime().await;
     assert!(
-        j.h.runtime_log().contains("Firecracker runs through its jailer"),
+        j.h.runtime_log()
+            .contains("Firecracker runs through its jailer"),
         "{}",
         j.h.runtime_log()
     );
@@ -147,7 +159,12 @@ async fn lifecycle_through_the_jailer_confines_each_vm() {
     assert!(snap.snapshot_path.starts_with(j.root("jail-a")));
     for f in [&snap.snapshot_path, &snap.mem_file_path] {
         let m = std::fs::metadata(f).unwrap();
-        assert_eq!((m.mode() & 0o777, m.uid()), (0o600, ids[0]), "{}", f.display());
+        assert_eq!(
+            (m.mode() & 0o777, m.uid()),
+            (0o600, ids[0]),
+            "{}",
+            f.display()
+        );
     }
 
     for uid in ["jail-a", "jail-b"] {
@@ -158,7 +175,9 @@ async fn lifecycle_through_the_jailer_confines_each_vm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_restart_reattaches_jailed_vms_and_sweeps_stray_jails() {
-    let Some(mut j) = jailed("reattach") else { return };
+    let Some(mut j) = jailed("reattach") else {
+        return;
+    };
     j.h.start_runtime().await;
     let spec = j.h.spec(false);
     let (_, st) = j.h.client.ensure_running("jail-r", &spec).await.unwrap();
@@ -187,7 +206,9 @@ async fn kill9_restart_reattaches_jailed_vms_and_sweeps_stray_jails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn suspend_and_resume_keep_the_snapshot_in_the_jail() {
-    let Some(mut j) = jailed("suspend") else { return };
+    let Some(mut j) = jailed("suspend") else {
+        return;
+    };
     j.h.start_runtime().await;
     let spec = j.h.spec(is_root());
     let uid = "jail-s";
@@ -280,11 +301,17 @@ fn the_double_rejects_what_the_jailer_rejects() {
         "a refused run makes nothing"
     );
     let version = |b: &Path| {
-        let o = std::process::Command::new(b).arg("--version").output().unwrap();
+        let o = std::process::Command::new(b)
+            .arg("--version")
+            .output()
+            .unwrap();
         String::from_utf8_lossy(&o.stdout).trim().to_string()
     };
     let (jv, fv) = (version(&double), version(&sim));
-    assert!(jv.starts_with("Jailer v") && fv.starts_with("Firecracker v"), "{jv} {fv}");
+    assert!(
+        jv.starts_with("Jailer v") && fv.starts_with("Firecracker v"),
+        "{jv} {fv}"
+    );
     assert_eq!(jv.strip_prefix("Jailer "), fv.strip_prefix("Firecracker "));
 }
 

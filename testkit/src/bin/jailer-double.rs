@@ -406,7 +406,10 @@ fn bind_deviation(chroot: &Path) -> Result<(), String> {
     for host in list.to_string_lossy().split(',').filter(|s| !s.is_empty()) {
         let host = Path::new(host);
         let Ok(rel) = host.strip_prefix("/") else {
-            return Err(format!("IMP_JAILER_DOUBLE_BIND: {} is relative", host.display()));
+            return Err(format!(
+                "IMP_JAILER_DOUBLE_BIND: {} is relative",
+                host.display()
+            ));
         };
         let inside = chroot.join(rel);
         if let Some(p) = inside.parent() {

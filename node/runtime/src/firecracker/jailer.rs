@@ -158,7 +158,12 @@ pub fn stage(
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(err(&dev)(e)),
         _ => {}
     }
-    for stale in [name.clone(), format!("{name}.pid"), API_SOCK.into(), VSOCK.into()] {
+    for stale in [
+        name.clone(),
+        format!("{name}.pid"),
+        API_SOCK.into(),
+        VSOCK.into(),
+    ] {
         remove_if_there(&root.join(stale)).map_err(err(root))?;
     }
     for (src, name, place) in files {
@@ -293,8 +298,14 @@ mod tests {
     #[test]
     fn the_jail_root_is_base_exec_name_id_root() {
         let r = chroot_root(&cfg(), Path::new("/usr/local/bin/firecracker"), "vm-1").unwrap();
-        assert_eq!(r, PathBuf::from("/var/lib/imp/jailer/firecracker/vm-1/root"));
-        assert_eq!(in_jail(&r, &r.join("api.sock")).as_deref(), Some("/api.sock"));
+        assert_eq!(
+            r,
+            PathBuf::from("/var/lib/imp/jailer/firecracker/vm-1/root")
+        );
+        assert_eq!(
+            in_jail(&r, &r.join("api.sock")).as_deref(),
+            Some("/api.sock")
+        );
         assert_eq!(in_jail(&r, Path::new("/etc/passwd")), None);
     }
 
@@ -332,7 +343,10 @@ mod tests {
 
     #[test]
     fn versions_are_read_from_either_binary_s_banner() {
-        assert_eq!(parse_version("Firecracker v1.7.0\n\n").as_deref(), Some("1.7.0"));
+        assert_eq!(
+            parse_version("Firecracker v1.7.0\n\n").as_deref(),
+            Some("1.7.0")
+        );
         assert_eq!(parse_version("Jailer v1.7.0").as_deref(), Some("1.7.0"));
         assert_eq!(
             parse_version("firecracker 1.17.0-imp-sim").as_deref(),

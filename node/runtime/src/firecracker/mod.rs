@@ -177,10 +177,8 @@ pub async fn spawn_jailed(
     run: &jailer::JailerRun<'_>,
     files: &VmmFiles,
 ) -> Result<Vmm, DriverError> {
-    let start_failed = |message: String, stderr: String| DriverError::FirecrackerStartFailed {
-        message,
-        stderr,
-    };
+    let start_failed =
+        |message: String, stderr: String| DriverError::FirecrackerStartFailed { message, stderr };
     let root = files
         .jail
         .as_deref()
@@ -219,10 +217,7 @@ pub async fn spawn_jailed(
     .await
     .map_err(|e| start_failed(e.to_string(), serial::tail(&files.stderr_log)))?;
     let start_time = crate::procfs::start_time(pid).ok_or_else(|| {
-        start_failed(
-            "exited immediately".into(),
-            serial::tail(&files.stderr_log),
-        )
+        start_failed("exited immediately".into(), serial::tail(&files.stderr_log))
     })?;
     Ok(Vmm {
         process: Proc { pid, start_time },

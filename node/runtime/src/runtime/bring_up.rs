@@ -305,7 +305,11 @@ impl Runtime {
         let plan = self.plan_of(rec, spec);
         // A jailed Firecracker's jailer makes its cgroups itself.
         let jailed = files.jail.is_some();
-        let procs = if jailed { Ok(Vec::new()) } else { self.vm_cgroup(&uid, spec) };
+        let procs = if jailed {
+            Ok(Vec::new())
+        } else {
+            self.vm_cgroup(&uid, spec)
+        };
         let procs = procs.map_err(|source| {
             (
                 RuntimeError::CgroupSetupFailed {
@@ -447,7 +451,11 @@ impl Runtime {
         }
         for d in staged.drives.iter_mut() {
             let name = format!("{}.img", d.id);
-            let place = if d.read_only { Place::Shared } else { Place::Own };
+            let place = if d.read_only {
+                Place::Shared
+            } else {
+                Place::Own
+            };
             links.push((d.path.clone(), name.clone(), place));
             d.path = root.join(name);
         }

@@ -217,7 +217,10 @@ impl Runtime {
             .unwrap_or_default();
         let uids: Vec<&Path> = rows.iter().map(|r| Path::new(r.uid.as_str())).collect();
         for dir in jail_dirs {
-            if dir.file_name().is_some_and(|n| !uids.iter().any(|u| u.as_os_str() == n)) {
+            if dir
+                .file_name()
+                .is_some_and(|n| !uids.iter().any(|u| u.as_os_str() == n))
+            {
                 tracing::info!(dir = %dir.display(), "removing a jail without an inventory row");
                 let _ = std::fs::remove_dir_all(&dir);
             }

@@ -24,9 +24,7 @@ pub fn hierarchies() -> Vec<(Controller, PathBuf)> {
     if root.join("cgroup.controllers").is_file() {
         Controller::ALL.map(|c| (c, root.to_path_buf())).to_vec()
     } else {
-        Controller::ALL
-            .map(|c| (c, root.join(c.name())))
-            .to_vec()
+        Controller::ALL.map(|c| (c, root.join(c.name()))).to_vec()
     }
 }
 
