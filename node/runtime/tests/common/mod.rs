@@ -5,7 +5,6 @@
 
 pub mod agent;
 pub mod confine;
-pub mod jailer;
 pub mod scale_to_zero;
 
 use std::collections::HashMap;
