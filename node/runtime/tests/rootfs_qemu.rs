@@ -341,6 +341,7 @@ async fn two_vms(s: qemu::Setup) {
             limits: Limits::default(),
             pull: PullConfig {
                 insecure_registries: vec![registry.host()],
+                node_local_registries: vec![registry.host()],
                 ..PullConfig::default()
             },
             parallel_fetches: 3,
