@@ -12,7 +12,9 @@ use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{Harness, alive, exec, is_root, simulator, wait_until};
+use common::{
+    Harness, alive, exec, is_root, jailed_simulator, jailer_double, simulator, wait_until,
+};
 use imp_guest::protocol::AGENT_VSOCK_PORT;
 use imp_runtime::api::VmState;
 use imp_runtime::cgroup::{Controller, cgroup_of};
@@ -360,16 +362,6 @@ async fn boot_latency_through_the_jailer_vs_direct() {
 // What the tests above share: the runtime through the jailer double, with per-VM cgroups under a
 // parent of this test's own memory cgroup, and readers of what /proc says about a jailed process.
 
-/// testkit's jailer double, built when its sources are newer.
-pub fn jailer_double() -> PathBuf {
-    imp_testkit::bins::ensure_built(
-        &[("imp-testkit", "jailer-double")],
-        &["testkit/src", "testkit/Cargo.toml"],
-    )
-    .expect("building jailer-double")
-    .remove(0)
-}
-
 /// `/sys/fs/cgroup` shaped as v1 (one hierarchy per controller) or v2.
 pub fn hierarchies() -> Vec<(Controller, PathBuf)> {
     let root = Path::new("/sys/fs/cgroup");
@@ -494,31 +486,10 @@ pub fn jailed(tag: &str) -> Option<Jailed> {
             return None;
         }
     };
-    let mut h = Harness::new(simulator());
-    let bins = imp_testkit::firecracker::binaries();
-    let behaviour = h.dir.path().join("behaviour.json");
-    // The double's deviation for the simulator (testkit/src/bin/jailer-double.rs): the host
-    // libraries, imp-guest and the simulator's knob file, read-only in the jail.
-    let bind = ["/usr", "/bin", "/sbin", "/lib", "/lib64"]
-        .iter()
-        .map(PathBuf::from)
-        .filter(|p| p.exists())
-        .chain([bins.guest.clone(), behaviour])
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(",");
+    let mut h = Harness::new(jailed_simulator());
     h.extra_env.extend([
         (
-            "IMP_JAILER_PATH".to_string(),
-            jailer_double().display().to_string(),
-        ),
-        ("IMP_JAILER_DOUBLE_BIND".into(), bind),
-        (
-            "IMP_JAILER_DOUBLE_KEEP_ENV".into(),
-            "IMP_GUEST_BIN,IMP_SIM_BEHAVIOUR".into(),
-        ),
-        (
-            "IMP_VM_CGROUP_PARENT".into(),
+            "IMP_VM_CGROUP_PARENT".to_string(),
             cgroups.rel.display().to_string(),
         ),
         ("IMP_VM_MEMORY_OVERHEAD_MIB".into(), "64".into()),
