@@ -7,7 +7,10 @@
 #   - the real-runner variant from a synthetic actions/runner tarball, and the imp-runner wrapper
 #     passing the JIT config to run.sh without ever printing it;
 #   - with docker-registry installed (Debian: docker-registry): --push to a local registry.
-#   - with IMP_GUEST_STATIC_BIN set: images/initrd/build.sh is deterministic and lists its modules.
+#   - with IMP_GUEST_STATIC_BIN set: images/initrd/build.sh is deterministic and lists its modules
+#     (the boot set and the container engine's).
+#   - with IMP_BASE_IMAGE_TEST=1 (slow, ~8 min, needs mmdebstrap and deb.debian.org):
+#     images/base/test.sh, the reference base image built twice (same digest) and its contents.
 #   - images/components/build.sh: two builds give the same digests; each image's binary runs --version
 #     chrooted into its unpacked layer (so every library it needs is in the image); operator and agent
 #     are non-root; the runtime image's mkfs.ext4, ip, nft and /bin/sh run there too (needs root for
@@ -333,5 +336,12 @@ if [ -n "${IMP_GUEST_STATIC_BIN:-}" ]; then
         grep -qx "/lib/modules/imp/$m.ko" "$t/order" || fail "initrd load-order lacks $m: $(cat "$t/order")"
     done
     ok "initrd deterministic ($(stat -c %s "$t/i1") bytes)"
+fi
+# --- reference base image (images/base/test.sh): two mmdebstrap builds, ~4 min each ----------------
+if [ "${IMP_BASE_IMAGE_TEST:-0}" = 1 ] || [ "${IMP_REQUIRE_BASE_IMAGE:-0}" = 1 ]; then
+    command -v mmdebstrap >/dev/null || fail "the base image test needs mmdebstrap (Debian: mmdebstrap)"
+    "$repo/images/base/test.sh" || fail "images/base/test.sh"
+else
+    echo "SKIPPED images/base/test.sh: two builds of the reference base image from the Debian mirror take ~8 min; IMP_BASE_IMAGE_TEST=1 runs it (IMP_REQUIRE_BASE_IMAGE=1 makes this a failure)"
 fi
 echo "images/test.sh: all passed"
