@@ -112,6 +112,12 @@ if [ -z "${HOME:-}" ]; then
     export HOME
 fi
 export USER="${USER:-$(id -un 2>/dev/null || id -u)}"
+# A base image with a container engine (images/base/) starts it as root before the runner and
+# waits for it; its failure is printed and the runner starts anyway (jobs without Docker run).
+if [ -x /usr/local/sbin/imp-start-dockerd ]; then
+    if [ "$(id -u)" = 0 ]; then /usr/local/sbin/imp-start-dockerd || true
+    else sudo -n /usr/local/sbin/imp-start-dockerd || true; fi
+fi
 cd "${IMP_RUNNER_DIR:-/opt/actions-runner}"
 exec ./run.sh
 EOF

@@ -75,26 +75,45 @@ struct Guest {
 }
 
 impl Guest {
-    /// `sh -c script` to completion: stdout, stderr and how it ended.
+    /// `sh -c script` to completion as root: stdout, stderr and how it ended.
     async fn sh(&mut self, script: &str) -> (String, String, Exited) {
+        self.run(script, None, 60).await
+    }
+
+    /// `sh -c script` as `uid` (its gid the same, no supplementary groups: how the guest starts
+    /// the runner), or as root, with a timeout.
+    async fn run(
+        &mut self,
+        script: &str,
+        uid: Option<u32>,
+        timeout_s: u64,
+    ) -> (String, String, Exited) {
         self.execs += 1;
         let id = format!("exec-{}", self.execs);
         let req = Exec {
             id: id.clone(),
             argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
-            env: BTreeMap::from([("PATH".to_owned(), SecretString::from("/bin"))]),
+            env: BTreeMap::from([
+                (
+                    "PATH".to_owned(),
+                    SecretString::from(
+                        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                    ),
+                ),
+                ("HOME".to_owned(), SecretString::from("/tmp")),
+            ]),
             cwd: None,
-            uid: None,
-            gid: None,
+            uid,
+            gid: uid,
             refuse_root: false,
-            timeout_s: Some(60),
+            timeout_s: Some(timeout_s),
             stream_output: true,
             poweroff_on_exit: false,
         };
         self.client.exec(req).await.unwrap();
         let (mut out, mut err) = (Vec::new(), Vec::new());
         loop {
-            let msg = tokio::time::timeout(Duration::from_secs(90), self.client.recv())
+            let msg = tokio::time::timeout(Duration::from_secs(timeout_s + 30), self.client.recv())
                 .await
                 .unwrap_or_else(|_| panic!("{script}: no Exited\n{}", self.vm.console_text()))
                 .unwrap();
@@ -289,13 +308,9 @@ async fn container_engine_support(g: &mut Guest) {
     );
 }
 
-#[test]
-fn two_vms_boot_from_one_registry_built_base() {
-    let Some(s) = qemu::setup_or_skip() else {
-        return;
-    };
-    // A thread with a 16 MiB stack: in a debug build each nested async fn polling the host
-    // client's futures takes a large frame, and the test thread's 2 MiB overflows.
+/// Run `test` on a thread with a 16 MiB stack: in a debug build each nested async fn polling
+/// the host client's futures takes a large frame, and the test thread's 2 MiB overflows.
+fn on_big_stack<F: std::future::Future<Output = ()> + Send + 'static>(test: F) {
     std::thread::Builder::new()
         .stack_size(16 << 20)
         .spawn(move || {
@@ -303,11 +318,158 @@ fn two_vms_boot_from_one_registry_built_base() {
                 .enable_all()
                 .build()
                 .unwrap()
-                .block_on(two_vms(s))
+                .block_on(test)
         })
         .unwrap()
         .join()
         .expect("the test failed (its panic is printed above)");
+}
+
+#[test]
+fn two_vms_boot_from_one_registry_built_base() {
+    let Some(s) = qemu::setup_or_skip() else {
+        return;
+    };
+    on_big_stack(two_vms(s));
+}
+
+/// The reference base image's only layer (images/base/build.sh's OCI layout): gzip bytes.
+fn base_image_layer(layout: &Path) -> Vec<u8> {
+    let json = |p: std::path::PathBuf| -> serde_json::Value {
+        serde_json::from_slice(
+            &std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+        )
+        .unwrap()
+    };
+    let blob = |digest: &serde_json::Value| {
+        layout
+            .join("blobs/sha256")
+            .join(digest.as_str().unwrap().trim_start_matches("sha256:"))
+    };
+    let index = json(layout.join("index.json"));
+    let manifest = json(blob(&index["manifests"][0]["digest"]));
+    let layers = manifest["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 1, "images/base/build.sh writes one layer");
+    std::fs::read(blob(&layers[0]["digest"])).unwrap()
+}
+
+/// Docker in a real guest (QEMU, TCG) booted from the reference base image: the runner user
+/// (uid 1001, no supplementary groups, as the guest starts the runner) starts dockerd through
+/// passwordless sudo (imp-start-dockerd, what imp-runner does), then imports an image and runs a
+/// container on the default bridge network that prints a marker. Prints boot -> dockerd ready.
+/// Needs IMP_BASE_IMAGE_LAYOUT (the layout of images/base/build.sh); otherwise SKIPPED
+/// (IMP_REQUIRE_BASE_IMAGE=1 fails instead).
+#[test]
+fn docker_runs_in_a_reference_base_image_guest() {
+    let Some(s) = qemu::setup_or_skip() else {
+        return;
+    };
+    let Some(layout) = std::env::var_os("IMP_BASE_IMAGE_LAYOUT") else {
+        imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_BASE_IMAGE",
+            "Docker in a reference-base-image guest",
+            "IMP_BASE_IMAGE_LAYOUT is not set (an OCI layout from images/base/build.sh --out DIR)",
+        );
+        return;
+    };
+    on_big_stack(docker_in_guest(s, std::path::PathBuf::from(layout)));
+}
+
+async fn docker_in_guest(s: qemu::Setup, layout: std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::start(RegistryOptions::default()).await.unwrap();
+    let base_ref = push_gzip_image(
+        &registry.host(),
+        "imp/runner-base:docker",
+        vec![base_image_layer(&layout)],
+    )
+    .await;
+    let inventory = Inventory::open(dir.path()).await.unwrap();
+    let metrics = Metrics::new();
+    let store = RootfsStore::open(
+        StoreConfig {
+            dir: dir.path().join("rootfs"),
+            guest_bin: s.guest_bin.clone(),
+            budget_bytes: 4 << 30,
+            limits: Limits::default(),
+            pull: PullConfig {
+                insecure_registries: vec![registry.host()],
+                node_local_registries: vec![registry.host()],
+                ..PullConfig::default()
+            },
+            parallel_fetches: 3,
+        },
+        inventory.pool().clone(),
+        metrics.rootfs.clone(),
+    )
+    .await
+    .unwrap();
+    let spec = ImageSpec {
+        base: base_ref,
+        runner: None,
+        credentials: None,
+        pull_policy: None,
+    };
+    let built = std::time::Instant::now();
+    let rootfs = store.acquire("vm-docker", &spec).await.unwrap();
+    println!(
+        "base image pulled and built in {:.1} s ({} bytes)",
+        built.elapsed().as_secs_f64(),
+        std::fs::metadata(&rootfs.path).unwrap().len()
+    );
+    let drives = WritableDrives::new(&dir.path().join("templates")).unwrap();
+    let rw = dir.path().join("vm-docker.rw");
+    drives.create(&rw, 2 << 30).unwrap();
+    let initrd = dir.path().join("initrd.gz");
+    qemu::scripted_initrd(&s, &initrd);
+
+    let vm = boot(&s, &initrd, &rootfs.path, &rw, "imp-docker");
+    let client = vm.connect().await;
+    let mut g = Guest {
+        vm,
+        client,
+        execs: 0,
+    };
+    let (out, err, e) = g
+        .run("sudo -n /usr/local/sbin/imp-start-dockerd", Some(1001), 300)
+        .await;
+    let ready = g.vm.started.elapsed();
+    assert_eq!(
+        e.code,
+        Some(0),
+        "imp-start-dockerd: {out}\n{err}\n{}",
+        g.ok("tail -n 40 /var/log/imp/dockerd.log").await
+    );
+    println!(
+        "QEMU start -> dockerd ready: {:.1} s ({})",
+        ready.as_secs_f64(),
+        out.trim()
+    );
+    let info = g
+        .run(
+            "docker info --format '{{.Driver}} {{.CgroupVersion}} {{.DockerRootDir}}'",
+            Some(1001),
+            120,
+        )
+        .await;
+    assert_eq!(info.2.code, Some(0), "{info:?}");
+    assert_eq!(info.0.trim(), "overlay2 2 /var/lib/docker", "{info:?}");
+    // An image from the guest's own files (no registry needed), run on the default bridge.
+    let step = std::time::Instant::now();
+    let (out, err, e) = g
+        .run(
+            "set -e; tar -chf /tmp/img.tar -C / usr/bin/echo lib64/ld-linux-x86-64.so.2 \
+             usr/lib/x86_64-linux-gnu/libc.so.6 && docker import /tmp/img.tar imp/echo:1 >/dev/null && \
+             docker run --rm imp/echo:1 /usr/bin/echo IMP-DOCKER-MARKER from $(id -u)",
+            Some(1001),
+            300,
+        )
+        .await;
+    assert_eq!(e.code, Some(0), "docker step: {out}\n{err}");
+    assert_eq!(out.trim(), "IMP-DOCKER-MARKER from 1001", "{err}");
+    println!("docker import + run: {:.1} s", step.elapsed().as_secs_f64());
+    g.shutdown().await;
+    store.release("vm-docker").await.unwrap();
 }
 
 async fn two_vms(s: qemu::Setup) {
