@@ -9,7 +9,7 @@
 #   - with docker-registry installed (Debian: docker-registry): --push to a local registry.
 #   - with IMP_GUEST_STATIC_BIN set: images/initrd/build.sh is deterministic and lists its modules
 #     (the boot set and the container engine's).
-#   - with IMP_BASE_IMAGE_TEST=1 (slow, ~8 min, needs mmdebstrap and deb.debian.org):
+#   - with IMP_BASE_IMAGE_TEST=1 (slow, 4-8 min, needs mmdebstrap and deb.debian.org):
 #     images/base/test.sh, the reference base image built twice (same digest) and its contents.
 #   - images/components/build.sh: two builds give the same digests; each image's binary runs --version
 #     chrooted into its unpacked layer (so every library it needs is in the image); operator and agent
@@ -342,6 +342,6 @@ if [ "${IMP_BASE_IMAGE_TEST:-0}" = 1 ] || [ "${IMP_REQUIRE_BASE_IMAGE:-0}" = 1 ]
     command -v mmdebstrap >/dev/null || fail "the base image test needs mmdebstrap (Debian: mmdebstrap)"
     "$repo/images/base/test.sh" || fail "images/base/test.sh"
 else
-    echo "SKIPPED images/base/test.sh: two builds of the reference base image from the Debian mirror take ~8 min; IMP_BASE_IMAGE_TEST=1 runs it (IMP_REQUIRE_BASE_IMAGE=1 makes this a failure)"
+    echo "SKIPPED images/base/test.sh: two builds of the reference base image from the Debian mirror take 4-8 min; IMP_BASE_IMAGE_TEST=1 runs it (IMP_REQUIRE_BASE_IMAGE=1 makes this a failure)"
 fi
 echo "images/test.sh: all passed"

@@ -8,15 +8,23 @@
 #     unzip, dockerd, containerd, runc, the docker CLI, iptables and nft run; nothing the build must
 #     strip (apt lists and caches, logs, /dev nodes) is in the layer;
 #   - --cache: a second build with the same inputs is a copy with the same digest.
-# Usage: images/base/test.sh [--reuse DIR]   (--reuse: a layout already built, for the first build)
-# Takes about 4 minutes per build on 2 shared cores (mmdebstrap and gzip -9 of ~490 MB).
+# Usage: images/base/test.sh [--reuse DIR] [--keep DIR]
+#   --reuse DIR  a layout already built stands for the first build
+#   --keep DIR   copy the built layout there (e.g. for IMP_BASE_IMAGE_LAYOUT of the Docker guest test)
+# Takes 100-280 s per build on 2 shared cores (mmdebstrap, then tar and gzip -9 of ~490 MB).
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
 fail() { echo "images/base/test.sh: FAIL: $*" >&2; exit 1; }
 ok() { echo "images/base/test.sh: ok: $*"; }
-reuse=""
-[ "${1:-}" != --reuse ] || reuse="${2:?--reuse needs a directory}"
+reuse="" keep=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --reuse) reuse="${2:?--reuse needs a directory}"; shift 2 ;;
+        --keep) keep="${2:?--keep needs a directory}"; shift 2 ;;
+        *) fail "unknown argument $1" ;;
+    esac
+done
 [ "$(id -u)" = 0 ] || fail "run as root (mmdebstrap --mode=root, chroot)"
 t="$(mktemp -d)"
 trap 'rm -rf "$t"' EXIT
@@ -65,14 +73,17 @@ grep -qx 'runner:x:1001:1001::/home/runner:/bin/bash' "$root/etc/passwd" || fail
 grep -q '^runner:x:1001:' "$root/etc/group" || fail "runner group"
 grep -q '^docker:x:[0-9]*:runner$' "$root/etc/group" || fail "runner not in docker: $(grep docker "$root/etc/group")"
 [ "$(stat -c %u:%g "$root/home/runner")" = 1001:1001 ] || fail "/home/runner owner"
+# The image has no /dev nodes (devtmpfs in the guest): the host's, for the chrooted commands.
 mount -t proc proc "$root/proc"
-trap 'umount "$root/proc" 2>/dev/null; rm -rf "$t"' EXIT
+mount --bind /dev "$root/dev"
+trap 'umount "$root/dev" "$root/proc" 2>/dev/null || true; rm -rf "$t"' EXIT
 chroot "$root" /usr/sbin/runuser -u runner -- sudo -n true || fail "sudo -n true as runner"
 [ "$(chroot "$root" /usr/sbin/runuser -u runner -- id -u)" = 1001 ] || fail "id -u as runner"
 # actions/runner's .NET dependencies (its bin/installdependencies.sh for Debian 12).
+chroot "$root" /sbin/ldconfig -p >"$t/ldcache" || fail "ldconfig -p in the image"
 for lib in libicuuc.so.72 libicui18n.so.72 libkrb5.so.3 libgssapi_krb5.so.2 libz.so.1 libssl.so.3 \
     libcrypto.so.3 liblttng-ust.so.1; do
-    chroot "$root" /sbin/ldconfig -p | grep -q "^[[:space:]]*$lib " || fail "the runner's dependency $lib is missing"
+    grep -q "^[[:space:]]*$lib " "$t/ldcache" || fail "the runner's dependency $lib is missing"
 done
 for cmd in "git --version" "curl --version" "jq --version" "tar --version" "unzip -v" "xz --version" \
     "dockerd --version" "containerd --version" "runc --version" "docker --version" \
@@ -82,7 +93,7 @@ for cmd in "git --version" "curl --version" "jq --version" "tar --version" "unzi
 done
 [ -x "$root/usr/local/sbin/imp-start-dockerd" ] || fail "no imp-start-dockerd"
 grep -q '"group": "runner"' "$root/etc/docker/daemon.json" || fail "daemon.json socket group"
-umount "$root/proc"
+umount "$root/dev" "$root/proc"
 size="$(du -sb "$root" | cut -f1)"
 ok "contents: runner 1001:1001 with sudo, .NET dependencies, git/curl/jq/tar/unzip, docker.io, iptables/nft ($size bytes unpacked, $(stat -c %s "$t/b1/blobs/sha256/$layer") bytes gzip)"
 
@@ -93,4 +104,5 @@ if [ -z "$reuse" ]; then
     [ "$(manifest_digest "$t/b3")" = "$d1" ] || fail "cached build gave another digest"
     ok "cached by its inputs: $(($(date +%s) - start)) s"
 fi
+if [ -n "$keep" ]; then rm -rf "$keep" && cp -a "$t/b1" "$keep"; fi
 echo "images/base/test.sh: all passed"
