@@ -8,7 +8,7 @@ use std::time::Duration;
 use k8s_openapi::jiff::Timestamp;
 
 use super::client::{JobMessage, Message};
-use super::error::ScaleSetError;
+use super::error::{Call, ScaleSetError};
 use super::ledger::{Ledger, LedgerEntry, LedgerState};
 use crate::runnerpool::demand::{JobState, JobUpdate};
 use crate::runnerpool::labels::pool_serves;
@@ -161,6 +161,9 @@ pub struct Recovery {
     pub reconnect: bool,
     /// Open a new session (the old one is gone or never opened).
     pub new_session: bool,
+    /// Refresh the session (`PATCH`: a new queue token) before going on: the queue refused its
+    /// token (401). Opening a new one instead would meet the old one's 409 until it expires.
+    pub refresh_session: bool,
     /// The pool condition reason while this lasts.
     pub reason: &'static str,
 }
@@ -174,42 +177,60 @@ pub fn recovery(err: &ScaleSetError, attempt: u32) -> Recovery {
             wait: exp(5),
             reconnect: false,
             new_session: true,
+            refresh_session: false,
             reason: REASON_SESSION_CONFLICT,
         },
+        // The queue token expired: refresh the session at once (a second 401 in a row waits).
+        ScaleSetError::Unauthorized {
+            call: Call::GetMessage | Call::DeleteMessage | Call::AcquireJobs,
+        } => Recovery {
+            wait: if attempt == 0 { Duration::ZERO } else { exp(1) },
+            reconnect: false,
+            new_session: false,
+            refresh_session: true,
+            reason: REASON_UNAUTHORIZED,
+        },
+        // The admin token was refused: a new one; the session (if any) is kept.
         ScaleSetError::Unauthorized { .. } => Recovery {
             wait: exp(1),
             reconnect: true,
-            new_session: true,
+            new_session: false,
+            refresh_session: false,
             reason: REASON_UNAUTHORIZED,
         },
         ScaleSetError::RunnerVersionDeprecated { .. } => Recovery {
             wait: Duration::from_secs(300),
             reconnect: true,
             new_session: true,
+            refresh_session: false,
             reason: REASON_RUNNER_VERSION_DEPRECATED,
         },
         ScaleSetError::NotFound { .. } => Recovery {
             wait: exp(2),
             reconnect: true,
             new_session: true,
+            refresh_session: false,
             reason: REASON_NOT_FOUND,
         },
         ScaleSetError::Github(_) | ScaleSetError::InvalidRequest(_) => Recovery {
             wait: exp(5),
             reconnect: true,
             new_session: true,
+            refresh_session: false,
             reason: REASON_GITHUB_ERROR,
         },
         ScaleSetError::Ledger(_) => Recovery {
             wait: exp(1),
             reconnect: false,
             new_session: false,
+            refresh_session: false,
             reason: REASON_LEDGER,
         },
         _ => Recovery {
             wait: exp(1),
             reconnect: false,
             new_session: false,
+            refresh_session: false,
             reason: REASON_GITHUB_ERROR,
         },
     }
@@ -222,6 +243,21 @@ pub const REASON_NOT_FOUND: &str = "ScaleSetNotFound";
 pub const REASON_GITHUB_ERROR: &str = "GitHubError";
 pub const REASON_LEDGER: &str = "LedgerWriteFailed";
 pub const REASON_LISTENING: &str = "Listening";
+
+/// Beyond the poll window, how long a session may hear nothing before it counts as deaf.
+pub const DEAF_GRACE: Duration = Duration::from_secs(15);
+
+/// How long a session has been deaf, if it is: nothing heard (`last_heard`, the last answered
+/// poll, else the intake's start) for longer than `bound`.
+pub fn deaf_for(
+    last_heard: Option<std::time::Instant>,
+    started: std::time::Instant,
+    now: std::time::Instant,
+    bound: Duration,
+) -> Option<Duration> {
+    let silent = now.saturating_duration_since(last_heard.unwrap_or(started).max(started));
+    (silent > bound).then_some(silent)
+}
 
 /// What GitHub may assign at most (`X-ScaleSetMaxCapacity`): the pool's room under `maxRunners`
 /// and what the nodes can still host (`node_room`: free VM slots of the pool's class, when known),
@@ -409,11 +445,44 @@ mod tests {
         let waits: Vec<u64> = (0..8).map(|a| recovery(&c, a).wait.as_secs()).collect();
         assert_eq!(waits, [5, 10, 20, 40, 60, 60, 60, 60]);
         assert!(recovery(&c, 0).new_session && !recovery(&c, 0).reconnect);
+        // A 401 on the queue refreshes the session in place (no new session: it would conflict
+        // with the old one), at once the first time.
         let u = ScaleSetError::Unauthorized {
-            call: crate::scaleset::Call::GetMessage,
+            call: Call::GetMessage,
         };
-        assert!(recovery(&u, 0).reconnect);
-        assert_eq!(recovery(&u, 0).reason, REASON_UNAUTHORIZED);
+        let r = recovery(&u, 0);
+        assert!(r.refresh_session && !r.new_session && !r.reconnect, "{r:?}");
+        assert_eq!((r.wait, r.reason), (Duration::ZERO, REASON_UNAUTHORIZED));
+        assert_eq!(recovery(&u, 1).wait, Duration::from_secs(2));
+        // A 401 on an admin call: a new admin token, the session kept.
+        let a = recovery(
+            &ScaleSetError::Unauthorized {
+                call: Call::CreateSession,
+            },
+            0,
+        );
+        assert!(a.reconnect && !a.new_session && !a.refresh_session, "{a:?}");
+    }
+
+    #[test]
+    fn a_session_is_deaf_once_it_heard_nothing_for_longer_than_the_bound() {
+        use std::time::Instant;
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let bound = Duration::from_secs(65);
+        assert_eq!(deaf_for(None, t0, at(65), bound), None, "not yet");
+        assert_eq!(
+            deaf_for(None, t0, at(66), bound),
+            Some(Duration::from_secs(66)),
+            "never heard since the start"
+        );
+        assert_eq!(deaf_for(Some(at(100)), t0, at(160), bound), None);
+        assert_eq!(
+            deaf_for(Some(at(100)), t0, at(170), bound),
+            Some(Duration::from_secs(70))
+        );
+        // A poll answered again: heard.
+        assert_eq!(deaf_for(Some(at(169)), t0, at(170), bound), None);
     }
 
     #[test]
