@@ -350,7 +350,7 @@ slow=1; [[ $guest == qemu ]] && slow=4
 start_runtime() {
   # shellcheck disable=SC2046 # backend_env's words are NAME=value pairs without spaces
   env IMP_RUNTIME_SOCKET="$runtime_sock" IMP_STATE_DIR="$work/node-state" $(backend_env) IMP_METRICS_ADDR="$runtime_metrics" \
-    IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >>"$work/runtime.log" 2>&1 &
+    IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" IMP_NODE_LOCAL_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >>"$work/runtime.log" 2>&1 &
   pids+=($!); runtime_pid=$!
   wait_for 20 curl -sf --unix-socket "$runtime_sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
 }

@@ -283,6 +283,8 @@ pub mod reason {
         ROOTFS_PULL_FAILED = "RootfsPullFailed" in [VmStatus, Runtime];
         /// The image broke an integrity or safety rule (digests, media types, hostile layers, caps).
         ROOTFS_REJECTED = "RootfsRejected" in [VmStatus, Runtime];
+        /// Pulling the image needed a connection to the node's own, loopback or link-local addresses, which pulls may not reach unless the registry is allowed on the node.
+        ROOTFS_PULL_REFUSED = "RootfsPullRefused" in [VmStatus, Runtime];
         /// The node could not build the image (disk, mkfs, index).
         ROOTFS_BUILD_FAILED = "RootfsBuildFailed" in [VmStatus, Runtime];
         /// The kernel image the class names is not on the node.

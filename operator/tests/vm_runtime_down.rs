@@ -80,6 +80,7 @@ impl Node {
             .env("IMP_FIRECRACKER_BIN", &sim.simulator)
             .env("IMP_GUEST_BIN", &sim.guest)
             .env("IMP_INSECURE_REGISTRIES", &self.registry)
+            .env("IMP_NODE_LOCAL_REGISTRIES", &self.registry)
             .env("IMP_WRITABLE_BUDGET_BYTES", (16u64 << 30).to_string())
             .env("IMP_LOG", "info");
         let log = self

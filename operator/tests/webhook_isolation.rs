@@ -122,6 +122,56 @@ async fn a_completed_signed_with_another_pools_secret_changes_nothing() {
         h.metric("imp_webhook_deliveries_total{result=\"foreign\"}"),
         1.0
     );
+
+    // The shared path learns which secret verifies each webhook (`X-GitHub-Hook-ID`): after its
+    // first delivery, a known hook's delivery costs one HMAC. Signed with whichever tenant's
+    // secret the plain search tries second, so the search is seen to cost more.
+    let order = h.shared.demand().candidate_secrets();
+    let (secret, labels) = if order[0] == SECRET_A.as_bytes() {
+        (WEBHOOK_SECRET, TENANT_B)
+    } else {
+        (SECRET_A, TENANT_A)
+    };
+    let position = order.iter().position(|s| s == secret.as_bytes()).unwrap();
+    assert!(position >= 1, "{order:?}");
+    let delivery = |id: u64, hook: Option<&'static str>| {
+        let b = body("queued", id, &labels);
+        let mut m = signed_by_a(&format!("s-{id}"), &b);
+        m.insert(
+            "x-hub-signature-256",
+            HeaderValue::from_str(&sign_body(secret, &b)).unwrap(),
+        );
+        if let Some(hook) = hook {
+            m.insert("x-github-hook-id", HeaderValue::from_static(hook));
+        }
+        assert_eq!(handle(&h.shared, None, &m, &b), DeliveryResult::Accepted);
+    };
+    let checks = || h.metric("imp_webhook_signature_checks_total");
+    let before = checks();
+    for id in 1_000..1_010 {
+        delivery(id, None);
+    }
+    assert_eq!(
+        checks() - before,
+        10.0 * (position + 1) as f64,
+        "no hook id: the search"
+    );
+    let before = checks();
+    delivery(1_010, Some("4242"));
+    assert_eq!(
+        checks() - before,
+        (position + 1) as f64,
+        "an unknown hook: the search"
+    );
+    let before = checks();
+    for id in 1_011..1_111 {
+        delivery(id, Some("4242"));
+    }
+    assert_eq!(
+        checks() - before,
+        100.0,
+        "a known hook's delivery costs one HMAC"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -280,6 +280,8 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         ),
         format!("runtime.vmCgroupParent={vm_cgroup_parent}"),
         format!("runtime.insecureRegistries[0]={reg}"),
+        // The registry listens on the node itself: pulls may reach it only when it is allowed.
+        format!("runtime.nodeLocalRegistries[0]={reg}"),
         // The node's namespace has no default route: the pool's network names its uplink, which
         // the platform must allow (node admission of ImpNetworks, docs/network.md).
         "runtime.network.allowedEgressInterfaces[0]=imp-node0".into(),

@@ -224,7 +224,8 @@ impl Stack {
             .env("IMP_FIRECRACKER_BIN", &sim_bins.simulator)
             .env("IMP_GUEST_BIN", &sim_bins.guest)
             .env("IMP_METRICS_ADDR", "127.0.0.1:0")
-            .env("IMP_INSECURE_REGISTRIES", &host);
+            .env("IMP_INSECURE_REGISTRIES", &host)
+            .env("IMP_NODE_LOCAL_REGISTRIES", &host);
         let runtime =
             ManagedProcess::spawn("imp-runtime", cmd, &dir.path().join("runtime.log")).unwrap();
         wait_socket(&sock, &runtime).await;

@@ -159,6 +159,7 @@ async fn store(dir: &Path, inv: &Inventory, proxy: &CountingProxy, guest: &Path)
             limits: Limits::default(),
             pull: PullConfig {
                 insecure_registries: vec![proxy.host()],
+                node_local_registries: vec![proxy.host()],
                 ..PullConfig::default()
             },
             parallel_fetches: 3,

@@ -1,6 +1,8 @@
 //! imp-runtime's Prometheus metrics (listed in docs/metrics.md).
 
 use prometheus_client::encoding::EncodeLabelSet;
+
+use crate::rootfs::egress::AddressClassLabel;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -67,6 +69,8 @@ pub struct RootfsMetrics {
     pub misses: Counter,
     pub build_duration: Histogram,
     pub build_failures: Family<ReasonLabel, Counter>,
+    /// Connections of image pulls refused by the egress policy, by address class.
+    pub pull_refusals: Family<AddressClassLabel, Counter>,
     pub cache_bytes: Gauge,
     pub cache_images: Gauge,
     pub evictions: Counter,
@@ -86,6 +90,7 @@ impl RootfsMetrics {
             hits: Counter::default(),
             misses: Counter::default(),
             build_failures: Family::default(),
+            pull_refusals: Family::default(),
             cache_bytes: Gauge::default(),
             cache_images: Gauge::default(),
             evictions: Counter::default(),
@@ -114,6 +119,11 @@ impl RootfsMetrics {
             "imp_rootfs_build_failures",
             "Base image builds that failed, by reason",
             self.build_failures.clone(),
+        );
+        registry.register(
+            "imp_rootfs_pull_refused_connections",
+            "Connections of image pulls refused: the node's own, loopback, link-local, unspecified or multicast address, by class",
+            self.pull_refusals.clone(),
         );
         registry.register(
             "imp_rootfs_cache_bytes",

@@ -443,6 +443,7 @@ async fn layer_over_the_size_cap_is_refused_before_download() {
 fn puller_with_host(host: &str, max_layer_bytes: u64) -> Puller {
     Puller::new(PullConfig {
         insecure_registries: vec![host.to_owned()],
+        node_local_registries: vec![host.to_owned()],
         max_layer_bytes,
         ..PullConfig::default()
     })
@@ -731,6 +732,7 @@ async fn an_oversize_manifest_is_refused_from_its_declared_size_before_reading_i
     let cap = 1u64 << 20;
     let puller = Puller::new(PullConfig {
         insecure_registries: vec![host.clone()],
+        node_local_registries: vec![host.clone()],
         max_manifest_bytes: cap,
         ..PullConfig::default()
     });

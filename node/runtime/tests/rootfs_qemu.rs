@@ -227,6 +227,7 @@ async fn two_vms_boot_from_one_registry_built_base() {
             limits: Limits::default(),
             pull: PullConfig {
                 insecure_registries: vec![registry.host()],
+                node_local_registries: vec![registry.host()],
                 ..PullConfig::default()
             },
             parallel_fetches: 3,

@@ -50,6 +50,7 @@ impl Fixture {
             limits: Limits::default(),
             pull: PullConfig {
                 insecure_registries: vec![self.registry.host()],
+                node_local_registries: vec![self.registry.host()],
                 ..PullConfig::default()
             },
             parallel_fetches: 3,
@@ -70,6 +71,7 @@ impl Fixture {
     async fn store_reaching(&self, host: &str) -> RootfsStore {
         let mut cfg = self.config(1 << 30);
         cfg.pull.insecure_registries.push(host.to_owned());
+        cfg.pull.node_local_registries.push(host.to_owned());
         RootfsStore::open(
             cfg,
             self.inventory.pool().clone(),

@@ -332,6 +332,8 @@ async fn a_put_dropped_mid_pull_then_deleted_leaves_nothing_and_a_clean_cache() 
     let mut h = Harness::new(simulator());
     h.extra_env
         .push(("IMP_INSECURE_REGISTRIES".into(), proxy.clone()));
+    h.extra_env
+        .push(("IMP_NODE_LOCAL_REGISTRIES".into(), proxy.clone()));
     h.start_runtime().await;
     let network = common::is_root();
     let spec = imp_runtime::api::VmSpec {

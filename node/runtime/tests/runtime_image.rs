@@ -94,6 +94,7 @@ async fn vms_start_from_registry_images_share_one_build_and_release_it() {
     let mut h = Harness::new(simulator());
     h.extra_env = vec![
         ("IMP_INSECURE_REGISTRIES".into(), host.clone()),
+        ("IMP_NODE_LOCAL_REGISTRIES".into(), host.clone()),
         // Nothing unreferenced is kept.
         ("IMP_ROOTFS_CACHE_BYTES".into(), "1".into()),
     ];
@@ -192,7 +193,10 @@ async fn a_prebuild_through_the_socket_makes_the_first_vm_a_hit() {
     .await
     .unwrap();
     let mut h = Harness::new(simulator());
-    h.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
+    h.extra_env = vec![
+        ("IMP_INSECURE_REGISTRIES".into(), host.clone()),
+        ("IMP_NODE_LOCAL_REGISTRIES".into(), host.clone()),
+    ];
     h.start_runtime().await;
     let base = format!("{host}/ci/rolled:2");
     let spec = image_spec(&h, &base, PASSWORD);

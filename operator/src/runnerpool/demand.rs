@@ -219,6 +219,9 @@ struct PoolJobs {
     order: VecDeque<u64>,
 }
 
+/// Webhooks (`X-GitHub-Hook-ID`) whose verifying secret is remembered.
+const MAX_HOOKS: usize = 4096;
+
 /// The demand state of all pools.
 #[derive(Debug)]
 pub struct Demand {
@@ -235,6 +238,10 @@ pub struct Demand {
     deliveries: HashSet<DeliveryKey>,
     delivery_order: VecDeque<(Instant, DeliveryKey)>,
     global_secret: Option<Vec<u8>>,
+    /// The secret that last verified a delivery of each webhook (`X-GitHub-Hook-ID`) on the shared
+    /// path: tried first, so a known hook's delivery costs one HMAC, not one per secret. Only a
+    /// verified delivery teaches it, and a wrong entry only costs that hook the full search.
+    hook_secrets: HashMap<u64, Vec<u8>>,
     metrics: DemandMetrics,
     /// Maps the monotonic clock of observations onto wall time (job step times).
     epoch: (Instant, Timestamp),
@@ -271,6 +278,7 @@ impl Demand {
             deliveries: HashSet::new(),
             delivery_order: VecDeque::new(),
             global_secret: None,
+            hook_secrets: HashMap::new(),
             metrics: DemandMetrics::default(),
             epoch: (Instant::now(), Timestamp::now()),
         }
@@ -337,6 +345,29 @@ impl Demand {
     }
 
     /// Secrets a delivery may be signed with: the global one and every pool's own.
+    /// [`Self::candidate_secrets`] with the secret that last verified webhook `hook` first.
+    pub fn candidate_secrets_for(&self, hook: Option<u64>) -> Vec<Vec<u8>> {
+        let mut out = self.candidate_secrets();
+        if let Some(known) = hook.and_then(|h| self.hook_secrets.get(&h))
+            && let Some(i) = out.iter().position(|s| s == known)
+        {
+            let s = out.remove(i);
+            out.insert(0, s);
+        }
+        out
+    }
+
+    /// Remember that `secret` verified a delivery of webhook `hook` (bounded: GitHub sends one id
+    /// per configured webhook, so a full table means ids nobody configured; they are not learnt).
+    pub fn learn_hook(&mut self, hook: u64, secret: &[u8]) {
+        if self.hook_secrets.len() >= MAX_HOOKS && !self.hook_secrets.contains_key(&hook) {
+            return;
+        }
+        if self.hook_secrets.get(&hook).map(Vec::as_slice) != Some(secret) {
+            self.hook_secrets.insert(hook, secret.to_vec());
+        }
+    }
+
     pub fn candidate_secrets(&self) -> Vec<Vec<u8>> {
         let mut out: Vec<Vec<u8>> = self.global_secret.iter().cloned().collect();
         for r in self.pools.values() {
@@ -903,6 +934,48 @@ mod tests {
 
     fn key(n: &str) -> PoolKey {
         PoolKey::new("ns", n)
+    }
+
+    #[test]
+    fn a_known_hook_is_checked_against_its_secret_first() {
+        let mut d = Demand::default();
+        d.set_global_secret(Some(b"g".to_vec()));
+        d.upsert_pool(key("a"), route(&["self-hosted"], Some("a")));
+        d.upsert_pool(key("b"), route(&["self-hosted"], Some("b")));
+        let order = |d: &Demand, hook| d.candidate_secrets_for(hook);
+        assert_eq!(
+            order(&d, Some(7)),
+            d.candidate_secrets(),
+            "unknown hook: every secret"
+        );
+        d.learn_hook(7, b"b");
+        assert_eq!(order(&d, Some(7))[0], b"b".to_vec());
+        assert_eq!(order(&d, Some(7)).len(), 3, "the others stay, after it");
+        assert_eq!(order(&d, Some(8)), d.candidate_secrets());
+        assert_eq!(order(&d, None), d.candidate_secrets());
+        // A hook learnt with a secret no pool has any more: the plain order.
+        d.learn_hook(9, b"gone");
+        assert_eq!(order(&d, Some(9)), d.candidate_secrets());
+        // Relearnt when another secret verifies it.
+        d.learn_hook(7, b"a");
+        assert_eq!(order(&d, Some(7))[0], b"a".to_vec());
+    }
+
+    #[test]
+    fn hooks_learnt_are_bounded() {
+        let mut d = Demand::default();
+        d.upsert_pool(key("a"), route(&["self-hosted"], Some("a")));
+        for hook in 0..(MAX_HOOKS as u64 + 100) {
+            d.learn_hook(hook, b"a");
+        }
+        assert_eq!(d.hook_secrets.len(), MAX_HOOKS);
+        assert_eq!(
+            d.candidate_secrets_for(Some(MAX_HOOKS as u64 + 1))[0],
+            b"a".to_vec()
+        );
+        // A known hook is still relearnt when full.
+        d.learn_hook(0, b"b");
+        assert_eq!(d.hook_secrets[&0], b"b".to_vec());
     }
 
     #[test]

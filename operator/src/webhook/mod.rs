@@ -324,8 +324,11 @@ pub fn handle(
         warn!(delivery, "webhook without X-Hub-Signature-256 refused");
         return DeliveryResult::BadSignature;
     };
+    // Which webhook sent it: on the shared path, the secret that verified this hook before is
+    // tried first (one HMAC for a known hook).
+    let hook = header(headers, "x-github-hook-id").and_then(|h| h.parse::<u64>().ok());
     let secrets = match pool {
-        None => shared.demand().candidate_secrets(),
+        None => shared.demand().candidate_secrets_for(hook),
         Some(key) => match shared.demand().secret_for(key) {
             Some(s) => vec![s],
             None => {
@@ -341,6 +344,11 @@ pub fn handle(
         warn!(delivery, "webhook with a bad signature refused");
         return DeliveryResult::BadSignature;
     };
+    if pool.is_none()
+        && let Some(hook) = hook
+    {
+        shared.demand().learn_hook(hook, &signed_with);
+    }
     let event = header(headers, "x-github-event").unwrap_or_default();
     if delivery.is_empty() {
         return DeliveryResult::Malformed;

@@ -105,6 +105,10 @@ struct Args {
     /// Registries (host:port) pulled over plain HTTP instead of HTTPS, comma-separated.
     #[arg(long, env = "IMP_INSECURE_REGISTRIES", value_delimiter = ',')]
     insecure_registries: Vec<String>,
+    /// Registries (host[:port], comma-separated) that live on the node: pulls from them may reach
+    /// the node's own, loopback and link-local addresses, which every other pull is refused.
+    #[arg(long, env = "IMP_NODE_LOCAL_REGISTRIES", value_delimiter = ',')]
+    node_local_registries: Vec<String>,
     /// TCP address for Prometheus scraping (the socket serves /metrics too).
     #[arg(long, env = "IMP_METRICS_ADDR", default_value = "0.0.0.0:9091")]
     metrics_addr: SocketAddr,
@@ -241,6 +245,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             },
             pull: PullConfig {
                 insecure_registries: args.insecure_registries,
+                node_local_registries: args.node_local_registries,
                 ..PullConfig::default()
             },
             parallel_fetches: 3,

@@ -1,4 +1,5 @@
-//! Root filesystems from OCI images (ARCHITECTURE §6): pull and verify blobs (`pull`, `auth`),
+//! Root filesystems from OCI images (ARCHITECTURE §6): pull and verify blobs (`pull`, `auth`)
+//! through a proxy that keeps pulls off the node's own addresses (`egress`),
 //! apply layers safely into a work directory (`flatten`), build a read-only ext4 base (`ext4`),
 //! cache it by content key with reference counts and LRU garbage collection (`cache`), and make
 //! the per-VM writable drive in O(1) (`writable`). docs/rootfs.md describes the whole pipeline.
@@ -6,6 +7,7 @@
 /// Registry credentials: the wire form lives in the contract crate (the agent sends it).
 pub use imp_runtime_api::auth;
 pub mod cache;
+pub mod egress;
 pub mod ext4;
 pub mod flatten;
 pub mod pull;

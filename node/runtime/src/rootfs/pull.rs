@@ -29,18 +29,28 @@ use oci_client::{
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWriteExt;
 
-use super::{Compression, auth::RegistryAuth};
+use super::{
+    Compression,
+    auth::RegistryAuth,
+    egress::{AddressClassLabel, PullProxy, Refusal},
+};
+use prometheus_client::metrics::{counter::Counter, family::Family};
 use wire::Document;
 
 /// The reason for failures to reach or be served by the registry (worth retrying).
 pub const REASON_PULL_FAILED: &str = imp_api::names::reason::ROOTFS_PULL_FAILED;
 /// The reason for images refused on integrity or policy grounds (retrying will not help).
 pub const REASON_REJECTED: &str = imp_api::names::reason::ROOTFS_REJECTED;
+/// The reason for pulls that needed a node-local or link-local address (egress policy).
+pub const REASON_REFUSED: &str = imp_api::names::reason::ROOTFS_PULL_REFUSED;
 
 #[derive(Debug, Clone)]
 pub struct PullConfig {
     /// Registries (`host:port`, e.g. `127.0.0.1:5000`) reached over plain HTTP.
     pub insecure_registries: Vec<String>,
+    /// Registries (`host[:port]`) a pull may reach on the node's own, loopback or link-local
+    /// addresses (a registry on the node); every other pull is refused those (`egress`).
+    pub node_local_registries: Vec<String>,
     /// Cap on each layer's compressed size, as declared; checked before download.
     pub max_layer_bytes: u64,
     /// Cap on a manifest or index document (and the image config descriptor).
@@ -51,6 +61,7 @@ impl Default for PullConfig {
     fn default() -> Self {
         Self {
             insecure_registries: Vec::new(),
+            node_local_registries: Vec::new(),
             max_layer_bytes: 8 << 30,
             // The distribution spec suggests registries accept manifests up to 4 MiB.
             max_manifest_bytes: 4 << 20,
@@ -117,6 +128,12 @@ pub enum PullError {
     },
     #[error("registry error for {reference}: {message}")]
     Registry { reference: String, message: String },
+    #[error(
+        "pulling {reference} needed a connection to {} ({}, {}), which image pulls may not reach; \
+         a registry on the node must be listed in the runtime's node-local registries",
+        refusal.target, refusal.address, refusal.class.as_str()
+    )]
+    AddressRefused { reference: String, refusal: Refusal },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -149,6 +166,7 @@ impl PullError {
             | PullError::DigestMismatch { .. }
             | PullError::SizeMismatch { .. }
             | PullError::TooLarge { .. } => REASON_REJECTED,
+            PullError::AddressRefused { .. } => REASON_REFUSED,
         }
     }
 }
@@ -161,6 +179,8 @@ impl PullError {
 #[derive(Clone)]
 pub struct Puller {
     cfg: Arc<PullConfig>,
+    node_local: Arc<Vec<String>>,
+    refusals: Option<Family<AddressClassLabel, Counter>>,
 }
 
 /// Whether a fetched blob must survive a crash once `fetch_layer` returns.
@@ -175,15 +195,41 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 
 impl Puller {
     pub fn new(cfg: PullConfig) -> Self {
-        Self { cfg: Arc::new(cfg) }
+        Self {
+            node_local: Arc::new(cfg.node_local_registries.clone()),
+            cfg: Arc::new(cfg),
+            refusals: None,
+        }
     }
 
-    fn client(&self, auth: &RegistryAuth) -> (Client, OciAuth) {
+    /// Count refused connections by address class (`imp_rootfs_pull_refused_connections_total`).
+    pub fn with_refusal_metric(mut self, refusals: Family<AddressClassLabel, Counter>) -> Self {
+        self.refusals = Some(refusals);
+        self
+    }
+
+    /// A client for one operation, with the proxy every connection of it goes through (keep it
+    /// alive until the operation is done; see `egress`).
+    async fn client(
+        &self,
+        reference: &Reference,
+        auth: &RegistryAuth,
+    ) -> Result<(Client, OciAuth, PullProxy), PullError> {
+        let proxy = PullProxy::start(self.node_local.clone(), self.refusals.clone())
+            .await
+            .map_err(|e| PullError::Registry {
+                reference: reference.whole(),
+                message: format!("starting the pull's proxy: {e}"),
+            })?;
         let client = Client::new(ClientConfig {
             protocol: ClientProtocol::HttpsExcept(self.cfg.insecure_registries.clone()),
             platform_resolver: Some(Box::new(linux_amd64_resolver)),
             connect_timeout: Some(Duration::from_secs(15)),
             read_timeout: Some(Duration::from_secs(60)),
+            // Both schemes: reqwest then never falls back to the environment's proxy.
+            http_proxy: Some(proxy.url().to_owned()),
+            https_proxy: Some(proxy.url().to_owned()),
+            no_proxy: None,
             ..Default::default()
         });
         let auth = match auth {
@@ -192,7 +238,7 @@ impl Puller {
                 OciAuth::Basic(username.clone(), password.expose_secret().to_owned())
             }
         };
-        (client, auth)
+        Ok((client, auth, proxy))
     }
 
     /// Image index / manifest list → the linux/amd64 manifest; checks the config media type,
@@ -203,12 +249,25 @@ impl Puller {
         auth: &RegistryAuth,
     ) -> Result<ResolvedImage, PullError> {
         let image = parse_reference(reference)?;
+        let (client, oci_auth, proxy) = self.client(&image, auth).await?;
+        let result = self.resolve_with(&image, &client, &oci_auth, &proxy).await;
+        refused_or(result, &image, &proxy)
+    }
+
+    async fn resolve_with(
+        &self,
+        image: &Reference,
+        client: &Client,
+        oci_auth: &OciAuth,
+        proxy: &PullProxy,
+    ) -> Result<ResolvedImage, PullError> {
+        let image = image.clone();
+        let oci_auth = oci_auth.clone();
         let name = image.whole();
-        let (client, oci_auth) = self.client(auth);
         tracing::debug!(reference = %name, "resolving image");
 
         if let Some(declared) = self
-            .declared_manifest_size(&client, &image, &oci_auth)
+            .declared_manifest_size(client, &image, &oci_auth, proxy)
             .await
         {
             self.check_manifest_size(&name, &name, declared)?;
@@ -272,6 +331,7 @@ impl Puller {
         client: &Client,
         image: &Reference,
         auth: &OciAuth,
+        proxy: &PullProxy,
     ) -> Option<usize> {
         let registry = image.resolve_registry();
         let scheme = if self.cfg.insecure_registries.iter().any(|r| r == registry) {
@@ -294,6 +354,8 @@ impl Puller {
             .await
             .ok()?;
         let http = reqwest::Client::builder()
+            .no_proxy()
+            .proxy(reqwest::Proxy::all(proxy.url()).ok()?)
             .connect_timeout(Duration::from_secs(15))
             .timeout(Duration::from_secs(60))
             .build()
@@ -475,13 +537,25 @@ impl Puller {
         temp: &Path,
         durability: Durability,
     ) -> Result<(), PullError> {
+        let (client, oci_auth, proxy) = self.client(image, auth).await?;
+        let result = Self::stream_to(&client, &oci_auth, image, layer, temp, durability).await;
+        refused_or(result, image, &proxy)
+    }
+
+    async fn stream_to(
+        client: &Client,
+        oci_auth: &OciAuth,
+        image: &Reference,
+        layer: &LayerRef,
+        temp: &Path,
+        durability: Durability,
+    ) -> Result<(), PullError> {
         let io = |source| PullError::Io {
             path: temp.to_owned(),
             source,
         };
-        let (client, oci_auth) = self.client(auth);
         client
-            .store_auth_if_needed(image.resolve_registry(), &oci_auth)
+            .store_auth_if_needed(image.resolve_registry(), oci_auth)
             .await;
         tracing::debug!(digest = %layer.digest, size = layer.size, "fetching layer");
         // The digest alone, not a descriptor with `urls`: Imp never follows foreign URLs.
@@ -556,6 +630,22 @@ impl Puller {
             file.sync_all().await.map_err(io)?;
         }
         Ok(())
+    }
+}
+
+/// A failed operation whose proxy refused a connection failed because of the refusal, whatever
+/// oci-client made of the proxy's answer (a forwarded 403 reads as "unauthorized").
+fn refused_or<T>(
+    result: Result<T, PullError>,
+    image: &Reference,
+    proxy: &PullProxy,
+) -> Result<T, PullError> {
+    match (result, proxy.refusal()) {
+        (Err(_), Some(refusal)) => Err(PullError::AddressRefused {
+            reference: image.whole(),
+            refusal,
+        }),
+        (result, _) => result,
     }
 }
 

@@ -300,7 +300,8 @@ impl RootfsStore {
         let node_key = node_key(&cfg.dir)?;
         let store = Self {
             node_key,
-            puller: Puller::new(cfg.pull.clone()),
+            puller: Puller::new(cfg.pull.clone())
+                .with_refusal_metric(metrics.pull_refusals.clone()),
             cfg,
             index: CacheIndex::new(pool),
             metrics,

@@ -123,27 +123,7 @@ pub struct World {
 /// made on a thread inside the node namespace and the outgoing connections here. Its threads
 /// end with the test process. Returns the `127.0.0.1:<port>` to use inside the namespace.
 pub fn forward_into(net: &TestNetwork, target: &str) -> String {
-    let listener = net.in_node(|| TcpListener::bind("127.0.0.1:0").unwrap());
-    let port = listener.local_addr().unwrap().port();
-    let target = target.to_owned();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(inside) = conn else { return };
-            let Ok(outside) = TcpStream::connect(&target) else {
-                continue;
-            };
-            for (mut from, mut to) in [
-                (inside.try_clone().unwrap(), outside.try_clone().unwrap()),
-                (outside, inside),
-            ] {
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut from, &mut to);
-                    let _ = to.shutdown(std::net::Shutdown::Write);
-                });
-            }
-        }
-    });
-    format!("127.0.0.1:{port}")
+    super::forward(&net.node, "127.0.0.1:0", target).addr
 }
 
 impl World {
@@ -166,7 +146,10 @@ impl World {
             Some(n) => forward_into(n, &registry.host()),
         };
         let mut rt = Harness::new(backend);
-        rt.extra_env = vec![("IMP_INSECURE_REGISTRIES".into(), host.clone())];
+        rt.extra_env = vec![
+            ("IMP_INSECURE_REGISTRIES".into(), host.clone()),
+            ("IMP_NODE_LOCAL_REGISTRIES".into(), host.clone()),
+        ];
         rt.netns = net.map(|n| n.node.clone());
         rt.start_runtime().await;
         let env = TestEnv::new(prefix).await;

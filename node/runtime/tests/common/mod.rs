@@ -252,7 +252,8 @@ impl Harness {
         });
         h.boot_timeout_secs = 240.0;
         h.extra_env.extend([
-            ("IMP_INSECURE_REGISTRIES".to_string(), registry),
+            ("IMP_INSECURE_REGISTRIES".to_string(), registry.clone()),
+            ("IMP_NODE_LOCAL_REGISTRIES".to_string(), registry),
             (
                 "IMP_QEMU_ACCEL".to_string(),
                 std::env::var("IMP_QEMU_ACCEL").unwrap_or_else(|_| "tcg".into()),
@@ -441,6 +442,45 @@ impl TestNetwork {
     pub fn in_node<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         in_netns(&self.node, f)
     }
+}
+
+/// A TCP forwarder listening inside a network namespace, to a target in the test's own.
+pub struct Forwarder {
+    /// `host:port` it listens on, inside its namespace.
+    pub addr: String,
+    /// Connections it accepted so far.
+    pub connections: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// A forwarder listening on `bind` (`addr:0` for a free port) inside `ns` to `target` in the
+/// test's own namespace: the listener is made on a thread inside `ns`, the outgoing connections
+/// here. Its threads end with the test process.
+pub fn forward(ns: &str, bind: &str, target: &str) -> Forwarder {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = in_netns(ns, || std::net::TcpListener::bind(bind).unwrap());
+    let addr = listener.local_addr().unwrap().to_string();
+    let connections = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    let target = target.to_owned();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(inside) = conn else { return };
+            counted.fetch_add(1, Ordering::SeqCst);
+            let Ok(outside) = std::net::TcpStream::connect(&target) else {
+                continue;
+            };
+            for (mut from, mut to) in [
+                (inside.try_clone().unwrap(), outside.try_clone().unwrap()),
+                (outside, inside),
+            ] {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+    Forwarder { addr, connections }
 }
 
 /// Runs `f` on a thread inside network namespace `ns` (sockets made there belong to it).
