@@ -255,7 +255,7 @@ async fn a_refusal_of_the_newest_version_is_an_outage_and_minting_goes_on_with_b
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pool_within_seven_days_of_expiry_shows_expiring() {
-    let h = PoolHarness::start("pool-fresh-exp").await;
+    let mut h = PoolHarness::start("pool-fresh-exp").await;
     h.sim.set_runner_releases("2.331.0", Some("2.329.0"), false);
     h.create_pool("exp", json!({"maxRunners": 1})).await;
     set_runner_version(&h, "exp", "2.330.0").await;
@@ -274,13 +274,16 @@ async fn a_pool_within_seven_days_of_expiry_shows_expiring() {
     );
     let rv = h.pool_status("exp").await.runner_version.unwrap();
     assert!(rv.superseded_time.is_some(), "{rv:?}");
-    // The clock as an operator recorded it 24 days ago (the status is what survives restarts).
+    // The clock as an operator recorded it 24 days ago, then restarted: the status is what
+    // survives (stopped while the status is edited, so no pass in flight writes the old clock).
+    h.stop_operator().await;
     let then = Timestamp::now() - jiff_days(24);
     let patch = json!({"status": {"runnerVersion": {"supersededTime": Time(then)}}});
     h.pools()
         .patch_status("exp", &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .unwrap();
+    h.restart_operator().await;
     let msg = wait_condition(
         &h,
         "exp",
