@@ -40,6 +40,18 @@ sed 's/^CONFIG_OVERLAY_FS=y$/CONFIG_OVERLAY_FS=m/' "$t/good.config" >"$t/bad.con
 if "$repo/images/kernel/build.sh" --verify "$t/bad.config" 2>"$t/verify.err"; then fail "verify accepted OVERLAY_FS=m"; fi
 grep -q 'CONFIG_OVERLAY_FS=y (final: CONFIG_OVERLAY_FS=m)' "$t/verify.err" || fail "verify did not name the lost option: $(cat "$t/verify.err")"
 ok "kernel fragment"
+# What a container engine in the job needs (docs/workloads.md) is in the fragment, built in: cgroups
+# (v2 controllers and the BPF device controller), namespaces, seccomp, overlay, the bridge network
+# with veth and netfilter NAT. build.sh --verify then makes sure each survives into a built kernel.
+for sym in CGROUPS MEMCG CGROUP_PIDS CGROUP_SCHED CGROUP_CPUACCT CGROUP_DEVICE CGROUP_FREEZER CPUSETS \
+    BLK_CGROUP CGROUP_BPF BPF_SYSCALL NAMESPACES USER_NS PID_NS NET_NS IPC_NS UTS_NS SECCOMP \
+    SECCOMP_FILTER OVERLAY_FS KEYS BRIDGE VETH BRIDGE_NETFILTER NETFILTER NF_CONNTRACK NF_NAT NF_TABLES \
+    NFT_NAT NFT_COMPAT NETFILTER_XTABLES NETFILTER_XT_TARGET_MASQUERADE NETFILTER_XT_MATCH_ADDRTYPE \
+    NETFILTER_XT_MATCH_CONNTRACK NETFILTER_XT_NAT IP_NF_IPTABLES IP_NF_FILTER IP_NF_NAT; do
+    grep -qx "CONFIG_$sym=y" "$repo/images/kernel/imp.config" ||
+        fail "images/kernel/imp.config lacks CONFIG_$sym=y, which a container engine in the guest needs"
+done
+ok "kernel fragment has the container-engine options (cgroups, namespaces, seccomp, overlay, bridge, veth, NAT)"
 
 # --- runner layout helpers -------------------------------------------------------------------
 build="$repo/images/runner/build.sh"
@@ -332,7 +344,10 @@ if [ -n "${IMP_GUEST_STATIC_BIN:-}" ]; then
     "$repo/images/initrd/build.sh" --guest "$IMP_GUEST_STATIC_BIN" --out "$t/i2" --gzip >/dev/null
     cmp -s "$t/i1" "$t/i2" || fail "two initrd builds differ"
     zcat "$t/i1" | cpio -i --to-stdout --quiet lib/modules/imp/load-order >"$t/order"
-    grep -qx /lib/modules/imp/vmw_vsock_virtio_transport.ko "$t/order" || fail "load-order: $(cat "$t/order")"
+    for m in vmw_vsock_virtio_transport bridge veth br_netfilter nf_tables nft_compat nft_chain_nat \
+        xt_MASQUERADE xt_addrtype xt_conntrack iptable_nat; do
+        grep -qx "/lib/modules/imp/$m.ko" "$t/order" || fail "initrd load-order lacks $m: $(cat "$t/order")"
+    done
     ok "initrd deterministic ($(stat -c %s "$t/i1") bytes)"
 fi
 echo "images/test.sh: all passed"

@@ -199,9 +199,16 @@ if [[ "$mode" == local ]]; then
   for f in /proc/[0-9]*/cmdline; do
     grep -qF "$work" "$f" 2>/dev/null && leaks+=("process ${f//[^0-9]/} outside $ns: $(tr '\0' ' ' <"$f")")
   done
-  for d in "$work/node-state/vms" "$work/node-state/tmp"; do
+  # VM directories, and Firecracker jails (<state>/jailer/<exec name>/<uid>) when the jailer is on.
+  for d in "$work/node-state/vms" "$work/node-state/tmp" "$work/node-state/jailer"/*; do
     [[ -d "$d" ]] && for f in "$d"/*; do [[ -e "$f" ]] && leaks+=("file $f"); done
   done
+  # Per-VM cgroups, when the runtime was given a parent.
+  if [[ -n "${IMP_VM_CGROUP_PARENT:-}" ]]; then
+    for d in /sys/fs/cgroup/"$IMP_VM_CGROUP_PARENT" /sys/fs/cgroup/{memory,cpu,pids}/"$IMP_VM_CGROUP_PARENT"; do
+      [[ -d "$d" ]] && for f in "$d"/*/; do [[ -d "$f" ]] && leaks+=("cgroup $f"); done
+    done
+  fi
   for leak in "${leaks[@]}"; do printf 'LEAK  %s\n' "$leak" >&2; done
   ((code == 0)) || exit "$code"
   ((${#leaks[@]} == 0)) || fail "the smoke left ${#leaks[@]} thing(s) of its own behind (listed above)"

@@ -632,3 +632,52 @@ async fn production_values_install_into_the_api_server() {
         "helm uninstall",
     );
 }
+
+/// With agent.env.jailerPath the runtime runs Firecracker through that jailer (mounted read-only);
+/// the runtime's metrics listen on the pod IP unless runtime.metrics.bindAll; the agent mounts only
+/// the VMs' directories (read-only) of the state directory.
+#[test]
+fn the_jailer_path_the_metrics_address_and_the_agent_s_mounts() {
+    let (_d, v) = values_file(
+        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n    jailerPath: /usr/local/bin/jailer\n",
+    );
+    let objects = render_ok(&[&v], &[]);
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    assert_eq!(
+        env_value(c, "IMP_JAILER_PATH"),
+        Some("/usr/local/bin/jailer")
+    );
+    assert!(
+        c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["mountPath"] == "/usr/local/bin/jailer" && m["readOnly"] == true),
+        "{c}"
+    );
+    assert_eq!(env_value(c, "IMP_METRICS_ADDR"), Some("$(POD_IP):9091"));
+    let agent = get(&objects, "DaemonSet", "imp-agent");
+    let a = container(agent, "containers", "agent");
+    let mounts: Vec<(&str, bool)> = a["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["mountPath"].as_str().unwrap(), m["readOnly"] == true))
+        .collect();
+    assert_eq!(mounts, [("/run/imp", false), ("/var/lib/imp/vms", true)]);
+
+    let objects = render_ok(&[&v], &["runtime.metrics.bindAll=true"]);
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    assert_eq!(env_value(c, "IMP_METRICS_ADDR"), Some("0.0.0.0:9091"));
+
+    let objects = render_ok(&[&seed_values("helm-values-seed.yaml")], &[]);
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    assert_eq!(
+        env_value(c, "IMP_JAILER_PATH"),
+        None,
+        "no jailer unless given"
+    );
+}

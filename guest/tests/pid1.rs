@@ -141,6 +141,17 @@ fn overlay_root_switch_hostname_resolv_and_loopback() {
         std::fs::read_to_string(scratch.join("rw/upper/new")).unwrap(),
         "n"
     );
+    // Container storage bypasses the overlay: the writable drive's own filesystem (tmpfs here,
+    // ext4 in a VM), outside upper/ and work/.
+    for d in root::PLAIN_DIRS {
+        assert_eq!(fs_magic(&newroot.join(d)), libc::TMPFS_MAGIC, "{d}");
+        std::fs::write(newroot.join(d).join("probe"), "p").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(scratch.join("rw/plain").join(d).join("probe")).unwrap(),
+            "p"
+        );
+        assert!(!scratch.join("rw/upper").join(d).join("probe").exists());
+    }
 
     system::write_resolv_conf(
         &newroot,
@@ -155,6 +166,12 @@ fn overlay_root_switch_hostname_resolv_and_loopback() {
 
     root::switch_root(&newroot, &["/proc"]).unwrap();
     assert_eq!(std::fs::read_to_string("/marker").unwrap(), "changed");
+    // The plain directories moved along with the new root.
+    assert_eq!(
+        std::fs::read_to_string("/var/lib/docker/probe").unwrap(),
+        "p"
+    );
+    assert_eq!(fs_magic(Path::new("/var/lib/docker")), libc::TMPFS_MAGIC);
     // /proc came along, and it reports the overlay as the root.
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     let root_fs = mountinfo

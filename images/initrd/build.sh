@@ -19,6 +19,9 @@
 #
 # The output is deterministic for the same inputs (sorted entries, mtime 0, owner 0:0).
 # Needs: cpio (Debian: cpio); xz-utils / zstd only when the modules are compressed.
+# The default set boots the guest (virtio, vsock, ext4, overlay) and gives the job's container
+# engine what it needs (bridge, veth, br_netfilter, nf_tables and the xt_* matches of dockerd's
+# bridge network); see default_modules below.
 set -euo pipefail
 
 default_modules=(
@@ -29,7 +32,27 @@ default_modules=(
     vsock
     vmw_vsock_virtio_transport # the agent's transport (pulls in ..._common)
     ext4                       # the drives' filesystem (jbd2, mbcache, crc16, crc32c... when modular)
-    overlay                    # overlay(base, writable) root
+    overlay                    # overlay(base, writable) root; also the engine's overlay2 storage
+    # What a container engine in the job needs (dockerd's bridge network, docs/workloads.md).
+    # Debian's iptables is iptables-nft: nf_tables + nft_compat run the xt_* matches dockerd's
+    # rules use; ip_tables/iptable_* serve images that select iptables-legacy.
+    bridge                     # docker0 (pulls in stp, llc)
+    veth                       # each container's link to the bridge
+    br_netfilter               # bridge-nf-call-iptables: containers reaching each other by port
+    nf_tables
+    nft_compat                 # xt_* matches and targets through nf_tables
+    nft_chain_nat              # nat chains (MASQUERADE, DNAT of published ports)
+    nf_nat
+    nf_conntrack
+    nf_conntrack_netlink       # dockerd flushes conntrack entries of removed containers
+    xt_MASQUERADE              # containers' traffic out through the VM's address
+    xt_addrtype                # -m addrtype --dst-type LOCAL (published ports)
+    xt_conntrack               # -m conntrack --ctstate RELATED,ESTABLISHED
+    xt_nat                     # DNAT/SNAT targets
+    xt_tcpudp                  # -p tcp --dport
+    ip_tables
+    iptable_filter
+    iptable_nat
 )
 
 die() { echo "initrd/build.sh: $*" >&2; exit 1; }

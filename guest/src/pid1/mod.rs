@@ -5,6 +5,7 @@
 //! VM off: PID 1 must never exit (the kernel would panic), and a VM that cannot serve the agent
 //! is useless; the host sees the VM stop without a Hello.
 
+pub mod cgroup;
 pub mod cmdline;
 pub mod modules;
 pub mod mounts;
@@ -42,6 +43,8 @@ pub enum Pid1Error {
     Root(#[from] root::RootError),
     #[error(transparent)]
     System(#[from] system::SystemError),
+    #[error("cgroup2: {0}")]
+    Cgroup(#[from] cgroup::CgroupError),
     #[error("imp.net: {0}")]
     Net(#[from] net::NetError),
     #[error(transparent)]
@@ -163,6 +166,19 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
         })?;
     }
     stage("mount-late", || mounts::mount_all(root, mounts::LATE))?;
+    // For the job's container engine; fatal like the other mounts: a guest that says it is
+    // ready must be able to run dockerd.
+    match cgroup::setup(root) {
+        Ok(d) => marker(
+            "cgroup",
+            format_args!("ok delegated={}", d.enabled.join(",")),
+        ),
+        Err(e) => {
+            marker("cgroup", format_args!("FAILED: {e}"));
+            return Err(e.into());
+        }
+    }
+    check_clock();
     stage("loopback", system::loopback_up)?;
     if let Some(netcfg) = &cfg.net {
         stage("network", || -> Result<(), Pid1Error> {
@@ -210,6 +226,30 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
         terminate_everything(agent.execs()).await;
         Ok(reason)
     })
+}
+
+/// Say what time the guest thinks it is (and where the kernel got it); a clock before
+/// [`system::CLOCK_FLOOR_UNIX`] is a warning, not fatal: jobs without TLS still run.
+fn check_clock() {
+    let unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let source = system::clocksource();
+    match system::check_clock(unix) {
+        system::Clock::Plausible { unix } => marker(
+            "clock",
+            format_args!("ok now={} clocksource={source}", system::rfc3339(unix)),
+        ),
+        system::Clock::BeforeFloor { unix } => marker(
+            "clock",
+            format_args!(
+                "WARNING: now={} is before {}: TLS certificate checks in jobs will fail (clocksource={source})",
+                system::rfc3339(unix),
+                system::rfc3339(system::CLOCK_FLOOR_UNIX)
+            ),
+        ),
+    }
 }
 
 /// How long the overlay stage waits for its drives to show up in devtmpfs.

@@ -2,6 +2,12 @@
 //!
 //! The base image is shared by every VM from the host's cache and never written; each VM gets
 //! a small blank writable drive, so host-side preparation is O(1) whatever the image size.
+//!
+//! Container engines keep their storage in [`PLAIN_DIRS`]: overlay2 (Docker's, containerd's
+//! overlayfs snapshotter) cannot use a directory on an overlay as its upper layer, so each of
+//! them is a directory on the writable drive's own filesystem (ext4), beside the overlay's
+//! `upper/` and `work/`, bind-mounted into the new root. It shares the writable drive's space
+//! (the class's disk) with the root's changes; it disappears with the VM like the rest.
 
 use std::path::{Path, PathBuf};
 
@@ -29,6 +35,18 @@ pub enum RootError {
         step: &'static str,
         source: nix::Error,
     },
+}
+
+/// Directories of the new root that live on the writable drive's plain filesystem instead of
+/// the overlay (relative to the root; on the drive under `plain/<same path>`).
+pub const PLAIN_DIRS: &[&str] = &["var/lib/docker", "var/lib/containerd"];
+
+/// (directory on the writable drive, mount point in the new root) for each of [`PLAIN_DIRS`].
+pub fn plain_binds(rw_dir: &Path, newroot: &Path) -> Vec<(PathBuf, PathBuf)> {
+    PLAIN_DIRS
+        .iter()
+        .map(|d| (rw_dir.join("plain").join(d), newroot.join(d)))
+        .collect()
 }
 
 /// Where the lower layer comes from.
@@ -148,6 +166,21 @@ pub fn assemble(scratch: &Path, lower: &Lower, upper: &Upper) -> Result<PathBuf,
         Some(opts.as_str()),
     )
     .map_err(mount_err("overlay", &newroot))?;
+    for (src, dst) in plain_binds(&rw_dir, &newroot) {
+        mkdir(&src)?;
+        mkdir(&dst)?;
+        mount(
+            Some(src.as_path()),
+            &dst,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(mount_err(
+            &format!("bind of the writable drive's {}", src.display()),
+            &dst,
+        ))?;
+    }
     Ok(newroot)
 }
 
@@ -181,4 +214,31 @@ pub fn switch_root(newroot: &Path, carry: &[&str]) -> Result<(), RootError> {
     chroot(".").map_err(err("chroot"))?;
     chdir("/").map_err(err("chdir /"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_dirs_sit_beside_the_overlay_layers() {
+        let binds = plain_binds(Path::new("/run/imp/rw"), Path::new("/run/imp/root"));
+        assert_eq!(
+            binds,
+            [
+                (
+                    PathBuf::from("/run/imp/rw/plain/var/lib/docker"),
+                    PathBuf::from("/run/imp/root/var/lib/docker")
+                ),
+                (
+                    PathBuf::from("/run/imp/rw/plain/var/lib/containerd"),
+                    PathBuf::from("/run/imp/root/var/lib/containerd")
+                ),
+            ]
+        );
+        // Never inside the overlay's upper or work directory.
+        for (src, _) in &binds {
+            assert!(!src.starts_with("/run/imp/rw/upper") && !src.starts_with("/run/imp/rw/work"));
+        }
+    }
 }

@@ -1,5 +1,5 @@
-//! Hostname, resolv.conf and the loopback interface (probes target 127.0.0.1, and nothing
-//! else in a minimal guest brings `lo` up).
+//! Hostname, resolv.conf, the loopback interface (probes target 127.0.0.1, and nothing
+//! else in a minimal guest brings `lo` up) and the wall clock's sanity check.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -86,9 +86,79 @@ pub fn loopback_up() -> Result<(), SystemError> {
     Ok(())
 }
 
+/// 2026-01-01T00:00:00Z. A wall clock before this is wrong (this build is newer): TLS
+/// certificate checks (git, curl, docker pull) would fail with "certificate is not yet valid".
+pub const CLOCK_FLOOR_UNIX: u64 = 1_767_225_600;
+
+/// The wall clock at boot. The kernel sets it before PID 1 runs: from the CMOS RTC under QEMU
+/// (`-rtc base=utc`, the default: the host's time), from kvm-clock's wall clock under
+/// Firecracker/KVM. PID 1 only checks it; it has no better source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Clock {
+    Plausible { unix: u64 },
+    BeforeFloor { unix: u64 },
+}
+
+pub fn check_clock(unix: u64) -> Clock {
+    if unix < CLOCK_FLOOR_UNIX {
+        Clock::BeforeFloor { unix }
+    } else {
+        Clock::Plausible { unix }
+    }
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` for seconds since the epoch (UTC; Howard Hinnant's civil_from_days).
+pub fn rfc3339(unix: u64) -> String {
+    let days = (unix / 86_400) as i64;
+    let secs = unix % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        secs / 3600,
+        secs / 60 % 60,
+        secs % 60
+    )
+}
+
+/// The kernel's clocksource (kvm-clock, tsc, hpet...), for the console marker.
+pub fn clocksource() -> String {
+    std::fs::read_to_string("/sys/devices/system/clocksource/clocksource0/current_clocksource")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clock_floor_and_rendering() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(CLOCK_FLOOR_UNIX), "2026-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_342_399), "2026-12-03T23:59:59Z");
+        assert_eq!(check_clock(0), Clock::BeforeFloor { unix: 0 });
+        assert_eq!(
+            check_clock(CLOCK_FLOOR_UNIX - 1),
+            Clock::BeforeFloor {
+                unix: CLOCK_FLOOR_UNIX - 1
+            }
+        );
+        assert_eq!(
+            check_clock(CLOCK_FLOOR_UNIX),
+            Clock::Plausible {
+                unix: CLOCK_FLOOR_UNIX
+            }
+        );
+    }
 
     #[test]
     fn resolv_conf_rendering() {

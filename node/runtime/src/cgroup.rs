@@ -144,12 +144,25 @@ fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupErr
     move |source| CgroupError::Io { op, path, source }
 }
 
+/// A VM's cgroups as a jailer makes them (Firecracker's `--cgroup-version`, `--parent-cgroup`,
+/// `--cgroup FILE=VALUE`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupArgs {
+    pub version: Version,
+    /// The runtime's per-VM parent, relative to each hierarchy's root.
+    pub parent: PathBuf,
+    /// `FILE=VALUE`, in the order written (v1's period before its quota).
+    pub limits: Vec<String>,
+}
+
 /// The per-VM cgroups of one runtime.
 #[derive(Debug, Clone)]
 pub struct VmCgroups {
     version: Version,
     /// The parent cgroup's directory per controller (v2: the same one for all).
     parents: Vec<(Controller, PathBuf)>,
+    /// The parent relative to each hierarchy's root (the jailer's `--parent-cgroup`).
+    parent: PathBuf,
     overhead_mib: u64,
     pids_max: u64,
 }
@@ -213,6 +226,7 @@ impl VmCgroups {
         Ok(Self {
             version,
             parents,
+            parent: cfg.parent.clone(),
             overhead_mib: cfg.overhead_mib,
             pids_max: cfg.pids_max,
         })
@@ -269,6 +283,21 @@ impl VmCgroups {
             .into_iter()
             .map(|d| d.join("cgroup.procs"))
             .collect())
+    }
+
+    /// What Firecracker's jailer is told to make VM `uid`'s cgroups with (it creates
+    /// `<hierarchy>/<parent>/<uid>`, the directories [`VmCgroups::create`] would, so removal,
+    /// listing and the leak checks are the same for both).
+    pub fn jailer_args(&self, memory_mib: u64, vcpu: u32) -> CgroupArgs {
+        let limits = Limits::of(memory_mib, vcpu, self.overhead_mib, self.pids_max);
+        CgroupArgs {
+            version: self.version,
+            parent: self.parent.clone(),
+            limits: limit_files(self.version, &limits)
+                .into_iter()
+                .map(|(_, f, v)| format!("{f}={v}"))
+                .collect(),
+        }
     }
 
     /// Remove VM `uid`'s cgroups once its processes are gone (idempotent).

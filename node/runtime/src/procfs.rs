@@ -79,6 +79,39 @@ pub fn firecrackers_under(dir: &Path) -> Vec<(i32, u64, PathBuf)> {
         .collect()
 }
 
+/// VMM processes jailed under `jails` (`<chroot_base>/<exec name>`, one `<id>/root` per VM):
+/// those whose root directory is one of those roots (a pivot_root'd process's
+/// `/proc/<pid>/root` reads `/`, so they are matched by device and inode) and whose command
+/// line names an API socket, with its host path.
+pub fn jailed_vmms(jails: &Path) -> Vec<(i32, u64, PathBuf)> {
+    use std::os::unix::fs::MetadataExt as _;
+    let roots: Vec<((u64, u64), PathBuf)> = std::fs::read_dir(jails)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.path().join("root"))
+                .filter_map(|r| {
+                    let m = std::fs::metadata(&r).ok()?;
+                    Some(((m.dev(), m.ino()), r))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if roots.is_empty() {
+        return Vec::new();
+    }
+    pids()
+        .into_iter()
+        .filter_map(|pid| {
+            let m = std::fs::metadata(format!("/proc/{pid}/root")).ok()?;
+            let (_, root) = roots.iter().find(|(k, _)| *k == (m.dev(), m.ino()))?;
+            let sock = api_sock_arg(&cmdline(pid))?;
+            let rel = sock.strip_prefix("/").unwrap_or(&sock);
+            let (start, state) = stat(pid)?;
+            (state != 'Z').then(|| (pid, start, root.join(rel)))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

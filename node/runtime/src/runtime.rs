@@ -27,6 +27,7 @@ use crate::api::{
     Backend, Failure, PrebuildRequest, PrebuildStatus, Readiness, VmSpec, VmState, VmStatus,
 };
 use crate::cgroup::{CgroupConfig, CgroupError, VmCgroups};
+use crate::firecracker::jailer::{self, JailerConfig, JailerError};
 use crate::inventory::{Inventory, InventoryError, VmRecord};
 use crate::jail::{self, JailConfig, JailError, VmJail};
 use crate::metrics::{BackendLabel, Metrics, StateLabel};
@@ -64,9 +65,11 @@ pub struct Config {
     /// The rootfs cache (images built from OCI references); its `dir` is usually
     /// `<state_dir>/rootfs`.
     pub rootfs: StoreConfig,
-    /// Per-VM uids of confined QEMU VMs (none: VMM processes run as the runtime, unconfined;
-    /// for debugging only). The Firecracker backend is not confined here yet.
+    /// Per-VM uids of confined VMs (none: VMM processes run as the runtime, unconfined; for
+    /// debugging only). QEMU is confined by jail.rs, Firecracker by its jailer (`jailer`).
     pub jail: Option<JailConfig>,
+    /// Firecracker's jailer (none: Firecracker runs unconfined, with a warning at start).
+    pub jailer: Option<JailerConfig>,
     /// Which ImpNetworks this node admits (network/admit.rs).
     pub network: crate::network::Admission,
 }
@@ -165,6 +168,10 @@ pub enum RuntimeError {
     WritableTemplates(WritableError),
     #[error("confinement of VM {uid}: {source}")]
     Jail { uid: String, source: JailError },
+    #[error("jail of VM {uid}: {source}")]
+    Jailer { uid: String, source: JailerError },
+    #[error("Firecracker's jailer: {0}")]
+    JailerPreflight(JailerError),
     #[error(transparent)]
     Inventory(#[from] InventoryError),
 }
@@ -197,7 +204,9 @@ impl RuntimeError {
             RuntimeError::NotSuspended { .. } => reason::NOT_SUSPENDED,
             RuntimeError::Resume { .. } => reason::RESUME_FAILED,
             RuntimeError::QemuStart { .. } => reason::QEMU_START_FAILED,
-            RuntimeError::Jail { .. } => reason::VMM_CONFINEMENT_FAILED,
+            RuntimeError::Jail { .. }
+            | RuntimeError::Jailer { .. }
+            | RuntimeError::JailerPreflight(_) => reason::VMM_CONFINEMENT_FAILED,
             RuntimeError::Inventory(_) => reason::INVENTORY_ERROR,
             RuntimeError::StateDir { .. }
             | RuntimeError::RootfsStore(_)
@@ -287,7 +296,10 @@ impl Runtime {
 
     pub fn readiness(&self) -> Readiness {
         let bins: Vec<&Path> = match self.cfg.backend {
-            Backend::Firecracker => vec![&self.cfg.firecracker_bin],
+            Backend::Firecracker => match self.jailer(Backend::Firecracker) {
+                Some(j) => vec![&self.cfg.firecracker_bin, &j.bin],
+                None => vec![&self.cfg.firecracker_bin],
+            },
             Backend::Qemu => vec![&self.cfg.qemu.qemu_bin, &self.cfg.qemu.vhost_vsock_bin],
         };
         let facts = vmm::HostFacts {
@@ -371,13 +383,28 @@ impl Runtime {
         }
     }
 
-    /// The confinement of row `r`'s processes (none when off, or for Firecracker): its
-    /// directory's uid, assigned now if it has none; its writable drive made its own (0600).
+    /// Firecracker's jailer, when VMs of `backend` run through it (confinement on).
+    pub(super) fn jailer(&self, backend: Backend) -> Option<&JailerConfig> {
+        self.cfg.jail.as_ref()?;
+        (backend == Backend::Firecracker)
+            .then_some(self.cfg.jailer.as_ref())
+            .flatten()
+    }
+
+    /// `<chroot_base>/<Firecracker's file name>`: every jail of this runtime's Firecracker.
+    pub(super) fn jails_dir(&self) -> Option<PathBuf> {
+        let j = self.jailer(Backend::Firecracker)?;
+        jailer::jails_dir(j, &self.cfg.firecracker_bin).ok()
+    }
+
+    /// The confinement of row `r`'s processes (none when off, or for an unjailed
+    /// Firecracker): its directory's uid, assigned now if it has none (the same range and
+    /// allocator for QEMU and jailed Firecracker VMs); its writable drive made its own (0600).
     fn vm_jail(&self, r: &VmRecord) -> Result<Option<VmJail>, RuntimeError> {
         let Some(cfg) = &self.cfg.jail else {
             return Ok(None);
         };
-        if r.backend != Backend::Qemu {
+        if r.backend == Backend::Firecracker && self.jailer(r.backend).is_none() {
             return Ok(None);
         }
         let err = |source| RuntimeError::Jail {

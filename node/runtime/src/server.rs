@@ -46,6 +46,8 @@ impl From<RuntimeError> for ApiError {
             | RuntimeError::CgroupSetupFailed { .. }
             | RuntimeError::QemuStart { .. }
             | RuntimeError::Jail { .. }
+            | RuntimeError::Jailer { .. }
+            | RuntimeError::JailerPreflight(_)
             | RuntimeError::DiskSetupFailed { .. }
             | RuntimeError::WritableDrive { .. }
             | RuntimeError::Rootfs { .. }

@@ -152,6 +152,26 @@ pub fn open(name: &str) -> Result<std::os::fd::OwnedFd, TapError> {
     Ok(tun.into())
 }
 
+/// Let uid/gid `id` attach to the (persistent) TAP without a capability: a jailed Firecracker
+/// opens it by name as the VM's uid (`TUNSETOWNER`, `TUNSETGROUP`).
+pub fn set_owner(name: &str, id: u32) -> Result<(), TapError> {
+    use std::os::fd::AsRawFd as _;
+    let fd = open(name)?;
+    let failed = |e: std::io::Error| TapError::Open {
+        tap: name.into(),
+        source: e,
+    };
+    // SAFETY: both ioctls take an integer argument on a descriptor we own.
+    unsafe {
+        if libc::ioctl(fd.as_raw_fd(), libc::TUNSETOWNER, id as libc::c_ulong) < 0
+            || libc::ioctl(fd.as_raw_fd(), libc::TUNSETGROUP, id as libc::c_ulong) < 0
+        {
+            return Err(failed(std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
 pub fn stats(name: &str) -> Result<LinkStats, TapError> {
     check(name)?;
     let link = show(name)?.ok_or_else(|| TapError::NoSuchLink(name.into()))?;

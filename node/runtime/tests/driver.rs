@@ -35,6 +35,7 @@ fn files(dir: &std::path::Path, name: &str) -> VmmFiles {
         serial_log: dir.join(format!("{name}.serial")),
         stderr_log: dir.join(format!("{name}.stderr")),
         vmm_log: dir.join(format!("{name}.fc.log")),
+        jail: None,
     }
 }
 

@@ -192,11 +192,125 @@ fn read_from_drive(drive: &Path, path: &str, scratch: &Path) -> Option<String> {
     Some(String::from_utf8(out.stdout).unwrap())
 }
 
-#[tokio::test]
-async fn two_vms_boot_from_one_registry_built_base() {
+/// The mount of `path` in the guest's /proc/mounts text: (source, fstype).
+fn mount_of(mounts: &str, path: &str) -> (String, String) {
+    let line = mounts
+        .lines()
+        .rfind(|l| l.split_whitespace().nth(1) == Some(path))
+        .unwrap_or_else(|| panic!("{path} is not a mount point in the guest:\n{mounts}"));
+    let f: Vec<&str> = line.split_whitespace().collect();
+    (f[0].to_owned(), f[2].to_owned())
+}
+
+/// What a container engine needs from the guest (issue 31), asserted inside it: cgroup v2 with
+/// its controllers delegated (a child cgroup gets memory and pids limits), /var/lib/docker on
+/// the writable drive's plain ext4 (overlay2 works there), the engine's modules loaded from the
+/// initrd, and a wall clock that agrees with the host's.
+async fn container_engine_support(g: &mut Guest) {
+    let mounts = g.ok("cat /proc/mounts").await;
+    let (_, fstype) = mount_of(&mounts, "/sys/fs/cgroup");
+    assert_eq!(fstype, "cgroup2");
+    let offered = g.ok("cat /sys/fs/cgroup/cgroup.controllers").await;
+    let delegated = g.ok("cat /sys/fs/cgroup/cgroup.subtree_control").await;
+    assert_eq!(delegated, offered, "not every controller is delegated");
+    for c in ["cpu", "memory", "pids", "io"] {
+        assert!(
+            delegated.split_whitespace().any(|d| d == c),
+            "{c} not delegated: {delegated}"
+        );
+    }
+    // What dockerd/runc do: a child cgroup with limits, a process moved into it.
+    let child = g
+        .ok(
+            "mkdir /sys/fs/cgroup/imp-test && echo 64M > /sys/fs/cgroup/imp-test/memory.max && \
+             echo 50 > /sys/fs/cgroup/imp-test/pids.max && \
+             sh -c 'echo $$ > /sys/fs/cgroup/imp-test/cgroup.procs && cat /proc/self/cgroup' && \
+             cat /sys/fs/cgroup/imp-test/memory.max /sys/fs/cgroup/imp-test/pids.max",
+        )
+        .await;
+    assert_eq!(child, "0::/imp-test\n67108864\n50\n");
+    g.ok("rmdir /sys/fs/cgroup/imp-test").await;
+
+    for dir in ["/var/lib/docker", "/var/lib/containerd"] {
+        let (source, fstype) = mount_of(&mounts, dir);
+        assert_eq!(
+            (source.as_str(), fstype.as_str()),
+            ("/dev/vdb", "ext4"),
+            "{dir}"
+        );
+    }
+    // overlay2's own mount, with its upper layer in /var/lib/docker (refused on an overlay).
+    let merged = g
+        .ok(
+            "d=/var/lib/docker/probe && mkdir -p $d/l $d/u $d/w $d/m && echo low > $d/l/f && \
+             mount -t overlay overlay -o lowerdir=$d/l,upperdir=$d/u,workdir=$d/w $d/m && \
+             echo up >> $d/m/f && cat $d/m/f && umount $d/m && cat $d/u/f && rm -rf $d",
+        )
+        .await;
+    assert_eq!(merged, "low\nup\nlow\nup\n");
+
+    let modules = g.ok("cat /proc/modules").await;
+    let loaded: Vec<&str> = modules
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    for m in [
+        "overlay",
+        "bridge",
+        "veth",
+        "br_netfilter",
+        "nf_tables",
+        "nft_compat",
+        "nft_chain_nat",
+        "nf_nat",
+        "nf_conntrack",
+        "xt_MASQUERADE",
+        "xt_addrtype",
+        "xt_conntrack",
+        "iptable_nat",
+    ] {
+        assert!(loaded.contains(&m), "module {m} not loaded: {loaded:?}");
+    }
+    assert!(
+        g.vm.console_text()
+            .contains("IMP-GUEST stage=cgroup ok delegated="),
+        "{}",
+        g.vm.console_text()
+    );
+
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let guest: i64 = g.ok("date +%s").await.trim().parse().unwrap();
+    assert!(
+        (guest - host).abs() <= 30,
+        "guest clock {guest} vs host {host}"
+    );
+}
+
+#[test]
+fn two_vms_boot_from_one_registry_built_base() {
     let Some(s) = qemu::setup_or_skip() else {
         return;
     };
+    // A thread with a 16 MiB stack: in a debug build each nested async fn polling the host
+    // client's futures takes a large frame, and the test thread's 2 MiB overflows.
+    std::thread::Builder::new()
+        .stack_size(16 << 20)
+        .spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(two_vms(s))
+        })
+        .unwrap()
+        .join()
+        .expect("the test failed (its panic is printed above)");
+}
+
+async fn two_vms(s: qemu::Setup) {
     let dir = tempfile::tempdir().unwrap();
     let registry = Registry::start(RegistryOptions::default()).await.unwrap();
     let base_ref = push_gzip_image(&registry.host(), "imp/base:qemu", base_layers()).await;
@@ -296,6 +410,7 @@ async fn two_vms_boot_from_one_registry_built_base() {
             .await
             .starts_with("overlay / overlay")
     );
+    container_engine_support(&mut g1).await;
     g1.ok("echo written in vm 1 > /etc/vm1-note && sync").await;
 
     // VM 2 boots from the same cached base while VM 1 runs, with its own writable drive.

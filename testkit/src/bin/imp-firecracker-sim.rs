@@ -8,8 +8,24 @@ use clap::Parser;
 use imp_testkit::firecracker::sim::{self, Knobs, Options};
 
 #[derive(Parser, Debug)]
-#[command(name = "firecracker", about = "Firecracker simulator for Imp's tests")]
+#[command(
+    name = "firecracker",
+    about = "Firecracker simulator for Imp's tests",
+    disable_version_flag = true
+)]
 struct Args {
+    /// Print `Firecracker v<version>`, as Firecracker does.
+    #[arg(long)]
+    version: bool,
+    /// Set by the jailer (process start time, microseconds of CLOCK_MONOTONIC); accepted.
+    #[arg(long)]
+    start_time_us: Option<u64>,
+    /// Set by the jailer (its CPU time at start); accepted.
+    #[arg(long)]
+    start_time_cpu_us: Option<u64>,
+    /// Set by the jailer (the jailer's own CPU time); accepted.
+    #[arg(long)]
+    parent_cpu_time_us: Option<u64>,
     /// Path to the API Unix socket.
     #[arg(long)]
     api_sock: Option<PathBuf>,
@@ -24,7 +40,7 @@ struct Args {
     no_api: bool,
     /// imp-guest binary run as the guest agent.
     #[arg(long, env = "IMP_GUEST_BIN")]
-    guest_bin: PathBuf,
+    guest_bin: Option<PathBuf>,
     /// Firecracker's own log goes to this (existing) file or named pipe instead of stdout.
     #[arg(long)]
     log_path: Option<PathBuf>,
@@ -57,8 +73,16 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.version {
+        println!("Firecracker v{}", sim::VMM_VERSION);
+        return ExitCode::SUCCESS;
+    }
+    let Some(guest_bin) = args.guest_bin.clone() else {
+        eprintln!("Error: --guest-bin (or IMP_GUEST_BIN) is required");
+        return ExitCode::FAILURE;
+    };
     if let Some(sock) = &args.keep_guest {
-        return match sim::keep_guest(&args.guest_bin, sock) {
+        return match sim::keep_guest(&guest_bin, sock) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("Error: {e}");
@@ -99,7 +123,7 @@ fn main() -> ExitCode {
         api_sock: (!args.no_api).then_some(args.api_sock).flatten(),
         config_file: args.config_file,
         knobs,
-        guest_bin: args.guest_bin,
+        guest_bin,
         log_path: args.log_path,
         log_level: args.level,
         show_level: args.show_level,

@@ -99,8 +99,15 @@ pub async fn github(admin: &AdminClient, job_ids: &[u64], o: &mut Observed) -> a
 /// `state_dir`, `imp*` links, nft tables named `imp`, and what is left in the VM and temp
 /// directories under `state_dir`.
 pub fn node(state_dir: &Path, o: &mut Observed) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt as _;
     let needle = state_dir.to_string_lossy().into_owned();
     let me = std::process::id();
+    let jails = jail_dirs(state_dir);
+    let jail_roots: Vec<(u64, u64)> = jails
+        .iter()
+        .filter_map(|j| std::fs::metadata(j.join("root")).ok())
+        .map(|m| (m.dev(), m.ino()))
+        .collect();
     o.vmm_processes = std::fs::read_dir("/proc")
         .context("reading /proc")?
         .flatten()
@@ -109,7 +116,10 @@ pub fn node(state_dir: &Path, o: &mut Observed) -> anyhow::Result<()> {
         .filter_map(|pid| {
             let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
             let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-            cmdline.contains(&needle).then(|| Process {
+            // A jailed Firecracker names only paths inside its jail: found by its root.
+            let jailed = std::fs::metadata(format!("/proc/{pid}/root"))
+                .is_ok_and(|m| jail_roots.contains(&(m.dev(), m.ino())));
+            (cmdline.contains(&needle) || jailed).then(|| Process {
                 pid,
                 cmdline: cmdline.trim().to_owned(),
             })
@@ -131,8 +141,21 @@ pub fn node(state_dir: &Path, o: &mut Observed) -> anyhow::Result<()> {
         .iter()
         .filter_map(|d| std::fs::read_dir(state_dir.join(d)).ok())
         .flat_map(|rd| rd.flatten().map(|e| e.path()))
+        .chain(jails)
         .collect();
     Ok(())
+}
+
+/// Firecracker jails under the runtime's default chroot base: `jailer/<exec name>/<uid>`.
+fn jail_dirs(state_dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(state_dir.join("jailer"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| std::fs::read_dir(e.path()).ok())
+                .flat_map(|rd| rd.flatten().map(|e| e.path()))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// What counts as a log: the processes' own (`.log`, `.out`, `.err`), the VMs' console and VMM

@@ -22,7 +22,8 @@ use tokio::sync::mpsc;
 use super::spec::{self, check_body};
 
 const APP_NAME: &str = "Firecracker";
-const VMM_VERSION: &str = "1.17.0-imp-sim";
+/// The Firecracker release the simulator (and testkit's jailer double) claims to be.
+pub const VMM_VERSION: &str = "1.17.0-imp-sim";
 const AGENT_PORT: u32 = 10000;
 
 /// Behaviour knobs. Read from flags, or per VM id from the JSON file named by

@@ -9,6 +9,7 @@ use imp_api::parse_positive_duration;
 use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_runtime::api::Backend;
 use imp_runtime::cgroup::CgroupConfig;
+use imp_runtime::firecracker::jailer::JailerConfig;
 use imp_runtime::jail::JailConfig;
 use imp_runtime::network::Admission;
 use imp_runtime::qemu::{Accel, QemuConfig};
@@ -88,6 +89,15 @@ struct Args {
         default_value = "/usr/local/bin/firecracker"
     )]
     firecracker_bin: PathBuf,
+    /// Firecracker's jailer (the same release as --firecracker-bin): every Firecracker VM runs
+    /// through it, chrooted, as its own uid, in its own cgroups and PID namespace
+    /// (docs/security.md). Unset: Firecracker runs unconfined, with a warning.
+    #[arg(long, env = "IMP_JAILER_PATH")]
+    jailer_path: Option<PathBuf>,
+    /// The jailer's `--chroot-base-dir`; on the state disk (drives are hard-linked into each
+    /// jail). Default: `<state-dir>/jailer`.
+    #[arg(long, env = "IMP_JAILER_CHROOT_BASE_DIR")]
+    jailer_chroot_base_dir: Option<PathBuf>,
     /// Byte budget of the rootfs cache (unreferenced images are evicted, least recently used
     /// first, above it).
     #[arg(long, env = "IMP_ROOTFS_CACHE_BYTES", default_value_t = 20 << 30)]
@@ -109,8 +119,9 @@ struct Args {
     /// the node's own, loopback and link-local addresses, which every other pull is refused.
     #[arg(long, env = "IMP_NODE_LOCAL_REGISTRIES", value_delimiter = ',')]
     node_local_registries: Vec<String>,
-    /// TCP address for Prometheus scraping (the socket serves /metrics too).
-    #[arg(long, env = "IMP_METRICS_ADDR", default_value = "0.0.0.0:9091")]
+    /// TCP address for Prometheus scraping (the socket serves /metrics too). Loopback unless
+    /// asked: the chart sets the pod IP (or 0.0.0.0 when `runtime.metrics.bindAll`).
+    #[arg(long, env = "IMP_METRICS_ADDR", default_value = "127.0.0.1:9091")]
     metrics_addr: SocketAddr,
     /// Spawn to guest-agent Hello budget per VM, e.g. "30s".
     #[arg(long, env = "IMP_BOOT_TIMEOUT", default_value = "30s", value_parser = parse_positive_duration)]
@@ -223,6 +234,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
             pids_max: args.vm_pids_max,
         }),
         backend: args.backend,
+        jailer: args.jailer_path.map(|bin| JailerConfig {
+            bin,
+            chroot_base: args
+                .jailer_chroot_base_dir
+                .unwrap_or_else(|| args.state_dir.join("jailer")),
+        }),
         firecracker_bin: args.firecracker_bin,
         qemu: QemuConfig {
             qemu_bin: args.qemu_bin,

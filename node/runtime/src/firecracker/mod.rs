@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod client;
+pub mod jailer;
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -33,6 +34,19 @@ pub struct VmmFiles {
     /// Firecracker's own log (`--log-path`): kept out of the console, so `serial_log` and the
     /// failure tails quote only what the guest printed.
     pub vmm_log: PathBuf,
+    /// The jail root when Firecracker runs through its jailer: `api_sock`, `vsock` and
+    /// `vmm_log` lie in it, and every path Firecracker is told is relative to it.
+    pub jail: Option<PathBuf>,
+}
+
+impl VmmFiles {
+    /// How Firecracker names host path `p`: as it is, or inside its jail.
+    pub fn vmm_path(&self, p: &Path) -> String {
+        match &self.jail {
+            Some(root) => jailer::in_jail(root, p).unwrap_or_else(|| p.display().to_string()),
+            None => p.display().to_string(),
+        }
+    }
 }
 
 /// Firecracker's log level: its API calls and warnings, a few lines per VM start.
@@ -50,6 +64,14 @@ pub struct BootPlan {
 
 impl From<&VmPlan> for BootPlan {
     fn from(p: &VmPlan) -> Self {
+        BootPlan::new(p, |p| p.display().to_string())
+    }
+}
+
+impl BootPlan {
+    /// The plan with every host path named as Firecracker sees it (`path`: as it is, or
+    /// inside its jail, see [`VmmFiles::vmm_path`]).
+    pub fn new(p: &VmPlan, path: impl Fn(&Path) -> String) -> Self {
         BootPlan {
             machine: MachineConfiguration {
                 vcpu_count: p.vcpu,
@@ -59,8 +81,8 @@ impl From<&VmPlan> for BootPlan {
                 huge_pages: None,
             },
             boot_source: BootSource {
-                kernel_image_path: p.kernel.display().to_string(),
-                initrd_path: p.initrd.as_ref().map(|i| i.display().to_string()),
+                kernel_image_path: path(&p.kernel),
+                initrd_path: p.initrd.as_deref().map(&path),
                 boot_args: Some(p.boot_args.clone()),
             },
             drives: p
@@ -72,7 +94,7 @@ impl From<&VmPlan> for BootPlan {
                     partuuid: None,
                     cache_type: None,
                     is_read_only: Some(d.read_only),
-                    path_on_host: Some(d.path.display().to_string()),
+                    path_on_host: Some(path(&d.path)),
                     io_engine: None,
                     socket: None,
                 })
@@ -89,7 +111,7 @@ impl From<&VmPlan> for BootPlan {
                 .collect(),
             vsock: Vsock {
                 guest_cid: p.guest_cid,
-                uds_path: p.vsock.display().to_string(),
+                uds_path: path(&p.vsock),
             },
         }
     }
@@ -139,6 +161,63 @@ pub fn spawn(
     let start_time = start_time.ok_or_else(|| DriverError::FirecrackerStartFailed {
         message: "exited immediately".into(),
         stderr: serial::tail(&files.stderr_log),
+    })?;
+    Ok(Vmm {
+        process: Proc { pid, start_time },
+        files: files.clone(),
+        client: FirecrackerClient::new(&files.api_sock),
+    })
+}
+
+/// Spawn Firecracker through its jailer (`jailer::command_line`), into the jail `files.jail`
+/// already staged (`jailer::stage`); the jailer forks it into a new PID namespace, so its pid
+/// is the one the jailer writes into the jail.
+pub async fn spawn_jailed(
+    cfg: &jailer::JailerConfig,
+    run: &jailer::JailerRun<'_>,
+    files: &VmmFiles,
+) -> Result<Vmm, DriverError> {
+    let start_failed =
+        |message: String, stderr: String| DriverError::FirecrackerStartFailed { message, stderr };
+    let root = files
+        .jail
+        .as_deref()
+        .ok_or_else(|| start_failed("no jail root".into(), String::new()))?;
+    let open = |p: &Path| {
+        process::append_log(p)
+            .map_err(|e| start_failed(format!("open {}: {e}", p.display()), String::new()))
+    };
+    let mut run = run.clone();
+    run.firecracker_args = [
+        "--api-sock",
+        &files.vmm_path(&files.api_sock),
+        "--log-path",
+        &files.vmm_path(&files.vmm_log),
+        "--level",
+        VMM_LOG_LEVEL,
+    ]
+    .iter()
+    .map(Into::into)
+    .collect();
+    let mut cmd = std::process::Command::new(&cfg.bin);
+    cmd.args(jailer::command_line(cfg, &run))
+        .stdin(Stdio::null())
+        .stdout(open(&files.serial_log)?)
+        .stderr(open(&files.stderr_log)?);
+    // The jailer puts itself (and so Firecracker) into the VM's cgroups: none here.
+    let (jailer_pid, jailer_start) = process::spawn_detached(cmd, &[], &[], None)
+        .map_err(|e| start_failed(e.to_string(), String::new()))?;
+    let jailer_proc = jailer_start.map(|start_time| Proc {
+        pid: jailer_pid,
+        start_time,
+    });
+    let pid = jailer::wait_pid(root, run.exec_file, API_READY_TIMEOUT, || {
+        jailer_proc.is_some_and(|p| p.is_alive())
+    })
+    .await
+    .map_err(|e| start_failed(e.to_string(), serial::tail(&files.stderr_log)))?;
+    let start_time = crate::procfs::start_time(pid).ok_or_else(|| {
+        start_failed("exited immediately".into(), serial::tail(&files.stderr_log))
     })?;
     Ok(Vmm {
         process: Proc { pid, start_time },
@@ -249,8 +328,8 @@ impl Vmm {
     ) -> Result<(), ApiClientError> {
         self.client
             .create_snapshot(&api::SnapshotCreateParams {
-                snapshot_path: snapshot_path.display().to_string(),
-                mem_file_path: mem_file_path.display().to_string(),
+                snapshot_path: self.files.vmm_path(snapshot_path),
+                mem_file_path: self.files.vmm_path(mem_file_path),
                 snapshot_type: Some(api::SnapshotType::Full),
             })
             .await
@@ -265,12 +344,12 @@ impl Vmm {
     ) -> Result<(), ApiClientError> {
         self.client
             .load_snapshot(&api::SnapshotLoadParams {
-                snapshot_path: snapshot_path.display().to_string(),
-                mem_file_path: Some(mem_file_path.display().to_string()),
+                snapshot_path: self.files.vmm_path(snapshot_path),
+                mem_file_path: Some(self.files.vmm_path(mem_file_path)),
                 track_dirty_pages: None,
                 resume_vm: Some(resume),
                 vsock_override: Some(api::VsockOverride {
-                    uds_path: self.files.vsock.display().to_string(),
+                    uds_path: self.files.vmm_path(&self.files.vsock),
                 }),
             })
             .await

@@ -2,16 +2,17 @@
 //! of the runtime the base image, writable drive, network, cgroup, the backend's process(es)
 //! and the guest agent's Hello.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tokio::time::Instant;
 
 use super::{Ensured, InFlight, Runtime, RuntimeError, Vm, valid_uid, validate, vm};
 use crate::api::{Backend, Failure, VmSpec, VmState, VmStatus};
+use crate::firecracker::jailer::{self, Place};
 use crate::firecracker::{self, BootPlan, VmmFiles};
 use crate::inventory::VmRecord;
-use crate::jail::VmJail;
+use crate::jail::{self, VmJail};
 use crate::metrics::ReasonLabel;
 use crate::qemu::{self, QemuFiles, QemuVm};
 use crate::rootfs::store::ImageSpec;
@@ -136,13 +137,18 @@ impl Runtime {
 
     pub(super) fn new_record(&self, uid: &str, spec: &VmSpec, spec_json: String) -> VmRecord {
         let dir = self.vms_dir.join(uid);
+        // A jailed Firecracker's API socket is in its jail: that records the jail.
+        let api_socket = self
+            .jailer(self.cfg.backend)
+            .and_then(|j| jailer::chroot_root(j, &self.cfg.firecracker_bin, uid).ok())
+            .map_or_else(|| dir.join("api.sock"), |root| root.join(jailer::API_SOCK));
         VmRecord {
             uid: uid.into(),
             state: VmState::Creating,
             spec_json,
             pid: None,
             start_time: None,
-            api_socket: dir.join("api.sock"),
+            api_socket,
             vsock_path: dir.join("vsock.sock"),
             serial_log: dir.join("serial.log"),
             tap: spec
@@ -297,7 +303,14 @@ impl Runtime {
         }
         let files = vm::files_of(rec);
         let plan = self.plan_of(rec, spec);
-        let procs = self.vm_cgroup(&uid, spec).map_err(|source| {
+        // A jailed Firecracker's jailer makes its cgroups itself.
+        let jailed = files.jail.is_some();
+        let procs = if jailed {
+            Ok(Vec::new())
+        } else {
+            self.vm_cgroup(&uid, spec)
+        };
+        let procs = procs.map_err(|source| {
             (
                 RuntimeError::CgroupSetupFailed {
                     uid: uid.clone(),
@@ -309,7 +322,10 @@ impl Runtime {
         let jail = self.vm_jail(rec).map_err(|e| (e, None))?;
         let spawned_at = Instant::now();
         let vm = match rec.backend {
-            Backend::Firecracker => self.start_firecracker(rec, &files, &plan, &procs).await?,
+            Backend::Firecracker => {
+                self.start_firecracker(rec, spec, &files, &plan, &procs, jail.as_ref())
+                    .await?
+            }
             Backend::Qemu => self.start_qemu(rec, &plan, &procs, jail.as_ref()).await?,
         };
         let fail = |source, vm: &Vm| {
@@ -342,21 +358,34 @@ impl Runtime {
         Ok(())
     }
 
-    /// Spawn (recorded at once), configure and start a Firecracker VM.
+    /// Spawn (recorded at once), configure and start a Firecracker VM: through its jailer
+    /// when `files` has a jail (then `jail` is the VM's uid), else directly in `cgroups`.
     pub(super) async fn start_firecracker(
         &self,
         rec: &mut VmRecord,
+        spec: &VmSpec,
         files: &VmmFiles,
         plan: &VmPlan,
         cgroups: &[PathBuf],
+        jail: Option<&VmJail>,
     ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let boot = |source| RuntimeError::Boot {
             uid: uid.clone(),
             source,
         };
-        let vmm = firecracker::spawn(&self.cfg.firecracker_bin, &uid, files, cgroups)
-            .map_err(|e| (boot(e), None))?;
+        let (vmm, plan) = match jail.filter(|_| files.jail.is_some()) {
+            Some(j) => self
+                .spawn_jailed(rec, spec, files, plan, j.id)
+                .await
+                .map_err(|e| (e, None))?,
+            None => (
+                firecracker::spawn(&self.cfg.firecracker_bin, &uid, files, cgroups)
+                    .map_err(|e| (boot(e), None))?,
+                plan.clone(),
+            ),
+        };
+        let plan = &plan;
         let vm = Vm::Firecracker(vmm.clone());
         let fail = |e| (boot(e), Some(vm.clone()));
         self.inventory
@@ -366,13 +395,112 @@ impl Runtime {
         rec.pid = Some(vmm.process.pid);
         rec.start_time = Some(vmm.process.start_time);
         vmm.wait_api_ready().await.map_err(fail)?;
-        vmm.configure(&BootPlan::from(plan)).await.map_err(fail)?;
+        vmm.configure(&BootPlan::new(plan, |p| files.vmm_path(p)))
+            .await
+            .map_err(fail)?;
+        if let Some(j) = jail.filter(|_| files.jail.is_some()) {
+            jailer::expose_vsock(&files.vsock, &rec.vsock_path, j.id).map_err(|source| {
+                (
+                    RuntimeError::Jailer {
+                        uid: uid.clone(),
+                        source,
+                    },
+                    Some(vm.clone()),
+                )
+            })?;
+        }
         self.inventory
             .set_state(&uid, VmState::Booting)
             .await
             .map_err(|e| (e.into(), Some(vm.clone())))?;
         vmm.instance_start().await.map_err(fail)?;
         Ok(vm)
+    }
+
+    /// Stage VM `r`'s jail (its kernel, initrd and drives hard-linked in, see `jailer::stage`)
+    /// and start Firecracker in it through the jailer as uid `id`, in cgroups with the limits
+    /// of `spec`. Returns the process and the plan with its files' paths in the jail.
+    pub(super) async fn spawn_jailed(
+        &self,
+        r: &VmRecord,
+        spec: &VmSpec,
+        files: &VmmFiles,
+        plan: &VmPlan,
+        id: u32,
+    ) -> Result<(firecracker::Vmm, VmPlan), RuntimeError> {
+        let jailer_err = |source| RuntimeError::Jailer {
+            uid: r.uid.clone(),
+            source,
+        };
+        let (Some(cfg), Some(root)) = (self.jailer(r.backend), files.jail.as_deref()) else {
+            return Err(RuntimeError::Boot {
+                uid: r.uid.clone(),
+                source: DriverError::FirecrackerStartFailed {
+                    message: "no jailer configured for a jailed VM".into(),
+                    stderr: String::new(),
+                },
+            });
+        };
+        let mut staged = plan.clone();
+        let mut links: Vec<(PathBuf, String, Place)> =
+            vec![(plan.kernel.clone(), "vmlinux".into(), Place::Shared)];
+        staged.kernel = root.join("vmlinux");
+        if let Some(i) = &plan.initrd {
+            links.push((i.clone(), "initrd".into(), Place::Shared));
+            staged.initrd = Some(root.join("initrd"));
+        }
+        for d in staged.drives.iter_mut() {
+            let name = format!("{}.img", d.id);
+            let place = if d.read_only {
+                Place::Shared
+            } else {
+                Place::Own
+            };
+            links.push((d.path.clone(), name.clone(), place));
+            d.path = root.join(name);
+        }
+        staged.vsock = files.vsock.clone();
+        let links: Vec<(&Path, &str, Place)> = links
+            .iter()
+            .map(|(p, n, k)| (p.as_path(), n.as_str(), *k))
+            .collect();
+        jailer::stage(root, &self.cfg.firecracker_bin, id, &links).map_err(jailer_err)?;
+        // The console and stderr the runtime writes for it: the VM's, 0600, so imp-agent (uid 0
+        // without capabilities, mounting the VM directories) cannot read them.
+        for log in [&files.serial_log, &files.stderr_log] {
+            crate::vmm::process::append_log(log)
+                .and_then(|_| jail::own(log, id, 0o600))
+                .map_err(|source| {
+                    jailer_err(jailer::JailerError::Stage {
+                        path: log.clone(),
+                        source,
+                    })
+                })?;
+        }
+        for n in &plan.nics {
+            tap::set_owner(&n.tap, id).map_err(|e| RuntimeError::NetworkSetupFailed {
+                uid: r.uid.clone(),
+                source: e.into(),
+            })?;
+        }
+        let cgroups = self
+            .cgroups
+            .as_ref()
+            .map(|cg| cg.jailer_args(spec.memory_mib, spec.vcpu));
+        let run = jailer::JailerRun {
+            id: &r.uid,
+            exec_file: &self.cfg.firecracker_bin,
+            uid: id,
+            cgroups: cgroups.as_ref(),
+            firecracker_args: Vec::new(),
+        };
+        let vmm = firecracker::spawn_jailed(cfg, &run, files)
+            .await
+            .map_err(|source| RuntimeError::Boot {
+                uid: r.uid.clone(),
+                source,
+            })?;
+        Ok((vmm, staged))
     }
 
     /// Spawn the vsock device, then QEMU (each recorded as soon as it exists), confined to

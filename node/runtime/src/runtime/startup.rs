@@ -14,6 +14,7 @@ use super::teardown::Stop;
 use super::{Config, Runtime, RuntimeError, SERIAL_CHECK, recover, vm};
 use crate::api::VmState;
 use crate::cgroup::VmCgroups;
+use crate::firecracker::jailer;
 use crate::inventory::Inventory;
 use crate::metrics::Metrics;
 use crate::procfs;
@@ -30,6 +31,24 @@ impl Runtime {
             path: vms_dir.clone(),
             source,
         })?;
+        if cfg.backend == crate::api::Backend::Firecracker && cfg.jail.is_some() {
+            match &cfg.jailer {
+                Some(j) => {
+                    let version = jailer::preflight(j, &cfg.firecracker_bin)
+                        .map_err(RuntimeError::JailerPreflight)?;
+                    std::fs::create_dir_all(&j.chroot_base).map_err(|source| {
+                        RuntimeError::StateDir {
+                            path: j.chroot_base.clone(),
+                            source,
+                        }
+                    })?;
+                    tracing::info!(jailer = %j.bin.display(), version, chroot_base = %j.chroot_base.display(), "Firecracker runs through its jailer");
+                }
+                None => tracing::warn!(
+                    "no --jailer-path: Firecracker runs unconfined (as the runtime, on the host's filesystem)"
+                ),
+            }
+        }
         let mount_point = super::jail_mount_point(&cfg.state_dir);
         std::fs::create_dir_all(&mount_point).map_err(|source| RuntimeError::StateDir {
             path: mount_point.clone(),
@@ -166,7 +185,11 @@ impl Runtime {
                 }
             }
         }
-        let found = procfs::firecrackers_under(&self.vms_dir);
+        let mut found = procfs::firecrackers_under(&self.vms_dir);
+        let jails = self.jails_dir();
+        if let Some(j) = &jails {
+            found.extend(procfs::jailed_vmms(j));
+        }
         for (pid, start, sock) in recover::orphans(&found, &keep) {
             tracing::warn!(pid, sock = %sock.display(), "killing orphan VMM process of this runtime");
             Proc {
@@ -185,6 +208,22 @@ impl Runtime {
         for dir in recover::stray_dirs(&entries, &known) {
             tracing::info!(dir = %dir.display(), "removing VM directory without an inventory row");
             let _ = std::fs::remove_dir_all(&dir);
+        }
+        // Jails without a row (their VM was cleaned up, or its start crashed early).
+        let jail_dirs: Vec<PathBuf> = jails
+            .as_ref()
+            .and_then(|j| std::fs::read_dir(j).ok())
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        let uids: Vec<&Path> = rows.iter().map(|r| Path::new(r.uid.as_str())).collect();
+        for dir in jail_dirs {
+            if dir
+                .file_name()
+                .is_some_and(|n| !uids.iter().any(|u| u.as_os_str() == n))
+            {
+                tracing::info!(dir = %dir.display(), "removing a jail without an inventory row");
+                let _ = std::fs::remove_dir_all(&dir);
+            }
         }
         if let Some(cg) = &self.cgroups {
             for uid in cg.list() {

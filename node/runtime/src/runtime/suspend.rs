@@ -56,9 +56,10 @@ impl Runtime {
             }
             None => return Err(RuntimeError::NotFound(uid.into())),
         };
+        let dir = vm::snapshot_dir(&r);
         let info = SnapshotInfo {
-            snapshot_path: r.dir.join("snapshot.vmstate"),
-            mem_file_path: r.dir.join("snapshot.mem"),
+            snapshot_path: dir.join("snapshot.vmstate"),
+            mem_file_path: dir.join("snapshot.mem"),
         };
         let err = |source: firecracker::ApiClientError| RuntimeError::Snapshot {
             uid: uid.into(),
@@ -73,6 +74,7 @@ impl Runtime {
             vmm.resume().await.map_err(err)?;
         }
         created.map_err(err)?;
+        private(&[info.snapshot_path.clone(), info.mem_file_path.clone()]);
         Ok(info)
     }
 
@@ -177,7 +179,7 @@ impl Runtime {
         let uid = r.uid.as_str();
         self.inventory.set_state(uid, VmState::Suspending).await?;
         self.refresh_state_gauge().await;
-        let [state, mem] = snapshot_files(&r.dir);
+        let [state, mem] = snapshot_files(&vm::snapshot_dir(r));
         let written: Result<(), ControlError> = match vm {
             Vm::Firecracker(v) => async {
                 v.pause().await?;
@@ -200,6 +202,7 @@ impl Runtime {
                 source,
             });
         }
+        private(&[state.clone(), mem.clone()]);
         // Recorded before the VMM goes: a restart in between finds a Suspended row with a
         // leftover VMM, kills it and keeps the snapshot (recover::row_action).
         self.inventory.set_suspended(uid).await?;
@@ -218,7 +221,7 @@ impl Runtime {
         }
         self.refresh_state_gauge().await;
         self.refresh_snapshot_gauge().await;
-        Ok(snapshot_bytes(&r.dir))
+        Ok(snapshot_bytes(&vm::snapshot_dir(r)))
     }
 
     /// Resuming, a fresh VMM from the snapshot, the guest agent's Hello, Running. A failure
@@ -271,21 +274,38 @@ impl Runtime {
         let uid = r.uid.as_str();
         let spec: VmSpec = serde_json::from_str(&r.spec_json)
             .map_err(|e| (format!("recorded spec: {e}"), None))?;
-        let [state, mem] = snapshot_files(&r.dir);
+        let [state, mem] = snapshot_files(&vm::snapshot_dir(r));
         if !mem.is_file() {
             return Err((format!("snapshot {} is missing", mem.display()), None));
         }
-        let procs = self
-            .vm_cgroup(uid, &spec)
-            .map_err(|e| (format!("cgroup: {e}"), None))?;
+        let files = vm::files_of(r);
+        // A jailed Firecracker's jailer makes its cgroups itself.
+        let procs = if files.jail.is_some() {
+            Vec::new()
+        } else {
+            self.vm_cgroup(uid, &spec)
+                .map_err(|e| (format!("cgroup: {e}"), None))?
+        };
         // The dead VMM's sockets: the new one binds the same paths.
         let _ = std::fs::remove_file(&r.api_socket);
         let _ = std::fs::remove_file(&r.vsock_path);
         match r.backend {
             Backend::Firecracker => {
-                let files = vm::files_of(r);
-                let vmm = firecracker::spawn(&self.cfg.firecracker_bin, uid, &files, &procs)
-                    .map_err(|e| (e.to_string(), None))?;
+                let jail = match files.jail {
+                    Some(_) => self.vm_jail(r).map_err(|e| (e.to_string(), None))?,
+                    None => None,
+                };
+                let vmm = match &jail {
+                    Some(j) => {
+                        let plan = self.plan_of(r, &spec);
+                        self.spawn_jailed(r, &spec, &files, &plan, j.id)
+                            .await
+                            .map_err(|e| (e.to_string(), None))?
+                            .0
+                    }
+                    None => firecracker::spawn(&self.cfg.firecracker_bin, uid, &files, &procs)
+                        .map_err(|e| (e.to_string(), None))?,
+                };
                 let vm = Vm::Firecracker(vmm.clone());
                 let fail = |m: String| (m, Some(vm.clone()));
                 self.inventory
@@ -298,6 +318,10 @@ impl Runtime {
                 vmm.snapshot_load(&state, &mem, true)
                     .await
                     .map_err(|e| fail(format!("snapshot load: {e}")))?;
+                if let Some(j) = &jail {
+                    firecracker::jailer::expose_vsock(&files.vsock, &r.vsock_path, j.id)
+                        .map_err(|e| fail(e.to_string()))?;
+                }
                 Ok(vm)
             }
             Backend::Qemu => {
@@ -373,14 +397,14 @@ impl Runtime {
         let total: u64 = rows
             .iter()
             .filter(|r| r.state == VmState::Suspended)
-            .map(|r| snapshot_bytes(&r.dir))
+            .map(|r| snapshot_bytes(&vm::snapshot_dir(r)))
             .sum();
         self.metrics.snapshot_bytes.set(total as i64);
     }
 
     /// The snapshot files of a suspend (consumed by a resume, or the VM deleted).
     pub(super) fn remove_snapshot(&self, r: &VmRecord) {
-        for f in snapshot_files(&r.dir) {
+        for f in snapshot_files(&vm::snapshot_dir(r)) {
             let _ = std::fs::remove_file(f);
         }
     }
@@ -394,6 +418,15 @@ fn snapshot_bytes(dir: &Path) -> u64 {
         .filter_map(|f| std::fs::metadata(f).ok())
         .map(|m| m.blocks() * 512)
         .sum()
+}
+
+/// Snapshot files readable and writable by their owner only (the VM's uid when confined):
+/// guest memory is no one else's to read.
+fn private(files: &[PathBuf]) {
+    use std::os::unix::fs::PermissionsExt as _;
+    for f in files {
+        let _ = std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o600));
+    }
 }
 
 /// How long the writer of a QEMU migration stream may take to flush it after QEMU is gone.

@@ -63,7 +63,15 @@ impl Runtime {
                 Stop::Kill => vmm.kill().await,
             }
         }
-        for (pid, start, _) in procfs::firecrackers_under(&r.dir) {
+        let jail = vm::jail_root_of(r);
+        let jailed = match (&jail, self.jails_dir()) {
+            (Some(root), Some(jails)) => procfs::jailed_vmms(&jails)
+                .into_iter()
+                .filter(|(_, _, sock)| sock.starts_with(root))
+                .collect(),
+            _ => Vec::new(),
+        };
+        for (pid, start, _) in procfs::firecrackers_under(&r.dir).into_iter().chain(jailed) {
             tracing::warn!(uid = %r.uid, pid, "killing an unrecorded VMM process of this VM");
             Proc {
                 pid,
@@ -75,6 +83,16 @@ impl Runtime {
         let net = self.net_lock.lock().await;
         self.release_host_resources(r).await;
         let _ = std::fs::remove_dir_all(&r.dir);
+        // The jail: `<base>/<exec name>/<uid>`, above its root.
+        if let Some(dir) = jail
+            .as_deref()
+            .and_then(|root| root.parent())
+            .filter(|d| d.file_name().is_some_and(|n| n == r.uid.as_str()))
+            && let Err(e) = std::fs::remove_dir_all(dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(uid = %r.uid, dir = %dir.display(), error = %e, "jail removal failed");
+        }
         self.inventory.delete(&r.uid).await?;
         if attachment_of(r).is_some() {
             self.reconcile_network_after_release(&net, &r.uid).await;

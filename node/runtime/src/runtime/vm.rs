@@ -2,10 +2,11 @@
 //! (alive, probe, stop, kill, pause, resume). It sits above the backends and the seam: the
 //! backends know nothing of it.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::api::Backend;
-use crate::firecracker::{self, Vmm, VmmFiles};
+use crate::firecracker::{self, Vmm, VmmFiles, jailer};
 use crate::inventory::VmRecord;
 use crate::qemu::{self, QemuVm};
 use crate::vmm::Proc;
@@ -115,13 +116,37 @@ pub(super) fn of_record(r: &VmRecord) -> Option<Vm> {
     })
 }
 
-/// The files of a row's Firecracker process, all in its directory.
+/// The jail root of a row's jailed Firecracker: the inventory records it as the directory of
+/// the VM's API socket (an unjailed VM's socket is in its own directory).
+pub(super) fn jail_root_of(r: &VmRecord) -> Option<PathBuf> {
+    if r.backend != Backend::Firecracker {
+        return None;
+    }
+    let parent = r.api_socket.parent()?;
+    (parent != r.dir).then(|| parent.to_path_buf())
+}
+
+/// Where a row's snapshots are written: its jail (the VMM writes them), or its directory.
+pub(super) fn snapshot_dir(r: &VmRecord) -> PathBuf {
+    jail_root_of(r).unwrap_or_else(|| r.dir.clone())
+}
+
+/// The files of a row's Firecracker process: in its directory, or (API socket, vsock socket,
+/// Firecracker's log) in its jail; the console and stderr the runtime opens stay in the
+/// directory.
 pub(super) fn files_of(r: &VmRecord) -> VmmFiles {
+    let jail = jail_root_of(r);
     VmmFiles {
         api_sock: r.api_socket.clone(),
-        vsock: r.vsock_path.clone(),
+        vsock: jail
+            .as_ref()
+            .map_or_else(|| r.vsock_path.clone(), |j| j.join(jailer::VSOCK)),
         serial_log: r.serial_log.clone(),
         stderr_log: r.dir.join("firecracker.stderr"),
-        vmm_log: r.dir.join("firecracker.log"),
+        vmm_log: jail.as_ref().map_or_else(
+            || r.dir.join("firecracker.log"),
+            |j| j.join(jailer::VMM_LOG),
+        ),
+        jail,
     }
 }

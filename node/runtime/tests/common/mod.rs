@@ -22,6 +22,13 @@ pub enum Backend {
         simulator: PathBuf,
         guest: PathBuf,
     },
+    /// The simulator through testkit's jailer double (`--jailer-path`): chrooted, as a uid of
+    /// its own, in a PID namespace of its own.
+    JailedSimulator {
+        simulator: PathBuf,
+        guest: PathBuf,
+        jailer: PathBuf,
+    },
     Real {
         firecracker: PathBuf,
         kernel: PathBuf,
@@ -42,13 +49,17 @@ impl Backend {
     pub fn name(&self) -> &'static str {
         match self {
             Backend::Simulator { .. } => "simulator",
+            Backend::JailedSimulator { .. } => "simulator through the jailer",
             Backend::Real { .. } => "real Firecracker",
             Backend::Qemu { .. } => "QEMU",
         }
     }
 
     pub fn is_simulator(&self) -> bool {
-        matches!(self, Backend::Simulator { .. })
+        matches!(
+            self,
+            Backend::Simulator { .. } | Backend::JailedSimulator { .. }
+        )
     }
 }
 
@@ -60,10 +71,41 @@ pub fn simulator() -> Backend {
     }
 }
 
-/// The simulator, plus real Firecracker when configured (else a printed skip notice, or a failure
-/// under IMP_REQUIRE_FIRECRACKER=1).
+/// testkit's jailer double, built when its sources are newer.
+pub fn jailer_double() -> PathBuf {
+    imp_testkit::bins::ensure_built(
+        &[("imp-testkit", "jailer-double")],
+        &["testkit/src", "testkit/Cargo.toml"],
+    )
+    .expect("building jailer-double")
+    .remove(0)
+}
+
+/// The simulator through the jailer double.
+pub fn jailed_simulator() -> Backend {
+    let b = imp_testkit::firecracker::binaries();
+    Backend::JailedSimulator {
+        simulator: b.simulator.clone(),
+        guest: b.guest.clone(),
+        jailer: jailer_double(),
+    }
+}
+
+/// The simulator, the simulator through the jailer double (root only: it switches uids and
+/// makes device nodes; else a printed skip notice, or a failure under IMP_REQUIRE_ROOT=1), plus
+/// real Firecracker when configured (else a printed skip notice, or a failure under
+/// IMP_REQUIRE_FIRECRACKER=1).
 pub fn backends(test: &str) -> Vec<Backend> {
     let mut out = vec![simulator()];
+    if is_root() {
+        out.push(jailed_simulator());
+    } else {
+        imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            &format!("{test} through the jailer"),
+            "not root (the jailer switches uids, makes device nodes and namespaces)",
+        );
+    }
     if let Some(fc) = real_or_skip(test, Needs::BaseDrive) {
         out.push(Backend::Real {
             rootfs: fc.base_drive(),
@@ -106,7 +148,7 @@ impl Harness {
         let state_dir = dir.path().join("state");
         let socket = dir.path().join("runtime.sock");
         let (kernel, base_disk) = match &backend {
-            Backend::Simulator { .. } => {
+            Backend::Simulator { .. } | Backend::JailedSimulator { .. } => {
                 let k = dir.path().join("vmlinux");
                 let d = dir.path().join("rootfs.ext4");
                 std::fs::write(&k, b"simulated kernel").unwrap();
@@ -200,6 +242,30 @@ impl Harness {
                 cmd.env("IMP_FIRECRACKER_BIN", simulator)
                     .env("IMP_GUEST_BIN", guest);
             }
+            Backend::JailedSimulator {
+                simulator,
+                guest,
+                jailer,
+            } => {
+                // The double's deviation for the simulator (testkit/src/bin/jailer-double.rs):
+                // the host libraries, imp-guest and the knob file, read-only in the jail.
+                let bind = ["/usr", "/bin", "/sbin", "/lib", "/lib64"]
+                    .iter()
+                    .map(PathBuf::from)
+                    .filter(|p| p.exists())
+                    .chain([guest.clone(), self.dir.path().join("behaviour.json")])
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(",");
+                cmd.env("IMP_FIRECRACKER_BIN", simulator)
+                    .env("IMP_GUEST_BIN", guest)
+                    .env("IMP_JAILER_PATH", jailer)
+                    .env("IMP_JAILER_DOUBLE_BIND", bind)
+                    .env(
+                        "IMP_JAILER_DOUBLE_KEEP_ENV",
+                        "IMP_GUEST_BIN,IMP_SIM_BEHAVIOUR",
+                    );
+            }
             Backend::Real { firecracker, .. } => {
                 cmd.env("IMP_FIRECRACKER_BIN", firecracker);
             }
@@ -292,7 +358,14 @@ impl Harness {
     /// VMM processes (Firecracker, simulator, QEMU, vhost-device-vsock) of this harness's
     /// state dir.
     pub fn vmm_processes(&self) -> Vec<(i32, u64, PathBuf)> {
-        imp_runtime::procfs::firecrackers_under(&self.vms_dir())
+        let mut found = imp_runtime::procfs::firecrackers_under(&self.vms_dir());
+        // Jailed Firecrackers (runtime default `<state>/jailer/<exec name>`).
+        if let Ok(d) = std::fs::read_dir(self.state_dir.join("jailer")) {
+            for e in d.flatten() {
+                found.extend(imp_runtime::procfs::jailed_vmms(&e.path()));
+            }
+        }
+        found
     }
 
     pub async fn metrics(&self) -> String {
