@@ -65,6 +65,9 @@ use crate::github::{
 };
 use crate::metrics::ReasonLabels;
 
+/// How often a scale-set pool's node capacity is recomputed (a list of the Imp nodes).
+const NODE_SLOTS_EVERY: Duration = Duration::from_secs(30);
+
 /// The `controller` label of the reconcile metrics.
 pub const CONTROLLER: &str = "impvmrunnerpool";
 
@@ -91,6 +94,9 @@ struct PoolMemory {
     /// GitHub refused a runner of the pool's newest version (an outage): shown as Degraded until
     /// a runner of the pool takes a job again.
     outage: Option<Refusal>,
+    /// VMs of the pool's class the nodes can host (scale-set pools' `X-ScaleSetMaxCapacity`), and
+    /// when that was computed.
+    node_slots: Option<(Instant, Option<u32>)>,
 }
 
 struct Ctx {
@@ -539,6 +545,50 @@ impl Ctx {
         }
     }
 
+    /// VMs of the pool's class its nodes can host ([`crate::scaleset::decide::node_slots`]), from
+    /// the Nodes and the ImpVMClass, recomputed at most every [`NODE_SLOTS_EVERY`]; None when
+    /// unknown (no class, no Imp node, a failed read).
+    async fn node_slots(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Option<u32> {
+        if let Some((at, slots)) = self.memory(key, |m| m.node_slots)
+            && at.elapsed() < NODE_SLOTS_EVERY
+        {
+            return slots;
+        }
+        let t = &pool.spec.template.spec;
+        let classes: Api<imp_api::ImpVMClass> = Api::all(self.client.clone());
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client.clone());
+        let lp = ListParams::default().labels(&format!("{}=true", names::LABEL_NODE_ENABLED));
+        let slots = match (
+            classes.get_opt(&t.class_ref.name).await,
+            nodes.list(&lp).await,
+        ) {
+            (Ok(Some(class)), Ok(nodes)) => {
+                let req = crate::scheduler::VmRequest {
+                    vcpu: class.spec.vcpu,
+                    memory_mib: u64::from(class.spec.memory_mib),
+                    disk_mib: u64::from(class.spec.disk_gib()) * 1024,
+                    node_selector: t.node_selector.clone().unwrap_or_default(),
+                    tolerations: t.tolerations.clone().unwrap_or_default(),
+                };
+                let infos: Vec<_> = nodes
+                    .items
+                    .iter()
+                    .map(|n| {
+                        crate::scheduler::NodeInfo::from_node(n, crate::scheduler::Heartbeat::Fresh)
+                    })
+                    .collect();
+                crate::scaleset::decide::node_slots(&infos, &req)
+            }
+            (Ok(None), _) => None,
+            (Err(e), _) | (_, Err(e)) => {
+                debug!(pool = %key, error = %e, "reading nodes or class for the scale set's capacity failed");
+                None
+            }
+        };
+        self.memory(key, |m| m.node_slots = Some((Instant::now(), slots)));
+        slots
+    }
+
     /// Hands a pool with `spec.github.scaleSet` (and a usable App) to the scale-set intake.
     fn want_scale_set(
         &self,
@@ -546,6 +596,7 @@ impl Ctx {
         key: &PoolKey,
         app: &std::result::Result<GithubApp, Creds>,
         scope: &Option<RunnerScope>,
+        node_slots: Option<u32>,
     ) {
         let (Some(set), Ok(app), Some(scope), Some(owner)) = (
             &pool.spec.github.scale_set,
@@ -563,6 +614,7 @@ impl Ctx {
             scale_set: set.clone(),
             labels: crate::scaleset::route_labels(&pool.spec.github),
             max_runners: pool.spec.scaling.max_runners,
+            node_slots,
             owner,
         });
     }
@@ -573,7 +625,11 @@ impl Ctx {
         let app = self.app(pool, key).await;
         let scope = scope_of(pool);
         self.remember_app(key, &app, &scope);
-        self.want_scale_set(pool, key, &app, &scope);
+        let node_slots = match pool.spec.github.scale_set {
+            Some(_) => self.node_slots(pool, key).await,
+            None => None,
+        };
+        self.want_scale_set(pool, key, &app, &scope, node_slots);
         if let Some(scope) = scope.clone() {
             let route = PoolRoute {
                 labels: crate::scaleset::route_labels(&pool.spec.github),

@@ -259,15 +259,53 @@ pub fn deaf_for(
     (silent > bound).then_some(silent)
 }
 
-/// What GitHub may assign at most (`X-ScaleSetMaxCapacity`): the pool's room under `maxRunners`
-/// and what the nodes can still host (`node_room`: free VM slots of the pool's class, when known),
-/// on top of the jobs already open (they hold a runner or will).
-pub fn max_capacity(max_runners: u32, open_jobs: u32, node_room: Option<u32>) -> u32 {
-    let by_pool = max_runners;
-    match node_room {
-        Some(room) => by_pool.min(open_jobs.saturating_add(room)),
-        None => by_pool,
+/// What GitHub may assign at most (`X-ScaleSetMaxCapacity`): `maxRunners`, lowered to the VMs of
+/// the pool's class the nodes can host (`node_slots`, [`node_slots`]) when that is known.
+pub fn max_capacity(max_runners: u32, node_slots: Option<u32>) -> u32 {
+    node_slots.map_or(max_runners, |slots| max_runners.min(slots))
+}
+
+/// How many VMs of `req` (the pool's class, node selector and tolerations) the nodes can host,
+/// from their published capacity (`imp.dev/capacity-*` annotations, else allocatable): per
+/// eligible node (labelled `imp/enabled=true`, Ready, schedulable, matching the selector, every
+/// NoSchedule/NoExecute taint tolerated) the VMs that fit its CPU, memory and disk, summed. None
+/// when no node is Imp-enabled at all: nothing is published to judge by.
+pub fn node_slots(
+    nodes: &[crate::scheduler::NodeInfo],
+    req: &crate::scheduler::VmRequest,
+) -> Option<u32> {
+    use imp_api::names::LABEL_NODE_ENABLED;
+    let enabled: Vec<_> = nodes
+        .iter()
+        .filter(|n| n.labels.get(LABEL_NODE_ENABLED).map(String::as_str) == Some("true"))
+        .collect();
+    if enabled.is_empty() {
+        return None;
     }
+    let per = |have: u64, need: u64| have.checked_div(need).unwrap_or(u64::MAX);
+    let total: u64 = enabled
+        .iter()
+        .filter(|n| n.ready && !n.unschedulable)
+        .filter(|n| {
+            req.node_selector
+                .iter()
+                .all(|(k, v)| n.labels.get(k) == Some(v))
+        })
+        .filter(|n| {
+            n.taints
+                .iter()
+                .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
+                .all(|t| req.tolerations.iter().any(|tol| imp_api::tolerates(tol, t)))
+        })
+        .filter_map(|n| n.capacity)
+        .map(|c| {
+            let cpu = per(c.millicpu, u64::from(req.vcpu) * 1000);
+            let mem = per(c.memory_mib, req.memory_mib);
+            let disk = c.disk_mib.map_or(u64::MAX, |d| per(d, req.disk_mib));
+            cpu.min(mem).min(disk)
+        })
+        .fold(0u64, |a, b| a.saturating_add(b));
+    Some(u32::try_from(total).unwrap_or(u32::MAX))
 }
 
 /// The pool demand the ledger stands for, as job updates keyed by the workflow job id (the sweep
@@ -487,10 +525,76 @@ mod tests {
 
     #[test]
     fn capacity_is_bounded_by_the_pool_and_by_the_nodes() {
-        assert_eq!(max_capacity(10, 2, None), 10);
-        assert_eq!(max_capacity(10, 2, Some(3)), 5);
-        assert_eq!(max_capacity(4, 2, Some(30)), 4);
-        assert_eq!(max_capacity(4, 0, Some(0)), 0);
+        assert_eq!(max_capacity(10, None), 10);
+        assert_eq!(max_capacity(10, Some(3)), 3);
+        assert_eq!(max_capacity(4, Some(30)), 4);
+        assert_eq!(max_capacity(4, Some(0)), 0);
+    }
+
+    fn node(name: &str, cpu: u64, mem: u64, disk: Option<u64>) -> crate::scheduler::NodeInfo {
+        crate::scheduler::NodeInfo {
+            name: name.into(),
+            labels: [("imp/enabled".to_string(), "true".to_string())].into(),
+            ready: true,
+            unschedulable: false,
+            pressures: vec![],
+            taints: vec![],
+            heartbeat: crate::scheduler::Heartbeat::Fresh,
+            capacity: Some(crate::scheduler::Capacity {
+                millicpu: cpu * 1000,
+                memory_mib: mem,
+                disk_mib: disk,
+            }),
+        }
+    }
+
+    #[test]
+    fn node_slots_sum_what_each_eligible_node_can_host_of_the_class() {
+        use k8s_openapi::api::core::v1::{Taint, Toleration};
+        let req = crate::scheduler::VmRequest {
+            vcpu: 2,
+            memory_mib: 2048,
+            disk_mib: 4096,
+            ..Default::default()
+        };
+        // 8 CPU / 8 GiB: 4 by CPU, 4 by memory; 16 CPU / 6 GiB: 3 by memory; disk 8 GiB: 2.
+        let mut nodes = vec![
+            node("a", 8, 8192, None),
+            node("b", 16, 6144, None),
+            node("c", 16, 16384, Some(8192)),
+        ];
+        assert_eq!(node_slots(&nodes, &req), Some(4 + 3 + 2));
+        // Not Ready, cordoned, other selector, untolerated taint, unknown capacity: none.
+        nodes[0].ready = false;
+        nodes[1].unschedulable = true;
+        assert_eq!(node_slots(&nodes, &req), Some(2));
+        nodes[2].taints = vec![Taint {
+            key: "gpu".into(),
+            effect: "NoSchedule".into(),
+            ..Default::default()
+        }];
+        assert_eq!(node_slots(&nodes, &req), Some(0), "nothing can host it: 0");
+        let tolerant = crate::scheduler::VmRequest {
+            tolerations: vec![Toleration {
+                key: Some("gpu".into()),
+                operator: Some("Exists".into()),
+                ..Default::default()
+            }],
+            ..req.clone()
+        };
+        assert_eq!(node_slots(&nodes, &tolerant), Some(2));
+        let picky = crate::scheduler::VmRequest {
+            node_selector: [("zone".to_string(), "x".to_string())].into(),
+            ..tolerant
+        };
+        assert_eq!(node_slots(&nodes, &picky), Some(0));
+        nodes[2].capacity = None;
+        assert_eq!(node_slots(&nodes, &req), Some(0));
+        // No Imp node at all: nothing published, the pool's maxRunners stands.
+        for n in &mut nodes {
+            n.labels.clear();
+        }
+        assert_eq!(node_slots(&nodes, &req), None);
     }
 
     #[test]

@@ -49,12 +49,15 @@ pub struct IntakeSpec {
     /// Labels the pool's runners serve ([`super::route_labels`]).
     pub labels: Vec<String>,
     pub max_runners: u32,
+    /// VMs of the pool's class the nodes can host ([`super::decide::node_slots`]); None: unknown.
+    pub node_slots: Option<u32>,
     /// The pool, for the ledger's owner reference and Events.
     pub owner: OwnerReference,
 }
 
 impl IntakeSpec {
-    /// What restarts the intake when it changes (`maxRunners` does not: it is read live).
+    /// What restarts the intake when it changes (`maxRunners` and the node slots do not: they
+    /// are read live).
     fn fingerprint(&self) -> String {
         format!(
             "{}/{}/{}/{:?}/{:?}/{}",
@@ -89,6 +92,8 @@ pub struct Binding {
     set_id: Mutex<Option<u64>>,
     session: Mutex<Option<(u64, Session)>>,
     max_runners: AtomicU32,
+    /// [`IntakeSpec::node_slots`], `u32::MAX` when unknown.
+    node_slots: AtomicU32,
     health: Mutex<Health>,
     /// When the intake started: a session that never heard anything is deaf from here.
     started: Instant,
@@ -110,6 +115,7 @@ impl Binding {
         );
         Binding {
             max_runners: AtomicU32::new(spec.max_runners),
+            node_slots: AtomicU32::new(spec.node_slots.unwrap_or(u32::MAX)),
             spec,
             client,
             conn: Mutex::new(None),
@@ -328,6 +334,8 @@ impl ScaleSets {
             .is_none_or(|w| w.fingerprint() != spec.fingerprint());
         if let Some(b) = lock(&self.bindings).get(&spec.key) {
             b.max_runners.store(spec.max_runners, Ordering::Relaxed);
+            b.node_slots
+                .store(spec.node_slots.unwrap_or(u32::MAX), Ordering::Relaxed);
         }
         wants.insert(spec.key.clone(), spec);
         if changed {
@@ -558,10 +566,10 @@ async fn serve(
     sync_demand(shared, &b.spec.key, &ledger);
     let mut last = 0u64;
     loop {
+        let slots = b.node_slots.load(Ordering::Relaxed);
         let capacity = max_capacity(
             b.max_runners.load(Ordering::Relaxed),
-            ledger.open() as u32,
-            None,
+            (slots != u32::MAX).then_some(slots),
         );
         let msg = b.client.get_message(&session, last, capacity).await?;
         *attempt = 0;
