@@ -137,7 +137,8 @@ export ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE=1
 cd "${IMP_RUNNER_DIR:-/opt/actions-runner}"
 # A runner too old to know that variable exits 1 after printing the deprecation message: watch its
 # output for the message (passed through unchanged) and report 7 for it too.
-seen="$(mktemp "${TMPDIR:-/tmp}/imp-runner.XXXXXX")"
+# Without a writable temp dir there is nothing to watch with: run it as is (7 still passes through).
+seen="$(mktemp "${TMPDIR:-/tmp}/imp-runner.XXXXXX" 2>/dev/null)" || exec ./run.sh
 code="$seen.code"
 { rc=0; ./run.sh 2>&1 || rc=$?; echo "$rc" >"$code"; } | while IFS= read -r line; do
     printf '%s\n' "$line"
