@@ -162,6 +162,22 @@ if env -u ACTIONS_RUNNER_INPUT_JITCONFIG IMP_RUNNER_DIR="$t/realroot/opt/actions
 grep -q 'ACTIONS_RUNNER_INPUT_JITCONFIG is not set' "$t/err" || fail "no clear message without a JIT config"
 ok "real-runner layout from a tarball; wrapper passes the JIT config without printing it"
 
+# Runner versions: the layer records its version, and a runner GitHub refuses exits 7 (the
+# deprecation message of a runner that does not know the variable becomes 7 too); other codes pass.
+grep -q '"dev.imp.runner.version":"0.0.0"' "$t/real/blobs/sha256/"* || fail "no dev.imp.runner.version label"
+mkdir -p "$t/refused"
+for want in "1:7:Runner version v2.300.0 is deprecated and cannot receive messages." "3:3:other failure" \
+    "0:0:fine" "7:7:deprecated (exit code 7 itself)"; do
+    code="${want%%:*}" rest="${want#*:}"; expect="${rest%%:*}" line="${rest#*:}"
+    printf '#!/bin/sh\n[ "$ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE" = 1 ] || exit 99\necho "%s"\nexit %s\n' "$line" "$code" >"$t/refused/run.sh"
+    chmod 0755 "$t/refused/run.sh"
+    got=0
+    ACTIONS_RUNNER_INPUT_JITCONFIG=x IMP_RUNNER_DIR="$t/refused" "$t/realroot/usr/local/bin/imp-runner" >"$t/out" 2>&1 || got=$?
+    [ "$got" = "$expect" ] || fail "runner exiting $code with \"$line\": wrapper exited $got, want $expect"
+    grep -qF "$line" "$t/out" || fail "the runner's output was not passed through: $(cat "$t/out")"
+done
+ok "runner version labelled; deprecation (exit 7 or the message) reported as exit code 7"
+
 # Inputs the user must supply are named when missing.
 if "$build" --out "$t/x" 2>"$t/err"; then fail "built without a runner"; fi
 grep -q -- '--runner-tarball' "$t/err" || fail "missing-tarball message: $(cat "$t/err")"

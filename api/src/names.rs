@@ -34,6 +34,9 @@ pub const ANNOTATION_RESET_RESTARTS: &str = "imp.dev/reset-restarts";
 pub const ANNOTATION_RUNNER_ID: &str = "imp.dev/github-runner-id";
 /// Annotation on a JIT Secret: the GitHub runner name the config registers.
 pub const ANNOTATION_RUNNER_NAME: &str = "imp.dev/github-runner-name";
+/// Annotation on a runner ImpVM: the pool's `spec.github.runnerVersion` when the VM was created, so
+/// a runner GitHub refuses is judged against the runner layer it ran, not a later one.
+pub const ANNOTATION_RUNNER_VERSION: &str = "imp.dev/runner-version";
 /// Annotation on a JIT Secret: the [`boot_digest`](crate::frozen::boot_digest) of the VM spec the
 /// config was minted for; the agent hands the config only to a VM whose spec still has it.
 pub const ANNOTATION_BOOT_DIGEST: &str = "imp.dev/boot-digest";
@@ -108,6 +111,13 @@ pub mod condition {
     /// Pool: the periodic sweep listed every repository of the pool's scope in full (False: some
     /// repository's active runs are beyond what the sweep reads; its jobs come from webhooks only).
     pub const DEMAND_LISTED: &str = "DemandListed";
+    /// Pool: GitHub still gives jobs to the pool's runner version (`spec.github.runnerVersion`
+    /// against the supported versions): True Current or Expiring (days left in the message),
+    /// False Deprecated, Unknown when the version or GitHub's answer is not known.
+    pub const RUNNER_VERSION_SUPPORTED: &str = "RunnerVersionSupported";
+    /// Pool: GitHub refused one of the pool's runners (exit code 7, the deprecation message);
+    /// the reason says whether minting stopped (deprecated) or goes on with backoff (an outage).
+    pub const DEGRADED: &str = "Degraded";
     /// ImpNetwork: subnet accepted and IPAM ready.
     pub const NETWORK_READY: &str = "Ready";
 }
@@ -180,8 +190,9 @@ pub mod reason {
 
     use Site::*;
     use condition::{
-        AT_CAPACITY, CREDENTIALS_VALID, DEMAND_LISTED, NETWORK_READY, NODE_HEALTHY, READY,
-        SCALING_LIMITED, SCHEDULED as SCHEDULED_C, TORN_DOWN as TORN_DOWN_C,
+        AT_CAPACITY, CREDENTIALS_VALID, DEGRADED, DEMAND_LISTED, NETWORK_READY, NODE_HEALTHY,
+        READY, RUNNER_VERSION_SUPPORTED, SCALING_LIMITED, SCHEDULED as SCHEDULED_C,
+        TORN_DOWN as TORN_DOWN_C,
     };
 
     reasons! {
@@ -364,6 +375,19 @@ pub mod reason {
         SWEEP_COMPLETE = "SweepComplete" in [PoolCondition(DEMAND_LISTED)];
         /// A repository of the pool's scope has more active runs than the sweep reads (its page cap): its queued jobs are known from webhooks only, and a lost delivery is not recovered.
         SWEEP_PAGE_CAP = "SweepPageCap" in [PoolCondition(DEMAND_LISTED)];
+        // Runner freshness (issue 33): the runner layer's version against GitHub's.
+        /// The pool's runner version is GitHub's newest, or superseded with more than 7 of its 30 days left.
+        RUNNER_VERSION_CURRENT = "RunnerVersionCurrent" in [PoolCondition(RUNNER_VERSION_SUPPORTED)];
+        /// A newer runner release exists and the pool's runner version has 7 days or fewer of GitHub's 30 left (the message counts them): rebuild the runner layer.
+        RUNNER_VERSION_EXPIRING = "RunnerVersionExpiring" in [PoolCondition(RUNNER_VERSION_SUPPORTED)];
+        /// The pool's runner version is below GitHub's minimum (2.329.0) or its 30 days are over; GitHub refuses its runners. As a Degraded reason and Event (Warning): a runner of the pool exited with code 7 (the deprecation message) while a newer version exists; minting stops until the pool's runner image or version changes. Also ScalingLimited's reason while minting is stopped.
+        RUNNER_VERSION_DEPRECATED = "RunnerVersionDeprecated" in [PoolCondition(RUNNER_VERSION_SUPPORTED), PoolCondition(DEGRADED), PoolCondition(SCALING_LIMITED), PoolEvent];
+        /// The pool sets no spec.github.runnerVersion, or GitHub's supported versions were not read yet: nothing to compare.
+        RUNNER_VERSION_UNKNOWN = "RunnerVersionUnknown" in [PoolCondition(RUNNER_VERSION_SUPPORTED)];
+        /// Warning: GitHub refused a runner of the pool as deprecated although it runs GitHub's newest version: an outage or rollback at GitHub, not deprecation. Minting goes on with the start backoff.
+        RUNNER_REFUSED_CURRENT_VERSION = "RunnerRefusedCurrentVersion" in [PoolCondition(DEGRADED), PoolEvent];
+        /// No runner of the pool was refused by GitHub.
+        NOT_DEGRADED = "NotDegraded" in [PoolCondition(DEGRADED)];
         /// Runner VMs were created.
         SCALED_UP = "ScaledUp" in [PoolEvent];
         /// Idle runners were retired.

@@ -55,7 +55,7 @@ pub struct ImpVMRunnerPoolSpec {
 }
 
 /// Where the runners register at GitHub and with which labels.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, KubeSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GithubRunnerSpec {
     /// Organization or repository the runners register with (exactly one).
@@ -78,6 +78,14 @@ pub struct GithubRunnerSpec {
     /// runners through it, so `runs-on: <name>` routes jobs to this pool (docs/github.md).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scale_set: Option<ScaleSetSpec>,
+    /// The actions/runner version the pool's runner layer (`template.spec.runnerImage`) carries,
+    /// as images/runner/build.sh prints and labels it (`dev.imp.runner.version`), e.g. `2.329.0`.
+    /// The operator compares it with GitHub's supported runner versions and reports the
+    /// `RunnerVersionSupported` condition; unset, the condition is Unknown (docs/runner-pool.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("self.matches('^v?[0-9]+[.][0-9]+[.][0-9]+$')").message("runnerVersion must be MAJOR.MINOR.PATCH, e.g. 2.329.0"))]
+    #[schemars(length(min = 5, max = 32))]
+    pub runner_version: Option<String>,
 }
 
 /// A runner scale set the pool serves.
@@ -226,4 +234,35 @@ pub struct ImpVMRunnerPoolStatus {
     pub last_scale_time: Option<Time>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+    /// The runner layer's version against GitHub's supported versions (docs/runner-pool.md,
+    /// "Runner freshness").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runner_version: Option<RunnerVersionStatus>,
+}
+
+/// What the operator knows of the pool's runner version. Persisted here so a restarted operator
+/// keeps the clock of the 30 days GitHub gives a superseded runner.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RunnerVersionStatus {
+    /// `spec.github.runnerVersion` when it was last judged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// The newest runner release GitHub offers (`GET .../actions/runners/downloads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latest: Option<String>,
+    /// When the operator first saw a release newer than `version`: GitHub's 30 days to upgrade
+    /// count from here (at the latest; the release may be older than the first sighting).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub superseded_time: Option<Time>,
+    /// The pool generation whose runner GitHub refused as deprecated (exit code 7): no runner
+    /// is minted while the pool is at this generation. Changing the pool (a new runner image or
+    /// version) bumps the generation and lets minting resume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused_generation: Option<i64>,
+    /// The VM whose runner was refused, and when.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused_vm: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused_time: Option<Time>,
 }

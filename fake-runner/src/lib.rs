@@ -28,6 +28,25 @@ use crate::http::HttpClient;
 pub const JITCONFIG_ENV: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
 /// Optional override of the simulator URL found in the JIT config.
 pub const URL_OVERRIDE_ENV: &str = "IMP_FAKE_RUNNER_URL";
+/// The runner version the fake runner states (`IMP_FAKE_RUNNER_VERSION`), the simulator's
+/// default newest release.
+pub const DEFAULT_RUNNER_VERSION: &str = "2.330.0";
+/// The header the fake runner states its version in at connect (the broker checks it).
+pub const VERSION_HEADER: &str = "x-runner-version";
+/// actions/runner's exit code for a deprecated version, when this variable is `1`.
+pub const DEPRECATED_EXIT_CODE_ENV: &str = "ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE";
+
+/// GitHub refused the runner's version (its message, which the runner prints).
+#[derive(Debug)]
+pub struct VersionDeprecated(pub String);
+
+impl std::fmt::Display for VersionDeprecated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for VersionDeprecated {}
 
 /// What the simulator's `encoded_jit_config` decodes to.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -67,6 +86,8 @@ pub struct FakeRunnerOptions {
     pub conclusion: String,
     /// Talk to this simulator URL instead of the one in the JIT config.
     pub url_override: Option<String>,
+    /// The runner version stated at connect.
+    pub version: String,
 }
 
 impl Default for FakeRunnerOptions {
@@ -76,6 +97,7 @@ impl Default for FakeRunnerOptions {
             job_duration: Duration::ZERO,
             conclusion: "success".into(),
             url_override: None,
+            version: DEFAULT_RUNNER_VERSION.to_string(),
         }
     }
 }
@@ -97,10 +119,13 @@ pub async fn run(encoded: &str, opts: &FakeRunnerOptions) -> anyhow::Result<serd
             .json(
                 Method::POST,
                 &format!("{}/_runner/connect", cfg.url),
-                &[(
-                    "authorization",
-                    format!("RunnerCredential {}", cfg.credential),
-                )],
+                &[
+                    (
+                        "authorization",
+                        format!("RunnerCredential {}", cfg.credential),
+                    ),
+                    (VERSION_HEADER, opts.version.clone()),
+                ],
                 None,
             )
             .await?;
@@ -109,6 +134,13 @@ pub async fn run(encoded: &str, opts: &FakeRunnerOptions) -> anyhow::Result<serd
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
+    // GitHub's enforcement: "Runner version vX is deprecated and cannot receive messages." (403).
+    if resp.status == StatusCode::FORBIDDEN
+        && let Some(msg) = resp.json()["message"].as_str()
+        && msg.contains("is deprecated")
+    {
+        return Err(VersionDeprecated(msg.to_string()).into());
+    }
     anyhow::ensure!(
         resp.status == StatusCode::OK,
         "connect refused: {} {}",

@@ -9,12 +9,18 @@
 //! config in the environment variable `ACTIONS_RUNNER_INPUT_JITCONFIG` (so it never appears in
 //! process listings); `--jitconfig <value>` is accepted for parity with actions/runner.
 //!
-//! Exit codes: 0 job completed (whatever its conclusion); 2 usage (no JIT config); 1 any other failure.
+//! Exit codes: 0 job completed (whatever its conclusion); 2 usage (no JIT config); 7 GitHub refused
+//! the runner's version (`IMP_FAKE_RUNNER_VERSION`) as deprecated and
+//! `ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE=1` (as actions/runner; 1 without it, after
+//! printing GitHub's message); 1 any other failure.
 
 use std::time::Duration;
 
 use clap::Parser;
-use imp_fake_runner::{FakeRunnerOptions, JITCONFIG_ENV};
+use imp_fake_runner::{
+    DEFAULT_RUNNER_VERSION, DEPRECATED_EXIT_CODE_ENV, FakeRunnerOptions, JITCONFIG_ENV,
+    VersionDeprecated,
+};
 
 #[derive(Parser)]
 #[command(
@@ -37,6 +43,9 @@ struct Args {
     /// Simulator URL to use instead of the one in the JIT config.
     #[arg(long, env = "IMP_FAKE_RUNNER_URL")]
     url: Option<String>,
+    /// The runner version to state (GitHub's broker refuses deprecated ones).
+    #[arg(long, env = "IMP_FAKE_RUNNER_VERSION", default_value = DEFAULT_RUNNER_VERSION)]
+    version: String,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -58,6 +67,7 @@ async fn main() {
         job_duration: Duration::from_secs(args.job_secs),
         conclusion: args.conclusion,
         url_override: args.url,
+        version: args.version,
     };
     match imp_fake_runner::run(&config, &opts).await {
         Ok(job) => {
@@ -69,6 +79,16 @@ async fn main() {
             );
         }
         Err(e) => {
+            if let Some(VersionDeprecated(msg)) = e.downcast_ref::<VersionDeprecated>() {
+                // actions/runner's line, which the runner layer's wrapper also watches for.
+                println!("{msg}");
+                let code = if std::env::var(DEPRECATED_EXIT_CODE_ENV).as_deref() == Ok("1") {
+                    7
+                } else {
+                    1
+                };
+                std::process::exit(code);
+            }
             eprintln!("imp-fake-runner: {e:#}");
             std::process::exit(1);
         }

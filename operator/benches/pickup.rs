@@ -16,18 +16,25 @@
 //! creationTimestamp and the agent-written status Times are to the second. The operator's own record
 //! (`status.job`) is read too and its queued -> picked up compared.
 //!
+//! The `warm-scaleset` scenario is `warm` with the pool's demand taken from a runner scale set
+//! (`spec.github.scaleSet`; the simulator's broker, long poll, acquire, `generatejitconfig`) and every
+//! webhook dropped: the same jobs, routed by `runs-on: <scale set>`. Each scenario counts the GitHub
+//! calls it made: REST (the simulator's api requests) and the scale-set broker's (polls, acks,
+//! acquires, JIT configs, sessions). Last, one idle pool of each intake is left alone for
+//! IMP_BENCH_IDLE_SECS (120) and its calls are projected to an hour.
+//!
 //! `cargo bench -p imp-operator --bench pickup`; IMP_BENCH_JOBS (200), IMP_BENCH_IDLE (20),
 //! IMP_BENCH_COLD_JOBS (50), IMP_BENCH_INTERVAL_MS (250, between queued jobs), IMP_BENCH_BOOT_MS (500),
-//! IMP_BENCH_JOB_MS (2000, how long each job runs).
+//! IMP_BENCH_JOB_MS (2000, how long each job runs), IMP_BENCH_IDLE_SECS (120).
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use common::{Agent, AgentOptions, Bench, start_agent};
-use imp_api::{ImpVMRunnerPool, names::LABEL_RUNNER_POOL};
+use imp_api::{ImpVMRunnerPool, ScaleSetSpec, names::LABEL_RUNNER_POOL};
 use imp_operator::runnerpool::slo::{JOB_PHASES, job_phases};
-use imp_testkit::github::JobSpec;
+use imp_testkit::github::{JobSpec, WebhookFault};
 use k8s_openapi::jiff::Timestamp;
 use kube::{
     Api,
@@ -35,6 +42,8 @@ use kube::{
 };
 
 const LABELS: [&str; 2] = ["self-hosted", "imp"];
+/// The scale set of the scale-set scenarios (what their jobs' `runs-on` names).
+const SET: &str = "imp-bench-set";
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -59,6 +68,36 @@ struct Scenario {
     max_runners: u32,
     jobs: usize,
     interval: Duration,
+    /// Take demand from this runner scale set, webhooks dropped.
+    scale_set: Option<&'static str>,
+}
+
+/// GitHub calls, REST and the scale-set broker's.
+#[derive(Clone, Copy, Default)]
+struct Calls {
+    rest: u64,
+    broker: u64,
+}
+
+fn calls(b: &Bench) -> Calls {
+    let ss = b.sim.scale_set_stats();
+    Calls {
+        rest: b.sim.stats().api_requests,
+        broker: ss.polls
+            + ss.messages_deleted
+            + ss.acquire_calls
+            + ss.jit_configs
+            + ss.sessions_created
+            + ss.sessions_refreshed
+            + ss.admin_connections,
+    }
+}
+
+fn since(a: Calls, b: Calls) -> Calls {
+    Calls {
+        rest: b.rest - a.rest,
+        broker: b.broker - a.broker,
+    }
 }
 
 /// One served job.
@@ -76,6 +115,8 @@ struct Outcome {
     /// Jobs whose VM the agent never saw (their wait counts, their phases do not).
     unattributed: usize,
     took: Duration,
+    /// GitHub calls from the pool's creation to its last job picked up.
+    calls: Calls,
 }
 
 fn micros(t: chrono::DateTime<chrono::Utc>) -> Option<Timestamp> {
@@ -88,12 +129,22 @@ fn span(a: Timestamp, b: Timestamp) -> Duration {
 
 async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outcome> {
     let pools: Api<ImpVMRunnerPool> = Api::namespaced(b.client.clone(), &b.ns);
-    let pool = b
+    let mut pool = b
         .pool(s.name, &LABELS)
         .min_idle(s.min_idle)
         .max_runners(s.max_runners)
         .scale_up_step(100)
         .build();
+    if let Some(set) = s.scale_set {
+        pool.spec.github.scale_set = Some(ScaleSetSpec {
+            name: set.to_string(),
+            runner_group: None,
+        });
+        // Every delivery of this scenario is lost: the scale set is the only intake.
+        b.sim
+            .inject_webhook_fault(WebhookFault::Drop, 10 * s.jobs as u32 + 1000);
+    }
+    let before = calls(b);
     pools.create(&PostParams::default(), &pool).await?;
     let t0 = Instant::now();
     loop {
@@ -126,7 +177,10 @@ async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outco
         ids.push(
             b.sim
                 .queue_job(JobSpec {
-                    labels: LABELS.iter().map(|l| l.to_string()).collect(),
+                    labels: match s.scale_set {
+                        Some(set) => vec![set.to_string()],
+                        None => LABELS.iter().map(|l| l.to_string()).collect(),
+                    },
                     ..Default::default()
                 })
                 .id,
@@ -150,6 +204,7 @@ async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outco
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let took = t1.elapsed();
+    let used = since(before, calls(b));
     // The in_progress webhooks of the last jobs, and their status.job writes.
     tokio::time::sleep(Duration::from_secs(3)).await;
 
@@ -222,6 +277,45 @@ async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outco
         served,
         unattributed,
         took,
+        calls: used,
+    })
+}
+
+/// GitHub calls per hour of an idle pool of each intake: created, settled, then left alone for
+/// `window` (the sweep, the reaper, the scale set's long polls run as in production).
+async fn idle_cost(
+    b: &mut Bench,
+    scale_set: Option<&'static str>,
+    window: Duration,
+) -> anyhow::Result<Calls> {
+    let pools: Api<ImpVMRunnerPool> = Api::namespaced(b.client.clone(), &b.ns);
+    let name = if scale_set.is_some() {
+        "idle-scaleset"
+    } else {
+        "idle-webhook"
+    };
+    let mut pool = b.pool(name, &LABELS).min_idle(0).max_runners(5).build();
+    if let Some(set) = scale_set {
+        pool.spec.github.scale_set = Some(ScaleSetSpec {
+            name: set.to_string(),
+            runner_group: None,
+        });
+    }
+    pools.create(&PostParams::default(), &pool).await?;
+    // Settled: the first pass, the first sweep, the session (first fetches are one-time costs).
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    b.check_operator()?;
+    let before = calls(b);
+    tokio::time::sleep(window).await;
+    let used = since(before, calls(b));
+    pools.delete(name, &Default::default()).await?;
+    while pools.get_opt(name).await?.is_some() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let per_hour = |n: u64| (n as f64 * 3600.0 / window.as_secs_f64()).round() as u64;
+    Ok(Calls {
+        rest: per_hour(used.rest),
+        broker: per_hour(used.broker),
     })
 }
 
@@ -271,8 +365,16 @@ fn report(s: &Scenario, o: &Outcome, boot: Duration) {
         s.interval,
         o.took
     );
+    let n = o.served.len().max(1) as f64;
     println!(
-        "  queued webhook -> picked up: p50 {:.0} ms, p99 {:.0} ms, mean {:.0} ms, max {:.0} ms",
+        "  GitHub calls: REST {} ({:.1} per job), scale-set broker {} ({:.1} per job)",
+        o.calls.rest,
+        o.calls.rest as f64 / n,
+        o.calls.broker,
+        o.calls.broker as f64 / n
+    );
+    println!(
+        "  queued -> picked up: p50 {:.0} ms, p99 {:.0} ms, mean {:.0} ms, max {:.0} ms",
         ms(pct(&waits, 0.5)),
         ms(pct(&waits, 0.99)),
         ms(mean(&waits)),
@@ -392,6 +494,7 @@ async fn bench() -> anyhow::Result<()> {
             max_runners: 20,
             jobs: cold_jobs,
             interval,
+            scale_set: None,
         },
         Scenario {
             name: "warm",
@@ -399,6 +502,16 @@ async fn bench() -> anyhow::Result<()> {
             max_runners: idle * 2,
             jobs,
             interval,
+            scale_set: None,
+        },
+        // Last: its dropped deliveries must not reach another scenario.
+        Scenario {
+            name: "warm-scaleset",
+            min_idle: idle,
+            max_runners: idle * 2,
+            jobs,
+            interval,
+            scale_set: Some(SET),
         },
     ];
     let mut outcomes = Vec::new();
@@ -408,6 +521,13 @@ async fn bench() -> anyhow::Result<()> {
     for (s, o) in scenarios.iter().zip(&outcomes) {
         report(s, o, boot);
     }
+    let window = Duration::from_secs(env_u64("IMP_BENCH_IDLE_SECS", 120));
+    let webhook = idle_cost(&mut b, None, window).await?;
+    let set = idle_cost(&mut b, Some("imp-bench-idle"), window).await?;
+    println!(
+        "\nidle pool, GitHub calls per hour (measured over {window:?}): webhook intake REST {} + broker {}; scale-set intake REST {} + broker {}",
+        webhook.rest, webhook.broker, set.rest, set.broker
+    );
     println!(
         "\noperator peak RSS (VmHWM) {:.1} MiB; GitHub API calls {}; load average {} at the end",
         b.operator_hwm_kib() as f64 / 1024.0,

@@ -44,19 +44,32 @@ async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
 
 async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
     if !*s.leading.borrow() {
-        (StatusCode::SERVICE_UNAVAILABLE, "standby: not the leader")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "standby: not the leader".to_owned(),
+        )
     } else if !s.ready.load(Ordering::SeqCst) {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            "watch caches not filled yet",
+            "watch caches not filled yet".to_owned(),
         )
     } else if !s.pools.routes_loaded() {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            "pool webhook secrets not read yet",
+            "pool webhook secrets not read yet".to_owned(),
+        )
+    } else if let Some((pool, silent)) = s.pools.scale_sets.deaf().first() {
+        // Running but deaf: the scale set's session hears nothing, so its jobs wait unseen.
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "scale-set session of pool {pool} heard nothing for {}s (bound {}s)",
+                silent.as_secs(),
+                s.pools.scale_sets.deaf_after().as_secs()
+            ),
         )
     } else {
-        (StatusCode::OK, "ready")
+        (StatusCode::OK, "ready".to_owned())
     }
 }
 

@@ -88,6 +88,10 @@ struct Args {
     /// A runner Started this long ago that GitHub never listed online is replaced (`RunnerNeverOnline`).
     #[arg(long, env = "IMP_RUNNER_ONLINE_DEADLINE", default_value = "5m", value_parser = parse_positive_duration)]
     runner_online_deadline: Duration,
+    /// How long a scale-set long poll waits for GitHub (GitHub answers within about 50 s). A
+    /// session that hears nothing for this plus 15 s makes the operator not Ready (running but deaf).
+    #[arg(long, env = "IMP_SCALE_SET_POLL_TIMEOUT", default_value = "50s", value_parser = parse_positive_duration)]
+    scale_set_poll_timeout: Duration,
     /// Under node MemoryPressure, suspend resident persistent VMs, largest memory first, until it clears;
     /// never resume them (chart `pressureLifecycle.enabled`; docs/architecture.md). Off by default.
     #[arg(long, env = "IMP_PRESSURE_LIFECYCLE", action = clap::ArgAction::Set, num_args = 0..=1,
@@ -167,6 +171,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Arc::new(GithubApps::new(github, github_metrics)),
         pool_metrics,
     );
+    shared
+        .scale_sets
+        .set_poll_timeout(args.scale_set_poll_timeout);
     let state = HttpState {
         registry: Arc::new(registry),
         ready: ready.clone(),

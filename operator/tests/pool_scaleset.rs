@@ -112,7 +112,7 @@ async fn jobs_routed_to_the_scale_set_are_served_one_runner_each() {
     // Minted through the scale set: one JIT config per job, no more.
     let stats = h.sim.scale_set_stats();
     assert_eq!(stats.jit_configs, ids.len() as u64, "{stats:?}");
-    // The capacity GitHub was told is the pool's maxRunners (no node capacity known here).
+    // The capacity GitHub was told is the pool's maxRunners (no Imp node publishes capacity here).
     let set = h
         .sim
         .scale_sets()
@@ -219,4 +219,113 @@ async fn a_lost_ack_and_a_restart_between_ledger_write_and_ack_bind_each_job_onc
         "{events:?}"
     );
     assert_no_credentials_in_logs(&h);
+}
+
+/// A Ready, schedulable Imp node publishing `vcpu`/`memory_mib` for VMs, labelled for this test.
+async fn cap_node(h: &PoolHarness, name: &str, vcpu: u32, memory_mib: u32) {
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::PostParams;
+    let nodes: Api<Node> = Api::all(h.client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name,
+            "labels": {"imp/enabled": "true", "imp-cap-test": h.ns},
+            "annotations": {"imp.dev/capacity-vcpu": vcpu.to_string(),
+                            "imp.dev/capacity-memory-mib": memory_mib.to_string()}},
+    }))
+    .unwrap();
+    let created = nodes.create(&PostParams::default(), &node).await.unwrap();
+    // The API server taints new nodes not-ready; nothing here lifts it but the test.
+    let taints: Vec<_> = created
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| t.key != "node.kubernetes.io/not-ready")
+        .collect();
+    nodes
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"taints": taints}})),
+        )
+        .await
+        .unwrap();
+    let status = json!({"status": {"conditions": [{"type": "Ready", "status": "True",
+        "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z",
+        "reason": "KubeletReady", "message": "test"}]}});
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_capacity_github_is_told_is_what_the_nodes_can_host() {
+    use imp_api::ImpVMClass;
+    use k8s_openapi::api::core::v1::Node;
+    use kube::api::{DeleteParams, PostParams};
+    let h = PoolHarness::start("pool-scaleset-cap").await;
+    let class_name = format!("{}-cap", h.ns);
+    let classes: Api<ImpVMClass> = Api::all(h.client.clone());
+    let class: ImpVMClass = serde_json::from_value(json!({
+        "apiVersion": "imp.dev/v1alpha1", "kind": "ImpVMClass",
+        "metadata": {"name": class_name},
+        "spec": {"vcpu": 2, "memoryMiB": 2048},
+    }))
+    .unwrap();
+    classes
+        .create(&PostParams::default(), &class)
+        .await
+        .unwrap();
+    let names = [format!("{}-n1", h.ns), format!("{}-n2", h.ns)];
+    // 8 vCPU / 8 GiB each: 4 VMs of 2 vCPU / 2 GiB per node, 8 in all.
+    for n in &names {
+        cap_node(&h, n, 8, 8192).await;
+    }
+    h.sim
+        .set_scale_set_timing(Duration::from_secs(10), Duration::from_secs(1));
+    h.create_pool("cap", json!({ "maxRunners": 20 })).await;
+    let patch = json!({"spec": {
+        "github": {"scaleSet": {"name": SET}},
+        "template": {"spec": {"classRef": {"name": class_name},
+                              "nodeSelector": {"imp-cap-test": h.ns}}}}});
+    h.pools()
+        .patch("cap", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let told = |want: u32| {
+        let h = &h;
+        async move {
+            h.sim
+                .scale_sets()
+                .iter()
+                .any(|s| s.name == SET && s.last_max_capacity == Some(want))
+                .then_some(())
+        }
+    };
+    h.wait("X-ScaleSetMaxCapacity = the nodes' 8 slots", WAIT, || {
+        told(8)
+    })
+    .await;
+    // One node cordoned: 4 (recomputed within 30 s, told on the next poll).
+    let nodes: Api<Node> = Api::all(h.client.clone());
+    nodes
+        .patch(
+            &names[0],
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"unschedulable": true}})),
+        )
+        .await
+        .unwrap();
+    h.wait("X-ScaleSetMaxCapacity = 4 after a cordon", WAIT, || told(4))
+        .await;
+    // maxRunners below the nodes' room wins.
+    h.patch_scaling("cap", json!({"maxRunners": 3})).await;
+    h.wait("X-ScaleSetMaxCapacity = maxRunners 3", WAIT, || told(3))
+        .await;
+    for n in &names {
+        let _ = nodes.delete(n, &DeleteParams::default()).await;
+    }
+    let _ = classes.delete(&class_name, &DeleteParams::default()).await;
 }

@@ -364,6 +364,7 @@ pub fn pool(name: &str) -> PoolBuilder {
                 labels: vec!["self-hosted".into(), "imp".into()],
                 work_folder: None,
                 scale_set: None,
+                runner_version: None,
             },
             template: RunnerVmTemplate {
                 metadata: None,

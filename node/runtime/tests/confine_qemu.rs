@@ -92,6 +92,20 @@ fn assert_confined(pid: i32, what: &str, own_dir: &Path, other_dir: &Path, h: &H
         (uid, 0, 0o770),
         "its vsock socket: group root may connect (imp-agent, uid 0 without capabilities)"
     );
+    // Its console and the VMMs' logs are the VM's, 0600: with imp-agent's credentials in the chart
+    // (uid 0, gid 0, no capability; it mounts the VM directories) none is readable, while a
+    // root-owned file would be, as its owner (the control).
+    for name in ["serial.log", "qemu.log", "vhost-device-vsock.log"] {
+        let p = own_dir.join(name);
+        let m = std::fs::metadata(&p).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((m.uid(), m.mode() & 0o777), (uid, 0o600), "{name}");
+        assert!(!agent_reads(&p), "imp-agent's credentials read {name}");
+    }
+    let control = tempfile::NamedTempFile::new().unwrap();
+    assert!(
+        agent_reads(control.path()),
+        "the control: a root-owned file"
+    );
     for p in [
         Path::new("/etc/shadow"),
         other_dir,
@@ -107,6 +121,25 @@ fn assert_confined(pid: i32, what: &str, own_dir: &Path, other_dir: &Path, h: &H
         );
     }
     uid
+}
+
+/// Whether `path` can be read with imp-agent's credentials in the chart: uid 0 and gid 0 with no
+/// capability (setpriv clears the bounding set, so the exec keeps none).
+fn agent_reads(path: &Path) -> bool {
+    std::process::Command::new("setpriv")
+        .args([
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+            "--no-new-privs",
+            "--",
+            "cat",
+        ])
+        .arg(path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("setpriv (util-linux)")
+        .success()
 }
 
 /// Files under `dir` owned by one of `ids`.

@@ -19,6 +19,7 @@ pub enum Operation {
     ListRepositories,
     ListWorkflowRuns,
     ListWorkflowJobs,
+    ListRunnerDownloads,
 }
 
 impl Operation {
@@ -33,6 +34,7 @@ impl Operation {
             Operation::ListRepositories => "list_repositories",
             Operation::ListWorkflowRuns => "list_workflow_runs",
             Operation::ListWorkflowJobs => "list_workflow_jobs",
+            Operation::ListRunnerDownloads => "list_runner_downloads",
         }
     }
 }

@@ -27,6 +27,7 @@ pub mod budget;
 pub mod client;
 pub mod conditional;
 pub mod credentials;
+pub mod downloads;
 pub mod errors;
 pub mod governor;
 pub mod jit;
@@ -45,6 +46,7 @@ pub use conditional::{CallCount, EtagCache};
 pub use credentials::{
     AppCredentials, CredentialsError, KEY_APP_ID, KEY_INSTALLATION_ID, KEY_PRIVATE_KEY,
 };
+pub use downloads::{RunnerDownload, newest_linux_x64};
 pub use errors::{ErrorClass, GithubError, Operation, RateLimitKind};
 pub use governor::{MintGovernor, TokenBucket};
 pub use jit::{JitRequest, JitRunner, runner_name};

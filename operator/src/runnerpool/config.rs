@@ -28,6 +28,10 @@ pub struct PoolTiming {
     pub deletion_timeout: Duration,
     /// How often each pool's runners are listed at GitHub and registrations without a VM deleted.
     pub reap_interval: Duration,
+    /// How long GitHub's supported runner versions (the downloads API) are reused before they are
+    /// read again (one call per GitHub instance, revalidated with its ETag); a failed read is
+    /// retried after a tenth of it.
+    pub versions_refresh: Duration,
     /// A minted VM scheduled this long ago whose runner has not started is replaced
     /// (`BootDeadlineExceeded`).
     pub boot_deadline: Duration,
@@ -50,6 +54,7 @@ impl Default for PoolTiming {
             debounce: Duration::from_millis(100),
             deletion_timeout: Duration::from_secs(600),
             reap_interval: Duration::from_secs(120),
+            versions_refresh: Duration::from_secs(3600),
             boot_deadline: Duration::from_secs(600),
             runner_online_deadline: Duration::from_secs(300),
         }

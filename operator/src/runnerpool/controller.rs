@@ -18,7 +18,7 @@ use futures::StreamExt;
 use imp_api::{
     ImpVM, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
     names::{
-        ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME,
+        self, ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME,
         FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL, LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG,
         SECRET_KIND_JIT, jit_secret_name, reason,
     },
@@ -54,6 +54,7 @@ use super::{
         online_suspect, orphans, phase_spans, pool_status, requeue_after,
     },
     demand::{PoolKey, PoolRoute, sweep_updates},
+    freshness::{self, Freshness, Refusal, RefusedExit, RunnerVersion},
     plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
     shared::PoolShared,
     slo::{ServedFacts, VmTimes, run_phase},
@@ -63,6 +64,9 @@ use crate::github::{
     DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
 };
 use crate::metrics::ReasonLabels;
+
+/// How often a scale-set pool's node capacity is recomputed (a list of the Imp nodes).
+const NODE_SLOTS_EVERY: Duration = Duration::from_secs(30);
 
 /// The `controller` label of the reconcile metrics.
 pub const CONTROLLER: &str = "impvmrunnerpool";
@@ -87,6 +91,12 @@ struct PoolMemory {
     confirmed_online: HashSet<u64>,
     /// Last GitHub runner listing of the pool (the reaper's clock).
     last_listing: Option<Instant>,
+    /// GitHub refused a runner of the pool's newest version (an outage): shown as Degraded until
+    /// a runner of the pool takes a job again.
+    outage: Option<Refusal>,
+    /// VMs of the pool's class the nodes can host (scale-set pools' `X-ScaleSetMaxCapacity`), and
+    /// when that was computed.
+    node_slots: Option<(Instant, Option<u32>)>,
 }
 
 struct Ctx {
@@ -102,6 +112,9 @@ struct Ctx {
     /// the reaper costs about two paginated listings per scope and `reap_interval`, not one per pool. Held
     /// across the call (single flight): pools due at the same moment wait for one listing.
     listings: tokio::sync::Mutex<HashMap<ListingKey, (Instant, Runners)>>,
+    /// GitHub's newest runner version per GitHub instance (API base URL), shared by every pool:
+    /// one downloads call per `versions_refresh` (single flight, like the listings).
+    versions: tokio::sync::Mutex<HashMap<String, (Instant, Option<RunnerVersion>)>>,
 }
 
 /// One listing of a scope's runners, shared between pools.
@@ -144,6 +157,7 @@ pub async fn run_runnerpool_controller(
         memory: Mutex::new(HashMap::new()),
         sweep_now: tokio::sync::Notify::new(),
         listings: tokio::sync::Mutex::new(HashMap::new()),
+        versions: tokio::sync::Mutex::new(HashMap::new()),
         config,
     });
     // Deliveries are answered 503 until every pool's secret is known (a new leader's first moments).
@@ -432,6 +446,41 @@ impl Ctx {
         Some((runners, held))
     }
 
+    /// GitHub's newest runner version (Linux x64), read through the pool's App at most once per
+    /// `versions_refresh` per GitHub instance; a failed read keeps the last version known and is
+    /// retried after a tenth of the interval.
+    async fn newest_runner(&self, app: &GithubApp, scope: &RunnerScope) -> Option<RunnerVersion> {
+        let key = app.inner.config.api_base_url.clone();
+        let refresh = self.config.timing.versions_refresh;
+        let mut cache = self.versions.lock().await;
+        if let Some((at, latest)) = cache.get(&key)
+            && at.elapsed() < refresh
+        {
+            return *latest;
+        }
+        let previous = cache.get(&key).and_then(|(_, v)| *v);
+        let (at, latest) = match app.runner_downloads(scope).await {
+            Ok(d) => {
+                let latest =
+                    crate::github::newest_linux_x64(&d).and_then(|v| RunnerVersion::parse(&v));
+                if latest.is_none() {
+                    warn!(%scope, "GitHub's runner downloads list no linux x64 release");
+                }
+                (Instant::now(), latest.or(previous))
+            }
+            Err(e) => {
+                warn!(%scope, error = %e, "reading GitHub's supported runner versions failed");
+                let retry_in = refresh / 10;
+                let at = Instant::now()
+                    .checked_sub(refresh.saturating_sub(retry_in))
+                    .unwrap_or_else(Instant::now);
+                (at, previous)
+            }
+        };
+        cache.insert(key, (at, latest));
+        latest
+    }
+
     /// Reads every pool's routing (labels, scope, webhook secret) and the global webhook secret, then
     /// lets the receiver judge deliveries; retried until the reads succeed.
     async fn load_routes(&self, pools: &Api<ImpVMRunnerPool>) {
@@ -496,6 +545,50 @@ impl Ctx {
         }
     }
 
+    /// VMs of the pool's class its nodes can host ([`crate::scaleset::decide::node_slots`]), from
+    /// the Nodes and the ImpVMClass, recomputed at most every [`NODE_SLOTS_EVERY`]; None when
+    /// unknown (no class, no Imp node, a failed read).
+    async fn node_slots(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Option<u32> {
+        if let Some((at, slots)) = self.memory(key, |m| m.node_slots)
+            && at.elapsed() < NODE_SLOTS_EVERY
+        {
+            return slots;
+        }
+        let t = &pool.spec.template.spec;
+        let classes: Api<imp_api::ImpVMClass> = Api::all(self.client.clone());
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client.clone());
+        let lp = ListParams::default().labels(&format!("{}=true", names::LABEL_NODE_ENABLED));
+        let slots = match (
+            classes.get_opt(&t.class_ref.name).await,
+            nodes.list(&lp).await,
+        ) {
+            (Ok(Some(class)), Ok(nodes)) => {
+                let req = crate::scheduler::VmRequest {
+                    vcpu: class.spec.vcpu,
+                    memory_mib: u64::from(class.spec.memory_mib),
+                    disk_mib: u64::from(class.spec.disk_gib()) * 1024,
+                    node_selector: t.node_selector.clone().unwrap_or_default(),
+                    tolerations: t.tolerations.clone().unwrap_or_default(),
+                };
+                let infos: Vec<_> = nodes
+                    .items
+                    .iter()
+                    .map(|n| {
+                        crate::scheduler::NodeInfo::from_node(n, crate::scheduler::Heartbeat::Fresh)
+                    })
+                    .collect();
+                crate::scaleset::decide::node_slots(&infos, &req)
+            }
+            (Ok(None), _) => None,
+            (Err(e), _) | (_, Err(e)) => {
+                debug!(pool = %key, error = %e, "reading nodes or class for the scale set's capacity failed");
+                None
+            }
+        };
+        self.memory(key, |m| m.node_slots = Some((Instant::now(), slots)));
+        slots
+    }
+
     /// Hands a pool with `spec.github.scaleSet` (and a usable App) to the scale-set intake.
     fn want_scale_set(
         &self,
@@ -503,6 +596,7 @@ impl Ctx {
         key: &PoolKey,
         app: &std::result::Result<GithubApp, Creds>,
         scope: &Option<RunnerScope>,
+        node_slots: Option<u32>,
     ) {
         let (Some(set), Ok(app), Some(scope), Some(owner)) = (
             &pool.spec.github.scale_set,
@@ -520,6 +614,7 @@ impl Ctx {
             scale_set: set.clone(),
             labels: crate::scaleset::route_labels(&pool.spec.github),
             max_runners: pool.spec.scaling.max_runners,
+            node_slots,
             owner,
         });
     }
@@ -530,7 +625,11 @@ impl Ctx {
         let app = self.app(pool, key).await;
         let scope = scope_of(pool);
         self.remember_app(key, &app, &scope);
-        self.want_scale_set(pool, key, &app, &scope);
+        let node_slots = match pool.spec.github.scale_set {
+            Some(_) => self.node_slots(pool, key).await,
+            None => None,
+        };
+        self.want_scale_set(pool, key, &app, &scope, node_slots);
         if let Some(scope) = scope.clone() {
             let route = PoolRoute {
                 labels: crate::scaleset::route_labels(&pool.spec.github),
@@ -556,7 +655,7 @@ impl Ctx {
             })
             .collect();
         self.credit_pickups(key, started_runners, now, wall);
-        self.note_start_failures(pool, key, &vms).await;
+        let refused = self.note_start_failures(pool, key, &vms).await;
         let served: Vec<ServedFacts> = {
             let d = self.shared.demand();
             vms.iter()
@@ -572,6 +671,24 @@ impl Ctx {
                 })
                 .collect()
         };
+
+        // Runner freshness: the pool's runner version against GitHub's newest, and what this
+        // pass's refused runners (exit code 7) mean.
+        let newest = match (&app, &scope) {
+            (Ok(app), Some(scope)) => self.newest_runner(app, scope).await,
+            _ => None,
+        };
+        // A runner of the pool took a job (busy now, or exited 0 after one): GitHub accepts it.
+        let any_busy = facts.iter().any(|f| f.vm.state == RunnerState::Busy)
+            || vms.iter().any(|vm| {
+                vm.status
+                    .as_ref()
+                    .and_then(|s| s.runner.as_ref())
+                    .is_some_and(|r| r.exit_code == Some(0))
+            });
+        let freshness = self
+            .freshness(pool, key, newest, &refused, any_busy, wall)
+            .await;
 
         let deadlines = self.deadlines();
         let live_ids: HashSet<u64> = facts.iter().filter_map(|f| f.vm.runner_id).collect();
@@ -596,6 +713,8 @@ impl Ctx {
         });
         let mint_block = if scope.is_none() {
             Some(MintBlock::CredentialsInvalid)
+        } else if mint_block != Some(MintBlock::CredentialsInvalid) && freshness.minting_stopped {
+            Some(MintBlock::RunnerVersionDeprecated)
         } else {
             mint_block
         };
@@ -646,8 +765,21 @@ impl Ctx {
         {
             self.event(pool, true, reason, message.clone()).await;
         }
-        self.write_status(pool, key, &pp, done, &creds_now, mint_failed)
-            .await?;
+        let old = pool.status.clone().unwrap_or_default();
+        let sweep = self.memory(key, |m| m.sweep.clone());
+        let status = pool_status(&StatusInput {
+            old: &old,
+            plan: &pp.plan,
+            done,
+            creds: &creds_now,
+            mint_failed,
+            generation: pool.metadata.generation,
+            max_runners: pool.spec.scaling.max_runners,
+            sweep: &sweep,
+            now: Timestamp::now(),
+            freshness: &freshness,
+        });
+        self.write_status(key, &old, status).await?;
         let (backoffs, last_listing) = self.memory(key, |m| {
             (
                 [m.mint_backoff.until(), m.start_backoff.until()],
@@ -1207,17 +1339,29 @@ impl Ctx {
     }
 
     /// Counts VMs that failed before their runner started ([`account_start_failures`]), with an Event
-    /// naming the VM and its reason.
-    async fn note_start_failures(&self, pool: &ImpVMRunnerPool, key: &PoolKey, vms: &[ImpVM]) {
+    /// naming the VM and its reason. A runner GitHub refused (exit code 7) never took a job either:
+    /// it counts the same way (so even an outage at GitHub cannot cause a retry storm), and is
+    /// returned, once, for the freshness verdict instead of getting a VmStartFailed Event.
+    async fn note_start_failures(
+        &self,
+        pool: &ImpVMRunnerPool,
+        key: &PoolKey,
+        vms: &[ImpVM],
+    ) -> Vec<RefusedExit> {
         let timing = &self.config.timing;
         let facts: Vec<StartFacts> = vms
             .iter()
             .filter_map(|vm| {
+                let refused = refused_by_github(vm);
                 Some(StartFacts {
                     uid: vm.uid()?,
                     name: vm.name_any(),
-                    failure: start_failure(vm),
-                    runner_started: runner_started(vm),
+                    failure: if refused {
+                        Some(reason::RUNNER_VERSION_DEPRECATED.to_owned())
+                    } else {
+                        start_failure(vm)
+                    },
+                    runner_started: runner_started(vm) && !refused,
                 })
             })
             .collect();
@@ -1231,8 +1375,24 @@ impl Ctx {
                 timing.start_backoff_max,
             )
         });
+        let mut refused = Vec::new();
         for f in fresh {
             let (vm, reason, wait, n) = (f.vm, f.reason, f.wait, f.consecutive);
+            if let Some(v) = vms
+                .iter()
+                .find(|v| v.name_any() == vm)
+                .filter(|v| refused_by_github(v))
+            {
+                info!(pool = %key, vm, backoff = ?wait, "GitHub refused the runner's version (exit code 7)");
+                // Of the pool's current runner layer: the same template and runner version.
+                let same_version = v.annotations().get(names::ANNOTATION_RUNNER_VERSION)
+                    == pool.spec.github.runner_version.as_ref();
+                refused.push(RefusedExit {
+                    vm,
+                    current_template: same_version && from_template(pool, v),
+                });
+                continue;
+            }
             warn!(pool = %key, vm, reason, consecutive = n, backoff = ?wait, "runner VM failed before its runner started; delaying the next VM");
             self.shared
                 .metrics
@@ -1248,6 +1408,61 @@ impl Ctx {
                 format!("Runner VM {vm} failed before its runner started ({reason}; {n} in a row); the next VM is created in {wait:?}"),
             )
             .await;
+        }
+        refused
+    }
+
+    /// The freshness verdict of a pass ([`freshness`]): judges the pool's runner version, records
+    /// a deprecated refusal (Event, counter) and remembers an outage.
+    async fn freshness(
+        &self,
+        pool: &ImpVMRunnerPool,
+        key: &PoolKey,
+        newest: Option<RunnerVersion>,
+        refused: &[RefusedExit],
+        any_busy: bool,
+        now: Timestamp,
+    ) -> Freshness {
+        let generation = pool.metadata.generation;
+        let old = pool.status.as_ref().and_then(|s| s.runner_version.as_ref());
+        let spec_version = pool.spec.github.runner_version.as_deref();
+        let (mut status, verdict) = freshness::judge(spec_version, newest, old, now);
+        let known = status.latest.as_deref().and_then(RunnerVersion::parse);
+        let version = spec_version.and_then(RunnerVersion::parse);
+        let refusal = freshness::refusal(refused, version, known);
+        let label = key.to_string();
+        if freshness::record_refusal(&mut status, refusal.as_ref(), generation, now) {
+            self.shared.metrics.version_refused(&label, "deprecated");
+            let (_, _, message) = freshness::degraded(&status, generation, None);
+            warn!(pool = %key, "{message}");
+            self.event(pool, true, reason::RUNNER_VERSION_DEPRECATED, message)
+                .await;
+        }
+        let outage = self.memory(key, |m| {
+            if any_busy {
+                m.outage = None;
+            }
+            if let Some(o @ Refusal::Outage { .. }) = &refusal {
+                m.outage = Some(o.clone());
+            }
+            m.outage.clone()
+        });
+        if let Some(Refusal::Outage { vm }) = &refusal {
+            self.shared.metrics.version_refused(&label, "outage");
+            let (_, _, message) = freshness::degraded(&status, generation, outage.as_ref());
+            warn!(pool = %key, vm, "{message}");
+            self.event(pool, true, reason::RUNNER_REFUSED_CURRENT_VERSION, message)
+                .await;
+        }
+        let stopped = freshness::minting_stopped(&status, generation);
+        self.shared
+            .metrics
+            .set_freshness(&label, verdict.days_left(), stopped);
+        Freshness {
+            supported: verdict.condition(version, known),
+            degraded: freshness::degraded(&status, generation, outage.as_ref()),
+            minting_stopped: stopped,
+            status,
         }
     }
 
@@ -1292,28 +1507,13 @@ impl Ctx {
         .await;
     }
 
+    /// Exports the pool's counts and writes its status when it changed.
     async fn write_status(
         &self,
-        pool: &ImpVMRunnerPool,
         key: &PoolKey,
-        pp: &PoolPlan,
-        done: Done,
-        creds: &Creds,
-        mint_failed: bool,
+        old: &imp_api::ImpVMRunnerPoolStatus,
+        status: imp_api::ImpVMRunnerPoolStatus,
     ) -> Result<()> {
-        let old = pool.status.clone().unwrap_or_default();
-        let sweep = self.memory(key, |m| m.sweep.clone());
-        let status = pool_status(&StatusInput {
-            old: &old,
-            plan: &pp.plan,
-            done,
-            creds,
-            mint_failed,
-            generation: pool.metadata.generation,
-            max_runners: pool.spec.scaling.max_runners,
-            sweep: &sweep,
-            now: Timestamp::now(),
-        });
         let m = &self.shared.metrics;
         let label = key.to_string();
         for (state, v) in [
@@ -1325,7 +1525,7 @@ impl Ctx {
         ] {
             m.set_pool(&label, state, v);
         }
-        if status == old {
+        if status == *old {
             return Ok(());
         }
         let patch = json!({"status": status});
@@ -1566,6 +1766,19 @@ fn scope_of(pool: &ImpVMRunnerPool) -> Option<RunnerScope> {
 }
 
 /// Whether `vm`'s spec is what [`runner_vm`] makes of `pool` (scheduling and the mint's own field aside).
+/// The VM's runner exited with [`freshness::EXIT_DEPRECATED`]: GitHub refused its version (the
+/// runner layer maps the deprecation message to that code too). The node agent records the code in
+/// `status.runner.exitCode` with handoff Exited.
+fn refused_by_github(vm: &ImpVM) -> bool {
+    vm.status
+        .as_ref()
+        .and_then(|s| s.runner.as_ref())
+        .is_some_and(|r| {
+            r.handoff == Some(imp_api::HandoffState::Exited)
+                && r.exit_code == Some(freshness::EXIT_DEPRECATED)
+        })
+}
+
 fn from_template(pool: &ImpVMRunnerPool, vm: &ImpVM) -> bool {
     let mut have = vm.spec.clone();
     have.node_name = None;
@@ -1605,11 +1818,15 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
             runner_user: s.runner_user.clone(),
         },
     );
+    let mut annotations = meta.annotations;
+    if let Some(v) = &pool.spec.github.runner_version {
+        annotations.insert(names::ANNOTATION_RUNNER_VERSION.to_owned(), v.clone());
+    }
     vm.metadata = ObjectMeta {
         generate_name: Some(format!("{name}-")),
         namespace: pool.namespace(),
         labels: Some(labels),
-        annotations: (!meta.annotations.is_empty()).then_some(meta.annotations),
+        annotations: (!annotations.is_empty()).then_some(annotations),
         owner_references: Some(vec![owner]),
         ..ObjectMeta::default()
     };

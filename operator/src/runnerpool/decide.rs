@@ -150,6 +150,8 @@ pub struct StatusInput<'a> {
     pub max_runners: u32,
     pub sweep: &'a Sweep,
     pub now: Timestamp,
+    /// The runner version's verdict ([`super::freshness`]).
+    pub freshness: &'a super::freshness::Freshness,
 }
 
 /// The pool's status after a pass: counts from the plan's observation adjusted by what the pass did,
@@ -247,7 +249,21 @@ pub fn pool_status(i: &StatusInput) -> ImpVMRunnerPoolStatus {
             )
         }
     }
+    let f = i.freshness;
+    cond(
+        condition::RUNNER_VERSION_SUPPORTED,
+        f.supported.0,
+        f.supported.1,
+        f.supported.2.clone(),
+    );
+    cond(
+        condition::DEGRADED,
+        Some(f.degraded.0),
+        f.degraded.1,
+        f.degraded.2.clone(),
+    );
     ImpVMRunnerPoolStatus {
+        runner_version: Some(f.status.clone()),
         observed_generation: i.generation,
         desired: p.desired,
         idle: c.idle.saturating_sub(retired),
@@ -775,7 +791,58 @@ mod tests {
             max_runners: 4,
             sweep: &Sweep::Unknown,
             now: t(0),
+            freshness: &Default::default(),
         })
+    }
+
+    #[test]
+    fn freshness_becomes_the_runner_version_and_degraded_conditions() {
+        use super::super::freshness::Freshness;
+        let f = Freshness {
+            status: imp_api::RunnerVersionStatus {
+                version: Some("2.329.0".into()),
+                latest: Some("2.330.0".into()),
+                refused_generation: Some(1),
+                ..Default::default()
+            },
+            supported: (
+                Some(false),
+                reason::RUNNER_VERSION_DEPRECATED,
+                "superseded".into(),
+            ),
+            degraded: (true, reason::RUNNER_VERSION_DEPRECATED, "refused".into()),
+            minting_stopped: true,
+        };
+        let st = pool_status(&StatusInput {
+            old: &ImpVMRunnerPoolStatus::default(),
+            plan: &Plan::default(),
+            done: Done::default(),
+            creds: &Creds::Unknown,
+            mint_failed: false,
+            generation: Some(1),
+            max_runners: 4,
+            sweep: &Sweep::Unknown,
+            now: t(0),
+            freshness: &f,
+        });
+        let c = cond(&st, condition::RUNNER_VERSION_SUPPORTED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", reason::RUNNER_VERSION_DEPRECATED)
+        );
+        let d = cond(&st, condition::DEGRADED);
+        assert_eq!(
+            (d.status.as_str(), d.reason.as_str(), d.message.as_str()),
+            ("True", reason::RUNNER_VERSION_DEPRECATED, "refused")
+        );
+        assert_eq!(st.runner_version.as_ref(), Some(&f.status));
+        // Unknown freshness (no version set) is an Unknown condition, not a False one.
+        let st = status_of(&Plan::default(), Done::default(), &Creds::Unknown, false);
+        assert_eq!(
+            cond(&st, condition::RUNNER_VERSION_SUPPORTED).status,
+            "Unknown"
+        );
+        assert_eq!(cond(&st, condition::DEGRADED).status, "False");
     }
 
     #[test]
@@ -803,6 +870,7 @@ mod tests {
                 max_runners: 4,
                 sweep,
                 now: t(0),
+                freshness: &Default::default(),
             })
         };
         let none = status(&ImpVMRunnerPoolStatus::default(), &Sweep::Unknown);

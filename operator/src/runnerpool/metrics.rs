@@ -62,6 +62,27 @@ pub struct PoolMetrics {
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     /// `imp_runner_demand_jobs_evicted_total`, `imp_runner_demand_jobs` (issue 16b).
     pub demand: super::demand::DemandMetrics,
+    /// `imp_runner_version_days_left{pool}`: days of GitHub's 30 left to the pool's superseded
+    /// runner version (0 when deprecated; absent while current or unknown).
+    pub version_days_left: Family<PoolLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// `imp_runner_version_refusals_total{pool,verdict}`: runners GitHub refused (exit code 7),
+    /// `deprecated` or `outage`.
+    pub version_refusals: Family<RefusalLabels, Counter>,
+    /// `imp_runner_pool_minting_stopped{pool}`: 1 while a deprecated refusal stops the pool's minting.
+    pub minting_stopped: Family<PoolLabels, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// `namespace/name`.
+    pub pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub pool: String,
+    /// `deprecated` or `outage`.
+    pub verdict: String,
 }
 
 impl Default for PoolMetrics {
@@ -93,6 +114,9 @@ impl Default for PoolMetrics {
             }),
             reconcile_errors: Family::default(),
             demand: Default::default(),
+            version_days_left: Family::default(),
+            version_refusals: Family::default(),
+            minting_stopped: Family::default(),
         }
     }
 }
@@ -219,7 +243,49 @@ impl PoolMetrics {
             "GitHub runner deregistrations by result",
             self.deregistrations.clone(),
         );
+        registry.register(
+            "imp_runner_version_days_left",
+            "Days left before GitHub stops giving jobs to the pool's superseded runner version (0: deprecated)",
+            self.version_days_left.clone(),
+        );
+        registry.register(
+            "imp_runner_version_refusals",
+            "Runners of the pool GitHub refused as deprecated (exit code 7), by verdict (deprecated, outage)",
+            self.version_refusals.clone(),
+        );
+        registry.register(
+            "imp_runner_pool_minting_stopped",
+            "1 while the pool mints no runner because GitHub refused its runner version as deprecated",
+            self.minting_stopped.clone(),
+        );
         self.demand.register(registry);
+    }
+
+    /// The freshness gauges of a pool: days left (None: removed) and whether minting is stopped.
+    pub fn set_freshness(&self, pool: &str, days_left: Option<f64>, stopped: bool) {
+        let key = PoolLabels {
+            pool: pool.to_owned(),
+        };
+        match days_left {
+            Some(d) => {
+                self.version_days_left.get_or_create(&key).set(d);
+            }
+            None => {
+                self.version_days_left.remove(&key);
+            }
+        }
+        self.minting_stopped
+            .get_or_create(&key)
+            .set(i64::from(stopped));
+    }
+
+    pub fn version_refused(&self, pool: &str, verdict: &str) {
+        self.version_refusals
+            .get_or_create(&RefusalLabels {
+                pool: pool.to_owned(),
+                verdict: verdict.to_owned(),
+            })
+            .inc();
     }
 
     pub fn delivery(&self, result: &str) {
@@ -248,6 +314,17 @@ impl PoolMetrics {
     }
 
     pub fn remove_pool(&self, pool: &str) {
+        let key = PoolLabels {
+            pool: pool.to_owned(),
+        };
+        self.version_days_left.remove(&key);
+        self.minting_stopped.remove(&key);
+        for verdict in ["deprecated", "outage"] {
+            self.version_refusals.remove(&RefusalLabels {
+                pool: pool.to_owned(),
+                verdict: verdict.to_owned(),
+            });
+        }
         for state in STATES {
             self.runners.remove(&PoolStateLabels {
                 pool: pool.to_owned(),
@@ -286,6 +363,8 @@ mod tests {
         m.vm_phase("booting", std::time::Duration::from_secs(3));
         m.job_phase("pickup", std::time::Duration::from_secs(1));
         m.job_wait.observe(4.0);
+        m.set_freshness("ns/p", Some(6.5), true);
+        m.version_refused("ns/p", "deprecated");
         let text = crate::metrics::encode(&registry).unwrap();
         for want in [
             "imp_runner_pool_runners{pool=\"ns/p\",state=\"idle\"} 3",
@@ -300,6 +379,9 @@ mod tests {
             "imp_runner_vm_phase_seconds_count{phase=\"booting\"} 1",
             "imp_runner_job_phase_seconds_count{phase=\"pickup\"} 1",
             "imp_runner_job_wait_seconds_count 1",
+            "imp_runner_version_days_left{pool=\"ns/p\"} 6.5",
+            "imp_runner_pool_minting_stopped{pool=\"ns/p\"} 1",
+            "imp_runner_version_refusals_total{pool=\"ns/p\",verdict=\"deprecated\"} 1",
         ] {
             assert!(text.contains(want), "{want} missing:\n{text}");
         }

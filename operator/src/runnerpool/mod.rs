@@ -12,6 +12,7 @@ pub mod config;
 pub mod controller;
 pub mod decide;
 pub mod demand;
+pub mod freshness;
 pub mod labels;
 pub mod metrics;
 pub mod plan;

@@ -27,6 +27,9 @@ pub enum MintBlock {
     /// The pool's VMs keep failing before their runner starts (bad image, kernel, node): wait
     /// before creating the next one instead of minting a JIT config per doomed VM.
     StartFailing,
+    /// GitHub refused a runner of the pool's current generation as deprecated: no runner of that
+    /// version can take a job, so none is minted until the pool changes (no retry storm).
+    RunnerVersionDeprecated,
 }
 
 /// Consecutive failures of one kind and the wait they impose: each failure restarts the wait,
@@ -120,6 +123,7 @@ pub enum Limit {
     CredentialsInvalid,
     MintBackoff,
     StartBackoff,
+    RunnerVersionDeprecated,
 }
 
 impl Limit {
@@ -130,6 +134,7 @@ impl Limit {
             Limit::CredentialsInvalid => reason::CREDENTIALS_INVALID,
             Limit::MintBackoff => reason::MINT_BACKOFF,
             Limit::StartBackoff => reason::VM_START_FAILING,
+            Limit::RunnerVersionDeprecated => reason::RUNNER_VERSION_DEPRECATED,
         }
     }
 }
@@ -220,12 +225,16 @@ pub fn plan(o: &Observed) -> Plan {
             }
             return p;
         }
-        Some(block @ (MintBlock::Backoff | MintBlock::StartFailing)) => {
+        Some(
+            block @ (MintBlock::Backoff
+            | MintBlock::StartFailing
+            | MintBlock::RunnerVersionDeprecated),
+        ) => {
             if p.desired > live || !unminted.is_empty() {
-                p.limited = Some(if block == MintBlock::Backoff {
-                    Limit::MintBackoff
-                } else {
-                    Limit::StartBackoff
+                p.limited = Some(match block {
+                    MintBlock::Backoff => Limit::MintBackoff,
+                    MintBlock::StartFailing => Limit::StartBackoff,
+                    _ => Limit::RunnerVersionDeprecated,
                 });
             }
             return p;
@@ -389,6 +398,10 @@ mod tests {
         for (block, limit) in [
             (MintBlock::Backoff, Limit::MintBackoff),
             (MintBlock::StartFailing, Limit::StartBackoff),
+            (
+                MintBlock::RunnerVersionDeprecated,
+                Limit::RunnerVersionDeprecated,
+            ),
             (MintBlock::CredentialsInvalid, Limit::CredentialsInvalid),
         ] {
             let p = plan(&Observed {

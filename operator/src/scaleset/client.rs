@@ -608,6 +608,38 @@ impl ScaleSetClient {
         })
     }
 
+    /// Refreshes the session after a 401 on the queue (`PATCH .../sessions/{id}`): the same
+    /// session with a new queue token. [`ScaleSetError::NotFound`] when it is gone (open a new one);
+    /// [`ScaleSetError::Unauthorized`] when the admin token is refused too (reconnect first).
+    pub async fn refresh_session(
+        &self,
+        conn: &AdminConnection,
+        set_id: u64,
+        session: &Session,
+    ) -> Result<Session, ScaleSetError> {
+        let path = format!(
+            "_apis/runtime/runnerscalesets/{set_id}/sessions/{}",
+            session.id
+        );
+        let (status, body) = self
+            .admin_call(conn, Call::RefreshSession, Method::PATCH, &path, None)
+            .await?;
+        if !status.is_success() {
+            return Err(classify(Call::RefreshSession, status, &body));
+        }
+        let s: SessionAnswer = decode(Call::RefreshSession, &body)?;
+        Ok(Session {
+            id: s.session_id,
+            owner: if s.owner_name.is_empty() {
+                session.owner.clone()
+            } else {
+                s.owner_name
+            },
+            queue_url: s.message_queue_url,
+            queue_token: SecretString::from(s.message_queue_access_token),
+        })
+    }
+
     pub async fn delete_session(
         &self,
         conn: &AdminConnection,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use k8s_openapi::jiff::Timestamp;
 
 use super::client::{JobMessage, Message};
-use super::error::ScaleSetError;
+use super::error::{Call, ScaleSetError};
 use super::ledger::{Ledger, LedgerEntry, LedgerState};
 use crate::runnerpool::demand::{JobState, JobUpdate};
 use crate::runnerpool::labels::pool_serves;
@@ -161,6 +161,9 @@ pub struct Recovery {
     pub reconnect: bool,
     /// Open a new session (the old one is gone or never opened).
     pub new_session: bool,
+    /// Refresh the session (`PATCH`: a new queue token) before going on: the queue refused its
+    /// token (401). Opening a new one instead would meet the old one's 409 until it expires.
+    pub refresh_session: bool,
     /// The pool condition reason while this lasts.
     pub reason: &'static str,
 }
@@ -174,42 +177,60 @@ pub fn recovery(err: &ScaleSetError, attempt: u32) -> Recovery {
             wait: exp(5),
             reconnect: false,
             new_session: true,
+            refresh_session: false,
             reason: REASON_SESSION_CONFLICT,
         },
+        // The queue token expired: refresh the session at once (a second 401 in a row waits).
+        ScaleSetError::Unauthorized {
+            call: Call::GetMessage | Call::DeleteMessage | Call::AcquireJobs,
+        } => Recovery {
+            wait: if attempt == 0 { Duration::ZERO } else { exp(1) },
+            reconnect: false,
+            new_session: false,
+            refresh_session: true,
+            reason: REASON_UNAUTHORIZED,
+        },
+        // The admin token was refused: a new one; the session (if any) is kept.
         ScaleSetError::Unauthorized { .. } => Recovery {
             wait: exp(1),
             reconnect: true,
-            new_session: true,
+            new_session: false,
+            refresh_session: false,
             reason: REASON_UNAUTHORIZED,
         },
         ScaleSetError::RunnerVersionDeprecated { .. } => Recovery {
             wait: Duration::from_secs(300),
             reconnect: true,
             new_session: true,
+            refresh_session: false,
             reason: REASON_RUNNER_VERSION_DEPRECATED,
         },
         ScaleSetError::NotFound { .. } => Recovery {
             wait: exp(2),
             reconnect: true,
             new_session: true,
+            refresh_session: false,
             reason: REASON_NOT_FOUND,
         },
         ScaleSetError::Github(_) | ScaleSetError::InvalidRequest(_) => Recovery {
             wait: exp(5),
             reconnect: true,
             new_session: true,
+            refresh_session: false,
             reason: REASON_GITHUB_ERROR,
         },
         ScaleSetError::Ledger(_) => Recovery {
             wait: exp(1),
             reconnect: false,
             new_session: false,
+            refresh_session: false,
             reason: REASON_LEDGER,
         },
         _ => Recovery {
             wait: exp(1),
             reconnect: false,
             new_session: false,
+            refresh_session: false,
             reason: REASON_GITHUB_ERROR,
         },
     }
@@ -223,15 +244,68 @@ pub const REASON_GITHUB_ERROR: &str = "GitHubError";
 pub const REASON_LEDGER: &str = "LedgerWriteFailed";
 pub const REASON_LISTENING: &str = "Listening";
 
-/// What GitHub may assign at most (`X-ScaleSetMaxCapacity`): the pool's room under `maxRunners`
-/// and what the nodes can still host (`node_room`: free VM slots of the pool's class, when known),
-/// on top of the jobs already open (they hold a runner or will).
-pub fn max_capacity(max_runners: u32, open_jobs: u32, node_room: Option<u32>) -> u32 {
-    let by_pool = max_runners;
-    match node_room {
-        Some(room) => by_pool.min(open_jobs.saturating_add(room)),
-        None => by_pool,
+/// Beyond the poll window, how long a session may hear nothing before it counts as deaf.
+pub const DEAF_GRACE: Duration = Duration::from_secs(15);
+
+/// How long a session has been deaf, if it is: nothing heard (`last_heard`, the last answered
+/// poll, else the intake's start) for longer than `bound`.
+pub fn deaf_for(
+    last_heard: Option<std::time::Instant>,
+    started: std::time::Instant,
+    now: std::time::Instant,
+    bound: Duration,
+) -> Option<Duration> {
+    let silent = now.saturating_duration_since(last_heard.unwrap_or(started).max(started));
+    (silent > bound).then_some(silent)
+}
+
+/// What GitHub may assign at most (`X-ScaleSetMaxCapacity`): `maxRunners`, lowered to the VMs of
+/// the pool's class the nodes can host (`node_slots`, [`node_slots`]) when that is known.
+pub fn max_capacity(max_runners: u32, node_slots: Option<u32>) -> u32 {
+    node_slots.map_or(max_runners, |slots| max_runners.min(slots))
+}
+
+/// How many VMs of `req` (the pool's class, node selector and tolerations) the nodes can host,
+/// from their published capacity (`imp.dev/capacity-*` annotations, else allocatable): per
+/// eligible node (labelled `imp/enabled=true`, Ready, schedulable, matching the selector, every
+/// NoSchedule/NoExecute taint tolerated) the VMs that fit its CPU, memory and disk, summed. None
+/// when no node is Imp-enabled at all: nothing is published to judge by.
+pub fn node_slots(
+    nodes: &[crate::scheduler::NodeInfo],
+    req: &crate::scheduler::VmRequest,
+) -> Option<u32> {
+    use imp_api::names::LABEL_NODE_ENABLED;
+    let enabled: Vec<_> = nodes
+        .iter()
+        .filter(|n| n.labels.get(LABEL_NODE_ENABLED).map(String::as_str) == Some("true"))
+        .collect();
+    if enabled.is_empty() {
+        return None;
     }
+    let per = |have: u64, need: u64| have.checked_div(need).unwrap_or(u64::MAX);
+    let total: u64 = enabled
+        .iter()
+        .filter(|n| n.ready && !n.unschedulable)
+        .filter(|n| {
+            req.node_selector
+                .iter()
+                .all(|(k, v)| n.labels.get(k) == Some(v))
+        })
+        .filter(|n| {
+            n.taints
+                .iter()
+                .filter(|t| t.effect == "NoSchedule" || t.effect == "NoExecute")
+                .all(|t| req.tolerations.iter().any(|tol| imp_api::tolerates(tol, t)))
+        })
+        .filter_map(|n| n.capacity)
+        .map(|c| {
+            let cpu = per(c.millicpu, u64::from(req.vcpu) * 1000);
+            let mem = per(c.memory_mib, req.memory_mib);
+            let disk = c.disk_mib.map_or(u64::MAX, |d| per(d, req.disk_mib));
+            cpu.min(mem).min(disk)
+        })
+        .fold(0u64, |a, b| a.saturating_add(b));
+    Some(u32::try_from(total).unwrap_or(u32::MAX))
 }
 
 /// The pool demand the ledger stands for, as job updates keyed by the workflow job id (the sweep
@@ -409,19 +483,118 @@ mod tests {
         let waits: Vec<u64> = (0..8).map(|a| recovery(&c, a).wait.as_secs()).collect();
         assert_eq!(waits, [5, 10, 20, 40, 60, 60, 60, 60]);
         assert!(recovery(&c, 0).new_session && !recovery(&c, 0).reconnect);
+        // A 401 on the queue refreshes the session in place (no new session: it would conflict
+        // with the old one), at once the first time.
         let u = ScaleSetError::Unauthorized {
-            call: crate::scaleset::Call::GetMessage,
+            call: Call::GetMessage,
         };
-        assert!(recovery(&u, 0).reconnect);
-        assert_eq!(recovery(&u, 0).reason, REASON_UNAUTHORIZED);
+        let r = recovery(&u, 0);
+        assert!(r.refresh_session && !r.new_session && !r.reconnect, "{r:?}");
+        assert_eq!((r.wait, r.reason), (Duration::ZERO, REASON_UNAUTHORIZED));
+        assert_eq!(recovery(&u, 1).wait, Duration::from_secs(2));
+        // A 401 on an admin call: a new admin token, the session kept.
+        let a = recovery(
+            &ScaleSetError::Unauthorized {
+                call: Call::CreateSession,
+            },
+            0,
+        );
+        assert!(a.reconnect && !a.new_session && !a.refresh_session, "{a:?}");
+    }
+
+    #[test]
+    fn a_session_is_deaf_once_it_heard_nothing_for_longer_than_the_bound() {
+        use std::time::Instant;
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let bound = Duration::from_secs(65);
+        assert_eq!(deaf_for(None, t0, at(65), bound), None, "not yet");
+        assert_eq!(
+            deaf_for(None, t0, at(66), bound),
+            Some(Duration::from_secs(66)),
+            "never heard since the start"
+        );
+        assert_eq!(deaf_for(Some(at(100)), t0, at(160), bound), None);
+        assert_eq!(
+            deaf_for(Some(at(100)), t0, at(170), bound),
+            Some(Duration::from_secs(70))
+        );
+        // A poll answered again: heard.
+        assert_eq!(deaf_for(Some(at(169)), t0, at(170), bound), None);
     }
 
     #[test]
     fn capacity_is_bounded_by_the_pool_and_by_the_nodes() {
-        assert_eq!(max_capacity(10, 2, None), 10);
-        assert_eq!(max_capacity(10, 2, Some(3)), 5);
-        assert_eq!(max_capacity(4, 2, Some(30)), 4);
-        assert_eq!(max_capacity(4, 0, Some(0)), 0);
+        assert_eq!(max_capacity(10, None), 10);
+        assert_eq!(max_capacity(10, Some(3)), 3);
+        assert_eq!(max_capacity(4, Some(30)), 4);
+        assert_eq!(max_capacity(4, Some(0)), 0);
+    }
+
+    fn node(name: &str, cpu: u64, mem: u64, disk: Option<u64>) -> crate::scheduler::NodeInfo {
+        crate::scheduler::NodeInfo {
+            name: name.into(),
+            labels: [("imp/enabled".to_string(), "true".to_string())].into(),
+            ready: true,
+            unschedulable: false,
+            pressures: vec![],
+            taints: vec![],
+            heartbeat: crate::scheduler::Heartbeat::Fresh,
+            capacity: Some(crate::scheduler::Capacity {
+                millicpu: cpu * 1000,
+                memory_mib: mem,
+                disk_mib: disk,
+            }),
+        }
+    }
+
+    #[test]
+    fn node_slots_sum_what_each_eligible_node_can_host_of_the_class() {
+        use k8s_openapi::api::core::v1::{Taint, Toleration};
+        let req = crate::scheduler::VmRequest {
+            vcpu: 2,
+            memory_mib: 2048,
+            disk_mib: 4096,
+            ..Default::default()
+        };
+        // 8 CPU / 8 GiB: 4 by CPU, 4 by memory; 16 CPU / 6 GiB: 3 by memory; disk 8 GiB: 2.
+        let mut nodes = vec![
+            node("a", 8, 8192, None),
+            node("b", 16, 6144, None),
+            node("c", 16, 16384, Some(8192)),
+        ];
+        assert_eq!(node_slots(&nodes, &req), Some(4 + 3 + 2));
+        // Not Ready, cordoned, other selector, untolerated taint, unknown capacity: none.
+        nodes[0].ready = false;
+        nodes[1].unschedulable = true;
+        assert_eq!(node_slots(&nodes, &req), Some(2));
+        nodes[2].taints = vec![Taint {
+            key: "gpu".into(),
+            effect: "NoSchedule".into(),
+            ..Default::default()
+        }];
+        assert_eq!(node_slots(&nodes, &req), Some(0), "nothing can host it: 0");
+        let tolerant = crate::scheduler::VmRequest {
+            tolerations: vec![Toleration {
+                key: Some("gpu".into()),
+                operator: Some("Exists".into()),
+                ..Default::default()
+            }],
+            ..req.clone()
+        };
+        assert_eq!(node_slots(&nodes, &tolerant), Some(2));
+        let picky = crate::scheduler::VmRequest {
+            node_selector: [("zone".to_string(), "x".to_string())].into(),
+            ..tolerant
+        };
+        assert_eq!(node_slots(&nodes, &picky), Some(0));
+        nodes[2].capacity = None;
+        assert_eq!(node_slots(&nodes, &req), Some(0));
+        // No Imp node at all: nothing published, the pool's maxRunners stands.
+        for n in &mut nodes {
+            n.labels.clear();
+        }
+        assert_eq!(node_slots(&nodes, &req), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,8 @@ use tracing::{info, warn};
 
 use super::client::{AdminConnection, ScaleSetClient, Session};
 use super::decide::{
-    REASON_LISTENING, confirm_acquired, demand_updates, max_capacity, plan_message, recovery,
+    REASON_LISTENING, confirm_acquired, deaf_for, demand_updates, max_capacity, plan_message,
+    recovery,
 };
 use super::error::ScaleSetError;
 use super::ledger::Ledger;
@@ -48,12 +49,15 @@ pub struct IntakeSpec {
     /// Labels the pool's runners serve ([`super::route_labels`]).
     pub labels: Vec<String>,
     pub max_runners: u32,
+    /// VMs of the pool's class the nodes can host ([`super::decide::node_slots`]); None: unknown.
+    pub node_slots: Option<u32>,
     /// The pool, for the ledger's owner reference and Events.
     pub owner: OwnerReference,
 }
 
 impl IntakeSpec {
-    /// What restarts the intake when it changes (`maxRunners` does not: it is read live).
+    /// What restarts the intake when it changes (`maxRunners` and the node slots do not: they
+    /// are read live).
     fn fingerprint(&self) -> String {
         format!(
             "{}/{}/{}/{:?}/{:?}/{}",
@@ -76,6 +80,8 @@ pub struct Health {
     pub last_poll: Option<Instant>,
     pub sessions_opened: u64,
     pub session_conflicts: u64,
+    /// Sessions refreshed after the queue refused their token (401).
+    pub session_refreshes: u64,
 }
 
 /// One pool's live intake state.
@@ -86,7 +92,11 @@ pub struct Binding {
     set_id: Mutex<Option<u64>>,
     session: Mutex<Option<(u64, Session)>>,
     max_runners: AtomicU32,
+    /// [`IntakeSpec::node_slots`], `u32::MAX` when unknown.
+    node_slots: AtomicU32,
     health: Mutex<Health>,
+    /// When the intake started: a session that never heard anything is deaf from here.
+    started: Instant,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -105,12 +115,14 @@ impl Binding {
         );
         Binding {
             max_runners: AtomicU32::new(spec.max_runners),
+            node_slots: AtomicU32::new(spec.node_slots.unwrap_or(u32::MAX)),
             spec,
             client,
             conn: Mutex::new(None),
             set_id: Mutex::new(None),
             session: Mutex::new(None),
             health: Mutex::new(Health::default()),
+            started: Instant::now(),
         }
     }
 
@@ -179,6 +191,27 @@ impl Binding {
         }
     }
 
+    /// Refreshes the open session's queue token (after a 401 on the queue), with a new admin
+    /// token when the old one is refused too. NotFound: the session is gone (open a new one).
+    async fn refresh_session(&self) -> Result<(), ScaleSetError> {
+        let Some((set_id, old)) = lock(&self.session).clone() else {
+            return Ok(());
+        };
+        let conn = self.connection().await?;
+        let fresh = match self.client.refresh_session(&conn, set_id, &old).await {
+            Err(ScaleSetError::Unauthorized { .. }) => {
+                *lock(&self.conn) = None;
+                let conn = self.connection().await?;
+                self.client.refresh_session(&conn, set_id, &old).await?
+            }
+            r => r?,
+        };
+        info!(pool = %self.spec.key, session = %fresh.id, "refreshed the message session's token");
+        lock(&self.health).session_refreshes += 1;
+        *lock(&self.session) = Some((set_id, fresh));
+        Ok(())
+    }
+
     /// Deletes the session, if one is open (best effort: an undeleted one expires at GitHub).
     async fn close_session(&self) {
         let Some((set_id, session)) = lock(&self.session).take() else {
@@ -231,7 +264,8 @@ impl Binding {
 pub struct ScaleSets {
     /// The session owner name GitHub shows (this operator process).
     owner: String,
-    poll_timeout: Duration,
+    /// How long a long poll may wait for GitHub (milliseconds; GitHub answers within ~50 s).
+    poll_timeout_ms: AtomicU64,
     wants: Mutex<BTreeMap<PoolKey, IntakeSpec>>,
     bindings: Mutex<HashMap<PoolKey, Arc<Binding>>>,
     changed: tokio::sync::Notify,
@@ -252,11 +286,44 @@ impl ScaleSets {
     pub fn new(owner: String, poll_timeout: Duration) -> Self {
         ScaleSets {
             owner,
-            poll_timeout,
+            poll_timeout_ms: AtomicU64::new(poll_timeout.as_millis() as u64),
             wants: Mutex::new(BTreeMap::new()),
             bindings: Mutex::new(HashMap::new()),
             changed: tokio::sync::Notify::new(),
         }
+    }
+
+    /// The long-poll window (`--scale-set-poll-timeout`); intakes started later use it.
+    pub fn set_poll_timeout(&self, d: Duration) {
+        self.poll_timeout_ms
+            .store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    pub fn poll_timeout(&self) -> Duration {
+        Duration::from_millis(self.poll_timeout_ms.load(Ordering::Relaxed))
+    }
+
+    /// How long a session may hear nothing before the operator is not Ready: a broker that
+    /// answers at all answers every poll within the poll window (202 when empty).
+    pub fn deaf_after(&self) -> Duration {
+        self.poll_timeout() + super::decide::DEAF_GRACE
+    }
+
+    /// The intakes holding a session that heard nothing (no poll answered) for longer than
+    /// [`ScaleSets::deaf_after`], with how long: "running but deaf" (readiness).
+    pub fn deaf(&self) -> Vec<(PoolKey, Duration)> {
+        let bound = self.deaf_after();
+        let now = Instant::now();
+        let mut out: Vec<(PoolKey, Duration)> = lock(&self.bindings)
+            .iter()
+            .filter(|(_, b)| lock(&b.session).is_some())
+            .filter_map(|(k, b)| {
+                let heard = lock(&b.health).last_poll;
+                deaf_for(heard, b.started, now, bound).map(|d| (k.clone(), d))
+            })
+            .collect();
+        out.sort();
+        out
     }
 
     /// The pool wants an intake with `spec` (the pool controller, every pass).
@@ -267,6 +334,8 @@ impl ScaleSets {
             .is_none_or(|w| w.fingerprint() != spec.fingerprint());
         if let Some(b) = lock(&self.bindings).get(&spec.key) {
             b.max_runners.store(spec.max_runners, Ordering::Relaxed);
+            b.node_slots
+                .store(spec.node_slots.unwrap_or(u32::MAX), Ordering::Relaxed);
         }
         wants.insert(spec.key.clone(), spec);
         if changed {
@@ -340,7 +409,10 @@ pub async fn run_intakes<H: IntakeHost>(client: Client, shared: Arc<H>, recorder
             if running.contains_key(&key) {
                 continue;
             }
-            let binding = Arc::new(Binding::new(spec.clone(), shared.scale_sets().poll_timeout));
+            let binding = Arc::new(Binding::new(
+                spec.clone(),
+                shared.scale_sets().poll_timeout(),
+            ));
             lock(&shared.scale_sets().bindings).insert(key.clone(), binding.clone());
             let task = tokio::spawn(intake_loop(
                 binding,
@@ -368,6 +440,16 @@ async fn intake_loop<H: IntakeHost>(
     loop {
         let Err(err) = serve(&b, &client, &*shared, &recorder, &mut attempt).await;
         let r = recovery(&err, attempt);
+        if r.refresh_session {
+            match b.refresh_session().await {
+                Ok(()) => {}
+                // Gone at GitHub (expired): open a new one.
+                Err(ScaleSetError::NotFound { .. }) => *lock(&b.session) = None,
+                Err(e) => {
+                    warn!(pool = %b.spec.key, error = %e, "refreshing the message session failed")
+                }
+            }
+        }
         // Errors that do not end the session (a failed ack or ledger write) keep it.
         if r.new_session {
             b.close_session().await;
@@ -484,10 +566,10 @@ async fn serve(
     sync_demand(shared, &b.spec.key, &ledger);
     let mut last = 0u64;
     loop {
+        let slots = b.node_slots.load(Ordering::Relaxed);
         let capacity = max_capacity(
             b.max_runners.load(Ordering::Relaxed),
-            ledger.open() as u32,
-            None,
+            (slots != u32::MAX).then_some(slots),
         );
         let msg = b.client.get_message(&session, last, capacity).await?;
         *attempt = 0;

@@ -30,7 +30,7 @@ use imp_testkit::{
     TestEnv, fixtures,
     github::{
         GithubSim, KeyFormat, SimConfig,
-        runner_protocol::{FakeRunnerOptions, run_fake_runner},
+        runner_protocol::{FakeRunnerOptions, VersionDeprecated, run_fake_runner},
     },
 };
 use k8s_openapi::{
@@ -127,6 +127,8 @@ pub struct PoolHarness {
     /// The in-process "operator": webhook server and pool controller.
     operator: Vec<JoinHandle<()>>,
     timing: PoolTiming,
+    /// The runner version the fake agent's runners state (the simulator's broker checks it).
+    pub runner_version: Arc<Mutex<String>>,
 }
 
 impl PoolHarness {
@@ -159,6 +161,9 @@ impl PoolHarness {
             tasks: vec![],
             operator: vec![],
             timing,
+            runner_version: Arc::new(Mutex::new(
+                imp_testkit::github::releases::DEFAULT_LATEST.to_string(),
+            )),
         };
         h.start_operator().await;
         h.create_secret(APP_SECRET, h.sim.secret_data(KeyFormat::Pkcs1))
@@ -393,6 +398,7 @@ impl PoolHarness {
         let this = AgentCtx {
             vms: vms.clone(),
             secrets,
+            runner_version: self.runner_version.clone(),
         };
         let task = tokio::spawn(async move {
             let mut handled = std::collections::HashSet::new();
@@ -443,6 +449,7 @@ fn started_status(vm: &ImpVM) -> ImpVMStatus {
 struct AgentCtx {
     vms: Api<ImpVM>,
     secrets: Api<Secret>,
+    runner_version: Arc<Mutex<String>>,
 }
 
 impl AgentCtx {
@@ -478,16 +485,25 @@ impl AgentCtx {
         let opts = FakeRunnerOptions {
             job_wait: Duration::from_secs(120),
             job_duration: job_time,
+            version: self.runner_version.lock().unwrap().clone(),
             ..FakeRunnerOptions::default()
         };
-        if run_fake_runner(&config, &opts).await.is_ok() {
-            let patch = json!({"status": {"phase": "Succeeded",
-                "runner": {"handoff": "Exited", "exitCode": 0, "exitedTime": Time(Timestamp::now())}}});
-            let _ = self
-                .vms
-                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await;
-        }
+        let patch = match run_fake_runner(&config, &opts).await {
+            Ok(_) => json!({"status": {"phase": "Succeeded",
+                "runner": {"handoff": "Exited", "exitCode": 0, "exitedTime": Time(Timestamp::now())}}}),
+            // GitHub refused the runner's version: exit code 7 (the runner layer runs the runner
+            // with ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE=1), recorded as the agent does.
+            Err(e) if e.downcast_ref::<VersionDeprecated>().is_some() => {
+                json!({"status": {"phase": "Failed", "reason": "RunnerExitedNonZero",
+                    "message": "runner exited with code 7",
+                    "runner": {"handoff": "Exited", "exitCode": 7, "exitedTime": Time(Timestamp::now())}}})
+            }
+            Err(_) => return,
+        };
+        let _ = self
+            .vms
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await;
     }
 }
 

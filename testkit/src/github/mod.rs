@@ -12,6 +12,7 @@ pub mod jwt;
 pub mod keys;
 pub mod model;
 mod registry;
+pub mod releases;
 pub mod runner_protocol;
 pub mod scaleset;
 #[cfg(test)]
@@ -238,6 +239,7 @@ impl GithubSim {
             workflows: Default::default(),
             never_online_next: 0,
             never_online: Default::default(),
+            releases: Default::default(),
         };
         let shared = Arc::new(Shared {
             config,
@@ -698,6 +700,32 @@ impl GithubSim {
     }
 
     /// The next `count` message deletes fail (500) without deleting: the message is redelivered.
+    /// Sets the runner releases: GitHub's newest (what the downloads API lists), the minimum the
+    /// broker accepts (older runners are refused as deprecated) and whether it refuses every
+    /// version (an outage).
+    pub fn set_runner_releases(&self, latest: &str, minimum: Option<&str>, refuse_all: bool) {
+        let mut m = self.shared.model();
+        m.releases.latest = latest.to_string();
+        m.releases.minimum = minimum.map(str::to_string);
+        m.releases.refuse_all = refuse_all;
+    }
+
+    /// The runner release state with its counters (refusals, downloads calls).
+    pub fn runner_releases(&self) -> releases::RunnerReleases {
+        self.shared.model().releases.clone()
+    }
+
+    /// The broker stops answering long polls (they hang) while `deaf`, and answers again after.
+    pub fn set_scale_set_deaf(&self, deaf: bool) {
+        self.shared.scalesets().deaf = deaf;
+    }
+
+    /// Every live session's queue token expires: queue calls answer 401 until the listener
+    /// refreshes its session (`PATCH .../sessions/{id}`).
+    pub fn expire_scale_set_queue_tokens(&self) {
+        self.shared.scalesets().expire_queue_tokens();
+    }
+
     pub fn fail_scale_set_acks(&self, count: u32) {
         self.shared.scalesets().failing_acks = count;
     }

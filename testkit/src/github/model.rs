@@ -204,6 +204,8 @@ pub(crate) struct Model {
     pub never_online_next: u32,
     /// Runners held offline: their connect answers 503 for good (a runner that never comes online).
     pub never_online: std::collections::BTreeSet<u64>,
+    /// The newest runner release and the broker's version enforcement (`releases.rs`).
+    pub releases: super::releases::RunnerReleases,
 }
 
 impl Model {

@@ -4,7 +4,10 @@
 
 use super::jobs::SimJob;
 
-pub use imp_fake_runner::{FakeRunnerOptions, JITCONFIG_ENV, JitConfigPayload, URL_OVERRIDE_ENV};
+pub use imp_fake_runner::{
+    DEFAULT_RUNNER_VERSION, FakeRunnerOptions, JITCONFIG_ENV, JitConfigPayload, URL_OVERRIDE_ENV,
+    VersionDeprecated,
+};
 
 /// Runs one fake runner like `actions/runner --jitconfig`: connect, take one matching job, report
 /// completion. Returns the job it ran.

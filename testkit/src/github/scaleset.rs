@@ -113,6 +113,10 @@ pub struct ScaleSetStats {
     pub acquire_calls: u64,
     pub jobs_acquired: u64,
     pub jit_configs: u64,
+    /// Sessions refreshed (`PATCH .../sessions/{id}`: a new queue token).
+    pub sessions_refreshed: u64,
+    /// Queue calls refused 401 (a token rotated away, a session gone).
+    pub unauthorized: u64,
 }
 
 /// Why a session or queue call is refused.
@@ -159,6 +163,9 @@ pub struct ScaleSets {
     pub failing_acks: u32,
     /// Wakes long polls when a set gets a message.
     pub wake: Arc<Notify>,
+    /// The broker stops answering polls (they hang until this is cleared): a listener that looks
+    /// alive but hears nothing.
+    pub deaf: bool,
 }
 
 impl Default for ScaleSets {
@@ -178,6 +185,7 @@ impl Default for ScaleSets {
             stats: ScaleSetStats::default(),
             failing_acks: 0,
             wake: Arc::new(Notify::new()),
+            deaf: false,
         }
     }
 }
@@ -311,6 +319,40 @@ impl ScaleSets {
         }
     }
 
+    /// Gives the live session a new queue token (`PATCH .../sessions/{id}`, what a listener does
+    /// after a 401); the old token is refused from then on.
+    pub fn refresh_session(
+        &mut self,
+        set_id: u64,
+        session_id: &str,
+        now: DateTime<Utc>,
+    ) -> Result<ScaleSetSession, ScaleSetRefusal> {
+        self.expire_sessions(now);
+        let set = self
+            .sets
+            .get_mut(&set_id)
+            .ok_or(ScaleSetRefusal::NotFound)?;
+        match &mut set.session {
+            Some(s) if s.id == session_id => {
+                s.queue_token = random_token(48);
+                s.last_seen = now;
+                self.stats.sessions_refreshed += 1;
+                Ok(s.clone())
+            }
+            _ => Err(ScaleSetRefusal::NotFound),
+        }
+    }
+
+    /// Every live session's queue token expires now: queue calls answer 401 until the listener
+    /// refreshes its session.
+    pub fn expire_queue_tokens(&mut self) {
+        for set in self.sets.values_mut() {
+            if let Some(s) = &mut set.session {
+                s.queue_token = random_token(48);
+            }
+        }
+    }
+
     /// The set whose live session holds `queue_token`; touches the session.
     fn session_set(
         &mut self,
@@ -328,7 +370,10 @@ impl ScaleSets {
                 s.last_seen = now;
                 Ok(set)
             }
-            _ => Err(ScaleSetRefusal::Unauthorized),
+            _ => {
+                self.stats.unauthorized += 1;
+                Err(ScaleSetRefusal::Unauthorized)
+            }
         }
     }
 
@@ -727,6 +772,30 @@ mod tests {
             s.jobs[&rid].state,
             ScaleSetJobState::Completed { .. }
         ));
+    }
+
+    #[test]
+    fn an_expired_queue_token_is_refused_until_the_session_is_refreshed() {
+        let (mut s, id) = with_set();
+        let now = Utc::now();
+        let sess = s.create_session(id, "op", now).unwrap();
+        s.expire_queue_tokens();
+        assert_eq!(
+            s.poll(id, &sess.queue_token, 0, None, now).unwrap_err(),
+            ScaleSetRefusal::Unauthorized
+        );
+        assert_eq!(
+            s.refresh_session(id, "not-the-session", now).unwrap_err(),
+            ScaleSetRefusal::NotFound
+        );
+        let fresh = s.refresh_session(id, &sess.id, now).unwrap();
+        assert_eq!(fresh.id, sess.id, "the same session, a new token");
+        assert!(
+            s.poll(id, &fresh.queue_token, 0, None, now)
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!((s.stats.unauthorized, s.stats.sessions_refreshed), (1, 1));
     }
 
     #[test]

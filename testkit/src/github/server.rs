@@ -83,6 +83,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             post(org_jit),
         )
         .route("/orgs/{org}/actions/runners", get(org_list_runners))
+        .route("/orgs/{org}/actions/runners/downloads", get(org_downloads))
+        .route(
+            "/repos/{owner}/{repo}/actions/runners/downloads",
+            get(repo_downloads),
+        )
         .route(
             "/orgs/{org}/actions/runners/{id}",
             get(org_get_runner).delete(org_delete_runner),
@@ -634,6 +639,29 @@ async fn org_list_runners(
     list_runners(&shared, scope, &format!("/orgs/{org}/actions/runners"), &q)
 }
 
+/// `GET .../actions/runners/downloads`: the newest runner release per platform (the scope's
+/// runner permission, read).
+async fn org_downloads(State(shared): S, Path(org): Path<String>, headers: HeaderMap) -> ApiResult {
+    authorize(&shared, &headers, &check_org(&shared, &org), false)?;
+    let body = shared.model().releases.downloads();
+    Ok(json_response(StatusCode::OK, body))
+}
+
+async fn repo_downloads(
+    State(shared): S,
+    Path((owner, repo)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> ApiResult {
+    authorize(
+        &shared,
+        &headers,
+        &check_repo(&shared, &owner, &repo),
+        false,
+    )?;
+    let body = shared.model().releases.downloads();
+    Ok(json_response(StatusCode::OK, body))
+}
+
 async fn repo_list_runners(
     State(shared): S,
     Path((owner, repo)): Path<(String, String)>,
@@ -926,6 +954,15 @@ async fn runner_connect(State(shared): S, headers: HeaderMap) -> ApiResult {
             StatusCode::SERVICE_UNAVAILABLE,
             "runner held offline (admin runner-faults never_online)",
         ));
+    }
+    // GitHub's version enforcement: a deprecated runner never comes online (its credential is
+    // spent: the real runner's session is refused after the exchange).
+    let version = headers
+        .get(imp_fake_runner::VERSION_HEADER)
+        .and_then(|v| v.to_str().ok());
+    if let Err(message) = m.releases.check(version) {
+        m.credentials.remove(&cred);
+        return Err(ApiError::new(StatusCode::FORBIDDEN, &message));
     }
     m.credentials.remove(&cred);
     let runner = m.runners.get_mut(&id).ok_or_else(ApiError::not_found)?;

@@ -368,6 +368,12 @@ fn spawn_logged(
     };
     let out =
         process::append_log(log).map_err(|e| failed(format!("open {}: {e}", log.display())))?;
+    // A confined process's log is its VM's, 0600: imp-agent (uid 0 without capabilities, which
+    // mounts the VM directories) would read a root-owned one as its owner.
+    if let Some(j) = &jail {
+        jail::own(log, j.vm.id, 0o600)
+            .map_err(|e| failed(format!("own {}: {e}", log.display())))?;
+    }
     let err = out
         .try_clone()
         .map_err(|e| failed(format!("dup {}: {e}", log.display())))?;
@@ -522,6 +528,13 @@ async fn spawn_qemu_args(
     let mut keep: Vec<RawFd> = taps.iter().map(|t| t.as_raw_fd()).collect();
     keep.extend(stream);
     let confined = jail.map(|vm| qemu_jail(cfg, files, plan, accel, vm));
+    // The console QEMU appends to: made here, the VM's and 0600, for the same reason as its log
+    // (a job may print anything to it).
+    if let Some(vm) = jail {
+        process::append_log(&files.serial_log)
+            .and_then(|_| jail::own(&files.serial_log, vm.id, 0o600))
+            .map_err(|e| failed(format!("own {}: {e}", files.serial_log.display())))?;
+    }
     let args = args(handed.as_ref());
     let p = spawn_logged(
         "QEMU",

@@ -6,6 +6,7 @@
 //! bytes, the ones failure reasons quote, are always kept.
 
 use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 /// The older half of a capped serial log.
@@ -41,7 +42,18 @@ pub fn enforce(log: &Path, cap: u64) -> std::io::Result<bool> {
     let mut tmp_name = old.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(".tmp");
     let tmp = old.with_file_name(tmp_name);
-    std::fs::File::create(&tmp)?.write_all(&keep)?;
+    // The rotated half keeps the log's owner and mode: a confined VM's console is its own, 0600,
+    // and a root-owned copy would be readable by imp-agent (uid 0) as its owner.
+    let meta = std::fs::metadata(log)?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    std::os::unix::fs::fchown(&file, Some(meta.uid()), Some(meta.gid()))?;
+    file.set_permissions(std::fs::Permissions::from_mode(meta.mode() & 0o777))?;
+    file.write_all(&keep)?;
     std::fs::rename(&tmp, &old)?;
     // Bytes appended since the read above are lost: at most one check interval's worth of a
     // flooding guest, never a quiet guest's last words (it would be under the threshold).
@@ -108,6 +120,29 @@ mod tests {
         assert!(t.ends_with("Kernel panic"), "{t}");
         assert_eq!(t.len(), 20);
         assert_eq!(&t.as_bytes()[..8], &text[192..]);
+    }
+
+    /// A confined VM's console (its uid, 0600) rotates into a file of the same owner and mode, never a
+    /// root-owned one imp-agent (uid 0) could read.
+    #[test]
+    fn the_rotated_half_keeps_the_logs_owner_and_mode() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("serial.log");
+        std::fs::write(&log, [b'x'; 200]).unwrap();
+        std::fs::set_permissions(&log, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let owner = if nix::unistd::geteuid().is_root() {
+            std::os::unix::fs::chown(&log, Some(4242), Some(4243)).unwrap();
+            (4242, 4243)
+        } else {
+            let m = std::fs::metadata(&log).unwrap();
+            (m.uid(), m.gid())
+        };
+        assert!(enforce(&log, 100).unwrap());
+        let m = std::fs::metadata(rotated(&log)).unwrap();
+        assert_eq!(
+            (m.uid(), m.gid(), m.mode() & 0o777),
+            (owner.0, owner.1, 0o600)
+        );
     }
 
     /// An O_APPEND writer that never stops (a guest running `yes > /dev/ttyS0`): the files stay

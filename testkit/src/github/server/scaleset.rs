@@ -100,7 +100,7 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         )
         .route(
             "/_actions/_apis/runtime/runnerscalesets/{id}/sessions/{session}",
-            delete(delete_session),
+            delete(delete_session).patch(refresh_session),
         )
         .route(
             "/_actions/_apis/runtime/runnerscalesets/{id}/acquirejobs",
@@ -359,6 +359,34 @@ async fn delete_session(
     }
 }
 
+/// `PATCH .../sessions/{id}`: the session with a new queue token (admin token).
+async fn refresh_session(
+    State(shared): S,
+    Path((id, session)): Path<(u64, String)>,
+    headers: HeaderMap,
+) -> Result<Response, Response> {
+    admin_scope(&shared, &headers)?;
+    let mut ss = shared.scalesets();
+    let refreshed = ss.refresh_session(id, &session, Utc::now()).map_err(|_| {
+        refusal(
+            StatusCode::NOT_FOUND,
+            "RunnerScaleSetSessionNotFoundException",
+            format!("Session {session} not found."),
+        )
+    })?;
+    let set = ss.sets.get(&id).cloned().expect("the session's set");
+    let stats = ss.statistics(id);
+    Ok(Json(json!({
+        "sessionId": refreshed.id,
+        "ownerName": refreshed.owner,
+        "runnerScaleSet": scale_set_json(&shared, &set, stats.clone()),
+        "messageQueueUrl": format!("{}/_actions/queues/{id}/messages", shared.base_url),
+        "messageQueueAccessToken": refreshed.queue_token,
+        "statistics": stats,
+    }))
+    .into_response())
+}
+
 #[derive(Deserialize)]
 struct PollQuery {
     #[serde(rename = "lastMessageId")]
@@ -384,6 +412,10 @@ async fn poll_messages(
         ss.stats.polls += 1;
         (ss.wake.clone(), ss.poll_timeout)
     };
+    // A deaf broker: the poll hangs (the listener's own deadline ends it) until it hears again.
+    while shared.scalesets().deaf {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         // Registered before the check so a message pushed in between still wakes this poll.

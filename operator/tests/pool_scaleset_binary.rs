@@ -1,0 +1,169 @@
+//! The imp-operator binary holding a scale set's message session against the simulator and a real
+//! API server: a broker that stops answering (deaf) makes the operator not Ready within the stated
+//! bound (`--scale-set-poll-timeout` + 15 s) and Ready again once it answers; a queue token that
+//! expires (401) is refreshed in place (`PATCH .../sessions/{id}`), without a second session.
+
+mod pool_common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use imp_testkit::binlog;
+use kube::api::{Patch, PatchParams};
+use pool_common::*;
+use serde_json::json;
+use tokio::process::{Child, Command};
+
+const SET: &str = "imp-deaf";
+/// The operator's poll window in this test; the deaf bound is this plus 15 s.
+const POLL: Duration = Duration::from_secs(2);
+const BOUND: Duration = Duration::from_secs(2 + 15);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, out))
+}
+
+fn start_operator(h: &PoolHarness, log: &std::path::Path) -> (Child, String) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let (out, err) = binlog::log_file(log);
+    let child = Command::new(env!("CARGO_BIN_EXE_imp-operator"))
+        .env("KUBECONFIG", h.env.kubeconfig_path())
+        .env("IMP_HTTP_ADDR", &addr)
+        .env("IMP_NAMESPACE", &h.ns)
+        .env("IMP_WATCH_NAMESPACE", &h.ns)
+        .env("IMP_GITHUB_API_URL", h.sim.base_url())
+        .env("IMP_SCALE_SET_POLL_TIMEOUT", "2s")
+        .env("IMP_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    (child, addr)
+}
+
+/// Polls /readyz until `want` (status code); the time it took and the body.
+async fn readyz_becomes(
+    addr: &str,
+    want: u16,
+    within: Duration,
+    log: &std::path::Path,
+) -> (Duration, String) {
+    let start = Instant::now();
+    loop {
+        if let Some((code, body)) = get(addr, "/readyz").await
+            && code == want
+        {
+            return (start.elapsed(), body);
+        }
+        assert!(
+            start.elapsed() < within,
+            "/readyz never answered {want} within {within:?}; log:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deaf_session_makes_the_operator_not_ready_and_a_401_refreshes_the_session() {
+    let mut h = PoolHarness::start("pool-deaf").await;
+    // The binary is the operator here.
+    h.stop_operator().await;
+    h.sim
+        .set_scale_set_timing(Duration::from_secs(60), Duration::from_secs(1));
+    h.create_pool("deaf", json!({ "maxRunners": 2 })).await;
+    let patch = json!({"spec": {"github": {"scaleSet": {"name": SET}}}});
+    h.pools()
+        .patch("deaf", &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("operator.log");
+    let (mut child, addr) = start_operator(&h, &log);
+    h.wait(
+        "the binary's scale-set session",
+        Duration::from_secs(60),
+        || async {
+            h.sim
+                .scale_sets()
+                .iter()
+                .any(|s| s.name == SET && s.session.is_some())
+                .then_some(())
+        },
+    )
+    .await;
+    readyz_becomes(&addr, 200, Duration::from_secs(30), &log).await;
+
+    // Deaf: polls hang. Not Ready within the bound (plus the 100 ms the test polls at).
+    h.sim.set_scale_set_deaf(true);
+    let (took, body) = readyz_becomes(&addr, 503, BOUND + Duration::from_secs(5), &log).await;
+    assert!(body.contains("heard nothing"), "{body}");
+    assert!(
+        took >= BOUND - POLL,
+        "not Ready after {took:?}, before a silent poll window could pass"
+    );
+    eprintln!("deaf -> not Ready after {took:?} (bound {BOUND:?})");
+    // The broker answers again: Ready again as soon as a poll is answered.
+    h.sim.set_scale_set_deaf(false);
+    let (back, _) = readyz_becomes(&addr, 200, Duration::from_secs(10), &log).await;
+    eprintln!("answering again -> Ready after {back:?}");
+
+    // The queue token expires: 401 until refreshed; the session is refreshed in place.
+    let before = h.sim.scale_set_stats();
+    h.sim.expire_scale_set_queue_tokens();
+    h.wait(
+        "the session refreshed after a 401",
+        Duration::from_secs(30),
+        || async {
+            let s = h.sim.scale_set_stats();
+            (s.sessions_refreshed > before.sessions_refreshed && s.polls > before.polls + 2)
+                .then_some(())
+        },
+    )
+    .await;
+    let after = h.sim.scale_set_stats();
+    assert!(after.unauthorized > before.unauthorized, "{after:?}");
+    assert_eq!(
+        after.sessions_created, before.sessions_created,
+        "refreshed, not replaced: {after:?}"
+    );
+    assert_eq!(
+        after.session_conflicts, before.session_conflicts,
+        "{after:?}"
+    );
+    assert_eq!(get(&addr, "/readyz").await.map(|r| r.0), Some(200));
+
+    binlog::send_signal(child.id().unwrap(), "TERM");
+    let status = tokio::time::timeout(Duration::from_secs(15), child.wait())
+        .await
+        .expect("exit on SIGTERM")
+        .unwrap();
+    let logs = std::fs::read_to_string(&log).unwrap();
+    binlog::assert_graceful_stop(status, &logs, "imp-operator stopped");
+    for secret in h.sim.scale_set_credentials() {
+        assert!(
+            !logs.contains(&secret),
+            "a scale-set credential reached the log"
+        );
+    }
+}
