@@ -182,7 +182,7 @@ ok "runner version labelled; deprecation (exit 7 or the message) reported as exi
 if "$build" --out "$t/x" 2>"$t/err"; then fail "built without a runner"; fi
 grep -q -- '--runner-tarball' "$t/err" || fail "missing-tarball message: $(cat "$t/err")"
 tar -czf "$t/empty.tar.gz" -C "$t/tarball/bin" .
-if "$build" --runner-tarball "$t/empty.tar.gz" --out "$t/x" 2>"$t/err"; then fail "accepted a tarball without run.sh"; fi
+if "$build" --runner-tarball "$t/empty.tar.gz" --runner-version 2.330.0 --out "$t/x" 2>"$t/err"; then fail "accepted a tarball without run.sh"; fi
 grep -q 'no run.sh' "$t/err" || fail "bad-tarball message: $(cat "$t/err")"
 ok "clear errors for missing or wrong inputs"
 
