@@ -8,7 +8,7 @@ mod pool_common;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use imp_testkit::binlog;
+use imp_testkit::binlog::{self, get};
 use kube::api::{Patch, PatchParams};
 use pool_common::*;
 use serde_json::json;
@@ -25,20 +25,6 @@ fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
-}
-
-async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.ok()?;
-    let code = out.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, out))
 }
 
 fn start_operator(h: &PoolHarness, log: &std::path::Path) -> (Child, String) {

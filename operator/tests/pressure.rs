@@ -19,7 +19,10 @@ use imp_operator::{
     metrics::{PressureMetrics, encode},
     pressure::{PressureConfig, run_pressure_lifecycle},
 };
-use imp_testkit::{binlog, fixtures};
+use imp_testkit::{
+    binlog::{self, get},
+    fixtures,
+};
 use kube::{
     ResourceExt,
     api::{Patch, PatchParams},

@@ -10,7 +10,7 @@ use std::{
 };
 
 use imp_api::VmPhase;
-use imp_testkit::binlog;
+use imp_testkit::binlog::{self, get};
 use imp_testkit::fixtures;
 use tokio::process::{Child, Command};
 use vm_common::*;

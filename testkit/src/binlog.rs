@@ -1,6 +1,7 @@
 //! What the acceptance tests of imp-operator, imp-agent and imp-runtime check about a binary
 //! started with stdout and stderr to one file: plain text without terminal escapes, JSON lines
-//! under `IMP_LOG_FORMAT=json`, and a graceful stop (exit 0, "stopped" logged) on a signal.
+//! under `IMP_LOG_FORMAT=json`, a graceful stop (exit 0, "stopped" logged) on a signal, and its
+//! HTTP endpoints (`get`).
 
 use std::path::Path;
 use std::process::{Child, ExitStatus};
@@ -80,6 +81,22 @@ pub fn assert_graceful_stop(status: ExitStatus, log: &str, stopped: &str) {
         "no shutdown message; log:\n{log}"
     );
     assert!(log.contains(stopped), "no {stopped:?}; log:\n{log}");
+}
+
+/// A minimal HTTP/1.1 GET of a binary's endpoint (`/healthz`, `/readyz`, `/metrics`): (status
+/// code, headers and body as text), or None when it does not answer.
+pub async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, out))
 }
 
 #[cfg(test)]

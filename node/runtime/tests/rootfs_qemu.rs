@@ -334,6 +334,35 @@ fn two_vms_boot_from_one_registry_built_base() {
 }
 
 /// The reference base image's only layer (images/base/build.sh's OCI layout): gzip bytes.
+/// The runtime's inventory and rootfs store in `dir`, pulling from the test's local `registry`.
+async fn open_store(
+    dir: &Path,
+    s: &qemu::Setup,
+    registry: &Registry,
+    budget_bytes: u64,
+) -> (Inventory, RootfsStore) {
+    let inventory = Inventory::open(dir).await.unwrap();
+    let store = RootfsStore::open(
+        StoreConfig {
+            dir: dir.join("rootfs"),
+            guest_bin: s.guest_bin.clone(),
+            budget_bytes,
+            limits: Limits::default(),
+            pull: PullConfig {
+                insecure_registries: vec![registry.host()],
+                node_local_registries: vec![registry.host()],
+                ..PullConfig::default()
+            },
+            parallel_fetches: 3,
+        },
+        inventory.pool().clone(),
+        Metrics::new().rootfs.clone(),
+    )
+    .await
+    .unwrap();
+    (inventory, store)
+}
+
 fn base_image_layer(layout: &Path) -> Vec<u8> {
     let json = |p: std::path::PathBuf| -> serde_json::Value {
         serde_json::from_slice(
@@ -384,26 +413,7 @@ async fn docker_in_guest(s: qemu::Setup, layout: std::path::PathBuf) {
         vec![base_image_layer(&layout)],
     )
     .await;
-    let inventory = Inventory::open(dir.path()).await.unwrap();
-    let metrics = Metrics::new();
-    let store = RootfsStore::open(
-        StoreConfig {
-            dir: dir.path().join("rootfs"),
-            guest_bin: s.guest_bin.clone(),
-            budget_bytes: 4 << 30,
-            limits: Limits::default(),
-            pull: PullConfig {
-                insecure_registries: vec![registry.host()],
-                node_local_registries: vec![registry.host()],
-                ..PullConfig::default()
-            },
-            parallel_fetches: 3,
-        },
-        inventory.pool().clone(),
-        metrics.rootfs.clone(),
-    )
-    .await
-    .unwrap();
+    let (_inventory, store) = open_store(dir.path(), &s, &registry, 4 << 30).await;
     let spec = ImageSpec {
         base: base_ref,
         runner: None,
@@ -493,26 +503,7 @@ async fn two_vms(s: qemu::Setup) {
     )
     .await;
 
-    let inventory = Inventory::open(dir.path()).await.unwrap();
-    let metrics = Metrics::new();
-    let store = RootfsStore::open(
-        StoreConfig {
-            dir: dir.path().join("rootfs"),
-            guest_bin: s.guest_bin.clone(),
-            budget_bytes: 1 << 30,
-            limits: Limits::default(),
-            pull: PullConfig {
-                insecure_registries: vec![registry.host()],
-                node_local_registries: vec![registry.host()],
-                ..PullConfig::default()
-            },
-            parallel_fetches: 3,
-        },
-        inventory.pool().clone(),
-        metrics.rootfs.clone(),
-    )
-    .await
-    .unwrap();
+    let (_inventory, store) = open_store(dir.path(), &s, &registry, 1 << 30).await;
     let spec = ImageSpec {
         base: base_ref,
         runner: Some(runner_ref),

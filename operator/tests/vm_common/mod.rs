@@ -619,21 +619,6 @@ pub fn node_of(vm: &ImpVM) -> Option<&str> {
     vm.spec.node_name.as_deref()
 }
 
-/// A minimal HTTP/1.1 GET; returns (status code, headers+body text).
-pub async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.ok()?;
-    let code = out.split_whitespace().nth(1)?.parse().ok()?;
-    Some((code, out))
-}
-
 /// A port free on 127.0.0.1 now (for a binary under test to listen on).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
