@@ -238,7 +238,8 @@ pub fn recovery(err: &ScaleSetError, attempt: u32) -> Recovery {
 
 pub const REASON_SESSION_CONFLICT: &str = "SessionConflict";
 pub const REASON_UNAUTHORIZED: &str = "Unauthorized";
-pub const REASON_RUNNER_VERSION_DEPRECATED: &str = "RunnerVersionDeprecated";
+pub const REASON_RUNNER_VERSION_DEPRECATED: &str =
+    imp_api::names::reason::RUNNER_VERSION_DEPRECATED;
 pub const REASON_NOT_FOUND: &str = "ScaleSetNotFound";
 pub const REASON_GITHUB_ERROR: &str = "GitHubError";
 pub const REASON_LEDGER: &str = "LedgerWriteFailed";

@@ -494,7 +494,7 @@ impl AgentCtx {
             // GitHub refused the runner's version: exit code 7 (the runner layer runs the runner
             // with ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE=1), recorded as the agent does.
             Err(e) if e.downcast_ref::<VersionDeprecated>().is_some() => {
-                json!({"status": {"phase": "Failed", "reason": "RunnerExitedNonZero",
+                json!({"status": {"phase": "Failed", "reason": imp_api::names::reason::RUNNER_EXITED_NON_ZERO,
                     "message": "runner exited with code 7",
                     "runner": {"handoff": "Exited", "exitCode": 7, "exitedTime": Time(Timestamp::now())}}})
             }
