@@ -2,7 +2,7 @@
 //! newest release (the downloads API) and enforcement rules, and what a runner refused by GitHub
 //! means for the pool. docs/runner-pool.md, "Runner freshness".
 //!
-//! GitHub's rules (../shared/design/SCALESET.md): a runner must register with at least
+//! GitHub's rules (docs/runner-pool.md, "Runner freshness"): a runner must register with at least
 //! [`MINIMUM`] and install each new release within [`GRACE`]; a refused runner prints "Runner
 //! version vX is deprecated and cannot receive messages." and exits with [`EXIT_DEPRECATED`] when
 //! `ACTIONS_RUNNER_RETURN_VERSION_DEPRECATED_EXIT_CODE=1` (the runner layer sets it, and maps the
