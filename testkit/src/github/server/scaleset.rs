@@ -20,7 +20,8 @@ use super::super::jobs::random_token;
 use super::super::model::SimScope;
 use super::super::registry::register_runner;
 use super::super::scaleset::{
-    HEADER_MAX_CAPACITY, MESSAGE_TYPE_JOB_MESSAGES, ScaleSetRefusal, SimScaleSet,
+    HEADER_MAX_CAPACITY, MESSAGE_TYPE_JOB_MESSAGES, ScaleSetRefusal, ScaleSetSession, ScaleSets,
+    SimScaleSet,
 };
 
 type S = State<Arc<Shared>>;
@@ -329,17 +330,30 @@ async fn create_session(
     let session = ss
         .create_session(id, &body.owner_name, Utc::now())
         .map_err(|r| refused(r, id))?;
-    let set = ss.sets.get(&id).cloned().expect("checked above");
+    Ok(session_json(&shared, &ss, id, &session))
+}
+
+/// A session as GitHub answers its creation or refresh: the set, the queue and its token.
+fn session_json(shared: &Shared, ss: &ScaleSets, id: u64, session: &ScaleSetSession) -> Response {
+    let set = ss.sets.get(&id).expect("the session's set");
     let stats = ss.statistics(id);
-    Ok(Json(json!({
+    Json(json!({
         "sessionId": session.id,
         "ownerName": session.owner,
-        "runnerScaleSet": scale_set_json(&shared, &set, stats.clone()),
+        "runnerScaleSet": scale_set_json(shared, set, stats.clone()),
         "messageQueueUrl": format!("{}/_actions/queues/{id}/messages", shared.base_url),
         "messageQueueAccessToken": session.queue_token,
         "statistics": stats,
     }))
-    .into_response())
+    .into_response()
+}
+
+fn session_not_found(session: &str) -> Response {
+    refusal(
+        StatusCode::NOT_FOUND,
+        "RunnerScaleSetSessionNotFoundException",
+        format!("Session {session} not found."),
+    )
 }
 
 async fn delete_session(
@@ -351,11 +365,7 @@ async fn delete_session(
     if shared.scalesets().delete_session(id, &session) {
         Ok(StatusCode::NO_CONTENT.into_response())
     } else {
-        Err(refusal(
-            StatusCode::NOT_FOUND,
-            "RunnerScaleSetSessionNotFoundException",
-            format!("Session {session} not found."),
-        ))
+        Err(session_not_found(&session))
     }
 }
 
@@ -367,24 +377,10 @@ async fn refresh_session(
 ) -> Result<Response, Response> {
     admin_scope(&shared, &headers)?;
     let mut ss = shared.scalesets();
-    let refreshed = ss.refresh_session(id, &session, Utc::now()).map_err(|_| {
-        refusal(
-            StatusCode::NOT_FOUND,
-            "RunnerScaleSetSessionNotFoundException",
-            format!("Session {session} not found."),
-        )
-    })?;
-    let set = ss.sets.get(&id).cloned().expect("the session's set");
-    let stats = ss.statistics(id);
-    Ok(Json(json!({
-        "sessionId": refreshed.id,
-        "ownerName": refreshed.owner,
-        "runnerScaleSet": scale_set_json(&shared, &set, stats.clone()),
-        "messageQueueUrl": format!("{}/_actions/queues/{id}/messages", shared.base_url),
-        "messageQueueAccessToken": refreshed.queue_token,
-        "statistics": stats,
-    }))
-    .into_response())
+    let refreshed = ss
+        .refresh_session(id, &session, Utc::now())
+        .map_err(|_| session_not_found(&session))?;
+    Ok(session_json(&shared, &ss, id, &refreshed))
 }
 
 #[derive(Deserialize)]
