@@ -317,30 +317,25 @@ impl Policy {
                 (host.clone(), *port)
             }
         };
-        let upstream = match self.connect(&host, port).await {
+        let mut upstream = match self.connect(&host, port).await {
             Ok(upstream) => upstream,
             Err(answer) => {
                 let _ = client.write_all(answer).await;
                 return;
             }
         };
-        let mut upstream = upstream;
-        let rest = &buf[len..];
-        let ready = match &request {
+        let opened = match &request {
             Request::Tunnel { .. } => {
-                let ok = client
+                client
                     .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                    .await;
-                // Bytes sent before the 200 (a TLS ClientHello) belong to the tunnel.
-                match ok {
-                    Ok(()) => upstream.write_all(rest).await,
-                    Err(e) => Err(e),
-                }
+                    .await
             }
-            Request::Forward { head, .. } => match upstream.write_all(head).await {
-                Ok(()) => upstream.write_all(rest).await,
-                Err(e) => Err(e),
-            },
+            Request::Forward { head, .. } => upstream.write_all(head).await,
+        };
+        // Bytes read past the head (a TLS ClientHello, a request body) go upstream first.
+        let ready = match opened {
+            Ok(()) => upstream.write_all(&buf[len..]).await,
+            Err(e) => Err(e),
         };
         if ready.is_ok() {
             let _ = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;

@@ -261,21 +261,19 @@ impl Puller {
         oci_auth: &OciAuth,
         proxy: &PullProxy,
     ) -> Result<ResolvedImage, PullError> {
-        let image = image.clone();
-        let oci_auth = oci_auth.clone();
         let name = image.whole();
         tracing::debug!(reference = %name, "resolving image");
 
         if let Some(declared) = self
-            .declared_manifest_size(client, &image, &oci_auth, proxy)
+            .declared_manifest_size(client, image, oci_auth, proxy)
             .await
         {
             self.check_manifest_size(&name, &name, declared)?;
         }
         let (body, _) = client
-            .pull_manifest_raw(&image, &oci_auth, wire::ACCEPTED)
+            .pull_manifest_raw(image, oci_auth, wire::ACCEPTED)
             .await
-            .map_err(|e| registry_error(e, &image))?;
+            .map_err(|e| registry_error(e, image))?;
         let digest = sha256_digest(&body);
         if let Some(pinned) = image.digest()
             && pinned != digest
@@ -302,7 +300,7 @@ impl Puller {
             self.check_manifest_size(&name, &entry.digest, declared as usize)?;
             let by_digest = image.clone_with_digest(entry.digest.clone());
             let (body, _) = client
-                .pull_manifest_raw(&by_digest, &oci_auth, wire::ACCEPTED)
+                .pull_manifest_raw(&by_digest, oci_auth, wire::ACCEPTED)
                 .await
                 .map_err(|e| registry_error(e, &by_digest))?;
             verify_bytes(&entry.digest, declared, &body)?;
@@ -318,7 +316,7 @@ impl Puller {
         } else {
             (top, digest)
         };
-        self.check_image_manifest(&name, &image, &manifest_digest, manifest)
+        self.check_image_manifest(&name, image, &manifest_digest, manifest)
     }
 
     /// The size a registry declares for a manifest (HEAD, Content-Length), so an oversize one is
