@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: preflight test testenv lint unit crds reasons guest-static guest-vm images release chart-lint monitoring real-node smoke clean-testenv
+.PHONY: preflight test testenv lint unit base-layout crds reasons guest-static guest-vm images release chart-lint monitoring real-node smoke clean-testenv
 
 ## The whole suite: builds the test control plane if needed, lints, runs every test.
 test: testenv lint unit images chart-lint monitoring smoke
@@ -32,9 +32,20 @@ lint:
 ## skipped with the reason where the host cannot (IMP_REQUIRE_REAL_NODE=1 makes that a failure).
 ## The real-VM tests (imp-guest's qemu, imp-runtime's *_qemu) run here too, on the static guest built first:
 ## IMP_REQUIRE_QEMU=1 makes a missing piece a failure (`make guest-vm` runs only them, with their output).
-unit: testenv guest-static
+unit: testenv guest-static base-layout
 	IMP_GUEST_STATIC_BIN="$${IMP_GUEST_STATIC_BIN:-$$(realpath -m "$${CARGO_TARGET_DIR:-target}")/x86_64-unknown-linux-gnu/release/imp-guest}" \
+		IMP_BASE_IMAGE_LAYOUT="$${IMP_BASE_IMAGE_LAYOUT:-$$(cat "$${CARGO_TARGET_DIR:-target}/base-image.path" 2>/dev/null)}" \
 		$(CARGO) test --workspace --locked --no-fail-fast
+
+## The reference base image (images/base/) for the Docker-in-the-guest test, built (or reused from
+## its cache when the inputs are unchanged) when IMP_REQUIRE_BASE_IMAGE=1 and IMP_BASE_IMAGE_LAYOUT
+## names none; otherwise that test says SKIPPED.
+base-layout:
+	@t="$${CARGO_TARGET_DIR:-target}"; rm -f "$$t/base-image.path"; \
+	if [ "$${IMP_REQUIRE_BASE_IMAGE:-0}" = 1 ] && [ -z "$${IMP_BASE_IMAGE_LAYOUT:-}" ]; then \
+		images/base/build.sh --out "$$t/base-image" --cache "$$t/base-image-cache" \
+			&& realpath "$$t/base-image" > "$$t/base-image.path"; \
+	fi
 
 ## Regenerate helm/imp/crds from the Rust types.
 crds:

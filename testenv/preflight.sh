@@ -28,11 +28,12 @@ smoke_guest=(qemu-system-x86:qemu-system-x86_64 cpio:cpio skopeo:skopeo kmod:mod
 # (ext4 images), apache2-utils (htpasswd for the registry's basic auth), zstd (zstd layers),
 # ca-certificates (component images), dnsmasq-base (the VM network tests' DNS server), prometheus
 # (the dashboard test), containerd, runc, containernetworking-plugins and gcc/libc6-dev (the real node:
-# container runtime, CNI bridge, the static pause binary).
+# container runtime, CNI bridge, the static pause binary); mmdebstrap (the reference base image,
+# images/base/).
 test_extra=(file:file util-linux:unshare e2fsprogs:mkfs.ext4 make:make apache2-utils:htpasswd zstd:zstd
   ca-certificates:/etc/ssl/certs/ca-certificates.crt dnsmasq-base:dnsmasq prometheus:promtool
   containerd:containerd runc:runc containernetworking-plugins:/usr/lib/cni/bridge gcc:gcc
-  libc6-dev:/usr/include/stdio.h)
+  libc6-dev:/usr/include/stdio.h mmdebstrap:mmdebstrap)
 vsock_version=0.3.0
 
 case "$what" in
