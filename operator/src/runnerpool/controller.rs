@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use imp_api::{
-    ImpVM, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
+    ImpVM, ImpVMClass, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
     names::{
         self, ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME,
         FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL, LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG,
@@ -26,7 +26,7 @@ use imp_api::{
 use imp_common::ExposeSecret;
 use k8s_openapi::{
     ByteString,
-    api::core::v1::Secret,
+    api::core::v1::{Node, Secret},
     apimachinery::pkg::apis::meta::v1::{MicroTime, OwnerReference},
     jiff::Timestamp,
 };
@@ -37,7 +37,7 @@ use kube::{
         Controller,
         controller::{self, Action},
         events::{Recorder, Reporter},
-        reflector::ObjectRef,
+        reflector::{ObjectRef, Store},
         watcher,
     },
 };
@@ -63,6 +63,7 @@ use crate::error::{Error, Result};
 use crate::github::{
     DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
 };
+use crate::index::Index;
 use crate::metrics::ReasonLabels;
 
 /// How often a scale-set pool's node capacity is recomputed (a list of the Imp nodes).
@@ -115,6 +116,9 @@ struct Ctx {
     /// GitHub's newest runner version per GitHub instance (API base URL), shared by every pool:
     /// one downloads call per `versions_refresh` (single flight, like the listings).
     versions: tokio::sync::Mutex<HashMap<String, (Instant, Option<RunnerVersion>)>>,
+    /// The index's Nodes and ImpVMClasses (a scale-set pool's node capacity).
+    nodes: Store<Node>,
+    classes: Store<ImpVMClass>,
 }
 
 /// One listing of a scope's runners, shared between pools.
@@ -124,18 +128,23 @@ type Runners = Arc<Vec<RunnerFacts>>;
 type ListingKey = (u64, u64, RunnerScope);
 
 /// Runs the pool controller and the queued-job sweep until the watches end (or the task is dropped).
+/// The pools' ImpVMs, Nodes and ImpVMClasses come from `index`.
 pub async fn run_runnerpool_controller(
     client: Client,
+    index: Index,
     config: PoolControllerConfig,
     shared: Arc<PoolShared>,
 ) {
-    let (pools, vms): (Api<ImpVMRunnerPool>, Api<ImpVM>) = match &config.namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    let pools: Api<ImpVMRunnerPool> = match &config.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     };
+    // The index watches every ImpVM; the pool's own are those with the pool label (the selector the
+    // controller's own watch of them used).
+    let owned = index
+        .vms
+        .subscribe()
+        .filter(|vm| std::future::ready(vm.labels().contains_key(LABEL_RUNNER_POOL)));
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<PoolKey>();
     shared.set_notifier(tx);
     let trigger = futures::stream::unfold(rx, |mut rx| async move {
@@ -158,13 +167,16 @@ pub async fn run_runnerpool_controller(
         sweep_now: tokio::sync::Notify::new(),
         listings: tokio::sync::Mutex::new(HashMap::new()),
         versions: tokio::sync::Mutex::new(HashMap::new()),
+        nodes: index.nodes.store(),
+        classes: index.classes.store(),
         config,
     });
     // Deliveries are answered 503 until every pool's secret is known (a new leader's first moments).
-    ctx.load_routes(&pools).await;
+    // The node capacity of scale-set pools is read from the index, so passes wait for it to fill.
+    tokio::join!(ctx.load_routes(&pools), index.ready());
     let sweep = sweep_loop(ctx.clone());
     let controller = Controller::new(pools, watcher::Config::default())
-        .owns(vms, watcher::Config::default().labels(LABEL_RUNNER_POOL))
+        .owns_shared_stream(owned)
         .reconcile_on(trigger)
         .with_config(controller::Config::default().debounce(ctx.config.timing.debounce))
         .run(reconcile, error_policy, ctx.clone())
@@ -546,8 +558,8 @@ impl Ctx {
     }
 
     /// VMs of the pool's class its nodes can host ([`crate::scaleset::decide::node_slots`]), from
-    /// the Nodes and the ImpVMClass, recomputed at most every [`NODE_SLOTS_EVERY`]; None when
-    /// unknown (no class, no Imp node, a failed read).
+    /// the index's Nodes and the ImpVMClass, recomputed at most every
+    /// [`NODE_SLOTS_EVERY`]; None when unknown (no class, no Imp node).
     async fn node_slots(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Option<u32> {
         if let Some((at, slots)) = self.memory(key, |m| m.node_slots)
             && at.elapsed() < NODE_SLOTS_EVERY
@@ -555,14 +567,10 @@ impl Ctx {
             return slots;
         }
         let t = &pool.spec.template.spec;
-        let classes: Api<imp_api::ImpVMClass> = Api::all(self.client.clone());
-        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client.clone());
-        let lp = ListParams::default().labels(&format!("{}=true", names::LABEL_NODE_ENABLED));
-        let slots = match (
-            classes.get_opt(&t.class_ref.name).await,
-            nodes.list(&lp).await,
-        ) {
-            (Ok(Some(class)), Ok(nodes)) => {
+        let slots = self
+            .classes
+            .get(&ObjectRef::new(&t.class_ref.name))
+            .and_then(|class| {
                 let req = crate::scheduler::VmRequest {
                     vcpu: class.spec.vcpu,
                     memory_mib: u64::from(class.spec.memory_mib),
@@ -570,21 +578,16 @@ impl Ctx {
                     node_selector: t.node_selector.clone().unwrap_or_default(),
                     tolerations: t.tolerations.clone().unwrap_or_default(),
                 };
-                let infos: Vec<_> = nodes
-                    .items
+                let infos: Vec<_> = self
+                    .nodes
+                    .state()
                     .iter()
                     .map(|n| {
                         crate::scheduler::NodeInfo::from_node(n, crate::scheduler::Heartbeat::Fresh)
                     })
                     .collect();
                 crate::scaleset::decide::node_slots(&infos, &req)
-            }
-            (Ok(None), _) => None,
-            (Err(e), _) | (_, Err(e)) => {
-                debug!(pool = %key, error = %e, "reading nodes or class for the scale set's capacity failed");
-                None
-            }
-        };
+            });
         self.memory(key, |m| m.node_slots = Some((Instant::now(), slots)));
         slots
     }
