@@ -346,7 +346,8 @@ backend_env() {
       IMP_QEMU_ACCEL="$IMP_SMOKE_ACCEL" IMP_KERNEL="$IMP_SMOKE_KERNEL" IMP_INITRD="$work/initrd.gz" \
       IMP_GUEST_BIN="$static_dir/imp-guest" IMP_BOOT_TIMEOUT=240s
   else
-    echo IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_KERNEL="$work/vmlinux" IMP_GUEST_BIN="$bin/imp-guest"
+    # The simulator without the jailer (the jailed path: node/runtime/tests/jailer.rs and the real-node test).
+    echo IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_UNJAILED_FIRECRACKER=1 IMP_KERNEL="$work/vmlinux" IMP_GUEST_BIN="$bin/imp-guest"
   fi
 }
 runner_command() { if [[ $guest == qemu ]]; then echo /usr/local/bin/imp-runner; else echo "$bin/imp-fake-runner"; fi; }

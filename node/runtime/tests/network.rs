@@ -444,7 +444,11 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
             .trim()
             .to_owned()
     };
-    assert_eq!(sysctl("net.ipv4.ip_forward"), "0", "the global flag untouched");
+    assert_eq!(
+        sysctl("net.ipv4.ip_forward"),
+        "0",
+        "the global flag untouched"
+    );
     for link in [bridge.as_str(), "up0"] {
         assert_eq!(
             sysctl(&format!("net.ipv4.conf.{link}.forwarding")),

@@ -639,7 +639,12 @@ mod tests {
             ]
         );
         assert!(
-            after.links.iter().find(|l| l.name == "eth0").unwrap().forwarding,
+            after
+                .links
+                .iter()
+                .find(|l| l.name == "eth0")
+                .unwrap()
+                .forwarding,
             "other things on the node may rely on the uplink's forwarding"
         );
         assert!(!after.links.iter().any(|l| l.name == br));
