@@ -50,11 +50,9 @@ fn link_from(msg: &LinkMessage) -> Link {
                             }
                         }
                         AfSpecUnspec::Inet6(inet6) => {
-                            if inet6.iter().any(|a| {
+                            link.ipv6_disabled |= inet6.iter().any(|a| {
                                 matches!(a, AfSpecInet6::AddrGenMode(In6AddrGenMode::None))
-                            }) {
-                                link.ipv6_disabled = true;
-                            }
+                            });
                         }
                         _ => {}
                     }
