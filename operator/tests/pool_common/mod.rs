@@ -20,6 +20,7 @@ use imp_api::{
 };
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics, RetryPolicy},
+    index::{Index, IndexConfig},
     metrics::encode,
     runnerpool::{
         PoolControllerConfig, PoolMetrics, PoolShared, PoolTiming, run_runnerpool_controller,
@@ -195,8 +196,10 @@ impl PoolHarness {
         let mut config = PoolControllerConfig::new();
         config.namespace = Some(self.ns.clone());
         config.timing = self.timing.clone();
+        let index = Index::start(self.client.clone(), IndexConfig::namespace(&self.ns));
         let controller = tokio::spawn(run_runnerpool_controller(
             self.client.clone(),
+            index,
             config,
             shared.clone(),
         ));
