@@ -38,6 +38,10 @@ mod lifecycle;
 mod qemu;
 
 const REQUIRE_ENV: &str = "IMP_REQUIRE_REAL_NODE";
+/// The state directory under the work dir, short on purpose: a jailed VM's sockets live at
+/// `<state>/jailer/imp-firecracker-sim/<vm uid>/root/vsock.sock_<port>`, and a Unix socket path
+/// holds at most 107 bytes (with /tmp/imp-rn-XXXXXX/s: 105).
+const STATE_SUBDIR: &str = "s";
 const NAMESPACE: &str = "imp-system";
 
 fn skip_or_fail(why: &str) {
@@ -86,7 +90,7 @@ fn chart_pods_become_ready_on_a_real_node_and_uninstall_leaves_nothing() {
 
 async fn scenario(id: &str, netns: &node::NodeNetns) {
     let work = tempfile::Builder::new()
-        .prefix("imp-real-node-")
+        .prefix("imp-rn-")
         .tempdir()
         .expect("work dir");
     let work = work.path().to_path_buf();
@@ -284,7 +288,7 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         ),
         format!(
             "agent.hostPaths.stateDir.path={}",
-            work.join("var-lib-imp").display()
+            work.join(STATE_SUBDIR).display()
         ),
         format!("runtime.vmCgroupParent={vm_cgroup_parent}"),
         format!("runtime.insecureRegistries[0]={reg}"),
@@ -377,7 +381,7 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
     }
     let runtime_before = ready_pod_on(&pods, "runtime", &node_name).await;
     // The runtime runs with the chart's capability list, not privileged (docs/security.md).
-    let state_env = format!("IMP_STATE_DIR={}", work.join("var-lib-imp").display());
+    let state_env = format!("IMP_STATE_DIR={}", work.join(STATE_SUBDIR).display());
     let caps = runtime_cap_eff(&state_env).expect("the runtime pod's imp-runtime process");
     assert_eq!(
         caps, RUNTIME_CAPS,
@@ -616,7 +620,7 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
             .any(|w| w == "imp" || w == "imp_wake"),
         "nftables tables left after uninstall.md: {tables}"
     );
-    for dir in ["var-lib-imp", "run-imp"] {
+    for dir in [STATE_SUBDIR, "run-imp"] {
         assert!(
             !work.join(dir).exists(),
             "the node's {dir} is left after uninstall.md section 4"
@@ -711,7 +715,7 @@ impl Uninstall<'_> {
         let script = script
             .replace(
                 "/var/lib/imp",
-                &self.work.join("var-lib-imp").display().to_string(),
+                &self.work.join(STATE_SUBDIR).display().to_string(),
             )
             .replace("/run/imp", &self.work.join("run-imp").display().to_string())
             .replace("/imp-vms", &format!("/{}", self.vm_cgroup_parent));
