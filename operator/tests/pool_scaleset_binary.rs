@@ -273,7 +273,7 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_exactly_once()
                         "{} node={:?} phase={:?} runner={:?}",
                         v.metadata.name.as_deref().unwrap_or(""),
                         v.spec.node_name,
-                        v.status.as_ref().and_then(|s| s.phase.clone()),
+                        v.status.as_ref().and_then(|s| s.phase),
                         v.status.as_ref().and_then(|s| s.runner.clone())
                     )
                 })
