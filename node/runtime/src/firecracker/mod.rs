@@ -289,6 +289,7 @@ impl Vmm {
             &self.files.serial_log,
             || self.is_alive(),
             deadline,
+            None,
         )
         .await
     }

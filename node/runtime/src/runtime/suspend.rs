@@ -233,8 +233,14 @@ impl Runtime {
         let resumed = match self.load_snapshot(r, deadline).await {
             Ok(vm) => {
                 let hello =
-                    vmm::wait_for_hello(&r.vsock_path, &r.serial_log, || vm.is_alive(), deadline)
-                        .await;
+                    vmm::wait_for_hello(
+                    &r.vsock_path,
+                    &r.serial_log,
+                    || vm.is_alive(),
+                    deadline,
+                    None,
+                )
+                .await;
                 match hello {
                     Ok(_) => Ok(vm),
                     Err(e) => Err((format!("no guest agent Hello: {e}"), Some(vm))),
