@@ -433,8 +433,10 @@ pub enum Announce {
 /// How long one announcement may take; the host connects anyway when it gets none.
 const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Tell the host the agent listens: one connection carrying one line, then closed. Best effort:
-/// a host without a listener (an older runtime, a resumed VM) finds the agent by connecting.
+/// Tell the host the agent listens: one connection, then closed. The connection is the news:
+/// the host may close it at once, so the line written on it (for a human reading a capture) is
+/// best effort and only a failed connect is an error. Best effort as a whole too: a host without
+/// a listener (an older runtime, a resumed VM) finds the agent by connecting.
 pub async fn announce(to: &Announce, boot_id: &str) -> std::io::Result<()> {
     use tokio::io::AsyncWriteExt as _;
     let line = format!("ready {boot_id}\n");
@@ -443,15 +445,16 @@ pub async fn announce(to: &Announce, boot_id: &str) -> std::io::Result<()> {
             Announce::Vsock(port) => {
                 let addr = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_HOST, *port);
                 let mut s = tokio_vsock::VsockStream::connect(addr).await?;
-                s.write_all(line.as_bytes()).await?;
-                s.shutdown(std::net::Shutdown::Both)
+                let _ = s.write_all(line.as_bytes()).await;
+                let _ = s.shutdown(std::net::Shutdown::Both);
             }
             Announce::Unix(path) => {
                 let mut s = tokio::net::UnixStream::connect(path).await?;
-                s.write_all(line.as_bytes()).await?;
-                s.shutdown().await
+                let _ = s.write_all(line.as_bytes()).await;
+                let _ = s.shutdown().await;
             }
         }
+        Ok(())
     };
     tokio::time::timeout(ANNOUNCE_TIMEOUT, send)
         .await
