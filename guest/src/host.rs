@@ -132,12 +132,15 @@ pub async fn connect_announced(
     deadline: Instant,
 ) -> Result<HostClient, HostError> {
     let wake = tokio::net::UnixListener::from_std(announcements.listener.try_clone()?)?;
-    let mut heard = 0;
+    let mut heard = None;
     let r = retry(uds_path, deadline, Some((&wake, &mut heard)), || {
         connect_once(uds_path, Some(port))
     })
     .await;
-    announcements.heard += heard;
+    if let Some((n, at)) = heard {
+        announcements.heard += n;
+        announcements.last_heard = Some(at);
+    }
     r
 }
 
@@ -156,6 +159,7 @@ pub struct Announcements {
     listener: std::os::unix::net::UnixListener,
     path: PathBuf,
     heard: u32,
+    last_heard: Option<Instant>,
 }
 
 /// Where the hybrid vsock of `uds_path` delivers a guest's announcement.
@@ -177,6 +181,7 @@ impl Announcements {
             listener,
             path,
             heard: 0,
+            last_heard: None,
         })
     }
 
@@ -187,6 +192,11 @@ impl Announcements {
     /// Announcements that woke a connect attempt so far.
     pub fn heard(&self) -> u32 {
         self.heard
+    }
+
+    /// When the last of them was taken: with the Hello's time, how long detection took.
+    pub fn last_heard(&self) -> Option<Instant> {
+        self.last_heard
     }
 }
 
@@ -199,7 +209,7 @@ impl Drop for Announcements {
 async fn retry<F, Fut>(
     path: &Path,
     deadline: Instant,
-    mut wake: Option<(&tokio::net::UnixListener, &mut u32)>,
+    mut wake: Option<(&tokio::net::UnixListener, &mut Option<(u32, Instant)>)>,
     mut attempt: F,
 ) -> Result<HostClient, HostError>
 where
@@ -241,7 +251,8 @@ where
                 accepted = listener.accept() => match accepted {
                     // Dropped unread: the connection itself is the news.
                     Ok(_) => {
-                        **heard += 1;
+                        let n = heard.map_or(0, |(n, _)| n);
+                        **heard = Some((n + 1, Instant::now()));
                         true
                     }
                     Err(_) => {

@@ -348,7 +348,12 @@ impl Runtime {
         )
         .await
         .map_err(|e| fail(e, &vm))?;
-        let announced = announcements.as_ref().is_some_and(|a| a.heard() > 0);
+        // How long after the guest announced itself its Hello was in: the detection's own delay.
+        let hello_after_announce_ms = announcements
+            .as_ref()
+            .and_then(|a| a.last_heard())
+            .map(|at| at.elapsed().as_secs_f64() * 1e3);
+        let announced = hello_after_announce_ms.is_some();
         drop(announcements);
         let secs = spawned_at.elapsed().as_secs_f64();
         self.metrics.boot_latency.observe(secs);
@@ -363,6 +368,7 @@ impl Runtime {
             backend = rec.backend.as_str(),
             boot_seconds = secs,
             announced,
+            hello_after_announce_ms,
             "VM running"
         );
         Ok(())
