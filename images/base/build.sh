@@ -24,6 +24,7 @@
 #   --cache DIR            reuse a layout built from the same inputs (this script, the options,
 #                          the mirrors' Release files): cached builds are a copy
 #   --push REF             then copy the layout to docker://REF with skopeo (plain HTTP allowed)
+#   --print-epoch          print the SOURCE_DATE_EPOCH a build would use now, and exit
 #
 # Reproducible: SOURCE_DATE_EPOCH (default: the newest Release file's Date, so the same mirror
 # state gives the same epoch) fixes every timestamp mmdebstrap and the maintainer scripts write;
@@ -33,6 +34,11 @@
 # Needs: mmdebstrap (Debian: mmdebstrap), root (mmdebstrap --mode=root), curl, tar, gzip,
 # sha256sum; skopeo only for --push.
 set -euo pipefail
+# Nothing of the caller's environment may reach the image: files the hooks create take their mode
+# from the umask, sort and date read the locale and zone (images/base/test.sh builds a second time
+# under another umask, locale, zone, TMPDIR and HOME and compares digests).
+umask 022
+export LC_ALL=C TZ=UTC
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=../oci-layout.sh
 . "$here/../oci-layout.sh"
@@ -53,7 +59,7 @@ packages=(
 )
 
 out="" tag=bookworm suite=bookworm mirror=http://deb.debian.org/debian
-security=http://deb.debian.org/debian-security apt_cache="" cache="" push="" extra=()
+security=http://deb.debian.org/debian-security apt_cache="" cache="" push="" extra=() print_epoch=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) out="${2:?--out needs a directory}"; shift 2 ;;
@@ -65,11 +71,12 @@ while [ $# -gt 0 ]; do
         --apt-cache) apt_cache="${2:?--apt-cache needs a directory}"; shift 2 ;;
         --cache) cache="${2:?--cache needs a directory}"; shift 2 ;;
         --push) push="${2:?--push needs HOST:PORT/REPO:TAG}"; shift 2 ;;
+        --print-epoch) print_epoch=1; shift ;;
         -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done
-[ -n "$out" ] || die "--out DIR is required"
+[ -n "$out" ] || [ "$print_epoch" = 1 ] || die "--out DIR is required"
 [[ "$tag" =~ ^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$ ]] || die "--tag $tag is not a valid tag"
 [ "$(id -u)" = 0 ] || die "run as root (mmdebstrap --mode=root creates files owned by other users)"
 need mmdebstrap mmdebstrap
@@ -103,6 +110,7 @@ if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
     SOURCE_DATE_EPOCH="$newest"
 fi
 export SOURCE_DATE_EPOCH
+if [ "$print_epoch" = 1 ]; then echo "$SOURCE_DATE_EPOCH"; exit 0; fi
 
 key="$( (cat "$0" "$here/../oci-layout.sh" "$work"/release.*
     printf '%s\n' "$suite" "$tag" "$SOURCE_DATE_EPOCH" "${sources[@]}" "${packages[@]}") | sha256sum | cut -c1-32)"

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Tests of images/base/build.sh (run by images/test.sh; needs root and the Debian mirror):
-#   - two builds from the same mirror state give the same manifest digest (reproducible);
+#   - two builds from the same mirror state give the same manifest digest (reproducible), the
+#     second under another umask, locale, zone, TMPDIR and HOME than the caller's;
 #   - the OCI layout's blobs match their digests; the image config's entrypoint;
 #   - contents, chrooted into the unpacked layer: the runner user (uid/gid 1001, home, bash) with
-#     passwordless sudo (`sudo -n true` as runner), the runner's .NET dependencies (each library
-#     actions/runner's Linux dependency list names resolves with ldconfig -p), git, curl, jq, tar,
+#     passwordless sudo (`sudo -n true` as runner), the runner's .NET dependencies (one package of
+#     each requirement its installdependencies.sh lists for Debian, reference/github/actions-runner/,
+#     installed, and each shared library it ships resolving with ldconfig -p), git, curl, jq, tar,
 #     unzip, dockerd, containerd, runc, the docker CLI, iptables and nft run; nothing the build must
 #     strip (apt lists and caches, logs, /dev nodes) is in the layer;
 #   - --cache: a second build with the same inputs is a copy with the same digest.
 # Usage: images/base/test.sh [--reuse DIR] [--keep DIR]
-#   --reuse DIR  a layout already built stands for the first build
+#   --reuse DIR  a layout already built stands for the first build (images/test.sh: the Makefile's
+#                base-layout, so CI builds twice, not three times)
 #   --keep DIR   copy the built layout there (e.g. for IMP_BASE_IMAGE_LAYOUT of the Docker guest test)
 # Takes 100-280 s per build on 2 shared cores (mmdebstrap, then tar and gzip -9 of ~490 MB).
 set -euo pipefail
@@ -30,10 +33,27 @@ t="$(mktemp -d)"
 trap 'rm -rf "$t"' EXIT
 manifest_digest() { grep -o '"digest":"sha256:[0-9a-f]\{64\}"' "$1/index.json" | head -n1 | cut -d: -f3 | tr -d '"'; }
 
-# The same SOURCE_DATE_EPOCH and mirror state for both builds (the default epoch is the Release
-# files' Date, which moves when the mirror updates between the two builds).
-epoch="${SOURCE_DATE_EPOCH:-$(date -d "$(curl -fsS http://deb.debian.org/debian/dists/bookworm/Release | sed -n 's/^Date: //p')" +%s)}"
-export SOURCE_DATE_EPOCH="$epoch"
+# The first build (or the reused one) as the caller runs it; the second from the same mirror
+# state under another environment: an env var, umask, locale, zone, TMPDIR or HOME that leaked
+# into the image would change its digest. The second takes the first's SOURCE_DATE_EPOCH (its
+# config label): build.sh's default, the newest Release file's Date, moves when the mirror
+# updates between the two builds. (Callers that pinned the epoch differently, test.sh the main
+# suite's Date and the Makefile build.sh's default, were once the only difference between two
+# "stable" digests.)
+config_of() {
+    local m
+    m="$(manifest_digest "$1")"
+    grep -o '"config":{"mediaType":"[^"]*","digest":"sha256:[0-9a-f]\{64\}"' "$1/blobs/sha256/$m" | grep -o '[0-9a-f]\{64\}'
+}
+# A reused layout from another mirror state (its epoch is not the one a build would take now)
+# cannot match a build today: build the first one here instead.
+if [ -n "$reuse" ] && [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
+    now="$("$here/build.sh" --print-epoch)" || fail "build.sh --print-epoch"
+    if ! grep -q "\"dev.imp.base.source-date-epoch\":\"$now\"" "$reuse/blobs/sha256/$(config_of "$reuse")"; then
+        echo "images/base/test.sh: $reuse is from another mirror state (a build now takes SOURCE_DATE_EPOCH=$now): building the first one too"
+        reuse=""
+    fi
+fi
 start=$(date +%s)
 if [ -n "$reuse" ]; then
     cp -a "$reuse" "$t/b1"
@@ -41,12 +61,17 @@ else
     "$here/build.sh" --out "$t/b1" --cache "$t/cache" >"$t/b1.log" 2>&1 || fail "first build: $(tail -n 20 "$t/b1.log")"
 fi
 first=$(($(date +%s) - start))
+epoch="$(grep -o '"dev.imp.base.source-date-epoch":"[0-9]*"' "$t/b1/blobs/sha256/$(config_of "$t/b1")" | grep -o '[0-9]\+' | tail -n1)"
+[ -n "$epoch" ] || fail "the first build's config has no dev.imp.base.source-date-epoch label"
 start=$(date +%s)
-"$here/build.sh" --out "$t/b2" >"$t/b2.log" 2>&1 || fail "second build: $(tail -n 20 "$t/b2.log")"
+mkdir -p "$t/tmp2" "$t/home2"
+(umask 077 && env -i PATH="$PATH" SOURCE_DATE_EPOCH="$epoch" TMPDIR="$t/tmp2" HOME="$t/home2" \
+    LANG=tr_TR.UTF-8 LC_ALL=tr_TR.UTF-8 TZ=Pacific/Kiritimati SHELL=/bin/sh \
+    "$here/build.sh" --out "$t/b2") >"$t/b2.log" 2>&1 || fail "second build: $(tail -n 20 "$t/b2.log")"
 second=$(($(date +%s) - start))
 d1="$(manifest_digest "$t/b1")" d2="$(manifest_digest "$t/b2")"
-[ "$d1" = "$d2" ] || fail "two builds differ: sha256:$d1 vs sha256:$d2 (SOURCE_DATE_EPOCH=$epoch)"
-ok "reproducible: two builds give sha256:$d1 (${first} s and ${second} s)"
+[ "$d1" = "$d2" ] || fail "two builds differ: sha256:$d1 vs sha256:$d2 (SOURCE_DATE_EPOCH=$epoch; the second under umask 077, LC_ALL=tr_TR.UTF-8, TZ=Pacific/Kiritimati, its own TMPDIR and HOME)"
+ok "reproducible: two builds give sha256:$d1 (${first} s$([ -n "$reuse" ] && echo " (reused)") and ${second} s, the second under another umask, locale, zone, TMPDIR and HOME)"
 
 for f in "$t/b1"/blobs/sha256/*; do
     [ "$(sha256sum "$f" | cut -d' ' -f1)" = "${f##*/}" ] || fail "blob $f does not match its digest"
@@ -79,12 +104,32 @@ mount --bind /dev "$root/dev"
 trap 'umount "$root/dev" "$root/proc" 2>/dev/null || true; rm -rf "$t"' EXIT
 chroot "$root" /usr/sbin/runuser -u runner -- sudo -n true || fail "sudo -n true as runner"
 [ "$(chroot "$root" /usr/sbin/runuser -u runner -- id -u)" = 1001 ] || fail "id -u as runner"
-# actions/runner's .NET dependencies (its bin/installdependencies.sh for Debian 12).
+# actions/runner's .NET dependencies, as its own bin/installdependencies.sh lists them for Debian
+# (reference/github/actions-runner/debian-dependencies.txt): of each line one package is installed,
+# and every shared library that package ships resolves through the image's ldconfig cache.
 chroot "$root" /sbin/ldconfig -p >"$t/ldcache" || fail "ldconfig -p in the image"
-for lib in libicuuc.so.72 libicui18n.so.72 libkrb5.so.3 libgssapi_krb5.so.2 libz.so.1 libssl.so.3 \
-    libcrypto.so.3 liblttng-ust.so.1; do
-    grep -q "^[[:space:]]*$lib " "$t/ldcache" || fail "the runner's dependency $lib is missing"
-done
+deps="$here/../../reference/github/actions-runner/debian-dependencies.txt"
+[ -f "$deps" ] || fail "no $deps"
+checked=()
+while read -r -a alternatives; do
+    [ "${#alternatives[@]}" -gt 0 ] && [[ ${alternatives[0]} != \#* ]] || continue
+    found=""
+    for pkg in "${alternatives[@]}"; do
+        if chroot "$root" dpkg-query -W -f '${db:Status-Status}' "$pkg" 2>/dev/null | grep -qx installed; then
+            found="$pkg"
+            break
+        fi
+    done
+    [ -n "$found" ] || fail "the runner's dependency (one of: ${alternatives[*]}) is not installed"
+    # Its sonames (libfoo.so.N, the names a binary links against and ldconfig -p lists).
+    libs="$(chroot "$root" dpkg-query -L "$found" | grep -o '[^/]*\.so\.[0-9]*$' | sort -u)"
+    [ -n "$libs" ] || fail "$found ships no shared library"
+    for lib in $libs; do
+        grep -q "^[[:space:]]*$lib " "$t/ldcache" || fail "$lib of the runner's dependency $found does not resolve"
+    done
+    checked+=("$found ($(echo $libs | tr ' ' ,))")
+done <"$deps"
+ok "the runner's dependencies (actions/runner's installdependencies.sh for Debian): ${checked[*]}"
 for cmd in "git --version" "curl --version" "jq --version" "tar --version" "unzip -v" "xz --version" \
     "dockerd --version" "containerd --version" "runc --version" "docker --version" \
     "iptables --version" "nft --version" "bash --version"; do

@@ -1,6 +1,7 @@
 pub mod error;
 pub mod github;
 pub mod http;
+pub mod index;
 pub mod ipam;
 pub mod leader;
 pub mod metrics;

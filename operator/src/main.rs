@@ -23,6 +23,7 @@ use imp_common::telemetry::{LogArgs, ShutdownSignal};
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
     http::{HttpState, router},
+    index::{Index, IndexConfig},
     leader::{ElectionConfig, leader_only, run_elector, while_leading},
     metrics::{PressureMetrics, VmMetrics},
     pressure::{PressureConfig, run_pressure_lifecycle},
@@ -159,9 +160,11 @@ async fn run(args: Args) -> anyhow::Result<()> {
 
     let listener = tokio::net::TcpListener::bind(args.http_addr).await?;
     info!(addr = %args.http_addr, namespace = %args.namespace, "imp-operator starting");
-    let mut config = VmControllerConfig::new(args.namespace.clone());
-    config.vm_namespace = args.watch_namespace.clone().filter(|n| !n.is_empty());
-    config.node_selector = args.node_selector.clone().filter(|s| !s.is_empty());
+    let watched = IndexConfig {
+        namespace: args.watch_namespace.clone().filter(|n| !n.is_empty()),
+        node_selector: args.node_selector.clone().filter(|s| !s.is_empty()),
+        lease_namespace: args.namespace.clone(),
+    };
     let github = GithubConfig {
         api_base_url: args.github_api_url.clone(),
         jit_mints_per_minute: args.jit_mints_per_minute,
@@ -181,7 +184,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         pools: shared.clone(),
     };
     let mut pool_config = PoolControllerConfig::new();
-    pool_config.namespace = config.vm_namespace.clone();
+    pool_config.namespace = watched.namespace.clone();
     pool_config.timing = args.pool_timing();
     if !args.webhook_secret_name.is_empty() {
         pool_config.global_webhook_secret = Some(SecretKeySelector {
@@ -207,29 +210,42 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let election = ElectionConfig::new(&args.namespace, &args.leader_lease, &identity);
     info!(lease = %args.leader_lease, identity = %identity, "campaigning for leadership");
     let (release_tx, release_rx) = oneshot::channel::<()>();
+    let pools = shared.clone();
     let elector = tokio::spawn(run_elector(client.clone(), election, leading_tx, async {
         let _ = release_rx.await;
     }));
 
     let pressure_config = PressureConfig {
-        vm_namespace: config.vm_namespace.clone(),
-        node_selector: config.node_selector.clone(),
         suspend_timeout: args.pressure_suspend_timeout,
         ..PressureConfig::new()
     };
-    let (pressure_client, pressure_on) = (client.clone(), args.pressure_lifecycle);
-    let pressure = async move {
-        if pressure_on {
-            info!(suspend_timeout = ?pressure_config.suspend_timeout, "pressureLifecycle enabled");
-            run_pressure_lifecycle(pressure_client, pressure_config, pressure_metrics).await;
-        } else {
-            info!("pressureLifecycle disabled (IMP_PRESSURE_LIFECYCLE)");
-            std::future::pending::<()>().await;
-        }
-    };
-    let vms = run_vm_controller(client.clone(), config, vm_metrics, ready);
-    let pools = run_runnerpool_controller(client, pool_config, shared.clone());
-    let lead = while_leading(leading, async {
+    let pressure_on = args.pressure_lifecycle;
+    let lead = while_leading(leading, async move {
+        // One index per term: every controller reads the same caches, each kind watched once.
+        let index = Index::start(client.clone(), watched);
+        let pressure = async {
+            if pressure_on {
+                info!(suspend_timeout = ?pressure_config.suspend_timeout, "pressureLifecycle enabled");
+                run_pressure_lifecycle(
+                    client.clone(),
+                    index.clone(),
+                    pressure_config,
+                    pressure_metrics,
+                )
+                .await;
+            } else {
+                info!("pressureLifecycle disabled (IMP_PRESSURE_LIFECYCLE)");
+                std::future::pending::<()>().await;
+            }
+        };
+        let vms = run_vm_controller(
+            client.clone(),
+            index.clone(),
+            VmControllerConfig::new(),
+            vm_metrics,
+            ready,
+        );
+        let pools = run_runnerpool_controller(client.clone(), index.clone(), pool_config, pools);
         tokio::select! {
             () = vms => error!("the ImpVM controller stopped"),
             () = pools => error!("the runner pool controller stopped"),

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use imp_api::names::reason;
 use imp_operator::github::{GithubApps, GithubMetrics};
+use imp_operator::index::{Index, IndexConfig};
 use imp_operator::leader::{ElectionConfig, leader_only, run_elector, while_leading};
 use imp_operator::runnerpool::{
     PoolControllerConfig, PoolMetrics, PoolShared, run_runnerpool_controller,
@@ -66,7 +67,13 @@ impl Operator {
             sweep_interval: Duration::from_secs(1),
             ..fast_timing()
         };
-        let controller = run_runnerpool_controller(h.client.clone(), config, shared);
+        // As in the operator: the index is built when leadership begins.
+        let client = h.client.clone();
+        let watched = IndexConfig::namespace(&h.ns);
+        let controller = async move {
+            let index = Index::start(client.clone(), watched);
+            run_runnerpool_controller(client, index, config, shared).await
+        };
         let gate = leading.clone();
         let lead = tokio::spawn(async move {
             let _ = while_leading(gate, controller).await;

@@ -5,47 +5,17 @@
 
 mod pool_common;
 
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use imp_testkit::binlog::{self, get};
 use kube::api::{Patch, PatchParams};
 use pool_common::*;
 use serde_json::json;
-use tokio::process::{Child, Command};
 
 const SET: &str = "imp-deaf";
 /// The operator's poll window in this test; the deaf bound is this plus 15 s.
 const POLL: Duration = Duration::from_secs(2);
 const BOUND: Duration = Duration::from_secs(2 + 15);
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn start_operator(h: &PoolHarness, log: &std::path::Path) -> (Child, String) {
-    let addr = format!("127.0.0.1:{}", free_port());
-    let (out, err) = binlog::log_file(log);
-    let child = Command::new(env!("CARGO_BIN_EXE_imp-operator"))
-        .env("KUBECONFIG", h.env.kubeconfig_path())
-        .env("IMP_HTTP_ADDR", &addr)
-        .env("IMP_NAMESPACE", &h.ns)
-        .env("IMP_WATCH_NAMESPACE", &h.ns)
-        .env("IMP_GITHUB_API_URL", h.sim.base_url())
-        .env("IMP_SCALE_SET_POLL_TIMEOUT", "2s")
-        .env("IMP_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    (child, addr)
-}
 
 /// Polls /readyz until `want` (status code); the time it took and the body.
 async fn readyz_becomes(
@@ -85,7 +55,8 @@ async fn a_deaf_session_makes_the_operator_not_ready_and_a_401_refreshes_the_ses
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("operator.log");
-    let (mut child, addr) = start_operator(&h, &log);
+    let op = h.spawn_operator("imp-deaf-op", &log, &[("IMP_SCALE_SET_POLL_TIMEOUT", "2s")]);
+    let addr = op.addr.clone();
     h.wait(
         "the binary's scale-set session",
         Duration::from_secs(60),
@@ -139,12 +110,7 @@ async fn a_deaf_session_makes_the_operator_not_ready_and_a_401_refreshes_the_ses
     );
     assert_eq!(get(&addr, "/readyz").await.map(|r| r.0), Some(200));
 
-    binlog::send_signal(child.id().unwrap(), "TERM");
-    let status = tokio::time::timeout(Duration::from_secs(15), child.wait())
-        .await
-        .expect("exit on SIGTERM")
-        .unwrap();
-    let logs = std::fs::read_to_string(&log).unwrap();
+    let (status, logs) = op.stop().await;
     binlog::assert_graceful_stop(status, &logs, "imp-operator stopped");
     for secret in h.sim.scale_set_credentials() {
         assert!(

@@ -154,6 +154,7 @@ async fn a_new_leader_answers_503_until_it_has_read_the_pool_secrets() {
     use std::sync::Arc;
 
     use imp_operator::github::{GithubApps, GithubMetrics};
+    use imp_operator::index::{Index, IndexConfig};
     use imp_operator::runnerpool::{
         PoolControllerConfig, PoolMetrics, PoolShared, run_runnerpool_controller,
     };
@@ -190,8 +191,10 @@ async fn a_new_leader_answers_503_until_it_has_read_the_pool_secrets() {
     let mut config = PoolControllerConfig::new();
     config.namespace = Some(h.ns.clone());
     config.timing = fast_timing();
+    let index = Index::start(h.client.clone(), IndexConfig::namespace(&h.ns));
     let controller = tokio::spawn(run_runnerpool_controller(
         h.client.clone(),
+        index,
         config,
         shared.clone(),
     ));

@@ -16,6 +16,7 @@ use imp_api::{
     names::{ANNOTATION_PRESSURE_SUSPENDED_AT, condition, reason},
 };
 use imp_operator::{
+    index::{Index, IndexConfig},
     metrics::{PressureMetrics, encode},
     pressure::{PressureConfig, run_pressure_lifecycle},
 };
@@ -91,9 +92,14 @@ fn start_lifecycle(
     h: &Harness,
     suspend_timeout: Duration,
 ) -> (tokio::task::JoinHandle<()>, Registry) {
+    let index = Index::start(
+        h.client.clone(),
+        IndexConfig {
+            node_selector: Some(format!("{TEST_NODE_LABEL}={}", h.ns)),
+            ..IndexConfig::namespace(&h.ns)
+        },
+    );
     let config = PressureConfig {
-        vm_namespace: Some(h.ns.clone()),
-        node_selector: Some(format!("{TEST_NODE_LABEL}={}", h.ns)),
         suspend_timeout,
         resync: Duration::from_millis(300),
         ..PressureConfig::new()
@@ -102,7 +108,12 @@ fn start_lifecycle(
     let mut registry = Registry::default();
     metrics.register(&mut registry);
     (
-        tokio::spawn(run_pressure_lifecycle(h.client.clone(), config, metrics)),
+        tokio::spawn(run_pressure_lifecycle(
+            h.client.clone(),
+            index,
+            config,
+            metrics,
+        )),
         registry,
     )
 }

@@ -20,7 +20,7 @@ use imp_api::{HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, VmPhase, conditi
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
 use imp_testkit::registry::{Registry, RegistryOptions};
-use imp_testkit::{TestEnv, fixtures};
+use imp_testkit::{TestEnv, fixtures, waits};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
@@ -56,22 +56,17 @@ async fn wait_vm(
     pred: impl Fn(&ImpVM) -> bool,
 ) -> ImpVM {
     let started = Instant::now();
-    loop {
-        let vm = vms.get(name).await.unwrap();
-        if pred(&vm) {
-            eprintln!("{name}: {what} after {:?}", started.elapsed());
-            return vm;
-        }
-        if started.elapsed() > within {
-            panic!(
-                "{name}: not {what} after {within:?}; status: {:#?}\nagent log tail:\n{}\nruntime log tail:\n{}",
-                vm.status,
-                tail(&agent.log(), 40),
-                tail(&rt.runtime_log(), 30)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let vm = waits::wait_vm(vms, name, what, within, pred, || {
+        format!(
+            "\nagent log tail:\n{}\nruntime log tail:\n{}",
+            tail(&agent.log(), 40),
+            tail(&rt.runtime_log(), 30)
+        )
+    })
+    .await;
+    // A real guest's timings, for the log.
+    eprintln!("{name}: {what} after {:?}", started.elapsed());
+    vm
 }
 
 fn handoff(vm: &ImpVM) -> Option<HandoffState> {

@@ -29,6 +29,7 @@ use imp_api::{
 };
 use imp_operator::{
     github::{GithubApps, GithubConfig, GithubMetrics},
+    index::{Index, IndexConfig},
     metrics::VmMetrics,
     runnerpool::{PoolControllerConfig, PoolMetrics, PoolShared, run_runnerpool_controller},
     vm::{VmControllerConfig, run_vm_controller},
@@ -77,13 +78,18 @@ pub async fn operator_child() -> anyhow::Result<()> {
     let sim_url = env("BENCH_SIM_URL")?;
     let client = Client::try_from(config_from_kubeconfig(&kubeconfig).await?)?;
 
-    let mut vm_config = VmControllerConfig::new(ns.clone());
-    vm_config.vm_namespace = Some(ns.clone());
-    vm_config.node_selector = Some(format!("{NODE_LABEL}={ns}"));
+    let index = Index::start(
+        client.clone(),
+        IndexConfig {
+            node_selector: Some(format!("{NODE_LABEL}={ns}")),
+            ..IndexConfig::namespace(&ns)
+        },
+    );
     let ready = Arc::new(AtomicBool::new(false));
     let vm = tokio::spawn(run_vm_controller(
         client.clone(),
-        vm_config,
+        index.clone(),
+        VmControllerConfig::new(),
         VmMetrics::default(),
         ready.clone(),
     ));
@@ -107,7 +113,7 @@ pub async fn operator_child() -> anyhow::Result<()> {
     let mut config = PoolControllerConfig::new();
     config.namespace = Some(ns);
     config.create_concurrency = 16;
-    let pool = tokio::spawn(run_runnerpool_controller(client, config, shared));
+    let pool = tokio::spawn(run_runnerpool_controller(client, index, config, shared));
     while !ready.load(Ordering::SeqCst) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -1,4 +1,4 @@
-//! The pressureLifecycle's I/O: watches Nodes, ImpVMs and ImpVMClasses, observes them into the views
+//! The pressureLifecycle's I/O: follows the index's Nodes, ImpVMs and ImpVMClasses, observes them into the views
 //! [`decide`] takes, and executes its steps (the suspend patch, Events, the `PressureSuspended`
 //! condition, the gauges).
 
@@ -15,10 +15,8 @@ use kube::{
     Api, Client, Resource, ResourceExt,
     api::{Patch, PatchParams, PostParams},
     runtime::{
-        WatchStreamExt,
         events::{Recorder, Reporter},
-        reflector::{self, ObjectRef, Store},
-        watcher,
+        reflector::{ObjectRef, Store},
     },
 };
 use serde_json::json;
@@ -31,6 +29,7 @@ use super::decide::{
 };
 use crate::{
     error::{Error, Result},
+    index::Index,
     metrics::{NodeLabels, PressureMetrics, count_reconcile_error},
 };
 
@@ -50,52 +49,21 @@ struct Context {
     classes: Store<ImpVMClass>,
 }
 
-/// Runs the lifecycle until its watches end (or the task is dropped).
+/// Runs the lifecycle on `index`'s caches until the task is dropped.
 pub async fn run_pressure_lifecycle(
     client: Client,
+    index: Index,
     config: PressureConfig,
     metrics: PressureMetrics,
 ) {
-    let vms_api: Api<ImpVM> = match &config.vm_namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let node_wc = match config.node_selector.as_deref().filter(|s| !s.is_empty()) {
-        Some(sel) => watcher::Config::default().labels(sel),
-        None => watcher::Config::default(),
-    };
-    let (nodes, node_writer) = reflector::store::<Node>();
-    let (vms, vm_writer) = reflector::store::<ImpVM>();
-    let (classes, class_writer) = reflector::store::<ImpVMClass>();
     let changes = stream::select_all([
-        reflector::reflector(
-            node_writer,
-            watcher(Api::<Node>::all(client.clone()), node_wc),
-        )
-        .default_backoff()
-        .touched_objects()
-        .map(|_| ())
-        .boxed(),
-        reflector::reflector(vm_writer, watcher(vms_api, watcher::Config::default()))
-            .default_backoff()
-            .touched_objects()
-            .map(|_| ())
-            .boxed(),
-        reflector::reflector(
-            class_writer,
-            watcher(
-                Api::<ImpVMClass>::all(client.clone()),
-                watcher::Config::default(),
-            ),
-        )
-        .default_backoff()
-        .touched_objects()
-        .map(|_| ())
-        .boxed(),
+        index.nodes.subscribe().map(|_| ()).boxed(),
+        index.vms.subscribe().map(|_| ()).boxed(),
+        index.classes.subscribe().map(|_| ()).boxed(),
     ]);
     let changed = Arc::new(Notify::new());
     let notify = changed.clone();
-    // Drives the reflectors; every change wakes the pass loop (coalesced: one stored permit).
+    // Every change wakes the pass loop (coalesced: one stored permit).
     let driver = changes.for_each(move |_| {
         notify.notify_one();
         async {}
@@ -113,17 +81,13 @@ pub async fn run_pressure_lifecycle(
         config,
         metrics,
         recorder,
-        vms,
-        nodes,
-        classes,
+        vms: index.vms.store(),
+        nodes: index.nodes.store(),
+        classes: index.classes.store(),
     };
     let passes = async {
         // Deciding on half-filled caches would miss marked VMs or pressured nodes.
-        let _ = tokio::join!(
-            ctx.nodes.wait_until_ready(),
-            ctx.vms.wait_until_ready(),
-            ctx.classes.wait_until_ready()
-        );
+        index.ready().await;
         info!("pressureLifecycle caches filled; watching nodes for MemoryPressure");
         loop {
             let requeue = ctx.pass().await;

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use imp_api::{
-    ImpVM, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
+    ImpVM, ImpVMClass, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
     names::{
         self, ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME,
         FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL, LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG,
@@ -26,7 +26,7 @@ use imp_api::{
 use imp_common::ExposeSecret;
 use k8s_openapi::{
     ByteString,
-    api::core::v1::Secret,
+    api::core::v1::{Node, Secret},
     apimachinery::pkg::apis::meta::v1::{MicroTime, OwnerReference},
     jiff::Timestamp,
 };
@@ -37,7 +37,7 @@ use kube::{
         Controller,
         controller::{self, Action},
         events::{Recorder, Reporter},
-        reflector::ObjectRef,
+        reflector::{ObjectRef, Store},
         watcher,
     },
 };
@@ -48,14 +48,14 @@ use super::{
     classify::{RunnerState, classify, runner_started, start_failure},
     config::{DEFAULT_WEBHOOK_SECRET_KEY, PoolControllerConfig},
     decide::{
-        Creds, Deadlines, Done, Input, JitSecretFacts, MintAction, PoolPlan, RequeueInput,
-        RunnerFacts, StartFacts, StatusInput, Sweep, VmFacts, account_start_failures,
-        after_store_conflict, credentials_invalid, decide, mint_action, needs_listing,
-        online_suspect, orphans, phase_spans, pool_status, requeue_after,
+        Creds, Deadlines, Done, Input, JitSecretFacts, MintAction, MintGates, Outcome, PoolPlan,
+        RequeueTiming, RunnerFacts, StartFacts, StatusBasis, Sweep, VmFacts,
+        account_start_failures, after_store_conflict, credentials_invalid, decide, listing_wanted,
+        mint_action, orphans, phase_spans, settle,
     },
     demand::{PoolKey, PoolRoute, sweep_updates},
     freshness::{self, Freshness, Refusal, RefusedExit, RunnerVersion},
-    plan::{Backoff, Limit, MintBlock, Observed, ObservedVm, Removal, plan},
+    plan::{Backoff, Observed, ObservedVm, Removal, plan},
     shared::PoolShared,
     slo::{ServedFacts, VmTimes, run_phase},
 };
@@ -63,6 +63,7 @@ use crate::error::{Error, Result};
 use crate::github::{
     DeleteOutcome, ErrorClass, GithubApp, GithubError, JitRequest, RunnerScope, runner_name,
 };
+use crate::index::Index;
 use crate::metrics::ReasonLabels;
 
 /// How often a scale-set pool's node capacity is recomputed (a list of the Imp nodes).
@@ -115,6 +116,9 @@ struct Ctx {
     /// GitHub's newest runner version per GitHub instance (API base URL), shared by every pool:
     /// one downloads call per `versions_refresh` (single flight, like the listings).
     versions: tokio::sync::Mutex<HashMap<String, (Instant, Option<RunnerVersion>)>>,
+    /// The index's Nodes and ImpVMClasses (a scale-set pool's node capacity).
+    nodes: Store<Node>,
+    classes: Store<ImpVMClass>,
 }
 
 /// One listing of a scope's runners, shared between pools.
@@ -124,18 +128,23 @@ type Runners = Arc<Vec<RunnerFacts>>;
 type ListingKey = (u64, u64, RunnerScope);
 
 /// Runs the pool controller and the queued-job sweep until the watches end (or the task is dropped).
+/// The pools' ImpVMs, Nodes and ImpVMClasses come from `index`.
 pub async fn run_runnerpool_controller(
     client: Client,
+    index: Index,
     config: PoolControllerConfig,
     shared: Arc<PoolShared>,
 ) {
-    let (pools, vms): (Api<ImpVMRunnerPool>, Api<ImpVM>) = match &config.namespace {
-        Some(ns) => (
-            Api::namespaced(client.clone(), ns),
-            Api::namespaced(client.clone(), ns),
-        ),
-        None => (Api::all(client.clone()), Api::all(client.clone())),
+    let pools: Api<ImpVMRunnerPool> = match &config.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
     };
+    // The index watches every ImpVM; the pool's own are those with the pool label (the selector the
+    // controller's own watch of them used).
+    let owned = index
+        .vms
+        .subscribe()
+        .filter(|vm| std::future::ready(vm.labels().contains_key(LABEL_RUNNER_POOL)));
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<PoolKey>();
     shared.set_notifier(tx);
     let trigger = futures::stream::unfold(rx, |mut rx| async move {
@@ -158,13 +167,16 @@ pub async fn run_runnerpool_controller(
         sweep_now: tokio::sync::Notify::new(),
         listings: tokio::sync::Mutex::new(HashMap::new()),
         versions: tokio::sync::Mutex::new(HashMap::new()),
+        nodes: index.nodes.store(),
+        classes: index.classes.store(),
         config,
     });
     // Deliveries are answered 503 until every pool's secret is known (a new leader's first moments).
-    ctx.load_routes(&pools).await;
+    // The node capacity of scale-set pools is read from the index, so passes wait for it to fill.
+    tokio::join!(ctx.load_routes(&pools), index.ready());
     let sweep = sweep_loop(ctx.clone());
     let controller = Controller::new(pools, watcher::Config::default())
-        .owns(vms, watcher::Config::default().labels(LABEL_RUNNER_POOL))
+        .owns_shared_stream(owned)
         .reconcile_on(trigger)
         .with_config(controller::Config::default().debounce(ctx.config.timing.debounce))
         .run(reconcile, error_policy, ctx.clone())
@@ -546,8 +558,8 @@ impl Ctx {
     }
 
     /// VMs of the pool's class its nodes can host ([`crate::scaleset::decide::node_slots`]), from
-    /// the Nodes and the ImpVMClass, recomputed at most every [`NODE_SLOTS_EVERY`]; None when
-    /// unknown (no class, no Imp node, a failed read).
+    /// the index's Nodes and the ImpVMClass, recomputed at most every
+    /// [`NODE_SLOTS_EVERY`]; None when unknown (no class, no Imp node).
     async fn node_slots(&self, pool: &ImpVMRunnerPool, key: &PoolKey) -> Option<u32> {
         if let Some((at, slots)) = self.memory(key, |m| m.node_slots)
             && at.elapsed() < NODE_SLOTS_EVERY
@@ -555,14 +567,10 @@ impl Ctx {
             return slots;
         }
         let t = &pool.spec.template.spec;
-        let classes: Api<imp_api::ImpVMClass> = Api::all(self.client.clone());
-        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client.clone());
-        let lp = ListParams::default().labels(&format!("{}=true", names::LABEL_NODE_ENABLED));
-        let slots = match (
-            classes.get_opt(&t.class_ref.name).await,
-            nodes.list(&lp).await,
-        ) {
-            (Ok(Some(class)), Ok(nodes)) => {
+        let slots = self
+            .classes
+            .get(&ObjectRef::new(&t.class_ref.name))
+            .and_then(|class| {
                 let req = crate::scheduler::VmRequest {
                     vcpu: class.spec.vcpu,
                     memory_mib: u64::from(class.spec.memory_mib),
@@ -570,21 +578,16 @@ impl Ctx {
                     node_selector: t.node_selector.clone().unwrap_or_default(),
                     tolerations: t.tolerations.clone().unwrap_or_default(),
                 };
-                let infos: Vec<_> = nodes
-                    .items
+                let infos: Vec<_> = self
+                    .nodes
+                    .state()
                     .iter()
                     .map(|n| {
                         crate::scheduler::NodeInfo::from_node(n, crate::scheduler::Heartbeat::Fresh)
                     })
                     .collect();
                 crate::scaleset::decide::node_slots(&infos, &req)
-            }
-            (Ok(None), _) => None,
-            (Err(e), _) | (_, Err(e)) => {
-                debug!(pool = %key, error = %e, "reading nodes or class for the scale set's capacity failed");
-                None
-            }
-        };
+            });
         self.memory(key, |m| m.node_slots = Some((Instant::now(), slots)));
         slots
     }
@@ -692,41 +695,37 @@ impl Ctx {
 
         let deadlines = self.deadlines();
         let live_ids: HashSet<u64> = facts.iter().filter_map(|f| f.vm.runner_id).collect();
-        let (mint_block, creds, confirmed, reap_due, demand_known) = self.memory(key, |m| {
-            m.confirmed_online.retain(|id| live_ids.contains(id));
-            let block = match (&m.creds, &app) {
-                (Creds::Invalid { .. }, _) | (_, Err(_)) => Some(MintBlock::CredentialsInvalid),
-                _ if m.mint_backoff.active(now) => Some(MintBlock::Backoff),
-                _ if m.start_backoff.active(now) => Some(MintBlock::StartFailing),
-                _ => None,
-            };
-            let reap_due = m
-                .last_listing
-                .is_none_or(|t| now.duration_since(t) >= timing.reap_interval);
-            (
-                block,
-                m.creds.clone(),
-                m.confirmed_online.clone(),
-                reap_due,
-                m.swept,
-            )
-        });
-        let mint_block = if scope.is_none() {
-            Some(MintBlock::CredentialsInvalid)
-        } else if mint_block != Some(MintBlock::CredentialsInvalid) && freshness.minting_stopped {
-            Some(MintBlock::RunnerVersionDeprecated)
-        } else {
-            mint_block
+        let (creds, confirmed, backoffs, since_listing, demand_known, sweep) =
+            self.memory(key, |m| {
+                m.confirmed_online.retain(|id| live_ids.contains(id));
+                (
+                    m.creds.clone(),
+                    m.confirmed_online.clone(),
+                    (m.mint_backoff.active(now), m.start_backoff.active(now)),
+                    m.last_listing.map(|t| now.duration_since(t)),
+                    m.swept,
+                    m.sweep.clone(),
+                )
+            });
+        let gates = MintGates {
+            creds_invalid: matches!(creds, Creds::Invalid { .. }) || app.is_err(),
+            no_scope: scope.is_none(),
+            mint_backoff: backoffs.0,
+            start_backoff: backoffs.1,
+            version_deprecated: freshness.minting_stopped,
         };
         let app = app.ok();
-        let listing = match (&app, &scope) {
-            (Some(app), Some(scope))
-                if needs_listing(&facts, &deadlines, &confirmed, reap_due, wall) =>
-            {
-                let judging = facts
-                    .iter()
-                    .any(|f| online_suspect(f, &deadlines, &confirmed, wall));
-                self.observe_runners(key, app, scope, None, judging).await
+        let wanted = listing_wanted(
+            &facts,
+            &deadlines,
+            &confirmed,
+            since_listing,
+            timing.reap_interval,
+            wall,
+        );
+        let listing = match (&app, &scope, wanted) {
+            (Some(app), Some(scope), Some(fresh)) => {
+                self.observe_runners(key, app, scope, None, fresh).await
             }
             _ => None,
         };
@@ -736,7 +735,7 @@ impl Ctx {
             vms: &facts,
             scaling: &pool.spec.scaling,
             queued: demand.queued,
-            mint_block,
+            gates,
             demand_known,
             deadlines,
             confirmed_online: &confirmed,
@@ -744,6 +743,20 @@ impl Ctx {
             pool_name: &key.name,
             now: wall,
             served: &served,
+            status: StatusBasis {
+                old: pool.status.clone().unwrap_or_default(),
+                generation: pool.metadata.generation,
+                max_runners: pool.spec.scaling.max_runners,
+                sweep,
+                freshness,
+                creds,
+            },
+            timing: RequeueTiming {
+                resync: timing.resync,
+                retry: timing.retry,
+                scaling_requeue: timing.scaling_requeue,
+                reap_interval: timing.reap_interval,
+            },
         });
         let p = &pp.plan;
         debug!(pool = %key, ?p.counts, desired = p.desired, create = p.create, retire = p.retire.len(), cleanup = p.cleanup.len(), replace = pp.replace.len(), reap = pp.reap.delete.len(), "plan");
@@ -754,61 +767,34 @@ impl Ctx {
             }
         });
 
-        // Execute.
-        let (pending, done, mint_failed) = self
+        // Execute, then settle what it came to (see `settle` for why that is a step of its own).
+        let mut outcome = self
             .execute(pool, key, app.as_ref(), scope.as_ref(), &vms, &pp)
             .await;
         self.record_served(key, &pp).await;
-        let creds_now = self.memory(key, |m| m.creds.clone());
-        if creds_now != creds
-            && let Creds::Invalid { reason, message } = &creds_now
-        {
-            self.event(pool, true, reason, message.clone()).await;
-        }
-        let old = pool.status.clone().unwrap_or_default();
-        let sweep = self.memory(key, |m| m.sweep.clone());
-        let status = pool_status(&StatusInput {
-            old: &old,
-            plan: &pp.plan,
-            done,
-            creds: &creds_now,
-            mint_failed,
-            generation: pool.metadata.generation,
-            max_runners: pool.spec.scaling.max_runners,
-            sweep: &sweep,
-            now: Timestamp::now(),
-            freshness: &freshness,
-        });
-        self.write_status(key, &old, status).await?;
-        let (backoffs, last_listing) = self.memory(key, |m| {
-            (
-                [m.mint_backoff.until(), m.start_backoff.until()],
-                m.last_listing,
-            )
-        });
         let after = Instant::now();
-        Ok(Action::requeue(requeue_after(&RequeueInput {
-            resync: timing.resync,
-            retry: timing.retry,
-            scaling_requeue: timing.scaling_requeue,
-            pending,
-            backoffs: backoffs
+        self.memory(key, |m| {
+            outcome.creds = m.creds.clone();
+            outcome.backoffs = [m.mint_backoff.until(), m.start_backoff.until()]
                 .into_iter()
                 .flatten()
                 .filter(|t| *t > after)
                 .map(|t| t - after)
-                .collect(),
-            scaling_pending: p.limited == Some(Limit::ScaleUpStep)
-                || (done.created > 0 && p.desired > p.counts.live() + done.created),
-            next_deadline: pp.next_deadline,
-            next_reap: last_listing.map_or(Duration::ZERO, |t| {
-                timing.reap_interval.saturating_sub(after.duration_since(t))
-            }),
-        })))
+                .collect();
+            outcome.since_listing = m.last_listing.map(|t| after.duration_since(t));
+        });
+        let settled = settle(&pp, &outcome, Timestamp::now());
+        for n in settled.events {
+            info!(pool = %key, reason = n.reason, "{}", n.message);
+            self.event(pool, n.warning, n.reason, n.message).await;
+        }
+        self.write_status(key, &pp.basis.old, settled.status)
+            .await?;
+        Ok(Action::requeue(settled.requeue))
     }
 
-    /// Carries out a live pool's plan; returns whether something is left to retry, what was done, and
-    /// whether a mint failed.
+    /// Walks a live pool's plan in its order (removals, the reaper, mints, creations) and says what came
+    /// of it; the credentials, backoffs and listing age are the caller's to add.
     async fn execute(
         &self,
         pool: &ImpVMRunnerPool,
@@ -817,10 +803,11 @@ impl Ctx {
         scope: Option<&RunnerScope>,
         vms: &[ImpVM],
         pp: &PoolPlan,
-    ) -> (bool, Done, bool) {
+    ) -> Outcome {
         let p = &pp.plan;
         let mut pending = false;
         let mut done = Done::default();
+        let mut reaped = Vec::new();
         let by_name: HashMap<&str, &ImpVM> = vms.iter().map(|v| (v.name_any_ref(), v)).collect();
         for r in &p.cleanup {
             match self.remove(key, app, scope, r).await {
@@ -862,30 +849,17 @@ impl Ctx {
             if pp.reap.busy > 0 {
                 debug!(pool = %key, busy = pp.reap.busy, "orphan registrations running a job are left alone");
             }
-            let mut reaped = Vec::new();
             for (id, name) in &pp.reap.delete {
                 if self.deregister(key, app, scope, *id).await {
                     self.shared.metrics.orphan_reaped();
-                    reaped.push(name.as_str());
+                    reaped.push(name.clone());
                 } else {
                     pending = true;
                 }
             }
-            if !reaped.is_empty() {
-                info!(pool = %key, count = reaped.len(), "orphan runner registrations deleted");
-                self.event(
-                    pool,
-                    false,
-                    reason::ORPHAN_RUNNERS_DELETED,
-                    format!(
-                        "Deleted {} runner registration(s) without a VM: {}",
-                        reaped.len(),
-                        reaped.join(", ")
-                    ),
-                )
-                .await;
-            }
         }
+        // The first failed mint or creation ends minting for this pass: the backoff it started holds
+        // the rest, and `settle` reports it.
         let mut mint_failed = false;
         if let (Some(app), Some(scope)) = (app, scope) {
             for name in &p.mint {
@@ -910,43 +884,13 @@ impl Ctx {
                 }
             }
         }
-        if done.created > 0 {
-            info!(pool = %key, created = done.created, desired = p.desired, "scaled up");
-            self.event(
-                pool,
-                false,
-                reason::SCALED_UP,
-                format!(
-                    "Created {} runner VM(s); desired {}",
-                    done.created, p.desired
-                ),
-            )
-            .await;
+        Outcome {
+            done,
+            mint_failed,
+            pending,
+            reaped,
+            ..Outcome::default()
         }
-        if done.retired > 0 {
-            info!(pool = %key, retired = done.retired, desired = p.desired, "scaled down");
-            self.event(
-                pool,
-                false,
-                reason::SCALED_DOWN,
-                format!(
-                    "Retired {} idle runner(s); desired {}",
-                    done.retired, p.desired
-                ),
-            )
-            .await;
-        }
-        let finished = done.cleaned - done.cleaned.min(pp.replace.len() as u32);
-        if finished > 0 {
-            self.event(
-                pool,
-                false,
-                reason::RUNNERS_CLEANED_UP,
-                format!("Deleted {finished} finished runner VM(s)"),
-            )
-            .await;
-        }
-        (pending, done, mint_failed)
     }
 
     /// Writes the served jobs' records on their VMs and observes their phases once written; observes the

@@ -3,10 +3,11 @@
 //! ([`super::controller`]) observes, calls [`decide`], and executes; nothing here does I/O.
 //!
 //! Besides the scaling [`plan`](super::plan), this module owns the policies the executor used to decide
-//! inline: what to do about a VM's JIT Secret ([`mint_action`]), which GitHub errors mean the
-//! credentials are bad ([`credentials_invalid`]), the pool's status and conditions ([`pool_status`]),
-//! start-failure accounting ([`account_start_failures`]), the deadlines ([`overdue`]) and the
-//! registration reaper ([`orphans`]).
+//! inline: what blocks minting ([`mint_block`]), whether to list the pool's runners first
+//! ([`listing_wanted`]), what to do about a VM's JIT Secret ([`mint_action`]), which GitHub errors mean
+//! the credentials are bad ([`credentials_invalid`]), the pool's status and conditions ([`pool_status`]),
+//! start-failure accounting ([`account_start_failures`]), the deadlines ([`overdue`]), the registration
+//! reaper ([`orphans`]), and what a pass ends with once executed ([`settle`]: status, Events, requeue).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -510,6 +511,55 @@ pub fn needs_listing(
     reap_due || vms.iter().any(|v| online_suspect(v, d, confirmed, now))
 }
 
+/// What gates minting, as the pass observed it ([`mint_block`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MintGates {
+    /// The App cannot be used (its Secret is missing or bad), or a mint found its credentials invalid.
+    pub creds_invalid: bool,
+    /// The pool names no scope (repository, organization, enterprise) to register runners in.
+    pub no_scope: bool,
+    /// The mint backoff ([`Backoff`]) is running.
+    pub mint_backoff: bool,
+    /// The start-failure backoff is running.
+    pub start_backoff: bool,
+    /// Freshness stopped minting: GitHub refused the pool's runner version as deprecated.
+    pub version_deprecated: bool,
+}
+
+/// Why the pass may not mint, most lasting first: without credentials (or a scope) nothing mints,
+/// whatever else holds; a deprecated version stops minting until the pool changes, which outlasts a
+/// backoff; a failed mint waits before a VM that failed to start.
+pub fn mint_block(g: &MintGates) -> Option<MintBlock> {
+    if g.creds_invalid || g.no_scope {
+        Some(MintBlock::CredentialsInvalid)
+    } else if g.version_deprecated {
+        Some(MintBlock::RunnerVersionDeprecated)
+    } else if g.mint_backoff {
+        Some(MintBlock::Backoff)
+    } else if g.start_backoff {
+        Some(MintBlock::StartFailing)
+    } else {
+        None
+    }
+}
+
+/// Whether to list the pool's runners at GitHub before deciding: `Some(fresh)` when the reaper is due
+/// (no listing yet, or the last one `reap_interval` ago) or a started runner's online deadline needs
+/// judging; `fresh` when it is the latter, which needs GitHub's current view rather than another
+/// pool's recent listing of the scope.
+pub fn listing_wanted(
+    vms: &[VmFacts],
+    d: &Deadlines,
+    confirmed: &HashSet<u64>,
+    since_listing: Option<Duration>,
+    reap_interval: Duration,
+    now: Timestamp,
+) -> Option<bool> {
+    let reap_due = since_listing.is_none_or(|t| t >= reap_interval);
+    needs_listing(vms, d, confirmed, reap_due, now)
+        .then(|| vms.iter().any(|v| online_suspect(v, d, confirmed, now)))
+}
+
 /// Values of the `phase` label of `imp_runner_vm_phase_seconds`, in life order.
 pub const VM_PHASES: [&str; 4] = ["scheduling", "booting", "handoff", "job"];
 
@@ -540,7 +590,7 @@ pub struct Input<'a> {
     pub vms: &'a [VmFacts],
     pub scaling: &'a Scaling,
     pub queued: u32,
-    pub mint_block: Option<MintBlock>,
+    pub gates: MintGates,
     pub demand_known: bool,
     pub deadlines: Deadlines,
     /// Runner ids GitHub has listed online or busy before.
@@ -551,6 +601,8 @@ pub struct Input<'a> {
     pub now: Timestamp,
     /// The runner VMs' SLO records and the jobs their runners took ([`super::slo`]).
     pub served: &'a [ServedFacts],
+    pub status: StatusBasis,
+    pub timing: RequeueTiming,
 }
 
 /// What one pass of a live pool should do.
@@ -568,6 +620,11 @@ pub struct PoolPlan {
     pub next_deadline: Option<Duration>,
     /// `status.job` writes of VMs whose served job is newly known or changed.
     pub served: Vec<ServedUpdate>,
+    /// The pool's status once every step succeeds ([`settle`] with [`Outcome::planned`]).
+    pub status: ImpVMRunnerPoolStatus,
+    /// What the status is decided from besides the plan, for [`settle`].
+    pub basis: StatusBasis,
+    pub timing: RequeueTiming,
 }
 
 pub fn decide(i: &Input) -> PoolPlan {
@@ -600,7 +657,7 @@ pub fn decide(i: &Input) -> PoolPlan {
         vms: &observed,
         scaling: i.scaling,
         queued: i.queued,
-        mint_block: i.mint_block,
+        mint_block: mint_block(&i.gates),
         deleting: false,
         demand_known: i.demand_known,
     });
@@ -614,7 +671,180 @@ pub fn decide(i: &Input) -> PoolPlan {
     confirmed.extend(out.seen_online.iter().copied());
     out.next_deadline = next_deadline(i.vms, &i.deadlines, &confirmed, i.now);
     out.served = served_updates(i.served);
+    out.basis = i.status.clone();
+    out.timing = i.timing;
+    out.status = settle(&out, &Outcome::planned(&out), i.now).status;
     out
+}
+
+/// What the pool's status is decided from besides the plan, observed at the start of the pass.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StatusBasis {
+    pub old: ImpVMRunnerPoolStatus,
+    pub generation: Option<i64>,
+    pub max_runners: u32,
+    /// What the last sweeps learnt of the pool's scope.
+    pub sweep: Sweep,
+    /// The runner version's verdict ([`super::freshness`]).
+    pub freshness: super::freshness::Freshness,
+    /// The credentials as the pass found them.
+    pub creds: Creds,
+}
+
+/// The controller's timing that sets when the next pass runs ([`requeue_after`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequeueTiming {
+    pub resync: Duration,
+    pub retry: Duration,
+    pub scaling_requeue: Duration,
+    pub reap_interval: Duration,
+}
+
+/// What executing a [`PoolPlan`] came to. Every step is a call GitHub or the API server may refuse,
+/// which no plan can know beforehand; [`settle`] turns this into the status, Events and requeue.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Outcome {
+    pub done: Done,
+    /// A mint or creation failed (the executor stops minting at the first failure).
+    pub mint_failed: bool,
+    /// A removal or deregistration is left to retry.
+    pub pending: bool,
+    /// Names of the orphan registrations deleted.
+    pub reaped: Vec<String>,
+    /// The credentials as the pass left them (a failed mint may have found them invalid).
+    pub creds: Creds,
+    /// Time left on the mint and start backoffs (a failed mint restarts its backoff).
+    pub backoffs: Vec<Duration>,
+    /// Time since the pool's last runner listing (this pass's, if it took one).
+    pub since_listing: Option<Duration>,
+}
+
+impl Outcome {
+    /// Every step of `pp` succeeded: the outcome [`PoolPlan::status`] is decided for.
+    pub fn planned(pp: &PoolPlan) -> Outcome {
+        let p = &pp.plan;
+        Outcome {
+            done: Done {
+                created: p.create,
+                retired: p.retire.len() as u32,
+                cleaned: (p.cleanup.len() + pp.replace.len()) as u32,
+            },
+            mint_failed: false,
+            pending: false,
+            reaped: pp.reap.delete.iter().map(|(_, n)| n.clone()).collect(),
+            creds: pp.basis.creds.clone(),
+            backoffs: Vec::new(),
+            since_listing: None,
+        }
+    }
+}
+
+/// An Event a pass posts on its pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub warning: bool,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// What a pass ends with, from its plan and what executing it came to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settled {
+    pub status: ImpVMRunnerPoolStatus,
+    /// In the order they are posted, before the status is written.
+    pub events: Vec<Note>,
+    pub requeue: Duration,
+}
+
+/// The status, Events and requeue a pass ends with. A separate step after execution, because each of
+/// them depends on which calls succeeded: the counts on the VMs actually created, retired and cleaned
+/// up; ScalingLimited on a failed mint; CredentialsValid and Ready on credentials a mint found invalid;
+/// the requeue on what is left to retry and the backoffs a failure started. With the planned outcome
+/// ([`Outcome::planned`]) it gives the status [`decide`] returns.
+pub fn settle(pp: &PoolPlan, o: &Outcome, now: Timestamp) -> Settled {
+    let (p, b, t) = (&pp.plan, &pp.basis, &pp.timing);
+    let status = pool_status(&StatusInput {
+        old: &b.old,
+        plan: p,
+        done: o.done,
+        creds: &o.creds,
+        mint_failed: o.mint_failed,
+        generation: b.generation,
+        max_runners: b.max_runners,
+        sweep: &b.sweep,
+        now,
+        freshness: &b.freshness,
+    });
+    let mut events = Vec::new();
+    let mut note = |warning: bool, reason: &'static str, message: String| {
+        events.push(Note {
+            warning,
+            reason,
+            message,
+        })
+    };
+    if !o.reaped.is_empty() {
+        note(
+            false,
+            reason::ORPHAN_RUNNERS_DELETED,
+            format!(
+                "Deleted {} runner registration(s) without a VM: {}",
+                o.reaped.len(),
+                o.reaped.join(", ")
+            ),
+        );
+    }
+    let Done {
+        created,
+        retired,
+        cleaned,
+    } = o.done;
+    if created > 0 {
+        note(
+            false,
+            reason::SCALED_UP,
+            format!("Created {created} runner VM(s); desired {}", p.desired),
+        );
+    }
+    if retired > 0 {
+        note(
+            false,
+            reason::SCALED_DOWN,
+            format!("Retired {retired} idle runner(s); desired {}", p.desired),
+        );
+    }
+    // The replaced VMs had their own Event when removed.
+    let finished = cleaned - cleaned.min(pp.replace.len() as u32);
+    if finished > 0 {
+        note(
+            false,
+            reason::RUNNERS_CLEANED_UP,
+            format!("Deleted {finished} finished runner VM(s)"),
+        );
+    }
+    if o.creds != b.creds
+        && let Creds::Invalid { reason, message } = &o.creds
+    {
+        note(true, reason, message.clone());
+    }
+    let requeue = requeue_after(&RequeueInput {
+        resync: t.resync,
+        retry: t.retry,
+        scaling_requeue: t.scaling_requeue,
+        pending: o.pending,
+        backoffs: o.backoffs.clone(),
+        scaling_pending: p.limited == Some(Limit::ScaleUpStep)
+            || (created > 0 && p.desired > p.counts.live() + created),
+        next_deadline: pp.next_deadline,
+        next_reap: o
+            .since_listing
+            .map_or(Duration::ZERO, |s| t.reap_interval.saturating_sub(s)),
+    });
+    Settled {
+        status,
+        events,
+        requeue,
+    }
 }
 
 /// When the next pass should run, from what this one left: retries, backoffs, a scale-up still held
@@ -1191,7 +1421,7 @@ mod tests {
             vms: &vms,
             scaling: &sc,
             queued: 2,
-            mint_block: None,
+            gates: MintGates::default(),
             demand_known: true,
             deadlines: D,
             confirmed_online: &none,
@@ -1199,6 +1429,8 @@ mod tests {
             pool_name: "p",
             served: &[],
             now: t(301),
+            status: StatusBasis::default(),
+            timing: RequeueTiming::default(),
         });
         assert_eq!(p.replace.len(), 1);
         assert_eq!(
@@ -1222,7 +1454,7 @@ mod tests {
             vms: &vms,
             scaling: &sc,
             queued: 2,
-            mint_block: None,
+            gates: MintGates::default(),
             demand_known: true,
             deadlines: D,
             confirmed_online: &none,
@@ -1230,6 +1462,8 @@ mod tests {
             pool_name: "p",
             served: &[],
             now: t(301),
+            status: StatusBasis::default(),
+            timing: RequeueTiming::default(),
         });
         assert!(p.replace.is_empty() && p.seen_online.is_empty());
         assert_eq!(p.plan.create, 0);
@@ -1316,5 +1550,262 @@ mod tests {
             ..r
         };
         assert_eq!(requeue_after(&r), Duration::from_millis(200));
+    }
+
+    #[test]
+    fn minting_is_blocked_by_the_most_lasting_gate() {
+        let open = MintGates::default();
+        assert_eq!(mint_block(&open), None);
+        let all = MintGates {
+            creds_invalid: false,
+            no_scope: false,
+            mint_backoff: true,
+            start_backoff: true,
+            version_deprecated: true,
+        };
+        assert_eq!(
+            mint_block(&all),
+            Some(MintBlock::RunnerVersionDeprecated),
+            "a deprecated version outlasts any backoff"
+        );
+        for g in [
+            MintGates {
+                creds_invalid: true,
+                ..all
+            },
+            MintGates {
+                no_scope: true,
+                ..all
+            },
+        ] {
+            assert_eq!(mint_block(&g), Some(MintBlock::CredentialsInvalid));
+        }
+        let backoffs = MintGates {
+            version_deprecated: false,
+            ..all
+        };
+        assert_eq!(mint_block(&backoffs), Some(MintBlock::Backoff));
+        let starts = MintGates {
+            start_backoff: true,
+            ..open
+        };
+        assert_eq!(mint_block(&starts), Some(MintBlock::StartFailing));
+    }
+
+    #[test]
+    fn the_runners_are_listed_when_the_reaper_is_due_or_a_deadline_needs_judging() {
+        let none = HashSet::new();
+        let every = Duration::from_secs(60);
+        let mut v = facts("a", Idle, Some(1));
+        v.runner_started = Some(t(0));
+        let vms = [v];
+        // Never listed, or listed an interval ago: the reaper's listing may be shared.
+        assert_eq!(
+            listing_wanted(&vms, &D, &none, None, every, t(10)),
+            Some(false)
+        );
+        assert_eq!(
+            listing_wanted(&vms, &D, &none, Some(every), every, t(10)),
+            Some(false)
+        );
+        assert_eq!(
+            listing_wanted(&vms, &D, &none, Some(Duration::from_secs(5)), every, t(10)),
+            None
+        );
+        // Past the online deadline and never seen online: a fresh listing, whatever the reaper.
+        let recent = Some(Duration::from_secs(5));
+        assert_eq!(
+            listing_wanted(&vms, &D, &none, recent, every, t(300)),
+            Some(true)
+        );
+        assert_eq!(
+            listing_wanted(&vms, &D, &[1].into(), recent, every, t(300)),
+            None
+        );
+    }
+
+    /// A pool of desired 3 with one idle runner, one finished VM, one replaced, one to retire.
+    fn settled_plan() -> PoolPlan {
+        let plan = Plan {
+            desired: 3,
+            counts: crate::runnerpool::plan::Counts {
+                idle: 2,
+                ..Default::default()
+            },
+            create: 2,
+            retire: vec![Removal {
+                name: "surplus".into(),
+                runner_id: Some(5),
+            }],
+            cleanup: vec![Removal {
+                name: "done".into(),
+                runner_id: None,
+            }],
+            ..Default::default()
+        };
+        let mut pp = PoolPlan {
+            plan,
+            replace: vec![(
+                Removal {
+                    name: "stuck".into(),
+                    runner_id: Some(9),
+                },
+                Overdue::BootDeadlineExceeded,
+            )],
+            reap: Reap {
+                delete: vec![(7, "p-orphan".into())],
+                busy: 0,
+            },
+            basis: StatusBasis {
+                generation: Some(2),
+                max_runners: 4,
+                creds: Creds::Valid,
+                ..Default::default()
+            },
+            timing: RequeueTiming {
+                resync: Duration::from_secs(300),
+                retry: Duration::from_secs(5),
+                scaling_requeue: Duration::from_secs(2),
+                reap_interval: Duration::from_secs(60),
+            },
+            ..Default::default()
+        };
+        pp.status = settle(&pp, &Outcome::planned(&pp), t(0)).status;
+        pp
+    }
+
+    #[test]
+    fn decide_returns_the_status_of_the_plan_carried_out() {
+        let sc = scaling(1, 4);
+        let vms = [facts("a", Idle, Some(1))];
+        let none = HashSet::new();
+        let pp = decide(&Input {
+            vms: &vms,
+            scaling: &sc,
+            queued: 2,
+            gates: MintGates::default(),
+            demand_known: true,
+            deadlines: D,
+            confirmed_online: &none,
+            listing: None,
+            pool_name: "p",
+            served: &[],
+            now: t(0),
+            status: StatusBasis {
+                max_runners: 4,
+                creds: Creds::Valid,
+                ..Default::default()
+            },
+            timing: RequeueTiming::default(),
+        });
+        assert_eq!((pp.plan.desired, pp.plan.create), (2, 1));
+        assert_eq!(pp.status, settle(&pp, &Outcome::planned(&pp), t(0)).status);
+        assert_eq!(
+            (pp.status.desired, pp.status.total, pp.status.booting),
+            (2, 2, 1)
+        );
+        // Gates become the plan's block: nothing is created without credentials.
+        let pp = decide(&Input {
+            vms: &vms,
+            scaling: &sc,
+            queued: 2,
+            gates: MintGates {
+                creds_invalid: true,
+                ..Default::default()
+            },
+            demand_known: true,
+            deadlines: D,
+            confirmed_online: &none,
+            listing: None,
+            pool_name: "p",
+            served: &[],
+            now: t(0),
+            status: StatusBasis::default(),
+            timing: RequeueTiming::default(),
+        });
+        assert_eq!(pp.plan.create, 0);
+        assert_eq!(pp.plan.limited, Some(Limit::CredentialsInvalid));
+    }
+
+    #[test]
+    fn settling_the_planned_outcome_posts_one_event_per_kind_of_change() {
+        let pp = settled_plan();
+        let s = settle(&pp, &Outcome::planned(&pp), t(0));
+        assert_eq!(s.status, pp.status);
+        let reasons: Vec<&str> = s.events.iter().map(|n| n.reason).collect();
+        assert_eq!(
+            reasons,
+            [
+                reason::ORPHAN_RUNNERS_DELETED,
+                reason::SCALED_UP,
+                reason::SCALED_DOWN,
+                reason::RUNNERS_CLEANED_UP
+            ]
+        );
+        assert_eq!(
+            s.events[3].message, "Deleted 1 finished runner VM(s)",
+            "the replaced VM is not counted"
+        );
+        assert!(s.events.iter().all(|n| !n.warning));
+        // 2 idle - 1 retired + 2 created, the finished and the replaced VM gone.
+        assert_eq!((s.status.idle, s.status.booting, s.status.total), (1, 2, 1));
+        // Nothing left to retry, no listing yet: the reaper is due at once.
+        assert_eq!(s.requeue, Duration::ZERO);
+    }
+
+    #[test]
+    fn settling_a_failed_mint_says_so_in_the_status_the_events_and_the_requeue() {
+        let pp = settled_plan();
+        let o = Outcome {
+            done: Done {
+                created: 0,
+                retired: 1,
+                cleaned: 2,
+            },
+            mint_failed: true,
+            pending: true,
+            reaped: vec![],
+            creds: Creds::Invalid {
+                reason: reason::CREDENTIALS_INVALID,
+                message: "bad key".into(),
+            },
+            backoffs: vec![Duration::from_secs(1)],
+            since_listing: Some(Duration::from_secs(10)),
+        };
+        let s = settle(&pp, &o, t(0));
+        let c = cond(&s.status, condition::SCALING_LIMITED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("True", Limit::MintBackoff.reason())
+        );
+        let c = cond(&s.status, condition::CREDENTIALS_VALID);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", reason::CREDENTIALS_INVALID)
+        );
+        assert_eq!(cond(&s.status, condition::READY).status, "False");
+        assert_eq!((s.status.booting, s.status.total), (0, 0));
+        let last = s.events.last().unwrap();
+        assert_eq!(
+            (last.warning, last.reason, last.message.as_str()),
+            (true, reason::CREDENTIALS_INVALID, "bad key")
+        );
+        assert!(!s.events.iter().any(|n| n.reason == reason::SCALED_UP));
+        // The backoff (plus its margin) comes before the retry.
+        assert_eq!(s.requeue, Duration::from_millis(1010));
+        // Credentials already known bad: no second Event.
+        let again = PoolPlan {
+            basis: StatusBasis {
+                creds: o.creds.clone(),
+                ..pp.basis.clone()
+            },
+            ..pp.clone()
+        };
+        assert!(
+            !settle(&again, &o, t(0))
+                .events
+                .iter()
+                .any(|n| n.reason == reason::CREDENTIALS_INVALID)
+        );
     }
 }

@@ -36,50 +36,25 @@ impl Default for Timing {
     }
 }
 
-/// Where the controller looks and how it behaves.
+/// How the controller behaves (what it watches is the [`crate::index::IndexConfig`]'s).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VmControllerConfig {
-    /// Namespace whose ImpVMs are managed; None manages every namespace.
-    pub vm_namespace: Option<String>,
-    /// Namespace holding the agents' heartbeat Leases (`imp-node-<node>`): the operator's namespace.
-    pub lease_namespace: String,
-    /// Extra label selector ANDed with `imp/enabled=true` when listing nodes (e.g. one pool of nodes).
-    pub node_selector: Option<String>,
     /// Reporting controller name on Events.
     pub reporter: String,
     pub timing: Timing,
 }
 
 impl VmControllerConfig {
-    pub fn new(lease_namespace: impl Into<String>) -> Self {
+    pub fn new() -> Self {
         VmControllerConfig {
-            vm_namespace: None,
-            lease_namespace: lease_namespace.into(),
-            node_selector: None,
             reporter: imp_api::names::MANAGER_OPERATOR.to_owned(),
             timing: Timing::default(),
         }
     }
-
-    /// The label selector used to watch nodes.
-    pub fn node_label_selector(&self) -> String {
-        let enabled = format!("{}=true", imp_api::names::LABEL_NODE_ENABLED);
-        match self.node_selector.as_deref().filter(|s| !s.is_empty()) {
-            Some(extra) => format!("{enabled},{extra}"),
-            None => enabled,
-        }
-    }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn node_selector_adds_to_the_enabled_label() {
-        let mut c = VmControllerConfig::new("imp-system");
-        assert_eq!(c.node_label_selector(), "imp/enabled=true");
-        c.node_selector = Some("pool=ci".into());
-        assert_eq!(c.node_label_selector(), "imp/enabled=true,pool=ci");
+impl Default for VmControllerConfig {
+    fn default() -> Self {
+        Self::new()
     }
 }

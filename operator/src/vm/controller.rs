@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use imp_api::{
     ImpNetwork, ImpVM, ImpVMClass, VmPhase,
     names::{
@@ -31,11 +31,10 @@ use kube::{
     Api, Client, Resource, ResourceExt,
     api::{DeleteParams, Patch, PatchParams, PostParams},
     runtime::{
-        Controller, WatchStreamExt,
+        Controller,
         controller::Action,
         events::{Recorder, Reporter},
-        reflector::{self, ObjectRef, Store},
-        watcher,
+        reflector::{ObjectRef, Store},
     },
 };
 use serde_json::json;
@@ -49,6 +48,7 @@ use super::{
 };
 use crate::{
     error::{Error, Result},
+    index::{AbortOnDrop, Index},
     ipam::Ipam,
     metrics::{
         ModeLabels, NetworkAddressLabels, NodeLabels, PhaseLabels, ReasonLabels, ResultLabels,
@@ -95,6 +95,8 @@ pub struct Context {
     leases: Store<Lease>,
     classes: Store<ImpVMClass>,
     networks: Store<ImpNetwork>,
+    /// Where the index watches the agents' Leases.
+    lease_namespace: String,
     ipam: Ipam,
     /// Held across choose-and-bind so two VMs cannot both take the last free slot of a node.
     assumed: Mutex<HashMap<String, Assumed>>,
@@ -104,42 +106,24 @@ pub struct Context {
     nudge: tokio::sync::mpsc::UnboundedSender<ObjectRef<ImpVM>>,
 }
 
-/// Runs the ImpVM controller until its watches end (or the task is dropped). `ready` turns true once the
-/// Node, Lease and ImpVMClass caches are filled, which is also when the controller starts deciding (the
-/// runtime holds reconciles until the ImpVM cache is filled too).
+/// Runs the ImpVM controller on `index`'s caches until the task is dropped. `ready` turns true once the
+/// index is filled, which is also when the controller starts deciding.
 pub async fn run_vm_controller(
     client: Client,
+    index: Index,
     config: VmControllerConfig,
     metrics: VmMetrics,
     ready: Arc<AtomicBool>,
 ) {
-    let vms_api: Api<ImpVM> = match &config.vm_namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let node_wc = match config.node_selector.as_deref().filter(|s| !s.is_empty()) {
-        Some(sel) => watcher::Config::default().labels(sel),
-        None => watcher::Config::default(),
-    };
-    let (nodes, node_writer) = reflector::store::<Node>();
-    let node_events = reflector::reflector(
-        node_writer,
-        watcher(Api::<Node>::all(client.clone()), node_wc),
-    )
-    .default_backoff()
-    .touched_objects();
-    let (leases, lease_writer) = reflector::store::<Lease>();
+    let (nodes, leases, classes, networks) = (
+        index.nodes.store(),
+        index.leases.store(),
+        index.classes.store(),
+        index.networks.store(),
+    );
+    let node_events = index.nodes.subscribe();
     let heartbeat_gauge = metrics.agent_heartbeat.clone();
-    let lease_events = reflector::reflector(
-        lease_writer,
-        watcher(
-            Api::<Lease>::namespaced(client.clone(), &config.lease_namespace),
-            watcher::Config::default(),
-        ),
-    )
-    .default_backoff()
-    .touched_objects()
-    .inspect_ok(move |lease: &Lease| {
+    let lease_events = index.leases.subscribe().inspect(move |lease: &Arc<Lease>| {
         if let (Some(node), Some(t)) = (lease_node(&lease.name_any()), health::lease_renewed(lease))
         {
             heartbeat_gauge
@@ -149,27 +133,9 @@ pub async fn run_vm_controller(
                 .set(t.as_millisecond() as f64 / 1000.0);
         }
     });
-    let (classes, class_writer) = reflector::store::<ImpVMClass>();
-    let class_events = reflector::reflector(
-        class_writer,
-        watcher(
-            Api::<ImpVMClass>::all(client.clone()),
-            watcher::Config::default(),
-        ),
-    )
-    .default_backoff()
-    .touched_objects();
-    let networks_api: Api<ImpNetwork> = match &config.vm_namespace {
-        Some(ns) => Api::namespaced(client.clone(), ns),
-        None => Api::all(client.clone()),
-    };
-    let (networks, network_writer) = reflector::store::<ImpNetwork>();
-    let network_events = reflector::reflector(
-        network_writer,
-        watcher(networks_api, watcher::Config::default()),
-    )
-    .default_backoff()
-    .touched_objects();
+    let class_events = index.classes.subscribe();
+    let network_events = index.networks.subscribe();
+    let vm_events = index.vms.subscribe();
 
     let (nudge, nudged) = tokio::sync::mpsc::unbounded_channel();
     let nudged =
@@ -177,8 +143,8 @@ pub async fn run_vm_controller(
             nudged,
             |mut rx| async move { rx.recv().await.map(|r| (r, rx)) },
         );
-    let controller = Controller::new(vms_api, watcher::Config::default()).reconcile_on(nudged);
-    let vms = controller.store();
+    let vms = index.vms.store();
+    let controller = Controller::for_shared_stream(vm_events, vms.clone()).reconcile_on(nudged);
     let recorder = Recorder::new(
         client.clone(),
         Reporter {
@@ -196,73 +162,43 @@ pub async fn run_vm_controller(
         leases: leases.clone(),
         classes: classes.clone(),
         networks: networks.clone(),
+        lease_namespace: index.config().lease_namespace.clone(),
         ipam: Ipam::new(client.clone()),
         assumed: Mutex::new(HashMap::new()),
         caches_ready: AtomicBool::new(false),
         nudge,
     });
 
-    {
-        // Deciding on half-filled caches would mistake a not-yet-listed node for a deleted one.
-        let ctx = ctx.clone();
-        let (nodes, leases, classes, networks) = (
-            nodes.clone(),
-            leases.clone(),
-            classes.clone(),
-            networks.clone(),
-        );
-        tokio::spawn(async move {
-            // Not the ImpVM store: the applier already waits on it, and a store wakes only one waiter
-            // (kube-runtime 5's DelayedInit is a oneshot), so a second waiter could stall one of the two.
-            let _ = tokio::join!(
-                async { (nodes.wait_until_ready().await, debug!("Node cache filled")) },
-                async {
-                    (
-                        leases.wait_until_ready().await,
-                        debug!("Lease cache filled"),
-                    )
-                },
-                async {
-                    (
-                        classes.wait_until_ready().await,
-                        debug!("ImpVMClass cache filled"),
-                    )
-                },
-                async {
-                    (
-                        networks.wait_until_ready().await,
-                        debug!("ImpNetwork cache filled"),
-                    )
-                },
-            );
-            ctx.caches_ready.store(true, Ordering::SeqCst);
-            ready.store(true, Ordering::SeqCst);
-            info!("ImpVM controller caches filled; reconciling");
-        });
-    }
+    // Deciding on half-filled caches would mistake a not-yet-listed node for a deleted one. Waiting
+    // here, before the runtime's applier waits on the ImpVM store itself, also keeps that store to one
+    // waiter at a time (see crate::index).
+    index.ready().await;
+    ctx.caches_ready.store(true, Ordering::SeqCst);
+    ready.store(true, Ordering::SeqCst);
+    info!("ImpVM controller caches filled; reconciling");
 
     let _gauges = AbortOnDrop(tokio::spawn(refresh_gauges(ctx.clone())));
     let _sweep = AbortOnDrop(tokio::spawn(sweep_allocations(ctx.clone())));
 
     let (vms_n, vms_l, vms_c, vms_w) = (vms.clone(), vms.clone(), vms.clone(), vms.clone());
     controller
-        .watches_stream(node_events, move |node: Node| {
+        .watches_shared_stream(node_events, move |node: Arc<Node>| {
             // Its VMs (health), and every unbound VM (capacity may have appeared).
             let name = node.name_any();
             refs(&vms_n, |vm| {
                 vm.spec.node_name.as_deref().is_none_or(|n| n == name)
             })
         })
-        .watches_stream(lease_events, move |lease: Lease| {
+        .watches_shared_stream(lease_events, move |lease: Arc<Lease>| {
             let name = lease.name_any();
             let node = lease_node(&name).map(str::to_owned);
             refs(&vms_l, |vm| node.is_some() && vm.spec.node_name == node)
         })
-        .watches_stream(class_events, move |class: ImpVMClass| {
+        .watches_shared_stream(class_events, move |class: Arc<ImpVMClass>| {
             let name = class.name_any();
             refs(&vms_c, |vm| vm.spec.class_ref.name == name)
         })
-        .watches_stream(network_events, move |net: ImpNetwork| {
+        .watches_shared_stream(network_events, move |net: Arc<ImpNetwork>| {
             // VMs waiting for an address: the network appeared, or one of its addresses was freed.
             let (name, ns) = (net.name_any(), net.namespace());
             refs(&vms_w, |vm| {
@@ -279,15 +215,6 @@ pub async fn run_vm_controller(
             }
         })
         .await;
-}
-
-/// Aborts a background task when the controller future ends or is dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// VMs per phase, and per node the VMs bound to it that are not running yet (Scheduled or Starting).
@@ -462,7 +389,7 @@ impl Context {
 
     fn lease(&self, node: &str) -> Option<Arc<Lease>> {
         self.leases
-            .get(&ObjectRef::new(&lease_name(node)).within(&self.config.lease_namespace))
+            .get(&ObjectRef::new(&lease_name(node)).within(&self.lease_namespace))
     }
 
     fn node_health(&self, node: &str, now: Timestamp) -> NodeHealth {

@@ -18,6 +18,7 @@ use imp_api::{
     names::{ANNOTATION_IP_ALLOCATION, LABEL_NODE_ENABLED, condition, lease_name, reason},
 };
 use imp_operator::{
+    index::{Index, IndexConfig},
     metrics::{VmMetrics, encode},
     vm::{Timing, VmControllerConfig, run_vm_controller},
 };
@@ -83,16 +84,25 @@ impl Harness {
         let env = TestEnv::new(prefix).await;
         let client = env.client.clone();
         let ns = env.namespace.clone();
-        let mut config = VmControllerConfig::new(ns.clone());
-        config.vm_namespace = Some(ns.clone());
-        config.node_selector = Some(format!("{TEST_NODE_LABEL}={ns}"));
-        config.timing = timing;
+        let index = Index::start(
+            client.clone(),
+            IndexConfig {
+                namespace: Some(ns.clone()),
+                node_selector: Some(format!("{TEST_NODE_LABEL}={ns}")),
+                lease_namespace: ns.clone(),
+            },
+        );
+        let config = VmControllerConfig {
+            timing,
+            ..VmControllerConfig::new()
+        };
         let metrics = VmMetrics::default();
         let mut registry = Registry::default();
         metrics.register(&mut registry);
         let ready = Arc::new(AtomicBool::new(false));
         let controller = tokio::spawn(run_vm_controller(
             client.clone(),
+            index,
             config,
             metrics.clone(),
             ready.clone(),

@@ -730,6 +730,13 @@ impl GithubSim {
         self.shared.scalesets().failing_acks = count;
     }
 
+    /// Holds the next `count` acks of a message offering a job open until the listener goes away
+    /// (killed, its session ended); the message is then not deleted. `acks_held` and
+    /// `acks_discarded` in [`Self::scale_set_stats`] count them.
+    pub fn hold_scale_set_acks(&self, count: u32) {
+        self.shared.scalesets().holding_acks = count;
+    }
+
     /// Sets how long an unpolled session lives and how long a poll waits before answering 202.
     pub fn set_scale_set_timing(&self, session_ttl: Duration, poll_timeout: Duration) {
         let mut ss = self.shared.scalesets();
