@@ -119,7 +119,10 @@ pub async fn connect(
     port: u32,
     deadline: Instant,
 ) -> Result<HostClient, HostError> {
-    retry(uds_path, deadline, None, || connect_once(uds_path, Some(port))).await
+    retry(uds_path, deadline, None, || {
+        connect_once(uds_path, Some(port))
+    })
+    .await
 }
 
 /// [`connect`], attempting again as soon as the guest announces itself on `announcements`

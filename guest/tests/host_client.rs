@@ -276,10 +276,16 @@ async fn an_announcing_guest_is_connected_at_once_not_at_the_next_backoff_step()
     .await;
     let _agent = agent.await.unwrap();
     let client = r.expect("connected on the announcement before the deadline");
-    assert_eq!(client.hello().protocol, imp_guest::protocol::PROTOCOL_VERSION);
+    assert_eq!(
+        client.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
     assert_eq!(announcements.heard(), 1);
     drop(announcements);
-    assert!(!announce_path.exists(), "the announcement socket is removed on drop");
+    assert!(
+        !announce_path.exists(),
+        "the announcement socket is removed on drop"
+    );
 }
 
 /// A guest that never announces (an older image) is still found by the backoff.
@@ -310,6 +316,9 @@ async fn a_guest_that_does_not_announce_is_found_by_the_backoff() {
     )
     .await
     .unwrap();
-    assert_eq!(client.hello().protocol, imp_guest::protocol::PROTOCOL_VERSION);
+    assert_eq!(
+        client.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
     assert_eq!(announcements.heard(), 0);
 }

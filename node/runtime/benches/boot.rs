@@ -209,7 +209,11 @@ async fn main() {
     // imp-runtime logs it; the connect's backoff alone would add up to its 500 ms step.
     let detect: Vec<f64> = [h.runtime_log(), open.runtime_log()]
         .iter()
-        .flat_map(|log| log.lines().filter_map(hello_after_announce_ms).collect::<Vec<_>>())
+        .flat_map(|log| {
+            log.lines()
+                .filter_map(hello_after_announce_ms)
+                .collect::<Vec<_>>()
+        })
         .collect();
     let polled = (2 * (runs + 1)).saturating_sub(detect.len());
     if detect.is_empty() {

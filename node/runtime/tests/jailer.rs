@@ -359,7 +359,10 @@ async fn boot_latency_through_the_jailer_vs_direct() {
     // The guest's announcement reaches the runtime through the jail too (its socket is the VM
     // uid's). A Hello may still come first through a connect attempt (the simulator's agent
     // starts at InstanceStart, while the first attempts are 20 ms apart), so not every VM counts.
-    for (what, log) in [("jailed", j.h.runtime_log()), ("direct", direct.runtime_log())] {
+    for (what, log) in [
+        ("jailed", j.h.runtime_log()),
+        ("direct", direct.runtime_log()),
+    ] {
         assert!(
             !log.contains("cannot listen for the guest's announcement"),
             "{what}:\n{log}"

@@ -232,8 +232,7 @@ impl Runtime {
         self.refresh_state_gauge().await;
         let resumed = match self.load_snapshot(r, deadline).await {
             Ok(vm) => {
-                let hello =
-                    vmm::wait_for_hello(
+                let hello = vmm::wait_for_hello(
                     &r.vsock_path,
                     &r.serial_log,
                     || vm.is_alive(),
