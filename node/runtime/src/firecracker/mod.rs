@@ -323,6 +323,7 @@ impl Vmm {
             &self.files.serial_log,
             || self.is_alive(),
             deadline,
+            None,
         )
         .await
     }
