@@ -15,7 +15,7 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::super::Shared;
+use super::super::shared::Shared;
 use super::super::jobs::random_token;
 use super::super::model::SimScope;
 use super::super::registry::register_runner;
