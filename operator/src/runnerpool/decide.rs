@@ -671,7 +671,9 @@ pub fn decide(i: &Input) -> PoolPlan {
                 out.awaiting_exit.push(vm.name.clone());
                 RunnerState::Busy
             };
-        } else if let Some(why) = overdue(v, &i.deadlines, i.confirmed_online, by_id.as_ref(), i.now) {
+        } else if let Some(why) =
+            overdue(v, &i.deadlines, i.confirmed_online, by_id.as_ref(), i.now)
+        {
             out.replace.push((
                 Removal {
                     name: vm.name.clone(),
@@ -1578,7 +1580,11 @@ mod tests {
         // Past the grace: finished as if it had exited (deregistered, deleted).
         let p = pass(&vms, t(160));
         assert_eq!(removed(&p), vec!["done"]);
-        assert_eq!(p.plan.cleanup.len(), 1, "cleaned up, not retired or replaced");
+        assert_eq!(
+            p.plan.cleanup.len(),
+            1,
+            "cleaned up, not retired or replaced"
+        );
         assert!(p.awaiting_exit.is_empty());
         assert_eq!(p.next_deadline, None);
     }
