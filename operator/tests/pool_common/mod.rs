@@ -130,6 +130,9 @@ pub struct PoolHarness {
     timing: PoolTiming,
     /// The runner version the fake agent's runners state (the simulator's broker checks it).
     pub runner_version: Arc<Mutex<String>>,
+    /// How long the fake agent's runners take to exit after their job (a real runner reports and
+    /// uploads its logs first); the exit is recorded after it.
+    pub runner_exit_delay: Arc<Mutex<Duration>>,
     /// Nodes and the class of [`Self::add_nodes`] (cluster-scoped: deleted on drop).
     nodes: Vec<String>,
     class: Option<String>,
@@ -168,6 +171,7 @@ impl PoolHarness {
             runner_version: Arc::new(Mutex::new(
                 imp_testkit::github::releases::DEFAULT_LATEST.to_string(),
             )),
+            runner_exit_delay: Arc::new(Mutex::new(Duration::ZERO)),
             nodes: vec![],
             class: None,
         };
@@ -555,6 +559,7 @@ impl PoolHarness {
             vms: vms.clone(),
             secrets,
             runner_version: self.runner_version.clone(),
+            exit_delay: self.runner_exit_delay.clone(),
         };
         let task = tokio::spawn(async move {
             let mut handled = std::collections::HashSet::new();
@@ -638,6 +643,7 @@ struct AgentCtx {
     vms: Api<ImpVM>,
     secrets: Api<Secret>,
     runner_version: Arc<Mutex<String>>,
+    exit_delay: Arc<Mutex<Duration>>,
 }
 
 impl AgentCtx {
@@ -676,7 +682,10 @@ impl AgentCtx {
             version: self.runner_version.lock().unwrap().clone(),
             ..FakeRunnerOptions::default()
         };
-        let patch = match run_fake_runner(&config, &opts).await {
+        let result = run_fake_runner(&config, &opts).await;
+        let delay = *self.exit_delay.lock().unwrap();
+        tokio::time::sleep(delay).await;
+        let patch = match result {
             Ok(_) => json!({"status": {"phase": "Succeeded",
                 "runner": {"handoff": "Exited", "exitCode": 0, "exitedTime": Time(Timestamp::now())}}}),
             // GitHub refused the runner's version: exit code 7 (the runner layer runs the runner
