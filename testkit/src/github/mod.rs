@@ -4,9 +4,9 @@
 //! `workflow_job` webhooks, speaks a small runner protocol for the fake runner
 //! (`imp-fake-runner`), and injects faults on demand. See docs/github.md.
 
+mod config;
 #[cfg(test)]
 mod dispatch_tests;
-mod config;
 pub mod http;
 pub mod jobs;
 pub mod jwt;

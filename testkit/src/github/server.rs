@@ -15,11 +15,11 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::shared::Shared;
 use super::jobs::{JobSpec, JobStatus, random_token, run_status};
 use super::jwt::verify_app_jwt;
 use super::model::{Fault, FaultRule, RateWindow, SimRunner, SimScope, WebhookFault, labels_match};
 use super::registry::register_runner;
+use super::shared::Shared;
 
 mod dispatch;
 mod scaleset;

@@ -10,8 +10,8 @@ use super::config::SimConfig;
 use super::jobs::{JobSpec, SimJob};
 use super::keys::AppKey;
 use super::model::Model;
-use super::scaleset;
 use super::payload::{self, HookEvent};
+use super::scaleset;
 
 pub(crate) struct Shared {
     pub config: SimConfig,

@@ -16,10 +16,10 @@ use serde_json::Value;
 use sha2::Sha256;
 use tokio::sync::mpsc;
 
-use super::shared::Shared;
 use super::http::HttpClient;
-use super::payload::HookEvent;
 use super::model::{Delivery, WebhookFault};
+use super::payload::HookEvent;
+use super::shared::Shared;
 
 /// `sha256=<hex>` HMAC of `body` with `secret`, as in `X-Hub-Signature-256`.
 pub fn sign_body(secret: &str, body: &[u8]) -> String {

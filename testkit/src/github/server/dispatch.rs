@@ -15,9 +15,9 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::super::shared::Shared;
 use super::super::jobs::{JobSpec, SimJob, random_token};
 use super::super::model::SimScope;
+use super::super::shared::Shared;
 use super::super::workflows::{SimRun, WorkflowFile, run_json};
 use super::{
     ApiError, ApiResult, PageQuery, S, auth_value, check_repo, invalid, json_response,

@@ -15,7 +15,6 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::super::shared::Shared;
 use super::super::jobs::random_token;
 use super::super::model::SimScope;
 use super::super::registry::register_runner;
@@ -23,6 +22,7 @@ use super::super::scaleset::{
     HEADER_MAX_CAPACITY, MESSAGE_TYPE_JOB_MESSAGES, ScaleSetRefusal, ScaleSetSession, ScaleSets,
     SimScaleSet,
 };
+use super::super::shared::Shared;
 
 type S = State<Arc<Shared>>;
 
