@@ -179,9 +179,18 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
         let (_, st) = h.client.ensure_running(uid, &spec).await.unwrap();
         boots.push(st.boot_seconds.unwrap());
         // The guest's announcement reached the runtime through the confined vsock device: the
-        // guest says so only when the host end accepted its connection.
-        let console =
-            std::fs::read_to_string(h.vms_dir().join(uid).join("serial.log")).unwrap_or_default();
+        // guest says so only when the host end accepted its connection. It prints that after the
+        // connection, so the Hello (which the connection triggers) may come first: wait for it.
+        let serial = h.vms_dir().join(uid).join("serial.log");
+        let marker = "IMP-GUEST stage=announce ";
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let console = loop {
+            let console = std::fs::read_to_string(&serial).unwrap_or_default();
+            if console.contains(marker) || std::time::Instant::now() >= deadline {
+                break console;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
         assert!(
             console.contains("IMP-GUEST stage=announce ok"),
             "{uid}: no announcement taken\n{console}"
