@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use imp_api::{
-    ImpVM, ImpVMClass, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
+    HandoffState, ImpVM, ImpVMClass, ImpVMRunnerPool, ImpVMSpec, Lifecycle, ServedJobStatus,
     names::{
         self, ANNOTATION_BOOT_DIGEST, ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME,
         FINALIZER_POOL_CLEANUP, LABEL_RUNNER_POOL, LABEL_SECRET_KIND, SECRET_KEY_JITCONFIG,
@@ -53,7 +53,7 @@ use super::{
         account_start_failures, after_store_conflict, credentials_invalid, decide, listing_wanted,
         mint_action, orphans, phase_spans, settle,
     },
-    demand::{PoolKey, PoolRoute, sweep_updates},
+    demand::{PoolKey, PoolRoute, ServedJob, sweep_updates},
     freshness::{self, Freshness, Refusal, RefusedExit, RunnerVersion},
     plan::{Backoff, Observed, ObservedVm, Removal, plan},
     shared::PoolShared,
@@ -246,9 +246,9 @@ enum Removed {
 /// GitHub's runners of the pool's scope and the runner names existing VMs hold (read after the listing).
 type Listing = (Runners, HashSet<String>);
 
-/// What the pass observed of one VM, for the decision. `completed`: when the demand saw the job the
-/// VM's runner took complete, if it did.
-fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>, completed: Option<Timestamp>) -> VmFacts {
+/// What the pass observed of one VM, for the decision. `served`: the job the demand knows the VM's
+/// runner took, if any.
+fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>, served: Option<&ServedJob>) -> VmFacts {
     let ann = vm.annotations();
     let name = ann.get(ANNOTATION_RUNNER_NAME).map(String::as_str);
     let status = vm.status.as_ref();
@@ -272,7 +272,13 @@ fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>, completed: Option<Timest
             .and_then(|s| s.job.as_ref())
             .and_then(|j| j.completed_time.as_ref())
             .map(|t| t.0)
-            .or(completed),
+            .or(served.and_then(|j| j.completed_at)),
+        exited_ok: status
+            .and_then(|s| s.runner.as_ref())
+            .filter(|r| r.handoff == Some(HandoffState::Exited) && r.exit_code == Some(0))
+            .and_then(|r| r.exited_time.as_ref())
+            .map(|t| t.0),
+        attributed: served.is_some() || status.is_some_and(|s| s.job.is_some()),
     }
 }
 
@@ -657,12 +663,11 @@ impl Ctx {
             let d = self.shared.demand();
             vms.iter()
                 .map(|vm| {
-                    let completed = vm
+                    let served = vm
                         .annotations()
                         .get(ANNOTATION_RUNNER_NAME)
-                        .and_then(|r| d.served_by(key, r))
-                        .and_then(|j| j.completed_at);
-                    vm_facts(vm, &demand.busy_runners, completed)
+                        .and_then(|r| d.served_by(key, r));
+                    vm_facts(vm, &demand.busy_runners, served.as_ref())
                 })
                 .collect()
         };

@@ -375,6 +375,11 @@ pub struct VmFacts {
     /// When the job the runner took completed: `status.job.completedTime` (so it survives an operator
     /// restart), else the demand's completion time when this pass learnt it first.
     pub job_completed: Option<Timestamp>,
+    /// When the agent recorded the runner's exit with code 0 (`status.runner.exitedTime`): an
+    /// ephemeral runner exits 0 only after it ran a job.
+    pub exited_ok: Option<Timestamp>,
+    /// The demand (or `status.job`) names the job this VM's runner took.
+    pub attributed: bool,
 }
 
 /// A runner registration as GitHub lists it.
@@ -416,6 +421,20 @@ pub fn awaiting_exit(v: &VmFacts, d: &Deadlines, now: Timestamp) -> Option<Durat
     }
     v.job_completed
         .map(|t| d.exit.saturating_sub(elapsed(t, now)))
+}
+
+/// A runner that exited 0 (so it ran a job) while the demand does not know which job it ran: the
+/// time left of its grace, zero once it ran out. Until the intake learns which job the runner took
+/// (a scale-set session taken over after an operator restart reads its messages only once the old
+/// session expired; a lost `in_progress` webhook), the job still counts as queued, and deleting the
+/// VM would let the pool mint a second runner for a job already served. Kept (not counted live) and
+/// taken off the queued demand instead, until the job is attributed or the grace (the exit grace,
+/// from the exit) runs out; the VM is the durable record, so a restarted operator counts it too.
+pub fn awaiting_attribution(v: &VmFacts, d: &Deadlines, now: Timestamp) -> Option<Duration> {
+    if v.vm.state != RunnerState::Terminal || v.attributed {
+        return None;
+    }
+    v.exited_ok.map(|t| d.exit.saturating_sub(elapsed(t, now)))
 }
 
 /// A started runner whose online deadline passed and that was never seen online: GitHub's listing is
@@ -472,6 +491,7 @@ pub fn next_deadline(
         .filter_map(|v| match v.vm.state {
             RunnerState::Booting => v.scheduled.map(|t| d.boot.saturating_sub(elapsed(t, now))),
             RunnerState::Idle if v.job_completed.is_some() => awaiting_exit(v, d, now),
+            RunnerState::Terminal => awaiting_attribution(v, d, now),
             RunnerState::Idle if v.vm.runner_id.is_some_and(|id| !confirmed.contains(&id)) => v
                 .runner_started
                 .map(|t| d.online.saturating_sub(elapsed(t, now))),
@@ -642,6 +662,9 @@ pub struct PoolPlan {
     /// Runner VMs whose job completed, kept within their exit grace for the agent to record the
     /// runner's exit ([`awaiting_exit`]).
     pub awaiting_exit: Vec<String>,
+    /// Runner VMs that exited 0 with their job not yet attributed, kept and taken off the queued
+    /// demand ([`awaiting_attribution`]).
+    pub awaiting_attribution: Vec<String>,
     /// Requeue by then to judge the next deadline (or the end of an exit grace).
     pub next_deadline: Option<Duration>,
     /// `status.job` writes of VMs whose served job is newly known or changed.
@@ -661,6 +684,11 @@ pub fn decide(i: &Input) -> PoolPlan {
     let mut observed = Vec::with_capacity(i.vms.len());
     for v in i.vms {
         let mut vm = v.vm.clone();
+        if awaiting_attribution(v, &i.deadlines, i.now).is_some_and(|left| !left.is_zero()) {
+            // It served one of the queued jobs, not yet known which: neither cleaned up nor live.
+            out.awaiting_attribution.push(vm.name.clone());
+            continue;
+        }
         if let Some(left) = awaiting_exit(v, &i.deadlines, i.now) {
             // Still finishing its job: counted busy (it holds its slot, is never retired, and a
             // replacement is not made for it) until the agent records the exit, which makes it
@@ -694,7 +722,9 @@ pub fn decide(i: &Input) -> PoolPlan {
     out.plan = plan(&Observed {
         vms: &observed,
         scaling: i.scaling,
-        queued: i.queued,
+        queued: i
+            .queued
+            .saturating_sub(out.awaiting_attribution.len() as u32),
         mint_block: mint_block(&i.gates),
         deleting: false,
         demand_known: i.demand_known,
@@ -944,6 +974,8 @@ mod tests {
             scheduled: None,
             runner_started: None,
             job_completed: None,
+            exited_ok: None,
+            attributed: false,
         }
     }
 
@@ -1512,12 +1544,17 @@ mod tests {
     /// One pass over `vms` at `now` with minIdle 0, no demand and the demand known (so any idle runner
     /// is surplus and would be retired), and a listing in which none of the runners exists any more.
     fn pass(vms: &[VmFacts], now: Timestamp) -> PoolPlan {
+        pass_queued(vms, 0, now)
+    }
+
+    /// [`pass`] with `queued` jobs waiting.
+    fn pass_queued(vms: &[VmFacts], queued: u32, now: Timestamp) -> PoolPlan {
         let sc = scaling(0, 5);
         let (none, held) = (HashSet::new(), HashSet::new());
         decide(&Input {
             vms,
             scaling: &sc,
-            queued: 0,
+            queued,
             gates: MintGates::default(),
             demand_known: true,
             deadlines: D,
@@ -1633,6 +1670,65 @@ mod tests {
         busy.job_completed = Some(t(5));
         let p = pass(&[busy], t(10));
         assert!(removed(&p).is_empty() && p.awaiting_exit.is_empty());
+    }
+
+    /// A runner that exited 0 (it ran a job) whose job the demand cannot name yet.
+    fn served_unknown(name: &str, exited: i64) -> VmFacts {
+        let mut v = facts(name, Terminal, Some(9));
+        v.runner_started = Some(t(0));
+        v.exited_ok = Some(t(exited));
+        v
+    }
+
+    #[test]
+    fn a_runner_that_ran_an_unattributed_job_stands_for_it_until_attributed_or_its_grace_ends() {
+        // Three jobs queued as the demand sees it (a scale set's ledger not read since a restart);
+        // two runners already ran two of them and exited 0: one VM is made, not three, and the two
+        // are neither deleted nor counted live.
+        let vms = [served_unknown("a", 100), served_unknown("b", 110)];
+        let p = pass_queued(&vms, 3, t(120));
+        assert_eq!(p.plan.create, 1, "{p:?}");
+        assert!(removed(&p).is_empty(), "{p:?}");
+        assert_eq!(
+            p.awaiting_attribution,
+            vec!["a".to_string(), "b".to_string()]
+        );
+        assert_eq!(p.plan.counts.terminal, 0);
+        assert_eq!(
+            p.next_deadline,
+            Some(Duration::from_secs(40)),
+            "a's grace ends first"
+        );
+        // More runners served than jobs seen queued: nothing made, nothing retired.
+        let p = pass_queued(&vms, 1, t(120));
+        assert_eq!((p.plan.create, removed(&p).len()), (0, 0));
+
+        // Attributed (the intake named its job): cleaned up at once, and it no longer stands for a
+        // queued job.
+        let mut known = served_unknown("a", 100);
+        known.attributed = true;
+        let p = pass_queued(&[known], 3, t(101));
+        assert_eq!(removed(&p), vec!["a"]);
+        assert_eq!(p.plan.create, 3);
+        assert!(p.awaiting_attribution.is_empty());
+
+        // Past the grace (60 s from its exit): cleaned up, the queued job gets its runner again.
+        let p = pass_queued(&[served_unknown("a", 100)], 1, t(160));
+        assert_eq!(removed(&p), vec!["a"]);
+        assert_eq!(p.plan.create, 1);
+        assert_eq!(p.next_deadline, None);
+
+        // A runner that failed (no exit 0 recorded: non-zero, ambiguous, or the VM failed) ran no
+        // job we can count on: cleaned up and replaced as before.
+        let mut failed = facts("f", Terminal, Some(9));
+        failed.runner_started = Some(t(0));
+        let p = pass_queued(std::slice::from_ref(&failed), 1, t(101));
+        assert_eq!((removed(&p), p.plan.create), (vec!["f"], 1));
+        assert_eq!(awaiting_attribution(&failed, &D, t(101)), None);
+        // Only terminal VMs: a live runner is counted by its state.
+        let mut idle = served_unknown("i", 100);
+        idle.vm.state = Idle;
+        assert_eq!(awaiting_attribution(&idle, &D, t(101)), None);
     }
 
     #[test]
