@@ -16,7 +16,7 @@ use std::{
 
 use futures::StreamExt as _;
 use imp_api::{HandoffState, ImpVM, RunnerStatus};
-use imp_testkit::github::{GithubSim, JobSpec, JobStatus, SimJob};
+use imp_testkit::github::{GithubSim, JobSpec, JobStatus, SimJob, jobs::JobStep};
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::{
     Api, Client, ResourceExt as _,
@@ -184,8 +184,39 @@ pub fn chart_values(sim_url: &str, fake_runner: &Path) -> String {
     )
 }
 
-/// The smoke's runner pool manifest with the test's images and network.
-fn pool_manifest(base_image: &str, runner_image: &str) -> String {
+/// The runner VMs' class: [`VmSize::SMALL`] for the fake runner alone, more for Docker jobs.
+#[derive(Clone, Copy, Debug)]
+pub struct VmSize {
+    pub memory_mib: u32,
+    pub disk_gib: u32,
+}
+
+impl VmSize {
+    /// The node is this machine: a small VM.
+    pub const SMALL: VmSize = VmSize {
+        memory_mib: 256,
+        disk_gib: 1,
+    };
+}
+
+/// A job to queue: its steps and the conclusion its runner must report.
+pub struct JobRun {
+    pub steps: Vec<JobStep>,
+    pub conclusion: &'static str,
+}
+
+impl JobRun {
+    /// A job without steps (the runner reports success).
+    pub fn empty() -> JobRun {
+        JobRun {
+            steps: Vec::new(),
+            conclusion: "success",
+        }
+    }
+}
+
+/// The smoke's runner pool manifest with the test's images, network and VM size.
+fn pool_manifest(base_image: &str, runner_image: &str, size: VmSize) -> String {
     let manifest = std::fs::read_to_string(
         imp_testkit::paths::workspace_root().join("smoke/manifests/runner-pool.yaml"),
     )
@@ -200,10 +231,12 @@ fn pool_manifest(base_image: &str, runner_image: &str) -> String {
             "    enabled: true\n",
             "    enabled: true\n    egressInterface: imp-node0\n",
         ),
-        // The node is this machine: a small VM.
         ("vcpu: 2", "vcpu: 1"),
-        ("memoryMiB: 2048", "memoryMiB: 256"),
-        ("diskGiB: 10", "diskGiB: 1"),
+        (
+            "memoryMiB: 2048",
+            &format!("memoryMiB: {}", size.memory_mib),
+        ),
+        ("diskGiB: 10", &format!("diskGiB: {}", size.disk_gib)),
     ];
     let mut out = manifest.clone();
     for (from, to) in replaced {
@@ -310,7 +343,8 @@ impl Lifecycle<'_> {
         )
         .await
         .expect("push the runner image");
-        self.warm_runner_on(&base, &runner_image, 120).await
+        self.warm_runner_on(&base, &runner_image, VmSize::SMALL, 120)
+            .await
     }
 
     /// Applies the smoke's pool manifest with these images; returns the warm VM once its runner has
@@ -321,10 +355,11 @@ impl Lifecycle<'_> {
         &self,
         base: &str,
         runner_image: &str,
+        size: VmSize,
         boot_secs: u64,
     ) -> (ImpVM, Option<String>) {
         let manifest = self.work.join("runner-pool.yaml");
-        std::fs::write(&manifest, pool_manifest(base, runner_image))
+        std::fs::write(&manifest, pool_manifest(base, runner_image, size))
             .expect("write the pool manifest");
         (self.kubectl)(&[
             "-n",
@@ -407,11 +442,19 @@ impl Lifecycle<'_> {
         (vm, jit_config)
     }
 
-    /// A queued job whose webhook reaches the operator pod (`operator_url`), taken and completed by the
-    /// warm runner `vm`; then the VM is gone from the API and the runtime, and the pool has a new
-    /// started runner.
-    /// `boot_secs`: how long the replacement runner may take to boot and start.
-    pub async fn job_through(&self, vm: &ImpVM, operator_url: &str, boot_secs: u64) -> SimJob {
+    /// A queued job (`run`'s steps) whose webhook reaches the operator pod (`operator_url`), taken and
+    /// completed by the warm runner `vm` with `run.conclusion` (each step's conclusion printed); then
+    /// the VM is gone from the API and the runtime, and the pool has a new started runner, returned
+    /// with the job. `job_secs`: how long the job may run once queued; `boot_secs`: how long the
+    /// replacement runner may take to boot and start.
+    pub async fn job_through(
+        &self,
+        vm: &ImpVM,
+        operator_url: &str,
+        run: JobRun,
+        job_secs: u64,
+        boot_secs: u64,
+    ) -> (SimJob, ImpVM) {
         let name = vm.name_any();
         let uid = vm.metadata.uid.clone().expect("uid");
         self.sim.set_webhook(
@@ -421,6 +464,7 @@ impl Lifecycle<'_> {
         let t = Instant::now();
         let job = self.sim.queue_job(JobSpec {
             labels: LABELS.map(str::to_owned).to_vec(),
+            steps: run.steps,
             ..Default::default()
         });
         let delivery = wait_for(
@@ -445,7 +489,7 @@ impl Lifecycle<'_> {
             delivery.outcome
         );
         let done = wait_for(
-            90,
+            job_secs,
             &format!("job {} completed", job.id),
             || async {
                 self.sim
@@ -462,7 +506,21 @@ impl Lifecycle<'_> {
             done.runner_name,
             t.elapsed().as_secs_f64()
         );
-        assert_eq!(done.conclusion.as_deref(), Some("success"));
+        for step in &done.steps {
+            println!(
+                "real_node: job {} step {:?}: {}",
+                job.id,
+                step.name,
+                step.conclusion.as_deref().unwrap_or("(no conclusion)")
+            );
+        }
+        assert_eq!(
+            done.conclusion.as_deref(),
+            Some(run.conclusion),
+            "job {} steps: {:?}",
+            job.id,
+            done.steps
+        );
         assert_eq!(
             done.runner_name,
             runner(vm).and_then(|r| r.runner_name.clone()),
@@ -473,7 +531,24 @@ impl Lifecycle<'_> {
             60,
             &format!("runner of {name} exited"),
             || async { self.record.exit_code(&name) },
-            || self.describe(),
+            || async {
+                // What became of the VM: its recorded versions and its Events.
+                let versions: Vec<String> =
+                    self.record.versions(&name).iter().map(vm_state).collect();
+                let events = (self.kubectl)(&[
+                    "-n",
+                    RUNNER_NAMESPACE,
+                    "get",
+                    "events",
+                    "--field-selector",
+                    &format!("involvedObject.name={name}"),
+                ])
+                .unwrap_or_else(|e| e);
+                format!(
+                    "{}\n{name}'s recorded versions: {versions:#?}\nits Events:\n{events}",
+                    self.describe().await
+                )
+            },
         )
         .await;
         assert_eq!(code, 0, "the runner of {name} exited {code}");
@@ -511,10 +586,12 @@ impl Lifecycle<'_> {
         )
         .await;
         println!(
-            "real_node: {name} deleted and released by imp-runtime; pool replenished with {} (Started)",
-            replacement.name_any()
+            "real_node: {name} deleted and released by imp-runtime; pool replenished with {} (Started) \
+             {:.1}s after the job was queued",
+            replacement.name_any(),
+            t.elapsed().as_secs_f64()
         );
-        done
+        (done, replacement)
     }
 
     /// Deletes the pool, its network and class as an operator would; nothing of them may stay: no
