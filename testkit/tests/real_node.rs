@@ -389,6 +389,7 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         kubectl: &kubectl_fn,
         runtime_socket: work.join("run-imp/runtime.sock"),
         work: work.clone(),
+        pod_logs: real_node.dir().join("pod-logs"),
     };
     let (warm, jit_config) = life.warm_runner(&reg).await;
 

@@ -258,6 +258,31 @@ pub struct Lifecycle<'a> {
     /// imp-runtime's API socket on the host (the chart's socketDir hostPath).
     pub runtime_socket: PathBuf,
     pub work: PathBuf,
+    /// The kubelet's pod log directory (`<podLogsDir>/<ns>_<pod>_<uid>/<container>/0.log`): what the
+    /// agent and runtime pods said about a VM, for failure messages.
+    pub pod_logs: PathBuf,
+}
+
+/// The lines of the agent's and runtime's container logs that name `needle`, the last `n` of each.
+fn pod_log_lines(pod_logs: &Path, needle: &str, n: usize) -> String {
+    let mut out = String::new();
+    for pod in std::fs::read_dir(pod_logs).into_iter().flatten().flatten() {
+        for container in ["agent", "runtime"] {
+            let Ok(text) = std::fs::read_to_string(pod.path().join(container).join("0.log")) else {
+                continue;
+            };
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains(needle)).collect();
+            out.push_str(&format!(
+                "--- {container} ({} lines naming {needle}):\n",
+                lines.len()
+            ));
+            for l in &lines[lines.len().saturating_sub(n)..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 impl Lifecycle<'_> {
@@ -544,8 +569,11 @@ impl Lifecycle<'_> {
                     &format!("involvedObject.name={name}"),
                 ])
                 .unwrap_or_else(|e| e);
+                let uid_logs = pod_log_lines(&self.pod_logs, &uid, 25);
+                let name_logs = pod_log_lines(&self.pod_logs, &name, 25);
                 format!(
-                    "{}\n{name}'s recorded versions: {versions:#?}\nits Events:\n{events}",
+                    "{}\n{name}'s recorded versions: {versions:#?}\nits Events:\n{events}\n\
+                     pod logs:\n{uid_logs}{name_logs}",
                     self.describe().await
                 )
             },
