@@ -315,6 +315,7 @@ pub mod docker {
                 ),
             ],
             conclusion: "success",
+            exit_recorded: false,
         }
     }
 
@@ -326,6 +327,7 @@ pub mod docker {
                 step("never runs", "echo this step must be skipped"),
             ],
             conclusion: "failure",
+            exit_recorded: false,
         }
     }
 
