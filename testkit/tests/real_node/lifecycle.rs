@@ -203,12 +203,6 @@ impl VmSize {
 pub struct JobRun {
     pub steps: Vec<JobStep>,
     pub conclusion: &'static str,
-    /// The runner's exit code must be recorded before the pool deletes its VM. Not for a runner that
-    /// takes a while to exit after reporting its job (a Debian guest under TCG): the pool deletes a
-    /// runner VM once GitHub has dropped its ephemeral registration, and the agent's record of the
-    /// exit races that deletion (found by the Docker jobs, issue 31; the VM is then torn down with
-    /// its runner still Started, and that is printed).
-    pub exit_recorded: bool,
 }
 
 impl JobRun {
@@ -217,7 +211,6 @@ impl JobRun {
         JobRun {
             steps: Vec::new(),
             conclusion: "success",
-            exit_recorded: true,
         }
     }
 }
@@ -559,18 +552,10 @@ impl Lifecycle<'_> {
             "job {} was not run by the warm runner of {name}",
             job.id
         );
-        let exit_recorded = run.exit_recorded;
         let code = wait_for(
             60,
             &format!("runner of {name} exited"),
-            || async {
-                if let Some(code) = self.record.exit_code(&name) {
-                    return Some(Some(code));
-                }
-                // The race above: deleted while its runner was still Started.
-                let gone = self.vms().get_opt(&name).await.ok()?.is_none();
-                (!exit_recorded && gone).then_some(None)
-            },
+            || async { self.record.exit_code(&name) },
             || async {
                 // What became of the VM: its recorded versions and its Events.
                 let versions: Vec<String> =
@@ -594,13 +579,7 @@ impl Lifecycle<'_> {
             },
         )
         .await;
-        match code {
-            Some(code) => assert_eq!(code, 0, "the runner of {name} exited {code}"),
-            None => println!(
-                "real_node: {name} was deleted by the pool before its runner's exit was recorded \
-                 (the job completed and GitHub dropped the ephemeral runner first)"
-            ),
-        }
+        assert_eq!(code, 0, "the runner of {name} exited {code}");
         wait_for(
             60,
             &format!("runner VM {name} deleted after its job"),

@@ -315,7 +315,6 @@ pub mod docker {
                 ),
             ],
             conclusion: "success",
-            exit_recorded: false,
         }
     }
 
@@ -327,7 +326,6 @@ pub mod docker {
                 step("never runs", "echo this step must be skipped"),
             ],
             conclusion: "failure",
-            exit_recorded: false,
         }
     }
 
