@@ -77,7 +77,7 @@ release: testenv guest-static
 	scripts/release.sh --registry "$(REGISTRY)" --version "$(VERSION)" $(if $(PLAIN_HTTP),--plain-http) \
 		--guest "$${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release/imp-guest"
 
-## helm lint with the merged seed values (kernelPath and fcBinPath have no defaults) and every seed values
+## helm lint with the merged seed values (kernelPath, fcBinPath and jailerPath have no defaults) and every seed values
 ## file over them.
 chart-lint: testenv
 	for f in reference/seed-examples/helm-values-*.yaml; do testenv/bin/helm lint --strict helm/imp -f reference/seed-examples/helm-values-seed.yaml -f "$$f" || exit 1; done

@@ -280,7 +280,7 @@ done
 helm="$repo/testenv/bin/helm"
 [ -x "$helm" ] || fail "needs $helm (make testenv) to render the chart with the built image values"
 HELM_CACHE_HOME="$t/helm" HELM_CONFIG_HOME="$t/helm" HELM_DATA_HOME="$t/helm" "$helm" template imp "$repo/helm/imp" \
-    --set agent.env.kernelPath=/var/lib/imp/vmlinux --set agent.env.fcBinPath=/usr/local/bin/firecracker \
+    --set agent.env.kernelPath=/var/lib/imp/vmlinux --set agent.env.fcBinPath=/usr/local/bin/firecracker --set agent.env.jailerPath=/usr/local/bin/jailer \
     -f "$t/comp1/values.yaml" >"$t/rendered.yaml" || fail "helm template with $t/comp1/values.yaml"
 while read -r name digest; do
     grep -q "image: ghcr.io/imp-dev/$name@$digest\$" "$t/rendered.yaml" || fail "the chart does not render $name@$digest"
@@ -320,7 +320,7 @@ if [ -n "$registry_pid" ] && command -v qemu-system-x86_64 >/dev/null && command
     # The chart from the registry, with no image values, names every image by the release's digest.
     HELM_CACHE_HOME="$t/helm" HELM_CONFIG_HOME="$t/helm" HELM_DATA_HOME="$t/helm" "$helm" template imp \
         "oci://$reg/charts/imp" --version 0.0.1-test --plain-http \
-        --set agent.env.kernelPath=/var/lib/imp/vmlinux --set agent.env.fcBinPath=/usr/local/bin/firecracker \
+        --set agent.env.kernelPath=/var/lib/imp/vmlinux --set agent.env.fcBinPath=/usr/local/bin/firecracker --set agent.env.jailerPath=/usr/local/bin/jailer \
         >"$t/release.yaml" 2>"$t/release.err" || fail "helm template oci://$reg/charts/imp: $(cat "$t/release.err")"
     grep -c '^chart sha256:[0-9a-f]\{64\}$' "$t/rel/digests" >/dev/null || fail "no chart digest in $t/rel/digests"
     while read -r name digest; do

@@ -106,7 +106,7 @@ awk -v reg="$registry" -v tag="$version" -v op="$(digest_of imp-operator)" -v ag
     die "helm/imp/values.yaml: did not find the three component image lines to pin"
 grep -q "^  repository: $registry\$" "$work/imp/values.yaml" || die "helm/imp/values.yaml: no image.repository line to set"
 "$helm" lint --strict "$work/imp" --set agent.env.kernelPath=/var/lib/imp/vmlinux \
-    --set agent.env.fcBinPath=/usr/local/bin/firecracker >/dev/null || die "the release chart does not lint"
+    --set agent.env.fcBinPath=/usr/local/bin/firecracker --set agent.env.jailerPath=/usr/local/bin/jailer >/dev/null || die "the release chart does not lint"
 "$helm" package "$work/imp" --destination "$out" >/dev/null || die "helm package failed"
 chart="$out/imp-$version.tgz"
 [ -f "$chart" ] || die "helm package wrote no $chart"

@@ -203,16 +203,24 @@ if [[ "$mode" == local ]]; then
   for d in "$work/node-state/vms" "$work/node-state/tmp" "$work/node-state/jailer"/*; do
     [[ -d "$d" ]] && for f in "$d"/*; do [[ -e "$f" ]] && leaks+=("file $f"); done
   done
-  # Per-VM cgroups, when the runtime was given a parent.
+  # Anything still owned by a per-VM uid or gid (the confined VMMs' range, IMP_JAIL_UID_BASE/COUNT)
+  # anywhere under the state directory: jails, VM directories, drives, sockets, snapshots.
+  uid_lo=${IMP_JAIL_UID_BASE:-900000}
+  uid_hi=$((uid_lo + ${IMP_JAIL_UID_COUNT:-4096}))
+  while read -r owned; do [[ -n "$owned" ]] && leaks+=("file of a VM uid: $owned"); done \
+    < <(find "$work/node-state" -xdev \( \( -uid +$((uid_lo - 1)) -uid -"$uid_hi" \) -o \( -gid +$((uid_lo - 1)) -gid -"$uid_hi" \) \) \
+      -printf '%U:%G %p\n' 2>/dev/null)
+  # Per-VM cgroups, when the runtime was given a parent (under its cgroup root: the host's tree).
   if [[ -n "${IMP_VM_CGROUP_PARENT:-}" ]]; then
-    for d in /sys/fs/cgroup/"$IMP_VM_CGROUP_PARENT" /sys/fs/cgroup/{memory,cpu,pids}/"$IMP_VM_CGROUP_PARENT"; do
+    cg_root=${IMP_VM_CGROUP_ROOT:-/sys/fs/cgroup}
+    for d in "$cg_root/$IMP_VM_CGROUP_PARENT" "$cg_root"/{memory,cpu,pids}/"$IMP_VM_CGROUP_PARENT"; do
       [[ -d "$d" ]] && for f in "$d"/*/; do [[ -d "$f" ]] && leaks+=("cgroup $f"); done
     done
   fi
   for leak in "${leaks[@]}"; do printf 'LEAK  %s\n' "$leak" >&2; done
   ((code == 0)) || exit "$code"
   ((${#leaks[@]} == 0)) || fail "the smoke left ${#leaks[@]} thing(s) of its own behind (listed above)"
-  pass "nothing left: no process, link, nft table or VM file of the smoke (ImpVMs, Secrets, registrations and IP allocations checked above)"
+  pass "nothing left: no process, link, nft table, VM file, jail, file of a VM uid or VM cgroup of the smoke (ImpVMs, Secrets, registrations and IP allocations checked above)"
   passed=1
   echo "imp-smoke --local: all stages passed; timeline in $report"
   exit 0
@@ -346,7 +354,8 @@ backend_env() {
       IMP_QEMU_ACCEL="$IMP_SMOKE_ACCEL" IMP_KERNEL="$IMP_SMOKE_KERNEL" IMP_INITRD="$work/initrd.gz" \
       IMP_GUEST_BIN="$static_dir/imp-guest" IMP_BOOT_TIMEOUT=240s
   else
-    echo IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_KERNEL="$work/vmlinux" IMP_GUEST_BIN="$bin/imp-guest"
+    # The simulator without the jailer (the jailed path: node/runtime/tests/jailer.rs and the real-node test).
+    echo IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_UNJAILED_FIRECRACKER=1 IMP_KERNEL="$work/vmlinux" IMP_GUEST_BIN="$bin/imp-guest"
   fi
 }
 runner_command() { if [[ $guest == qemu ]]; then echo /usr/local/bin/imp-runner; else echo "$bin/imp-fake-runner"; fi; }

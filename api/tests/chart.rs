@@ -1,5 +1,5 @@
 //! The Helm chart against seeds 000 and 001: `helm template` with the seed values files and the negative
-//! cases (required kernelPath/fcBinPath, digest pins, monitors on by default and off with their toggles,
+//! cases (required kernelPath/fcBinPath/jailerPath, digest pins, monitors on by default and off with their toggles,
 //! the KVM preflight and its nodeSelector, the webhook Service/Ingress), and `helm install` of the
 //! digest-pinned production values into the test API server.
 
@@ -24,7 +24,7 @@ const RUNTIME_DIGEST: &str =
 /// Seed 001's values-production.yaml: the seed's images pinned by digest (runtime added: every image).
 fn production_values() -> String {
     format!(
-        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n  image:\n    digest: {AGENT_DIGEST}\noperator:\n  image:\n    digest: {OPERATOR_DIGEST}\nruntime:\n  image:\n    digest: {RUNTIME_DIGEST}\n"
+        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n    jailerPath: /usr/local/bin/jailer\n  image:\n    digest: {AGENT_DIGEST}\noperator:\n  image:\n    digest: {OPERATOR_DIGEST}\nruntime:\n  image:\n    digest: {RUNTIME_DIGEST}\n"
     )
 }
 
@@ -436,6 +436,13 @@ fn kernel_path_and_fc_bin_path_are_required() {
     // An empty path is no path.
     assert_seed_rejected_naming(&["agent.env.kernelPath="], "kernelPath");
     assert_seed_rejected_naming(&["agent.env.fcBinPath="], "fcBinPath");
+    // The jailer is required beside Firecracker: no unjailed Firecracker from the chart.
+    assert_seed_rejected_naming(&["agent.env.jailerPath="], "jailerPath");
+    let (_d, no_jailer) = values_file(
+        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n",
+    );
+    let err = render(&[&no_jailer], &[]).expect_err("Firecracker without its jailer");
+    assert!(err.contains("jailerPath"), "error names jailerPath: {err}");
 }
 
 /// fcBinPath is the Firecracker backend's: with `backend: qemu` it is not required, and the runtime pod
@@ -456,9 +463,118 @@ fn the_qemu_backend_needs_no_firecracker_binary() {
         "no Firecracker volume or mount: {text}"
     );
 
+    assert!(!text.contains("jailer"), "no jailer either: {text}");
+
     let (_d, fc) = values_file("agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n");
     let err = render(&[&fc], &[]).expect_err("the default backend, firecracker, needs fcBinPath");
-    assert!(err.contains("fcBinPath"), "error names fcBinPath: {err}");
+    assert!(
+        err.contains("fcBinPath") && err.contains("jailerPath"),
+        "error names fcBinPath and jailerPath: {err}"
+    );
+}
+
+/// The runtime container is not privileged (kvm.access deviceResource, the default): every
+/// capability dropped but the listed ones (docs/security.md, "What imp-runtime keeps"), one unit of the device plugin's KVM resource and no /dev/kvm hostPath; the
+/// preflight asks for the same resource and runs without capabilities. kvm.access privileged is the
+/// named exception; none drops /dev/kvm altogether.
+#[test]
+fn the_runtime_keeps_only_its_listed_capabilities() {
+    let objects = render_ok(&[&seed_values("helm-values-seed.yaml")], &[]);
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    let sc = &c["securityContext"];
+    assert_eq!(sc["privileged"], false, "{sc}");
+    // pivot_root (every jail) is outside the container runtime's default profile.
+    assert_eq!(sc["seccompProfile"]["type"], "Unconfined", "{sc}");
+    assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
+    let mut added: Vec<&str> = sc["capabilities"]["add"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    added.sort_unstable();
+    assert_eq!(
+        added,
+        [
+            "CHOWN",
+            "DAC_OVERRIDE",
+            "FOWNER",
+            "KILL",
+            "MKNOD",
+            "NET_ADMIN",
+            "SETGID",
+            "SETPCAP",
+            "SETUID",
+            "SYS_ADMIN",
+            "SYS_CHROOT",
+            "SYS_PTRACE"
+        ]
+    );
+    // Each one is documented, with its reason.
+    let security =
+        std::fs::read_to_string(paths::workspace_root().join("docs/security.md")).unwrap();
+    for cap in &added {
+        assert!(
+            security.contains(&format!("`CAP_{cap}`")),
+            "docs/security.md explains CAP_{cap}"
+        );
+    }
+    assert_eq!(
+        c["resources"]["limits"]["devices.kubevirt.io/kvm"], 1,
+        "{c}"
+    );
+    let text = serde_json::to_string(runtime).unwrap();
+    assert!(
+        !text.contains("\"/dev/kvm\""),
+        "no /dev/kvm hostPath: {text}"
+    );
+    let preflight = get(&objects, "DaemonSet", "imp-kvm-preflight");
+    let check = container(preflight, "initContainers", "check-kvm");
+    assert_eq!(
+        check["securityContext"]["capabilities"]["drop"],
+        serde_json::json!(["ALL"])
+    );
+    assert_eq!(
+        check["resources"]["limits"]["devices.kubevirt.io/kvm"], 1,
+        "{check}"
+    );
+    assert!(
+        !serde_json::to_string(preflight)
+            .unwrap()
+            .contains("privileged")
+    );
+
+    let objects = render_ok(
+        &[&seed_values("helm-values-seed.yaml")],
+        &["kvm.access=privileged"],
+    );
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    assert_eq!(c["securityContext"]["privileged"], true);
+    assert!(
+        c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["mountPath"] == "/dev/kvm")
+    );
+    let check = container(
+        get(&objects, "DaemonSet", "imp-kvm-preflight"),
+        "initContainers",
+        "check-kvm",
+    );
+    assert_eq!(check["securityContext"]["privileged"], true);
+
+    let objects = render_ok(
+        &[&seed_values("helm-values-seed.yaml")],
+        &["kvm.access=none"],
+    );
+    let runtime = get(&objects, "DaemonSet", "imp-runtime");
+    let c = container(runtime, "containers", "runtime");
+    assert_eq!(c["securityContext"]["privileged"], false);
+    let text = serde_json::to_string(runtime).unwrap();
+    assert!(!text.contains("kvm"), "no /dev/kvm in any form: {text}");
 }
 
 #[test]
@@ -517,7 +633,7 @@ fn digests_pin_every_image() {
 #[test]
 fn monitors_are_on_by_default_and_off_with_their_toggles() {
     let (_d, required) = values_file(
-        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n",
+        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n    jailerPath: /usr/local/bin/jailer\n",
     );
     let objects = render_ok(&[&required], &[]);
     assert_eq!(kinds(&objects, "ServiceMonitor"), ["imp-operator"]);
@@ -677,7 +793,7 @@ fn the_jailer_path_the_metrics_address_and_the_agent_s_mounts() {
     let c = container(runtime, "containers", "runtime");
     assert_eq!(
         env_value(c, "IMP_JAILER_PATH"),
-        None,
-        "no jailer unless given"
+        Some("/usr/local/bin/jailer"),
+        "the seed names its jailer"
     );
 }

@@ -118,6 +118,7 @@ impl<'a> Release<'a> {
             .args(["--skip-crds", "--wait=false"])
             .args(["--set", "agent.env.kernelPath=/var/lib/imp/vmlinux"])
             .args(["--set", "agent.env.fcBinPath=/usr/local/bin/firecracker"])
+            .args(["--set", "agent.env.jailerPath=/usr/local/bin/jailer"])
             .args(["--set", "operator.webhookSecretName=imp-webhook"])
             .args(["--set", "metrics.serviceMonitor.enabled=false"])
             .args(["--set", "metrics.podMonitor.enabled=false"]);

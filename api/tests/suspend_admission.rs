@@ -36,7 +36,7 @@ fn rendered_policy(release: &str) -> String {
     // The chart's required values (seed 000); nothing of the policy depends on them.
     std::fs::write(
         &values,
-        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n",
+        "agent:\n  env:\n    kernelPath: /var/lib/imp/vmlinux\n    fcBinPath: /usr/local/bin/firecracker\n    jailerPath: /usr/local/bin/jailer\n",
     )
     .unwrap();
     let out = Command::new(paths::testenv_bin("helm"))

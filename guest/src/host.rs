@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use crate::frame::{FrameError, FrameReader, FrameWriter};
 use crate::protocol::{
     ErrorMsg, Exec, Exited, GuestMetrics, GuestToHost, Hello, HostToGuest, HttpProbe,
-    MIN_SUPPORTED_PROTOCOL, PROTOCOL_VERSION, ProbeResult, Started,
+    MIN_SUPPORTED_PROTOCOL, PROTOCOL_VERSION, ProbeResult, READY_VSOCK_PORT, Started,
 };
 
 /// The `OK <n>\n` line is short; more than this without a newline is not Firecracker.
@@ -119,17 +119,100 @@ pub async fn connect(
     port: u32,
     deadline: Instant,
 ) -> Result<HostClient, HostError> {
-    retry(uds_path, deadline, || connect_once(uds_path, Some(port))).await
+    retry(uds_path, deadline, None, || {
+        connect_once(uds_path, Some(port))
+    })
+    .await
+}
+
+/// [`connect`], attempting again as soon as the guest announces itself on `announcements`
+/// (bound before the VM started) instead of at the next step of the backoff. The backoff stays
+/// as the fallback for a guest that does not announce (an older image, a lost announcement).
+pub async fn connect_announced(
+    uds_path: &Path,
+    port: u32,
+    announcements: &mut Announcements,
+    deadline: Instant,
+) -> Result<HostClient, HostError> {
+    let wake = tokio::net::UnixListener::from_std(announcements.listener.try_clone()?)?;
+    let mut heard = None;
+    let r = retry(uds_path, deadline, Some((&wake, &mut heard)), || {
+        connect_once(uds_path, Some(port))
+    })
+    .await;
+    if let Some((n, at)) = heard {
+        announcements.heard += n;
+        announcements.last_heard = Some(at);
+    }
+    r
 }
 
 /// Connect straight to an agent's Unix socket (`imp-guest agent --listen-unix`), no handshake.
 pub async fn connect_unix(path: &Path, deadline: Instant) -> Result<HostClient, HostError> {
-    retry(path, deadline, || connect_once(path, None)).await
+    retry(path, deadline, None, || connect_once(path, None)).await
+}
+
+/// The host side of a guest's announcement ([`READY_VSOCK_PORT`]): a Unix socket at
+/// `<uds_path>_<port>`, where the hybrid vsock (Firecracker, vhost-device-vsock) delivers the
+/// guest's connection to a host port. Bind it before the VM starts, so an early announcement is
+/// not lost; the socket file is removed on drop. Nothing is read from a connection: it only
+/// says "attempt now".
+#[derive(Debug)]
+pub struct Announcements {
+    listener: std::os::unix::net::UnixListener,
+    path: PathBuf,
+    heard: u32,
+    last_heard: Option<Instant>,
+}
+
+/// Where the hybrid vsock of `uds_path` delivers a guest's announcement.
+pub fn announce_path(uds_path: &Path) -> PathBuf {
+    let mut p = uds_path.as_os_str().to_owned();
+    p.push(format!("_{READY_VSOCK_PORT}"));
+    p.into()
+}
+
+impl Announcements {
+    /// Listen for the announcements of the VM whose hybrid vsock is `uds_path`, replacing a
+    /// socket file left by an earlier VMM.
+    pub fn bind(uds_path: &Path) -> std::io::Result<Self> {
+        let path = announce_path(uds_path);
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path)?;
+        listener.set_nonblocking(true)?;
+        Ok(Announcements {
+            listener,
+            path,
+            heard: 0,
+            last_heard: None,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Announcements that woke a connect attempt so far.
+    pub fn heard(&self) -> u32 {
+        self.heard
+    }
+
+    /// When the last of them was taken: with the Hello's time, how long detection took.
+    pub fn last_heard(&self) -> Option<Instant> {
+        self.last_heard
+    }
+}
+
+impl Drop for Announcements {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 async fn retry<F, Fut>(
     path: &Path,
     deadline: Instant,
+    mut wake: Option<(&tokio::net::UnixListener, &mut Option<(u32, Instant)>)>,
     mut attempt: F,
 ) -> Result<HostClient, HostError>
 where
@@ -153,14 +236,44 @@ where
                 });
             }
         }
-        if Instant::now() + delay >= deadline {
-            return Err(HostError::Timeout {
-                path: path.to_owned(),
-                last: last.unwrap_or_default(),
-            });
+        let timeout = || HostError::Timeout {
+            path: path.to_owned(),
+            last: last.clone().unwrap_or_default(),
+        };
+        // Without announcements, no attempt is left before the deadline; with them, one may
+        // still come: wait for it until the deadline.
+        if wake.is_none() && Instant::now() + delay >= deadline {
+            return Err(timeout());
         }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(RETRY_MAX);
+        if Instant::now() >= deadline {
+            return Err(timeout());
+        }
+        let woken = match wake.as_mut() {
+            Some((listener, heard)) => tokio::select! {
+                _ = tokio::time::sleep_until((Instant::now() + delay).min(deadline)) => false,
+                accepted = listener.accept() => match accepted {
+                    // Dropped unread: the connection itself is the news.
+                    Ok(_) => {
+                        let n = heard.map_or(0, |(n, _)| n);
+                        **heard = Some((n + 1, Instant::now()));
+                        true
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(delay).await;
+                        false
+                    }
+                },
+            },
+            None => {
+                tokio::time::sleep(delay).await;
+                false
+            }
+        };
+        delay = if woken {
+            RETRY_MIN
+        } else {
+            (delay * 2).min(RETRY_MAX)
+        };
     }
 }
 

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use imp_guest::agent::{Agent, AgentConfig, Listener};
+use imp_guest::agent::{Agent, AgentConfig, Announce, Listener, announce};
 use imp_guest::pid1;
-use imp_guest::protocol::AGENT_VSOCK_PORT;
+use imp_guest::protocol::{AGENT_VSOCK_PORT, READY_VSOCK_PORT};
 use nix::sys::signal::Signal;
 
 #[derive(Parser)]
@@ -28,6 +28,11 @@ enum Command {
         /// Vsock port to listen on when --listen-unix is not given.
         #[arg(long, value_name = "PORT", default_value_t = AGENT_VSOCK_PORT)]
         listen_vsock: u32,
+        /// Announce the agent on this Unix socket once it listens (a simulator's stand-in for
+        /// the guest's connection to the host's vsock port); with vsock, the host's port
+        /// READY_VSOCK_PORT is always used.
+        #[arg(long, value_name = "PATH")]
+        announce_unix: Option<PathBuf>,
         /// Seconds to wait for the host to collect a poweroff_on_exit exit before exiting anyway.
         #[arg(long, value_name = "SECONDS", default_value_t = pid1::cmdline::DEFAULT_REPORT_GRACE.as_secs())]
         report_grace_s: u64,
@@ -56,10 +61,12 @@ fn main() -> std::process::ExitCode {
         Some(Command::Agent {
             listen_unix,
             listen_vsock,
+            announce_unix,
             report_grace_s,
         }) => agent_mode(
             listen_unix,
             listen_vsock,
+            announce_unix,
             Duration::from_secs(report_grace_s),
         ),
         None => {
@@ -75,6 +82,7 @@ fn main() -> std::process::ExitCode {
 fn agent_mode(
     listen_unix: Option<PathBuf>,
     listen_vsock: u32,
+    announce_unix: Option<PathBuf>,
     report_grace: Duration,
 ) -> std::process::ExitCode {
     // Orphans of exec'd jobs get reparented to us, as they would to PID 1 in a VM.
@@ -97,7 +105,7 @@ fn agent_mode(
             .map(|s| s.trim().to_owned())
             .unwrap_or_else(|_| format!("pid-{}", std::process::id()));
         let agent = match Agent::start(AgentConfig {
-            boot_id,
+            boot_id: boot_id.clone(),
             report_grace,
             metrics_root: "/".into(),
         }) {
@@ -119,6 +127,18 @@ fn agent_mode(
             }
         };
         tracing::info!(unix = ?listen_unix, vsock_port = listen_vsock, "agent listening");
+        let to = match (&listen_unix, announce_unix) {
+            (_, Some(path)) => Some(Announce::Unix(path)),
+            (None, None) => Some(Announce::Vsock(READY_VSOCK_PORT)),
+            (Some(_), None) => None,
+        };
+        if let Some(to) = to {
+            tokio::spawn(async move {
+                if let Err(e) = announce(&to, &boot_id).await {
+                    tracing::debug!(error = %e, ?to, "the host did not take the announcement");
+                }
+            });
+        }
         let reason = pid1::serve_until_signal(&agent, listener).await;
         tracing::info!(?reason, "agent stopping");
         let execs = agent.execs();

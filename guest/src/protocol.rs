@@ -24,6 +24,13 @@ pub const MIN_SUPPORTED_PROTOCOL: u32 = 1;
 /// The vsock port the guest agent listens on.
 pub const AGENT_VSOCK_PORT: u32 = 10000;
 
+/// The host vsock port a guest announces itself on once its agent listens: the host learns the
+/// guest is ready when it is, instead of at its next connect attempt. Through hybrid vsock
+/// (Firecracker, vhost-device-vsock) the guest's connection arrives at the host's Unix socket
+/// `<uds_path>_<port>` (see `host::Announcements`). Nothing is read from it: a guest that announces
+/// early, twice or never only changes when the host connects, never what it trusts.
+pub const READY_VSOCK_PORT: u32 = 10001;
+
 /// Sent by the guest as the first frame of every connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {

@@ -237,3 +237,88 @@ async fn library_bridge_routes_ports_and_refuses_unknown_ones() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The guest agent announces itself once it listens (`--announce-unix`, standing in for its
+/// vsock connection to the host's READY port), and the host attempts at once. The agent starts
+/// at 800 ms: the backoff's attempts fall at 0, 20, 60, 140, 300 and 620 ms and the next at
+/// 1,120 ms, after the 1,100 ms deadline, so only the announcement can connect in time.
+#[tokio::test]
+async fn an_announcing_guest_is_connected_at_once_not_at_the_next_backoff_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let uds = dir.path().join("v.sock");
+    let t0 = Instant::now();
+    let mut announcements = host::Announcements::bind(&uds).unwrap();
+    let announce_path = announcements.path().to_owned();
+    assert_eq!(announce_path, host::announce_path(&uds));
+    assert!(announce_path.to_str().unwrap().ends_with("v.sock_10001"));
+    let (uds2, path2) = (uds.clone(), announce_path.clone());
+    let agent = tokio::spawn(async move {
+        tokio::time::sleep_until(t0 + Duration::from_millis(800)).await;
+        let agent = AgentProc::start_with(&["--announce-unix", path2.to_str().unwrap()]);
+        start_bridge(
+            uds2,
+            agent.socket.clone(),
+            10000,
+            Bridge {
+                refuse_first: 0,
+                coalesce_ok_and_hello: false,
+            },
+        )
+        .await;
+        agent
+    });
+    let r = host::connect_announced(
+        &uds,
+        10000,
+        &mut announcements,
+        t0 + Duration::from_millis(1100),
+    )
+    .await;
+    let _agent = agent.await.unwrap();
+    let client = r.expect("connected on the announcement before the deadline");
+    assert_eq!(
+        client.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
+    assert_eq!(announcements.heard(), 1);
+    drop(announcements);
+    assert!(
+        !announce_path.exists(),
+        "the announcement socket is removed on drop"
+    );
+}
+
+/// A guest that never announces (an older image) is still found by the backoff.
+#[tokio::test]
+async fn a_guest_that_does_not_announce_is_found_by_the_backoff() {
+    let agent = AgentProc::start();
+    let uds = uds(&agent);
+    let mut announcements = host::Announcements::bind(&uds).unwrap();
+    let (uds2, agent_sock) = (uds.clone(), agent.socket.clone());
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        start_bridge(
+            uds2,
+            agent_sock,
+            10000,
+            Bridge {
+                refuse_first: 1,
+                coalesce_ok_and_hello: false,
+            },
+        )
+        .await;
+    });
+    let client = host::connect_announced(
+        &uds,
+        10000,
+        &mut announcements,
+        Instant::now() + Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        client.hello().protocol,
+        imp_guest::protocol::PROTOCOL_VERSION
+    );
+    assert_eq!(announcements.heard(), 0);
+}

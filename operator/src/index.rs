@@ -247,3 +247,55 @@ impl Drop for AbortOnDrop {
         self.0.abort();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::FutureExt;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    use kube::api::ObjectMeta;
+
+    fn cm(name: &str) -> ConfigMap {
+        ConfigMap {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// The names a subscription has ready now.
+    fn drain(s: &mut (impl futures::Stream<Item = Arc<ConfigMap>> + Unpin)) -> Vec<String> {
+        std::iter::from_fn(|| s.next().now_or_never().flatten())
+            .map(|c| c.metadata.name.clone().unwrap_or_default())
+            .collect()
+    }
+
+    #[test]
+    fn a_subscriber_sees_the_cached_objects_then_every_change_deletions_included() {
+        let (shared, mut writer) = Shared::<ConfigMap>::new();
+        writer.apply_watcher_event(&watcher::Event::Apply(cm("a")));
+        let mut early = Box::pin(shared.subscribe());
+        assert_eq!(drain(&mut early), ["a"], "what the cache holds already");
+        writer.apply_watcher_event(&watcher::Event::Apply(cm("b")));
+        shared.publish(cm("b"));
+        let mut late = Box::pin(shared.subscribe());
+        assert_eq!(drain(&mut early), ["b"]);
+        let mut seen = drain(&mut late);
+        seen.sort();
+        assert_eq!(seen, ["a", "b"], "a late subscriber misses nothing");
+        // A deletion reaches every subscriber though the object is no longer cached: a controller
+        // maps a deleted Node to its VMs as it maps a changed one.
+        writer.apply_watcher_event(&watcher::Event::Delete(cm("a")));
+        shared.publish(cm("a"));
+        assert_eq!(drain(&mut early), ["a"]);
+        assert_eq!(drain(&mut late), ["a"]);
+        // A dropped subscriber is forgotten at the next change.
+        drop(late);
+        shared.publish(cm("c"));
+        assert_eq!(shared.subscribers.lock().unwrap().len(), 1);
+        assert_eq!(drain(&mut early), ["c"]);
+    }
+}

@@ -382,3 +382,93 @@ async fn vms_failing_before_their_runner_starts_back_the_pool_off() {
     })
     .await;
 }
+
+/// Runs one job on a pool (minIdle 0: the finished runner is surplus at once) whose fake runners take
+/// `exit_delay` after the job to exit; returns the VM's name and when the job completed.
+async fn one_job_with_a_slow_exit(
+    h: &mut PoolHarness,
+    pool: &str,
+    exit_delay: Duration,
+) -> (String, std::time::Instant) {
+    *h.runner_exit_delay.lock().unwrap() = exit_delay;
+    h.start_agent(true, Duration::from_millis(500));
+    h.create_pool(pool, json!({"maxRunners": 2})).await;
+    let job = h.sim.queue_job(job());
+    let vm = h.wait_minted(pool, 1, WAIT).await.remove(0).name_any();
+    h.sim
+        .wait_job(job.id, WAIT, |j| j.status == JobStatus::Completed)
+        .await
+        .unwrap();
+    (vm, std::time::Instant::now())
+}
+
+async fn vm_alive(h: &PoolHarness, name: &str) -> bool {
+    h.vms()
+        .get_opt(name)
+        .await
+        .unwrap()
+        .is_some_and(|v| v.metadata.deletion_timestamp.is_none())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_finished_runner_keeps_its_vm_until_its_exit_is_recorded() {
+    // GitHub drops the ephemeral runner as its job completes, but the runner goes on reporting for
+    // 4 s before it exits: the VM stays until the agent recorded the exit, then goes at once.
+    let mut h = PoolHarness::start("pool-exit").await;
+    let (vm, completed) = one_job_with_a_slow_exit(&mut h, "exit", Duration::from_secs(4)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        vm_alive(&h, &vm).await,
+        "the VM was deleted while its runner was still exiting"
+    );
+    let s = h.pool_status("exit").await;
+    assert_eq!((s.idle, s.desired), (0, 1), "counted busy, not idle: {s:?}");
+    h.wait("the finished VM to go", WAIT, || async {
+        (!vm_alive(&h, &vm).await).then_some(())
+    })
+    .await;
+    let after = completed.elapsed();
+    assert!(
+        after < Duration::from_secs(10),
+        "deleted {after:?} after the job: on the recorded exit, not at the end of the 60 s grace"
+    );
+    // The VM was cleaned up with its exit on record: its job phase (Started -> exited) was observed.
+    assert_eq!(
+        h.metric("imp_runner_vm_phase_seconds_count{phase=\"job\"}"),
+        1.0,
+        "{}",
+        h.metrics_text()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_finished_runner_that_never_exits_is_deleted_after_the_grace() {
+    let timing = imp_operator::runnerpool::PoolTiming {
+        runner_exit_grace: Duration::from_secs(3),
+        ..fast_timing()
+    };
+    let mut h = PoolHarness::start_with("pool-noexit", timing).await;
+    let (vm, completed) =
+        one_job_with_a_slow_exit(&mut h, "noexit", Duration::from_secs(3600)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(vm_alive(&h, &vm).await, "deleted within the exit grace");
+    h.wait("the VM deleted after the grace", WAIT, || async {
+        (!vm_alive(&h, &vm).await).then_some(())
+    })
+    .await;
+    let after = completed.elapsed();
+    assert!(
+        after >= Duration::from_millis(2500) && after < Duration::from_secs(10),
+        "deleted {after:?} after the job, grace 3 s"
+    );
+    // No exit was recorded: no job phase; the pool is back at zero.
+    assert_eq!(
+        h.metric("imp_runner_vm_phase_seconds_count{phase=\"job\"}"),
+        0.0
+    );
+    h.wait("status back at zero", WAIT, || async {
+        let s = h.pool_status("noexit").await;
+        (s.total == 0 && s.busy == 0).then_some(())
+    })
+    .await;
+}

@@ -78,6 +78,8 @@ impl Node {
             .env("IMP_STOP_TIMEOUT", "2s")
             .env("IMP_SIM_BEHAVIOUR", &behaviour)
             .env("IMP_FIRECRACKER_BIN", &sim.simulator)
+            // The simulator without the jailer: this test is about the runtime going away.
+            .env("IMP_UNJAILED_FIRECRACKER", "1")
             .env("IMP_GUEST_BIN", &sim.guest)
             .env("IMP_INSECURE_REGISTRIES", &self.registry)
             .env("IMP_NODE_LOCAL_REGISTRIES", &self.registry)

@@ -190,6 +190,9 @@ pub struct Vm {
     pub uds: PathBuf,
     pub console: PathBuf,
     pub started: std::time::Instant,
+    /// The guest's announcement listener (`<uds>_<READY_VSOCK_PORT>`), bound before QEMU
+    /// starts; the first [`Vm::connect`] waits on it, as imp-runtime does.
+    announcements: std::sync::Mutex<Option<host::Announcements>>,
     // Field order = drop order: QEMU before its vsock device.
     qemu: Kill,
     _vhost: Kill,
@@ -221,6 +224,7 @@ impl Vm {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+        let announcements = host::Announcements::bind(&uds).ok();
         let console = dir.path().join("console.log");
         let mut cmd = Command::new(&s.qemu);
         // TCG: works without /dev/kvm (CI containers), a few seconds per boot.
@@ -259,6 +263,7 @@ impl Vm {
             uds,
             console,
             started,
+            announcements: std::sync::Mutex::new(announcements),
             qemu,
             _vhost: vhost,
         }
@@ -277,7 +282,12 @@ impl Vm {
     /// stderr if it never does.
     pub async fn connect(&self) -> HostClient {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-        match host::connect(&self.uds, 10000, deadline).await {
+        let announcements = self.announcements.lock().unwrap().take();
+        let connected = match announcements {
+            Some(mut a) => host::connect_announced(&self.uds, 10000, &mut a, deadline).await,
+            None => host::connect(&self.uds, 10000, deadline).await,
+        };
+        match connected {
             Ok(c) => {
                 println!(
                     "Hello {:.1} s after QEMU started",

@@ -41,6 +41,10 @@ mod lifecycle;
 mod qemu;
 
 const REQUIRE_ENV: &str = "IMP_REQUIRE_REAL_NODE";
+/// The state directory under the work dir, short on purpose: a jailed VM's sockets live at
+/// `<state>/jailer/imp-firecracker-sim/<vm uid>/root/vsock.sock_<port>`, and a Unix socket path
+/// holds at most 107 bytes (with /tmp/imp-rn-XXXXXX/s: 105).
+const STATE_SUBDIR: &str = "s";
 const NAMESPACE: &str = "imp-system";
 
 fn skip_or_fail(why: &str) {
@@ -89,7 +93,7 @@ fn chart_pods_become_ready_on_a_real_node_and_uninstall_leaves_nothing() {
 
 async fn scenario(id: &str, netns: &node::NodeNetns) {
     let work = tempfile::Builder::new()
-        .prefix("imp-real-node-")
+        .prefix("imp-rn-")
         .tempdir()
         .expect("work dir");
     let work = work.path().to_path_buf();
@@ -135,6 +139,8 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
             ("imp-testkit", "imp-firecracker-sim"),
             ("imp-fake-runner", "imp-fake-runner"),
             ("kubectl-imp", "kubectl-imp"),
+            // The node's "jailer" beside the simulator (agent.env.jailerPath).
+            ("imp-testkit", "jailer-double"),
         ],
         &[
             "api",
@@ -273,13 +279,19 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
     let sets = [
         format!("agent.env.kernelPath={}", kernel.display()),
         format!("agent.env.fcBinPath={}", built[3].display()),
+        // Every Firecracker VM through the jailer (required by the chart): testkit's double, which
+        // does the jailer's steps for real in the runtime pod (chroot, VM uid, cgroups, PID namespace).
+        format!("agent.env.jailerPath={}", built[6].display()),
+        // Not privileged: no VMM here opens /dev/kvm (the simulator; QEMU with TCG), and this node has
+        // no device plugin for it. The runtime pod keeps only the chart's capability list.
+        "kvm.access=none".into(),
         format!(
             "agent.hostPaths.socketDir.path={}",
             work.join("run-imp").display()
         ),
         format!(
             "agent.hostPaths.stateDir.path={}",
-            work.join("var-lib-imp").display()
+            work.join(STATE_SUBDIR).display()
         ),
         format!("runtime.vmCgroupParent={vm_cgroup_parent}"),
         format!("runtime.insecureRegistries[0]={reg}"),
@@ -371,6 +383,13 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         );
     }
     let runtime_before = ready_pod_on(&pods, "runtime", &node_name).await;
+    // The runtime runs with the chart's capability list, not privileged (docs/security.md).
+    let state_env = format!("IMP_STATE_DIR={}", work.join(STATE_SUBDIR).display());
+    let caps = runtime_cap_eff(&state_env).expect("the runtime pod's imp-runtime process");
+    assert_eq!(
+        caps, RUNTIME_CAPS,
+        "CapEff of imp-runtime: {caps:#x}, the chart's list is {RUNTIME_CAPS:#x}"
+    );
     // What each component said on a real node (read from the kubelet's pod log directory).
     for component in ["operator", "agent", "runtime"] {
         println!(
@@ -705,7 +724,7 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
             .any(|w| w == "imp" || w == "imp_wake"),
         "nftables tables left after uninstall.md: {tables}"
     );
-    for dir in ["var-lib-imp", "run-imp"] {
+    for dir in [STATE_SUBDIR, "run-imp"] {
         assert!(
             !work.join(dir).exists(),
             "the node's {dir} is left after uninstall.md section 4"
@@ -869,7 +888,7 @@ impl Uninstall<'_> {
         let script = script
             .replace(
                 "/var/lib/imp",
-                &self.work.join("var-lib-imp").display().to_string(),
+                &self.work.join(STATE_SUBDIR).display().to_string(),
             )
             .replace("/run/imp", &self.work.join("run-imp").display().to_string())
             .replace("/imp-vms", &format!("/{}", self.vm_cgroup_parent));
@@ -923,6 +942,44 @@ fn restarts(p: &Pod) -> Vec<i32> {
         .and_then(|s| s.container_statuses.as_ref())
         .map(|cs| cs.iter().map(|c| c.restart_count).collect())
         .unwrap_or_default()
+}
+
+/// The capabilities of the chart's runtime container (helm/imp/templates/node.yaml): NET_ADMIN 12,
+/// SYS_ADMIN 21, SYS_CHROOT 18, MKNOD 27, SETUID 7, SETGID 6, SETPCAP 8, CHOWN 0, FOWNER 3,
+/// DAC_OVERRIDE 1, KILL 5, SYS_PTRACE 19.
+const RUNTIME_CAPS: u64 = (1 << 12)
+    | (1 << 21)
+    | (1 << 18)
+    | (1 << 27)
+    | (1 << 7)
+    | (1 << 6)
+    | (1 << 8)
+    | 1
+    | (1 << 3)
+    | (1 << 1)
+    | (1 << 5)
+    | (1 << 19);
+
+/// CapEff of the imp-runtime process whose environment holds `state_env` (this test's runtime pod,
+/// not another one on the machine).
+fn runtime_cap_eff(state_env: &str) -> Option<u64> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|p| {
+        let cmdline = std::fs::read(p.path().join("cmdline")).ok()?;
+        let argv0 = cmdline.split(|b| *b == 0).next()?;
+        if !argv0.ends_with(b"imp-runtime") {
+            return None;
+        }
+        let environ = std::fs::read(p.path().join("environ")).ok()?;
+        if !environ
+            .split(|b| *b == 0)
+            .any(|e| e == state_env.as_bytes())
+        {
+            return None;
+        }
+        let status = std::fs::read_to_string(p.path().join("status")).ok()?;
+        let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+        u64::from_str_radix(hex.trim(), 16).ok()
+    })
 }
 
 /// The Ready pod of `component` on `node`, waiting up to 3 minutes (helm's --wait does not cover every

@@ -222,6 +222,8 @@ impl Stack {
             .env("IMP_STATE_DIR", dir.path().join("node-state"))
             .env("IMP_KERNEL", &kernel)
             .env("IMP_FIRECRACKER_BIN", &sim_bins.simulator)
+            // The simulator without the jailer (node/runtime/tests/jailer.rs covers the jailed path).
+            .env("IMP_UNJAILED_FIRECRACKER", "1")
             .env("IMP_GUEST_BIN", &sim_bins.guest)
             .env("IMP_METRICS_ADDR", "127.0.0.1:0")
             .env("IMP_INSECURE_REGISTRIES", &host)

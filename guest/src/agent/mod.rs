@@ -420,6 +420,47 @@ impl Listener {
     }
 }
 
+/// Where the agent tells the host it listens ([`crate::protocol::READY_VSOCK_PORT`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Announce {
+    /// A port of the host (vsock CID 2): the agent runs in a VM.
+    Vsock(u32),
+    /// A Unix socket: the agent is a host process standing in for a guest (the Firecracker
+    /// simulator passes the path its hybrid vsock would connect the guest to).
+    Unix(PathBuf),
+}
+
+/// How long one announcement may take; the host connects anyway when it gets none.
+const ANNOUNCE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Tell the host the agent listens: one connection, then closed. The connection is the news:
+/// the host may close it at once, so the line written on it (for a human reading a capture) is
+/// best effort and only a failed connect is an error. Best effort as a whole too: a host without
+/// a listener (an older runtime, a resumed VM) finds the agent by connecting.
+pub async fn announce(to: &Announce, boot_id: &str) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt as _;
+    let line = format!("ready {boot_id}\n");
+    let send = async {
+        match to {
+            Announce::Vsock(port) => {
+                let addr = tokio_vsock::VsockAddr::new(tokio_vsock::VMADDR_CID_HOST, *port);
+                let mut s = tokio_vsock::VsockStream::connect(addr).await?;
+                let _ = s.write_all(line.as_bytes()).await;
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            Announce::Unix(path) => {
+                let mut s = tokio::net::UnixStream::connect(path).await?;
+                let _ = s.write_all(line.as_bytes()).await;
+                let _ = s.shutdown().await;
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(ANNOUNCE_TIMEOUT, send)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "announce timed out"))?
+}
+
 /// Object-safe connection, so one handler serves both listener kinds.
 pub trait ConnectionBox: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
 impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> ConnectionBox for T {}

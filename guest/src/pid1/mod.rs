@@ -21,7 +21,8 @@ use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
 use crate::agent::exec::ExecTable;
-use crate::agent::{Agent, AgentConfig, AgentError, Listener, ShutdownReason};
+use crate::agent::{Agent, AgentConfig, AgentError, Announce, Listener, ShutdownReason, announce};
+use crate::protocol::READY_VSOCK_PORT;
 use cmdline::{BootConfig, CmdlineError, HaltAction};
 
 /// Time between SIGTERM and SIGKILL for everything left at shutdown.
@@ -213,7 +214,7 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
             .map(|s| s.trim().to_owned())
             .unwrap_or_else(|_| "unknown".into());
         let agent = Agent::start(AgentConfig {
-            boot_id,
+            boot_id: boot_id.clone(),
             report_grace: cfg.report_grace,
             metrics_root: root.to_owned(),
         })?;
@@ -222,6 +223,17 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
             "ready",
             format_args!("agent on vsock port {}", cfg.vsock_port),
         );
+        // The host learns it now rather than at its next connect attempt.
+        tokio::spawn(async move {
+            let to = Announce::Vsock(READY_VSOCK_PORT);
+            match announce(&to, &boot_id).await {
+                Ok(()) => marker("announce", format_args!("ok host port {READY_VSOCK_PORT}")),
+                Err(e) => marker(
+                    "announce",
+                    format_args!("not heard on host port {READY_VSOCK_PORT}: {e}"),
+                ),
+            }
+        });
         let reason = serve_until_signal(&agent, listener).await;
         terminate_everything(agent.execs()).await;
         Ok(reason)

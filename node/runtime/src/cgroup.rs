@@ -149,6 +149,9 @@ fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupErr
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CgroupArgs {
     pub version: Version,
+    /// Where the runtime sees the host's cgroup filesystem ([`CgroupConfig::root`]): the jailer
+    /// finds hierarchies by their mounts, so it must see this tree, not the pod's own.
+    pub root: PathBuf,
     /// The runtime's per-VM parent, relative to each hierarchy's root.
     pub parent: PathBuf,
     /// `FILE=VALUE`, in the order written (v1's period before its quota).
@@ -159,6 +162,7 @@ pub struct CgroupArgs {
 #[derive(Debug, Clone)]
 pub struct VmCgroups {
     version: Version,
+    root: PathBuf,
     /// The parent cgroup's directory per controller (v2: the same one for all).
     parents: Vec<(Controller, PathBuf)>,
     /// The parent relative to each hierarchy's root (the jailer's `--parent-cgroup`).
@@ -225,6 +229,7 @@ impl VmCgroups {
         };
         Ok(Self {
             version,
+            root: cfg.root.clone(),
             parents,
             parent: cfg.parent.clone(),
             overhead_mib: cfg.overhead_mib,
@@ -292,6 +297,7 @@ impl VmCgroups {
         let limits = Limits::of(memory_mib, vcpu, self.overhead_mib, self.pids_max);
         CgroupArgs {
             version: self.version,
+            root: self.root.clone(),
             parent: self.parent.clone(),
             limits: limit_files(self.version, &limits)
                 .into_iter()

@@ -65,6 +65,21 @@ fn runtime_rejects_a_duration_that_is_not_a_kubernetes_duration() {
     }
 }
 
+#[test]
+fn runtime_refuses_firecracker_without_its_jailer() {
+    let out = Command::new(env!("CARGO_BIN_EXE_imp-runtime"))
+        .args(["--kernel", "/nonexistent", "--backend", "firecracker"])
+        .env_remove("IMP_JAILER_PATH")
+        .env_remove("IMP_UNJAILED_FIRECRACKER")
+        .env_remove("IMP_NO_CONFINE")
+        .env_remove("IMP_VMM_BACKEND")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--jailer-path"), "names the flag: {err}");
+}
+
 /// imp-agent on `node`, logging in `format` to `log`; killed on drop.
 struct Agent(Option<Child>);
 

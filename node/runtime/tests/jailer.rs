@@ -356,6 +356,23 @@ async fn boot_latency_through_the_jailer_vs_direct() {
         dp * 1e3,
         jp / dp
     );
+    // The guest's announcement reaches the runtime through the jail too (its socket is the VM
+    // uid's). A Hello may still come first through a connect attempt (the simulator's agent
+    // starts at InstanceStart, while the first attempts are 20 ms apart), so not every VM counts.
+    for (what, log) in [
+        ("jailed", j.h.runtime_log()),
+        ("direct", direct.runtime_log()),
+    ] {
+        assert!(
+            !log.contains("cannot listen for the guest's announcement"),
+            "{what}:\n{log}"
+        );
+    }
+    let log = j.h.runtime_log();
+    assert!(
+        log.contains("announced=true"),
+        "no jailed VM's Hello followed its announcement\n{log}"
+    );
     assert_no_leaks(&j).await;
 }
 

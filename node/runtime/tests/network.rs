@@ -436,6 +436,26 @@ fn bridge_nat_dns_isolation_and_teardown_in_namespaces() {
         let v6 = output("ip", &["-n", &node, "-6", "addr", "show", "dev", link]);
         assert!(!v6.contains("inet6"), "{link} has IPv6: {v6}");
     }
+    // Forwarding per link over netlink (a non-privileged runtime pod cannot write /proc/sys): on
+    // for the bridge and the uplink, while the namespace's global ip_forward stays 0, so the NAT
+    // below works through the links' flags alone.
+    let sysctl = |key: &str| {
+        output("ip", &["netns", "exec", &node, "sysctl", "-n", key])
+            .trim()
+            .to_owned()
+    };
+    assert_eq!(
+        sysctl("net.ipv4.ip_forward"),
+        "0",
+        "the global flag untouched"
+    );
+    for link in [bridge.as_str(), "up0"] {
+        assert_eq!(
+            sysctl(&format!("net.ipv4.conf.{link}.forwarding")),
+            "1",
+            "{link} forwards"
+        );
+    }
 
     let server: SocketAddr = "192.0.2.1:8080".parse().unwrap();
     in_netns(&g1, || {

@@ -178,7 +178,22 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
     for uid in ["qemu-b", "qemu-c"] {
         let (_, st) = h.client.ensure_running(uid, &spec).await.unwrap();
         boots.push(st.boot_seconds.unwrap());
+        // The guest's announcement reached the runtime through the confined vsock device: the
+        // guest says so only when the host end accepted its connection.
+        let console =
+            std::fs::read_to_string(h.vms_dir().join(uid).join("serial.log")).unwrap_or_default();
+        assert!(
+            console.contains("IMP-GUEST stage=announce ok"),
+            "{uid}: no announcement taken\n{console}"
+        );
     }
+    // Either Hello followed its announcement (a connect attempt landing between the guest's
+    // listen and its announcement, microseconds apart, could come first for one of them).
+    assert!(
+        h.runtime_log().contains("announced=true"),
+        "{}",
+        h.runtime_log()
+    );
     let runtime_rss = rss_kib(h.runtime_pid().unwrap() as i32);
     let vhost_rss: Vec<u64> = h
         .vmm_processes()

@@ -38,6 +38,11 @@ pub struct PoolTiming {
     /// A runner Started this long ago that GitHub never listed online (or busy) is replaced
     /// (`RunnerNeverOnline`).
     pub runner_online_deadline: Duration,
+    /// A runner whose job completed but whose exit the node agent has not recorded yet is kept this
+    /// long after the completion before its VM is deleted anyway: a real runner reports and uploads
+    /// its logs for seconds after the job, and the exit code it then leaves is what the pool reads
+    /// (freshness, `RunnerExitedNonZero`). Bounded so a runner that never exits does not pin a slot.
+    pub runner_exit_grace: Duration,
 }
 
 impl Default for PoolTiming {
@@ -57,6 +62,7 @@ impl Default for PoolTiming {
             versions_refresh: Duration::from_secs(3600),
             boot_deadline: Duration::from_secs(600),
             runner_online_deadline: Duration::from_secs(300),
+            runner_exit_grace: Duration::from_secs(60),
         }
     }
 }

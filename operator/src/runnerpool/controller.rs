@@ -246,8 +246,9 @@ enum Removed {
 /// GitHub's runners of the pool's scope and the runner names existing VMs hold (read after the listing).
 type Listing = (Runners, HashSet<String>);
 
-/// What the pass observed of one VM, for the decision.
-fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>) -> VmFacts {
+/// What the pass observed of one VM, for the decision. `completed`: when the demand saw the job the
+/// VM's runner took complete, if it did.
+fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>, completed: Option<Timestamp>) -> VmFacts {
     let ann = vm.annotations();
     let name = ann.get(ANNOTATION_RUNNER_NAME).map(String::as_str);
     let status = vm.status.as_ref();
@@ -266,6 +267,12 @@ fn vm_facts(vm: &ImpVM, busy_runners: &HashSet<String>) -> VmFacts {
             .and_then(|s| s.runner.as_ref())
             .and_then(|r| r.started_time.as_ref())
             .map(|t| t.0),
+        // The recorded completion first: it survives an operator restart, which empties the demand.
+        job_completed: status
+            .and_then(|s| s.job.as_ref())
+            .and_then(|j| j.completed_time.as_ref())
+            .map(|t| t.0)
+            .or(completed),
     }
 }
 
@@ -312,6 +319,7 @@ impl Ctx {
         Deadlines {
             boot: self.config.timing.boot_deadline,
             online: self.config.timing.runner_online_deadline,
+            exit: self.config.timing.runner_exit_grace,
         }
     }
 
@@ -645,10 +653,19 @@ impl Ctx {
         let demand = self.shared.demand().pool_demand(key);
         let now = Instant::now();
         let wall = Timestamp::now();
-        let facts: Vec<VmFacts> = vms
-            .iter()
-            .map(|vm| vm_facts(vm, &demand.busy_runners))
-            .collect();
+        let facts: Vec<VmFacts> = {
+            let d = self.shared.demand();
+            vms.iter()
+                .map(|vm| {
+                    let completed = vm
+                        .annotations()
+                        .get(ANNOTATION_RUNNER_NAME)
+                        .and_then(|r| d.served_by(key, r))
+                        .and_then(|j| j.completed_at);
+                    vm_facts(vm, &demand.busy_runners, completed)
+                })
+                .collect()
+        };
         let started_runners = vms
             .iter()
             .filter_map(|vm| {

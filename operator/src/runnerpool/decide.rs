@@ -340,6 +340,8 @@ pub struct Deadlines {
     pub boot: Duration,
     /// From the runner's Started to GitHub listing it online (or busy).
     pub online: Duration,
+    /// From the completion of the runner's job to the agent recording its exit ([`awaiting_exit`]).
+    pub exit: Duration,
 }
 
 /// Why a VM is replaced before its run ended.
@@ -370,6 +372,9 @@ pub struct VmFacts {
     pub scheduled: Option<Timestamp>,
     /// The runner's handoff Started (`status.runner.startedTime`).
     pub runner_started: Option<Timestamp>,
+    /// When the job the runner took completed: `status.job.completedTime` (so it survives an operator
+    /// restart), else the demand's completion time when this pass learnt it first.
+    pub job_completed: Option<Timestamp>,
 }
 
 /// A runner registration as GitHub lists it.
@@ -398,6 +403,21 @@ fn elapsed(since: Timestamp, now: Timestamp) -> Duration {
     now.duration_since(since).try_into().unwrap_or_default()
 }
 
+/// A runner whose job completed and whose exit the node agent has not recorded yet (handoff still
+/// Started, no job in progress on it): the time left of its exit grace, zero once it ran out. GitHub
+/// drops an ephemeral runner as its job completes, but the runner process goes on for seconds
+/// (reporting, uploading logs) before it exits, and its exit code is what the pool reads (freshness,
+/// `RunnerExitedNonZero`): deleting the VM at once would kill it mid-shutdown and lose that code. The
+/// grace counts from the job's completion (recorded on the VM's status, so a restarted operator keeps
+/// the clock) and is bounded so a runner that never exits does not pin its slot.
+pub fn awaiting_exit(v: &VmFacts, d: &Deadlines, now: Timestamp) -> Option<Duration> {
+    if v.vm.state != RunnerState::Idle {
+        return None;
+    }
+    v.job_completed
+        .map(|t| d.exit.saturating_sub(elapsed(t, now)))
+}
+
 /// A started runner whose online deadline passed and that was never seen online: GitHub's listing is
 /// needed to judge it.
 pub fn online_suspect(
@@ -407,6 +427,8 @@ pub fn online_suspect(
     now: Timestamp,
 ) -> bool {
     v.vm.state == RunnerState::Idle
+        // A runner that served a job was online.
+        && v.job_completed.is_none()
         && v.vm.runner_id.is_some_and(|id| !confirmed.contains(&id))
         && v.runner_started
             .is_some_and(|t| elapsed(t, now) >= d.online)
@@ -449,6 +471,7 @@ pub fn next_deadline(
     vms.iter()
         .filter_map(|v| match v.vm.state {
             RunnerState::Booting => v.scheduled.map(|t| d.boot.saturating_sub(elapsed(t, now))),
+            RunnerState::Idle if v.job_completed.is_some() => awaiting_exit(v, d, now),
             RunnerState::Idle if v.vm.runner_id.is_some_and(|id| !confirmed.contains(&id)) => v
                 .runner_started
                 .map(|t| d.online.saturating_sub(elapsed(t, now))),
@@ -616,7 +639,10 @@ pub struct PoolPlan {
     pub reap: Reap,
     /// Runner ids newly seen online or busy (remembered so they are never judged again).
     pub seen_online: Vec<u64>,
-    /// Requeue by then to judge the next deadline.
+    /// Runner VMs whose job completed, kept within their exit grace for the agent to record the
+    /// runner's exit ([`awaiting_exit`]).
+    pub awaiting_exit: Vec<String>,
+    /// Requeue by then to judge the next deadline (or the end of an exit grace).
     pub next_deadline: Option<Duration>,
     /// `status.job` writes of VMs whose served job is newly known or changed.
     pub served: Vec<ServedUpdate>,
@@ -635,7 +661,19 @@ pub fn decide(i: &Input) -> PoolPlan {
     let mut observed = Vec::with_capacity(i.vms.len());
     for v in i.vms {
         let mut vm = v.vm.clone();
-        if let Some(why) = overdue(v, &i.deadlines, i.confirmed_online, by_id.as_ref(), i.now) {
+        if let Some(left) = awaiting_exit(v, &i.deadlines, i.now) {
+            // Still finishing its job: counted busy (it holds its slot, is never retired, and a
+            // replacement is not made for it) until the agent records the exit, which makes it
+            // terminal; past the grace it is finished as if it had exited.
+            vm.state = if left.is_zero() {
+                RunnerState::Terminal
+            } else {
+                out.awaiting_exit.push(vm.name.clone());
+                RunnerState::Busy
+            };
+        } else if let Some(why) =
+            overdue(v, &i.deadlines, i.confirmed_online, by_id.as_ref(), i.now)
+        {
             out.replace.push((
                 Removal {
                     name: vm.name.clone(),
@@ -888,6 +926,7 @@ mod tests {
     const D: Deadlines = Deadlines {
         boot: Duration::from_secs(600),
         online: Duration::from_secs(300),
+        exit: Duration::from_secs(60),
     };
 
     fn t(secs: i64) -> Timestamp {
@@ -904,6 +943,7 @@ mod tests {
             },
             scheduled: None,
             runner_started: None,
+            job_completed: None,
         }
     }
 
@@ -1467,6 +1507,132 @@ mod tests {
         });
         assert!(p.replace.is_empty() && p.seen_online.is_empty());
         assert_eq!(p.plan.create, 0);
+    }
+
+    /// One pass over `vms` at `now` with minIdle 0, no demand and the demand known (so any idle runner
+    /// is surplus and would be retired), and a listing in which none of the runners exists any more.
+    fn pass(vms: &[VmFacts], now: Timestamp) -> PoolPlan {
+        let sc = scaling(0, 5);
+        let (none, held) = (HashSet::new(), HashSet::new());
+        decide(&Input {
+            vms,
+            scaling: &sc,
+            queued: 0,
+            gates: MintGates::default(),
+            demand_known: true,
+            deadlines: D,
+            confirmed_online: &none,
+            listing: Some((&[], &held)),
+            pool_name: "p",
+            served: &[],
+            now,
+            status: StatusBasis::default(),
+            timing: RequeueTiming {
+                resync: Duration::from_secs(300),
+                retry: Duration::from_secs(10),
+                scaling_requeue: Duration::from_millis(200),
+                reap_interval: Duration::from_secs(120),
+            },
+        })
+    }
+
+    fn removed(p: &PoolPlan) -> Vec<&str> {
+        let plan = &p.plan;
+        plan.cleanup
+            .iter()
+            .chain(&plan.retire)
+            .chain(p.replace.iter().map(|(r, _)| r))
+            .map(|r| r.name.as_str())
+            .collect()
+    }
+
+    #[test]
+    fn a_runner_whose_job_completed_is_kept_for_its_exit_within_the_grace() {
+        // Handoff Started, its job completed at t(100), GitHub has dropped it: the agent has not
+        // recorded the exit yet. Started long ago and never confirmed online: not judged by the online
+        // deadline either (it served a job).
+        let mut v = facts("done", Idle, Some(1));
+        v.runner_started = Some(t(0));
+        v.job_completed = Some(t(100));
+        let vms = [v];
+        let p = pass(&vms, t(101));
+        assert!(removed(&p).is_empty(), "{p:?}");
+        assert_eq!(p.awaiting_exit, vec!["done".to_string()]);
+        assert_eq!(
+            (p.plan.counts.busy, p.plan.counts.idle, p.plan.create),
+            (1, 0, 0),
+            "holds its slot as busy; no replacement, never retired"
+        );
+        assert_eq!(p.next_deadline, Some(Duration::from_secs(59)));
+        let listed_now = Outcome {
+            since_listing: Some(Duration::ZERO),
+            ..Outcome::planned(&p)
+        };
+        assert_eq!(
+            settle(&p, &listed_now, t(101)).requeue,
+            Duration::from_secs(59) + Duration::from_millis(10),
+            "the pass comes back when the grace ends"
+        );
+        assert_eq!(p.status.busy, 1);
+        // Still within at t(159).
+        assert!(removed(&pass(&vms, t(159))).is_empty());
+
+        // Past the grace: finished as if it had exited (deregistered, deleted).
+        let p = pass(&vms, t(160));
+        assert_eq!(removed(&p), vec!["done"]);
+        assert_eq!(
+            p.plan.cleanup.len(),
+            1,
+            "cleaned up, not retired or replaced"
+        );
+        assert!(p.awaiting_exit.is_empty());
+        assert_eq!(p.next_deadline, None);
+    }
+
+    #[test]
+    fn an_exited_runner_or_one_without_a_completed_job_is_handled_as_before() {
+        // The agent recorded the exit (classified terminal): deleted at once, whatever the grace.
+        let mut exited = facts("exited", Terminal, Some(1));
+        exited.runner_started = Some(t(0));
+        exited.job_completed = Some(t(100));
+        let p = pass(&[exited], t(100));
+        assert_eq!(removed(&p), vec!["exited"]);
+        assert!(p.awaiting_exit.is_empty());
+        assert_eq!(p.next_deadline, None);
+
+        // Idle without a completed job: surplus, retired as before.
+        let mut idle = facts("idle", Idle, Some(2));
+        idle.runner_started = Some(t(0));
+        let p = pass(std::slice::from_ref(&idle), t(10));
+        assert_eq!(p.plan.retire.len(), 1);
+        assert!(p.awaiting_exit.is_empty());
+
+        // Never handed off (booting, or never minted): the grace does not apply, even with a job
+        // completion known; the boot deadline still does.
+        for (state, id) in [(Booting, Some(3)), (Unminted, None)] {
+            let mut v = facts("boot", state, id);
+            v.scheduled = Some(t(0));
+            v.job_completed = Some(t(5));
+            let p = pass(std::slice::from_ref(&v), t(10));
+            assert!(p.awaiting_exit.is_empty(), "{state:?}");
+            assert_eq!(
+                awaiting_exit(&v, &D, t(10)),
+                None,
+                "{state:?} is not awaiting an exit"
+            );
+        }
+        let mut booting = facts("boot", Booting, Some(3));
+        booting.scheduled = Some(t(0));
+        booting.job_completed = Some(t(5));
+        let p = pass(&[booting], t(600));
+        assert_eq!(p.replace.len(), 1, "the boot deadline still replaces it");
+
+        // A busy runner (its job in progress) is untouched by the grace.
+        let mut busy = facts("busy", Busy, Some(4));
+        busy.runner_started = Some(t(0));
+        busy.job_completed = Some(t(5));
+        let p = pass(&[busy], t(10));
+        assert!(removed(&p).is_empty() && p.awaiting_exit.is_empty());
     }
 
     #[test]

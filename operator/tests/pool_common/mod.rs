@@ -130,6 +130,12 @@ pub struct PoolHarness {
     timing: PoolTiming,
     /// The runner version the fake agent's runners state (the simulator's broker checks it).
     pub runner_version: Arc<Mutex<String>>,
+    /// How long the fake agent's runners take to exit after their job (a real runner reports and
+    /// uploads its logs first); the exit is recorded after it.
+    pub runner_exit_delay: Arc<Mutex<Duration>>,
+    /// Nodes and the class of [`Self::add_nodes`] (cluster-scoped: deleted on drop).
+    nodes: Vec<String>,
+    class: Option<String>,
 }
 
 impl PoolHarness {
@@ -165,6 +171,9 @@ impl PoolHarness {
             runner_version: Arc::new(Mutex::new(
                 imp_testkit::github::releases::DEFAULT_LATEST.to_string(),
             )),
+            runner_exit_delay: Arc::new(Mutex::new(Duration::ZERO)),
+            nodes: vec![],
+            class: None,
         };
         h.start_operator().await;
         h.create_secret(APP_SECRET, h.sim.secret_data(KeyFormat::Pkcs1))
@@ -263,6 +272,143 @@ impl PoolHarness {
             .create(&PostParams::default(), &s)
             .await
             .unwrap();
+    }
+
+    /// `n` Ready Imp nodes of this test (labelled [`NODE_LABEL`]`=<namespace>`, the operator
+    /// binary's `IMP_NODE_SELECTOR`), 64 vCPU / 256 GiB each, whose heartbeat Leases are renewed
+    /// here as their agents would, and a VM class (`<namespace>-runner`, 1 vCPU, 2 GiB) for the
+    /// pools: what the binary's ImpVM controller needs to bind runner VMs. Answers the class.
+    pub async fn add_nodes(&mut self, n: usize) -> String {
+        use imp_api::{
+            ImpVMClass,
+            names::{LABEL_NODE_ENABLED, lease_name},
+        };
+        use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+        use k8s_openapi::api::core::v1::Node;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let leases: Api<Lease> = self.env.api();
+        let mut names = Vec::new();
+        for i in 0..n {
+            let name = format!("{}-n{i}", self.ns);
+            let node: Node = serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "labels": {LABEL_NODE_ENABLED: "true", NODE_LABEL: self.ns}},
+            }))
+            .unwrap();
+            nodes.create(&PostParams::default(), &node).await.unwrap();
+            self.nodes.push(name.clone());
+            // The API server taints new nodes not-ready; nothing here lifts it but the test.
+            nodes
+                .patch(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"taints": []}})),
+                )
+                .await
+                .unwrap();
+            let now = Timestamp::now().to_string();
+            let cond = |t: &str, s: &str| {
+                json!({"type": t, "status": s, "reason": "Test", "message": "test",
+                "lastHeartbeatTime": now, "lastTransitionTime": now})
+            };
+            nodes
+                .patch_status(
+                    &name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"status": {
+                        "allocatable": {"cpu": "64", "memory": "256Gi"},
+                        "capacity": {"cpu": "64", "memory": "256Gi"},
+                        "conditions": [cond("Ready", "True"), cond("MemoryPressure", "False"),
+                                       cond("DiskPressure", "False"), cond("PIDPressure", "False")],
+                    }})),
+                )
+                .await
+                .unwrap();
+            let lease = Lease {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(lease_name(&name)),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(name.clone()),
+                    lease_duration_seconds: Some(40),
+                    renew_time: Some(MicroTime(Timestamp::now())),
+                    ..Default::default()
+                }),
+            };
+            leases.create(&PostParams::default(), &lease).await.unwrap();
+            names.push(name);
+        }
+        self.tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                for n in &names {
+                    let patch = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+                    let _ = leases
+                        .patch(
+                            &lease_name(n),
+                            &PatchParams::default(),
+                            &Patch::Merge(&patch),
+                        )
+                        .await;
+                }
+            }
+        }));
+        let class = format!("{}-runner", self.ns);
+        let c = fixtures::class(&class).vcpu(1).memory_mib(2048).build();
+        Api::<ImpVMClass>::all(self.client.clone())
+            .create(&PostParams::default(), &c)
+            .await
+            .unwrap();
+        self.class = Some(class.clone());
+        class
+    }
+
+    /// Starts the imp-operator binary against this harness (API server, namespace, simulator)
+    /// as `identity` (its leader-election identity and its scale-set sessions' owner), logging
+    /// to `log`; `extra_env` comes last. The simulator's webhooks go to it from now on. Stop the
+    /// harness's own operator first.
+    pub fn spawn_operator(
+        &self,
+        identity: &str,
+        log: &std::path::Path,
+        extra_env: &[(&str, &str)],
+    ) -> OperatorProcess {
+        let addr = format!(
+            "127.0.0.1:{}",
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        );
+        let (out, err) = imp_testkit::binlog::log_file(log);
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_imp-operator"))
+            .env("KUBECONFIG", self.env.kubeconfig_path())
+            .env("IMP_HTTP_ADDR", &addr)
+            .env("IMP_NAMESPACE", &self.ns)
+            .env("IMP_WATCH_NAMESPACE", &self.ns)
+            .env("IMP_NODE_SELECTOR", format!("{NODE_LABEL}={}", self.ns))
+            .env("IMP_GITHUB_API_URL", self.sim.base_url())
+            .env("IMP_POD_NAME", identity)
+            .env("POD_NAME", identity)
+            .env("IMP_LOG", "info")
+            .envs(extra_env.iter().copied())
+            .stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        self.sim
+            .set_webhook(&format!("http://{addr}/webhooks/github"), WEBHOOK_SECRET);
+        OperatorProcess {
+            child,
+            addr,
+            log: log.to_path_buf(),
+            identity: identity.to_string(),
+        }
     }
 
     /// A pool with the test labels, org scope, the test webhook secret, and `scaling`.
@@ -396,23 +542,46 @@ impl PoolHarness {
     /// Secret deleted; with `run_jobs`, the simulator's fake runner runs with the config and takes one job
     /// (`job_time` long), after which the VM is marked Succeeded.
     pub fn start_agent(&mut self, run_jobs: bool, job_time: Duration) {
+        self.start_agent_on(false, run_jobs, job_time);
+    }
+
+    /// [`Self::start_agent`] as the agents of the nodes of [`Self::add_nodes`] with the operator
+    /// binary's ImpVM controller binding the VMs: only a VM bound to a node is handed off, and a
+    /// deleted bound VM gets its teardown confirmed (TornDown), which its finalizer waits for.
+    pub fn start_node_agent(&mut self, job_time: Duration) {
+        self.start_agent_on(true, true, job_time);
+    }
+
+    fn start_agent_on(&mut self, bound_only: bool, run_jobs: bool, job_time: Duration) {
         let vms = self.vms();
         let secrets = self.secrets();
         let this = AgentCtx {
             vms: vms.clone(),
             secrets,
             runner_version: self.runner_version.clone(),
+            exit_delay: self.runner_exit_delay.clone(),
         };
         let task = tokio::spawn(async move {
             let mut handled = std::collections::HashSet::new();
+            let mut torn = std::collections::HashSet::new();
             loop {
                 if let Ok(list) = vms.list(&ListParams::default()).await {
                     for vm in list.items {
+                        let bound = vm.spec.node_name.is_some();
+                        let uid = vm.uid().unwrap_or_default();
+                        if bound_only && bound && vm.metadata.deletion_timestamp.is_some() {
+                            if torn.insert(uid.clone()) {
+                                tokio::spawn(torn_down(vms.clone(), vm.name_any()));
+                            }
+                            continue;
+                        }
                         let Some(secret) = vm.spec.runner_config_secret.clone() else {
                             continue;
                         };
-                        let uid = vm.uid().unwrap_or_default();
-                        if vm.metadata.deletion_timestamp.is_some() || !handled.insert(uid) {
+                        if vm.metadata.deletion_timestamp.is_some()
+                            || (bound_only && !bound)
+                            || !handled.insert(uid)
+                        {
                             continue;
                         }
                         let this = this.clone();
@@ -425,6 +594,27 @@ impl PoolHarness {
             }
         });
         self.tasks.push(task);
+    }
+}
+
+/// imp-runtime released everything: the TornDown condition the ImpVM controller's finalizer waits
+/// for (what the agent writes once the VM's resources are gone).
+async fn torn_down(vms: Api<ImpVM>, name: String) {
+    let now = Time(Timestamp::now());
+    let patch = json!({"status": {"conditions": [{
+        "type": imp_api::names::condition::TORN_DOWN, "status": "True",
+        "reason": imp_api::names::reason::TEARDOWN_COMPLETE,
+        "message": "test agent", "lastTransitionTime": now,
+    }]}});
+    for _ in 0..50 {
+        match vms
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return,
+            Err(kube::Error::Api(e)) if e.code == 404 => return,
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
     }
 }
 
@@ -453,6 +643,7 @@ struct AgentCtx {
     vms: Api<ImpVM>,
     secrets: Api<Secret>,
     runner_version: Arc<Mutex<String>>,
+    exit_delay: Arc<Mutex<Duration>>,
 }
 
 impl AgentCtx {
@@ -491,7 +682,10 @@ impl AgentCtx {
             version: self.runner_version.lock().unwrap().clone(),
             ..FakeRunnerOptions::default()
         };
-        let patch = match run_fake_runner(&config, &opts).await {
+        let result = run_fake_runner(&config, &opts).await;
+        let delay = *self.exit_delay.lock().unwrap();
+        tokio::time::sleep(delay).await;
+        let patch = match result {
             Ok(_) => json!({"status": {"phase": "Succeeded",
                 "runner": {"handoff": "Exited", "exitCode": 0, "exitedTime": Time(Timestamp::now())}}}),
             // GitHub refused the runner's version: exit code 7 (the runner layer runs the runner
@@ -515,6 +709,75 @@ impl Drop for PoolHarness {
         for t in self.tasks.iter().chain(&self.operator) {
             t.abort();
         }
+        if self.nodes.is_empty() && self.class.is_none() {
+            return;
+        }
+        let (nodes, class) = (std::mem::take(&mut self.nodes), self.class.take());
+        imp_testkit::cluster::with_fresh_client(
+            self.env.kubeconfig_path(),
+            move |client| async move {
+                use k8s_openapi::api::core::v1::Node;
+                let api: Api<Node> = Api::all(client.clone());
+                for n in &nodes {
+                    let _ = api.delete(n, &Default::default()).await;
+                }
+                if let Some(class) = class {
+                    let _ = Api::<imp_api::ImpVMClass>::all(client)
+                        .delete(&class, &Default::default())
+                        .await;
+                }
+            },
+        );
+    }
+}
+
+/// The label of the nodes of [`PoolHarness::add_nodes`] (value: the test's namespace).
+pub const NODE_LABEL: &str = "imp.dev/pool-test-node";
+
+/// An imp-operator binary of [`PoolHarness::spawn_operator`]; killed on drop.
+pub struct OperatorProcess {
+    pub child: tokio::process::Child,
+    /// Its HTTP address (/healthz, /readyz, /metrics).
+    pub addr: String,
+    pub log: std::path::PathBuf,
+    pub identity: String,
+}
+
+impl OperatorProcess {
+    /// `kill -9`: no shutdown path runs (the sessions stay open at GitHub, the Lease held).
+    pub async fn kill9(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Its /metrics text ("" until it answers).
+    pub async fn metrics(&self) -> String {
+        imp_testkit::binlog::get(&self.addr, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    }
+
+    /// The value of one sample line (`name{labels}`) of its /metrics, if present.
+    pub async fn metric(&self, sample: &str) -> Option<f64> {
+        self.metrics()
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix(sample).and_then(|v| v.trim().parse().ok()))
+    }
+
+    /// SIGTERM; the exit status (within 15 s) and the log.
+    pub async fn stop(mut self) -> (std::process::ExitStatus, String) {
+        imp_testkit::binlog::send_signal(self.child.id().unwrap(), "TERM");
+        let status = tokio::time::timeout(Duration::from_secs(15), self.child.wait())
+            .await
+            .expect("exit on SIGTERM")
+            .unwrap();
+        (status, self.log_text())
     }
 }
 

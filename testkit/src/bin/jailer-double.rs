@@ -27,7 +27,9 @@
 //! are bound read-only at their host paths inside the jail (symlinks such as `/lib -> usr/lib`
 //! recreated as symlinks), `/dev/null` is made (the simulator's child processes open it), and
 //! `IMP_JAILER_DOUBLE_KEEP_ENV` names environment variables kept (the simulator's
-//! `IMP_GUEST_BIN`, `IMP_SIM_BEHAVIOUR`). Unset, the double is the jailer.
+//! `IMP_GUEST_BIN`, `IMP_SIM_BEHAVIOUR`). `IMP_JAILER_DOUBLE_KEEP_ROOT` skips step 10's uid/gid
+//! drop (the simulated guest then switches to its runner's user, as a real guest, root in its VM,
+//! does; the real-node test's lifecycle). Unset, the double is the jailer.
 
 use std::ffi::{CString, OsString};
 use std::os::unix::ffi::OsStrExt as _;
@@ -258,9 +260,13 @@ fn run(args: Args) -> Result<(), String> {
     for a in &args.exec_args {
         argv.push(CString::new(a.as_bytes()).map_err(|_| "an argument holds a NUL byte")?);
     }
-    nix::unistd::setgroups(&[]).map_err(|e| format!("setgroups: {e}"))?;
-    nix::unistd::setresgid(g, g, g).map_err(|e| format!("setresgid {gid}: {e}"))?;
-    nix::unistd::setresuid(u, u, u).map_err(|e| format!("setresuid {uid}: {e}"))?;
+    // Deviation: IMP_JAILER_DOUBLE_KEEP_ROOT keeps the simulator root inside its jail, for a
+    // simulated guest that switches to its runner's user as a real guest (root in its VM) does.
+    if std::env::var_os("IMP_JAILER_DOUBLE_KEEP_ROOT").is_none() {
+        nix::unistd::setgroups(&[]).map_err(|e| format!("setgroups: {e}"))?;
+        nix::unistd::setresgid(g, g, g).map_err(|e| format!("setresgid {gid}: {e}"))?;
+        nix::unistd::setresuid(u, u, u).map_err(|e| format!("setresuid {uid}: {e}"))?;
+    }
     let e = nix::unistd::execve(&argv[0], &argv, &env);
     Err(format!("exec /{exec_name}: {e:?}"))
 }

@@ -759,6 +759,10 @@ fn spawn_agent(guest_bin: &Path, sock: &Path) -> std::io::Result<Child> {
     cmd.arg("agent")
         .arg("--listen-unix")
         .arg(sock)
+        // The guest's connection to the host's READY port, as the hybrid vsock delivers it:
+        // to `<uds_path>_<port>` (the agent's socket is `<uds_path>.agent`).
+        .arg("--announce-unix")
+        .arg(imp_guest::host::announce_path(&sock.with_extension("")))
         .stdin(Stdio::null());
     // SAFETY: prctl is async-signal-safe.
     unsafe {

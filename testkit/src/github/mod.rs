@@ -4,6 +4,7 @@
 //! `workflow_job` webhooks, speaks a small runner protocol for the fake runner
 //! (`imp-fake-runner`), and injects faults on demand. See docs/github.md.
 
+mod config;
 #[cfg(test)]
 mod dispatch_tests;
 pub mod http;
@@ -11,6 +12,7 @@ pub mod jobs;
 pub mod jwt;
 pub mod keys;
 pub mod model;
+mod payload;
 mod registry;
 pub mod releases;
 pub mod runner_protocol;
@@ -18,6 +20,7 @@ pub mod scaleset;
 #[cfg(test)]
 mod scaleset_tests;
 mod server;
+mod shared;
 #[cfg(test)]
 mod sim_tests;
 #[cfg(test)]
@@ -26,12 +29,13 @@ pub mod webhooks;
 pub mod workflows;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::Utc;
 use tokio::sync::mpsc;
 
+pub use config::SimConfig;
 pub use jobs::{JobSpec, JobStatus, SimJob};
 pub use keys::{AppKey, test_key};
 pub use model::{
@@ -41,7 +45,7 @@ pub use webhooks::{ReceivedHook, WebhookSink, sign_body, verify_signature};
 
 use jobs::random_token;
 use model::{Model, RateWindow};
-use webhooks::HookEvent;
+use shared::Shared;
 
 /// The Secret keys Imp reads App credentials from (docs/github.md).
 pub const SECRET_KEY_APP_ID: &str = "app-id";
@@ -55,111 +59,6 @@ pub enum KeyFormat {
     Pkcs1,
     /// `BEGIN PRIVATE KEY`.
     Pkcs8,
-}
-
-/// Simulator configuration.
-#[derive(Debug, Clone)]
-pub struct SimConfig {
-    /// The organization login the App is installed on.
-    pub org: String,
-    /// Repositories (`owner/repo`) the installation can see.
-    pub repos: Vec<String>,
-    pub app_id: u64,
-    pub installation_id: u64,
-    /// Which cached test key (see [`test_key`]) is the App's key.
-    pub key_index: usize,
-    /// Installation token lifetime (GitHub: 1 hour).
-    pub token_ttl: Duration,
-    /// Primary rate limit per window (GitHub: 5000 per hour for installations).
-    pub rate_limit: u32,
-    pub rate_limit_window: Duration,
-    /// Organization runner groups besides "Default" (id 1), created with ids 2, 3, ...
-    pub runner_groups: Vec<String>,
-    /// Where webhooks go (also settable later).
-    pub webhook_url: Option<String>,
-    pub webhook_secret: String,
-    /// The simulator URL written into JIT configs for runners (default: `base_url()`). Set it
-    /// when runners reach the simulator through another address (e.g. from a guest VM over the
-    /// bridge, with the simulator started by [`GithubSim::start_on`] on that address).
-    pub runner_url: Option<String>,
-}
-
-impl Default for SimConfig {
-    fn default() -> Self {
-        SimConfig {
-            org: "octo-org".into(),
-            repos: vec!["octo-org/octo-repo".into()],
-            app_id: 4242,
-            installation_id: 31337,
-            key_index: 0,
-            token_ttl: Duration::from_secs(3600),
-            rate_limit: 5000,
-            rate_limit_window: Duration::from_secs(3600),
-            runner_groups: Vec::new(),
-            webhook_url: None,
-            webhook_secret: "imp-sim-webhook-secret".into(),
-            runner_url: None,
-        }
-    }
-}
-
-pub(crate) struct Shared {
-    pub config: SimConfig,
-    pub key: Arc<AppKey>,
-    pub base_url: String,
-    pub model: Mutex<Model>,
-    /// Runner scale sets (`scaleset.rs`); when both are held, the model is locked first.
-    pub scalesets: Mutex<scaleset::ScaleSets>,
-    pub hooks: mpsc::UnboundedSender<HookEvent>,
-}
-
-impl Shared {
-    pub fn model(&self) -> MutexGuard<'_, Model> {
-        self.model.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The URL written into JIT configs (see [`SimConfig::runner_url`]).
-    pub fn runner_url(&self) -> String {
-        self.config
-            .runner_url
-            .clone()
-            .unwrap_or_else(|| self.base_url.clone())
-    }
-
-    pub fn scalesets(&self) -> MutexGuard<'_, scaleset::ScaleSets> {
-        self.scalesets.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Queues a `workflow_job` webhook for the job's current state, and the scale-set message of
-    /// the change when a scale set serves the job.
-    pub fn emit(&self, job: &SimJob, action: &str) {
-        self.scalesets().on_job(job, action);
-        let payload = webhooks::workflow_job_payload(
-            job,
-            action,
-            &self.config.org,
-            self.config.installation_id,
-        );
-        let _ = self.hooks.send(HookEvent {
-            action: action.into(),
-            job_id: job.id,
-            payload,
-        });
-    }
-
-    pub fn queue_job(&self, spec: JobSpec) -> SimJob {
-        let job = {
-            let mut m = self.model();
-            let id = m.next_job_id;
-            m.next_job_id += 1;
-            let default_repo = self.config.repos.first().cloned().unwrap_or_default();
-            let job = SimJob::queued(id, spec, &default_repo);
-            m.jobs.insert(id, job.clone());
-            job
-        };
-        self.emit(&job, "queued");
-        job
-    }
 }
 
 /// A running simulator. Dropping it stops the server.
@@ -728,6 +627,13 @@ impl GithubSim {
 
     pub fn fail_scale_set_acks(&self, count: u32) {
         self.shared.scalesets().failing_acks = count;
+    }
+
+    /// Holds the next `count` acks of a message offering a job open until the listener goes away
+    /// (killed, its session ended); the message is then not deleted. `acks_held` and
+    /// `acks_discarded` in [`Self::scale_set_stats`] count them.
+    pub fn hold_scale_set_acks(&self, count: u32) {
+        self.shared.scalesets().holding_acks = count;
     }
 
     /// Sets how long an unpolled session lives and how long a poll waits before answering 202.

@@ -117,6 +117,12 @@ pub struct ScaleSetStats {
     pub sessions_refreshed: u64,
     /// Queue calls refused 401 (a token rotated away, a session gone).
     pub unauthorized: u64,
+    /// Acks (message deletes) held open by [`ScaleSets::holding_acks`]: the listener had written
+    /// its ledger and was waiting for GitHub's answer.
+    pub acks_held: u64,
+    /// Held acks whose listener went away (the connection closed or its session ended) before
+    /// the answer: the message was not deleted and is delivered again.
+    pub acks_discarded: u64,
 }
 
 /// Why a session or queue call is refused.
@@ -161,6 +167,10 @@ pub struct ScaleSets {
     /// The next this many message deletes answer 500 and delete nothing (an ack lost after the
     /// listener wrote its ledger).
     pub failing_acks: u32,
+    /// The next this many deletes of a message carrying a JobAvailable are held open (no answer)
+    /// until the listener goes away; then the delete is discarded, as GitHub drops a request
+    /// whose client is gone. A test kills the listener while its ack is in flight.
+    pub holding_acks: u32,
     /// Wakes long polls when a set gets a message.
     pub wake: Arc<Notify>,
     /// The broker stops answering polls (they hang until this is cleared): a listener that looks
@@ -184,6 +194,7 @@ impl Default for ScaleSets {
             poll_timeout: Duration::from_secs(50),
             stats: ScaleSetStats::default(),
             failing_acks: 0,
+            holding_acks: 0,
             wake: Arc::new(Notify::new()),
             deaf: false,
         }
@@ -439,6 +450,36 @@ impl ScaleSets {
             self.stats.messages_deleted += 1;
         }
         Ok(deleted)
+    }
+
+    /// Whether the delete of `message_id` is to be held open ([`ScaleSets::holding_acks`]); counts
+    /// it held.
+    pub fn hold_ack(&mut self, set_id: u64, message_id: u64) -> bool {
+        if self.holding_acks == 0 {
+            return false;
+        }
+        let offers_a_job = self.sets.get(&set_id).is_some_and(|s| {
+            s.queue.iter().any(|m| {
+                m.id == message_id
+                    && m.jobs
+                        .iter()
+                        .any(|j| j["messageType"] == json!("JobAvailable"))
+            })
+        });
+        if offers_a_job {
+            self.holding_acks -= 1;
+            self.stats.acks_held += 1;
+        }
+        offers_a_job
+    }
+
+    /// Whether `queue_token` is still the live session's (a held ack waits while it is).
+    pub fn session_live(&mut self, set_id: u64, queue_token: &str, now: DateTime<Utc>) -> bool {
+        self.expire_sessions(now);
+        self.sets
+            .get(&set_id)
+            .and_then(|s| s.session.as_ref())
+            .is_some_and(|s| s.queue_token == queue_token)
     }
 
     /// Acquires the named jobs that are Available in this set; answers the ids acquired now.

@@ -15,11 +15,11 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::Shared;
 use super::jobs::{JobSpec, JobStatus, random_token, run_status};
 use super::jwt::verify_app_jwt;
 use super::model::{Fault, FaultRule, RateWindow, SimRunner, SimScope, WebhookFault, labels_match};
 use super::registry::register_runner;
+use super::shared::Shared;
 
 mod dispatch;
 mod scaleset;
@@ -909,7 +909,7 @@ async fn run_jobs(
         .values()
         .filter(|j| j.run_id == run_id && j.repository.eq_ignore_ascii_case(&full))
         .map(|j| {
-            super::webhooks::workflow_job_payload(
+            super::payload::workflow_job_payload(
                 j,
                 "",
                 &shared.config.org,

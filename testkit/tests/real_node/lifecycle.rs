@@ -177,6 +177,9 @@ pub fn chart_values(sim_url: &str, fake_runner: &Path) -> String {
          \x20   - {{name: IMP_SWEEP_INTERVAL, value: 2s}}\n\
          runtime:\n  extraEnv:\n\
          \x20   - {{name: IMP_GUEST_BIN, value: /usr/local/lib/imp/imp-guest}}\n\
+         \x20   - {{name: IMP_JAILER_DOUBLE_BIND, value: \"/usr,/lib,/lib64,/bin,{runner}\"}}\n\
+         \x20   - {{name: IMP_JAILER_DOUBLE_KEEP_ENV, value: IMP_GUEST_BIN}}\n\
+         \x20   - {{name: IMP_JAILER_DOUBLE_KEEP_ROOT, value: \"1\"}}\n\
          \x20 extraVolumes:\n\
          \x20   - {{name: fake-runner, hostPath: {{path: \"{runner}\", type: File}}}}\n\
          \x20 extraVolumeMounts:\n\

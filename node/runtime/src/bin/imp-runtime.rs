@@ -91,9 +91,14 @@ struct Args {
     firecracker_bin: PathBuf,
     /// Firecracker's jailer (the same release as --firecracker-bin): every Firecracker VM runs
     /// through it, chrooted, as its own uid, in its own cgroups and PID namespace
-    /// (docs/security.md). Unset: Firecracker runs unconfined, with a warning.
+    /// (docs/security.md). Required with `--backend firecracker`, unless
+    /// --unjailed-firecracker or --no-confine.
     #[arg(long, env = "IMP_JAILER_PATH")]
     jailer_path: Option<PathBuf>,
+    /// Run Firecracker without its jailer (as root, the host's filesystem): for Firecracker
+    /// simulators in tests and for debugging only; the chart never sets it.
+    #[arg(long, env = "IMP_UNJAILED_FIRECRACKER", value_parser = clap::builder::BoolishValueParser::new())]
+    unjailed_firecracker: bool,
     /// The jailer's `--chroot-base-dir`; on the state disk (drives are hard-linked into each
     /// jail). Default: `<state-dir>/jailer`.
     #[arg(long, env = "IMP_JAILER_CHROOT_BASE_DIR")]
@@ -194,8 +199,22 @@ fn main() -> ExitCode {
     }
 }
 
+/// Firecracker would run without its jailer, and nobody asked for that.
+fn jailer_missing(args: &Args) -> bool {
+    args.backend == Backend::Firecracker
+        && args.jailer_path.is_none()
+        && !args.unjailed_firecracker
+        && !args.no_confine
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
     use anyhow::Context as _;
+    anyhow::ensure!(
+        !jailer_missing(&args),
+        "--jailer-path (IMP_JAILER_PATH) is required with --backend firecracker: Firecracker's \
+         jailer of the same release as --firecracker-bin, which confines every VM \
+         (docs/security.md); --unjailed-firecracker runs Firecracker unconfined, for tests only"
+    );
     let shutdown = ShutdownSignal::install().context("install the SIGTERM/SIGINT handlers")?;
     let image_dirs = if args.image_dirs.is_empty() {
         [Some(&args.kernel), args.initrd.as_ref()]

@@ -99,6 +99,18 @@ pub struct JailerRun<'a> {
     pub firecracker_args: Vec<OsString>,
 }
 
+/// Where the jailer must not look for cgroup hierarchies, when the runtime's view of the host's
+/// cgroup tree (`root`) is elsewhere: the pod's own `/sys/fs/cgroup` (read-only in a
+/// non-privileged container, the pod's subtree in any). The jailer takes the first cgroup mount
+/// of `/proc/self/mounts` for each controller; with `/sys/fs/cgroup` detached in a mount
+/// namespace of its own, that is the host's tree under `root`. `None`: the jailer sees the host's.
+pub fn hidden_cgroup_mount(cgroups: Option<&CgroupArgs>) -> Option<&'static Path> {
+    const DEFAULT: &str = "/sys/fs/cgroup";
+    cgroups
+        .filter(|cg| cg.root != Path::new(DEFAULT))
+        .map(|_| Path::new(DEFAULT))
+}
+
 /// The jailer's arguments for `run` (pure; the order docs/jailer.md lists them in).
 pub fn command_line(cfg: &JailerConfig, run: &JailerRun) -> Vec<OsString> {
     let mut a: Vec<OsString> = Vec::new();
@@ -313,6 +325,7 @@ mod tests {
     fn the_command_line_names_id_uid_chroot_cgroups_and_firecracker_args_after_the_separator() {
         let cg = CgroupArgs {
             version: Version::V2,
+            root: "/sys/fs/cgroup".into(),
             parent: "imp-vms".into(),
             limits: vec!["memory.max=100".into(), "pids.max=9".into()],
         };

@@ -204,6 +204,40 @@ pub async fn spawn_jailed(
         .stdin(Stdio::null())
         .stdout(open(&files.serial_log)?)
         .stderr(open(&files.stderr_log)?);
+    if let Some(hidden) = jailer::hidden_cgroup_mount(run.cgroups) {
+        let hidden = std::ffi::CString::new(hidden.as_os_str().as_encoded_bytes())
+            .expect("a constant path has no NUL");
+        use std::os::unix::process::CommandExt as _;
+        // SAFETY: between fork and exec only unshare, mount and umount2 on a path prepared
+        // before the fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Nothing done here may reach the pod's mounts.
+                let root = c"/";
+                if libc::mount(
+                    std::ptr::null(),
+                    root.as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null(),
+                ) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // EINVAL: not a mount point here, nothing to hide.
+                if libc::umount2(hidden.as_ptr(), libc::MNT_DETACH) != 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.raw_os_error() != Some(libc::EINVAL) {
+                        return Err(e);
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
     // The jailer puts itself (and so Firecracker) into the VM's cgroups: none here.
     let (jailer_pid, jailer_start) = process::spawn_detached(cmd, &[], &[], None)
         .map_err(|e| start_failed(e.to_string(), String::new()))?;
@@ -289,6 +323,7 @@ impl Vmm {
             &self.files.serial_log,
             || self.is_alive(),
             deadline,
+            None,
         )
         .await
     }

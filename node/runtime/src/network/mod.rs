@@ -220,11 +220,6 @@ pub enum NetworkError {
     TapConflict { tap: String, a: String, b: String },
     #[error(transparent)]
     Tap(#[from] TapError),
-    #[error("sysctl {path}: {source}")]
-    Sysctl {
-        path: String,
-        source: std::io::Error,
-    },
     #[error("nft {step}: {message}")]
     Nft { step: &'static str, message: String },
 }
@@ -246,7 +241,6 @@ impl NetworkError {
             NetworkError::EgressNotAllowed { .. } => "egress_not_allowed",
             NetworkError::EgressRangeNotAllowed { .. } => "egress_range_not_allowed",
             NetworkError::Tap(_) => "tap",
-            NetworkError::Sysctl { .. } => "sysctl",
             NetworkError::Nft { .. } => "nft",
         }
     }

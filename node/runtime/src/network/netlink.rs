@@ -1,5 +1,10 @@
-//! The thin I/O half: observe the host (rtnetlink dumps, sysctls, `nft -j list ruleset`) and
-//! execute one [`Action`] at a time. No decisions here.
+//! The thin I/O half: observe the host (rtnetlink dumps, `nft -j list ruleset`) and execute one
+//! [`Action`] at a time. No decisions here.
+//!
+//! Nothing here writes `/proc/sys`: a non-privileged container (the chart's runtime pod) sees it
+//! read-only, and with `hostNetwork` the node's sysctls cannot be pod sysctls. Per-link IPv4
+//! forwarding and IPv6 address generation are set over rtnetlink instead (`RTM_SETLINK` with
+//! `IFLA_AF_SPEC`), which needs only `CAP_NET_ADMIN`.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
@@ -8,7 +13,8 @@ use futures::TryStreamExt;
 use rtnetlink::packet_route::AddressFamily;
 use rtnetlink::packet_route::address::AddressAttribute;
 use rtnetlink::packet_route::link::{
-    InfoBridgePort, InfoPortData, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    AfSpecInet, AfSpecInet6, AfSpecUnspec, In6AddrGenMode, InetDevConf, InfoBridgePort,
+    InfoPortData, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
 };
 use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage};
 use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkUnspec, RouteMessageBuilder};
@@ -33,6 +39,25 @@ fn link_from(msg: &LinkMessage) -> Link {
             LinkAttribute::IfName(n) => link.name = n.clone(),
             LinkAttribute::Controller(i) => link.controller = Some(*i),
             LinkAttribute::Address(a) => link.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
+            LinkAttribute::AfSpecUnspec(families) => {
+                for family in families {
+                    match family {
+                        AfSpecUnspec::Inet(inet) => {
+                            for a in inet {
+                                if let AfSpecInet::DevConf(conf) = a {
+                                    link.forwarding = conf.forwarding != 0;
+                                }
+                            }
+                        }
+                        AfSpecUnspec::Inet6(inet6) => {
+                            link.ipv6_disabled |= inet6.iter().any(|a| {
+                                matches!(a, AfSpecInet6::AddrGenMode(In6AddrGenMode::None))
+                            });
+                        }
+                        _ => {}
+                    }
+                }
+            }
             LinkAttribute::LinkInfo(infos) => {
                 for info in infos {
                     match info {
@@ -53,8 +78,8 @@ fn link_from(msg: &LinkMessage) -> Link {
     link
 }
 
+/// Read only: whether IPv6 exists here at all, and links an older runtime turned IPv6 off on.
 const IPV6_CONF: &str = "/proc/sys/net/ipv6/conf";
-const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
 
 fn ipv6_disabled(link: &str) -> bool {
     if !Path::new(IPV6_CONF).exists() {
@@ -62,13 +87,6 @@ fn ipv6_disabled(link: &str) -> bool {
     }
     std::fs::read_to_string(Path::new(IPV6_CONF).join(link).join("disable_ipv6"))
         .is_ok_and(|v| v.trim() == "1")
-}
-
-fn write_sysctl(path: &Path, value: &str) -> Result<(), NetworkError> {
-    std::fs::write(path, value).map_err(|source| NetworkError::Sysctl {
-        path: path.display().to_string(),
-        source,
-    })
 }
 
 async fn links(handle: &Handle) -> Result<Vec<Link>, NetworkError> {
@@ -107,7 +125,8 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
         }
     }
     for l in &mut links {
-        l.ipv6_disabled = ipv6_disabled(&l.name);
+        // No address generation (what this runtime sets), or disable_ipv6 (what it used to).
+        l.ipv6_disabled = l.ipv6_disabled || ipv6_disabled(&l.name);
     }
     let routes: Vec<_> = handle
         .route()
@@ -155,12 +174,10 @@ pub async fn observe(handle: &Handle) -> Result<Observed, NetworkError> {
             })
         })
         .collect();
-    let ip_forward = std::fs::read_to_string(IP_FORWARD).is_ok_and(|v| v.trim() == "1");
     Ok(Observed {
         links,
         default_route_interface,
         routes: other_routes,
-        ip_forward,
         nft: nft::observe().await?,
     })
 }
@@ -205,10 +222,24 @@ pub async fn execute(handle: &Handle, action: &Action) -> Result<(), NetworkErro
             .execute()
             .await
             .map_err(nl(format!("set MAC of {name}")))?,
+        // Address generation off before the link comes up: no link-local address, so the node
+        // sends no router or neighbour solicitation, MLD report or anything else over IPv6 on it
+        // (`disable_ipv6` would need a writable /proc/sys); guests' IPv6 is dropped by the bridge
+        // table's "IPv4 and ARP only" rule.
         Action::DisableIpv6 { link: name } => {
-            let path = Path::new(IPV6_CONF).join(name).join("disable_ipv6");
             if Path::new(IPV6_CONF).exists() {
-                write_sysctl(&path, "1")?;
+                link.set(
+                    LinkUnspec::new_with_name(name)
+                        .append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![
+                            AfSpecUnspec::Inet6(vec![AfSpecInet6::AddrGenMode(
+                                In6AddrGenMode::None,
+                            )]),
+                        ]))
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl(format!("turn IPv6 address generation off on {name}")))?
             }
         }
         Action::AddAddress { link: name, addr } => {
@@ -265,7 +296,22 @@ pub async fn execute(handle: &Handle, action: &Action) -> Result<(), NetworkErro
                 .await
                 .map_err(nl(format!("isolate port {tap}")))?
         }
-        Action::EnableForwarding => write_sysctl(Path::new(IP_FORWARD), "1")?,
+        // `net.ipv4.conf.<link>.forwarding`: the kernel forwards what a link receives when that
+        // link's flag is on (the global `ip_forward` only sets every link's at once).
+        Action::EnableForwarding { link: name } => {
+            let mut conf = InetDevConf::default();
+            conf.forwarding = 1;
+            link.set(
+                LinkUnspec::new_with_name(name)
+                    .append_extra_attribute(LinkAttribute::AfSpecUnspec(vec![AfSpecUnspec::Inet(
+                        vec![AfSpecInet::DevConfRequest(conf)],
+                    )]))
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(nl(format!("turn IPv4 forwarding on for {name}")))?
+        }
         Action::ReplaceNft { rules } => {
             nft::apply(&nft::replace_batch(rules), "replace Imp's tables").await?
         }

@@ -20,8 +20,11 @@ pub struct Link {
     /// Bridge-port `isolated` flag (ports only).
     pub isolated: Option<bool>,
     pub ipv4: Vec<ipnet::Ipv4Net>,
-    /// `net.ipv6.conf.<link>.disable_ipv6` is 1, or the kernel has no IPv6 at all.
+    /// No IPv6 address on it: address generation off (`IFLA_INET6_ADDR_GEN_MODE` none),
+    /// `net.ipv6.conf.<link>.disable_ipv6` 1, or no IPv6 in the kernel at all.
     pub ipv6_disabled: bool,
+    /// `net.ipv4.conf.<link>.forwarding`: packets received on it may be forwarded.
+    pub forwarding: bool,
 }
 
 impl Link {
@@ -46,7 +49,6 @@ pub struct Observed {
     pub default_route_interface: Option<String>,
     /// The main table's other IPv4 routes (admission: no network may overlap them).
     pub routes: Vec<Route>,
-    pub ip_forward: bool,
     pub nft: nft::Observed,
 }
 
@@ -87,7 +89,11 @@ pub enum Action {
     Isolate {
         tap: String,
     },
-    EnableForwarding,
+    /// IPv4 forwarding of what `link` receives: a bridge (guests out) and an egress interface
+    /// (replies and published ports in). Per link, not the global `ip_forward` (a sysctl file).
+    EnableForwarding {
+        link: String,
+    },
     /// Replace both of Imp's nft tables with exactly these rules.
     ReplaceNft {
         rules: Vec<nft::Rule>,
@@ -217,6 +223,7 @@ pub fn plan(desired: &[Attachment], observed: &Observed, reserved: &[ipnet::Ipv4
     let mut networks = Vec::new();
     let mut resolved = Vec::new();
     let mut wanted_bridges = BTreeSet::new();
+    let mut forwarding_planned = BTreeSet::new();
 
     for a in desired.iter().filter(|a| !a.ports.is_empty()) {
         let n = &a.network;
@@ -299,6 +306,19 @@ pub fn plan(desired: &[Attachment], observed: &Observed, reserved: &[ipnet::Ipv4
             }
         }
 
+        // A new bridge starts with the namespace's default (on where the node forwards already).
+        if !br.is_some_and(|l| l.forwarding) {
+            actions.push(Action::EnableForwarding {
+                link: bridge.clone(),
+            });
+        }
+        if let Some(e) = &egress
+            && !by_name.get(e.as_str()).is_some_and(|l| l.forwarding)
+            && forwarding_planned.insert(e.clone())
+        {
+            actions.push(Action::EnableForwarding { link: e.clone() });
+        }
+
         let wanted_taps: BTreeSet<&str> = a.ports.iter().map(|p| p.tap.as_str()).collect();
         for p in &a.ports {
             let tap = by_name.get(p.tap.as_str()).copied();
@@ -350,9 +370,6 @@ pub fn plan(desired: &[Attachment], observed: &Observed, reserved: &[ipnet::Ipv4
     }
 
     let mut actions = Vec::new();
-    if !resolved.is_empty() && !observed.ip_forward {
-        actions.push(Action::EnableForwarding);
-    }
     let node_addresses = observed
         .links
         .iter()
@@ -429,7 +446,6 @@ mod tests {
             links: vec![uplink()],
             default_route_interface: Some("eth0".into()),
             routes: vec![],
-            ip_forward: false,
             nft: nft::Observed::default(),
         }
     }
@@ -496,7 +512,10 @@ mod tests {
                     let i = find(&obs, tap);
                     obs.links[i].isolated = Some(true);
                 }
-                Action::EnableForwarding => obs.ip_forward = true,
+                Action::EnableForwarding { link } => {
+                    let i = find(&obs, link);
+                    obs.links[i].forwarding = true;
+                }
                 Action::ReplaceNft { rules } => {
                     obs.nft = nft::Observed {
                         present: true,
@@ -548,7 +567,11 @@ mod tests {
         let attach = pos(&|a| matches!(a, Action::Attach { .. }));
         let iso = pos(&|a| matches!(a, Action::Isolate { .. }));
         assert!(attach < iso);
-        assert!(actions.contains(&Action::EnableForwarding));
+        let fwd = pos(&|a| matches!(a, Action::EnableForwarding { link } if *link == br));
+        assert!(create < fwd, "{actions:?}");
+        assert!(actions.contains(&Action::EnableForwarding {
+            link: "eth0".into()
+        }));
         assert!(
             actions
                 .iter()
@@ -616,8 +639,13 @@ mod tests {
             ]
         );
         assert!(
-            after.ip_forward,
-            "other things on the node may rely on forwarding"
+            after
+                .links
+                .iter()
+                .find(|l| l.name == "eth0")
+                .unwrap()
+                .forwarding,
+            "other things on the node may rely on the uplink's forwarding"
         );
         assert!(!after.links.iter().any(|l| l.name == br));
         // The same with no desired state at all (a runtime restarted with no VMs).

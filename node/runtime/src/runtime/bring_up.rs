@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use imp_guest::host::Announcements;
 use tokio::time::Instant;
 
 use super::{Ensured, InFlight, Runtime, RuntimeError, Vm, valid_uid, validate, vm};
@@ -321,7 +322,7 @@ impl Runtime {
         })?;
         let jail = self.vm_jail(rec).map_err(|e| (e, None))?;
         let spawned_at = Instant::now();
-        let vm = match rec.backend {
+        let (vm, mut announcements) = match rec.backend {
             Backend::Firecracker => {
                 self.start_firecracker(rec, spec, &files, &plan, &procs, jail.as_ref())
                     .await?
@@ -338,9 +339,22 @@ impl Runtime {
             )
         };
         let deadline = spawned_at + self.cfg.boot_timeout;
-        vmm::wait_for_hello(&files.vsock, &files.serial_log, || vm.is_alive(), deadline)
-            .await
-            .map_err(|e| fail(e, &vm))?;
+        vmm::wait_for_hello(
+            &files.vsock,
+            &files.serial_log,
+            || vm.is_alive(),
+            deadline,
+            announcements.as_mut(),
+        )
+        .await
+        .map_err(|e| fail(e, &vm))?;
+        // How long after the guest announced itself its Hello was in: the detection's own delay.
+        let hello_after_announce_ms = announcements
+            .as_ref()
+            .and_then(|a| a.last_heard())
+            .map(|at| at.elapsed().as_secs_f64() * 1e3);
+        let announced = hello_after_announce_ms.is_some();
+        drop(announcements);
         let secs = spawned_at.elapsed().as_secs_f64();
         self.metrics.boot_latency.observe(secs);
         rec.boot_seconds = Some(secs);
@@ -353,6 +367,8 @@ impl Runtime {
             pid = vm.process().0,
             backend = rec.backend.as_str(),
             boot_seconds = secs,
+            announced,
+            hello_after_announce_ms,
             "VM running"
         );
         Ok(())
@@ -368,7 +384,7 @@ impl Runtime {
         plan: &VmPlan,
         cgroups: &[PathBuf],
         jail: Option<&VmJail>,
-    ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
+    ) -> Result<(Vm, Option<Announcements>), (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let boot = |source| RuntimeError::Boot {
             uid: uid.clone(),
@@ -413,8 +429,13 @@ impl Runtime {
             .set_state(&uid, VmState::Booting)
             .await
             .map_err(|e| (e.into(), Some(vm.clone())))?;
+        // Before InstanceStart: the guest cannot announce itself earlier.
+        let announcements = vmm::listen_for_announcements(
+            &files.vsock,
+            jail.filter(|_| files.jail.is_some()).map(|j| j.id),
+        );
         vmm.instance_start().await.map_err(fail)?;
-        Ok(vm)
+        Ok((vm, announcements))
     }
 
     /// Stage VM `r`'s jail (its kernel, initrd and drives hard-linked in, see `jailer::stage`)
@@ -511,7 +532,7 @@ impl Runtime {
         plan: &VmPlan,
         cgroups: &[PathBuf],
         jail: Option<&VmJail>,
-    ) -> Result<Vm, (RuntimeError, Option<Vm>)> {
+    ) -> Result<(Vm, Option<Announcements>), (RuntimeError, Option<Vm>)> {
         let uid = rec.uid.clone();
         let files = QemuFiles::in_dir(&rec.dir, &rec.api_socket, &rec.vsock_path, &rec.serial_log);
         let start_err = |source| RuntimeError::QemuStart {
@@ -534,6 +555,8 @@ impl Runtime {
             .map_err(|e| (e.into(), helper_only(vhost)))?;
         rec.helper_pid = Some(vhost.pid);
         rec.helper_start_time = Some(vhost.start_time);
+        // Before QEMU: the guest starts with it. vhost-device-vsock connects it for the guest.
+        let announcements = vmm::listen_for_announcements(&files.vsock, jail.map(|j| j.id));
         let proc = qemu::spawn_qemu(&self.cfg.qemu, &files, plan, cgroups, jail)
             .await
             .map_err(|e| (start_err(e), helper_only(vhost)))?;
@@ -552,6 +575,6 @@ impl Runtime {
             .set_state(&uid, VmState::Booting)
             .await
             .map_err(|e| (e.into(), Some(vm.clone())))?;
-        Ok(vm)
+        Ok((vm, announcements))
     }
 }

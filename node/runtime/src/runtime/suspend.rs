@@ -232,9 +232,14 @@ impl Runtime {
         self.refresh_state_gauge().await;
         let resumed = match self.load_snapshot(r, deadline).await {
             Ok(vm) => {
-                let hello =
-                    vmm::wait_for_hello(&r.vsock_path, &r.serial_log, || vm.is_alive(), deadline)
-                        .await;
+                let hello = vmm::wait_for_hello(
+                    &r.vsock_path,
+                    &r.serial_log,
+                    || vm.is_alive(),
+                    deadline,
+                    None,
+                )
+                .await;
                 match hello {
                     Ok(_) => Ok(vm),
                     Err(e) => Err((format!("no guest agent Hello: {e}"), Some(vm))),

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use imp_guest::host::Announcements;
 use imp_guest::protocol::{AGENT_VSOCK_PORT, Hello};
 use tokio::time::Instant;
 
@@ -16,14 +17,24 @@ const PANIC_MARKER: &str = "Kernel panic";
 
 /// Wait for the guest agent's Hello through the hybrid vsock until `deadline`, watching the
 /// VM and its serial console so a dead or panicked guest fails at once. The answer after `OK`
-/// is opaque (Firecracker names a host port, vhost-device-vsock the guest's).
+/// is opaque (Firecracker names a host port, vhost-device-vsock the guest's). With
+/// `announcements` (bound before the VM started, see [`listen_for_announcements`]) the guest's
+/// announcement triggers the connect at once; without, the connect's backoff finds it.
 pub async fn wait_for_hello(
     vsock: &Path,
     serial_log: &Path,
     alive: impl Fn() -> bool,
     deadline: Instant,
+    announcements: Option<&mut Announcements>,
 ) -> Result<Hello, DriverError> {
-    let connect = imp_guest::host::connect(vsock, AGENT_VSOCK_PORT, deadline);
+    let connect = async {
+        match announcements {
+            Some(a) => {
+                imp_guest::host::connect_announced(vsock, AGENT_VSOCK_PORT, a, deadline).await
+            }
+            None => imp_guest::host::connect(vsock, AGENT_VSOCK_PORT, deadline).await,
+        }
+    };
     let watch = async {
         loop {
             tokio::time::sleep(WATCH).await;
@@ -50,5 +61,27 @@ pub async fn wait_for_hello(
             Err(e) => Err(DriverError::GuestProtocol(e.to_string())),
         },
         e = watch => Err(e),
+    }
+}
+
+/// Listen for the guest's announcement of VM `vsock` before the VMM starts. `owner` is the
+/// confined VMM's uid: the VMM (not the runtime) connects to the socket for the guest, so it must
+/// be the VMM's to write; nobody else's (0600 in the VM's own directory). A failure costs only
+/// latency (the connect's backoff finds the guest), so it is logged, not fatal.
+pub fn listen_for_announcements(vsock: &Path, owner: Option<u32>) -> Option<Announcements> {
+    let bound = Announcements::bind(vsock).and_then(|a| {
+        if let Some(uid) = owner {
+            std::os::unix::fs::chown(a.path(), Some(uid), Some(uid))?;
+        }
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(a.path(), std::fs::Permissions::from_mode(0o600))?;
+        Ok(a)
+    });
+    match bound {
+        Ok(a) => Some(a),
+        Err(e) => {
+            tracing::warn!(vsock = %vsock.display(), error = %e, "cannot listen for the guest's announcement; finding it by polling");
+            None
+        }
     }
 }

@@ -238,9 +238,12 @@ impl Harness {
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         match &self.backend {
+            // Unjailed on purpose (the jailed variant is JailedSimulator); the runtime refuses
+            // Firecracker without a jailer unless told.
             Backend::Simulator { simulator, guest } => {
                 cmd.env("IMP_FIRECRACKER_BIN", simulator)
-                    .env("IMP_GUEST_BIN", guest);
+                    .env("IMP_GUEST_BIN", guest)
+                    .env("IMP_UNJAILED_FIRECRACKER", "1");
             }
             Backend::JailedSimulator {
                 simulator,
@@ -267,7 +270,8 @@ impl Harness {
                     );
             }
             Backend::Real { firecracker, .. } => {
-                cmd.env("IMP_FIRECRACKER_BIN", firecracker);
+                cmd.env("IMP_FIRECRACKER_BIN", firecracker)
+                    .env("IMP_UNJAILED_FIRECRACKER", "1");
             }
             Backend::Qemu {
                 qemu,

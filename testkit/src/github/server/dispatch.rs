@@ -15,9 +15,9 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::super::Shared;
 use super::super::jobs::{JobSpec, SimJob, random_token};
 use super::super::model::SimScope;
+use super::super::shared::Shared;
 use super::super::workflows::{SimRun, WorkflowFile, run_json};
 use super::{
     ApiError, ApiResult, PageQuery, S, auth_value, check_repo, invalid, json_response,
@@ -299,7 +299,7 @@ async fn get_job(
         .filter(|j| j.repository.eq_ignore_ascii_case(&full))
         .cloned()
         .ok_or_else(ApiError::not_found)?;
-    let mut payload = super::super::webhooks::workflow_job_payload(
+    let mut payload = super::super::payload::workflow_job_payload(
         &job,
         "",
         &shared.config.org,

@@ -15,7 +15,6 @@ use chrono::Utc;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::super::Shared;
 use super::super::jobs::random_token;
 use super::super::model::SimScope;
 use super::super::registry::register_runner;
@@ -23,6 +22,7 @@ use super::super::scaleset::{
     HEADER_MAX_CAPACITY, MESSAGE_TYPE_JOB_MESSAGES, ScaleSetRefusal, ScaleSetSession, ScaleSets,
     SimScaleSet,
 };
+use super::super::shared::Shared;
 
 type S = State<Arc<Shared>>;
 
@@ -452,6 +452,9 @@ async fn delete_message(
     let Some(token) = bearer(&headers, "Bearer") else {
         return refused(ScaleSetRefusal::Unauthorized, id);
     };
+    if shared.scalesets().hold_ack(id, message) {
+        return held_ack(&shared, id, &token).await;
+    }
     let mut ss = shared.scalesets();
     if ss.failing_acks > 0 {
         ss.failing_acks -= 1;
@@ -465,6 +468,25 @@ async fn delete_message(
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(r) => refused(r, id),
     }
+}
+
+/// Counts a held ack discarded once, whether its handler ends (the session is gone) or is dropped
+/// (the connection closed under it).
+struct Discard(Arc<Shared>);
+
+impl Drop for Discard {
+    fn drop(&mut self) {
+        self.0.scalesets().stats.acks_discarded += 1;
+    }
+}
+
+/// A held ack: no answer while the listener's session lives; the message stays undeleted.
+async fn held_ack(shared: &Arc<Shared>, id: u64, token: &str) -> Response {
+    let _discard = Discard(shared.clone());
+    while shared.scalesets().session_live(id, token, Utc::now()) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    refused(ScaleSetRefusal::Unauthorized, id)
 }
 
 async fn acquire_jobs(
