@@ -6,7 +6,10 @@
 //! pod and a running VM (OnDelete); the local smoke's runner lifecycle completes through those pods
 //! (lifecycle.rs: GitHub simulator webhook -> operator pod -> VM on the runtime pod -> JIT handoff by
 //! the agent pod -> the fake runner completes the job -> VM and Secret gone, pool replenished), first on
-//! the Firecracker simulator, then on `runtime.backend: qemu` with a real guest (qemu.rs); `kubectl imp
+//! the Firecracker simulator, then on `runtime.backend: qemu` with a real guest (qemu.rs; with the
+//! reference base image, issue 31: a job of Docker steps, `docker build` FROM an image pulled through
+//! the VM's NAT from a registry beyond the node's uplink, `docker run`, a service container reached by
+//! name; then a job whose step exits 3 fails; both VMs replaced); `kubectl imp
 //! console` shows each VM's console through the runtime pod; runbooks/uninstall.md, run as written,
 //! leaves no Imp object, CRD, pod, container, link, nftables table, VM cgroup or state behind.
 //!
@@ -405,6 +408,7 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         kubectl: &kubectl_fn,
         runtime_socket: work.join("run-imp/runtime.sock"),
         work: work.clone(),
+        pod_logs: real_node.dir().join("pod-logs"),
     };
     let (warm, jit_config) = life.warm_runner(&reg).await;
 
@@ -483,8 +487,14 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
         .status
         .and_then(|s| s.pod_ip)
         .expect("the operator pod has an IP");
-    life.job_through(&warm, &format!("http://{operator_ip}:8080"), 120)
-        .await;
+    life.job_through(
+        &warm,
+        &format!("http://{operator_ip}:8080"),
+        lifecycle::JobRun::empty(),
+        90,
+        120,
+    )
+    .await;
     life.delete_pool().await;
 
     // The same release on `runtime.backend: qemu`: the runtime pod boots a real guest (TCG) from the
@@ -539,9 +549,30 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
                 parts.kernel.display(),
                 t5.elapsed().as_secs_f64()
             );
+            // Issue 31: the guest boots the reference base image (Debian, dockerd started by the
+            // runner wrapper) and runs Docker jobs; without its layout, the busybox base and an
+            // empty job (SKIPPED said, or a failure under IMP_REQUIRE_BASE_IMAGE=1).
+            let reference = qemu::docker::reference_layout();
+            let internet_registry = reference.as_ref().map(|_| {
+                qemu::docker::InternetRegistry::start(
+                    &format!("imp-gh-{id}"),
+                    &work.join("base-oci"),
+                    "real-node-qemu",
+                )
+            });
+            let (base, size, boot_secs) = match &reference {
+                Some(layout) => (
+                    qemu::docker::push_reference(layout, &reg),
+                    qemu::docker::SIZE,
+                    600,
+                ),
+                None => (parts.base_image.clone(), lifecycle::VmSize::SMALL, 420),
+            };
+            let t6 = Instant::now();
             let (guest, jit_config) = life
-                .warm_runner_on(&parts.base_image, &parts.runner_image, 420)
+                .warm_runner_on(&base, &parts.runner_image, size, boot_secs)
                 .await;
+            let warm_secs = t6.elapsed().as_secs_f64();
             console_shows(
                 &built[5],
                 &cp,
@@ -549,9 +580,82 @@ async fn scenario(id: &str, netns: &node::NodeNetns) {
                 &jit_config.expect("the guest runner's JIT config, read before its handoff"),
                 "Linux version",
             );
-            life.job_through(&guest, &format!("http://{operator_ip}:8080"), 420)
+            let operator_url = format!("http://{operator_ip}:8080");
+            if reference.is_some() {
+                let agent_runtime: Vec<Pod> = {
+                    let mut v = Vec::new();
+                    for component in ["agent", "runtime"] {
+                        v.push(ready_pod_on(&pods, component, &node_name).await);
+                    }
+                    v
+                };
+                qemu::docker::assert_pods_give_docker_nothing(
+                    &agent_runtime,
+                    &real_node.pod_pids(),
+                    &work.join("run-imp"),
+                );
+                // The job's own output (the runner's stdout is the guest's console) while it runs:
+                // the VM is deleted moments after its runner exits.
+                let console = ConsoleTail::start(&built[5], &cp, &guest, &vm_cgroup_parent);
+                let t7 = Instant::now();
+                let (done, replacement) = life
+                    .job_through(&guest, &operator_url, qemu::docker::job(), 600, boot_secs)
+                    .await;
+                let docker_job_secs = done
+                    .completed_at
+                    .zip(done.started_at)
+                    .map(|(c, s)| (c - s).num_milliseconds() as f64 / 1000.0);
+                let (seen, peak) = console.stop();
+                qemu::docker::assert_steps(&done, &["success"; 5]);
+                println!(
+                    "real_node: MEASURE reference-base guest: pool applied -> runner Started {warm_secs:.1}s; \
+                     Docker job (queued -> replaced {:.1}s) ran {docker_job_secs:?}s by the simulator's record; \
+                     the VM's memory cgroup peaked at {} MiB (class {} MiB); from the guest's console:\n{}",
+                    t7.elapsed().as_secs_f64(),
+                    peak >> 20,
+                    qemu::docker::SIZE.memory_mib,
+                    seen.lines()
+                        .filter(|l| [
+                            "imp-start-dockerd",
+                            "docker build:",
+                            "docker run:",
+                            "service pair:",
+                            "IMP-DOCKER-BUILD-MARKER",
+                            "dockerd uid 0",
+                        ]
+                        .iter()
+                        .any(|k| l.contains(k)))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+                let t8 = Instant::now();
+                let (failed, _) = life
+                    .job_through(
+                        &replacement,
+                        &operator_url,
+                        qemu::docker::failing_job(),
+                        300,
+                        boot_secs,
+                    )
+                    .await;
+                qemu::docker::assert_steps(&failed, &["failure", "skipped"]);
+                println!(
+                    "real_node: the job whose step exits 3 failed (steps failure, skipped); its VM torn down \
+                     and replaced {:.1}s after it was queued",
+                    t8.elapsed().as_secs_f64()
+                );
+            } else {
+                life.job_through(
+                    &guest,
+                    &operator_url,
+                    lifecycle::JobRun::empty(),
+                    90,
+                    boot_secs,
+                )
                 .await;
+            }
             life.delete_pool().await;
+            drop(internet_registry);
         }
     }
 
@@ -650,6 +754,75 @@ fn imp_links() -> Vec<String> {
             hex.is_some_and(|h| !h.is_empty() && h.chars().all(|c| c.is_ascii_hexdigit()))
         })
         .collect()
+}
+
+/// `kubectl imp console VM`, run every few seconds on a thread of its own until stopped; keeps the
+/// last output it got (the VM and its console go away moments after its runner exits), and the
+/// VM's memory cgroup's peak (guest memory and QEMU's own: its TCG translation cache, its heap).
+struct ConsoleTail {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(String, u64)>,
+}
+
+impl ConsoleTail {
+    fn start(
+        kubectl_imp: &Path,
+        cp: &ControlPlane,
+        vm: &imp_api::ImpVM,
+        vm_cgroup_parent: &str,
+    ) -> ConsoleTail {
+        // cgroup v2's memory.peak, v1's memory.max_usage_in_bytes (the node runs v1).
+        let peak_files: Vec<PathBuf> = node::cgroup_hierarchies()
+            .into_iter()
+            .flat_map(|h| {
+                let dir = h
+                    .join(vm_cgroup_parent)
+                    .join(vm.metadata.uid.clone().unwrap_or_default());
+                [
+                    dir.join("memory.peak"),
+                    dir.join("memory.max_usage_in_bytes"),
+                ]
+            })
+            .collect();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let mut cmd = Command::new(kubectl_imp);
+        cmd.args(["console", &vm.name_any(), "-n", lifecycle::RUNNER_NAMESPACE])
+            .args(["--imp-namespace", NAMESPACE])
+            .env("KUBECONFIG", cp.kubeconfig_path());
+        let thread = std::thread::spawn(move || {
+            let mut last = String::new();
+            let mut peak = 0u64;
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(out) = cmd.output()
+                    && out.status.success()
+                {
+                    last = String::from_utf8_lossy(&out.stdout).into_owned();
+                }
+                for f in &peak_files {
+                    if let Ok(v) = std::fs::read_to_string(f)
+                        && let Ok(v) = v.trim().parse::<u64>()
+                    {
+                        peak = peak.max(v);
+                    }
+                }
+                for _ in 0..20 {
+                    if flag.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+            }
+            (last, peak)
+        });
+        ConsoleTail { stop, thread }
+    }
+
+    /// The last console output and the cgroup's peak, bytes (0: not readable).
+    fn stop(self) -> (String, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
 }
 
 /// `kubectl imp console VM` prints the VM's console, `expected` among it, and never its JIT config.

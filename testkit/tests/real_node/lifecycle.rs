@@ -16,7 +16,7 @@ use std::{
 
 use futures::StreamExt as _;
 use imp_api::{HandoffState, ImpVM, RunnerStatus};
-use imp_testkit::github::{GithubSim, JobSpec, JobStatus, SimJob};
+use imp_testkit::github::{GithubSim, JobSpec, JobStatus, SimJob, jobs::JobStep};
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::{
     Api, Client, ResourceExt as _,
@@ -187,8 +187,39 @@ pub fn chart_values(sim_url: &str, fake_runner: &Path) -> String {
     )
 }
 
-/// The smoke's runner pool manifest with the test's images and network.
-fn pool_manifest(base_image: &str, runner_image: &str) -> String {
+/// The runner VMs' class: [`VmSize::SMALL`] for the fake runner alone, more for Docker jobs.
+#[derive(Clone, Copy, Debug)]
+pub struct VmSize {
+    pub memory_mib: u32,
+    pub disk_gib: u32,
+}
+
+impl VmSize {
+    /// The node is this machine: a small VM.
+    pub const SMALL: VmSize = VmSize {
+        memory_mib: 256,
+        disk_gib: 1,
+    };
+}
+
+/// A job to queue: its steps and the conclusion its runner must report.
+pub struct JobRun {
+    pub steps: Vec<JobStep>,
+    pub conclusion: &'static str,
+}
+
+impl JobRun {
+    /// A job without steps (the runner reports success).
+    pub fn empty() -> JobRun {
+        JobRun {
+            steps: Vec::new(),
+            conclusion: "success",
+        }
+    }
+}
+
+/// The smoke's runner pool manifest with the test's images, network and VM size.
+fn pool_manifest(base_image: &str, runner_image: &str, size: VmSize) -> String {
     let manifest = std::fs::read_to_string(
         imp_testkit::paths::workspace_root().join("smoke/manifests/runner-pool.yaml"),
     )
@@ -203,10 +234,12 @@ fn pool_manifest(base_image: &str, runner_image: &str) -> String {
             "    enabled: true\n",
             "    enabled: true\n    egressInterface: imp-node0\n",
         ),
-        // The node is this machine: a small VM.
         ("vcpu: 2", "vcpu: 1"),
-        ("memoryMiB: 2048", "memoryMiB: 256"),
-        ("diskGiB: 10", "diskGiB: 1"),
+        (
+            "memoryMiB: 2048",
+            &format!("memoryMiB: {}", size.memory_mib),
+        ),
+        ("diskGiB: 10", &format!("diskGiB: {}", size.disk_gib)),
     ];
     let mut out = manifest.clone();
     for (from, to) in replaced {
@@ -228,6 +261,31 @@ pub struct Lifecycle<'a> {
     /// imp-runtime's API socket on the host (the chart's socketDir hostPath).
     pub runtime_socket: PathBuf,
     pub work: PathBuf,
+    /// The kubelet's pod log directory (`<podLogsDir>/<ns>_<pod>_<uid>/<container>/0.log`): what the
+    /// agent and runtime pods said about a VM, for failure messages.
+    pub pod_logs: PathBuf,
+}
+
+/// The lines of the agent's and runtime's container logs that name `needle`, the last `n` of each.
+fn pod_log_lines(pod_logs: &Path, needle: &str, n: usize) -> String {
+    let mut out = String::new();
+    for pod in std::fs::read_dir(pod_logs).into_iter().flatten().flatten() {
+        for container in ["agent", "runtime"] {
+            let Ok(text) = std::fs::read_to_string(pod.path().join(container).join("0.log")) else {
+                continue;
+            };
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains(needle)).collect();
+            out.push_str(&format!(
+                "--- {container} ({} lines naming {needle}):\n",
+                lines.len()
+            ));
+            for l in &lines[lines.len().saturating_sub(n)..] {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+    }
+    out
 }
 
 impl Lifecycle<'_> {
@@ -313,7 +371,8 @@ impl Lifecycle<'_> {
         )
         .await
         .expect("push the runner image");
-        self.warm_runner_on(&base, &runner_image, 120).await
+        self.warm_runner_on(&base, &runner_image, VmSize::SMALL, 120)
+            .await
     }
 
     /// Applies the smoke's pool manifest with these images; returns the warm VM once its runner has
@@ -324,10 +383,11 @@ impl Lifecycle<'_> {
         &self,
         base: &str,
         runner_image: &str,
+        size: VmSize,
         boot_secs: u64,
     ) -> (ImpVM, Option<String>) {
         let manifest = self.work.join("runner-pool.yaml");
-        std::fs::write(&manifest, pool_manifest(base, runner_image))
+        std::fs::write(&manifest, pool_manifest(base, runner_image, size))
             .expect("write the pool manifest");
         (self.kubectl)(&[
             "-n",
@@ -410,11 +470,19 @@ impl Lifecycle<'_> {
         (vm, jit_config)
     }
 
-    /// A queued job whose webhook reaches the operator pod (`operator_url`), taken and completed by the
-    /// warm runner `vm`; then the VM is gone from the API and the runtime, and the pool has a new
-    /// started runner.
-    /// `boot_secs`: how long the replacement runner may take to boot and start.
-    pub async fn job_through(&self, vm: &ImpVM, operator_url: &str, boot_secs: u64) -> SimJob {
+    /// A queued job (`run`'s steps) whose webhook reaches the operator pod (`operator_url`), taken and
+    /// completed by the warm runner `vm` with `run.conclusion` (each step's conclusion printed); then
+    /// the VM is gone from the API and the runtime, and the pool has a new started runner, returned
+    /// with the job. `job_secs`: how long the job may run once queued; `boot_secs`: how long the
+    /// replacement runner may take to boot and start.
+    pub async fn job_through(
+        &self,
+        vm: &ImpVM,
+        operator_url: &str,
+        run: JobRun,
+        job_secs: u64,
+        boot_secs: u64,
+    ) -> (SimJob, ImpVM) {
         let name = vm.name_any();
         let uid = vm.metadata.uid.clone().expect("uid");
         self.sim.set_webhook(
@@ -424,6 +492,7 @@ impl Lifecycle<'_> {
         let t = Instant::now();
         let job = self.sim.queue_job(JobSpec {
             labels: LABELS.map(str::to_owned).to_vec(),
+            steps: run.steps,
             ..Default::default()
         });
         let delivery = wait_for(
@@ -448,7 +517,7 @@ impl Lifecycle<'_> {
             delivery.outcome
         );
         let done = wait_for(
-            90,
+            job_secs,
             &format!("job {} completed", job.id),
             || async {
                 self.sim
@@ -465,7 +534,21 @@ impl Lifecycle<'_> {
             done.runner_name,
             t.elapsed().as_secs_f64()
         );
-        assert_eq!(done.conclusion.as_deref(), Some("success"));
+        for step in &done.steps {
+            println!(
+                "real_node: job {} step {:?}: {}",
+                job.id,
+                step.name,
+                step.conclusion.as_deref().unwrap_or("(no conclusion)")
+            );
+        }
+        assert_eq!(
+            done.conclusion.as_deref(),
+            Some(run.conclusion),
+            "job {} steps: {:?}",
+            job.id,
+            done.steps
+        );
         assert_eq!(
             done.runner_name,
             runner(vm).and_then(|r| r.runner_name.clone()),
@@ -476,7 +559,27 @@ impl Lifecycle<'_> {
             60,
             &format!("runner of {name} exited"),
             || async { self.record.exit_code(&name) },
-            || self.describe(),
+            || async {
+                // What became of the VM: its recorded versions and its Events.
+                let versions: Vec<String> =
+                    self.record.versions(&name).iter().map(vm_state).collect();
+                let events = (self.kubectl)(&[
+                    "-n",
+                    RUNNER_NAMESPACE,
+                    "get",
+                    "events",
+                    "--field-selector",
+                    &format!("involvedObject.name={name}"),
+                ])
+                .unwrap_or_else(|e| e);
+                let uid_logs = pod_log_lines(&self.pod_logs, &uid, 25);
+                let name_logs = pod_log_lines(&self.pod_logs, &name, 25);
+                format!(
+                    "{}\n{name}'s recorded versions: {versions:#?}\nits Events:\n{events}\n\
+                     pod logs:\n{uid_logs}{name_logs}",
+                    self.describe().await
+                )
+            },
         )
         .await;
         assert_eq!(code, 0, "the runner of {name} exited {code}");
@@ -514,10 +617,12 @@ impl Lifecycle<'_> {
         )
         .await;
         println!(
-            "real_node: {name} deleted and released by imp-runtime; pool replenished with {} (Started)",
-            replacement.name_any()
+            "real_node: {name} deleted and released by imp-runtime; pool replenished with {} (Started) \
+             {:.1}s after the job was queued",
+            replacement.name_any(),
+            t.elapsed().as_secs_f64()
         );
-        done
+        (done, replacement)
     }
 
     /// Deletes the pool, its network and class as an operator would; nothing of them may stay: no
