@@ -20,6 +20,7 @@ pub mod proxy;
 pub mod qemu;
 pub mod registry;
 pub mod runbook;
+pub mod simnode;
 pub mod skip;
 pub mod tarball;
 pub mod waits;

@@ -299,7 +299,7 @@ impl Drop for NodeNetns {
 }
 
 /// SIGKILLs every process (never this one) for which `pick(pid)` holds, and waits until they are gone.
-fn kill_where(pick: impl Fn(i32) -> bool) {
+pub(crate) fn kill_where(pick: impl Fn(i32) -> bool) {
     let me = std::process::id() as i32;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

@@ -115,9 +115,15 @@ pub async fn push_gzip_image(host: &str, repo_tag: &str, layers: Vec<Vec<u8>>) -
 /// A fresh registry holding `ci/base:1`: one layer with `/etc/os-release` (`ID=imp-test`), the
 /// image the simulator tests boot their VMs from.
 pub async fn registry_with_base_image() -> crate::registry::Registry {
-    let registry = crate::registry::Registry::start(crate::registry::RegistryOptions::default())
-        .await
-        .unwrap();
+    try_registry_with_base_image().await.unwrap()
+}
+
+/// [`registry_with_base_image`], answering why the registry did not start (a test may skip when
+/// its binary is missing: [`crate::registry::RegistryError::BinaryMissing`]).
+pub async fn try_registry_with_base_image()
+-> Result<crate::registry::Registry, crate::registry::RegistryError> {
+    let registry =
+        crate::registry::Registry::start(crate::registry::RegistryOptions::default()).await?;
     let layer = LayerBlob::gzipped(
         crate::tarball::TarBuilder::new()
             .dir("etc", 0o755)
@@ -132,7 +138,7 @@ pub async fn registry_with_base_image() -> crate::registry::Registry {
     )
     .await
     .unwrap();
-    registry
+    Ok(registry)
 }
 
 /// As [`push_image`], but `edit` may change the manifest JSON (every blob is already pushed)

@@ -5,6 +5,8 @@
 
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod scaleset_chaos;
+
 use std::{
     collections::BTreeMap,
     io::Write,
@@ -279,6 +281,16 @@ impl PoolHarness {
     /// here as their agents would, and a VM class (`<namespace>-runner`, 1 vCPU, 2 GiB) for the
     /// pools: what the binary's ImpVM controller needs to bind runner VMs. Answers the class.
     pub async fn add_nodes(&mut self, n: usize) -> String {
+        self.add_nodes_with(n, true).await
+    }
+
+    /// [`Self::add_nodes`] for real agents (testkit's `SimNode`): no heartbeat Leases, each
+    /// node's agent creates and renews its own, and publishes the node's capacity for VMs.
+    pub async fn add_agent_nodes(&mut self, n: usize) -> String {
+        self.add_nodes_with(n, false).await
+    }
+
+    async fn add_nodes_with(&mut self, n: usize, heartbeat: bool) -> String {
         use imp_api::{
             ImpVMClass,
             names::{LABEL_NODE_ENABLED, lease_name},
@@ -325,6 +337,10 @@ impl PoolHarness {
                 )
                 .await
                 .unwrap();
+            names.push(name.clone());
+            if !heartbeat {
+                continue;
+            }
             let lease = Lease {
                 metadata: kube::api::ObjectMeta {
                     name: Some(lease_name(&name)),
@@ -338,23 +354,10 @@ impl PoolHarness {
                 }),
             };
             leases.create(&PostParams::default(), &lease).await.unwrap();
-            names.push(name);
         }
-        self.tasks.push(tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                for n in &names {
-                    let patch = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
-                    let _ = leases
-                        .patch(
-                            &lease_name(n),
-                            &PatchParams::default(),
-                            &Patch::Merge(&patch),
-                        )
-                        .await;
-                }
-            }
-        }));
+        if heartbeat {
+            self.tasks.push(tokio::spawn(renew_leases(leases, names)));
+        }
         let class = format!("{}-runner", self.ns);
         let c = fixtures::class(&class).vcpu(1).memory_mib(2048).build();
         Api::<ImpVMClass>::all(self.client.clone())
@@ -594,6 +597,27 @@ impl PoolHarness {
             }
         });
         self.tasks.push(task);
+    }
+}
+
+/// Renews the heartbeat Leases of `names` every 5 s, as their agents would.
+async fn renew_leases(
+    leases: Api<k8s_openapi::api::coordination::v1::Lease>,
+    names: Vec<String>,
+) {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    loop {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        for n in &names {
+            let patch = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
+            let _ = leases
+                .patch(
+                    &imp_api::names::lease_name(n),
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                )
+                .await;
+        }
     }
 }
 
