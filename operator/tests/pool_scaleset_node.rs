@@ -9,7 +9,8 @@
 //! created <= restarts + 1 (the scenario: `pool_common/scaleset_chaos.rs`). Then the pool scales
 //! to zero and the nodes hold no VM, VM directory or VM process.
 //!
-//! `IMP_SCALESET_NODE_JOBS` sets the number of jobs (default 200, what CI runs). Skipped (with the
+//! `IMP_SCALESET_NODE_JOBS` sets the number of jobs (default 200, what CI runs),
+//! `IMP_SCALESET_NODE_KILLS` the kills (default 4; at least 1, the kill during the ack). Skipped (with the
 //! reason) without docker-registry (the VMs' image comes from a local registry);
 //! IMP_REQUIRE_REGISTRY=1 makes the skip a failure.
 
@@ -54,21 +55,20 @@ async fn record_vms(vms: Api<ImpVM>, seen: Arc<Mutex<BTreeMap<String, SeenVm>>>)
                     e.node = vm.spec.node_name.clone();
                 }
                 let handoff = vm.status.as_ref().and_then(|s| s.runner.as_ref()?.handoff);
-                e.handed_off |= matches!(
-                    handoff,
-                    Some(HandoffState::Started | HandoffState::Exited)
-                );
+                e.handed_off |=
+                    matches!(handoff, Some(HandoffState::Started | HandoffState::Exited));
             }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
-fn jobs() -> usize {
-    std::env::var("IMP_SCALESET_NODE_JOBS")
+/// `var`'s number, else `default`.
+fn knob(var: &str, default: usize) -> usize {
+    std::env::var(var)
         .ok()
-        .map(|v| v.parse().expect("IMP_SCALESET_NODE_JOBS: a number of jobs"))
-        .unwrap_or(200)
+        .map(|v| v.parse().unwrap_or_else(|_| panic!("{var}: a number")))
+        .unwrap_or(default)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -87,7 +87,7 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
         Err(e) => panic!("the local registry did not start: {e}"),
     };
     let bins = SimNodeBinaries::locate().expect("imp-runtime, imp-agent and the simulators");
-    let jobs = jobs();
+    let jobs = knob("IMP_SCALESET_NODE_JOBS", 200);
     let mut h = PoolHarness::start("pool-node").await;
     // The binaries are the operators here.
     h.stop_operator().await;
@@ -115,14 +115,18 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
     };
     // The agents are up and talk to their runtimes: each published its node's capacity.
     let api: Api<Node> = Api::all(h.client.clone());
-    h.wait("each agent's capacity on its Node", Duration::from_secs(60), || async {
-        let mut up = 0;
-        for n in &node_names {
-            let node = api.get(n).await.ok()?;
-            up += usize::from(node.annotations().contains_key(ANNOTATION_CAPACITY_VCPU));
-        }
-        (up == NODES).then_some(())
-    })
+    h.wait(
+        "each agent's capacity on its Node",
+        Duration::from_secs(60),
+        || async {
+            let mut up = 0;
+            for n in &node_names {
+                let node = api.get(n).await.ok()?;
+                up += usize::from(node.annotations().contains_key(ANNOTATION_CAPACITY_VCPU));
+            }
+            (up == NODES).then_some(())
+        },
+    )
     .await;
 
     let dir = tempfile::tempdir().unwrap();
@@ -134,7 +138,7 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
         image: &image,
         max_runners: NODES as u32 * VMS_PER_NODE,
         jobs,
-        kills: 4,
+        kills: knob("IMP_SCALESET_NODE_KILLS", 4),
         queue_every: Duration::from_millis(150),
         settle: Duration::from_secs(480),
         node_logs: &node_logs,
@@ -190,13 +194,7 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
         "the pool at zero and the nodes empty",
         Duration::from_secs(120),
         || async {
-            let vms = h
-                .vms()
-                .list(&ListParams::default())
-                .await
-                .ok()?
-                .items
-                .len();
+            let vms = h.vms().list(&ListParams::default()).await.ok()?.items.len();
             (vms == 0
                 && nodes
                     .iter()

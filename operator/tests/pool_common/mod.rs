@@ -601,10 +601,7 @@ impl PoolHarness {
 }
 
 /// Renews the heartbeat Leases of `names` every 5 s, as their agents would.
-async fn renew_leases(
-    leases: Api<k8s_openapi::api::coordination::v1::Lease>,
-    names: Vec<String>,
-) {
+async fn renew_leases(leases: Api<k8s_openapi::api::coordination::v1::Lease>, names: Vec<String>) {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
     loop {
         tokio::time::sleep(Duration::from_secs(5)).await;

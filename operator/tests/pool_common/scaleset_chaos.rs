@@ -72,6 +72,7 @@ pub async fn serve_scale_set_jobs_under_kills(
     c: &Chaos<'_>,
     dir: &std::path::Path,
 ) -> ChaosOutcome {
+    assert!(c.kills >= 1, "the first kill is the one during the ack");
     // A session outlives the operator's lease (20 s against 15 s): a successor meets the dead
     // leader's session (409) and must wait it out with backoff, not loop.
     h.sim
