@@ -20,11 +20,13 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use imp_api::names::{ANNOTATION_CAPACITY_VCPU, ANNOTATION_RUNNER_NAME};
 use imp_api::{HandoffState, ImpVM};
 use imp_testkit::registry::RegistryError;
 use imp_testkit::simnode::{SimNode, SimNodeBinaries, SimNodeOptions};
 use k8s_openapi::api::core::v1::Node;
+use kube::runtime::watcher;
 use kube::{Api, ResourceExt, api::ListParams};
 use pool_common::scaleset_chaos::{Chaos, serve_scale_set_jobs_under_kills};
 use pool_common::*;
@@ -41,25 +43,27 @@ struct SeenVm {
     handed_off: bool,
 }
 
-/// Records every VM of the namespace into `seen` (by uid), every 200 ms.
+/// Records every version of every VM of the namespace into `seen` (by uid), as a watch (the
+/// agents' view) delivers them.
 async fn record_vms(vms: Api<ImpVM>, seen: Arc<Mutex<BTreeMap<String, SeenVm>>>) {
-    loop {
-        if let Ok(list) = vms.list(&ListParams::default()).await {
-            let mut seen = seen.lock().unwrap();
-            for vm in list.items {
-                let e = seen.entry(vm.uid().unwrap_or_default()).or_default();
-                if let Some(r) = vm.annotations().get(ANNOTATION_RUNNER_NAME) {
-                    e.runner = Some(r.clone());
-                }
-                if vm.spec.node_name.is_some() {
-                    e.node = vm.spec.node_name.clone();
-                }
-                let handoff = vm.status.as_ref().and_then(|s| s.runner.as_ref()?.handoff);
-                e.handed_off |=
-                    matches!(handoff, Some(HandoffState::Started | HandoffState::Exited));
-            }
+    let mut versions = watcher(vms, watcher::Config::default()).boxed();
+    while let Some(event) = versions.next().await {
+        let Ok(
+            watcher::Event::Apply(vm) | watcher::Event::InitApply(vm) | watcher::Event::Delete(vm),
+        ) = event
+        else {
+            continue;
+        };
+        let mut seen = seen.lock().unwrap();
+        let e = seen.entry(vm.uid().unwrap_or_default()).or_default();
+        if let Some(r) = vm.annotations().get(ANNOTATION_RUNNER_NAME) {
+            e.runner = Some(r.clone());
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        if vm.spec.node_name.is_some() {
+            e.node = vm.spec.node_name.clone();
+        }
+        let handoff = vm.status.as_ref().and_then(|s| s.runner.as_ref()?.handoff);
+        e.handed_off |= matches!(handoff, Some(HandoffState::Started | HandoffState::Exited));
     }
 }
 
