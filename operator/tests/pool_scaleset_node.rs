@@ -41,6 +41,7 @@ struct SeenVm {
     runner: Option<String>,
     node: Option<String>,
     handed_off: bool,
+    first_seen: Option<Instant>,
 }
 
 /// Records every version of every VM of the namespace into `seen` (by uid), as a watch (the
@@ -56,6 +57,7 @@ async fn record_vms(vms: Api<ImpVM>, seen: Arc<Mutex<BTreeMap<String, SeenVm>>>)
         };
         let mut seen = seen.lock().unwrap();
         let e = seen.entry(vm.uid().unwrap_or_default()).or_default();
+        e.first_seen.get_or_insert_with(Instant::now);
         if let Some(r) = vm.annotations().get(ANNOTATION_RUNNER_NAME) {
             e.runner = Some(r.clone());
         }
@@ -153,46 +155,6 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
     let started = Instant::now();
     let out = serve_scale_set_jobs_under_kills(&h, &chaos, dir.path()).await;
 
-    // Each job's runner is the runner of exactly one VM of the pool (one JIT config minted for
-    // it, its name on the VM), bound to one of the nodes, whose agent handed the config off.
-    let seen = seen.lock().unwrap().clone();
-    let by_runner: BTreeMap<&str, Vec<&SeenVm>> =
-        seen.values().fold(BTreeMap::new(), |mut m, v| {
-            if let Some(r) = v.runner.as_deref() {
-                m.entry(r).or_insert_with(Vec::new).push(v);
-            }
-            m
-        });
-    assert!(
-        by_runner.values().all(|v| v.len() == 1),
-        "a runner name on two VMs"
-    );
-    for j in h.sim.jobs() {
-        let runner = j.runner_name.as_deref().expect("a runner ran it");
-        let vms = by_runner.get(runner).map(Vec::as_slice).unwrap_or_default();
-        assert_eq!(vms.len(), 1, "the VMs of job {}'s runner {runner}", j.id);
-        assert!(
-            vms[0].node.as_ref().is_some_and(|n| node_names.contains(n)) && vms[0].handed_off,
-            "job {}'s VM: {:?}",
-            j.id,
-            vms[0]
-        );
-    }
-    let handed_off = seen.values().filter(|v| v.handed_off).count();
-    // No JIT config beyond one per runner VM (a mint whose operator was killed before the VM
-    // recorded it would show here as one more).
-    assert!(
-        out.stats.jit_configs >= by_runner.len() as u64,
-        "{} JIT configs for {} runner VMs",
-        out.stats.jit_configs,
-        by_runner.len()
-    );
-    eprintln!(
-        "runner VMs {} (handed off {handed_off}), JIT configs at the simulator {}",
-        by_runner.len(),
-        out.stats.jit_configs
-    );
-
     // Scale to zero: no runner VM left, and nothing of one on the nodes.
     h.wait(
         "the pool at zero and the nodes empty",
@@ -207,16 +169,74 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
         },
     )
     .await;
+    let idle_at = started.elapsed();
+
+    // Each job's runner is the runner of exactly one VM of the pool (its JIT config minted for
+    // that VM, the runner's name on it), bound to one of the nodes, whose agent handed it off.
+    let seen = seen.lock().unwrap().clone();
+    let by_runner: BTreeMap<&str, Vec<&SeenVm>> =
+        seen.values().fold(BTreeMap::new(), |mut m, v| {
+            if let Some(r) = v.runner.as_deref() {
+                m.entry(r).or_insert_with(Vec::new).push(v);
+            }
+            m
+        });
+    assert!(
+        by_runner.values().all(|v| v.len() == 1),
+        "a runner name on two VMs"
+    );
+    let ran: BTreeMap<String, u64> = h
+        .sim
+        .jobs()
+        .into_iter()
+        .map(|j| (j.runner_name.expect("a runner ran it"), j.id))
+        .collect();
+    assert_eq!(ran.len(), jobs, "one runner per job");
+    for (runner, job) in &ran {
+        let vms = by_runner
+            .get(runner.as_str())
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        assert_eq!(vms.len(), 1, "the VMs of job {job}'s runner {runner}");
+        assert!(
+            vms[0].node.as_ref().is_some_and(|n| node_names.contains(n)) && vms[0].handed_off,
+            "job {job}'s VM: {:?}",
+            vms[0]
+        );
+    }
+    // Every JIT config the scale set issued went to one VM: a registration whose operator was
+    // killed before its VM recorded it would be one more, never one less.
+    let stats = h.sim.scale_set_stats();
+    assert!(
+        stats.jit_configs >= by_runner.len() as u64,
+        "{} JIT configs for {} runner VMs",
+        stats.jit_configs,
+        by_runner.len()
+    );
+    // Runners minted that never ran a job (retired idle): when they were first seen.
+    let surplus: Vec<String> = by_runner
+        .iter()
+        .filter(|(r, _)| !ran.contains_key(**r))
+        .filter_map(|(_, v)| Some(format!("{:.0?}", v[0].first_seen? - started)))
+        .collect();
+    let handed_off = seen.values().filter(|v| v.handed_off).count();
+    eprintln!(
+        "runner VMs {} (handed off {handed_off}), of which ran no job {} (first seen at {surplus:?}); \
+         JIT configs issued by the scale set {}, by the simulator in all {}",
+        by_runner.len(),
+        surplus.len(),
+        stats.jit_configs,
+        h.sim.stats().jit_configs_issued,
+    );
     watch.abort();
     eprintln!(
         "real nodes: {} jobs on {NODES} nodes x {VMS_PER_NODE} VMs, {} kills, served in {:.1?} \
-         (whole test {:.1?}): JIT configs {}, sessions created {}, jobs acquired {}",
+         (pool at zero, nodes empty at {idle_at:.1?}): JIT configs {}, sessions created {}, jobs acquired {}",
         out.jobs,
         out.restarts,
         out.took,
-        started.elapsed(),
-        out.stats.jit_configs,
-        out.stats.sessions_created,
-        out.stats.jobs_acquired,
+        stats.jit_configs,
+        stats.sessions_created,
+        stats.jobs_acquired,
     );
 }
