@@ -126,7 +126,11 @@ pub enum EvidenceError {
         "guest clock {got_ns} ns is outside {from_ns}..={to_ns} (the host's clock over the \
          round trip, with tolerance)"
     )]
-    Clock { got_ns: u64, from_ns: u64, to_ns: u64 },
+    Clock {
+        got_ns: u64,
+        from_ns: u64,
+        to_ns: u64,
+    },
     #[error("network: {0}")]
     Network(String),
 }
@@ -965,7 +969,10 @@ mod tests {
         let req = reidentify_req();
         let check = IdentityCheck::default();
         let rt = Duration::from_millis(3);
-        assert_eq!(check_identified(&req, &identified(1), &check, 0, rt), Ok(()));
+        assert_eq!(
+            check_identified(&req, &identified(1), &check, 0, rt),
+            Ok(())
+        );
 
         let fails = |edit: fn(&mut Identified), last: u64| {
             let mut got = identified(1);
@@ -1021,7 +1028,10 @@ mod tests {
             check_identified(&req, &identified(1), &check, 0, rt),
             Err(EvidenceError::RepeatedSample)
         );
-        assert_eq!(check_identified(&req, &identified(2), &check, 0, rt), Ok(()));
+        assert_eq!(
+            check_identified(&req, &identified(2), &check, 0, rt),
+            Ok(())
+        );
         // The caller's knowledge of the snapshot's generation overrides the connection's.
         let check = IdentityCheck {
             after_generation: Some(4),

@@ -295,7 +295,7 @@ pub struct NetEvidence {
     pub mac: String,
     /// Every IPv4 address on the interface, `ADDR/PREFIX`: exactly the one asked for.
     pub addresses: Vec<String>,
-    /// Neighbour (ARP) entries removed from the interface's cache.
+    /// Learnt neighbour (ARP) entries the interface had before (the snapshot's); none is left.
     pub neighbours_flushed: u32,
     /// Gratuitous ARP announcements sent for the new address.
     pub gratuitous_arps: u32,

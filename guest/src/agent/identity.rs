@@ -225,7 +225,10 @@ fn net_plan(n: &NetIdentity) -> Result<NetPlan, InvalidField> {
     if n.dns.len() > MAX_DNS {
         return Err(invalid(
             "network.dns",
-            format!("{} nameservers; resolv.conf takes at most {MAX_DNS}", n.dns.len()),
+            format!(
+                "{} nameservers; resolv.conf takes at most {MAX_DNS}",
+                n.dns.len()
+            ),
         ));
     }
     let dns = n
@@ -234,9 +237,7 @@ fn net_plan(n: &NetIdentity) -> Result<NetPlan, InvalidField> {
         .map(|d| d.parse::<IpAddr>())
         .collect::<Result<Vec<_>, _>>()
         .map_err(|_| invalid("network.dns", "not a list of IP addresses"))?;
-    if n.dns_search.len() > MAX_DNS_SEARCH
-        || !n.dns_search.iter().all(|d| valid_hostname(d))
-    {
+    if n.dns_search.len() > MAX_DNS_SEARCH || !n.dns_search.iter().all(|d| valid_hostname(d)) {
         return Err(invalid(
             "network.dns_search",
             format!("not a list of at most {MAX_DNS_SEARCH} domains"),
@@ -255,7 +256,9 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6], &'static str> {
     let mut mac = [0u8; 6];
     let mut parts = s.split(':');
     for byte in &mut mac {
-        let part = parts.next().ok_or("expected six hex bytes aa:bb:cc:dd:ee:ff")?;
+        let part = parts
+            .next()
+            .ok_or("expected six hex bytes aa:bb:cc:dd:ee:ff")?;
         if part.len() != 2 {
             return Err("expected six hex bytes aa:bb:cc:dd:ee:ff");
         }
@@ -709,7 +712,10 @@ mod tests {
             let msg = err.to_string();
             assert!(msg.starts_with(&format!("reidentify: {field}: ")), "{msg}");
             // The entropy is never quoted back.
-            assert!(!msg.contains(&r.entropy_b64) || r.entropy_b64.len() < 4, "{msg}");
+            assert!(
+                !msg.contains(&r.entropy_b64) || r.entropy_b64.len() < 4,
+                "{msg}"
+            );
         }
         let mut r = request();
         r.network.as_mut().unwrap().gateway = "10.45.0.1".into();
@@ -760,7 +766,10 @@ mod tests {
             ClockAction::Keep
         );
         // Not owned: agreeing is fine, disagreeing is a failure, never a step.
-        assert_eq!(clock_action(NOW_NS + s / 2, NOW_NS, false), ClockAction::Keep);
+        assert_eq!(
+            clock_action(NOW_NS + s / 2, NOW_NS, false),
+            ClockAction::Keep
+        );
         assert_eq!(
             clock_action(NOW_NS - 3600 * s, NOW_NS, false),
             ClockAction::Refuse {
@@ -788,7 +797,11 @@ mod tests {
         assert_eq!(&f[0..6], &[0xff; 6], "broadcast");
         assert_eq!(&f[6..12], &mac);
         assert_eq!(&f[12..14], &[0x08, 0x06], "ARP ethertype");
-        assert_eq!(&f[14..22], &[0, 1, 0x08, 0, 6, 4, 0, 1], "Ethernet/IPv4 request");
+        assert_eq!(
+            &f[14..22],
+            &[0, 1, 0x08, 0, 6, 4, 0, 1],
+            "Ethernet/IPv4 request"
+        );
         assert_eq!(&f[22..28], &mac, "sender MAC");
         assert_eq!(&f[28..32], &ip.octets(), "sender IP");
         assert_eq!(&f[32..38], &[0; 6], "target MAC");

@@ -101,14 +101,17 @@ pub struct Reconfigured {
     pub mac: [u8; 6],
     /// Every IPv4 address on the interface with its prefix.
     pub addresses: Vec<(Ipv4Addr, u8)>,
+    /// Learnt neighbour entries the interface had before (the snapshot's); none are left.
     pub neighbours_flushed: u32,
 }
 
 /// A clone's new network identity (`Reidentify`): the MAC (link down, address, up: a live
-/// change is not offered by every driver), then what [`configure`] does (MTU, address, default
-/// route; bringing the link down dropped the routes), every other IPv4 address removed, and the
+/// change is not offered by every driver), every other IPv4 address removed, then what
+/// [`configure`] does (MTU, address, default route; bringing the link down dropped the
+/// routes), and the
 /// neighbour cache of the interface flushed (the snapshot's entries point at whatever the
-/// snapshot's network had). Permanent and NOARP entries are configuration, not cache: kept.
+/// snapshot's network had). The kernel drops every entry of the interface, permanent ones
+/// included, when its MAC changes or it goes down; what is left after is removed here too.
 /// The gratuitous ARP is the caller's ([`super::super::agent::identity`]), sent after this.
 pub async fn reconfigure(
     interface: &str,
@@ -138,6 +141,12 @@ async fn reconfigure_with(
         }
     };
     let index = wait_for_link(handle, interface, wait).await?;
+    // Taking the link down drops the learnt entries by itself; count them first, and remove
+    // whatever is left afterwards (a driver might keep them).
+    let learnt = learnt_neighbours(handle, index)
+        .await
+        .map_err(err("list neighbours"))?
+        .len() as u32;
     handle
         .link()
         .set(LinkUnspec::new_with_index(index).down().build())
@@ -154,7 +163,8 @@ async fn reconfigure_with(
         .execute()
         .await
         .map_err(err("set MAC"))?;
-    apply(handle, interface, net, wait).await?;
+    // Old addresses go first: removing a subnet's primary address removes its secondaries,
+    // and a new address in the old one's subnet would be one.
     let wanted = (net.address, net.prefix);
     for (msg, addr) in ipv4_addresses(handle, index)
         .await
@@ -169,26 +179,14 @@ async fn reconfigure_with(
                 .map_err(err("remove an old address"))?;
         }
     }
-    let mut flushed = 0;
-    let mut neighbours = handle
-        .neighbours()
-        .get()
-        .set_address_family(AddressFamily::Inet)
-        .execute();
-    let mut stale = Vec::new();
-    while let Some(n) = neighbours
-        .try_next()
+    apply(handle, interface, net, wait).await?;
+    let left = learnt_neighbours(handle, index)
         .await
-        .map_err(err("list neighbours"))?
-    {
-        if n.header.ifindex == index && flushable(n.header.state) {
-            stale.push(n);
-        }
-    }
-    for n in stale {
+        .map_err(err("list neighbours"))?;
+    for n in left {
         match handle.neighbours().del(n).execute().await {
-            Ok(()) => flushed += 1,
             // Gone by itself (garbage-collected) between the dump and the delete.
+            Ok(()) => {}
             Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENOENT => {}
             Err(e) => return Err(err("flush neighbours")(e)),
         }
@@ -218,8 +216,27 @@ async fn reconfigure_with(
     Ok(Reconfigured {
         mac,
         addresses,
-        neighbours_flushed: flushed,
+        neighbours_flushed: learnt,
     })
+}
+
+/// The interface's learnt IPv4 neighbour entries.
+async fn learnt_neighbours(
+    handle: &rtnetlink::Handle,
+    index: u32,
+) -> Result<Vec<rtnetlink::packet_route::neighbour::NeighbourMessage>, rtnetlink::Error> {
+    let mut out = Vec::new();
+    let mut dump = handle
+        .neighbours()
+        .get()
+        .set_address_family(AddressFamily::Inet)
+        .execute();
+    while let Some(n) = dump.try_next().await? {
+        if n.header.ifindex == index && flushable(n.header.state) {
+            out.push(n);
+        }
+    }
+    Ok(out)
 }
 
 /// Whether a neighbour entry is cache (learnt, flushed on a new identity) rather than
