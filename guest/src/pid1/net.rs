@@ -108,11 +108,10 @@ pub struct Reconfigured {
 /// A clone's new network identity (`Reidentify`): the MAC (link down, address, up: a live
 /// change is not offered by every driver), every other IPv4 address removed, then what
 /// [`configure`] does (MTU, address, default route; bringing the link down dropped the
-/// routes), and the
-/// neighbour cache of the interface flushed (the snapshot's entries point at whatever the
-/// snapshot's network had). The kernel drops every entry of the interface, permanent ones
-/// included, when its MAC changes or it goes down; what is left after is removed here too.
-/// The gratuitous ARP is the caller's ([`super::super::agent::identity`]), sent after this.
+/// routes), and the neighbour cache of the interface flushed (the snapshot's entries point at
+/// whatever the snapshot's network had). The kernel drops every entry of the interface,
+/// permanent ones included, when its MAC changes or it goes down; what is left after is
+/// removed here too. The gratuitous ARP is the caller's ([`crate::agent::identity`]).
 pub async fn reconfigure(
     interface: &str,
     mac: [u8; 6],
