@@ -82,6 +82,25 @@ async fn reidentify_is_refused_without_an_identity_and_after_an_exec() {
     }
 }
 
+/// An Exec the guest could not even decode still brought its bytes (perhaps a JIT config).
+#[tokio::test]
+async fn a_malformed_exec_also_makes_the_identity_final() {
+    let agent = AgentProc::start();
+    let mut client = agent.connect().await;
+    let bad = serde_json::json!({"type": "exec", "id": "x", "argv": "not-a-list"});
+    client.send_raw(&encode(&bad).unwrap()).await.unwrap();
+    match client.recv().await.unwrap() {
+        GuestToHost::Error(e) => assert_eq!(e.code, ErrorCode::InvalidMessage),
+        other => panic!("{other:?}"),
+    }
+    let e = guest_error(
+        client
+            .reidentify(request("clone", None), &IdentityCheck::default())
+            .await,
+    );
+    assert_eq!(e.code, ErrorCode::IdentityLocked, "{e:?}");
+}
+
 /// A network namespace removed on drop (with the veth end inside it).
 struct Netns(String);
 
