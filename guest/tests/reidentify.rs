@@ -337,7 +337,7 @@ async fn reidentify_applies_every_part_in_namespaces_and_answers_with_evidence()
     );
     assert_eq!(
         std::fs::read_to_string(root.path().join("etc/resolv.conf")).unwrap(),
-        "# written by imp-guest from the kernel command line\nsearch clones.test\nnameserver 10.78.0.1\n"
+        "# written by imp-guest (kernel command line, or the host's reidentify)\nsearch clones.test\nnameserver 10.78.0.1\n"
     );
     let link = &guest.ip_json(&["link", "show", "dev", "eth0"])[0];
     assert_eq!(link["address"], "02:00:0a:4e:00:09");
