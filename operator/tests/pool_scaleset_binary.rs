@@ -5,7 +5,8 @@
 //! two operator binaries (leader election) serving a pool with scale-set intake and no webhook,
 //! the leader `kill -9`ed at random moments and once while its ack of a message was in flight
 //! (after the ledger write): every job served by exactly one runner, none acquired twice, none
-//! lost, one session per operator lifetime.
+//! lost, one session per operator lifetime (the scenario: `pool_common/scaleset_chaos.rs`, shared
+//! with `pool_scaleset_node.rs`, which runs it on real imp-runtime + imp-agent nodes).
 
 mod pool_common;
 
