@@ -213,6 +213,8 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
         stats.jit_configs,
         by_runner.len()
     );
+    // Also counting the sessions of the operators that took over after the last job completed.
+    assert!(stats.sessions_created <= out.restarts + 1, "{stats:?}");
     // Runners minted that never ran a job (retired idle): when they were first seen.
     let surplus: Vec<String> = by_runner
         .iter()
