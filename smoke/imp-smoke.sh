@@ -169,11 +169,15 @@ if [[ "$mode" == local ]]; then
   done
   # VM cgroups left under the parent, in any hierarchy.
   vm_cgroups() { local h d; for h in "${cg_hier[@]}"; do for d in "$h/$cg_parent"/*/; do [[ -d "$d" ]] && echo "$d"; done; done; }
-  # The cgroup directories the run made, deepest first (a VM's process may still be exiting: 5 s).
+  # The cgroup directories the run made, deepest first (a VM's process may still be exiting: 5 s). The
+  # parent (imp-smoke-<pid>) must go; an ancestor made for it may hold another run's cgroups by now.
   remove_cgroups() {
     local d i
     for d in $(vm_cgroups); do for _ in $(seq 1 10); do rmdir "$d" 2>/dev/null && break; sleep 0.5; done; done
-    for ((i = ${#cg_made[@]} - 1; i >= 0; i--)); do [[ ! -d "${cg_made[i]}" ]] || rmdir "${cg_made[i]}" || return 1; done
+    for ((i = ${#cg_made[@]} - 1; i >= 0; i--)); do
+      d=${cg_made[i]}
+      [[ ! -d "$d" ]] || rmdir "$d" 2>/dev/null || [[ "${d##*/}" != "imp-smoke-$$" ]] || return 1
+    done
   }
   # Its progress lines go to stderr: the path statement above stays the first line of stdout.
   "$repo/testenv/build.sh" >&2 || fail "testenv build (testenv/build.sh)"
