@@ -265,8 +265,10 @@ if [[ "$mode" == local ]]; then
   while read -r puid pid comm; do
     ((puid >= uid_lo && puid < uid_hi)) && leaks+=("process $pid ($comm) running as VM uid $puid")
   done < <(ps -e -o uid=,pid=,comm=)
-  # The jail base, empty now, goes (what is in it was listed above).
-  rmdir "$jail_base" 2>/dev/null || leaks+=("jail base $jail_base not empty")
+  # The jail base goes: the runtime's <base>/<exec file name> directories (which it keeps, as a node
+  # keeps /var/lib/imp/jailer/firecracker) must be empty by now, and what was in them is listed above.
+  for d in "$jail_base"/*; do [[ ! -d "$d" ]] || rmdir "$d" 2>/dev/null || true; done
+  rmdir "$jail_base" 2>/dev/null || leaks+=("jail base $jail_base not empty: $(ls -A "$jail_base" | tr '\n' ' ')")
   # Per-VM cgroups (the simulated path's parent, or IMP_VM_CGROUP_PARENT given to the real-guest
   # path's runtime), then the directories the run made.
   for d in $(vm_cgroups); do leaks+=("cgroup $d"); done
