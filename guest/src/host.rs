@@ -15,8 +15,8 @@ use tokio::time::Instant;
 
 use crate::frame::{FrameError, FrameReader, FrameWriter};
 use crate::protocol::{
-    ErrorMsg, Exec, Exited, GuestMetrics, GuestToHost, Hello, HostToGuest, HttpProbe,
-    MIN_SUPPORTED_PROTOCOL, PROTOCOL_VERSION, ProbeResult, READY_VSOCK_PORT, Started,
+    ErrorMsg, Exec, Exited, GuestMetrics, GuestToHost, Hello, HostToGuest, HttpProbe, Identified,
+    MIN_SUPPORTED_PROTOCOL, PROTOCOL_VERSION, ProbeResult, READY_VSOCK_PORT, Reidentify, Started,
 };
 
 /// The `OK <n>\n` line is short; more than this without a newline is not Firecracker.
@@ -55,6 +55,8 @@ pub enum HostError {
         "guest sent {count} frames nobody asked for (last: {last}); the connection was dropped"
     )]
     BudgetExceeded { count: u32, last: String },
+    #[error("the guest's Reidentify answer does not hold: {0}")]
+    Evidence(#[from] EvidenceError),
     #[error("guest did not answer {request} within {after:?}")]
     NoAnswer {
         request: &'static str,
@@ -74,6 +76,144 @@ impl HostError {
             HostError::Io(_) | HostError::Closed | HostError::Handshake(_) | HostError::Frame(_)
         )
     }
+}
+
+/// Bytes of the random sample in an [`Identified`].
+pub const IDENTITY_SAMPLE_BYTES: usize = 32;
+/// How far the guest's clock in an [`Identified`] may lie outside the host's clock over the
+/// round trip, by default.
+pub const DEFAULT_CLOCK_TOLERANCE: Duration = Duration::from_millis(500);
+
+/// What the answer to a [`Reidentify`] must show beyond echoing the request
+/// ([`check_identified`]).
+#[derive(Debug, Clone)]
+pub struct IdentityCheck {
+    /// Random samples other clones of the same snapshot (and this guest, earlier) answered:
+    /// this answer's must differ from every one.
+    pub previous_samples: Vec<Vec<u8>>,
+    /// The identity generation the host last knew for this guest (the snapshot's). `None`: the
+    /// last one this connection saw, else 0.
+    pub after_generation: Option<u64>,
+    pub clock_tolerance: Duration,
+}
+
+impl Default for IdentityCheck {
+    fn default() -> Self {
+        IdentityCheck {
+            previous_samples: Vec::new(),
+            after_generation: None,
+            clock_tolerance: DEFAULT_CLOCK_TOLERANCE,
+        }
+    }
+}
+
+/// Why an [`Identified`] is not accepted. Any of these fails the clone: it is given no config.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EvidenceError {
+    #[error("generation {got} does not advance past {after}: not this request's answer")]
+    GenerationNotAdvanced { got: u64, after: u64 },
+    #[error("random sample is not {IDENTITY_SAMPLE_BYTES} bytes of standard base64")]
+    MalformedSample,
+    #[error("random sample repeats one seen before: the guest's generator was not reseeded")]
+    RepeatedSample,
+    #[error("hostname is {got:?}, asked {asked:?}")]
+    Hostname { got: String, asked: String },
+    #[error("machine-id is {got:?}, asked {asked:?}")]
+    MachineId { got: String, asked: String },
+    #[error("machine-id {0:?} is not 32 lowercase hex digits")]
+    MalformedMachineId(String),
+    #[error(
+        "guest clock {got_ns} ns is outside {from_ns}..={to_ns} (the host's clock over the \
+         round trip, with tolerance)"
+    )]
+    Clock {
+        got_ns: u64,
+        from_ns: u64,
+        to_ns: u64,
+    },
+    #[error("network: {0}")]
+    Network(String),
+}
+
+/// Judge the evidence `got` for `req`: `last_generation` is what the host knew before,
+/// `round_trip` how long the answer took (the guest read its clock somewhere in it).
+pub fn check_identified(
+    req: &Reidentify,
+    got: &Identified,
+    check: &IdentityCheck,
+    last_generation: u64,
+    round_trip: Duration,
+) -> Result<(), EvidenceError> {
+    let after = check.after_generation.unwrap_or(last_generation);
+    if got.generation <= after {
+        return Err(EvidenceError::GenerationNotAdvanced {
+            got: got.generation,
+            after,
+        });
+    }
+    let sample = got
+        .random_sample()
+        .filter(|s| s.len() == IDENTITY_SAMPLE_BYTES)
+        .ok_or(EvidenceError::MalformedSample)?;
+    if check.previous_samples.contains(&sample) {
+        return Err(EvidenceError::RepeatedSample);
+    }
+    if got.hostname != req.hostname {
+        return Err(EvidenceError::Hostname {
+            got: got.hostname.clone(),
+            asked: req.hostname.clone(),
+        });
+    }
+    match &req.machine_id {
+        Some(asked) if *asked != got.machine_id => {
+            return Err(EvidenceError::MachineId {
+                got: got.machine_id.clone(),
+                asked: asked.clone(),
+            });
+        }
+        _ => {}
+    }
+    let hex = got.machine_id.len() == 32
+        && got
+            .machine_id
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        && got.machine_id.bytes().any(|b| b != b'0');
+    if !hex {
+        return Err(EvidenceError::MalformedMachineId(got.machine_id.clone()));
+    }
+    let tolerance = check.clock_tolerance.as_nanos() as u64;
+    let from_ns = req.wall_clock_unix_ns.saturating_sub(tolerance);
+    let to_ns = req
+        .wall_clock_unix_ns
+        .saturating_add(round_trip.as_nanos() as u64)
+        .saturating_add(tolerance);
+    if !(from_ns..=to_ns).contains(&got.wall_clock_unix_ns) {
+        return Err(EvidenceError::Clock {
+            got_ns: got.wall_clock_unix_ns,
+            from_ns,
+            to_ns,
+        });
+    }
+    if let Some(asked) = &req.network {
+        let Some(net) = &got.network else {
+            return Err(EvidenceError::Network("no network evidence".into()));
+        };
+        if !net.mac.eq_ignore_ascii_case(&asked.mac) {
+            return Err(EvidenceError::Network(format!(
+                "MAC is {}, asked {}",
+                net.mac, asked.mac
+            )));
+        }
+        let want = format!("{}/{}", asked.address, asked.prefix);
+        if net.addresses != [want.clone()] {
+            return Err(EvidenceError::Network(format!(
+                "addresses are {:?}, asked only {want}",
+                net.addresses
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A connected, greeted guest agent. Requests on one client are sequential (`&mut self`); for
@@ -102,6 +242,8 @@ pub struct HostClient {
     unexpected: u32,
     /// Set once the budget is exceeded: the connection is not read any more.
     over_budget: Option<String>,
+    /// The identity generation of the last accepted [`Identified`] on this connection.
+    generation: u64,
 }
 
 /// What the client does with a frame that is not the answer it waits for.
@@ -355,6 +497,7 @@ impl HostClient {
             exited: HashSet::new(),
             unexpected: 0,
             over_budget: None,
+            generation: 0,
         })
     }
 
@@ -542,6 +685,34 @@ impl HostClient {
             GuestToHost::Error(e) => Err(HostError::Guest(e)),
             other => Err(HostError::Unexpected(type_name(&other))),
         }
+    }
+
+    /// Give a clone its own identity before anything secret (docs/guest-protocol.md,
+    /// "Identity") and check the guest's evidence with [`check_identified`]. `Ok` only when the
+    /// guest applied every part and the evidence holds; any error means: fail the clone, hand
+    /// it no config. Set `req.wall_clock_unix_ns` just before calling.
+    pub async fn reidentify(
+        &mut self,
+        req: Reidentify,
+        check: &IdentityCheck,
+    ) -> Result<Identified, HostError> {
+        self.check_budget()?;
+        let sent = Instant::now();
+        self.send(&HostToGuest::Reidentify(req.clone())).await?;
+        let pick = |m: &GuestToHost| match m {
+            GuestToHost::Identified(_) => true,
+            GuestToHost::Error(e) => e.id.is_none(),
+            _ => false,
+        };
+        let after = self.answer_timeout;
+        let got = match within("the Reidentify", after, self.answer(pick, Some)).await? {
+            GuestToHost::Identified(i) => i,
+            GuestToHost::Error(e) => return Err(HostError::Guest(e)),
+            other => return Err(HostError::Unexpected(type_name(&other))),
+        };
+        check_identified(&req, &got, check, self.generation, sent.elapsed())?;
+        self.generation = got.generation;
+        Ok(got)
     }
 
     /// Ask the guest to power off. There is no answer; the connection then closes.
@@ -754,6 +925,192 @@ mod tests {
         assert_eq!(client.wait_exited("b").await.unwrap().id, "b");
         // Once a's exit was read, a third Exited(a) is a stray as well.
         assert_eq!(client.unexpected_frames(), 5);
+    }
+
+    const NOW_NS: u64 = 1_796_342_399_000_000_000;
+
+    fn reidentify_req() -> Reidentify {
+        Reidentify {
+            entropy_b64: "AAEC".into(),
+            hostname: "clone-1".into(),
+            machine_id: Some("0123456789abcdef0123456789abcdef".into()),
+            wall_clock_unix_ns: NOW_NS,
+            network: Some(crate::protocol::NetIdentity {
+                mac: "02:00:0a:2c:00:05".into(),
+                address: "10.44.0.5".into(),
+                prefix: 24,
+                gateway: "10.44.0.1".into(),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn identified(sample: u8) -> Identified {
+        use base64::Engine;
+        Identified {
+            generation: 1,
+            vmgenid_device: None,
+            random_sample_b64: base64::engine::general_purpose::STANDARD.encode([sample; 32]),
+            hostname: "clone-1".into(),
+            machine_id: "0123456789abcdef0123456789abcdef".into(),
+            wall_clock_unix_ns: NOW_NS + 2_000_000,
+            clock_step_ns: -5,
+            network: Some(crate::protocol::NetEvidence {
+                mac: "02:00:0A:2C:00:05".into(),
+                addresses: vec!["10.44.0.5/24".into()],
+                neighbours_flushed: 3,
+                gratuitous_arps: 1,
+            }),
+        }
+    }
+
+    #[test]
+    fn identity_evidence_is_checked_part_by_part() {
+        let req = reidentify_req();
+        let check = IdentityCheck::default();
+        let rt = Duration::from_millis(3);
+        assert_eq!(
+            check_identified(&req, &identified(1), &check, 0, rt),
+            Ok(())
+        );
+
+        let fails = |edit: fn(&mut Identified), last: u64| {
+            let mut got = identified(1);
+            edit(&mut got);
+            check_identified(&req, &got, &check, last, rt).unwrap_err()
+        };
+        assert_eq!(
+            fails(|_| {}, 1),
+            EvidenceError::GenerationNotAdvanced { got: 1, after: 1 }
+        );
+        assert_eq!(
+            fails(|g| g.random_sample_b64 = "AAEC".into(), 0),
+            EvidenceError::MalformedSample
+        );
+        assert!(matches!(
+            fails(|g| g.hostname = "snapshot".into(), 0),
+            EvidenceError::Hostname { .. }
+        ));
+        assert!(matches!(
+            fails(|g| g.machine_id = "f".repeat(32), 0),
+            EvidenceError::MachineId { .. }
+        ));
+        // The snapshot's clock, an hour behind, and one ahead of the round trip.
+        assert!(matches!(
+            fails(|g| g.wall_clock_unix_ns = NOW_NS - 3_600_000_000_000, 0),
+            EvidenceError::Clock { .. }
+        ));
+        assert!(matches!(
+            fails(|g| g.wall_clock_unix_ns = NOW_NS + 504_000_000, 0),
+            EvidenceError::Clock { .. }
+        ));
+        assert!(matches!(
+            fails(|g| g.network = None, 0),
+            EvidenceError::Network(_)
+        ));
+        assert!(matches!(
+            fails(|g| g.network.as_mut().unwrap().mac = "02:00:0a:2c:00:06".into(), 0),
+            EvidenceError::Network(m) if m.contains("MAC")
+        ));
+        // The snapshot's address left beside the new one.
+        assert!(matches!(
+            fails(|g| g.network.as_mut().unwrap().addresses.push("10.9.0.2/24".into()), 0),
+            EvidenceError::Network(m) if m.contains("addresses")
+        ));
+
+        // The cross-clone comparison: the sample of another clone of the same snapshot.
+        let other_clone = identified(1).random_sample().unwrap();
+        let check = IdentityCheck {
+            previous_samples: vec![vec![9; 32], other_clone],
+            ..IdentityCheck::default()
+        };
+        assert_eq!(
+            check_identified(&req, &identified(1), &check, 0, rt),
+            Err(EvidenceError::RepeatedSample)
+        );
+        assert_eq!(
+            check_identified(&req, &identified(2), &check, 0, rt),
+            Ok(())
+        );
+        // The caller's knowledge of the snapshot's generation overrides the connection's.
+        let check = IdentityCheck {
+            after_generation: Some(4),
+            ..IdentityCheck::default()
+        };
+        assert!(matches!(
+            check_identified(&req, &identified(2), &check, 0, rt),
+            Err(EvidenceError::GenerationNotAdvanced { after: 4, .. })
+        ));
+
+        // A generated machine-id must still be one.
+        let mut req = reidentify_req();
+        req.machine_id = None;
+        let mut got = identified(1);
+        got.machine_id = "0".repeat(32);
+        assert!(matches!(
+            check_identified(&req, &got, &IdentityCheck::default(), 0, rt),
+            Err(EvidenceError::MalformedMachineId(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn reidentify_answers_are_checked_and_errors_passed_through() {
+        let (_dir, mut client) = fake_guest(|mut s| async move {
+            for sample in [1u8, 1] {
+                read_request(&mut s).await;
+                let mut got = identified(sample);
+                got.generation = u64::from(sample) + 1;
+                got.wall_clock_unix_ns = now_ns();
+                send(&mut s, GuestToHost::Identified(got)).await.unwrap();
+            }
+            read_request(&mut s).await;
+            let locked = GuestToHost::Error(ErrorMsg {
+                code: crate::protocol::ErrorCode::IdentityLocked,
+                message: "refused".into(),
+                id: None,
+            });
+            send(&mut s, locked).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(5)).await;
+        })
+        .await;
+        let req = || {
+            let mut r = reidentify_req();
+            r.wall_clock_unix_ns = now_ns();
+            r
+        };
+        let first = client
+            .reidentify(req(), &IdentityCheck::default())
+            .await
+            .unwrap();
+        assert_eq!(first.generation, 2);
+        // Same sample again, and a generation that did not advance past the first answer's.
+        let check = IdentityCheck {
+            previous_samples: vec![first.random_sample().unwrap()],
+            ..IdentityCheck::default()
+        };
+        let err = client.reidentify(req(), &check).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                HostError::Evidence(EvidenceError::GenerationNotAdvanced { got: 2, after: 2 })
+            ),
+            "{err:?}"
+        );
+        let err = client
+            .reidentify(req(), &IdentityCheck::default())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, HostError::Guest(e) if e.code == crate::protocol::ErrorCode::IdentityLocked),
+            "{err:?}"
+        );
+    }
+
+    fn now_ns() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use imp_guest::agent::identity::IdentityConfig;
 use imp_guest::agent::{Agent, AgentConfig, Announce, Listener, announce};
 use imp_guest::pid1;
 use imp_guest::protocol::{AGENT_VSOCK_PORT, READY_VSOCK_PORT};
@@ -36,6 +37,15 @@ enum Command {
         /// Seconds to wait for the host to collect a poweroff_on_exit exit before exiting anyway.
         #[arg(long, value_name = "SECONDS", default_value_t = pid1::cmdline::DEFAULT_REPORT_GRACE.as_secs())]
         report_grace_s: u64,
+        /// Accept `Reidentify`: write etc/machine-id and etc/resolv.conf under this root, set the
+        /// hostname, seed the kernel's random pool. The hostname is the UTS namespace's: run the
+        /// agent in one of its own. The wall clock is only checked, never set, in this mode.
+        #[arg(long, value_name = "DIR")]
+        identity_root: Option<PathBuf>,
+        /// The interface a `Reidentify`'s network part reconfigures (with --identity-root; run
+        /// the agent in a network namespace of its own).
+        #[arg(long, value_name = "NAME", requires = "identity_root")]
+        identity_interface: Option<String>,
     },
 }
 
@@ -63,11 +73,18 @@ fn main() -> std::process::ExitCode {
             listen_vsock,
             announce_unix,
             report_grace_s,
+            identity_root,
+            identity_interface,
         }) => agent_mode(
             listen_unix,
             listen_vsock,
             announce_unix,
             Duration::from_secs(report_grace_s),
+            identity_root.map(|root| IdentityConfig {
+                root,
+                interface: identity_interface,
+                set_clock: false,
+            }),
         ),
         None => {
             // PID 1 work (mounts, switch_root, power-off) on a host would be destructive.
@@ -84,6 +101,7 @@ fn agent_mode(
     listen_vsock: u32,
     announce_unix: Option<PathBuf>,
     report_grace: Duration,
+    identity: Option<IdentityConfig>,
 ) -> std::process::ExitCode {
     // Orphans of exec'd jobs get reparented to us, as they would to PID 1 in a VM.
     // SAFETY: prctl with integer arguments only.
@@ -108,6 +126,7 @@ fn agent_mode(
             boot_id: boot_id.clone(),
             report_grace,
             metrics_root: "/".into(),
+            identity,
         }) {
             Ok(a) => a,
             Err(e) => {

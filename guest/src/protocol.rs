@@ -93,8 +93,92 @@ fn default_probe_timeout_ms() -> u64 {
     1000
 }
 
+/// Give a guest restored from a memory snapshot an identity of its own, before anything secret
+/// reaches it (docs/guest-protocol.md, "Identity"). Every clone of one snapshot wakes with the
+/// snapshot's random pool, hostname, machine-id, MAC, address and wall clock; this message
+/// replaces each of them and the guest answers [`Identified`] only once all were applied. Refused
+/// with [`ErrorCode::IdentityLocked`] once the guest has received any `Exec`.
+///
+/// Fields are plain strings and numbers, checked by the guest, so a bad value is answered with
+/// [`ErrorCode::InvalidRequest`] naming its field (`reidentify: <field>: <reason>`). No
+/// `PartialEq`, and `Debug` hides the entropy: it is seed material.
+#[derive(Clone, Default, Serialize, Deserialize)]
+pub struct Reidentify {
+    /// Random bytes from the host, standard base64, [`REIDENTIFY_ENTROPY_MIN`]..=
+    /// [`REIDENTIFY_ENTROPY_MAX`] bytes: mixed into the guest kernel's pool with
+    /// `RNDADDENTROPY` (credited in full), then the kernel's generator is reseeded
+    /// (`RNDRESEEDCRNG`), so every later `getrandom` in this clone depends on them.
+    #[serde(default)]
+    pub entropy_b64: String,
+    /// The hostname to set (1-64 of a-z, A-Z, 0-9, '-', '.', as `imp.hostname`).
+    #[serde(default)]
+    pub hostname: String,
+    /// `/etc/machine-id`: 32 lowercase hex digits, not all zero. `None`: the guest makes one
+    /// from its generator after the reseed.
+    #[serde(default)]
+    pub machine_id: Option<String>,
+    /// The host's wall clock when it sent this, nanoseconds since the Unix epoch. A guest that
+    /// owns its clock (PID 1 in a VM) steps it there when it is more than
+    /// [`CLOCK_STEP_THRESHOLD_NS`] off; one that does not (host-process mode) only checks it.
+    #[serde(default)]
+    pub wall_clock_unix_ns: u64,
+    /// The network identity. `None`: the network stays as the snapshot had it (e.g. a network
+    /// namespace per clone with the same address).
+    #[serde(default)]
+    pub network: Option<NetIdentity>,
+}
+
+/// Fewest and most entropy bytes a [`Reidentify`] carries (the kernel credits at most 256 bits
+/// per call; the rest is mixed in uncredited).
+pub const REIDENTIFY_ENTROPY_MIN: usize = 32;
+pub const REIDENTIFY_ENTROPY_MAX: usize = 512;
+
+/// A guest that owns its wall clock leaves it alone when it is within this of the host's time
+/// (stepping it by the message's transit time would only move it backwards).
+pub const CLOCK_STEP_THRESHOLD_NS: u64 = 10_000_000;
+
+impl std::fmt::Debug for Reidentify {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reidentify")
+            .field("entropy_b64", &"[REDACTED]")
+            .field("hostname", &self.hostname)
+            .field("machine_id", &self.machine_id)
+            .field("wall_clock_unix_ns", &self.wall_clock_unix_ns)
+            .field("network", &self.network)
+            .finish()
+    }
+}
+
+/// The guest's one interface after a [`Reidentify`]: the fields of `imp.net`, `imp.dns` and
+/// `imp.dns_search` (docs/guest-protocol.md, kernel command line), plus the MAC the host gave
+/// the clone's TAP side.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetIdentity {
+    /// `aa:bb:cc:dd:ee:ff`, unicast.
+    #[serde(default)]
+    pub mac: String,
+    /// IPv4 address of the interface; every other IPv4 address on it is removed.
+    #[serde(default)]
+    pub address: String,
+    /// Prefix length, 1..=30.
+    #[serde(default)]
+    pub prefix: u32,
+    /// Default gateway, inside the address's subnet.
+    #[serde(default)]
+    pub gateway: String,
+    /// `None`: the MTU stays as it is.
+    #[serde(default)]
+    pub mtu: Option<u32>,
+    /// Nameservers for /etc/resolv.conf (at most 3); empty: resolv.conf stays as it is.
+    #[serde(default)]
+    pub dns: Vec<String>,
+    #[serde(default)]
+    pub dns_search: Vec<String>,
+}
+
 /// Requests, host -> guest. Answers come back in request order: `Exec` -> `Started` (or
-/// `Error`), `HttpProbe` -> `ProbeResult`, `Metrics` -> `GuestMetrics`.
+/// `Error`), `HttpProbe` -> `ProbeResult`, `Metrics` -> `GuestMetrics`, `Reidentify` ->
+/// `Identified` (or `Error`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum HostToGuest {
@@ -103,11 +187,13 @@ pub enum HostToGuest {
     Metrics,
     /// Power the guest off (host-process mode: the agent exits). No answer.
     Shutdown,
+    Reidentify(Reidentify),
 }
 
 impl HostToGuest {
     /// Every `type` value of this direction, for telling an unknown type from a malformed one.
-    pub const TYPES: &'static [&'static str] = &["exec", "http_probe", "metrics", "shutdown"];
+    pub const TYPES: &'static [&'static str] =
+        &["exec", "http_probe", "metrics", "shutdown", "reidentify"];
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,6 +248,59 @@ pub struct GuestMetrics {
     pub uptime_seconds: f64,
 }
 
+/// The guest's answer to [`Reidentify`]: every part was applied, and what it shows now. The host
+/// checks it (`host::HostClient::reidentify`) before it hands the clone anything.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identified {
+    /// Identities applied by this guest so far, this one included: 1 after the first. It lives
+    /// in guest memory, so every clone of a snapshot resumes with the snapshot's count; an
+    /// answer that does not advance past what the host knew was not produced by this request.
+    pub generation: u64,
+    /// The ACPI device bound to the kernel's VM generation ID driver (`QEMUVGID:00`,
+    /// `VMGENCTR:00`), when there is one: that kernel reseeds its generator by itself on a
+    /// restore. Linux keeps the ID itself from userspace, so this is the device, not the ID.
+    #[serde(default)]
+    pub vmgenid_device: Option<String>,
+    /// 32 bytes of `getrandom(2)` read after the seeding, standard base64. Clones of one
+    /// snapshot that were not reseeded would answer the same bytes; the host compares.
+    pub random_sample_b64: String,
+    /// The hostname in effect (`uname`), read back.
+    pub hostname: String,
+    /// `/etc/machine-id` in effect, read back.
+    pub machine_id: String,
+    /// The guest's wall clock after the clock part, nanoseconds since the Unix epoch.
+    pub wall_clock_unix_ns: u64,
+    /// How far the clock was stepped (the host's time minus the guest's before), 0 when it was
+    /// left alone.
+    #[serde(default)]
+    pub clock_step_ns: i64,
+    /// What the interface shows after the network part; `None` when there was none.
+    #[serde(default)]
+    pub network: Option<NetEvidence>,
+}
+
+impl Identified {
+    /// The decoded random sample, `None` when it is not base64.
+    pub fn random_sample(&self) -> Option<Vec<u8>> {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD
+            .decode(&self.random_sample_b64)
+            .ok()
+    }
+}
+
+/// The guest's interface after a network part, read back through rtnetlink.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetEvidence {
+    pub mac: String,
+    /// Every IPv4 address on the interface, `ADDR/PREFIX`: exactly the one asked for.
+    pub addresses: Vec<String>,
+    /// Learnt neighbour (ARP) entries the interface had before (the snapshot's); none is left.
+    pub neighbours_flushed: u32,
+    /// Gratuitous ARP announcements sent for the new address.
+    pub gratuitous_arps: u32,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
@@ -173,8 +312,15 @@ pub enum ErrorCode {
     FrameTooLarge,
     /// The Exec could not start (no such program, bad cwd, bad uid, empty argv...).
     SpawnFailed,
-    /// A well-formed request the guest refuses (e.g. empty id).
+    /// A well-formed request the guest refuses (e.g. empty id, a `Reidentify` field out of
+    /// range: the message names the field).
     InvalidRequest,
+    /// `Reidentify` after the guest received an `Exec`: identity may change only before any
+    /// secret arrives.
+    IdentityLocked,
+    /// A part of a `Reidentify` could not be applied; the message names it
+    /// (`reidentify: <part>: <reason>`). Parts before it were applied: fail the clone.
+    IdentityFailed,
     Internal,
 }
 
@@ -198,6 +344,7 @@ pub enum GuestToHost {
     ProbeResult(ProbeResult),
     GuestMetrics(GuestMetrics),
     Error(ErrorMsg),
+    Identified(Identified),
 }
 
 impl GuestToHost {
@@ -209,6 +356,7 @@ impl GuestToHost {
         "probe_result",
         "guest_metrics",
         "error",
+        "identified",
     ];
 }
 
@@ -221,7 +369,7 @@ pub trait Message: Serialize + serde::de::DeserializeOwned {
 
 impl Message for HostToGuest {
     const TYPES: &'static [&'static str] = HostToGuest::TYPES;
-    const SECRET_BEARING: &'static [&'static str] = &["exec"];
+    const SECRET_BEARING: &'static [&'static str] = &["exec", "reidentify"];
 }
 
 impl Message for GuestToHost {
@@ -286,6 +434,7 @@ mod tests {
             }),
             HostToGuest::Metrics,
             HostToGuest::Shutdown,
+            HostToGuest::Reidentify(Reidentify::default()),
         ];
         let names: Vec<String> = host
             .iter()
@@ -335,6 +484,16 @@ mod tests {
                 message: "m".into(),
                 id: None,
             }),
+            GuestToHost::Identified(Identified {
+                generation: 1,
+                vmgenid_device: None,
+                random_sample_b64: String::new(),
+                hostname: "h".into(),
+                machine_id: "m".into(),
+                wall_clock_unix_ns: 1,
+                clock_step_ns: 0,
+                network: None,
+            }),
         ];
         let names: Vec<String> = guest
             .iter()
@@ -346,6 +505,36 @@ mod tests {
             })
             .collect();
         assert_eq!(names, GuestToHost::TYPES);
+    }
+
+    #[test]
+    fn reidentify_wire_shape_defaults_and_redaction() {
+        let msg: HostToGuest = serde_json::from_value(json!({
+            "type": "reidentify", "entropy_b64": "c2VlZC1tYXRlcmlhbA==", "hostname": "clone-1",
+            "wall_clock_unix_ns": 1_800_000_000_000_000_000u64,
+            "network": {"mac": "02:00:0a:2c:00:05", "address": "10.44.0.5", "prefix": 24,
+                        "gateway": "10.44.0.1"}
+        }))
+        .unwrap();
+        let HostToGuest::Reidentify(r) = msg else {
+            panic!("not reidentify")
+        };
+        // Optional parts default to "not asked for"; missing fields reach the guest's checks,
+        // which name them, rather than a serde error.
+        assert_eq!(r.machine_id, None);
+        let net = r.network.as_ref().unwrap();
+        assert_eq!((net.mtu, net.dns.len()), (None, 0));
+        let dbg = format!("{r:?}");
+        assert!(!dbg.contains("c2VlZC1tYXRlcmlhbA"), "{dbg}");
+        assert!(dbg.contains("clone-1"), "{dbg}");
+        let empty: HostToGuest = serde_json::from_value(json!({"type": "reidentify"})).unwrap();
+        assert!(matches!(empty, HostToGuest::Reidentify(r) if r.hostname.is_empty()));
+        // A shape error in a reidentify frame does not quote values (the entropy is seed material).
+        let err = crate::frame::decode_payload::<HostToGuest>(
+            br#"{"type":"reidentify","entropy_b64":["c2VjcmV0LXNlZWQ"]}"#,
+        )
+        .unwrap_err();
+        assert!(!err.to_string().contains("c2VjcmV0LXNlZWQ"), "{err}");
     }
 
     #[test]

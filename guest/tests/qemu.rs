@@ -19,7 +19,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use imp_common::SecretString;
-use imp_guest::protocol::HttpProbe;
+use imp_guest::host::{HostClient, HostError, IdentityCheck};
+use imp_guest::protocol::{ErrorCode, HttpProbe, NetIdentity, Reidentify};
 use imp_testkit::qemu::{self, Drive, Setup, setup_or_skip};
 
 const SECRET: &str = "jit-qemu-4f0c-do-not-print";
@@ -299,11 +300,137 @@ async fn pid1_reaps_orphans_and_shuts_down_on_sigterm() {
     }
 }
 
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+fn entropy_b64(n: usize) -> String {
+    use base64::Engine;
+    let mut bytes = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut bytes))
+        .unwrap();
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+const HOUR_NS: i64 = 3_600_000_000_000;
+
+/// A clone's identity step in a real guest, before its first Exec: the entropy ioctls of a
+/// guest kernel, the wall clock stepped by PID 1, hostname and machine-id; a network part the
+/// guest cannot apply (this VM has no NIC: the network part runs in guest/tests/reidentify.rs)
+/// fails naming it; after an Exec the identity is final.
+async fn reidentify_before_any_exec(client: &mut HostClient) {
+    let mut no_nic = Reidentify {
+        entropy_b64: entropy_b64(32),
+        hostname: "imp-clone-0".into(),
+        machine_id: None,
+        wall_clock_unix_ns: now_ns(),
+        network: Some(NetIdentity {
+            mac: "02:00:0a:2c:00:05".into(),
+            address: "10.44.0.5".into(),
+            prefix: 24,
+            gateway: "10.44.0.1".into(),
+            ..NetIdentity::default()
+        }),
+    };
+    match client
+        .reidentify(no_nic.clone(), &IdentityCheck::default())
+        .await
+    {
+        Err(HostError::Guest(e)) => {
+            assert_eq!(e.code, ErrorCode::IdentityFailed);
+            assert!(
+                e.message.starts_with("reidentify: network: ") && e.message.contains("eth0"),
+                "{e:?}"
+            );
+        }
+        other => panic!("a network part without a NIC: {other:?}"),
+    }
+    no_nic.network = None;
+
+    // First: the host says it is an hour later than it is, as a host would after a clone
+    // restored from an hour-old snapshot. The guest steps its clock forward.
+    let mut first = no_nic.clone();
+    first.entropy_b64 = entropy_b64(32);
+    first.hostname = "imp-clone-1".into();
+    first.machine_id = Some("0123456789abcdef0123456789abcdef".into());
+    first.wall_clock_unix_ns = now_ns() + HOUR_NS as u64;
+    let t = std::time::Instant::now();
+    let one = client
+        .reidentify(first, &IdentityCheck::default())
+        .await
+        .unwrap();
+    let first_ms = t.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(one.generation, 1);
+    assert!(
+        (one.clock_step_ns - HOUR_NS).abs() < 30_000_000_000,
+        "stepped by {} ns, not an hour",
+        one.clock_step_ns
+    );
+    // Second, as the next clone would get it: other entropy, the true time (back an hour), a
+    // machine-id the guest makes.
+    let mut second = no_nic.clone();
+    second.entropy_b64 = entropy_b64(64);
+    second.hostname = "imp-clone-2".into();
+    second.wall_clock_unix_ns = now_ns();
+    let check = IdentityCheck {
+        previous_samples: vec![one.random_sample().unwrap()],
+        after_generation: Some(1),
+        ..IdentityCheck::default()
+    };
+    let t = std::time::Instant::now();
+    let two = client.reidentify(second, &check).await.unwrap();
+    let second_ms = t.elapsed().as_secs_f64() * 1e3;
+    assert_eq!(two.generation, 2);
+    assert!(
+        (two.clock_step_ns + HOUR_NS).abs() < 30_000_000_000,
+        "stepped by {} ns, not back an hour",
+        two.clock_step_ns
+    );
+    assert_ne!(two.random_sample(), one.random_sample());
+    assert_ne!(two.machine_id, one.machine_id);
+    println!(
+        "MEASURE reidentify round trip (QEMU TCG guest, PID 1): {first_ms:.1} ms (+1 h), {second_ms:.1} ms (-1 h); samples {} / {}; vmgenid device {:?}",
+        one.random_sample_b64, two.random_sample_b64, two.vmgenid_device
+    );
+
+    // What the guest's own tools see.
+    let script = "busybox hostname; busybox cat /etc/machine-id; busybox date +%s";
+    let (out, _, e) = common::run(client, common::sh("identity", script)).await;
+    assert_eq!(e.code, Some(0));
+    let out = String::from_utf8(out).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[..2],
+        ["imp-clone-2", two.machine_id.as_str()],
+        "{out}"
+    );
+    let guest_s: i64 = lines[2].parse().unwrap();
+    let host_s = (now_ns() / 1_000_000_000) as i64;
+    assert!(
+        (guest_s - host_s).abs() <= 5,
+        "guest clock {guest_s}, host {host_s}"
+    );
+
+    // The guest has received an Exec: no identity change any more.
+    let mut late = no_nic;
+    late.wall_clock_unix_ns = now_ns();
+    match client.reidentify(late, &IdentityCheck::default()).await {
+        Err(HostError::Guest(e)) => assert_eq!(e.code, ErrorCode::IdentityLocked, "{e:?}"),
+        other => panic!("Reidentify after an Exec: {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn overlay_over_the_kernel_mounted_root_and_host_shutdown() {
     let Some(s) = setup_or_skip() else { return };
     let mut vm = Vm::boot(&s, Root::KernelMounted, "");
     let mut client = vm.connect().await;
+    // This boot doubles as a restored clone: its identity comes first.
+    reidentify_before_any_exec(&mut client).await;
     let script = "busybox grep ' / ' /proc/mounts; busybox cat /etc/marker; \
                   echo changed > /etc/marker; busybox cat /etc/marker";
     let (out, _, e) = common::run(&mut client, common::sh("root", script)).await;

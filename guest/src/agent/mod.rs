@@ -2,6 +2,7 @@
 //! mode, for the Firecracker simulator), one task per connection, all sharing one exec table.
 
 pub mod exec;
+pub mod identity;
 pub mod metrics;
 pub mod probe;
 
@@ -16,9 +17,11 @@ use tokio::task::JoinSet;
 
 use crate::frame::{FrameError, FrameReader, FrameWriter};
 use crate::protocol::{
-    ErrorCode, ErrorMsg, Exec, GuestToHost, Hello, HostToGuest, Output, PROTOCOL_VERSION, Started,
+    ErrorCode, ErrorMsg, Exec, GuestToHost, Hello, HostToGuest, Output, PROTOCOL_VERSION,
+    Reidentify, Started,
 };
 use exec::{ExecEntry, ExecState, ExecTable};
+use identity::IdentityConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -54,12 +57,26 @@ pub struct AgentConfig {
     pub report_grace: Duration,
     /// Filesystem whose usage `Metrics` reports.
     pub metrics_root: PathBuf,
+    /// What `Reidentify` may change; `None`: it is refused (a host-process agent that was not
+    /// given a machine of its own to manage).
+    pub identity: Option<IdentityConfig>,
 }
 
 pub struct Agent {
     config: AgentConfig,
     execs: ExecTable,
     shutdown: watch::Sender<Option<ShutdownReason>>,
+    /// Held across a whole `Reidentify`, and taken by every `Exec` before anything of it is
+    /// used: an Exec that arrives meanwhile waits until the identity is in place.
+    identity: tokio::sync::Mutex<IdentityState>,
+}
+
+#[derive(Debug, Default)]
+struct IdentityState {
+    /// Identities applied so far.
+    generation: u64,
+    /// An Exec (and with it, perhaps, a secret) has arrived: the identity is final.
+    locked: bool,
 }
 
 impl Agent {
@@ -70,6 +87,7 @@ impl Agent {
             config,
             execs: ExecTable::new(),
             shutdown: watch::channel(None).0,
+            identity: tokio::sync::Mutex::new(IdentityState::default()),
         });
         let mut sigchld = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child())
             .map_err(AgentError::Signal)?;
@@ -164,6 +182,11 @@ impl Agent {
                 Ok(Some(msg)) => msg,
                 Ok(None) => break,
                 Err(e) if e.is_recoverable() || matches!(e, FrameError::TooLarge { .. }) => {
+                    // A malformed Exec still brought its bytes, secrets perhaps: identity is final.
+                    if matches!(&e, FrameError::InvalidMessage { type_name, .. } if type_name == "exec")
+                    {
+                        self.identity.lock().await.locked = true;
+                    }
                     // An oversize payload was not consumed, so framing is lost: answer, then close.
                     let close = !e.is_recoverable();
                     tracing::warn!(error = %e, close, "rejected frame");
@@ -200,6 +223,10 @@ impl Agent {
                     let _ = tx.send(Outgoing::plain(msg)).await;
                 }
                 HostToGuest::Shutdown => self.request_shutdown(ShutdownReason::HostRequested),
+                HostToGuest::Reidentify(req) => {
+                    let answer = self.reidentify(req).await;
+                    let _ = tx.send(Outgoing::plain(answer)).await;
+                }
             }
         }
         // Watchers only relay to this connection; the processes keep running.
@@ -208,12 +235,69 @@ impl Agent {
         let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
     }
 
+    /// Apply a new identity (identity::apply) unless an Exec came first; the answer is
+    /// `Identified` or an error naming the field or part.
+    async fn reidentify(&self, req: Reidentify) -> GuestToHost {
+        let started = std::time::Instant::now();
+        let mut state = self.identity.lock().await;
+        if state.locked {
+            tracing::warn!("reidentify refused: an exec has arrived");
+            return error_msg(
+                ErrorCode::IdentityLocked,
+                "reidentify: refused: this guest has received an exec; its identity may change \
+                 only before any secret"
+                    .into(),
+                None,
+            );
+        }
+        let Some(config) = &self.config.identity else {
+            return error_msg(
+                ErrorCode::IdentityFailed,
+                format!(
+                    "reidentify: {}: this agent manages no identity (host-process mode without \
+                     --identity-root)",
+                    identity::Part::Identity
+                ),
+                None,
+            );
+        };
+        let plan = match identity::plan(&req) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(field = e.field, reason = %e.reason, "reidentify refused");
+                return error_msg(ErrorCode::InvalidRequest, e.to_string(), None);
+            }
+        };
+        match identity::apply(&plan, config, state.generation + 1).await {
+            Ok(evidence) => {
+                state.generation = evidence.generation;
+                tracing::info!(
+                    generation = evidence.generation,
+                    hostname = %evidence.hostname,
+                    machine_id = %evidence.machine_id,
+                    clock_step_ns = evidence.clock_step_ns,
+                    network = ?evidence.network,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "identity applied"
+                );
+                GuestToHost::Identified(evidence)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reidentify failed");
+                error_msg(ErrorCode::IdentityFailed, e.to_string(), None)
+            }
+        }
+    }
+
     async fn exec(
         self: &Arc<Self>,
         req: Exec,
         tx: &mpsc::Sender<Outgoing>,
         watchers: &mut JoinSet<()>,
     ) {
+        // From here on the guest may hold a secret: its identity is final. Waits for a
+        // Reidentify in progress to finish.
+        self.identity.lock().await.locked = true;
         // Env keys only: values may be the JIT config.
         let env_keys: Vec<&str> = req.env.keys().map(String::as_str).collect();
         tracing::info!(exec_id = %req.id, argv = ?req.argv, ?env_keys, uid = ?req.uid, timeout_s = ?req.timeout_s, "exec requested");

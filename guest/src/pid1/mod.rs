@@ -217,6 +217,7 @@ fn boot_and_serve(halt: &mut HaltAction) -> Result<ShutdownReason, Pid1Error> {
             boot_id: boot_id.clone(),
             report_grace: cfg.report_grace,
             metrics_root: root.to_owned(),
+            identity: Some(crate::agent::identity::IdentityConfig::guest()),
         })?;
         let listener = stage("agent-listen", || Listener::bind_vsock(cfg.vsock_port))?;
         marker(

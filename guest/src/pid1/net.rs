@@ -7,6 +7,10 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use futures::TryStreamExt;
+use rtnetlink::packet_route::AddressFamily;
+use rtnetlink::packet_route::address::AddressAttribute;
+use rtnetlink::packet_route::link::LinkAttribute;
+use rtnetlink::packet_route::neighbour::NeighbourState;
 use rtnetlink::{LinkUnspec, RouteMessageBuilder};
 
 use super::cmdline::NetConfig;
@@ -91,6 +95,189 @@ async fn apply(
         .map_err(err("add default route"))
 }
 
+/// What [`reconfigure`] left on the interface, read back after applying.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reconfigured {
+    pub mac: [u8; 6],
+    /// Every IPv4 address on the interface with its prefix.
+    pub addresses: Vec<(Ipv4Addr, u8)>,
+    /// Learnt neighbour entries the interface had before (the snapshot's); none are left.
+    pub neighbours_flushed: u32,
+}
+
+/// A clone's new network identity (`Reidentify`): the MAC (link down, address, up: a live
+/// change is not offered by every driver), every other IPv4 address removed, then what
+/// [`configure`] does (MTU, address, default route; bringing the link down dropped the
+/// routes), and the neighbour cache of the interface flushed (the snapshot's entries point at
+/// whatever the snapshot's network had). The kernel drops every entry of the interface,
+/// permanent ones included, when its MAC changes or it goes down; what is left after is
+/// removed here too. The gratuitous ARP is the caller's ([`crate::agent::identity`]).
+pub async fn reconfigure(
+    interface: &str,
+    mac: [u8; 6],
+    net: &NetConfig,
+    wait: Duration,
+) -> Result<Reconfigured, NetError> {
+    let (connection, handle, _) = rtnetlink::new_connection().map_err(NetError::Socket)?;
+    let conn = tokio::spawn(connection);
+    let result = reconfigure_with(&handle, interface, mac, net, wait).await;
+    conn.abort();
+    result
+}
+
+async fn reconfigure_with(
+    handle: &rtnetlink::Handle,
+    interface: &str,
+    mac: [u8; 6],
+    net: &NetConfig,
+    wait: Duration,
+) -> Result<Reconfigured, NetError> {
+    let err = |step| {
+        move |source| NetError::Netlink {
+            step,
+            interface: interface.to_owned(),
+            source,
+        }
+    };
+    let index = wait_for_link(handle, interface, wait).await?;
+    // Taking the link down drops the learnt entries by itself; count them first, and remove
+    // whatever is left afterwards (a driver might keep them).
+    let learnt = learnt_neighbours(handle, index)
+        .await
+        .map_err(err("list neighbours"))?
+        .len() as u32;
+    handle
+        .link()
+        .set(LinkUnspec::new_with_index(index).down().build())
+        .execute()
+        .await
+        .map_err(err("set link down"))?;
+    handle
+        .link()
+        .set(
+            LinkUnspec::new_with_index(index)
+                .address(mac.to_vec())
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(err("set MAC"))?;
+    // Old addresses go first: removing a subnet's primary address removes its secondaries,
+    // and a new address in the old one's subnet would be one.
+    let wanted = (net.address, net.prefix);
+    for (msg, addr) in ipv4_addresses(handle, index)
+        .await
+        .map_err(err("list addresses"))?
+    {
+        if addr != wanted {
+            handle
+                .address()
+                .del(msg)
+                .execute()
+                .await
+                .map_err(err("remove an old address"))?;
+        }
+    }
+    apply(handle, interface, net, wait).await?;
+    let left = learnt_neighbours(handle, index)
+        .await
+        .map_err(err("list neighbours"))?;
+    for n in left {
+        match handle.neighbours().del(n).execute().await {
+            // Gone by itself (garbage-collected) between the dump and the delete.
+            Ok(()) => {}
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENOENT => {}
+            Err(e) => return Err(err("flush neighbours")(e)),
+        }
+    }
+    let link = handle
+        .link()
+        .get()
+        .match_index(index)
+        .execute()
+        .try_next()
+        .await
+        .map_err(err("read back the link"))?;
+    let mac = link
+        .and_then(|l| {
+            l.attributes.into_iter().find_map(|a| match a {
+                LinkAttribute::Address(a) => <[u8; 6]>::try_from(a).ok(),
+                _ => None,
+            })
+        })
+        .unwrap_or_default();
+    let addresses = ipv4_addresses(handle, index)
+        .await
+        .map_err(err("read back addresses"))?
+        .into_iter()
+        .map(|(_, a)| a)
+        .collect();
+    Ok(Reconfigured {
+        mac,
+        addresses,
+        neighbours_flushed: learnt,
+    })
+}
+
+/// The interface's learnt IPv4 neighbour entries.
+async fn learnt_neighbours(
+    handle: &rtnetlink::Handle,
+    index: u32,
+) -> Result<Vec<rtnetlink::packet_route::neighbour::NeighbourMessage>, rtnetlink::Error> {
+    let mut out = Vec::new();
+    let mut dump = handle
+        .neighbours()
+        .get()
+        .set_address_family(AddressFamily::Inet)
+        .execute();
+    while let Some(n) = dump.try_next().await? {
+        if n.header.ifindex == index && flushable(n.header.state) {
+            out.push(n);
+        }
+    }
+    Ok(out)
+}
+
+/// Whether a neighbour entry is cache (learnt, flushed on a new identity) rather than
+/// configuration.
+pub fn flushable(state: NeighbourState) -> bool {
+    !matches!(state, NeighbourState::Permanent | NeighbourState::Noarp)
+}
+
+async fn ipv4_addresses(
+    handle: &rtnetlink::Handle,
+    index: u32,
+) -> Result<
+    Vec<(
+        rtnetlink::packet_route::address::AddressMessage,
+        (Ipv4Addr, u8),
+    )>,
+    rtnetlink::Error,
+> {
+    let mut out = Vec::new();
+    let mut stream = handle
+        .address()
+        .get()
+        .set_link_index_filter(index)
+        .execute();
+    while let Some(msg) = stream.try_next().await? {
+        if msg.header.family != AddressFamily::Inet {
+            continue;
+        }
+        let local = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Local(IpAddr::V4(ip)) | AddressAttribute::Address(IpAddr::V4(ip)) => {
+                Some(*ip)
+            }
+            _ => None,
+        });
+        if let Some(ip) = local {
+            let prefix = msg.header.prefix_len;
+            out.push((msg, (ip, prefix)));
+        }
+    }
+    Ok(out)
+}
+
 /// Imp's networks are IPv4 only (the node drops a guest's IPv6 frames, docs/network.md). With
 /// IPv6 on, the link's router solicitations and MLD reports would still cross the TAP every few
 /// seconds after link-up (backing off to hourly), and move the byte counters ScaleToZero's idle
@@ -136,5 +323,26 @@ async fn wait_for_link(
             return Err(NetError::NoInterface(interface.to_owned(), limit));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_learnt_neighbours_are_flushed() {
+        for s in [
+            NeighbourState::Reachable,
+            NeighbourState::Stale,
+            NeighbourState::Delay,
+            NeighbourState::Probe,
+            NeighbourState::Failed,
+            NeighbourState::Incomplete,
+        ] {
+            assert!(flushable(s), "{s:?}");
+        }
+        assert!(!flushable(NeighbourState::Permanent));
+        assert!(!flushable(NeighbourState::Noarp));
     }
 }

@@ -29,7 +29,8 @@ pub fn set_hostname(name: &str) -> Result<(), SystemError> {
 
 /// resolv.conf contents for the given nameservers and search domains.
 pub fn render_resolv_conf(dns: &[IpAddr], search: &[String]) -> String {
-    let mut out = String::from("# written by imp-guest from the kernel command line\n");
+    let mut out =
+        String::from("# written by imp-guest (kernel command line, or the host's reidentify)\n");
     if !search.is_empty() {
         out.push_str(&format!("search {}\n", search.join(" ")));
     }
@@ -165,7 +166,7 @@ mod tests {
         let dns: Vec<IpAddr> = vec!["10.0.0.1".parse().unwrap(), "::1".parse().unwrap()];
         assert_eq!(
             render_resolv_conf(&dns, &["a.example".into(), "b.example".into()]),
-            "# written by imp-guest from the kernel command line\nsearch a.example b.example\nnameserver 10.0.0.1\nnameserver ::1\n"
+            "# written by imp-guest (kernel command line, or the host's reidentify)\nsearch a.example b.example\nnameserver 10.0.0.1\nnameserver ::1\n"
         );
     }
 

@@ -24,11 +24,26 @@ impl AgentProc {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_wrapped(&[], extra)
+    }
+
+    /// Start the agent through `wrapper` (e.g. `ip netns exec NS unshare --uts`), which must
+    /// exec it in place, so the child's pid is the agent's.
+    pub fn start_wrapped(wrapper: &[&str], extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
         let log = dir.path().join("agent.log");
         let log_file = std::fs::File::create(&log).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_imp-guest"))
+        let bin = env!("CARGO_BIN_EXE_imp-guest");
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let child = cmd
             .arg("agent")
             .arg("--listen-unix")
             .arg(&socket)

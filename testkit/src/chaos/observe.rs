@@ -246,10 +246,13 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let state = d.path().join("node-state");
         std::fs::create_dir_all(state.join("vms/u1")).unwrap();
-        // A stand-in VMM naming its socket in the state dir (the shell stays: `; true`).
+        // A stand-in VMM naming its socket in the state dir: the shell waits in the `read` builtin
+        // on a pipe, so it never forks (a `sleep` child would share its cmdline until it exec'd,
+        // and a scan in that window saw two processes).
         let mut child = Command::new("sh")
-            .args(["-c", "sleep 30; true", "vmm"])
+            .args(["-c", "read _", "vmm"])
             .arg(state.join("vms/u1/api.sock"))
+            .stdin(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         // Until the child has exec'd, its cmdline is still this test binary's.
