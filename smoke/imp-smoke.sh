@@ -615,8 +615,8 @@ invariants() {
 }
 if [[ $chaos == 1 && $guest == qemu ]]; then
   # The chaos scenarios (dozens of VMs, kill -9 at handoff phases) run on the simulated path: the
-  # pool scales to zero, the node's two processes restart on the Firecracker simulator (same state
-  # dir), and the pool scales back to one idle runner.
+  # pool scales to zero, the node's two processes restart on the Firecracker simulator through the
+  # jailer double (same state dir), and the pool scales back to one idle runner.
   t_switch=$SECONDS
   kubectl patch imprp imp --type=merge -p '{"spec":{"scaling":{"minIdle":0}}}' >/dev/null
   kubectl delete impvm -l imp.dev/runner-pool=imp --wait=false >/dev/null
@@ -638,7 +638,7 @@ if [[ $chaos == 1 && $guest == qemu ]]; then
     curl -sf "$sim/_admin/runners" | jq -e --argjson live "$live" '(map(.name) - $live) | length == 0'
   }
   wait_for 90 registered_live || fail "switching to the simulated path: registrations of deleted VMs left: $(curl -sf "$sim/_admin/runners" | jq -c 'map(.name)')"
-  pass "node switched to the Firecracker simulator for the chaos scenarios (pool drained, runtime and agent restarted, runner idle again: $((SECONDS - t_switch)) s)"
+  pass "node switched to the Firecracker simulator, jailed through the jailer double (jails under $IMP_SMOKE_JAIL_BASE), for the chaos scenarios (pool drained, runtime and agent restarted, runner idle again: $((SECONDS - t_switch)) s)"
 fi
 # The chaos scenarios (smoke/chaos.sh), each followed by the settled-state invariants.
 if [[ $chaos == 1 ]]; then
