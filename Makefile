@@ -97,7 +97,7 @@ real-node: testenv
 ## The local smoke run (root): the runner lifecycle against the GitHub simulator and a real API server, in
 ## network namespaces of its own, on a real guest where the host allows it (imp-runtime's QEMU backend,
 ## KVM or TCG; else the Firecracker simulator, and the first line says why); prints a per-phase timeline
-## (JSON in target/imp-smoke/report.json), then the chaos scenarios on the simulated path and their
+## (JSON in target/imp-smoke/report.json), then the chaos scenarios on the simulated path (Firecracker through the jailer double) and their
 ## invariants (imp-chaos-check), and fails if anything of its own is left. Its Debian packages and
 ## vhost-device-vsock are installed first (preflight; IMP_INSTALL_DEPS=0 refuses). --guest
 ## simulated|qemu forces a path; IMP_REQUIRE_REAL_GUEST=1 fails instead of falling back to the simulator.

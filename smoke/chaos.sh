@@ -61,6 +61,9 @@ chaos_results=()
 settled() {
   local took=$((SECONDS - t0))
   invariants --settled >"$work/check.out" 2>&1 || fail "chaos $1: invariants broken: $(cat "$work/check.out")"
+  local stray
+  stray=$(stray_jails)
+  [[ -z "$stray" ]] || fail "chaos $1: jails of no live VM: $stray"
   printf 'PASS  chaos: %s (settled in %ss; invariants hold)\n' "$1" "$took"
   chaos_results+=("$took s  $1")
 }
@@ -73,26 +76,43 @@ crash() {
     operator) kill9 "$operator_pid"; sleep 1; start_operator ;;
   esac
 }
-# Every process of the node's VMs (what names the runtime's state dir) with all its descendants.
+# Every process of the node's VMs with all its descendants: what names the runtime's state dir, and
+# the jailed simulators (their command lines name only paths in their jails: found by their root, a
+# jail's by inode).
 vm_process_tree() {
-  local f pid
-  for f in /proc/[0-9]*/cmdline; do
-    grep -qF "$work/node-state" "$f" 2>/dev/null || continue
-    pid=${f//[^0-9]/}
+  local f pid roots
+  roots=$(stat -c %d:%i "$IMP_SMOKE_JAIL_BASE"/*/*/root 2>/dev/null || true)
+  for f in /proc/[0-9]*; do
+    pid=${f#/proc/}
+    grep -qF "$work/node-state" "$f/cmdline" 2>/dev/null \
+      || { [[ -n $roots ]] && grep -qxF "$(stat -L -c %d:%i "$f/root" 2>/dev/null)" <<<"$roots"; } || continue
     echo "$pid"
     descendants "$pid"
   done
 }
+# Settled: every jail is a live VM's (imp-chaos-check sees the VM directories; the jails are the
+# jailer's, named by the VM's uid). Prints the others.
+stray_jails() {
+  local live d
+  live=" $(kubectl get impvm -o jsonpath='{.items[*].metadata.uid}') "
+  for d in "$IMP_SMOKE_JAIL_BASE"/*/*/; do
+    [[ -d "$d" ]] || continue
+    d=${d%/}
+    [[ "$live" == *" ${d##*/} "* ]] || echo "$d"
+  done
+}
 descendants() { local p; for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do echo "$p"; descendants "$p"; done; }
 
-chaos_hold_boot="$work/chaos-hold-boot"
-chaos_hold_started="$work/chaos-hold-started"
+# In $work/sim, which imp-smoke.sh binds read-only into each jail: the jailed simulator reads the
+# behaviour file and looks for the hold files there.
+chaos_hold_boot="$work/sim/hold-boot"
+chaos_hold_started="$work/sim/hold-started"
 printf '{"*": {"hold_boot_while": "%s", "hold_started_while": "%s"}}\n' "$chaos_hold_boot" "$chaos_hold_started" \
-  >"$work/sim-behaviour.json"
+  >"$work/sim/behaviour.json"
 # Inherited by the restarts below: the simulator's hold knobs, a short runner-online deadline (5 min
 # in production), and one operator identity, so a restarted operator takes its own Lease back at once
 # like a restarted container of the same pod (a new identity waits out the 15 s Lease).
-export IMP_SIM_BEHAVIOUR="$work/sim-behaviour.json" IMP_RUNNER_ONLINE_DEADLINE=8s IMP_POD_NAME=smoke-operator
+export IMP_SIM_BEHAVIOUR="$work/sim/behaviour.json" IMP_RUNNER_ONLINE_DEADLINE=8s IMP_POD_NAME=smoke-operator
 
 # --- the scenarios ---------------------------------------------------------------------------------
 

@@ -10,7 +10,9 @@
 #       a rootfs built from the images the smoke pushes, one of them carrying the static
 #       imp-fake-runner), and the runner reaches the simulator over the VM's own network (ImpNetwork
 #       bridge, NAT). --guest simulated: the Firecracker simulator, imp-guest and the fake runner as
-#       processes in the node namespace, no kernel boots. auto (default): qemu when
+#       processes in the node namespace, no kernel boots; each VM's simulator runs jailed, through
+#       testkit's jailer double as imp-runtime's --jailer-path (chroot under a short /tmp/impj.*
+#       base, mount and PID namespaces of its own, per-VM cgroups). auto (default): qemu when
 #       qemu-system-x86_64, a /boot/vmlinuz-*-cloud-amd64 with its modules, a static busybox, cpio,
 #       skopeo and vhost-device-vsock are there, else simulated; the first line says which and why
 #       (IMP_REQUIRE_REAL_GUEST=1, set by .ci/run, makes the fallback a failure). First of all,
@@ -18,11 +20,12 @@
 #       Each stage prints PASS or FAIL; then a
 #       per-phase timeline read from the ImpVM's status fields, Events, the simulator's job record and
 #       metrics (JSON report: --report, default target/imp-smoke/report.json). The run ends by checking
-#       that nothing of its own is left (processes, links, nft tables, VM files, ImpVMs, JIT Secrets,
-#       IP allocations, GitHub registrations) and fails if anything is.
+#       that nothing of its own is left (processes, links, nft tables, VM files, jails, files of the
+#       per-VM uids, VM cgroups, ImpVMs, JIT Secrets, IP allocations, GitHub registrations) and fails
+#       if anything is.
 #       --record FILE also writes the run as an asciicast v2 file (asciinema play FILE).
-#       --chaos adds the chaos scenarios of smoke/chaos.sh, on the simulated path (after a real-guest
-#       lifecycle the node switches to the Firecracker simulator): forged, duplicated, lost and
+#       --chaos adds the chaos scenarios of smoke/chaos.sh, on the (jailed) simulated path (after a
+#       real-guest lifecycle the node switches to the Firecracker simulator): forged, duplicated, lost and
 #       reordered webhooks; GitHub 5xx and 429 bursts; kill -9 of imp-agent, imp-runtime and
 #       imp-operator before Sent, between Sent and Started and after Started; imp-runtime down with a
 #       fresh Lease; node loss; two operators; a runner that never comes online. After each, the
@@ -50,7 +53,7 @@ while (($#)); do
     --guest) guest="$2"; passthru+=("$1" "$2"); shift ;;
     --report) report="$2"; passthru+=("$1" "$2"); shift ;;
     --inside) mode=inside; work="$2"; shift ;; # internal: the stages, run inside the smoke's netns
-    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,37p' "$0"; exit 0 ;;
     *) echo "imp-smoke: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -107,7 +110,7 @@ if [[ "$mode" == local ]]; then
   fi
   if [[ $guest == simulated ]]; then
     path=simulated
-    echo "imp-smoke: SIMULATED guest path (--guest simulated): imp-runtime drives the Firecracker simulator, imp-guest and the fake runner run as processes in the node's network namespace, no kernel boots"
+    echo "imp-smoke: SIMULATED guest path (--guest simulated): imp-runtime drives the Firecracker simulator JAILED through testkit's jailer double (--jailer-path: chroot, mount and PID namespaces, per-VM cgroups), imp-guest and the fake runner run as processes in each VM's jail, in the node's network namespace, no kernel boots"
   elif [[ -z "$why_not" ]]; then
     path=qemu
     echo "imp-smoke: REAL guest path: imp-runtime's QEMU backend ($accel) boots $kernel with Imp's initrd; the static imp-fake-runner runs inside the guest and reaches the GitHub simulator over the VM's network (NAT)"
@@ -117,11 +120,12 @@ if [[ "$mode" == local ]]; then
     fail "IMP_REQUIRE_REAL_GUEST=1, but this host cannot run the real-guest path: $why_not"
   else
     path=simulated
-    echo "imp-smoke: SIMULATED guest path, because $why_not: imp-runtime drives the Firecracker simulator, imp-guest and the fake runner run as processes, no kernel boots"
+    echo "imp-smoke: SIMULATED guest path, because $why_not: imp-runtime drives the Firecracker simulator JAILED through testkit's jailer double (--jailer-path), imp-guest and the fake runner run as processes in each VM's jail, no kernel boots"
   fi
   work="$(mktemp -d /tmp/imp-smoke.XXXXXX)"
   ns="imp-smoke-$$" gh_ns="imp-smoke-$$-gh"
   passed=0
+  jail_base="" cg_parent="" cg_hier=() cg_made=()
   # Whatever the stages left in the namespace is killed by pid (all of it is the smoke's own), then the
   # namespace goes, taking any link or nft table with it. Logs stay when anything failed.
   outer_cleanup() {
@@ -129,10 +133,52 @@ if [[ "$mode" == local ]]; then
     for pid in $(ip netns pids "$ns" 2>/dev/null) $(ip netns pids "$gh_ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
     ip netns del "$ns" 2>/dev/null || true
     ip netns del "$gh_ns" 2>/dev/null || true
+    # Jails and VM cgroups go on failure too (their VMs' logs stay in $work/node-state/vms).
+    [[ -z "$jail_base" ]] || rm -rf --one-file-system "$jail_base"
+    ! declare -F remove_cgroups >/dev/null || remove_cgroups 2>/dev/null || echo "imp-smoke: cgroup directories left: $(vm_cgroups) ${cg_made[*]}" >&2
     # A run that failed before writing any log leaves no empty work dir behind.
     if [[ $passed == 1 ]]; then rm -rf "$work"; elif ! rmdir "$work" 2>/dev/null; then echo "imp-smoke: logs kept in $work" >&2; fi
   }
   trap outer_cleanup EXIT
+  # The simulated path's jails (imp-runtime's --jailer-chroot-base-dir): a short base of their own,
+  # because a jailed VM's sockets are <base>/imp-firecracker-sim/<vm uid>/root/vsock.sock_<port> and a
+  # Unix socket path holds at most 107 bytes (under $work/node-state it would be 118). On /tmp, like
+  # the state directory: drives are hard-linked into the jails.
+  jail_base="$(mktemp -d /tmp/impj.XXXXXX)"
+  longest_sock="$jail_base/imp-firecracker-sim/$(printf '%036d' 0)/root/vsock.sock_10001" # a VM uid is 36 bytes
+  ((${#longest_sock} <= 107)) || fail "the jails' socket paths would be ${#longest_sock} bytes under $jail_base (at most 107)"
+  # Per-VM cgroups on the simulated path (imp-runtime's --vm-cgroup-parent, made by the jailer): under
+  # the smoke's own memory cgroup on cgroup v1 (the same path in the cpu and pids hierarchies, as
+  # node/runtime/tests/jailer.rs does), at the root on v2 (a cgroup with processes cannot delegate
+  # controllers). What the run makes is removed at the end; what the VMs leave is a leak.
+  if grep -qw memory /sys/fs/cgroup/cgroup.controllers 2>/dev/null; then
+    cg_parent="imp-smoke-$$" cg_hier=(/sys/fs/cgroup)
+  elif [[ -f /sys/fs/cgroup/memory/cgroup.procs && -f /sys/fs/cgroup/cpu/cgroup.procs && -f /sys/fs/cgroup/pids/cgroup.procs ]]; then
+    own=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3}' /proc/self/cgroup)
+    own=${own#/}
+    cg_parent="${own:+$own/}imp-smoke-$$" cg_hier=(/sys/fs/cgroup/memory /sys/fs/cgroup/cpu /sys/fs/cgroup/pids)
+  elif [[ "${IMP_REQUIRE_CGROUP:-}" == 1 ]]; then
+    fail "IMP_REQUIRE_CGROUP=1, but /sys/fs/cgroup has no memory, cpu and pids controllers for the VMs' cgroups"
+  else
+    echo "imp-smoke: no memory, cpu and pids cgroup controllers under /sys/fs/cgroup: the simulated VMs get no cgroups of their own" >&2
+  fi
+  for h in "${cg_hier[@]}"; do
+    d=$h
+    IFS=/ read -ra parts <<<"$cg_parent"
+    for c in "${parts[@]}"; do d="$d/$c"; [[ -d "$d" ]] || cg_made+=("$d"); done
+  done
+  # VM cgroups left under the parent, in any hierarchy.
+  vm_cgroups() { local h d; for h in "${cg_hier[@]}"; do for d in "$h/$cg_parent"/*/; do [[ -d "$d" ]] && echo "$d"; done; done; }
+  # The cgroup directories the run made, deepest first (a VM's process may still be exiting: 5 s). The
+  # parent (imp-smoke-<pid>) must go; an ancestor made for it may hold another run's cgroups by now.
+  remove_cgroups() {
+    local d i
+    for d in $(vm_cgroups); do for _ in $(seq 1 10); do rmdir "$d" 2>/dev/null && break; sleep 0.5; done; done
+    for ((i = ${#cg_made[@]} - 1; i >= 0; i--)); do
+      d=${cg_made[i]}
+      [[ ! -d "$d" ]] || rmdir "$d" 2>/dev/null || [[ "${d##*/}" != "imp-smoke-$$" ]] || return 1
+    done
+  }
   # Its progress lines go to stderr: the path statement above stays the first line of stdout.
   "$repo/testenv/build.sh" >&2 || fail "testenv build (testenv/build.sh)"
   (cd "$repo" && cargo build -q -p imp-operator -p imp-runtime -p imp-agent -p imp-testkit -p imp-guest -p imp-fake-runner -p kubectl-imp --bins) || fail "cargo build"
@@ -178,7 +224,11 @@ if [[ "$mode" == local ]]; then
   # `ip netns exec`, not `nsenter --net`: it also mounts a sysfs of the namespace, and imp-runtime reads
   # links under /sys/class/net (under nsenter it saw the host's and skipped deleting its TAPs).
   inner=(--inside "$work" --report "$report" --guest "$path"); ((chaos)) && inner+=(--chaos)
-  export IMP_SMOKE_GH_NS="$gh_ns" IMP_SMOKE_ACCEL="$accel" IMP_SMOKE_KERNEL="${kernel:-}"
+  export IMP_SMOKE_GH_NS="$gh_ns" IMP_SMOKE_ACCEL="$accel" IMP_SMOKE_KERNEL="${kernel:-}" \
+    IMP_SMOKE_JAIL_BASE="$jail_base" IMP_SMOKE_CGROUP_PARENT="$cg_parent"
+  # `ip netns exec` mounts a sysfs of the namespace on /sys, without the cgroup hierarchies under it:
+  # the stages mount the host's again there (their mount namespace only), from this list.
+  awk '($3 == "cgroup" || $3 == "cgroup2") && $2 ~ "^/sys/fs/cgroup" {print $3, $2, $4}' /proc/self/mounts >"$work/host-cgroups"
   ip netns exec "$ns" "$self" "${inner[@]}" || code=$?
 
   # The leak check: everything below must be gone after the stages, on success and on failure.
@@ -199,28 +249,40 @@ if [[ "$mode" == local ]]; then
   for f in /proc/[0-9]*/cmdline; do
     grep -qF "$work" "$f" 2>/dev/null && leaks+=("process ${f//[^0-9]/} outside $ns: $(tr '\0' ' ' <"$f")")
   done
-  # VM directories, and Firecracker jails (<state>/jailer/<exec name>/<uid>) when the jailer is on.
-  for d in "$work/node-state/vms" "$work/node-state/tmp" "$work/node-state/jailer"/*; do
+  # VM directories, and the jails (<jail base>/imp-firecracker-sim/<vm uid>): every one gone, then
+  # the base itself.
+  for d in "$work/node-state/vms" "$work/node-state/tmp" "$jail_base"/*; do
     [[ -d "$d" ]] && for f in "$d"/*; do [[ -e "$f" ]] && leaks+=("file $f"); done
   done
   # Anything still owned by a per-VM uid or gid (the confined VMMs' range, IMP_JAIL_UID_BASE/COUNT)
-  # anywhere under the state directory: jails, VM directories, drives, sockets, snapshots.
+  # anywhere under the run's directories (state directory, logs, jails: VM directories, drives,
+  # sockets, snapshots, device nodes), and any process running as one.
   uid_lo=${IMP_JAIL_UID_BASE:-900000}
   uid_hi=$((uid_lo + ${IMP_JAIL_UID_COUNT:-4096}))
   while read -r owned; do [[ -n "$owned" ]] && leaks+=("file of a VM uid: $owned"); done \
-    < <(find "$work/node-state" -xdev \( \( -uid +$((uid_lo - 1)) -uid -"$uid_hi" \) -o \( -gid +$((uid_lo - 1)) -gid -"$uid_hi" \) \) \
+    < <(find "$work" "$jail_base" -xdev \( \( -uid +$((uid_lo - 1)) -uid -"$uid_hi" \) -o \( -gid +$((uid_lo - 1)) -gid -"$uid_hi" \) \) \
       -printf '%U:%G %p\n' 2>/dev/null)
-  # Per-VM cgroups, when the runtime was given a parent (under its cgroup root: the host's tree).
+  while read -r puid pid comm; do
+    ((puid >= uid_lo && puid < uid_hi)) && leaks+=("process $pid ($comm) running as VM uid $puid")
+  done < <(ps -e -o uid=,pid=,comm=)
+  # The jail base goes: the runtime's <base>/<exec file name> directories (which it keeps, as a node
+  # keeps /var/lib/imp/jailer/firecracker) must be empty by now, and what was in them is listed above.
+  for d in "$jail_base"/*; do [[ ! -d "$d" ]] || rmdir "$d" 2>/dev/null || true; done
+  rmdir "$jail_base" 2>/dev/null || leaks+=("jail base $jail_base not empty: $(ls -A "$jail_base" | tr '\n' ' ')")
+  # Per-VM cgroups (the simulated path's parent, or IMP_VM_CGROUP_PARENT given to the real-guest
+  # path's runtime), then the directories the run made.
+  for d in $(vm_cgroups); do leaks+=("cgroup $d"); done
   if [[ -n "${IMP_VM_CGROUP_PARENT:-}" ]]; then
     cg_root=${IMP_VM_CGROUP_ROOT:-/sys/fs/cgroup}
     for d in "$cg_root/$IMP_VM_CGROUP_PARENT" "$cg_root"/{memory,cpu,pids}/"$IMP_VM_CGROUP_PARENT"; do
       [[ -d "$d" ]] && for f in "$d"/*/; do [[ -d "$f" ]] && leaks+=("cgroup $f"); done
     done
   fi
+  ((${#leaks[@]} > 0)) || remove_cgroups || leaks+=("cgroup directories the run made: ${cg_made[*]}")
   for leak in "${leaks[@]}"; do printf 'LEAK  %s\n' "$leak" >&2; done
   ((code == 0)) || exit "$code"
   ((${#leaks[@]} == 0)) || fail "the smoke left ${#leaks[@]} thing(s) of its own behind (listed above)"
-  pass "nothing left: no process, link, nft table, VM file, jail, file of a VM uid or VM cgroup of the smoke (ImpVMs, Secrets, registrations and IP allocations checked above)"
+  pass "nothing left: no process, link, nft table, VM file, jail (base $jail_base removed), file or process of a VM uid, or VM cgroup ($([[ -n $cg_parent ]] && echo "parent $cg_parent removed" || echo none made)) of the smoke (ImpVMs, Secrets, registrations and IP allocations checked above)"
   passed=1
   echo "imp-smoke --local: all stages passed; timeline in $report"
   exit 0
@@ -248,6 +310,26 @@ inner_cleanup() {
   wait 2>/dev/null || true
 }
 trap inner_cleanup EXIT
+# The host's cgroup hierarchies again under this namespace's /sys (see $work/host-cgroups): the memory,
+# cpu and pids ones the VMs' cgroups are made in (same hierarchies, so the leak check outside sees
+# them); this mount namespace only, gone with it.
+if [[ -n "${IMP_SMOKE_CGROUP_PARENT:-}" ]]; then
+  if grep -q '^cgroup2 /sys/fs/cgroup ' "$work/host-cgroups"; then
+    mount -t cgroup2 cgroup2 /sys/fs/cgroup || fail "mounting cgroup2 on /sys/fs/cgroup in the smoke's namespace"
+  else
+    mount -t tmpfs -o mode=0755 imp-smoke-cgroups /sys/fs/cgroup || fail "mounting a tmpfs on /sys/fs/cgroup in the smoke's namespace"
+    for c in memory cpu pids; do
+      mp="" opts=""
+      read -r mp opts < <(awk -v c="$c" '$1 == "cgroup" && ("," $3 ",") ~ ("," c ",") {print $2, $3; exit}' "$work/host-cgroups") || true
+      [[ -n "$mp" ]] || fail "no $c cgroup hierarchy in $work/host-cgroups"
+      if ! mountpoint -q "$mp"; then
+        mkdir -p "$mp"
+        mount -t cgroup -o "$opts" cgroup "$mp" || fail "mounting the $c cgroup hierarchy on $mp"
+      fi
+      [[ -e "/sys/fs/cgroup/$c" ]] || ln -s "$(basename "$mp")" "/sys/fs/cgroup/$c"
+    done
+  fi
+fi
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 # IMP_SMOKE_TARGETS_DIR (helm/monitoring-test.py): each process's metrics endpoint is written there as a
 # Prometheus file_sd target before it starts, and the processes stay up until a file `release` appears.
@@ -348,14 +430,30 @@ pass "node smoke-node Ready with a fresh agent Lease"
 # command is the runner image's wrapper inside the guest; on the simulated path the Firecracker
 # simulator runs imp-guest as a process here, so the runner command is a host binary.
 : >"$work/vmlinux"
+# The simulated path's Firecracker runs through testkit's jailer double, as production's runs through
+# its jailer (--jailer-path): the jailer's command line and steps (chroot by pivot_root under
+# $IMP_SMOKE_JAIL_BASE, mount and PID namespaces, the VM's cgroups, cleared environment, device nodes
+# owned by the VM's uid). Its deviations for the simulator (testkit/src/bin/jailer-double.rs), as the
+# real-node test uses them: the host's libraries, imp-guest, the fake runner and $work/sim (the chaos
+# knobs' behaviour file and hold files) bound read-only into each jail; IMP_GUEST_BIN and
+# IMP_SIM_BEHAVIOUR kept; and the simulator left root in its jail (KEEP_ROOT), because the simulated
+# guest switches to the runner's user (uid 1001) as a real guest, root in its VM, does.
+mkdir -p "$work/sim" "$work/node-state"
+# imp-chaos-check looks for jails (files and jailed processes) at the runtime's default base,
+# <state>/jailer: a link to this run's.
+ln -s "$IMP_SMOKE_JAIL_BASE" "$work/node-state/jailer"
+jail_binds=$(for b in /usr /bin /sbin /lib /lib64; do [[ -e $b ]] && printf '%s,' "$b"; done)"$bin/imp-guest,$bin/imp-fake-runner,$work/sim"
 backend_env() {
   if [[ $guest == qemu ]]; then
     echo IMP_VMM_BACKEND=qemu IMP_QEMU_BIN="$(command -v qemu-system-x86_64)" IMP_VHOST_VSOCK_BIN="$(command -v vhost-device-vsock)" \
       IMP_QEMU_ACCEL="$IMP_SMOKE_ACCEL" IMP_KERNEL="$IMP_SMOKE_KERNEL" IMP_INITRD="$work/initrd.gz" \
       IMP_GUEST_BIN="$static_dir/imp-guest" IMP_BOOT_TIMEOUT=240s
   else
-    # The simulator without the jailer (the jailed path: node/runtime/tests/jailer.rs and the real-node test).
-    echo IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_UNJAILED_FIRECRACKER=1 IMP_KERNEL="$work/vmlinux" IMP_GUEST_BIN="$bin/imp-guest"
+    # The simulator through the jailer double (above), each VM in cgroups of its own.
+    echo IMP_FIRECRACKER_BIN="$bin/imp-firecracker-sim" IMP_KERNEL="$work/vmlinux" IMP_GUEST_BIN="$bin/imp-guest" \
+      IMP_JAILER_PATH="$bin/jailer-double" IMP_JAILER_CHROOT_BASE_DIR="$IMP_SMOKE_JAIL_BASE" \
+      IMP_JAILER_DOUBLE_BIND="$jail_binds" IMP_JAILER_DOUBLE_KEEP_ENV=IMP_GUEST_BIN,IMP_SIM_BEHAVIOUR IMP_JAILER_DOUBLE_KEEP_ROOT=1 \
+      ${IMP_SMOKE_CGROUP_PARENT:+IMP_VM_CGROUP_PARENT="$IMP_SMOKE_CGROUP_PARENT"}
   fi
 }
 runner_command() { if [[ $guest == qemu ]]; then echo /usr/local/bin/imp-runner; else echo "$bin/imp-fake-runner"; fi; }
@@ -369,6 +467,9 @@ start_runtime() {
     IMP_INSECURE_REGISTRIES="127.0.0.1:$reg_port" IMP_NODE_LOCAL_REGISTRIES="127.0.0.1:$reg_port" "$bin/imp-runtime" >>"$work/runtime.log" 2>&1 &
   pids+=($!); runtime_pid=$!
   wait_for 20 curl -sf --unix-socket "$runtime_sock" http://imp/healthz || fail "imp-runtime not healthy: $(tail -3 "$work/runtime.log")"
+  if [[ $guest == simulated ]]; then
+    grep -q "Firecracker runs through its jailer" "$work/runtime.log" || fail "imp-runtime did not say Firecracker runs through its jailer: $(tail -3 "$work/runtime.log")"
+  fi
 }
 start_agent() {
   IMP_NODE_NAME=smoke-node IMP_NAMESPACE=default IMP_RUNTIME_SOCKET="$runtime_sock" IMP_HEARTBEAT_INTERVAL=2s \
@@ -391,7 +492,7 @@ start_agent
 if [[ $guest == qemu ]]; then
   pass "imp-runtime (QEMU backend, $IMP_SMOKE_ACCEL, $IMP_SMOKE_KERNEL) and imp-agent started for smoke-node"
 else
-  pass "imp-runtime (Firecracker simulator) and imp-agent started for smoke-node"
+  pass "imp-runtime (Firecracker simulator through the jailer double, jails under $IMP_SMOKE_JAIL_BASE, VM cgroups under ${IMP_SMOKE_CGROUP_PARENT:-none}) and imp-agent started for smoke-node"
 fi
 
 # The manifest's network moves to TEST-NET-1 (the smoke's namespace routes nothing else).
@@ -421,6 +522,27 @@ jitconfig=$(kubectl get secret "$secret" -o jsonpath='{.data.jitconfig}' | base6
 curl -sf "$sim/_admin/runners" | jq -e 'length > 0' >/dev/null || fail "no runner registered at the GitHub simulator"
 pass "runner VM $vm with JIT Secret $secret (owned by the VM; runner registered at GitHub)"
 
+# What the jailer did to VM $1's simulator, from /proc (the details: node/runtime/tests/jailer.rs):
+# its root is the VM's jail (pivot_root; compared by inode), with neither the host's /etc/shadow
+# nor the state directory in it; a PID namespace of its own (pid 1 there) and a mount namespace
+# of its own; the VM's memory cgroup. Sets $confined to what it saw.
+confined_vmm() {
+  local uid=$1 pid jail nspid cg
+  pid=$(curl -sf --unix-socket "$runtime_sock" "http://imp/v1/vms/$uid" | jq -r '.pid // empty')
+  jail="$IMP_SMOKE_JAIL_BASE/imp-firecracker-sim/$uid/root"
+  [[ -n "$pid" && -d "$jail" ]] || { echo "no VMM pid or no jail $jail" >&2; return 1; }
+  [[ "$(stat -L -c %d:%i "/proc/$pid/root")" == "$(stat -c %d:%i "$jail")" ]] || { echo "pid $pid: root is not $jail" >&2; return 1; }
+  [[ ! -e "/proc/$pid/root/etc/shadow" && ! -e "/proc/$pid/root$work/node-state" ]] || { echo "pid $pid sees the host's files" >&2; return 1; }
+  nspid=$(awk '/^NSpid:/ {print NF - 1, $NF}' "/proc/$pid/status")
+  [[ "$nspid" == "2 1" ]] || { echo "pid $pid: not pid 1 of a PID namespace of its own (NSpid: $nspid)" >&2; return 1; }
+  [[ "$(readlink "/proc/$pid/ns/mnt")" != "$(readlink /proc/self/ns/mnt)" ]] || { echo "pid $pid: the runtime's mount namespace" >&2; return 1; }
+  confined="pid $pid, root $jail, PID and mount namespaces of its own"
+  if [[ -n "${IMP_SMOKE_CGROUP_PARENT:-}" ]]; then
+    cg=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {m = $3} $2 == "" {u = $3} END {print (m != "" ? m : u)}' "/proc/$pid/cgroup")
+    [[ "$cg" == "/$IMP_SMOKE_CGROUP_PARENT/$uid" ]] || { echo "pid $pid: memory cgroup $cg, not /$IMP_SMOKE_CGROUP_PARENT/$uid" >&2; return 1; }
+    confined+=", memory cgroup $cg"
+  fi
+}
 # From here the ImpVM's recorded versions are the evidence: the pool deletes a finished VM within moments.
 seen() { timeline field "$work/impvms.jsonl" "$@"; }
 vm_state() { kubectl get impvm "$vm" -o jsonpath='{.status.phase}/{.status.reason}: {.status.message}' 2>/dev/null; }
@@ -431,6 +553,8 @@ if [[ $guest == qemu ]]; then
   pass "runner VM $vm booted a real kernel under QEMU (rootfs built from the registry images): guest Hello at $(seen "$vm" status.bootCompleteTime)"
 else
   pass "runner VM $vm booted (rootfs built from the registry images): guest Hello at $(seen "$vm" status.bootCompleteTime)"
+  confined_vmm "$vm_uid" || fail "runner VM $vm: its VMM is not confined as the jailer confines it"
+  pass "runner VM $vm's VMM jailed: $confined"
 fi
 wait_for $((30 * slow)) seen "$vm" status.runner.handoff Started || fail "runner VM $vm: no handoff Started ($(vm_state)): $(tail -3 "$work/agent.log")"
 pass "runner VM $vm handed its JIT config: handoff Started (runner id $(seen "$vm" status.runner.runnerId))"
@@ -469,6 +593,13 @@ mkdir -p "$(dirname "$report")"
 "$bin/kubectl-imp" timeline "$vm" --out "$report" --path "$guest" --replacement "$(replacement)" --job "$job" \
   --impvms "$work/impvms.jsonl" --events "$work/events.jsonl" --jobs "$work/jobs.json" \
   --accepted-at "$accepted_at" --runtime-metrics "$work/runtime.metrics" || fail "the timeline misses phases (above)"
+# How the VMM was confined, for a reader of the report.
+if [[ $guest == simulated ]]; then
+  confinement="Firecracker simulator through testkit's jailer double (imp-runtime --jailer-path): $confined"
+else
+  confinement="QEMU confined by imp-runtime (docs/security.md)"
+fi
+jq --arg c "$confinement" '. + {confinement: $c}' "$report" >"$report.tmp" && mv "$report.tmp" "$report"
 pass "timeline of every phase (above; JSON in $report)"
 
 jobs_queued=("$job")
@@ -484,8 +615,8 @@ invariants() {
 }
 if [[ $chaos == 1 && $guest == qemu ]]; then
   # The chaos scenarios (dozens of VMs, kill -9 at handoff phases) run on the simulated path: the
-  # pool scales to zero, the node's two processes restart on the Firecracker simulator (same state
-  # dir), and the pool scales back to one idle runner.
+  # pool scales to zero, the node's two processes restart on the Firecracker simulator through the
+  # jailer double (same state dir), and the pool scales back to one idle runner.
   t_switch=$SECONDS
   kubectl patch imprp imp --type=merge -p '{"spec":{"scaling":{"minIdle":0}}}' >/dev/null
   kubectl delete impvm -l imp.dev/runner-pool=imp --wait=false >/dev/null
@@ -507,7 +638,7 @@ if [[ $chaos == 1 && $guest == qemu ]]; then
     curl -sf "$sim/_admin/runners" | jq -e --argjson live "$live" '(map(.name) - $live) | length == 0'
   }
   wait_for 90 registered_live || fail "switching to the simulated path: registrations of deleted VMs left: $(curl -sf "$sim/_admin/runners" | jq -c 'map(.name)')"
-  pass "node switched to the Firecracker simulator for the chaos scenarios (pool drained, runtime and agent restarted, runner idle again: $((SECONDS - t_switch)) s)"
+  pass "node switched to the Firecracker simulator, jailed through the jailer double (jails under $IMP_SMOKE_JAIL_BASE), for the chaos scenarios (pool drained, runtime and agent restarted, runner idle again: $((SECONDS - t_switch)) s)"
 fi
 # The chaos scenarios (smoke/chaos.sh), each followed by the settled-state invariants.
 if [[ $chaos == 1 ]]; then

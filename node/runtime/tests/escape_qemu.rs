@@ -2,9 +2,10 @@
 //! VMM could reach. Two confined VMs run through imp-runtime's socket API; a drill process is put
 //! into exactly VM A's vhost-device-vsock state: its mount and network namespaces (setns), its
 //! uid/gid, no capability, no_new_privs and the same seccomp filter, through the runtime's own
-//! code (`jail::Credentials`). It then tries to read VM B's writable drive, the runtime's
-//! inventory and node key, /etc/shadow, to find the runtime's socket, and to connect to a TCP
-//! listener on the node's loopback. Every attempt must fail; the same attempts from an
+//! code (`jail::Credentials`). It then tries to read VM B's writable drive and (VM B suspended)
+//! its snapshot, the runtime's inventory and node key, /etc/shadow, a token in a stand-in of the
+//! kubelet's directory, another process's root through /proc (the way to the agent's token), to
+//! find the runtime's socket, and to connect to a TCP listener on the node's loopback. Every attempt must fail; the same attempts from an
 //! unconfined process (the control) must succeed, so the drill can fail.
 //!
 //! Runs when the QEMU path can (imp_testkit::qemu) and as root: otherwise it says what it
@@ -88,6 +89,34 @@ async fn a_process_with_a_vmms_confinement_reaches_nothing_of_the_node() {
     let inventory = p(&h.state_dir.join("inventory.db"));
     let node_key = p(&h.state_dir.join("rootfs/credentials.key"));
     let socket = p(&h.socket);
+    // VM B suspended: its snapshot (the whole guest memory) lies in its directory.
+    h.client
+        .suspend("esc-b")
+        .await
+        .unwrap_or_else(|e| panic!("suspend esc-b: {e}\n{}", h.runtime_log()));
+    let b_snapshot = p(&h.vms_dir().join("esc-b/suspend.mem"));
+    assert!(
+        Path::new(&b_snapshot).exists(),
+        "VM B's snapshot was written"
+    );
+    // A stand-in of a kubelet's directory holding a pod's ServiceAccount token (root's, 0600), laid
+    // out as the kubelet lays it out; the node's real one is outside what a test may touch.
+    let kubelet = tempfile::tempdir().unwrap();
+    let token_dir = kubelet
+        .path()
+        .join("pods/agent/volumes/kubernetes.io~projected/kube-api-access/");
+    std::fs::create_dir_all(&token_dir).unwrap();
+    let token = token_dir.join("token");
+    std::fs::write(&token, "stand-in token").unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let token = p(&token);
+    // A stand-in of the agent: a process of the node's, whose root leads to its token.
+    let mut agent = Command::new("sh")
+        .args(["-c", "read _"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let agent_root = format!("/proc/{}/root/etc", agent.id());
     let drills: Vec<(&str, Vec<&str>)> = vec![
         (
             "read another VM's writable drive",
@@ -102,6 +131,20 @@ async fn a_process_with_a_vmms_confinement_reaches_nothing_of_the_node() {
             vec!["/usr/bin/cat", &node_key],
         ),
         ("read /etc/shadow", vec!["/usr/bin/cat", "/etc/shadow"]),
+        (
+            "read another VM's snapshot",
+            vec!["/usr/bin/cat", &b_snapshot],
+        ),
+        (
+            "read a token in the kubelet's directory",
+            vec!["/usr/bin/cat", &token],
+        ),
+        // The way to the agent's ServiceAccount token from the host's PID namespace is
+        // /proc/<agent pid>/root: a confined VMM has no /proc of the node's processes.
+        (
+            "reach another process's root through /proc",
+            vec!["/usr/bin/stat", &agent_root],
+        ),
         ("find the runtime's socket", vec!["/usr/bin/stat", &socket]),
         (
             "connect to the node's loopback",
@@ -128,6 +171,8 @@ async fn a_process_with_a_vmms_confinement_reaches_nothing_of_the_node() {
         "escape drill: {} attempts refused, all open to the control",
         drills.len()
     );
+    agent.kill().unwrap();
+    agent.wait().unwrap();
 
     for uid in ["esc-a", "esc-b"] {
         h.client.delete(uid).await.unwrap();
