@@ -442,7 +442,10 @@ mkdir -p "$work/sim" "$work/node-state"
 # imp-chaos-check looks for jails (files and jailed processes) at the runtime's default base,
 # <state>/jailer: a link to this run's.
 ln -s "$IMP_SMOKE_JAIL_BASE" "$work/node-state/jailer"
-jail_binds=$(for b in /usr /bin /sbin /lib /lib64; do [[ -e $b ]] && printf '%s,' "$b"; done)"$bin/imp-guest,$bin/imp-fake-runner,$work/sim"
+# /proc/meminfo and /proc/uptime alone (read-only file binds, not /proc, whose /proc/<pid>/root would
+# lead out of the jail): the simulated guest's agent reports its memory and uptime from them, which the
+# dashboard's guest panels show (helm/monitoring-test.py).
+jail_binds=$(for b in /usr /bin /sbin /lib /lib64; do [[ -e $b ]] && printf '%s,' "$b"; done)"$bin/imp-guest,$bin/imp-fake-runner,$work/sim,/proc/meminfo,/proc/uptime"
 backend_env() {
   if [[ $guest == qemu ]]; then
     echo IMP_VMM_BACKEND=qemu IMP_QEMU_BIN="$(command -v qemu-system-x86_64)" IMP_VHOST_VSOCK_BIN="$(command -v vhost-device-vsock)" \
