@@ -55,13 +55,6 @@ async fn apply(
     net: &NetConfig,
     wait: Duration,
 ) -> Result<(), NetError> {
-    let err = |step| {
-        move |source| NetError::Netlink {
-            step,
-            interface: interface.to_owned(),
-            source,
-        }
-    };
     let index = wait_for_link(handle, interface, wait).await?;
     disable_ipv6(interface)?;
     let mut link = LinkUnspec::new_with_index(index).up();
@@ -73,14 +66,14 @@ async fn apply(
         .set(link.build())
         .execute()
         .await
-        .map_err(err("set MTU and link up"))?;
+        .map_err(netlink("set MTU and link up", interface))?;
     handle
         .address()
         .add(index, IpAddr::V4(net.address), net.prefix)
         .replace()
         .execute()
         .await
-        .map_err(err("add address"))?;
+        .map_err(netlink("add address", interface))?;
     let route = RouteMessageBuilder::<Ipv4Addr>::new()
         .destination_prefix(Ipv4Addr::UNSPECIFIED, 0)
         .output_interface(index)
@@ -92,7 +85,19 @@ async fn apply(
         .replace()
         .execute()
         .await
-        .map_err(err("add default route"))
+        .map_err(netlink("add default route", interface))
+}
+
+/// A netlink step's error on `interface`, for `map_err`.
+fn netlink<'a>(
+    step: &'static str,
+    interface: &'a str,
+) -> impl FnOnce(rtnetlink::Error) -> NetError + 'a {
+    move |source| NetError::Netlink {
+        step,
+        interface: interface.to_owned(),
+        source,
+    }
 }
 
 /// What [`reconfigure`] left on the interface, read back after applying.
@@ -132,26 +137,19 @@ async fn reconfigure_with(
     net: &NetConfig,
     wait: Duration,
 ) -> Result<Reconfigured, NetError> {
-    let err = |step| {
-        move |source| NetError::Netlink {
-            step,
-            interface: interface.to_owned(),
-            source,
-        }
-    };
     let index = wait_for_link(handle, interface, wait).await?;
     // Taking the link down drops the learnt entries by itself; count them first, and remove
     // whatever is left afterwards (a driver might keep them).
     let learnt = learnt_neighbours(handle, index)
         .await
-        .map_err(err("list neighbours"))?
+        .map_err(netlink("list neighbours", interface))?
         .len() as u32;
     handle
         .link()
         .set(LinkUnspec::new_with_index(index).down().build())
         .execute()
         .await
-        .map_err(err("set link down"))?;
+        .map_err(netlink("set link down", interface))?;
     handle
         .link()
         .set(
@@ -161,13 +159,13 @@ async fn reconfigure_with(
         )
         .execute()
         .await
-        .map_err(err("set MAC"))?;
+        .map_err(netlink("set MAC", interface))?;
     // Old addresses go first: removing a subnet's primary address removes its secondaries,
     // and a new address in the old one's subnet would be one.
     let wanted = (net.address, net.prefix);
     for (msg, addr) in ipv4_addresses(handle, index)
         .await
-        .map_err(err("list addresses"))?
+        .map_err(netlink("list addresses", interface))?
     {
         if addr != wanted {
             handle
@@ -175,19 +173,19 @@ async fn reconfigure_with(
                 .del(msg)
                 .execute()
                 .await
-                .map_err(err("remove an old address"))?;
+                .map_err(netlink("remove an old address", interface))?;
         }
     }
     apply(handle, interface, net, wait).await?;
     let left = learnt_neighbours(handle, index)
         .await
-        .map_err(err("list neighbours"))?;
+        .map_err(netlink("list neighbours", interface))?;
     for n in left {
         match handle.neighbours().del(n).execute().await {
             // Gone by itself (garbage-collected) between the dump and the delete.
             Ok(()) => {}
             Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENOENT => {}
-            Err(e) => return Err(err("flush neighbours")(e)),
+            Err(e) => return Err(netlink("flush neighbours", interface)(e)),
         }
     }
     let link = handle
@@ -197,7 +195,7 @@ async fn reconfigure_with(
         .execute()
         .try_next()
         .await
-        .map_err(err("read back the link"))?;
+        .map_err(netlink("read back the link", interface))?;
     let mac = link
         .and_then(|l| {
             l.attributes.into_iter().find_map(|a| match a {
@@ -208,7 +206,7 @@ async fn reconfigure_with(
         .unwrap_or_default();
     let addresses = ipv4_addresses(handle, index)
         .await
-        .map_err(err("read back addresses"))?
+        .map_err(netlink("read back addresses", interface))?
         .into_iter()
         .map(|(_, a)| a)
         .collect();
