@@ -7,6 +7,7 @@ pub mod chaos;
 pub mod cluster;
 pub mod controlplane;
 pub mod ext4;
+pub mod fake_node;
 pub mod faultproxy;
 pub mod firecracker;
 pub mod fixtures;

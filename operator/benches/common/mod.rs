@@ -23,8 +23,7 @@ use futures::TryStreamExt;
 use imp_api::{
     HandoffState, ImpVM, ImpVMClass, ImpVMStatus, RunnerStatus, ServedJobStatus, VmPhase,
     names::{
-        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, LABEL_NODE_ENABLED, SECRET_KEY_JITCONFIG,
-        condition, lease_name, reason,
+        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, SECRET_KEY_JITCONFIG, condition, reason,
     },
 };
 use imp_operator::{
@@ -39,7 +38,7 @@ use imp_testkit::{
     TestEnv,
     cluster::with_fresh_client,
     controlplane::config_from_kubeconfig,
-    fixtures,
+    fake_node, fixtures,
     github::{
         GithubSim, KeyFormat, SimConfig,
         runner_protocol::{FakeRunnerOptions, run_fake_runner},
@@ -47,10 +46,10 @@ use imp_testkit::{
 };
 use k8s_openapi::{
     api::{
-        coordination::v1::{Lease, LeaseSpec},
+        coordination::v1::Lease,
         core::v1::{Node, Secret},
     },
-    apimachinery::pkg::apis::meta::v1::{MicroTime, Time},
+    apimachinery::pkg::apis::meta::v1::Time,
     jiff::Timestamp,
 };
 use kube::{
@@ -160,68 +159,11 @@ impl Bench {
         let mut node_names = Vec::new();
         for i in 0..NODES {
             let name = format!("{ns}-n{i}");
-            let node: Node = serde_json::from_value(json!({
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "labels": {LABEL_NODE_ENABLED: "true", NODE_LABEL: ns}},
-            }))?;
-            nodes.create(&PostParams::default(), &node).await?;
-            node_names.push(name.clone());
-            nodes
-                .patch(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"taints": []}})),
-                )
-                .await?;
-            let now = Timestamp::now().to_string();
-            let cond = |t: &str, s: &str| {
-                json!({"type": t, "status": s, "reason": "Bench", "message": "bench",
-                "lastHeartbeatTime": now, "lastTransitionTime": now})
-            };
-            nodes
-                .patch_status(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"status": {
-                        "allocatable": {"cpu": "64", "memory": "256Gi"},
-                        "capacity": {"cpu": "64", "memory": "256Gi"},
-                        "conditions": [cond("Ready", "True"), cond("MemoryPressure", "False"),
-                                       cond("DiskPressure", "False"), cond("PIDPressure", "False")],
-                    }})),
-                )
-                .await?;
-            let lease = Lease {
-                metadata: kube::api::ObjectMeta {
-                    name: Some(lease_name(&name)),
-                    ..Default::default()
-                },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some(name.clone()),
-                    lease_duration_seconds: Some(40),
-                    renew_time: Some(MicroTime(Timestamp::now())),
-                    ..Default::default()
-                }),
-            };
-            leases.create(&PostParams::default(), &lease).await?;
+            fake_node::ready_node(&nodes, &name, (NODE_LABEL, &ns)).await?;
+            fake_node::heartbeat_lease(&leases, &name).await?;
+            node_names.push(name);
         }
-        let heartbeat = {
-            let names = node_names.clone();
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(5)).await;
-                    for n in &names {
-                        let patch = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
-                        let _ = leases
-                            .patch(
-                                &lease_name(n),
-                                &PatchParams::default(),
-                                &Patch::Merge(&patch),
-                            )
-                            .await;
-                    }
-                }
-            })
-        };
+        let heartbeat = tokio::spawn(fake_node::renew_leases(leases, node_names.clone()));
         let class = format!("{ns}-runner");
         let c = fixtures::class(&class).vcpu(1).memory_mib(2048).build();
         Api::<ImpVMClass>::all(client.clone())

@@ -291,69 +291,24 @@ impl PoolHarness {
     }
 
     async fn add_nodes_with(&mut self, n: usize, heartbeat: bool) -> String {
-        use imp_api::{
-            ImpVMClass,
-            names::{LABEL_NODE_ENABLED, lease_name},
-        };
-        use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+        use imp_api::ImpVMClass;
+        use imp_testkit::fake_node::{heartbeat_lease, ready_node, renew_leases};
+        use k8s_openapi::api::coordination::v1::Lease;
         use k8s_openapi::api::core::v1::Node;
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
         let nodes: Api<Node> = Api::all(self.client.clone());
         let leases: Api<Lease> = self.env.api();
         let mut names = Vec::new();
         for i in 0..n {
             let name = format!("{}-n{i}", self.ns);
-            let node: Node = serde_json::from_value(json!({
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "labels": {LABEL_NODE_ENABLED: "true", NODE_LABEL: self.ns}},
-            }))
-            .unwrap();
-            nodes.create(&PostParams::default(), &node).await.unwrap();
+            // Recorded first: the harness deletes its nodes however far this got.
             self.nodes.push(name.clone());
-            // The API server taints new nodes not-ready; nothing here lifts it but the test.
-            nodes
-                .patch(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"taints": []}})),
-                )
+            ready_node(&nodes, &name, (NODE_LABEL, &self.ns))
                 .await
                 .unwrap();
-            let now = Timestamp::now().to_string();
-            let cond = |t: &str, s: &str| {
-                json!({"type": t, "status": s, "reason": "Test", "message": "test",
-                "lastHeartbeatTime": now, "lastTransitionTime": now})
-            };
-            nodes
-                .patch_status(
-                    &name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"status": {
-                        "allocatable": {"cpu": "64", "memory": "256Gi"},
-                        "capacity": {"cpu": "64", "memory": "256Gi"},
-                        "conditions": [cond("Ready", "True"), cond("MemoryPressure", "False"),
-                                       cond("DiskPressure", "False"), cond("PIDPressure", "False")],
-                    }})),
-                )
-                .await
-                .unwrap();
-            names.push(name.clone());
-            if !heartbeat {
-                continue;
+            if heartbeat {
+                heartbeat_lease(&leases, &name).await.unwrap();
             }
-            let lease = Lease {
-                metadata: kube::api::ObjectMeta {
-                    name: Some(lease_name(&name)),
-                    ..Default::default()
-                },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some(name.clone()),
-                    lease_duration_seconds: Some(40),
-                    renew_time: Some(MicroTime(Timestamp::now())),
-                    ..Default::default()
-                }),
-            };
-            leases.create(&PostParams::default(), &lease).await.unwrap();
+            names.push(name);
         }
         if heartbeat {
             self.tasks.push(tokio::spawn(renew_leases(leases, names)));
@@ -597,24 +552,6 @@ impl PoolHarness {
             }
         });
         self.tasks.push(task);
-    }
-}
-
-/// Renews the heartbeat Leases of `names` every 5 s, as their agents would.
-async fn renew_leases(leases: Api<k8s_openapi::api::coordination::v1::Lease>, names: Vec<String>) {
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
-    loop {
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        for n in &names {
-            let patch = json!({"spec": {"renewTime": MicroTime(Timestamp::now())}});
-            let _ = leases
-                .patch(
-                    &imp_api::names::lease_name(n),
-                    &PatchParams::default(),
-                    &Patch::Merge(&patch),
-                )
-                .await;
-        }
     }
 }
 
