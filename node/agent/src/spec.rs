@@ -131,6 +131,7 @@ pub fn vm_spec(
             guest_mac: None,
             attachment: Some(a),
         }),
+        from_template: false,
     })
 }
 

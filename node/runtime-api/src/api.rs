@@ -54,6 +54,15 @@ pub struct VmSpec {
     /// A TAP-backed virtio-net interface.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<NetworkSpec>,
+    /// Start from this node's template for the spec when one is ready: a clone restored from
+    /// the template's memory snapshot into a fresh VMM with its own writable drive, TAP and
+    /// vsock path, reported Running only after the guest took an identity of its own
+    /// (`Reidentify`: entropy, MAC, address, hostname, machine-id, clock; docs/snapshots.md).
+    /// Without a ready template that matches, the VM boots cold and `VmStatus.start.fallback`
+    /// says why. Not part of a spec conflict: the same VM asked for with and without it is
+    /// the same VM.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub from_template: bool,
 }
 
 /// The VM's `eth0`: a TAP, and (with `attachment`) its place on an ImpNetwork's bridge.
@@ -192,6 +201,82 @@ pub struct VmStatus {
     pub tap: Option<String>,
     pub boot_seconds: Option<f64>,
     pub failure: Option<Failure>,
+    /// How the VM was started (absent from runtimes that predate templates, and while
+    /// Creating).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartReport>,
+}
+
+/// How a VM was started: booted, or cloned from a template (docs/snapshots.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartReport {
+    pub from: StartKind,
+    /// The template's key, for a clone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Asked `from_template` but booted: why (`TemplateMissing`, `TemplateBuilding`,
+    /// `TemplateStale`, `TemplateVmmMismatch`, `TemplateFailed`, `RestoreFailed`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<Failure>,
+    /// A clone: from the fresh VMM's start to the restored guest agent's Hello.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_seconds: Option<f64>,
+    /// A clone: the `Reidentify` round trip, its evidence checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reidentify_seconds: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StartKind {
+    /// A cold boot of kernel and initrd.
+    Boot,
+    /// Restored from a template's memory snapshot, then reidentified.
+    Clone,
+}
+
+/// Body of `POST /v1/templates`: keep a template for VMs of `spec` on this node (idempotent;
+/// answered at once, the build runs in the background). Its network part only says that the
+/// template has a NIC; no address, MAC or hostname goes into a template.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateRequest {
+    pub spec: VmSpec,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TemplateState {
+    /// A VM is being booted, warmed and snapshotted for it.
+    Building,
+    /// Its snapshot is complete: clones restore from it.
+    Ready,
+    /// The last build failed (`failure`); retried by the next request after a backoff.
+    Failed,
+}
+
+/// One template (`GET /v1/templates`, answer of `POST /v1/templates`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateStatus {
+    /// Content key: a digest of everything that changes the guest (docs/snapshots.md).
+    pub key: String,
+    pub state: TemplateState,
+    /// Allocated bytes of its files (memory snapshot, writable drive at snapshot time).
+    pub bytes: u64,
+    /// The VMM and its version the snapshot was taken with (a restore needs the same).
+    pub vmm: String,
+    /// From the build's start to its snapshot complete.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build_seconds: Option<f64>,
+    /// Clones restored from it so far.
+    #[serde(default)]
+    pub clones: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<Failure>,
+}
+
+/// Body of `GET /v1/templates`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateList {
+    pub templates: Vec<TemplateStatus>,
 }
 
 /// Body of `GET /v1/vms`.

@@ -10,7 +10,8 @@ use serde::de::DeserializeOwned;
 
 use crate::api::{
     Capacity, ErrorBody, LinkStats, PrebuildRequest, PrebuildStatus, ResumeInfo, SnapshotInfo,
-    SuspendInfo, VmList, VmSpec, VmStatus, VsockInfo,
+    SuspendInfo, TemplateList, TemplateRequest, TemplateStatus, VmList, VmSpec, VmStatus,
+    VsockInfo,
 };
 use crate::image::ImageSpec;
 
@@ -137,9 +138,12 @@ impl RuntimeClient {
     }
 
     pub async fn delete(&self, uid: &str) -> Result<(), ClientError> {
-        let (status, bytes) = self
-            .request(Method::DELETE, &format!("/v1/vms/{uid}"), None)
-            .await?;
+        self.delete_path(&format!("/v1/vms/{uid}")).await
+    }
+
+    /// A DELETE answered 204, else the runtime's error.
+    async fn delete_path(&self, path: &str) -> Result<(), ClientError> {
+        let (status, bytes) = self.request(Method::DELETE, path, None).await?;
         if status == StatusCode::NO_CONTENT {
             return Ok(());
         }
@@ -209,5 +213,30 @@ impl RuntimeClient {
             .json(Method::POST, &format!("/v1/vms/{uid}/resume"), None)
             .await?
             .1)
+    }
+
+    /// `POST /v1/templates`: keep a template for VMs of `spec` (answered at once: Building,
+    /// Ready or Failed).
+    pub async fn ensure_template(&self, spec: &VmSpec) -> Result<TemplateStatus, ClientError> {
+        let body = serde_json::to_vec(&TemplateRequest { spec: spec.clone() })
+            .expect("request serialises");
+        Ok(self
+            .json(Method::POST, "/v1/templates", Some(body))
+            .await?
+            .1)
+    }
+
+    /// `GET /v1/templates`.
+    pub async fn templates(&self) -> Result<Vec<TemplateStatus>, ClientError> {
+        Ok(self
+            .json::<TemplateList>(Method::GET, "/v1/templates", None)
+            .await?
+            .1
+            .templates)
+    }
+
+    /// `DELETE /v1/templates/{key}`: its files go once no clone restore is reading them.
+    pub async fn delete_template(&self, key: &str) -> Result<(), ClientError> {
+        self.delete_path(&format!("/v1/templates/{key}")).await
     }
 }

@@ -101,6 +101,7 @@ async fn main() {
         initrd: None,
         extra_boot_args: Some("imp.report_grace_s=60".into()),
         network: None,
+        from_template: false,
     };
     let put = |h: &Harness, uid: String| {
         let client = h.client.clone();

@@ -89,6 +89,7 @@ impl From<&VmRecord> for VmStatus {
                 reason: reason.clone(),
                 message: r.failure_message.clone().unwrap_or_default(),
             }),
+            start: None,
         }
     }
 }

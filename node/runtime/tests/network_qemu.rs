@@ -380,6 +380,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
             guest_mac: None,
             attachment: Some(attachment(&net_id, address)),
         }),
+        from_template: false,
     };
     let vms = [("neta", "198.51.100.10"), ("netb", "198.51.100.11")];
     let mut put_seconds = Vec::new();

@@ -126,6 +126,7 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
             guest_mac: None,
             attachment: None,
         }),
+        from_template: false,
     };
     let (code, st) = h
         .client

@@ -98,6 +98,7 @@ async fn qemu_suspend_resume_keeps_the_guest() {
             guest_mac: None,
             attachment: None,
         }),
+        from_template: false,
     };
     let uid = "qsus";
     let (_, st) = h

@@ -115,6 +115,7 @@ mod tests {
             initrd: None,
             extra_boot_args: None,
             network: None,
+            from_template: false,
         }
     }
 

@@ -59,6 +59,7 @@ pub async fn guests(tag: &str, network: bool) -> Option<Guests> {
             guest_mac: None,
             attachment: None,
         }),
+        from_template: false,
     };
     Some(Guests {
         h,

@@ -205,6 +205,7 @@ impl Harness {
                 guest_mac: None,
                 attachment: None,
             }),
+            from_template: false,
         }
     }
 
