@@ -1749,7 +1749,11 @@ fn from_template(pool: &ImpVMRunnerPool, vm: &ImpVM) -> bool {
     let mut have = vm.spec.clone();
     have.node_name = None;
     have.runner_config_secret = None;
-    runner_vm(pool).is_ok_and(|want| want.spec == have)
+    // How it starts (snapshot standby toggled since) does not change what runs.
+    runner_vm(pool).is_ok_and(|want| {
+        have.start_from = want.spec.start_from;
+        want.spec == have
+    })
 }
 
 /// A new runner VM of `pool`: generateName `<pool>-`, ephemeral, labelled, controlled by the pool.
@@ -1782,6 +1786,12 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
             expire_after: s.expire_after.clone(),
             runner_config_secret: None,
             runner_user: s.runner_user.clone(),
+            // Snapshot standby: the node clones the VM from its template when it has one Ready.
+            start_from: pool
+                .spec
+                .scaling
+                .standby()
+                .then_some(imp_api::StartFrom::Template),
         },
     );
     let mut annotations = meta.annotations;

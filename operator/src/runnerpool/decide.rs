@@ -1472,6 +1472,7 @@ mod tests {
             min_idle: Some(min_idle),
             max_runners: max,
             scale_up_step: Some(10),
+            standby: None,
         }
     }
 
