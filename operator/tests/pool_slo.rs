@@ -6,7 +6,7 @@ mod pool_common;
 use std::time::Duration;
 
 use imp_api::names::ANNOTATION_RUNNER_NAME;
-use imp_operator::runnerpool::slo::JOB_PHASES;
+use imp_operator::runnerpool::slo::STEP_PHASES;
 use imp_testkit::github::JobStatus;
 use kube::ResourceExt;
 use pool_common::*;
@@ -68,7 +68,7 @@ async fn a_served_job_is_on_its_vm_status_and_in_the_phase_histograms() {
     })
     .await;
     let mut sum = 0.0;
-    for phase in &JOB_PHASES[..6] {
+    for phase in &STEP_PHASES {
         let sample = format!("imp_runner_job_phase_seconds_count{{phase=\"{phase}\"}}");
         assert_eq!(h.metric(&sample), 1.0, "{sample}:\n{}", h.metrics_text());
         sum += h.metric(&format!(
