@@ -78,7 +78,7 @@ fn init_logging() {
     ONCE.get_or_init(|| {
         // Everything at debug and above from the operator, including the GitHub client.
         let _ = tracing_subscriber::fmt()
-            .with_env_filter("imp_operator=trace,imp_testkit=info")
+            .with_env_filter("imp_operator=trace,imp_agent=debug,imp_testkit=info")
             .with_writer(|| Capture)
             .with_ansi(false)
             .try_init();
