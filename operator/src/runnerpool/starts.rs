@@ -72,6 +72,7 @@ pub fn account_starts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use imp_api::names::reason;
 
     fn clone() -> StartStatus {
         StartStatus {
@@ -98,7 +99,7 @@ mod tests {
     #[test]
     fn each_vm_s_start_counts_once_by_kind_and_fallback() {
         let mut counted = HashSet::new();
-        let (c, f) = (clone(), fell_back("TemplateMissing"));
+        let (c, f) = (clone(), fell_back(reason::TEMPLATE_MISSING));
         let vms = [
             ("a".to_string(), Some(&c)),
             ("b".to_string(), Some(&f)),
@@ -114,7 +115,7 @@ mod tests {
                 },
                 Start {
                     from: "boot",
-                    fallback: "TemplateMissing".into()
+                    fallback: reason::TEMPLATE_MISSING.into()
                 },
             ]
         );
@@ -134,7 +135,7 @@ mod tests {
                 reidentify: Duration::from_millis(5)
             })
         );
-        assert_eq!(clone_times(&fell_back("TemplateBuilding")), None);
+        assert_eq!(clone_times(&fell_back(reason::TEMPLATE_BUILDING)), None);
         let odd = StartStatus {
             restore_seconds: Some(f64::NAN),
             reidentify_seconds: Some(-1.0),
