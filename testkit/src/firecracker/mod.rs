@@ -53,3 +53,5 @@ pub fn binaries() -> &'static SimBinaries {
 
 #[cfg(test)]
 mod sim_tests;
+#[cfg(test)]
+mod clone_tests;
