@@ -17,6 +17,16 @@ use serde_json::{Value, json};
 
 const AGENT_PORT: u32 = 10000;
 
+/// Root (TAPs; a clone agent's UTS namespace and entropy need CAP_SYS_ADMIN), else the
+/// `SKIPPED` line and false.
+fn root_or_skip(what: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    crate::skip::skip_or_fail("IMP_REQUIRE_ROOT", what, "needs root");
+    false
+}
+
 async fn call(sock: &Path, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
     let stream = tokio::net::UnixStream::connect(sock)
         .await
@@ -295,6 +305,11 @@ fn ms(d: Duration) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_clones_of_one_snapshot_each_answer_on_their_own_socket_and_take_their_own_identity()
 {
+    if !root_or_skip(
+        "three_clones_of_one_snapshot_each_answer_on_their_own_socket_and_take_their_own_identity",
+    ) {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let t = template(dir.path(), "3c", 128, None).await;
     let mut tasks = tokio::task::JoinSet::new();
@@ -325,7 +340,10 @@ async fn three_clones_of_one_snapshot_each_answer_on_their_own_socket_and_take_t
     let mut samples = std::collections::BTreeSet::new();
     let mut machine_ids = std::collections::BTreeSet::new();
     for (i, sim, _, got) in &clones {
-        assert_eq!(got.generation, 1, "clone-{i}: a fresh agent's first identity");
+        assert_eq!(
+            got.generation, 1,
+            "clone-{i}: a fresh agent's first identity"
+        );
         assert_eq!(got.hostname, format!("clone-{i}"));
         assert!(samples.insert(got.random_sample_b64.clone()), "clone-{i}");
         assert!(machine_ids.insert(got.machine_id.clone()), "clone-{i}");
@@ -349,8 +367,15 @@ async fn three_clones_of_one_snapshot_each_answer_on_their_own_socket_and_take_t
     drop(sim);
     let root = dir.path().join("clone-0.vsock.identity");
     let deadline = Instant::now() + Duration::from_secs(5);
-    while root.exists() || tokio::net::UnixStream::connect(dir.path().join("clone-0.vsock.agent")).await.is_ok() {
-        assert!(Instant::now() < deadline, "clone-0's guest outlived its VMM");
+    while root.exists()
+        || tokio::net::UnixStream::connect(dir.path().join("clone-0.vsock.agent"))
+            .await
+            .is_ok()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "clone-0's guest outlived its VMM"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -401,6 +426,9 @@ async fn load_time_and_resident_memory_do_not_grow_with_the_memory_size() {
 /// exits with an error, as Firecracker's does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loads_fail_like_firecracker() {
+    if !root_or_skip("loads_fail_like_firecracker") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let tpl_tap = tap_name("t");
     let t = template(dir.path(), "fail", 64, Some(&tpl_tap)).await;
@@ -447,7 +475,10 @@ async fn loads_fail_like_firecracker() {
             with("network_overrides", json!([{"iface_id": "eth0"}])),
             "host_dev_name",
         ),
-        (with("network_overrides", json!({"iface_id": "eth0"})), "sequence"),
+        (
+            with("network_overrides", json!({"iface_id": "eth0"})),
+            "sequence",
+        ),
         (with("resume_vm", json!("yes")), "boolean"),
         (with("vsock_override", json!({})), "uds_path"),
         (without("snapshot_path"), "snapshot_path"),
@@ -479,7 +510,10 @@ async fn loads_fail_like_firecracker() {
         "Load snapshot error: Loading a microVM snapshot not allowed after configuring boot-specific resources."
     );
     assert_eq!(sim.call("GET", "/", None).await.0, 200);
-    assert!(sim.child.try_wait().unwrap().is_none(), "a refused load is not fatal");
+    assert!(
+        sim.child.try_wait().unwrap().is_none(),
+        "a refused load is not fatal"
+    );
     drop(sim);
 
     // Restore failures: answered, then the process exits with an error; nothing is bound.
@@ -517,7 +551,11 @@ async fn loads_fail_like_firecracker() {
         ),
         // The snapshot's own TAP went with the template VMM: a load without an override
         // fails the same way.
-        ("own-tap-gone", base.clone(), "Invalid TUN/TAP Backend provided by"),
+        (
+            "own-tap-gone",
+            base.clone(),
+            "Invalid TUN/TAP Backend provided by",
+        ),
         (
             "uds-exists",
             good.clone(),
@@ -538,9 +576,14 @@ async fn loads_fail_like_firecracker() {
         let mut sim = Sim::start(dir.path(), name, &[]).await;
         let (s, v) = sim.call("PUT", "/snapshot/load", Some(body)).await;
         assert_eq!(s, 400, "{name}: {v}");
-        assert!(fault(&v).starts_with("Load snapshot error: "), "{name}: {v}");
+        assert!(
+            fault(&v).starts_with("Load snapshot error: "),
+            "{name}: {v}"
+        );
         assert!(fault(&v).contains(want), "{name}: {v}");
-        let status = sim.exit_status().unwrap_or_else(|| panic!("{name}: still running"));
+        let status = sim
+            .exit_status()
+            .unwrap_or_else(|| panic!("{name}: still running"));
         assert!(!status.success(), "{name}");
         assert!(sim.stderr().contains("Loading snapshot failed"), "{name}");
         assert!(!dir.path().join("x/none.vsock").exists());
@@ -602,6 +645,9 @@ async fn the_reidentify_knob_makes_a_clone_refuse_or_never_answer() {
 /// Reidentify round trip (p50).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clone_timings() {
+    if !root_or_skip("clone_timings") {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let mut cold = Vec::new();
     let mut cold_start = Vec::new();
@@ -621,7 +667,9 @@ async fn clone_timings() {
         let t0 = Instant::now();
         let sim = Sim::start(dir.path(), &name, &[]).await;
         let t1 = Instant::now();
-        let (s, v) = sim.call("PUT", "/snapshot/load", Some(load_body(&t, &uds))).await;
+        let (s, v) = sim
+            .call("PUT", "/snapshot/load", Some(load_body(&t, &uds)))
+            .await;
         assert_eq!(s, 204, "{v}");
         let mut guest = connect(&uds).await;
         spawn_hello.push(t0.elapsed());

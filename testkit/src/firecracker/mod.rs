@@ -52,6 +52,6 @@ pub fn binaries() -> &'static SimBinaries {
 }
 
 #[cfg(test)]
-mod sim_tests;
-#[cfg(test)]
 mod clone_tests;
+#[cfg(test)]
+mod sim_tests;

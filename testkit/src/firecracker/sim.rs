@@ -646,9 +646,8 @@ impl Sim {
         let from_file = "Failed to get snapshot state from file";
         let bytes = std::fs::read(&p.snapshot_path)
             .map_err(|e| format!("{from_file}: Failed to open snapshot file: {e}"))?;
-        let state: Value = serde_json::from_slice(&bytes).map_err(|e| {
-            format!("{from_file}: Failed to load snapshot state from file: {e}")
-        })?;
+        let state: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("{from_file}: Failed to load snapshot state from file: {e}"))?;
         let mut nets: BTreeMap<String, Map<String, Value>> = state["network-interfaces"]
             .as_object()
             .map(|m| {
@@ -777,7 +776,9 @@ impl Sim {
     /// jailed simulator does not have).
     fn clone_identity(&self, uds: &str) -> Option<PathBuf> {
         if self.knobs.reidentify == ReidentifyKnob::Refuse {
-            serial("imp-firecracker-sim: knob reidentify=refuse: this clone's agent manages no identity");
+            serial(
+                "imp-firecracker-sim: knob reidentify=refuse: this clone's agent manages no identity",
+            );
             return None;
         }
         if !has_cap_sys_admin() {
@@ -909,7 +910,9 @@ const TOO_MANY_MEM: &str =
 
 impl LoadParams {
     fn parse(body: Map<String, Value>) -> Result<LoadParams, String> {
-        let bad = |m: String| format!("An error occurred when deserializing the json body of a request: {m}");
+        let bad = |m: String| {
+            format!("An error occurred when deserializing the json body of a request: {m}")
+        };
         let string = |v: &Value, what: &str| {
             v.as_str()
                 .map(String::from)
@@ -924,7 +927,9 @@ impl LoadParams {
             if let Some(v) = body.get(flag)
                 && !v.is_boolean()
             {
-                return Err(bad(format!("invalid type: {v}, expected a boolean ({flag})")));
+                return Err(bad(format!(
+                    "invalid type: {v}, expected a boolean ({flag})"
+                )));
             }
         }
         if let Some(v) = body.get("huge_pages")
@@ -939,13 +944,15 @@ impl LoadParams {
             (None, None) => return Err(bad(MISSING_MEM.into())),
             (None, Some(path)) => string(path, "mem_file_path")?,
             (Some(backend), None) => {
-                let b = spec::check_object(spec::definition("MemoryBackend"), backend.clone(), true)
-                    .map_err(|e| bad(format!("mem_backend: {e}")))?;
+                let b =
+                    spec::check_object(spec::definition("MemoryBackend"), backend.clone(), true)
+                        .map_err(|e| bad(format!("mem_backend: {e}")))?;
                 match b["backend_type"].as_str() {
                     Some("File") => {}
                     Some("Uffd") => {
                         return Err(bad(
-                            "backend_type Uffd: the simulator serves guest memory from a file only".into(),
+                            "backend_type Uffd: the simulator serves guest memory from a file only"
+                                .into(),
                         ));
                     }
                     _ => {
@@ -961,7 +968,9 @@ impl LoadParams {
         let mut network_overrides = Vec::new();
         if let Some(list) = body.get("network_overrides") {
             let list = list.as_array().ok_or_else(|| {
-                bad(format!("invalid type: {list}, expected a sequence (network_overrides)"))
+                bad(format!(
+                    "invalid type: {list}, expected a sequence (network_overrides)"
+                ))
             })?;
             for o in list {
                 let o = spec::check_object(spec::definition("NetworkOverride"), o.clone(), false)
@@ -1509,13 +1518,17 @@ async fn hold_relay(
                 if swallow_reidentify {
                     drop_frames(&mut host_rd, &mut guest_wr, "reidentify").await
                 } else {
-                    tokio::io::copy(&mut host_rd, &mut guest_wr).await.map(|_| ())
+                    tokio::io::copy(&mut host_rd, &mut guest_wr)
+                        .await
+                        .map(|_| ())
                 }
             };
             let down = async {
                 match &hold {
                     Some(hold) => relay_frames(&mut guest_rd, &mut host_wr, hold).await,
-                    None => tokio::io::copy(&mut guest_rd, &mut host_wr).await.map(|_| ()),
+                    None => tokio::io::copy(&mut guest_rd, &mut host_wr)
+                        .await
+                        .map(|_| ()),
                 }
             };
             tokio::select! {
