@@ -1,0 +1,201 @@
+//! Jailed clones: a template's snapshot staged into each clone's jail (`jailer::Place::Template`:
+//! one hard-linked, root-owned, read-only inode), each clone's Firecracker (the simulator through
+//! testkit's jailer double: chrooted, its own uid) restoring it with `Vmm::restore_clone` and
+//! answering Hello on its own socket. A jailed simulator has no CAP_SYS_ADMIN, so its clones
+//! refuse `Reidentify` (docs/runtime.md); the real guest's side is guest/tests.
+
+mod common;
+
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use imp_guest::host::{HostError, IdentityCheck};
+use imp_guest::protocol::{AGENT_VSOCK_PORT, ErrorCode, Reidentify};
+use imp_runtime::firecracker::api::{BootSource, MachineConfiguration, Vsock};
+use imp_runtime::firecracker::jailer::{self, JailerConfig, JailerRun, Place};
+use imp_runtime::firecracker::{self, BootPlan, CloneOverrides, VmmFiles};
+use tokio::time::Instant;
+
+#[derive(Default)]
+struct KillOnDrop(Vec<i32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+fn files(dir: &Path, name: &str, jail: Option<&Path>) -> VmmFiles {
+    let inner = jail.unwrap_or(dir);
+    VmmFiles {
+        api_sock: inner.join(format!("{name}.api")),
+        vsock: inner.join(format!("{name}.vsock")),
+        serial_log: dir.join(format!("{name}.serial")),
+        stderr_log: dir.join(format!("{name}.stderr")),
+        vmm_log: inner.join(jailer::VMM_LOG),
+        jail: jail.map(Path::to_path_buf),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
+    if !common::is_root() {
+        return imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "jailed_clones_load_the_template_linked_read_only_into_their_jails",
+            "the jailer switches uids and makes device nodes",
+        );
+    }
+    let common::Backend::JailedSimulator {
+        simulator,
+        guest,
+        jailer: jailer_bin,
+    } = common::jailed_simulator()
+    else {
+        unreachable!("jailed_simulator() is the jailed simulator")
+    };
+    let bind = ["/usr", "/bin", "/sbin", "/lib", "/lib64"]
+        .iter()
+        .map(PathBuf::from)
+        .filter(|p| p.exists())
+        .chain([guest.clone()])
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    // SAFETY: the only test in this binary; nothing reads the environment concurrently.
+    unsafe {
+        std::env::set_var("IMP_GUEST_BIN", &guest);
+        std::env::set_var("IMP_JAILER_DOUBLE_BIND", bind);
+        std::env::set_var("IMP_JAILER_DOUBLE_KEEP_ENV", "IMP_GUEST_BIN");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kernel = dir.path().join("vmlinux");
+    std::fs::write(&kernel, b"kernel").unwrap();
+    let mut spawned = KillOnDrop::default();
+
+    // The template, unjailed here (its files on the jails' filesystem).
+    let t = files(dir.path(), "tpl", None);
+    let vmm = firecracker::spawn(&simulator, "tpl", &t, &[]).unwrap();
+    spawned.0.push(vmm.process.pid);
+    vmm.wait_api_ready().await.unwrap();
+    vmm.configure(&BootPlan {
+        machine: MachineConfiguration {
+            vcpu_count: 1,
+            mem_size_mib: 128,
+            smt: None,
+            track_dirty_pages: None,
+            huge_pages: None,
+        },
+        boot_source: BootSource {
+            kernel_image_path: kernel.display().to_string(),
+            initrd_path: None,
+            boot_args: None,
+        },
+        drives: vec![],
+        network: vec![],
+        vsock: Vsock {
+            guest_cid: 3,
+            uds_path: t.vsock.display().to_string(),
+        },
+    })
+    .await
+    .unwrap();
+    vmm.instance_start().await.unwrap();
+    vmm.wait_for_hello(Instant::now() + Duration::from_secs(10))
+        .await
+        .unwrap();
+    vmm.pause().await.unwrap();
+    let (snap, mem) = (dir.path().join("tpl.snap"), dir.path().join("tpl.mem"));
+    vmm.snapshot_create(&snap, &mem).await.unwrap();
+    vmm.resume().await.unwrap();
+    vmm.stop(Duration::from_secs(5)).await;
+
+    let cfg = JailerConfig {
+        bin: jailer_bin,
+        chroot_base: dir.path().join("jails"),
+    };
+    let mut clones = Vec::new();
+    for i in 0..2u32 {
+        let id = format!("clone-{i}");
+        let uid = 900_300 + i;
+        let root = jailer::chroot_root(&cfg, &simulator, &id).unwrap();
+        jailer::stage(
+            &root,
+            &simulator,
+            uid,
+            &[
+                (snap.as_path(), "template.snap", Place::Template),
+                (mem.as_path(), "template.mem", Place::Template),
+            ],
+        )
+        .unwrap();
+        let f = VmmFiles {
+            api_sock: root.join(jailer::API_SOCK),
+            vsock: root.join(jailer::VSOCK),
+            ..files(dir.path(), &id, Some(&root))
+        };
+        let run = JailerRun {
+            id: &id,
+            exec_file: &simulator,
+            uid,
+            cgroups: None,
+            firecracker_args: vec![],
+        };
+        let vmm = firecracker::spawn_jailed(&cfg, &run, &f).await.unwrap();
+        spawned.0.push(vmm.process.pid);
+        vmm.wait_api_ready().await.unwrap();
+        vmm.restore_clone(
+            &root.join("template.snap"),
+            &root.join("template.mem"),
+            &CloneOverrides::default(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{id}: {e}"));
+        vmm.wait_for_hello(Instant::now() + Duration::from_secs(15))
+            .await
+            .unwrap_or_else(|e| panic!("{id}: {e}"));
+        // The one template inode, root's and read-only, in this jail; the clone's own log its own.
+        let (a, b) = (
+            std::fs::metadata(&mem).unwrap(),
+            std::fs::metadata(root.join("template.mem")).unwrap(),
+        );
+        assert_eq!((a.dev(), a.ino()), (b.dev(), b.ino()), "{id}");
+        assert_eq!((b.uid(), b.mode() & 0o777), (0, 0o444), "{id}");
+        let log = std::fs::metadata(root.join(jailer::VMM_LOG)).unwrap();
+        assert_eq!((log.uid(), log.mode() & 0o777), (uid, 0o600), "{id}");
+        clones.push((vmm, f));
+    }
+    // Without CAP_SYS_ADMIN, a jailed simulator's clone manages no identity: it refuses.
+    let (_, f) = &clones[0];
+    let mut g = imp_guest::host::connect(
+        &f.vsock,
+        AGENT_VSOCK_PORT,
+        Instant::now() + Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let req = Reidentify {
+        entropy_b64: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".into(),
+        hostname: "clone-0".into(),
+        machine_id: None,
+        wall_clock_unix_ns: 0,
+        network: None,
+    };
+    match g.reidentify(req, &IdentityCheck::default()).await {
+        Err(HostError::Guest(e)) => assert_eq!(e.code, ErrorCode::IdentityFailed, "{e:?}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    // The template's files may go: the clones' links keep the memory.
+    std::fs::remove_file(&mem).unwrap();
+    for (vmm, _) in &clones {
+        assert!(vmm.is_alive());
+        vmm.kill().await;
+    }
+    spawned.0.clear();
+}
