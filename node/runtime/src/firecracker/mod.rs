@@ -394,9 +394,12 @@ impl Vmm {
     /// ([`Vmm::wait_for_hello`]) and give the guest its own identity (`Reidentify`) before
     /// anything secret reaches it.
     ///
-    /// The memory file is mapped `MAP_PRIVATE` and read lazily: it must stay in place, never
-    /// rewritten, for as long as any clone of it runs (jailed: hard-linked into the jail by
-    /// [`jailer::stage`] with [`jailer::Place::Template`], which also keeps the inode alive).
+    /// The memory file is mapped `MAP_PRIVATE` and faulted in lazily, for the clone's whole
+    /// life: its content must never change while any clone of it runs (no rewrite or truncation
+    /// in place: a clone would read the new bytes, or SIGBUS, on its next fault). Unlinking it
+    /// once the load returned is safe (the mapping holds the inode); a new template goes to a
+    /// new file. Jailed: hard-link it into the jail with [`jailer::stage`] and
+    /// [`jailer::Place::Template`] (root-owned, 0444: no clone can write it).
     /// A failed load ends the Firecracker process (it is "too dirty to recover"): the error
     /// carries its stderr; spawn a fresh one to try again.
     pub async fn restore_clone(
