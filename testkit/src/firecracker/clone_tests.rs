@@ -187,7 +187,13 @@ async fn template(dir: &Path, tag: &str, mem_mib: u64, tap: Option<&str>) -> Tem
     let t0 = Instant::now();
     let sim = Sim::start(dir, &format!("tpl-{tag}"), &[]).await;
     let vsock = dir.join(format!("tpl-{tag}.vsock"));
+    let disk = dir.join(format!("tpl-{tag}.disk"));
+    std::fs::write(&disk, b"disk").unwrap();
     for (path, body) in [
+        (
+            "/drives/rootfs",
+            json!({"drive_id": "rootfs", "is_root_device": true, "is_read_only": true, "path_on_host": disk}),
+        ),
         (
             "/machine-config",
             json!({"vcpu_count": 1, "mem_size_mib": mem_mib}),
@@ -547,7 +553,7 @@ async fn loads_fail_like_firecracker() {
                 "network_overrides",
                 json!([{"iface_id": "eth0", "host_dev_name": tap_name("x")}]),
             ),
-            "Open tap device failed: Error while creating ifreq structure: No such device",
+            "Net: Failed to create a network device: Open tap device failed: Error while creating ifreq structure: Operation not permitted (os error 1). Invalid TUN/TAP Backend provided by",
         ),
         // The snapshot's own TAP went with the template VMM: a load without an override
         // fails the same way.
@@ -559,7 +565,7 @@ async fn loads_fail_like_firecracker() {
         (
             "uds-exists",
             good.clone(),
-            "Vsock: Error binding to the host-side Unix socket: Address already in use",
+            "Failed to build microVM from snapshot: Failed to restore devices: Error restoring MMIO devices: VsockUnixBackend: Error binding to the host-side Unix socket: Address already in use",
         ),
         // Unknown fields inside an override are ignored, as Firecracker's structs do; this load
         // gets past the body to the restore.
@@ -588,6 +594,19 @@ async fn loads_fail_like_firecracker() {
         assert!(sim.stderr().contains("Loading snapshot failed"), "{name}");
         assert!(!dir.path().join("x/none.vsock").exists());
     }
+    // A drive of the snapshot that is gone (a load has no override for drives).
+    let disk = dir.path().join("tpl-fail.disk");
+    let moved = dir.path().join("moved.disk");
+    std::fs::rename(&disk, &moved).unwrap();
+    let mut sim = Sim::start(dir.path(), "no-drive", &[]).await;
+    let (s, v) = sim.call("PUT", "/snapshot/load", Some(good.clone())).await;
+    assert_eq!(s, 400, "{v}");
+    assert!(
+        fault(&v).contains("Error restoring MMIO devices: Block: Virtio backend error: Error manipulating the backing file: No such file or directory"),
+        "{v}"
+    );
+    assert!(!sim.exit_status().unwrap().success());
+    std::fs::rename(&moved, &disk).unwrap();
     // The same load with the socket file gone and the override TAP present succeeds.
     std::fs::remove_file(&uds).unwrap();
     let sim = Sim::start(dir.path(), "ok", &[]).await;

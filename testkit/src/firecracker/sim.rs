@@ -631,8 +631,8 @@ impl Sim {
     }
 
     /// `PUT /snapshot/load` past its checks, in Firecracker's order (`restore_from_snapshot`):
-    /// the state file, the overrides, the guest memory, the devices (TAPs, then the vsock
-    /// socket), then the guest. The error is the text Firecracker nests under "Failed to restore
+    /// the state file, the overrides, the guest memory, the devices (drives, TAPs, then the
+    /// vsock socket), then the guest. The error is the text Firecracker nests under "Failed to restore
     /// from snapshot: ".
     ///
     /// The guest: a load by the VMM that took the snapshot (same `--id`) at the snapshot's own
@@ -677,8 +677,33 @@ impl Sim {
             )
         })?;
         let devices = "Failed to build microVM from snapshot: Failed to restore devices: Error restoring MMIO devices";
+        // Drives: at the paths they had (a load has no override for them).
+        let drives: BTreeMap<String, Map<String, Value>> = state["drives"]
+            .as_object()
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| Some((k.clone(), v.as_object()?.clone())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for d in drives.values() {
+            let path = d
+                .get("path_on_host")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let ro = d.get("is_read_only").and_then(Value::as_bool) == Some(true);
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(!ro)
+                .open(path)
+                .map_err(|e| {
+                    format!(
+                        "{devices}: Block: Virtio backend error: Error manipulating the backing file: {e} {path}"
+                    )
+                })?;
+        }
         // A jailed Firecracker has no CAP_NET_ADMIN: TUNSETIFF attaches to an existing TAP
-        // and cannot create one.
+        // and cannot create one (EPERM).
         let mut taps = Vec::new();
         for n in nets.values() {
             let dev = n
@@ -688,7 +713,7 @@ impl Sim {
             let opened = if tap_exists(dev) {
                 open_tap(dev)
             } else {
-                Err(std::io::Error::from_raw_os_error(libc::ENODEV))
+                Err(std::io::Error::from_raw_os_error(libc::EPERM))
             };
             let file = opened.map_err(|e| {
                 format!(
@@ -710,12 +735,13 @@ impl Sim {
             .to_string();
         // The muxer binds the path: a file left there fails the load.
         let listener = std::os::unix::net::UnixListener::bind(&uds).map_err(|e| {
-            format!("{devices}: Vsock: Error binding to the host-side Unix socket: {e}")
+            format!("{devices}: VsockUnixBackend: Error binding to the host-side Unix socket: {e}")
         })?;
         let own = state["imp-sim"]["vmm_id"].as_str() == Some(self.id.as_str())
             && state["vsock"]["uds_path"].as_str() == Some(uds.as_str());
         vm.machine = state.get("machine-config").cloned();
         vm.boot_source = state["boot-source"].as_object().cloned();
+        vm.drives = drives;
         vm.nets = nets;
         vm.taps = taps;
         vm.vsock = Some(vsock);
