@@ -66,10 +66,15 @@ struct Sim {
 
 impl Sim {
     async fn start(dir: &Path, name: &str, env: &[(&str, &str)]) -> Sim {
+        Sim::start_bin(&super::binaries().simulator, dir, name, env).await
+    }
+
+    /// `bin` (the simulator, or a real Firecracker) with Firecracker's flags.
+    async fn start_bin(bin: &Path, dir: &Path, name: &str, env: &[(&str, &str)]) -> Sim {
         let bins = super::binaries();
         let api = dir.join(format!("{name}.api"));
         let console = dir.join(format!("{name}.console"));
-        let mut cmd = Command::new(&bins.simulator);
+        let mut cmd = Command::new(bin);
         cmd.args(["--id", name, "--api-sock"])
             .arg(&api)
             .env("IMP_GUEST_BIN", &bins.guest)
@@ -720,4 +725,87 @@ async fn clone_timings() {
         ms(median(spawn_hello)),
         ms(median(reid))
     );
+}
+
+/// What needs no guest kernel is held against a real Firecracker when one is configured
+/// (`IMP_FIRECRACKER_BIN` and the rest, see `real_or_skip`): the body checks, the refusal on a
+/// configured process, and a missing state file (fatal to the process), in the same words from
+/// the simulator and from Firecracker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_read_the_same_from_the_simulator_and_a_real_firecracker() {
+    let mut vmms = vec![("sim", super::binaries().simulator.clone())];
+    if let Some(fc) = super::real_or_skip(
+        "refusals_read_the_same_from_the_simulator_and_a_real_firecracker",
+        super::Needs::BaseDrive,
+    ) {
+        vmms.push(("real", fc.firecracker));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("any.mem");
+    std::fs::write(&mem, b"").unwrap();
+    let snap = dir.path().join("gone.snap");
+    let base = json!({
+        "snapshot_path": snap,
+        "mem_backend": {"backend_type": "File", "backend_path": mem},
+        "vsock_override": {"uds_path": dir.path().join("v.sock")},
+    });
+    for (kind, bin) in vmms {
+        let sim = Sim::start_bin(&bin, dir.path(), &format!("{kind}-a"), &[]).await;
+        for (body, want) in [
+            (
+                {
+                    let mut b = base.clone();
+                    b["mem_file_path"] = json!(mem);
+                    b
+                },
+                "too many fields: either `mem_backend` or `mem_file_path` exclusively is required",
+            ),
+            (
+                json!({"snapshot_path": snap}),
+                "missing field: either `mem_backend` or `mem_file_path` is required",
+            ),
+            (
+                {
+                    let mut b = base.clone();
+                    b["bogus"] = json!(true);
+                    b
+                },
+                "bogus",
+            ),
+        ] {
+            let (s, v) = sim.call("PUT", "/snapshot/load", Some(body)).await;
+            assert_eq!(s, 400, "{kind}: {v}");
+            assert!(fault(&v).contains(want), "{kind}: {v}");
+        }
+        let (s, v) = sim
+            .call(
+                "PUT",
+                "/machine-config",
+                Some(json!({"vcpu_count": 1, "mem_size_mib": 64})),
+            )
+            .await;
+        assert_eq!(s, 204, "{kind}: {v}");
+        let (s, v) = sim.call("PUT", "/snapshot/load", Some(base.clone())).await;
+        assert_eq!(s, 400, "{kind}: {v}");
+        assert_eq!(
+            fault(&v),
+            "Load snapshot error: Loading a microVM snapshot not allowed after configuring boot-specific resources.",
+            "{kind}"
+        );
+        drop(sim);
+
+        let mut sim = Sim::start_bin(&bin, dir.path(), &format!("{kind}-b"), &[]).await;
+        let (s, v) = sim.call("PUT", "/snapshot/load", Some(base.clone())).await;
+        assert_eq!(s, 400, "{kind}: {v}");
+        assert!(
+            fault(&v).starts_with(
+                "Load snapshot error: Failed to restore from snapshot: Failed to get snapshot state from file: Failed to open snapshot file: No such file or directory"
+            ),
+            "{kind}: {v}"
+        );
+        let status = sim
+            .exit_status()
+            .unwrap_or_else(|| panic!("{kind}: still running"));
+        assert!(!status.success(), "{kind}");
+    }
 }
