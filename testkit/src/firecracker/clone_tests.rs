@@ -676,7 +676,7 @@ async fn clone_timings() {
     let mut cold = Vec::new();
     let mut cold_start = Vec::new();
     let mut t = None;
-    for i in 0..5 {
+    for i in 0..10 {
         let tpl = template(dir.path(), &format!("time{i}"), 128, None).await;
         cold.push(tpl.spawn_to_hello);
         cold_start.push(tpl.start_to_hello);
@@ -715,7 +715,7 @@ async fn clone_timings() {
         );
     }
     println!(
-        "simulator cold boot -> Hello: p50 {:.1} ms (InstanceStart -> Hello {:.1} ms), 5 runs",
+        "simulator cold boot -> Hello: p50 {:.1} ms (InstanceStart -> Hello {:.1} ms), 10 runs",
         ms(median(cold)),
         ms(median(cold_start))
     );
