@@ -1,7 +1,9 @@
-//! Jailed clones: a template's snapshot staged into each clone's jail (`jailer::Place::Template`:
-//! one hard-linked, root-owned, read-only inode), each clone's Firecracker (the simulator through
-//! testkit's jailer double: chrooted, its own uid) restoring it with `Vmm::restore_clone` and
-//! answering Hello on its own socket. A jailed simulator has no CAP_SYS_ADMIN, so its clones
+//! Jailed clones: a jailed template's snapshot staged into each clone's jail
+//! (`jailer::Place::Template`: one hard-linked, root-owned, read-only inode) beside the clone's
+//! own copy of the writable drive at the path the snapshot recorded (a load has no drive
+//! override; each jail resolves the same in-jail path to its own file); each clone's Firecracker
+//! (the simulator through testkit's jailer double: chrooted, its own uid) restores it with
+//! `Vmm::restore_clone` and answers Hello on its own socket. A jailed simulator has no CAP_SYS_ADMIN, so its clones
 //! refuse `Reidentify` (docs/runtime.md); the real guest's side is guest/tests.
 
 mod common;
@@ -12,7 +14,7 @@ use std::time::Duration;
 
 use imp_guest::host::{HostError, IdentityCheck};
 use imp_guest::protocol::{AGENT_VSOCK_PORT, ErrorCode, Reidentify};
-use imp_runtime::firecracker::api::{BootSource, MachineConfiguration, Vsock};
+use imp_runtime::firecracker::api::{BootSource, Drive, MachineConfiguration, Vsock};
 use imp_runtime::firecracker::jailer::{self, JailerConfig, JailerRun, Place};
 use imp_runtime::firecracker::{self, BootPlan, CloneOverrides, VmmFiles};
 use tokio::time::Instant;
@@ -79,11 +81,48 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
     std::fs::write(&kernel, b"kernel").unwrap();
     let mut spawned = KillOnDrop::default();
 
-    // The template, unjailed here (its files on the jails' filesystem).
-    let t = files(dir.path(), "tpl", None);
-    let vmm = firecracker::spawn(&simulator, "tpl", &t, &[]).unwrap();
+    let cfg = JailerConfig {
+        bin: jailer_bin,
+        chroot_base: dir.path().join("jails"),
+    };
+    // The shared base image and the template's writable drive (each clone gets its own copy).
+    let base = dir.path().join("base.ext4");
+    std::fs::write(&base, b"base image").unwrap();
+    let overlay = dir.path().join("template-overlay.ext4");
+    std::fs::write(&overlay, b"overlay at snapshot time").unwrap();
+
+    // The template, jailed like every Firecracker: the snapshot records the paths it had in its
+    // jail (/vmlinux, /base.ext4, /overlay.ext4, /vsock.sock), which each clone's jail provides.
+    let tpl_uid = 900_299;
+    let tpl_root = jailer::chroot_root(&cfg, &simulator, "tpl").unwrap();
+    jailer::stage(
+        &tpl_root,
+        &simulator,
+        tpl_uid,
+        &[
+            (kernel.as_path(), "vmlinux", Place::Shared),
+            (base.as_path(), "base.ext4", Place::Shared),
+            (overlay.as_path(), "overlay.ext4", Place::Own),
+        ],
+    )
+    .unwrap();
+    imp_runtime::jail::own(&tpl_root.join("overlay.ext4"), tpl_uid, 0o600).unwrap();
+    let t = VmmFiles {
+        api_sock: tpl_root.join(jailer::API_SOCK),
+        vsock: tpl_root.join(jailer::VSOCK),
+        ..files(dir.path(), "tpl", Some(&tpl_root))
+    };
+    let run = JailerRun {
+        id: "tpl",
+        exec_file: &simulator,
+        uid: tpl_uid,
+        cgroups: None,
+        firecracker_args: vec![],
+    };
+    let vmm = firecracker::spawn_jailed(&cfg, &run, &t).await.unwrap();
     spawned.0.push(vmm.process.pid);
     vmm.wait_api_ready().await.unwrap();
+    let in_jail = |name: &str| t.vmm_path(&tpl_root.join(name));
     vmm.configure(&BootPlan {
         machine: MachineConfiguration {
             vcpu_count: 1,
@@ -93,15 +132,36 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
             huge_pages: None,
         },
         boot_source: BootSource {
-            kernel_image_path: kernel.display().to_string(),
+            kernel_image_path: in_jail("vmlinux"),
             initrd_path: None,
             boot_args: None,
         },
-        drives: vec![],
+        drives: vec![
+            Drive {
+                drive_id: "base".into(),
+                is_root_device: true,
+                partuuid: None,
+                cache_type: None,
+                is_read_only: Some(true),
+                path_on_host: Some(in_jail("base.ext4")),
+                io_engine: None,
+                socket: None,
+            },
+            Drive {
+                drive_id: "overlay".into(),
+                is_root_device: false,
+                partuuid: None,
+                cache_type: None,
+                is_read_only: Some(false),
+                path_on_host: Some(in_jail("overlay.ext4")),
+                io_engine: None,
+                socket: None,
+            },
+        ],
         network: vec![],
         vsock: Vsock {
             guest_cid: 3,
-            uds_path: t.vsock.display().to_string(),
+            uds_path: in_jail(jailer::VSOCK),
         },
     })
     .await
@@ -111,15 +171,16 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
         .await
         .unwrap();
     vmm.pause().await.unwrap();
-    let (snap, mem) = (dir.path().join("tpl.snap"), dir.path().join("tpl.mem"));
+    let (snap, mem) = (
+        tpl_root.join("template.snap"),
+        tpl_root.join("template.mem"),
+    );
     vmm.snapshot_create(&snap, &mem).await.unwrap();
+    // The template VMM goes; its snapshot stays (the template's own copy of the overlay too).
     vmm.resume().await.unwrap();
     vmm.stop(Duration::from_secs(5)).await;
+    let saved = std::fs::read(&overlay).unwrap();
 
-    let cfg = JailerConfig {
-        bin: jailer_bin,
-        chroot_base: dir.path().join("jails"),
-    };
     let mut clones = Vec::new();
     for i in 0..2u32 {
         let id = format!("clone-{i}");
@@ -132,9 +193,15 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
             &[
                 (snap.as_path(), "template.snap", Place::Template),
                 (mem.as_path(), "template.mem", Place::Template),
+                (kernel.as_path(), "vmlinux", Place::Shared),
+                (base.as_path(), "base.ext4", Place::Shared),
             ],
         )
         .unwrap();
+        // Its own writable drive, at the path the snapshot recorded: a copy of the template's.
+        let own_overlay = root.join("overlay.ext4");
+        std::fs::write(&own_overlay, &saved).unwrap();
+        imp_runtime::jail::own(&own_overlay, uid, 0o600).unwrap();
         let f = VmmFiles {
             api_sock: root.join(jailer::API_SOCK),
             vsock: root.join(jailer::VSOCK),
