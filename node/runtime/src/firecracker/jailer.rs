@@ -9,6 +9,15 @@
 //! socket, log and snapshots live in the root too; cleanup (the jail directory, the cgroups)
 //! is the runtime's.
 //!
+//! Clones of a template (snapshot standby): a snapshot records every path as the template's
+//! Firecracker saw it in its jail, and a load can override only the TAPs and the vsock socket,
+//! not the drives. So the template runs jailed too, and each clone's jail provides the same
+//! names: the template's memory and vmstate files ([`Place::Template`]: one hard-linked,
+//! root-owned, read-only inode for all clones), the shared kernel and base image
+//! ([`Place::Shared`]), and the clone's own copy of the template's writable drive at the
+//! template's name ([`Place::Own`], owned by the clone's uid). Nothing of one clone is
+//! reachable from another's jail, and nothing a clone can write is shared.
+//!
 //! Not used: `--daemonize` (it sends stdio to /dev/null, and Firecracker's stdout is the guest
 //! console the runtime logs; the runtime gives the process a session of its own anyway) and
 //! `--netns` (the VM's TAP is a port of the node's bridge in the runtime's network namespace;
