@@ -335,6 +335,26 @@ async fn three_clones_of_one_snapshot_each_answer_on_their_own_socket_and_take_t
             assert_eq!(info["state"], "Running");
             let uds = dir.join(format!("clone-{i}.vsock"));
             let mut guest = connect(&uds).await;
+            if i == 0 {
+                // A clone agent manages no interface: a network part is refused, naming it.
+                let mut req = reidentify_request("clone-0");
+                req.network = Some(imp_guest::protocol::NetIdentity {
+                    mac: "06:00:0a:00:00:07".into(),
+                    address: "10.0.0.7".into(),
+                    prefix: 24,
+                    gateway: "10.0.0.1".into(),
+                    mtu: None,
+                    dns: vec![],
+                    dns_search: vec![],
+                });
+                match guest.reidentify(req, &IdentityCheck::default()).await {
+                    Err(HostError::Guest(e)) => {
+                        assert_eq!(e.code, ErrorCode::IdentityFailed, "{e:?}");
+                        assert!(e.message.contains("network"), "{e:?}");
+                    }
+                    other => panic!("a network part was not refused: {other:?}"),
+                }
+            }
             let req = reidentify_request(&format!("clone-{i}"));
             let got = guest
                 .reidentify(req, &IdentityCheck::default())
@@ -808,4 +828,31 @@ async fn refusals_read_the_same_from_the_simulator_and_a_real_firecracker() {
             .unwrap_or_else(|| panic!("{kind}: still running"));
         assert!(!status.success(), "{kind}");
     }
+}
+
+/// A clone loaded without `resume_vm` is Paused and runs no guest code: no Hello until
+/// `PATCH /vm Resumed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clone_loaded_paused_answers_once_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = template(dir.path(), "paused", 64, None).await;
+    let sim = Sim::start(dir.path(), "paused-clone", &[]).await;
+    let uds = dir.path().join("paused-clone.vsock");
+    let mut body = load_body(&t, &uds);
+    body["resume_vm"] = json!(false);
+    let (s, v) = sim.call("PUT", "/snapshot/load", Some(body)).await;
+    assert_eq!(s, 204, "{v}");
+    assert_eq!(sim.call("GET", "/", None).await.1["state"], "Paused");
+    let early = imp_guest::host::connect(
+        &uds,
+        AGENT_PORT,
+        tokio::time::Instant::now() + Duration::from_millis(500),
+    )
+    .await;
+    assert!(early.is_err(), "a paused clone answered");
+    let (s, v) = sim
+        .call("PATCH", "/vm", Some(json!({"state": "Resumed"})))
+        .await;
+    assert_eq!(s, 204, "{v}");
+    drop(connect(&uds).await);
 }

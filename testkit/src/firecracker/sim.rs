@@ -759,12 +759,16 @@ impl Sim {
             None
         };
         self.start_with(vm, adopted).map_err(|(_, m)| m)?;
-        if p.resume_vm {
-            if let Some(agent) = &vm.agent {
-                agent.signal(libc::SIGCONT);
-            }
+        // A paused VM runs no guest code: an adopted guest is still stopped from the pause
+        // before its snapshot, a clone's fresh one is stopped here.
+        let signal = if p.resume_vm {
+            libc::SIGCONT
         } else {
             vm.paused = true;
+            libc::SIGSTOP
+        };
+        if let Some(agent) = &vm.agent {
+            agent.signal(signal);
         }
         Ok(())
     }
