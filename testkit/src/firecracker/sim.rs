@@ -648,14 +648,7 @@ impl Sim {
             .map_err(|e| format!("{from_file}: Failed to open snapshot file: {e}"))?;
         let state: Value = serde_json::from_slice(&bytes)
             .map_err(|e| format!("{from_file}: Failed to load snapshot state from file: {e}"))?;
-        let mut nets: BTreeMap<String, Map<String, Value>> = state["network-interfaces"]
-            .as_object()
-            .map(|m| {
-                m.iter()
-                    .filter_map(|(k, v)| Some((k.clone(), v.as_object()?.clone())))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let mut nets = objects(&state["network-interfaces"]);
         for (iface, dev) in &p.network_overrides {
             nets.get_mut(iface)
                 .ok_or_else(|| format!("{from_file}: Unknown Network Device."))?
@@ -678,14 +671,7 @@ impl Sim {
         })?;
         let devices = "Failed to build microVM from snapshot: Failed to restore devices: Error restoring MMIO devices";
         // Drives: at the paths they had (a load has no override for them).
-        let drives: BTreeMap<String, Map<String, Value>> = state["drives"]
-            .as_object()
-            .map(|m| {
-                m.iter()
-                    .filter_map(|(k, v)| Some((k.clone(), v.as_object()?.clone())))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let drives = objects(&state["drives"]);
         for d in drives.values() {
             let path = d
                 .get("path_on_host")
@@ -1027,6 +1013,17 @@ impl LoadParams {
             vsock_override,
         })
     }
+}
+
+/// The objects of a JSON object by key (the drives and interfaces of a snapshot's state).
+fn objects(v: &Value) -> BTreeMap<String, Map<String, Value>> {
+    v.as_object()
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_object()?.clone())))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// A network interface of that name exists in this thread's network namespace.
