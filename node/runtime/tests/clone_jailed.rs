@@ -4,7 +4,8 @@
 //! override; each jail resolves the same in-jail path to its own file); each clone's Firecracker
 //! (the simulator through testkit's jailer double: chrooted, its own uid) restores it with
 //! `Vmm::restore_clone` and answers Hello on its own socket. A jailed simulator has no CAP_SYS_ADMIN, so its clones
-//! refuse `Reidentify` (docs/runtime.md); the real guest's side is guest/tests.
+//! refuse `Reidentify`, unless `IMP_JAILER_DOUBLE_KEEP_ROOT` keeps it root (docs/runtime.md);
+//! the real guest's side is guest/tests.
 
 mod common;
 
@@ -182,7 +183,9 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
     let saved = std::fs::read(&overlay).unwrap();
 
     let mut clones = Vec::new();
-    for i in 0..2u32 {
+    // clone-2 with IMP_JAILER_DOUBLE_KEEP_ROOT: the simulator keeps root (and CAP_SYS_ADMIN) in
+    // its jail, so its clone takes `Reidentify`; the others run as their own uid.
+    for i in 0..3u32 {
         let id = format!("clone-{i}");
         let uid = 900_300 + i;
         let root = jailer::chroot_root(&cfg, &simulator, &id).unwrap();
@@ -214,7 +217,14 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
             cgroups: None,
             firecracker_args: vec![],
         };
-        let vmm = firecracker::spawn_jailed(&cfg, &run, &f).await.unwrap();
+        if i == 2 {
+            // SAFETY: the only test in this binary; nothing reads the environment concurrently.
+            unsafe { std::env::set_var("IMP_JAILER_DOUBLE_KEEP_ROOT", "1") };
+        }
+        let vmm = firecracker::spawn_jailed(&cfg, &run, &f).await;
+        // SAFETY: as above.
+        unsafe { std::env::remove_var("IMP_JAILER_DOUBLE_KEEP_ROOT") };
+        let vmm = vmm.unwrap();
         spawned.0.push(vmm.process.pid);
         vmm.wait_api_ready().await.unwrap();
         vmm.restore_clone(
@@ -254,10 +264,39 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
         wall_clock_unix_ns: 0,
         network: None,
     };
-    match g.reidentify(req, &IdentityCheck::default()).await {
+    match g.reidentify(req.clone(), &IdentityCheck::default()).await {
         Err(HostError::Guest(e)) => assert_eq!(e.code, ErrorCode::IdentityFailed, "{e:?}"),
         other => panic!("expected a refusal, got {other:?}"),
     }
+    let (_, f) = &clones[2];
+    let mut g = imp_guest::host::connect(
+        &f.vsock,
+        AGENT_VSOCK_PORT,
+        Instant::now() + Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let req = Reidentify {
+        entropy_b64: "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=".into(),
+        hostname: "clone-2".into(),
+        wall_clock_unix_ns: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+        ..req
+    };
+    let got = g
+        .reidentify(req, &IdentityCheck::default())
+        .await
+        .unwrap_or_else(|e| panic!("a root jailed clone: {e}"));
+    assert_eq!((got.generation, got.hostname.as_str()), (1, "clone-2"));
+    let root = jailer::chroot_root(&cfg, &simulator, "clone-2").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(root.join("vsock.sock.identity/etc/machine-id"))
+            .unwrap()
+            .trim(),
+        got.machine_id
+    );
     // The template's files may go: the clones' links keep the memory.
     std::fs::remove_file(&mem).unwrap();
     for (vmm, _) in &clones {

@@ -1035,16 +1035,30 @@ fn tap_exists(name: &str) -> bool {
     unsafe { libc::if_nametoindex(c.as_ptr()) != 0 }
 }
 
-/// This process holds CAP_SYS_ADMIN (bit 21 of CapEff).
+/// This process holds CAP_SYS_ADMIN in its effective set (capget(2): a jail has no /proc).
 fn has_cap_sys_admin() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        .is_some_and(|caps| caps & (1 << 21) != 0)
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_SYS_ADMIN: u32 = 21;
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget writes two Data structs (version 3) into the array we own.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    r == 0 && data[0].effective & (1 << CAP_SYS_ADMIN) != 0
 }
 
 fn str_field(body: &Map<String, Value>, key: &str) -> Result<String, Fault> {
