@@ -33,6 +33,7 @@ use imp_runtime::api::{
     VmStatus,
 };
 use imp_runtime::rootfs::store::ImageSpec;
+use imp_runtime::runtime::template::reason;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -301,7 +302,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     assert_eq!(start.from, StartKind::Boot);
     assert_eq!(
         start.fallback.as_ref().map(|f| f.reason.as_str()),
-        Some("TemplateMissing"),
+        Some(reason::TEMPLATE_MISSING),
         "{start:?}"
     );
     // POST is idempotent and answers at once: the same key, Building (or already Ready).
@@ -450,7 +451,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let o = other.start.unwrap();
     assert_eq!(
         (o.from, o.fallback.map(|f| f.reason)),
-        (StartKind::Boot, Some("TemplateMissing".to_string()))
+        (StartKind::Boot, Some(reason::TEMPLATE_MISSING.to_string()))
     );
     h.client.delete("other1").await.unwrap();
     let other_key = h
@@ -494,7 +495,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let m = mm.start.unwrap();
     assert_eq!(m.from, StartKind::Boot);
     let f = m.fallback.expect("a fallback");
-    assert_eq!(f.reason, "TemplateVmmMismatch", "{f:?}");
+    assert_eq!(f.reason, reason::TEMPLATE_VMM_MISMATCH, "{f:?}");
     assert!(f.message.contains("99.0.0"), "{}", f.message);
     h.client.delete("mism1").await.unwrap();
     let rebuilt = wait_built(&h, &key).await;
@@ -503,6 +504,22 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let (st, _) = put(&h, "clone9", &spec("198.51.100.22/24", ARGS)).await;
     assert_eq!(st.start.unwrap().from, StartKind::Clone);
     h.client.delete("clone9").await.unwrap();
+    // A template whose memory file is cut short: the restore fails, the VM boots instead.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(tdir.join("mem"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let (st, _) = put(&h, "broken1", &spec("198.51.100.23/24", ARGS)).await;
+    let b = st.start.unwrap();
+    assert_eq!(b.from, StartKind::Boot);
+    let f = b.fallback.expect("a fallback");
+    assert_eq!(f.reason, reason::RESTORE_FAILED, "{f:?}");
+    let mut c = guest(&h, "broken1").await;
+    assert_eq!(ok(&mut c, "alive", "echo up").await.trim(), "up");
+    drop(c);
+    h.client.delete("broken1").await.unwrap();
     h.client.delete_template(&key).await.unwrap();
 
     // Nothing left: no process, no VM or template directory, no template in the list.
@@ -522,7 +539,9 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         .collect();
     assert!(left.is_empty(), "{left:?}");
     let links = output("ip", &["-n", &node, "-o", "link", "show"]);
-    let mut owners: Vec<String> = ["boot1", "clone0", "clone1", "clone2", "other1", "mism1", "clone9"]
+    let mut owners: Vec<String> = [
+        "boot1", "clone0", "clone1", "clone2", "other1", "mism1", "clone9", "broken1",
+    ]
         .map(String::from)
         .to_vec();
     owners.extend([&key, &other_key].map(|k| imp_runtime::runtime::template::holder(k)));

@@ -101,6 +101,7 @@ impl Runtime {
         });
         rt.forget_interrupted_builds(&interrupted);
         rt.recover().await?;
+        rt.gc_templates().await;
         rt.refresh_template_gauges();
         tokio::spawn(Self::build_templates(Arc::downgrade(&rt)));
         rt.readiness();
