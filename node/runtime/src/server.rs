@@ -283,7 +283,10 @@ pub fn router(rt: Arc<Runtime>) -> Router {
         .route("/v1/capacity", get(capacity))
         .route("/v1/images", post(prebuild))
         .route("/v1/templates", get(list_templates).post(ensure_template))
-        .route("/v1/templates/{key}", axum::routing::delete(delete_template))
+        .route(
+            "/v1/templates/{key}",
+            axum::routing::delete(delete_template),
+        )
         .route("/v1/vms/{uid}", get(get_vm).put(put_vm).delete(delete_vm))
         .route("/v1/vms/{uid}/linkstats", get(linkstats))
         .route("/v1/vms/{uid}/vsock", get(vsock))

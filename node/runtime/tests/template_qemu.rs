@@ -312,19 +312,30 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         .ensure_template(&spec("198.51.100.99/24", ARGS))
         .await
         .unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(2), "POST answers at once");
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "POST answers at once"
+    );
     assert_ne!(asked.state, TemplateState::Failed, "{asked:?}");
     let key = asked.key.clone();
     // The identity of the request is no part of the key.
     let again = h
         .client
-        .ensure_template(&spec("198.51.100.98/24", "imp.hostname=other imp.report_grace_s=60"))
+        .ensure_template(&spec(
+            "198.51.100.98/24",
+            "imp.hostname=other imp.report_grace_s=60",
+        ))
         .await
         .unwrap();
     assert_eq!(again.key, key);
     let idle_cold_rss = rss_kib(cold.pid.unwrap());
     let built = wait_built(&h, &key).await;
-    assert_eq!(built.state, TemplateState::Ready, "{built:?}\n{}", h.runtime_log());
+    assert_eq!(
+        built.state,
+        TemplateState::Ready,
+        "{built:?}\n{}",
+        h.runtime_log()
+    );
     h.client.delete("boot1").await.unwrap();
 
     // The template's files: root's, 0600, and the rootfs image is referenced.
@@ -335,7 +346,10 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         .map(|e| e.path())
         .collect();
     assert!(tfiles.iter().any(|p| p.ends_with("mem")), "{tfiles:?}");
-    assert!(tfiles.iter().any(|p| p.ends_with("writable.img")), "{tfiles:?}");
+    assert!(
+        tfiles.iter().any(|p| p.ends_with("writable.img")),
+        "{tfiles:?}"
+    );
     for f in &tfiles {
         use std::os::unix::fs::MetadataExt as _;
         let m = std::fs::metadata(f).unwrap();
@@ -362,7 +376,12 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         let uid = format!("clone{i}");
         let (st, secs) = put(&h, &uid, &spec(&format!("{ip}/24"), ARGS)).await;
         let start = st.start.clone().expect("start reported");
-        assert_eq!(start.from, StartKind::Clone, "{start:?}\n{}", h.runtime_log());
+        assert_eq!(
+            start.from,
+            StartKind::Clone,
+            "{start:?}\n{}",
+            h.runtime_log()
+        );
         assert_eq!(start.template.as_deref(), Some(key.as_str()));
         assert!(start.fallback.is_none(), "{start:?}");
         clone_s.push(secs);
@@ -389,7 +408,10 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
             address: l[3].into(),
             random: l[4].into(),
         };
-        assert_eq!(inside.hostname, uid, "the hostname a cold boot of the spec would get");
+        assert_eq!(
+            inside.hostname, uid,
+            "the hostname a cold boot of the spec would get"
+        );
         assert_eq!(inside.address, format!("{ip}/24"));
         assert_eq!(
             inside.mac,
@@ -431,7 +453,11 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     assert_eq!(t.clones, 3, "{t:?}");
     // No secret, no JIT-config-like content in the template.
     for f in &tfiles {
-        for needle in [secret.as_bytes(), JIT_KEY.as_bytes(), b"jitconfig".as_slice()] {
+        for needle in [
+            secret.as_bytes(),
+            JIT_KEY.as_bytes(),
+            b"jitconfig".as_slice(),
+        ] {
             assert!(
                 !file_contains(f, needle),
                 "{} holds {:?}",
@@ -447,7 +473,12 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     );
 
     // Other boot args: another template (a new key), not this one.
-    let (other, _) = put(&h, "other1", &spec("198.51.100.20/24", "imp.report_grace_s=61")).await;
+    let (other, _) = put(
+        &h,
+        "other1",
+        &spec("198.51.100.20/24", "imp.report_grace_s=61"),
+    )
+    .await;
     let o = other.start.unwrap();
     assert_eq!(
         (o.from, o.fallback.map(|f| f.reason)),
@@ -542,8 +573,8 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let mut owners: Vec<String> = [
         "boot1", "clone0", "clone1", "clone2", "other1", "mism1", "clone9", "broken1",
     ]
-        .map(String::from)
-        .to_vec();
+    .map(String::from)
+    .to_vec();
     owners.extend([&key, &other_key].map(|k| imp_runtime::runtime::template::holder(k)));
     for o in owners {
         let tap = h.tap_for(&o);

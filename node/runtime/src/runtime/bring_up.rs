@@ -295,7 +295,7 @@ impl Runtime {
             }
         }
         if source.is_none() {
-            self.empty_writable(rec, spec)?;
+            self.empty_writable(rec, spec).map_err(|e| (e, None))?;
         }
         rec.start_json = Some(serde_json::to_string(&start).expect("start serialises"));
         if let Some(t) = &rec.tap {
@@ -396,7 +396,7 @@ impl Runtime {
                         source = None;
                         let _ = std::fs::remove_file(&rec.api_socket);
                         let _ = std::fs::remove_file(&rec.vsock_path);
-                        self.empty_writable(rec, spec)?;
+                        self.empty_writable(rec, spec).map_err(|e| (e, None))?;
                         if let Some(t) = &rec.tap
                             && let Err(holders) = qemu::wait_tap_free(t, TAP_FREE_TIMEOUT).await
                         {
@@ -495,22 +495,15 @@ impl Runtime {
     /// A fresh writable drive for row `rec` (when its spec has one): a clone of an empty ext4
     /// template, O(1) whatever the image size. The guest mounts it as the overlay upper layer
     /// (imp.overlay), it does not format it.
-    fn empty_writable(
-        &self,
-        rec: &VmRecord,
-        spec: &VmSpec,
-    ) -> Result<(), (RuntimeError, Option<Vm>)> {
+    fn empty_writable(&self, rec: &VmRecord, spec: &VmSpec) -> Result<(), RuntimeError> {
         if let (Some(path), Some(bytes)) = (&rec.writable_disk, spec.writable_disk_bytes) {
             let _ = crate::rootfs::writable::WritableDrives::remove(path);
-            self.writable.create(path, bytes).map_err(|source| {
-                (
-                    RuntimeError::WritableDrive {
-                        uid: rec.uid.clone(),
-                        source,
-                    },
-                    None,
-                )
-            })?;
+            self.writable
+                .create(path, bytes)
+                .map_err(|source| RuntimeError::WritableDrive {
+                    uid: rec.uid.clone(),
+                    source,
+                })?;
             if let Some(cfg) = &self.cfg.jail
                 && let Some(id) = jail::id_of(cfg, &rec.dir)
             {

@@ -96,8 +96,8 @@ impl Entry {
                 retry: self.failed_at.is_none_or(|t| t.elapsed() >= RETRY_AFTER),
             },
             (TemplateState::Ready, Some(m)) => Known::Ready {
-                content: m.content.clone(),
-                vmm: m.vmm.clone(),
+                content: Box::new(m.content.clone()),
+                vmm: Box::new(m.vmm.clone()),
             },
             (TemplateState::Ready, None) => Known::None,
         }
@@ -145,7 +145,8 @@ fn dir_bytes(dir: &Path) -> u64 {
         .unwrap_or(0)
 }
 
-/// `path` root's, 0600: no VM (another uid) reads a template's memory or drive.
+/// `path` root's, 0600 (a directory 0700): no VM (another uid) reads a template's memory or
+/// drive.
 fn private(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
     std::os::unix::fs::chown(path, Some(0), Some(0)).or_else(|e| {
@@ -156,7 +157,8 @@ fn private(path: &Path) -> std::io::Result<()> {
             Err(e)
         }
     })?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+    let mode = if path.is_dir() { 0o700 } else { 0o600 };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
 }
 
 /// The VMM facts of this runtime's QEMU: its version line, the accelerator it gets here, the
@@ -199,6 +201,7 @@ impl Templates {
     /// Ready, anything else (an interrupted build) is removed. Returns also the keys removed.
     pub fn open(dir: &Path, vmm: VmmFacts, budget: u64) -> std::io::Result<(Self, Vec<String>)> {
         std::fs::create_dir_all(dir)?;
+        private(dir)?;
         let mut entries = HashMap::new();
         let mut removed = Vec::new();
         for e in std::fs::read_dir(dir)?.flatten() {
@@ -280,8 +283,7 @@ impl Templates {
 
     pub fn list(&self) -> Vec<TemplateStatus> {
         let entries = self.entries.lock().expect("templates");
-        let mut out: Vec<TemplateStatus> =
-            entries.iter().map(|(k, e)| self.status(k, e)).collect();
+        let mut out: Vec<TemplateStatus> = entries.iter().map(|(k, e)| self.status(k, e)).collect();
         out.sort_by(|a, b| a.key.cmp(&b.key));
         out
     }
@@ -324,13 +326,8 @@ fn host_entropy() -> Vec<u8> {
     let mut filled = 0;
     while filled < buf.len() {
         // SAFETY: the pointer and length describe the unfilled tail of `buf`.
-        let n = unsafe {
-            libc::getrandom(
-                buf[filled..].as_mut_ptr().cast(),
-                buf.len() - filled,
-                0,
-            )
-        };
+        let n =
+            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
         if n > 0 {
             filled += n as usize;
         }
@@ -386,7 +383,7 @@ impl Runtime {
             }
             (_, None) => true,
             (_, Some(Known::Failed { retry })) => retry,
-            (_, Some(Known::Ready { vmm, .. })) => vmm != self.templates.vmm,
+            (_, Some(Known::Ready { vmm, .. })) => *vmm != self.templates.vmm,
             (_, Some(_)) => false,
         };
         if build {
@@ -407,7 +404,12 @@ impl Runtime {
         if !key::valid_key(key) {
             return Err(RuntimeError::InvalidTemplateKey(key.into()));
         }
-        let removed = self.templates.entries.lock().expect("templates").remove(key);
+        let removed = self
+            .templates
+            .entries
+            .lock()
+            .expect("templates")
+            .remove(key);
         if removed.is_some_and(|e| e.state == TemplateState::Building) {
             // The build notices its entry is gone when it finishes and drops its result.
             tracing::info!(key, "template deleted while building");
@@ -518,9 +520,7 @@ impl Runtime {
                     Some(CloneSource {
                         key,
                         mem: dir.join("mem"),
-                        writable: inputs
-                            .writable_disk_bytes
-                            .map(|_| dir.join("writable.img")),
+                        writable: inputs.writable_disk_bytes.map(|_| dir.join("writable.img")),
                         boot_args: meta.boot_args,
                     }),
                     None,
@@ -552,10 +552,9 @@ impl Runtime {
                         };
                         format!("{what} changed since template {key} was built; rebuilding")
                     }
-                    (_, reason::TEMPLATE_UNSUPPORTED) => format!(
-                        "the {} backend keeps no templates yet",
-                        r.backend.as_str()
-                    ),
+                    (_, reason::TEMPLATE_UNSUPPORTED) => {
+                        format!("the {} backend keeps no templates yet", r.backend.as_str())
+                    }
                     (_, reason::TEMPLATE_FAILED) => {
                         let entries = self.templates.entries.lock().expect("templates");
                         let why = entries
@@ -630,7 +629,10 @@ impl Runtime {
 
     /// A clone's writable drive: a copy (reflink or sparse) of the template's at snapshot time.
     pub(super) fn clone_writable(src: &CloneSource, dest: &Path) -> Result<(), String> {
-        let from = src.writable.as_ref().ok_or("the template has no writable drive")?;
+        let from = src
+            .writable
+            .as_ref()
+            .ok_or("the template has no writable drive")?;
         let _ = WritableDrives::remove(dest);
         clone_file(from, dest)
             .map(|_| ())

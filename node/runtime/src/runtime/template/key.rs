@@ -203,8 +203,13 @@ pub enum Known {
     None,
     Building,
     /// The last build failed; `retry` once its backoff has passed.
-    Failed { retry: bool },
-    Ready { content: Content, vmm: VmmFacts },
+    Failed {
+        retry: bool,
+    },
+    Ready {
+        content: Box<Content>,
+        vmm: Box<VmmFacts>,
+    },
 }
 
 /// What a `from_template` start does.
@@ -214,10 +219,7 @@ pub enum Decision {
     Clone,
     /// Boot cold, reporting `fallback`; `build`: (re)build the template now, so the next VM
     /// restores.
-    Cold {
-        fallback: &'static str,
-        build: bool,
-    },
+    Cold { fallback: &'static str, build: bool },
 }
 
 /// Clone when the backend keeps templates, one is ready, and what it was built from and by
@@ -232,8 +234,8 @@ pub fn decide(supported: bool, known: &Known, content: &Content, vmm: &VmmFacts)
         Known::None => cold(TEMPLATE_MISSING, true),
         Known::Building => cold(TEMPLATE_BUILDING, false),
         Known::Failed { retry } => cold(TEMPLATE_FAILED, *retry),
-        Known::Ready { content: c, .. } if c != content => cold(TEMPLATE_STALE, true),
-        Known::Ready { vmm: v, .. } if v != vmm => cold(TEMPLATE_VMM_MISMATCH, true),
+        Known::Ready { content: c, .. } if **c != *content => cold(TEMPLATE_STALE, true),
+        Known::Ready { vmm: v, .. } if **v != *vmm => cold(TEMPLATE_VMM_MISMATCH, true),
         Known::Ready { .. } => Decision::Clone,
     }
 }
@@ -320,7 +322,8 @@ mod tests {
         n.attachment.as_mut().unwrap().address = "198.51.100.11/24".parse().unwrap();
         b.from_template = false;
         assert_eq!(key_of(&b), k, "identity and from_template are not inputs");
-        let changed: Vec<Box<dyn Fn(&mut VmSpec)>> = vec![
+        type Change = Box<dyn Fn(&mut VmSpec)>;
+        let changed: Vec<Change> = vec![
             Box::new(|s| s.vcpu = 2),
             Box::new(|s| s.memory_mib = 512),
             Box::new(|s| s.writable_disk_bytes = None),
@@ -389,8 +392,8 @@ mod tests {
     fn decide_clones_only_a_matching_ready_template() {
         use reason::*;
         let ready = Known::Ready {
-            content: content(),
-            vmm: vmm(),
+            content: Box::new(content()),
+            vmm: Box::new(vmm()),
         };
         assert_eq!(decide(true, &ready, &content(), &vmm()), Decision::Clone);
         let cold = |fallback, build| Decision::Cold { fallback, build };
