@@ -448,6 +448,32 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         seen.push(inside);
         h.client.delete(&uid).await.unwrap();
     }
+    // A clone the guest refuses an identity (a hostname it rejects; the template is the same,
+    // identity words are no part of the key): Failed, never Running, its resources released.
+    let e = h
+        .client
+        .ensure_running(
+            "refused1",
+            &spec(
+                "198.51.100.14/24",
+                "imp.hostname=bad_name imp.report_grace_s=60",
+            ),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.reason(), Some(reason::REIDENTIFY_FAILED), "{e}");
+    let st = h.client.inspect("refused1").await.unwrap();
+    assert_eq!(st.state, VmState::Failed);
+    assert_eq!(st.start.as_ref().map(|s| s.from), Some(StartKind::Clone));
+    assert!(
+        !h.vms_dir().join("refused1").join("writable.img").exists(),
+        "drive released"
+    );
+    assert!(
+        imp_runtime::procfs::firecrackers_under(&h.vms_dir().join("refused1")).is_empty(),
+        "no process left"
+    );
+    h.client.delete("refused1").await.unwrap();
     let listed = h.client.templates().await.unwrap();
     let t = listed.iter().find(|t| t.key == key).unwrap();
     assert_eq!(t.clones, 3, "{t:?}");
@@ -469,6 +495,10 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let metrics = h.metrics().await;
     assert!(
         metrics.contains("imp_runtime_template_restores_total{outcome=\"cloned\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("imp_runtime_reidentify_failures_total{reason=\"refused\"} 1"),
         "{metrics}"
     );
 
@@ -571,7 +601,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     assert!(left.is_empty(), "{left:?}");
     let links = output("ip", &["-n", &node, "-o", "link", "show"]);
     let mut owners: Vec<String> = [
-        "boot1", "clone0", "clone1", "clone2", "other1", "mism1", "clone9", "broken1",
+        "boot1", "clone0", "clone1", "clone2", "refused1", "other1", "mism1", "clone9", "broken1",
     ]
     .map(String::from)
     .to_vec();
