@@ -197,7 +197,7 @@ pub fn qemu_facts(cfg: &qemu::QemuConfig) -> VmmFacts {
 }
 
 impl Templates {
-    /// The templates under `dir` (`<state>/templates`): complete ones (with `meta.json`) are
+    /// The templates under `dir` (`<state>/templates`): complete ones (`mem`, `meta.json`) are
     /// Ready, anything else (an interrupted build) is removed. Returns also the keys removed.
     pub fn open(dir: &Path, vmm: VmmFacts, budget: u64) -> std::io::Result<(Self, Vec<String>)> {
         std::fs::create_dir_all(dir)?;
@@ -210,7 +210,8 @@ impl Templates {
             let meta: Option<Meta> = std::fs::read(path.join("meta.json"))
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
-            match meta.filter(|m| key::valid_key(&name) && m.key == name) {
+            let complete = path.join("mem").is_file();
+            match meta.filter(|m| complete && key::valid_key(&name) && m.key == name) {
                 Some(meta) => {
                     let bytes = dir_bytes(&path);
                     let mut entry = Entry::new(VmSpec {
@@ -751,6 +752,7 @@ impl Runtime {
                             Err(failure) => {
                                 tracing::warn!(key, reason = %failure.reason, message = %failure.message, "template build failed");
                                 e.state = TemplateState::Failed;
+                                e.bytes = 0;
                                 e.failure = Some(failure);
                                 e.failed_at = Some(Instant::now());
                                 e.meta = None;
@@ -827,6 +829,9 @@ impl Runtime {
         let _ = std::fs::remove_dir_all(&rec.dir);
         let building = self.templates.dir.join(format!("{key}.building"));
         let _ = std::fs::remove_dir_all(&building);
+        // A rebuild replaces a stale template: nobody restores it while this builds (its entry
+        // is Building), and a failed rebuild must not leave it on disk.
+        let _ = std::fs::remove_dir_all(self.templates.dir_of(key));
         let out = async {
             std::fs::create_dir_all(&building)
                 .map_err(|e| failed(reason::TEMPLATE_FAILED, format!("create dir: {e}")))?;
@@ -882,7 +887,6 @@ impl Runtime {
             .and_then(|()| private(&meta_path))
             .map_err(|e| failed(reason::TEMPLATE_FAILED, format!("write meta: {e}")))?;
             let dest = self.templates.dir_of(key);
-            let _ = std::fs::remove_dir_all(&dest);
             std::fs::rename(&building, &dest)
                 .map_err(|e| failed(reason::TEMPLATE_FAILED, format!("rename: {e}")))?;
             Ok(meta)
@@ -931,5 +935,117 @@ impl Runtime {
                 let _ = tap::delete(&t);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use key::{ImageRef, KeyInputs};
+
+    fn meta(key: &str) -> Meta {
+        Meta {
+            key: key.into(),
+            inputs: KeyInputs {
+                backend: Backend::Qemu,
+                image: Some(ImageRef {
+                    base: "reg/base:1".into(),
+                    runner: None,
+                }),
+                base_disk: None,
+                kernel: "/k".into(),
+                initrd: None,
+                vcpu: 1,
+                memory_mib: 256,
+                writable_disk_bytes: Some(1 << 20),
+                nic: true,
+                extra_boot_args: None,
+            },
+            content: Content {
+                image_key: Some("abc".into()),
+                base_disk: None,
+                kernel: Stamp {
+                    bytes: 1,
+                    mtime_ns: 1,
+                },
+                initrd: None,
+            },
+            vmm: VmmFacts {
+                version: "QEMU emulator version 7.2.0".into(),
+                accel: "tcg".into(),
+                cpu: "tcg".into(),
+            },
+            boot_args: "console=ttyS0".into(),
+            build_seconds: 4.0,
+            built_unix: 1,
+        }
+    }
+
+    #[test]
+    fn complete_templates_load_ready_and_interrupted_builds_go() {
+        let d = tempfile::tempdir().unwrap();
+        let (ready, interrupted, bad) = ("a".repeat(24), "b".repeat(24), "c".repeat(24));
+        for (dir, m) in [
+            (ready.clone(), Some(meta(&ready))),
+            (format!("{interrupted}.building"), None),
+            // meta.json of another key: not trusted.
+            (bad.clone(), Some(meta(&ready))),
+        ] {
+            let p = d.path().join(&dir);
+            std::fs::create_dir_all(&p).unwrap();
+            std::fs::write(p.join("mem"), vec![1u8; 8192]).unwrap();
+            if let Some(m) = m {
+                std::fs::write(p.join("meta.json"), serde_json::to_vec(&m).unwrap()).unwrap();
+            }
+        }
+        let vmm = meta(&ready).vmm;
+        let (t, removed) = Templates::open(d.path(), vmm, 1 << 30).unwrap();
+        let mut removed = removed;
+        removed.sort();
+        assert_eq!(removed, [interrupted.clone(), bad.clone()]);
+        let list = t.list();
+        assert_eq!(list.len(), 1, "{list:?}");
+        assert_eq!(
+            (list[0].key.as_str(), list[0].state),
+            (ready.as_str(), TemplateState::Ready)
+        );
+        assert!(list[0].bytes >= 8192, "{list:?}");
+        assert_eq!(t.holders(), [holder(&ready)]);
+        assert!(!d.path().join(format!("{interrupted}.building")).exists());
+        assert!(!d.path().join(&bad).exists());
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(d.path()).unwrap().permissions().mode();
+        assert_eq!(
+            mode & 0o777,
+            0o700,
+            "the templates directory is the runtime's"
+        );
+    }
+
+    #[test]
+    fn a_clone_gets_the_network_identity_of_a_cold_boot() {
+        let spec: VmSpec = serde_json::from_value(serde_json::json!({
+            "vcpu": 1, "memory_mib": 128,
+            "network": {"attachment": {
+                "network_id": "n", "network_name": "ci/r", "address": "198.51.100.7/24",
+                "gateway": "198.51.100.1", "dns": ["192.0.2.1"], "mtu": 1400
+            }}
+        }))
+        .unwrap();
+        let n = net_identity("vm-7", &spec).unwrap();
+        assert_eq!(n.mac, network::format_mac(&network::vm_mac("vm-7")));
+        assert_eq!(
+            (n.address.as_str(), n.prefix, n.gateway.as_str(), n.mtu),
+            ("198.51.100.7", 24, "198.51.100.1", Some(1400))
+        );
+        assert_eq!(n.dns, ["192.0.2.1"]);
+        let bare = VmSpec {
+            network: None,
+            ..spec
+        };
+        assert!(net_identity("vm-7", &bare).is_none());
+        let e = host_entropy();
+        assert_eq!(e.len(), ENTROPY_BYTES);
+        assert_ne!(e, host_entropy());
     }
 }
