@@ -572,10 +572,33 @@ impl Runtime {
         }
     }
 
-    /// A fresh QEMU for row `r` loading template `src` (vsock device first, each process
-    /// recorded as it exists), running once the stream is in. On error, the message and what
-    /// to kill.
+    /// A fresh VMM for row `r` restoring template `src`, running. On error, the message and
+    /// what to kill. The backend's own steps are behind this match (a Firecracker branch:
+    /// `snapshot_load` with `vsock_override` and `network_overrides`, docs/snapshots.md).
     pub(super) async fn restore_clone(
+        &self,
+        r: &mut VmRecord,
+        plan: &VmPlan,
+        cgroups: &[PathBuf],
+        jail: Option<&crate::jail::VmJail>,
+        src: &CloneSource,
+        deadline: Instant,
+    ) -> Result<Vm, (String, Option<Vm>)> {
+        match r.backend {
+            Backend::Qemu => {
+                self.restore_qemu_clone(r, plan, cgroups, jail, src, deadline)
+                    .await
+            }
+            Backend::Firecracker => Err((
+                "the Firecracker backend keeps no templates yet".into(),
+                None,
+            )),
+        }
+    }
+
+    /// A fresh QEMU for row `r` loading template `src` (vsock device first, each process
+    /// recorded as it exists), running once the stream is in.
+    async fn restore_qemu_clone(
         &self,
         r: &mut VmRecord,
         plan: &VmPlan,
@@ -843,19 +866,32 @@ impl Runtime {
                 }
                 return Err(failed(e.reason(), e.to_string()));
             }
-            let Some(Vm::Qemu(q)) = vm::of_record(&rec) else {
-                return Err(failed(reason::TEMPLATE_FAILED, "no QEMU recorded".into()));
-            };
             let boot_args = self.plan_of(&rec, spec).boot_args;
             let mem = building.join("mem");
-            let migrated = q.migrate_to_file(&mem).await;
-            q.kill().await;
-            migrated.map_err(|e| failed(reason::TEMPLATE_FAILED, format!("snapshot: {e}")))?;
-            if !qemu::wait_file_closed(&mem, WRITER_TIMEOUT).await {
-                return Err(failed(
-                    reason::TEMPLATE_FAILED,
-                    "the migration's writer still holds the memory file".into(),
-                ));
+            // The backend's snapshot (a Firecracker branch: pause, `snapshot_create`).
+            match vm::of_record(&rec) {
+                Some(Vm::Qemu(q)) => {
+                    let migrated = q.migrate_to_file(&mem).await;
+                    q.kill().await;
+                    migrated
+                        .map_err(|e| failed(reason::TEMPLATE_FAILED, format!("snapshot: {e}")))?;
+                    if !qemu::wait_file_closed(&mem, WRITER_TIMEOUT).await {
+                        return Err(failed(
+                            reason::TEMPLATE_FAILED,
+                            "the migration's writer still holds the memory file".into(),
+                        ));
+                    }
+                }
+                Some(other) => {
+                    other.kill().await;
+                    return Err(failed(
+                        reason::TEMPLATE_UNSUPPORTED,
+                        format!("{} keeps no templates yet", other.backend().as_str()),
+                    ));
+                }
+                None => {
+                    return Err(failed(reason::TEMPLATE_FAILED, "no VMM recorded".into()));
+                }
             }
             let mut files = vec![mem];
             if let Some(w) = &rec.writable_disk {
