@@ -401,11 +401,13 @@ impl Runtime {
                             && let Err(holders) = qemu::wait_tap_free(t, TAP_FREE_TIMEOUT).await
                         {
                             return Err((
-                                RuntimeError::Boot {
+                                RuntimeError::QemuStart {
                                     uid: uid.clone(),
-                                    source: DriverError::GuestProtocol(format!(
-                                        "TAP {t} is still held by {holders:?}"
-                                    )),
+                                    source: qemu::QemuError::StartFailed {
+                                        what: "QEMU",
+                                        message: format!("TAP {t} is still held by {holders:?}"),
+                                        log: String::new(),
+                                    },
                                 },
                                 None,
                             ));
@@ -470,8 +472,12 @@ impl Runtime {
             .map(|at| at.elapsed().as_secs_f64() * 1e3);
         let announced = hello_after_announce_ms.is_some();
         drop(announcements);
+        // To Running: for a clone, restore and reidentify (imp_vm_boot_latency_seconds counts
+        // boots only; a clone's restore is in imp_runtime_restore_seconds).
         let secs = spawned_at.elapsed().as_secs_f64();
-        self.metrics.boot_latency.observe(secs);
+        if start.from == StartKind::Boot {
+            self.metrics.boot_latency.observe(secs);
+        }
         rec.boot_seconds = Some(secs);
         self.inventory
             .set_running(&uid, secs)
