@@ -22,6 +22,9 @@ use crate::vmm::{self, DriverError, VmPlan};
 
 /// How long a clone whose restore failed waits for its TAP to be free before booting.
 const TAP_FREE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a clone's restore (fresh VMM to Hello) may take before it boots instead (at most
+/// the boot timeout): a TCG clone on a loaded host restores in about a second.
+const RESTORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Runtime {
     /// The request's host paths resolved under the image directories (400 naming the field
@@ -360,15 +363,17 @@ impl Runtime {
                     boot_args: src.boot_args.clone(),
                     ..plan.clone()
                 };
+                // A restore that hangs falls back sooner than a boot would time out.
+                let restore_deadline = spawned_at + self.cfg.boot_timeout.min(RESTORE_TIMEOUT);
                 let restored = match self
-                    .restore_clone(rec, &plan, &procs, jail.as_ref(), src, deadline)
+                    .restore_clone(rec, &plan, &procs, jail.as_ref(), src, restore_deadline)
                     .await
                 {
                     Ok(vm) => vmm::wait_for_hello(
                         &files.vsock,
                         &files.serial_log,
                         || vm.is_alive(),
-                        deadline,
+                        restore_deadline,
                         None,
                     )
                     .await
