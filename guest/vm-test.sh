@@ -55,6 +55,9 @@ cargo test -p imp-runtime --test agent_qemu -- --nocapture  # imp-agent's runner
 # VM networking with real guests (root: the TAPs, bridge and nft rules live in test netns).
 IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
     cargo test -p imp-runtime --test network_qemu -- --nocapture
+# Snapshot standby: a template, clones restored and reidentified, fallbacks (root as above).
+IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
+    cargo test -p imp-runtime --test template_qemu -- --nocapture
 # ScaleToZero through imp-agent on a real guest, client and node in test netns (root as above).
 IMP_REQUIRE_ROOT="${IMP_REQUIRE_ROOT:-$([ "$(id -u)" = 0 ] && echo 1 || echo 0)}" \
     cargo test -p imp-runtime --test scale_to_zero_qemu -- --nocapture

@@ -46,6 +46,8 @@ pub struct VmRecord {
     /// A process the VM needs beside its VMM (QEMU's vhost-device-vsock).
     pub helper_pid: Option<i32>,
     pub helper_start_time: Option<u64>,
+    /// How the VM was started (`VmStatus.start`, JSON), recorded once it is Running or Failed.
+    pub start_json: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -98,8 +100,8 @@ impl Inventory {
         sqlx::query(
             "INSERT INTO vms (uid, state, spec_json, pid, start_time, dir, api_socket, vsock_path, \
              serial_log, tap, base_disk, writable_disk, failure_reason, failure_message, boot_seconds, \
-             created_at, updated_at, backend, helper_pid, helper_start_time) \
-             VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+             created_at, updated_at, backend, helper_pid, helper_start_time, start_json) \
+             VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         )
         .bind(r.uid.clone())
         .bind(r.state.as_str())
@@ -121,6 +123,7 @@ impl Inventory {
         .bind(r.backend.as_str())
         .bind(r.helper_pid)
         .bind(r.helper_start_time.map(|s| s as i64))
+        .bind(r.start_json.clone())
         .execute(&self.pool)
         .await?;
         Ok(())
@@ -226,6 +229,17 @@ impl Inventory {
         Ok(())
     }
 
+    /// How the VM was started (`VmStatus.start`, as JSON).
+    pub async fn set_start(&self, uid: &str, start_json: &str) -> Result<(), InventoryError> {
+        sqlx::query("UPDATE vms SET start_json = ?, updated_at = ? WHERE uid = ?")
+            .bind(start_json.to_string())
+            .bind(now())
+            .bind(uid.to_string())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     pub async fn get(&self, uid: &str) -> Result<Option<VmRecord>, InventoryError> {
         let row = sqlx::query("SELECT * FROM vms WHERE uid = ?")
             .bind(uid.to_string())
@@ -287,6 +301,7 @@ fn decode(r: &SqliteRow) -> Result<VmRecord, InventoryError> {
         helper_start_time: r
             .try_get::<Option<i64>, _>("helper_start_time")?
             .map(|s| s as u64),
+        start_json: r.try_get("start_json")?,
         uid,
     })
 }
@@ -313,6 +328,7 @@ mod tests {
             backend: Backend::Firecracker,
             helper_pid: None,
             helper_start_time: None,
+            start_json: None,
             failure_reason: None,
             failure_message: None,
             boot_seconds: None,

@@ -47,6 +47,18 @@ pub struct Metrics {
     pub suspend_failures: Family<OperationReasonLabel, Counter>,
     /// Bytes of suspend snapshots on disk (every Suspended VM's).
     pub snapshot_bytes: Gauge,
+    /// Template builds by outcome (`built`, `failed`, `evicted`).
+    pub template_builds: Family<OutcomeLabel, Counter>,
+    /// Allocated bytes and number of ready templates.
+    pub template_bytes: Gauge,
+    pub templates: Gauge,
+    /// `from_template` starts by outcome: `cloned`, or the fallback reason.
+    pub restores: Family<OutcomeLabel, Counter>,
+    /// Clones: fresh VMM to the restored guest agent's Hello.
+    pub restore_seconds: Histogram,
+    /// Clones whose `Reidentify` failed, by kind (`evidence`, `refused`, `timeout`,
+    /// `connection`).
+    pub reidentify_failures: Family<ReasonLabel, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
@@ -233,7 +245,49 @@ impl Metrics {
             "Bytes on disk of the snapshots of every Suspended VM",
             snapshot_bytes.clone(),
         );
+        let template_builds = Family::<OutcomeLabel, Counter>::default();
+        let template_bytes = Gauge::default();
+        let templates = Gauge::default();
+        let restores = Family::<OutcomeLabel, Counter>::default();
+        let restore_seconds = suspend_histogram();
+        let reidentify_failures = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "imp_runtime_template_builds",
+            "VM template builds (boot, warm, snapshot), by outcome (built, failed, evicted)",
+            template_builds.clone(),
+        );
+        registry.register(
+            "imp_runtime_template_bytes",
+            "Bytes on disk (allocated) of the ready VM templates",
+            template_bytes.clone(),
+        );
+        registry.register(
+            "imp_runtime_templates",
+            "Ready VM templates on this node",
+            templates.clone(),
+        );
+        registry.register(
+            "imp_runtime_template_restores",
+            "from_template VM starts, by outcome (cloned, or the fallback reason of a cold boot)",
+            restores.clone(),
+        );
+        registry.register(
+            "imp_runtime_restore_seconds",
+            "Clones: from the fresh VMM's start to the restored guest agent's Hello",
+            restore_seconds.clone(),
+        );
+        registry.register(
+            "imp_runtime_reidentify_failures",
+            "Clones whose Reidentify failed (they end Failed), by kind (evidence, refused, timeout, connection)",
+            reidentify_failures.clone(),
+        );
         Self {
+            template_builds,
+            template_bytes,
+            templates,
+            restores,
+            restore_seconds,
+            reidentify_failures,
             suspend_seconds,
             resume_seconds,
             suspend_failures,
@@ -325,6 +379,24 @@ mod tests {
             })
             .inc();
         m.snapshot_bytes.set(4096);
+        m.template_builds
+            .get_or_create(&OutcomeLabel {
+                outcome: "built".into(),
+            })
+            .inc();
+        m.template_bytes.set(8192);
+        m.templates.set(1);
+        m.restores
+            .get_or_create(&OutcomeLabel {
+                outcome: "cloned".into(),
+            })
+            .inc();
+        m.restore_seconds.observe(0.5);
+        m.reidentify_failures
+            .get_or_create(&ReasonLabel {
+                reason: "evidence".into(),
+            })
+            .inc();
         let text = m.encode();
         for want in [
             "imp_vm_boot_latency_seconds_count 1",
@@ -338,6 +410,12 @@ mod tests {
             "imp_runtime_resume_seconds_count{backend=\"firecracker\"} 1",
             "imp_runtime_suspend_failures_total{operation=\"resume\",reason=\"ResumeFailed\"} 1",
             "imp_runtime_snapshot_bytes 4096",
+            "imp_runtime_template_builds_total{outcome=\"built\"} 1",
+            "imp_runtime_template_bytes 8192",
+            "imp_runtime_templates 1",
+            "imp_runtime_template_restores_total{outcome=\"cloned\"} 1",
+            "imp_runtime_restore_seconds_count 1",
+            "imp_runtime_reidentify_failures_total{reason=\"evidence\"} 1",
             "imp_rootfs_cache_misses_total 1",
             "imp_rootfs_build_duration_seconds_count 1",
             "imp_rootfs_build_failures_total{reason=\"RootfsRejected\"} 1",
@@ -351,7 +429,7 @@ mod tests {
         }
         assert_eq!(
             imp_testkit::metrics::assert_every_family_documented(&text),
-            19,
+            25,
             "{text}"
         );
     }

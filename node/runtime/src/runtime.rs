@@ -13,6 +13,7 @@ mod recover;
 mod startup;
 mod suspend;
 mod teardown;
+pub mod template;
 mod validate;
 mod vm;
 
@@ -72,6 +73,9 @@ pub struct Config {
     pub jailer: Option<JailerConfig>,
     /// Which ImpNetworks this node admits (network/admit.rs).
     pub network: crate::network::Admission,
+    /// Bytes the node's VM templates may hold on disk together (memory snapshots and drives);
+    /// past it the least recently used go (docs/snapshots.md).
+    pub template_budget_bytes: u64,
 }
 
 impl From<&VmRecord> for VmStatus {
@@ -89,7 +93,10 @@ impl From<&VmRecord> for VmStatus {
                 reason: reason.clone(),
                 message: r.failure_message.clone().unwrap_or_default(),
             }),
-            start: None,
+            start: r
+                .start_json
+                .as_deref()
+                .and_then(|j| serde_json::from_str(j).ok()),
         }
     }
 }
@@ -173,6 +180,12 @@ pub enum RuntimeError {
     Jailer { uid: String, source: JailerError },
     #[error("Firecracker's jailer: {0}")]
     JailerPreflight(JailerError),
+    #[error("invalid template key {0:?}: {len} lowercase hex digits", len = template::key::KEY_HEX)]
+    InvalidTemplateKey(String),
+    #[error("clone {uid} did not take its own identity (it gets no config): {message}")]
+    ReidentifyFailed { uid: String, message: String },
+    #[error("template directory: {0}")]
+    Templates(std::io::Error),
     #[error(transparent)]
     Inventory(#[from] InventoryError),
 }
@@ -213,6 +226,9 @@ impl RuntimeError {
             | RuntimeError::RootfsStore(_)
             | RuntimeError::WritableTemplates(_) => reason::STATE_DIR_UNUSABLE,
             RuntimeError::Cgroups(_) => reason::CGROUP_SETUP_FAILED,
+            RuntimeError::InvalidTemplateKey(_) => reason::INVALID_SPEC,
+            RuntimeError::ReidentifyFailed { .. } => template::reason::REIDENTIFY_FAILED,
+            RuntimeError::Templates(_) => reason::STATE_DIR_UNUSABLE,
         }
     }
 
@@ -220,6 +236,7 @@ impl RuntimeError {
     pub fn field(&self) -> Option<&'static str> {
         match self {
             RuntimeError::InvalidUid(_) => Some("uid"),
+            RuntimeError::InvalidTemplateKey(_) => Some("key"),
             RuntimeError::InvalidSpec(i) | RuntimeError::DiskBudgetExceeded { source: i, .. } => {
                 Some(i.field)
             }
@@ -263,6 +280,8 @@ pub struct Runtime {
     net_lock: tokio::sync::Mutex<()>,
     /// Serialises per-VM uid assignments (each picks the lowest one no VM directory holds).
     jail_lock: Mutex<()>,
+    /// VM templates and their builds (docs/snapshots.md).
+    templates: template::Templates,
 }
 
 /// How often the serial logs are held to their cap: a guest writing at disk speed adds at most

@@ -15,7 +15,8 @@ use imp_api::names::reason;
 
 use crate::api::{
     Capacity, ErrorBody, LinkStats, MAX_BODY_BYTES, PrebuildRequest, PrebuildStatus, Readiness,
-    ResumeInfo, SnapshotInfo, SnapshotRequest, SuspendInfo, VmList, VmSpec, VmStatus, VsockInfo,
+    ResumeInfo, SnapshotInfo, SnapshotRequest, SuspendInfo, TemplateList, TemplateRequest,
+    TemplateStatus, VmList, VmSpec, VmStatus, VsockInfo,
 };
 use crate::runtime::{Ensured, Runtime, RuntimeError};
 
@@ -30,7 +31,9 @@ impl IntoResponse for ApiError {
 impl From<RuntimeError> for ApiError {
     fn from(e: RuntimeError) -> Self {
         let status = match &e {
-            RuntimeError::InvalidUid(_) | RuntimeError::InvalidSpec(_) => StatusCode::BAD_REQUEST,
+            RuntimeError::InvalidUid(_)
+            | RuntimeError::InvalidSpec(_)
+            | RuntimeError::InvalidTemplateKey(_) => StatusCode::BAD_REQUEST,
             // The request is fine; this node has no room for it now.
             RuntimeError::DiskBudgetExceeded { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -52,7 +55,8 @@ impl From<RuntimeError> for ApiError {
             | RuntimeError::WritableDrive { .. }
             | RuntimeError::Rootfs { .. }
             | RuntimeError::Prebuild { .. }
-            | RuntimeError::StartCancelled { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            | RuntimeError::StartCancelled { .. }
+            | RuntimeError::ReidentifyFailed { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             RuntimeError::LinkStats { .. }
             | RuntimeError::Snapshot { .. }
             | RuntimeError::Resume { .. }
@@ -60,7 +64,8 @@ impl From<RuntimeError> for ApiError {
             | RuntimeError::StateDir { .. }
             | RuntimeError::RootfsStore(_)
             | RuntimeError::WritableTemplates(_)
-            | RuntimeError::Cgroups(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            | RuntimeError::Cgroups(_)
+            | RuntimeError::Templates(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(
             status,
@@ -205,6 +210,29 @@ async fn prebuild(
     Ok(Json(built))
 }
 
+/// `POST /v1/templates`: answered at once, the build runs in the background.
+async fn ensure_template(
+    State(rt): Rt,
+    body: Result<Json<TemplateRequest>, JsonRejection>,
+) -> Result<Json<TemplateStatus>, ApiError> {
+    let Json(req) = body.map_err(bad_json)?;
+    Ok(Json(rt.ensure_template(&req.spec).await?))
+}
+
+async fn list_templates(State(rt): Rt) -> Json<TemplateList> {
+    Json(TemplateList {
+        templates: rt.templates(),
+    })
+}
+
+async fn delete_template(
+    State(rt): Rt,
+    UrlPath(key): UrlPath<String>,
+) -> Result<StatusCode, ApiError> {
+    rt.delete_template(&key).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 async fn capacity(State(rt): Rt) -> Result<Json<Capacity>, ApiError> {
     let (used, budget) = rt.disk_usage().await?;
     Ok(Json(Capacity {
@@ -254,6 +282,11 @@ pub fn router(rt: Arc<Runtime>) -> Router {
         .route("/v1/vms", get(list_vms))
         .route("/v1/capacity", get(capacity))
         .route("/v1/images", post(prebuild))
+        .route("/v1/templates", get(list_templates).post(ensure_template))
+        .route(
+            "/v1/templates/{key}",
+            axum::routing::delete(delete_template),
+        )
         .route("/v1/vms/{uid}", get(get_vm).put(put_vm).delete(delete_vm))
         .route("/v1/vms/{uid}/linkstats", get(linkstats))
         .route("/v1/vms/{uid}/vsock", get(vsock))

@@ -65,6 +65,12 @@ struct Args {
     ignore_ctrl_alt_del: bool,
     #[arg(long)]
     api_delay_ms: Option<u64>,
+    /// How a clone's guest takes `Reidentify`: answer, refuse or hang (see sim::Knobs).
+    #[arg(long, env = "IMP_SIM_REIDENTIFY")]
+    reidentify: Option<sim::ReidentifyKnob>,
+    /// With --keep-guest: the clone guest's identity root.
+    #[arg(long, hide = true, requires = "keep_guest")]
+    identity_root: Option<PathBuf>,
     /// Run as the guest keeper of the guest agent on this socket (spawned by the simulator
     /// itself; see sim::keep_guest).
     #[arg(long, hide = true)]
@@ -82,7 +88,7 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     };
     if let Some(sock) = &args.keep_guest {
-        return match sim::keep_guest(&guest_bin, sock) {
+        return match sim::keep_guest(&guest_bin, sock, args.identity_root.as_deref()) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("Error: {e}");
@@ -118,6 +124,9 @@ fn main() -> ExitCode {
     if args.panic_text.is_some() {
         knobs.panic_text = args.panic_text;
     }
+    if let Some(r) = args.reidentify {
+        knobs.reidentify = r;
+    }
     let opts = Options {
         id: args.id,
         api_sock: (!args.no_api).then_some(args.api_sock).flatten(),
@@ -135,7 +144,11 @@ fn main() -> ExitCode {
         .build()
         .expect("tokio runtime");
     match rt.block_on(sim::run(opts)) {
-        Ok(_) => ExitCode::SUCCESS,
+        Ok(sim::Exit::GuestReset) => ExitCode::SUCCESS,
+        Ok(sim::Exit::RestoreFailed) => {
+            eprintln!("Error: Loading snapshot failed.");
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("Error: {e}");
             ExitCode::FAILURE

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 pub use real::{Needs, RealFirecracker, real_or_skip};
-pub use sim::Knobs;
+pub use sim::{Knobs, ReidentifyKnob};
 
 /// Paths of the binaries a runtime test needs.
 #[derive(Debug, Clone)]
@@ -51,5 +51,7 @@ pub fn binaries() -> &'static SimBinaries {
     })
 }
 
+#[cfg(test)]
+mod clone_tests;
 #[cfg(test)]
 mod sim_tests;

@@ -53,6 +53,33 @@ pub struct Knobs {
     /// While this file exists the guest's `started` answers are held back (a runner spawn that
     /// has not answered yet), so a chaos test holds a handoff between Sent and Started. Test-only.
     pub hold_started_while: Option<PathBuf>,
+    /// How a clone's guest agent takes `Reidentify` (also `--reidentify` /
+    /// `IMP_SIM_REIDENTIFY`, which override this): answer it, refuse it (the agent is started
+    /// without an identity to manage), or never answer it (the frame is swallowed on its way
+    /// in). Test-only.
+    pub reidentify: ReidentifyKnob,
+}
+
+/// See [`Knobs::reidentify`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReidentifyKnob {
+    #[default]
+    Answer,
+    Refuse,
+    Hang,
+}
+
+impl std::str::FromStr for ReidentifyKnob {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "answer" => Ok(ReidentifyKnob::Answer),
+            "refuse" => Ok(ReidentifyKnob::Refuse),
+            "hang" => Ok(ReidentifyKnob::Hang),
+            _ => Err(format!("{s:?}: expected answer, refuse or hang")),
+        }
+    }
 }
 
 impl Knobs {
@@ -74,6 +101,9 @@ impl Knobs {
 pub enum Exit {
     /// Guest reset (SendCtrlAltDel or panic with reboot=k): Firecracker exits 0.
     GuestReset,
+    /// A snapshot load failed after it began restoring: Firecracker answers the request, then
+    /// exits with an error ("Loading snapshot failed."), the process being too dirty to reuse.
+    RestoreFailed,
 }
 
 #[derive(Default)]
@@ -208,6 +238,67 @@ struct Vm {
     agent: Option<Guest>,
     /// A snapshot was taken and not resumed from: the keeper keeps the guest after this VMM.
     detached: bool,
+    /// The loaded snapshot's guest memory, mapped as Firecracker maps it.
+    memory: Option<GuestMemory>,
+    /// A clone's identity root (`--identity-root` of its guest agent), removed with the VM.
+    identity: Option<PathBuf>,
+    /// This VM is a clone (a load by another VMM than the one that took the snapshot).
+    clone: bool,
+    /// A restore failed: the process exits once the answer is out.
+    fatal: bool,
+}
+
+/// Guest memory restored from a snapshot's memory file: mapped `MAP_PRIVATE` (copy on write,
+/// so the file is never written) and never read at load, as Firecracker maps it. Pages come in
+/// only when touched, so a load costs the same for 64 MiB and 2 GiB, and the process's
+/// resident memory (`/proc/<pid>/smaps_rollup`) counts only the pages touched. The simulated
+/// guest is a host process and touches none of them.
+struct GuestMemory {
+    addr: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value and only unmapped on drop.
+unsafe impl Send for GuestMemory {}
+
+impl GuestMemory {
+    /// Map `len` bytes of `path`. Firecracker opens the file read-only and fails when it cannot.
+    fn map(path: &str, len: u64) -> std::io::Result<GuestMemory> {
+        use std::os::fd::AsRawFd as _;
+        let file = File::open(path)?;
+        let size = file.metadata()?.len();
+        if size < len {
+            return Err(std::io::Error::other(format!(
+                "the memory file has {size} bytes, the snapshot's memory {len}"
+            )));
+        }
+        let len = usize::try_from(len).map_err(std::io::Error::other)?;
+        // SAFETY: a fresh private mapping of a file we opened; nothing else refers to it.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(GuestMemory {
+            addr,
+            len: len.max(1),
+        })
+    }
+}
+
+impl Drop for GuestMemory {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping this value owns.
+        unsafe { libc::munmap(self.addr, self.len) };
+    }
 }
 
 /// The simulated guest: imp-guest as this process's child, or held by a guest keeper.
@@ -490,6 +581,8 @@ impl Sim {
                 let state = json!({
                     "machine-config": vm.machine, "boot-source": vm.boot_source,
                     "drives": vm.drives, "network-interfaces": vm.nets, "vsock": vm.vsock,
+                    // Which VMM took it: a load by another one starts a clone.
+                    "imp-sim": {"vmm_id": self.id},
                 });
                 std::fs::write(&snap, serde_json::to_vec(&state).expect("json"))
                     .map_err(|e| fault(format!("Cannot write snapshot {snap}: {e}")))?;
@@ -511,97 +604,215 @@ impl Sim {
                 }
             }
             "/snapshot/load" => {
+                // Any pre-boot resource but the logger makes this the boot path.
                 if vm.started
                     || vm.boot_source.is_some()
                     || vm.machine.is_some()
                     || !vm.drives.is_empty()
+                    || !vm.nets.is_empty()
+                    || vm.vsock.is_some()
                 {
                     return Err(fault(
-                        "Loading a microVM snapshot not allowed after configuring boot-specific resources.",
+                        "Load snapshot error: Loading a microVM snapshot not allowed after configuring boot-specific resources.",
                     ));
                 }
-                let snap = str_field(&body, "snapshot_path")?;
-                let mem = str_field(&body, "mem_file_path")?;
-                File::open(&mem)
-                    .map_err(|e| fault(format!("Cannot open memory file {mem}: {e}")))?;
-                let state: Value = std::fs::read(&snap)
-                    .ok()
-                    .and_then(|b| serde_json::from_slice(&b).ok())
-                    .ok_or_else(|| fault(format!("Cannot load snapshot {snap}")))?;
-                vm.machine = state.get("machine-config").cloned();
-                vm.boot_source = state["boot-source"].as_object().cloned();
-                let mut vsock = state["vsock"].as_object().cloned().unwrap_or_default();
-                if let Some(uds) = body
-                    .get("vsock_override")
-                    .and_then(|o| o["uds_path"].as_str())
-                {
-                    vsock.insert("uds_path".into(), json!(uds));
-                }
-                let uds = str_field(&vsock, "uds_path")?;
-                vm.vsock_listener =
-                    Some(std::os::unix::net::UnixListener::bind(&uds).map_err(|e| {
-                        fault(format!("Cannot create backend for vsock device: {e}"))
-                    })?);
-                vm.vsock = Some(vsock);
-                // Firecracker opens the snapshot's TAPs again (by name: they must exist).
-                vm.nets = state["network-interfaces"]
-                    .as_object()
-                    .map(|m| {
-                        m.iter()
-                            .filter_map(|(k, v)| Some((k.clone(), v.as_object()?.clone())))
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                let nets: Vec<Map<String, Value>> = vm.nets.values().cloned().collect();
-                for n in &nets {
-                    let dev = str_field(n, "host_dev_name")?;
-                    let mac = n
-                        .get("guest_mac")
-                        .and_then(Value::as_str)
-                        .and_then(parse_mac)
-                        .unwrap_or([0x06, 0, 0, 0, 0, 1]);
-                    let file = open_tap(&dev)
-                        .map_err(|e| fault(format!("Open tap device failed: {dev}: {e}")))?;
-                    vm.taps.push(Tap { file, mac });
-                }
-                // The snapshot's guest, held by its keeper since the snapshot was taken. A real
-                // snapshot holds the guest's memory, so it restores even after the VMM that took
-                // it stopped; the simulator's guest is a process, so when its keeper is gone (the
-                // VM was stopped, or the snapshot is loaded under another vsock path) a fresh guest
-                // agent starts instead, and the serial log says so. Process continuity across a
-                // suspend is what the runtime's tests check: they fail on this fallback.
-                let adopted = match &self.keeper_bin {
-                    Some(_) => {
-                        let agent_sock = PathBuf::from(format!("{uds}.agent"));
-                        match connect_keeper(&agent_sock) {
-                            Ok(mut g) => {
-                                g.tell("attach")
-                                    .map_err(|e| fault(format!("Cannot adopt the guest: {e}")))?;
-                                Some(g)
-                            }
-                            Err(e) => {
-                                serial(&format!(
-                                    "imp-firecracker-sim: the guest of snapshot {snap} is gone (keeper {}: {e}); starting a fresh guest agent",
-                                    keeper_socket(&agent_sock).display()
-                                ));
-                                None
-                            }
-                        }
-                    }
-                    None => None,
-                };
-                self.start_with(&mut vm, adopted)?;
-                if body.get("resume_vm").and_then(Value::as_bool) == Some(true) {
-                    if let Some(agent) = &vm.agent {
-                        agent.signal(libc::SIGCONT);
-                    }
-                } else {
-                    vm.paused = true;
+                let params = LoadParams::parse(body).map_err(fault)?;
+                // From here on a failure leaves the process unusable, as Firecracker's does.
+                if let Err(e) = self.restore(&mut vm, &params) {
+                    vm.fatal = true;
+                    return Err(fault(format!(
+                        "Load snapshot error: Failed to restore from snapshot: {e}"
+                    )));
                 }
             }
             _ => unreachable!("route table and dispatcher agree"),
         }
         Ok(StatusCode::NO_CONTENT)
+    }
+
+    /// `PUT /snapshot/load` past its checks, in Firecracker's order (`restore_from_snapshot`):
+    /// the state file, the overrides, the guest memory, the devices (drives, TAPs, then the
+    /// vsock socket), then the guest. The error is the text Firecracker nests under "Failed to restore
+    /// from snapshot: ".
+    ///
+    /// The guest: a load by the VMM that took the snapshot (same `--id`) at the snapshot's own
+    /// vsock path adopts the snapshot's guest from its keeper (a resume). Any other load is a
+    /// *clone*: a fresh guest agent process on the loaded VM's vsock path, with an identity root
+    /// of its own (`<uds_path>.identity/`) so it takes `Reidentify`. A host-process clone
+    /// starts from the agent's start, not from the snapshot's memory: nothing a guest held in
+    /// memory (its identity generation, processes, files in its root) carries over; what the
+    /// simulator does keep is the API behaviour, the files and the timing shape of a load.
+    fn restore(&self, vm: &mut Vm, p: &LoadParams) -> Result<(), String> {
+        let from_file = "Failed to get snapshot state from file";
+        let bytes = std::fs::read(&p.snapshot_path)
+            .map_err(|e| format!("{from_file}: Failed to open snapshot file: {e}"))?;
+        let state: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("{from_file}: Failed to load snapshot state from file: {e}"))?;
+        let mut nets = objects(&state["network-interfaces"]);
+        for (iface, dev) in &p.network_overrides {
+            nets.get_mut(iface)
+                .ok_or_else(|| format!("{from_file}: Unknown Network Device."))?
+                .insert("host_dev_name".into(), json!(dev));
+        }
+        let mut vsock = state["vsock"].as_object().cloned();
+        if let Some(uds) = &p.vsock_override {
+            vsock
+                .as_mut()
+                .ok_or_else(|| format!("{from_file}: Unknown Vsock Device."))?
+                .insert("uds_path".into(), json!(uds));
+        }
+        let mib = state["machine-config"]["mem_size_mib"]
+            .as_u64()
+            .unwrap_or(128);
+        let memory = GuestMemory::map(&p.mem_path, mib << 20).map_err(|e| {
+            format!(
+                "Failed to load guest memory: Error creating guest memory from file: Failed to load guest memory: {e}"
+            )
+        })?;
+        let devices = "Failed to build microVM from snapshot: Failed to restore devices: Error restoring MMIO devices";
+        // Drives: at the paths they had (a load has no override for them).
+        let drives = objects(&state["drives"]);
+        for d in drives.values() {
+            let path = d
+                .get("path_on_host")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let ro = d.get("is_read_only").and_then(Value::as_bool) == Some(true);
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(!ro)
+                .open(path)
+                .map_err(|e| {
+                    format!(
+                        "{devices}: Block: Virtio backend error: Error manipulating the backing file: {e} {path}"
+                    )
+                })?;
+        }
+        // A jailed Firecracker has no CAP_NET_ADMIN: TUNSETIFF attaches to an existing TAP
+        // and cannot create one (EPERM).
+        let mut taps = Vec::new();
+        for n in nets.values() {
+            let dev = n
+                .get("host_dev_name")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let opened = if tap_exists(dev) {
+                open_tap(dev)
+            } else {
+                Err(std::io::Error::from_raw_os_error(libc::EPERM))
+            };
+            let file = opened.map_err(|e| {
+                format!(
+                    "{devices}: Net: Failed to create a network device: Open tap device failed: Error while creating ifreq structure: {e}. Invalid TUN/TAP Backend provided by {dev}. Check our documentation on setting up the network devices."
+                )
+            })?;
+            let mac = n
+                .get("guest_mac")
+                .and_then(Value::as_str)
+                .and_then(parse_mac)
+                .unwrap_or([0x06, 0, 0, 0, 0, 1]);
+            taps.push(Tap { file, mac });
+        }
+        let vsock = vsock.ok_or("The simulator needs a vsock device to reach the guest agent.")?;
+        let uds = vsock
+            .get("uds_path")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        // The muxer binds the path: a file left there fails the load.
+        let listener = std::os::unix::net::UnixListener::bind(&uds).map_err(|e| {
+            format!("{devices}: VsockUnixBackend: Error binding to the host-side Unix socket: {e}")
+        })?;
+        let own = state["imp-sim"]["vmm_id"].as_str() == Some(self.id.as_str())
+            && state["vsock"]["uds_path"].as_str() == Some(uds.as_str());
+        vm.machine = state.get("machine-config").cloned();
+        vm.boot_source = state["boot-source"].as_object().cloned();
+        vm.drives = drives;
+        vm.nets = nets;
+        vm.taps = taps;
+        vm.vsock = Some(vsock);
+        vm.vsock_listener = Some(listener);
+        vm.memory = Some(memory);
+        let adopted = if own {
+            self.adopt(&uds, &p.snapshot_path)?
+        } else {
+            vm.clone = true;
+            vm.identity = self.clone_identity(&uds);
+            serial(&format!(
+                "imp-firecracker-sim: clone of snapshot {}: a fresh guest agent (a host-process clone starts from the agent's start, not from the snapshot's memory)",
+                p.snapshot_path
+            ));
+            None
+        };
+        self.start_with(vm, adopted).map_err(|(_, m)| m)?;
+        // A paused VM runs no guest code: an adopted guest is still stopped from the pause
+        // before its snapshot, a clone's fresh one is stopped here.
+        let signal = if p.resume_vm {
+            libc::SIGCONT
+        } else {
+            vm.paused = true;
+            libc::SIGSTOP
+        };
+        if let Some(agent) = &vm.agent {
+            agent.signal(signal);
+        }
+        Ok(())
+    }
+
+    /// The snapshot's guest, held by its keeper since the snapshot was taken. A real snapshot
+    /// holds the guest's memory, so it restores even after the VMM that took it stopped; the
+    /// simulator's guest is a process, so when its keeper is gone (the VM was stopped) a fresh
+    /// guest agent starts instead, and the serial log says so. Process continuity across a
+    /// suspend is what the runtime's tests check: they fail on this fallback.
+    fn adopt(&self, uds: &str, snap: &str) -> Result<Option<Guest>, String> {
+        if self.keeper_bin.is_none() {
+            return Ok(None);
+        }
+        let agent_sock = PathBuf::from(format!("{uds}.agent"));
+        match connect_keeper(&agent_sock) {
+            Ok(mut g) => {
+                g.tell("attach")
+                    .map_err(|e| format!("Cannot adopt the guest: {e}"))?;
+                Ok(Some(g))
+            }
+            Err(e) => {
+                serial(&format!(
+                    "imp-firecracker-sim: the guest of snapshot {snap} is gone (keeper {}: {e}); starting a fresh guest agent",
+                    keeper_socket(&agent_sock).display()
+                ));
+                Ok(None)
+            }
+        }
+    }
+
+    /// A clone guest's identity root, `<uds>.identity/` (its `etc/machine-id` and
+    /// `etc/resolv.conf`); `None` when its agent is to refuse `Reidentify`: the knob says so, or
+    /// this process cannot give it a hostname and entropy of its own (the agent runs in a UTS
+    /// namespace of its own and seeds the kernel's pool: both need CAP_SYS_ADMIN, which a
+    /// jailed simulator does not have).
+    fn clone_identity(&self, uds: &str) -> Option<PathBuf> {
+        if self.knobs.reidentify == ReidentifyKnob::Refuse {
+            serial(
+                "imp-firecracker-sim: knob reidentify=refuse: this clone's agent manages no identity",
+            );
+            return None;
+        }
+        if !has_cap_sys_admin() {
+            serial("imp-firecracker-sim: no CAP_SYS_ADMIN: this clone's agent manages no identity");
+            return None;
+        }
+        let root = PathBuf::from(format!("{uds}.identity"));
+        let _ = std::fs::remove_dir_all(&root);
+        match std::fs::create_dir_all(root.join("etc")) {
+            Ok(()) => Some(root),
+            Err(e) => {
+                serial(&format!(
+                    "imp-firecracker-sim: cannot make the clone's identity root {}: {e}",
+                    root.display()
+                ));
+                None
+            }
+        }
     }
 
     /// InstanceStart: serial boot banner, a gratuitous ARP out of every TAP, the vsock bridge,
@@ -643,17 +854,23 @@ impl Sim {
             .map_err(|e| fault(e.to_string()))?;
         let listener =
             tokio::net::UnixListener::from_std(listener).map_err(|e| fault(e.to_string()))?;
-        // With hold_started_while, the bridge reaches the agent through a frame-aware relay.
-        let route = match &self.knobs.hold_started_while {
-            Some(hold) => {
-                let relay = PathBuf::from(format!("{uds}.hold"));
-                let _ = std::fs::remove_file(&relay);
-                let relay_listener = tokio::net::UnixListener::bind(&relay)
-                    .map_err(|e| fault(format!("bind {}: {e}", relay.display())))?;
-                tokio::spawn(hold_relay(relay_listener, agent_sock.clone(), hold.clone()));
-                relay
-            }
-            None => agent_sock.clone(),
+        // With hold_started_while, or a clone whose Reidentify is to hang, the bridge reaches
+        // the agent through a frame-aware relay.
+        let swallow_reidentify = vm.clone && self.knobs.reidentify == ReidentifyKnob::Hang;
+        let route = if self.knobs.hold_started_while.is_some() || swallow_reidentify {
+            let relay = PathBuf::from(format!("{uds}.hold"));
+            let _ = std::fs::remove_file(&relay);
+            let relay_listener = tokio::net::UnixListener::bind(&relay)
+                .map_err(|e| fault(format!("bind {}: {e}", relay.display())))?;
+            tokio::spawn(hold_relay(
+                relay_listener,
+                agent_sock.clone(),
+                self.knobs.hold_started_while.clone(),
+                swallow_reidentify,
+            ));
+            relay
+        } else {
+            agent_sock.clone()
         };
         tokio::spawn(imp_guest::hybrid::serve_bridge(
             listener,
@@ -675,18 +892,173 @@ impl Sim {
             return Ok(());
         }
         vm.agent = Some(
-            self.spawn_guest(&agent_sock)
+            self.spawn_guest(&agent_sock, vm.identity.as_deref())
                 .map_err(|e| fault(format!("start imp-guest: {e}")))?,
         );
         Ok(())
     }
 
-    fn spawn_guest(&self, agent_sock: &Path) -> std::io::Result<Guest> {
+    fn spawn_guest(&self, agent_sock: &Path, identity: Option<&Path>) -> std::io::Result<Guest> {
         match &self.keeper_bin {
-            Some(bin) => spawn_keeper(bin, &self.guest_bin, agent_sock),
-            None => spawn_agent(&self.guest_bin, agent_sock).map(Guest::Child),
+            Some(bin) => spawn_keeper(bin, &self.guest_bin, agent_sock, identity),
+            None => spawn_agent(&self.guest_bin, agent_sock, identity).map(Guest::Child),
         }
     }
+}
+
+/// `SnapshotLoadParams` as Firecracker deserialises it (`LoadSnapshotConfig`,
+/// src/vmm/src/vmm_config/snapshot.rs, and `parse_put_snapshot_load`): unknown fields are refused
+/// at the top and in `mem_backend` (`deny_unknown_fields`), not inside the overrides (their
+/// structs do not deny them); exactly one of `mem_backend` and the deprecated `mem_file_path`.
+#[derive(Debug, Clone, PartialEq)]
+struct LoadParams {
+    snapshot_path: String,
+    mem_path: String,
+    resume_vm: bool,
+    network_overrides: Vec<(String, String)>,
+    vsock_override: Option<String>,
+}
+
+/// Firecracker's texts for the two `mem_*` fields (api_server/request/snapshot.rs).
+const MISSING_MEM: &str = "missing field: either `mem_backend` or `mem_file_path` is required";
+const TOO_MANY_MEM: &str =
+    "too many fields: either `mem_backend` or `mem_file_path` exclusively is required";
+
+impl LoadParams {
+    fn parse(body: Map<String, Value>) -> Result<LoadParams, String> {
+        let bad = |m: String| {
+            format!("An error occurred when deserializing the json body of a request: {m}")
+        };
+        let string = |v: &Value, what: &str| {
+            v.as_str()
+                .map(String::from)
+                .ok_or_else(|| bad(format!("invalid type: {v}, expected a string ({what})")))
+        };
+        for flag in [
+            "enable_diff_snapshots",
+            "track_dirty_pages",
+            "resume_vm",
+            "clock_realtime",
+        ] {
+            if let Some(v) = body.get(flag)
+                && !v.is_boolean()
+            {
+                return Err(bad(format!(
+                    "invalid type: {v}, expected a boolean ({flag})"
+                )));
+            }
+        }
+        if let Some(v) = body.get("huge_pages")
+            && !matches!(v.as_str(), Some("Snapshot" | "None" | "Transparent" | "2M"))
+        {
+            return Err(bad(format!(
+                "unknown variant {v}, expected one of `Snapshot`, `None`, `Transparent`, `2M` (huge_pages)"
+            )));
+        }
+        let mem_path = match (body.get("mem_backend"), body.get("mem_file_path")) {
+            (Some(_), Some(_)) => return Err(bad(TOO_MANY_MEM.into())),
+            (None, None) => return Err(bad(MISSING_MEM.into())),
+            (None, Some(path)) => string(path, "mem_file_path")?,
+            (Some(backend), None) => {
+                let b =
+                    spec::check_object(spec::definition("MemoryBackend"), backend.clone(), true)
+                        .map_err(|e| bad(format!("mem_backend: {e}")))?;
+                match b["backend_type"].as_str() {
+                    Some("File") => {}
+                    Some("Uffd") => {
+                        return Err(bad(
+                            "backend_type Uffd: the simulator serves guest memory from a file only"
+                                .into(),
+                        ));
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "unknown variant {}, expected `File` or `Uffd` (backend_type)",
+                            b["backend_type"]
+                        )));
+                    }
+                }
+                string(&b["backend_path"], "backend_path")?
+            }
+        };
+        let mut network_overrides = Vec::new();
+        if let Some(list) = body.get("network_overrides") {
+            let list = list.as_array().ok_or_else(|| {
+                bad(format!(
+                    "invalid type: {list}, expected a sequence (network_overrides)"
+                ))
+            })?;
+            for o in list {
+                let o = spec::check_object(spec::definition("NetworkOverride"), o.clone(), false)
+                    .map_err(|e| bad(format!("network_overrides: {e}")))?;
+                network_overrides.push((
+                    string(&o["iface_id"], "iface_id")?,
+                    string(&o["host_dev_name"], "host_dev_name")?,
+                ));
+            }
+        }
+        let vsock_override = match body.get("vsock_override") {
+            None => None,
+            Some(o) => {
+                let o = spec::check_object(spec::definition("VsockOverride"), o.clone(), false)
+                    .map_err(|e| bad(format!("vsock_override: {e}")))?;
+                Some(string(&o["uds_path"], "uds_path")?)
+            }
+        };
+        Ok(LoadParams {
+            snapshot_path: string(&body["snapshot_path"], "snapshot_path")?,
+            mem_path,
+            resume_vm: body.get("resume_vm").and_then(Value::as_bool) == Some(true),
+            network_overrides,
+            vsock_override,
+        })
+    }
+}
+
+/// The objects of a JSON object by key (the drives and interfaces of a snapshot's state).
+fn objects(v: &Value) -> BTreeMap<String, Map<String, Value>> {
+    v.as_object()
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, v)| Some((k.clone(), v.as_object()?.clone())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A network interface of that name exists in this thread's network namespace.
+fn tap_exists(name: &str) -> bool {
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: if_nametoindex reads the NUL-terminated name we own.
+    unsafe { libc::if_nametoindex(c.as_ptr()) != 0 }
+}
+
+/// This process holds CAP_SYS_ADMIN in its effective set (capget(2): a jail has no /proc).
+fn has_cap_sys_admin() -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Default, Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    const CAP_SYS_ADMIN: u32 = 21;
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget writes two Data structs (version 3) into the array we own.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+    r == 0 && data[0].effective & (1 << CAP_SYS_ADMIN) != 0
 }
 
 fn str_field(body: &Map<String, Value>, key: &str) -> Result<String, Fault> {
@@ -753,8 +1125,9 @@ pub fn open_tap(name: &str) -> std::io::Result<File> {
 
 /// Run imp-guest in host-process mode, its output on the serial console, and killed with the
 /// simulator (a guest never outlives its VMM). Must be called from the main thread (the
-/// parent-death signal follows the spawning thread).
-fn spawn_agent(guest_bin: &Path, sock: &Path) -> std::io::Result<Child> {
+/// parent-death signal follows the spawning thread). With `identity` (a clone's identity root)
+/// the agent takes `Reidentify`, in a UTS namespace of its own (its hostname is not the host's).
+fn spawn_agent(guest_bin: &Path, sock: &Path, identity: Option<&Path>) -> std::io::Result<Child> {
     let mut cmd = Command::new(guest_bin);
     cmd.arg("agent")
         .arg("--listen-unix")
@@ -764,10 +1137,17 @@ fn spawn_agent(guest_bin: &Path, sock: &Path) -> std::io::Result<Child> {
         .arg("--announce-unix")
         .arg(imp_guest::host::announce_path(&sock.with_extension("")))
         .stdin(Stdio::null());
-    // SAFETY: prctl is async-signal-safe.
+    if let Some(root) = identity {
+        cmd.arg("--identity-root").arg(root);
+    }
+    let own_uts = identity.is_some();
+    // SAFETY: prctl and unshare are async-signal-safe.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if own_uts && libc::unshare(libc::CLONE_NEWUTS) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -785,7 +1165,12 @@ pub fn keeper_socket(agent_sock: &Path) -> PathBuf {
 
 /// Start a guest keeper (`<sim> --keep-guest <agent_sock>`) in a session of its own and
 /// connect to it.
-fn spawn_keeper(bin: &Path, guest_bin: &Path, agent_sock: &Path) -> std::io::Result<Guest> {
+fn spawn_keeper(
+    bin: &Path,
+    guest_bin: &Path,
+    agent_sock: &Path,
+    identity: Option<&Path>,
+) -> std::io::Result<Guest> {
     let ctl = keeper_socket(agent_sock);
     let _ = std::fs::remove_file(&ctl);
     let mut cmd = Command::new(bin);
@@ -794,6 +1179,9 @@ fn spawn_keeper(bin: &Path, guest_bin: &Path, agent_sock: &Path) -> std::io::Res
         .arg("--guest-bin")
         .arg(guest_bin)
         .stdin(Stdio::null());
+    if let Some(root) = identity {
+        cmd.arg("--identity-root").arg(root);
+    }
     // SAFETY: setsid is async-signal-safe.
     unsafe {
         cmd.pre_exec(|| {
@@ -844,7 +1232,12 @@ fn connect_keeper(agent_sock: &Path) -> std::io::Result<Guest> {
 /// - the guest exits by itself: the keeper kills what is left and exits.
 ///
 /// The keeper is a child subreaper, so every process the guest starts stays its descendant.
-pub fn keep_guest(guest_bin: &Path, agent_sock: &Path) -> Result<(), String> {
+/// A clone's guest (`identity`: its identity root) has that directory removed with it.
+pub fn keep_guest(
+    guest_bin: &Path,
+    agent_sock: &Path,
+    identity: Option<&Path>,
+) -> Result<(), String> {
     use std::io::BufRead as _;
     // SAFETY: prctl on this process.
     unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1) };
@@ -852,15 +1245,20 @@ pub fn keep_guest(guest_bin: &Path, agent_sock: &Path) -> Result<(), String> {
     let _ = std::fs::remove_file(&ctl);
     let listener = std::os::unix::net::UnixListener::bind(&ctl)
         .map_err(|e| format!("bind {}: {e}", ctl.display()))?;
-    let guest = spawn_agent(guest_bin, agent_sock).map_err(|e| format!("start imp-guest: {e}"))?;
+    let guest = spawn_agent(guest_bin, agent_sock, identity)
+        .map_err(|e| format!("start imp-guest: {e}"))?;
     let guest_pid = guest.id() as i32;
     let detached: Arc<Mutex<Option<PathBuf>>> = Arc::default();
     let connected = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let finish = {
         let ctl = ctl.clone();
+        let identity = identity.map(Path::to_path_buf);
         move || -> ! {
             kill_descendants();
             let _ = std::fs::remove_file(&ctl);
+            if let Some(root) = &identity {
+                let _ = std::fs::remove_dir_all(root);
+            }
             std::process::exit(0)
         }
     };
@@ -1056,6 +1454,14 @@ async fn handle(State(sim): State<Arc<Sim>>, req: Request) -> Response {
                 LOG_THREAD_API,
                 &format!("Received Error. Status code: {}. Message: {}", f.0, f.1),
             );
+            // A failed restore: Firecracker answers, then its pre-boot loop ends and it exits.
+            if sim.vm.lock().expect("vm lock").fatal {
+                let exit = sim.exit.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _ = exit.send(Exit::RestoreFailed);
+                });
+            }
             err_response(f)
         }
     }
@@ -1113,10 +1519,14 @@ fn boot_task(sim: Arc<Sim>) {
             .as_ref()
             .and_then(|v| v["uds_path"].as_str().map(String::from));
         if let Some(uds) = uds {
-            if sim.vm.lock().expect("vm lock").agent.is_some() {
-                return;
-            }
-            match sim.spawn_guest(Path::new(&format!("{uds}.agent"))) {
+            let identity = {
+                let vm = sim.vm.lock().expect("vm lock");
+                if vm.agent.is_some() {
+                    return;
+                }
+                vm.identity.clone()
+            };
+            match sim.spawn_guest(Path::new(&format!("{uds}.agent")), identity.as_deref()) {
                 Ok(child) => sim.vm.lock().expect("vm lock").agent = Some(child),
                 Err(e) => serial(&format!("imp-sim: cannot start imp-guest: {e}")),
             }
@@ -1127,10 +1537,16 @@ fn boot_task(sim: Arc<Sim>) {
 /// How often a held boot or answer looks whether its hold file is gone.
 const HOLD_POLL: Duration = Duration::from_millis(100);
 
-/// The relay of `hold_started_while`: host bytes pass through as they are; the guest's frames
-/// (u32 big-endian length + JSON) pass one by one, and a `started` answer waits while `hold`
-/// exists.
-async fn hold_relay(listener: tokio::net::UnixListener, agent: PathBuf, hold: PathBuf) {
+/// The relay of `hold_started_while` and `reidentify: hang`: frames (u32 big-endian length +
+/// JSON) pass one by one; a guest's `started` answer waits while `hold` exists; with
+/// `swallow_reidentify` a host's `reidentify` request is dropped (the guest never sees it, the
+/// host never gets an answer).
+async fn hold_relay(
+    listener: tokio::net::UnixListener,
+    agent: PathBuf,
+    hold: Option<PathBuf>,
+    swallow_reidentify: bool,
+) {
     while let Ok((host, _)) = listener.accept().await {
         let (agent, hold) = (agent.clone(), hold.clone());
         tokio::spawn(async move {
@@ -1139,14 +1555,62 @@ async fn hold_relay(listener: tokio::net::UnixListener, agent: PathBuf, hold: Pa
             };
             let (mut host_rd, mut host_wr) = host.into_split();
             let (mut guest_rd, mut guest_wr) = guest.into_split();
-            let up = tokio::io::copy(&mut host_rd, &mut guest_wr);
-            let down = relay_frames(&mut guest_rd, &mut host_wr, &hold);
+            let up = async {
+                if swallow_reidentify {
+                    drop_frames(&mut host_rd, &mut guest_wr, "reidentify").await
+                } else {
+                    tokio::io::copy(&mut host_rd, &mut guest_wr)
+                        .await
+                        .map(|_| ())
+                }
+            };
+            let down = async {
+                match &hold {
+                    Some(hold) => relay_frames(&mut guest_rd, &mut host_wr, hold).await,
+                    None => tokio::io::copy(&mut guest_rd, &mut host_wr)
+                        .await
+                        .map(|_| ()),
+                }
+            };
             tokio::select! {
                 _ = up => {}
                 _ = down => {}
             }
         });
     }
+}
+
+/// Copies frames from `from` to `to`, dropping those of type `kind`.
+pub async fn drop_frames<R, W>(from: &mut R, to: &mut W, kind: &str) -> std::io::Result<()>
+where
+    R: tokio::io::AsyncRead + Unpin,
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    loop {
+        let mut len = [0u8; 4];
+        from.read_exact(&mut len).await?;
+        let n = u32::from_be_bytes(len) as usize;
+        if n > imp_guest::frame::MAX_FRAME_BYTES {
+            return Err(std::io::Error::other("frame too large"));
+        }
+        let mut payload = vec![0u8; n];
+        from.read_exact(&mut payload).await?;
+        if frame_type(&payload).as_deref() == Some(kind) {
+            continue;
+        }
+        to.write_all(&len).await?;
+        to.write_all(&payload).await?;
+        to.flush().await?;
+    }
+}
+
+fn frame_type(payload: &[u8]) -> Option<String> {
+    serde_json::from_slice::<Value>(payload)
+        .ok()?
+        .get("type")?
+        .as_str()
+        .map(String::from)
 }
 
 /// Copies frames from `from` to `to`, holding each `started` frame while `hold` exists.
@@ -1178,8 +1642,7 @@ where
 
 /// The frame is the guest's answer that a process started.
 fn is_started(payload: &[u8]) -> bool {
-    serde_json::from_slice::<Value>(payload)
-        .is_ok_and(|v| v.get("type").and_then(Value::as_str) == Some("started"))
+    frame_type(payload).as_deref() == Some("started")
 }
 
 /// `yes > /dev/ttyS0`: lines of `y` at `rate` bytes a second, in 10 slices a second.
@@ -1328,20 +1791,30 @@ pub async fn run(opts: Options) -> Result<Exit, String> {
         }
     });
     let exit = rx.recv().await.expect("the sender lives in `sim`");
-    sim.log(
-        Level::Info,
-        LOG_THREAD_MAIN,
-        "Firecracker exiting successfully. exit_code=0",
-    );
-    let (agent, detached) = {
+    match exit {
+        Exit::GuestReset => sim.log(
+            Level::Info,
+            LOG_THREAD_MAIN,
+            "Firecracker exiting successfully. exit_code=0",
+        ),
+        Exit::RestoreFailed => sim.log(
+            Level::Error,
+            LOG_THREAD_MAIN,
+            "Building VMM configured from cmdline json failed: Loading snapshot failed.",
+        ),
+    }
+    let (agent, detached, identity) = {
         let mut vm = sim.vm.lock().expect("vm lock");
-        (vm.agent.take(), vm.detached)
+        (vm.agent.take(), vm.detached, vm.identity.take())
     };
     // A snapshotted guest stays with its keeper (this exit is the VMM stopping after it).
-    if let Some(agent) = agent
-        && !detached
-    {
-        agent.kill();
+    if !detached {
+        if let Some(agent) = agent {
+            agent.kill();
+        }
+        if let Some(root) = identity {
+            let _ = std::fs::remove_dir_all(root);
+        }
     }
     if let Some(sock) = &opts.api_sock {
         let _ = std::fs::remove_file(sock);

@@ -478,3 +478,18 @@ async fn the_relay_holds_started_answers_while_the_hold_file_exists() {
         .unwrap();
     assert_eq!(got, started);
 }
+
+/// `reidentify` in the IMP_SIM_BEHAVIOUR file (per VM id) and as the flag's value.
+#[test]
+fn the_reidentify_knob_reads_from_the_behaviour_file_and_the_flag() {
+    let k: Knobs = serde_json::from_value(json!({"reidentify": "hang"})).unwrap();
+    assert_eq!(k.reidentify, sim::ReidentifyKnob::Hang);
+    let k: Knobs = serde_json::from_value(json!({})).unwrap();
+    assert_eq!(k.reidentify, sim::ReidentifyKnob::Answer);
+    assert!(serde_json::from_value::<Knobs>(json!({"reidentify": "sometimes"})).is_err());
+    assert_eq!(
+        "refuse".parse::<sim::ReidentifyKnob>(),
+        Ok(sim::ReidentifyKnob::Refuse)
+    );
+    assert!("Refuse".parse::<sim::ReidentifyKnob>().is_err());
+}

@@ -173,6 +173,22 @@ pub const DEFINITIONS: &[Definition] = &[
             "huge_pages",
         ],
     },
+    // The objects nested in SnapshotLoadParams.
+    Definition {
+        name: "MemoryBackend",
+        required: &["backend_type", "backend_path"],
+        properties: &["backend_type", "backend_path"],
+    },
+    Definition {
+        name: "NetworkOverride",
+        required: &["iface_id", "host_dev_name"],
+        properties: &["iface_id", "host_dev_name"],
+    },
+    Definition {
+        name: "VsockOverride",
+        required: &["uds_path"],
+        properties: &["uds_path"],
+    },
 ];
 
 pub fn definition(name: &str) -> &'static Definition {
@@ -203,6 +219,16 @@ pub fn match_route(method: &str, path: &str) -> Option<(&'static Route, Option<S
 pub fn check_body(def: &Definition, body: &[u8]) -> Result<Map<String, Value>, String> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| format!("Invalid request body: {e}"))?;
+    check_object(def, value, true)
+}
+
+/// [`check_body`] of an already parsed value (a nested object too). `deny_unknown`: as the
+/// struct Firecracker deserialises it into (`#[serde(deny_unknown_fields)]` or not).
+pub fn check_object(
+    def: &Definition,
+    value: Value,
+    deny_unknown: bool,
+) -> Result<Map<String, Value>, String> {
     let Value::Object(map) = value else {
         return Err(format!(
             "Invalid request body: {} must be a JSON object",
@@ -215,7 +241,7 @@ pub fn check_body(def: &Definition, body: &[u8]) -> Result<Map<String, Value>, S
         }
     }
     for key in map.keys() {
-        if !def.properties.contains(&key.as_str()) {
+        if deny_unknown && !def.properties.contains(&key.as_str()) {
             return Err(format!(
                 "Invalid request body: unknown field `{key}`, expected one of {:?}",
                 def.properties

@@ -46,6 +46,10 @@ struct Args {
     /// size of the state directory's filesystem.
     #[arg(long, env = "IMP_WRITABLE_BUDGET_BYTES")]
     writable_budget_bytes: Option<u64>,
+    /// Bytes the node's VM templates (memory snapshots and writable drives of template VMs,
+    /// docs/snapshots.md) may hold together; past it the least recently used go.
+    #[arg(long, env = "IMP_TEMPLATE_BUDGET_BYTES", default_value_t = 8 << 30)]
+    template_budget_bytes: u64,
     /// Bytes of guest console kept per VM (the newest; older output is dropped).
     #[arg(long, env = "IMP_SERIAL_LOG_CAP_BYTES", default_value_t = 8 << 20)]
     serial_log_cap_bytes: u64,
@@ -245,6 +249,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         initrd: args.initrd,
         image_dirs,
         writable_budget_bytes,
+        template_budget_bytes: args.template_budget_bytes,
         serial_log_cap_bytes: args.serial_log_cap_bytes,
         vm_cgroups: args.vm_cgroup_parent.map(|parent| CgroupConfig {
             root: args.vm_cgroup_root,

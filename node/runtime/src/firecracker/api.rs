@@ -125,19 +125,50 @@ pub enum SnapshotType {
     Diff,
 }
 
-/// `#/definitions/SnapshotLoadParams` (PUT /snapshot/load), with the file memory backend
-/// (`mem_file_path`); the UFFD `mem_backend` is not used by Imp.
+/// `#/definitions/SnapshotLoadParams` (PUT /snapshot/load). Exactly one of `mem_backend` and the
+/// deprecated `mem_file_path`; Imp sends `mem_backend` with the `File` backend (the memory file
+/// is mapped `MAP_PRIVATE` and faulted in lazily, so it must outlive the VM). Firecracker refuses
+/// fields it does not know, so the newer ones (`clock_realtime`: 1.16) are only sent when set.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotLoadParams {
     pub snapshot_path: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem_file_path: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_backend: Option<MemoryBackend>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub track_dirty_pages: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_vm: Option<bool>,
+    /// Since 1.12: another TAP for an interface of the snapshot (the guest keeps its MAC).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub network_overrides: Vec<NetworkOverride>,
+    /// Since 1.16: another vsock socket; the file must not exist at load.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock_override: Option<VsockOverride>,
+    /// Since 1.16, x86 only: advance kvmclock by the wall-clock time since the snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_realtime: Option<bool>,
+}
+
+/// `#/definitions/MemoryBackend`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MemoryBackend {
+    pub backend_type: MemoryBackendType,
+    pub backend_path: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemoryBackendType {
+    File,
+    Uffd,
+}
+
+/// `#/definitions/NetworkOverride`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkOverride {
+    pub iface_id: String,
+    pub host_dev_name: String,
 }
 
 /// `#/definitions/VsockOverride`.

@@ -9,6 +9,15 @@
 //! socket, log and snapshots live in the root too; cleanup (the jail directory, the cgroups)
 //! is the runtime's.
 //!
+//! Clones of a template (snapshot standby): a snapshot records every path as the template's
+//! Firecracker saw it in its jail, and a load can override only the TAPs and the vsock socket,
+//! not the drives. So the template runs jailed too, and each clone's jail provides the same
+//! names: the template's memory and vmstate files ([`Place::Template`]: one hard-linked,
+//! root-owned, read-only inode for all clones), the shared kernel and base image
+//! ([`Place::Shared`]), and the clone's own copy of the template's writable drive at the
+//! template's name ([`Place::Own`], owned by the clone's uid). Nothing of one clone is
+//! reachable from another's jail, and nothing a clone can write is shared.
+//!
 //! Not used: `--daemonize` (it sends stdio to /dev/null, and Firecracker's stdout is the guest
 //! console the runtime logs; the runtime gives the process a session of its own anyway) and
 //! `--netns` (the VM's TAP is a port of the node's bridge in the runtime's network namespace;
@@ -147,6 +156,15 @@ pub enum Place {
     Shared,
     /// The VM's own (its writable drive, owned by its uid already).
     Own,
+    /// A template's snapshot (its memory and vmstate files), loaded by every clone of it.
+    /// Hard-linked only, never copied: clones share the memory file's page cache (a copy per
+    /// clone would cost the template's whole memory each), and the link keeps the inode, so the
+    /// file outlives every clone even when the template is deleted. The one inode is made
+    /// root-owned and read-only for all (0444): each clone's uid may read it (it holds no
+    /// secret: the template booted without any), none may write it, since a write would change
+    /// the memory of every clone that has not faulted that page in yet. What a clone's uid can
+    /// reach of its own (sockets, log, writable drive) stays in its own jail, owned by it.
+    Template,
 }
 
 /// Prepare VM `uid`'s jail root for a (re)start of the jailer: created if missing; what a
@@ -181,6 +199,23 @@ pub fn stage(
     for (src, name, place) in files {
         let dst = root.join(name);
         remove_if_there(&dst).map_err(err(&dst))?;
+        if *place == Place::Template {
+            std::fs::hard_link(src, &dst).map_err(|e| {
+                let e = if e.raw_os_error() == Some(libc::EXDEV) {
+                    std::io::Error::other(format!(
+                        "{} is on another filesystem than the jails: a template is linked, never copied",
+                        src.display()
+                    ))
+                } else {
+                    e
+                };
+                err(&dst)(e)
+            })?;
+            std::os::unix::fs::chown(&dst, Some(0), Some(0)).map_err(err(&dst))?;
+            std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o444))
+                .map_err(err(&dst))?;
+            continue;
+        }
         match std::fs::hard_link(src, &dst) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
@@ -401,5 +436,54 @@ mod tests {
             &[(kernel.as_path(), "vmlinux", Place::Shared)],
         )
         .unwrap();
+    }
+
+    /// A template's files: the same inode in every clone's jail, root's and read-only; each
+    /// clone's own files its own; the links outlive the template's files.
+    #[test]
+    fn template_files_are_one_read_only_root_inode_in_every_clone_jail() {
+        use std::os::unix::fs::MetadataExt as _;
+        // A template's files: the same inode in every clone's jail, root's and read-only.
+        if !nix::unistd::geteuid().is_root() {
+            return imp_testkit::skip::skip_or_fail(
+                "IMP_REQUIRE_ROOT",
+                "template staging",
+                "chown to clone uids needs root",
+            );
+        }
+        let d = tempfile::tempdir().unwrap();
+        let mem = d.path().join("template.mem");
+        std::fs::write(&mem, b"memory").unwrap();
+        let clones: Vec<PathBuf> = (0..2)
+            .map(|i| d.path().join(format!("jail/firecracker/c{i}/root")))
+            .collect();
+        for (i, r) in clones.iter().enumerate() {
+            stage(
+                r,
+                Path::new("/x/firecracker"),
+                900_100 + i as u32,
+                &[(mem.as_path(), "template.mem", Place::Template)],
+            )
+            .unwrap();
+        }
+        let (a, b) = (
+            std::fs::metadata(clones[0].join("template.mem")).unwrap(),
+            std::fs::metadata(clones[1].join("template.mem")).unwrap(),
+        );
+        assert_eq!((a.dev(), a.ino()), (b.dev(), b.ino()));
+        assert_eq!((a.uid(), a.gid(), a.mode() & 0o777), (0, 0, 0o444));
+        // Each clone's own files are its own.
+        let own = |r: &Path| std::fs::metadata(r.join(VMM_LOG)).unwrap();
+        assert_eq!(
+            (own(&clones[0]).uid(), own(&clones[0]).mode() & 0o777),
+            (900_100, 0o600)
+        );
+        assert_eq!(own(&clones[1]).uid(), 900_101);
+        // Deleting the template leaves the clones' links (the memory outlives them).
+        std::fs::remove_file(&mem).unwrap();
+        assert_eq!(
+            std::fs::read(clones[0].join("template.mem")).unwrap(),
+            b"memory"
+        );
     }
 }

@@ -370,7 +370,8 @@ impl Vmm {
             .await
     }
 
-    /// Load a snapshot into a fresh (unconfigured) Firecracker, optionally resuming it.
+    /// Load a snapshot into a fresh (unconfigured) Firecracker, optionally resuming it: the
+    /// same VM again (suspend/resume), at this VMM's vsock path.
     pub async fn snapshot_load(
         &self,
         snapshot_path: &Path,
@@ -378,15 +379,161 @@ impl Vmm {
         resume: bool,
     ) -> Result<(), ApiClientError> {
         self.client
-            .load_snapshot(&api::SnapshotLoadParams {
-                snapshot_path: self.files.vmm_path(snapshot_path),
-                mem_file_path: Some(self.files.vmm_path(mem_file_path)),
-                track_dirty_pages: None,
-                resume_vm: Some(resume),
-                vsock_override: Some(api::VsockOverride {
-                    uds_path: self.files.vmm_path(&self.files.vsock),
-                }),
-            })
+            .load_snapshot(&self.load_params(
+                snapshot_path,
+                mem_file_path,
+                resume,
+                &CloneOverrides::default(),
+            ))
             .await
+    }
+
+    /// Restore a *clone* of a template: load the template's snapshot into this fresh,
+    /// unconfigured Firecracker (spawned with its own files: `files.vsock` must not exist, the
+    /// load binds it) with the overrides, and resume it. Then wait for Hello
+    /// ([`Vmm::wait_for_hello`]) and give the guest its own identity (`Reidentify`) before
+    /// anything secret reaches it.
+    ///
+    /// The memory file is mapped `MAP_PRIVATE` and faulted in lazily, for the clone's whole
+    /// life: its content must never change while any clone of it runs (no rewrite or truncation
+    /// in place: a clone would read the new bytes, or SIGBUS, on its next fault). Unlinking it
+    /// once the load returned is safe (the mapping holds the inode); a new template goes to a
+    /// new file. Jailed: hard-link it into the jail with [`jailer::stage`] and
+    /// [`jailer::Place::Template`] (root-owned, 0444: no clone can write it).
+    /// A failed load ends the Firecracker process (it is "too dirty to recover"): the error
+    /// carries its stderr; spawn a fresh one to try again.
+    pub async fn restore_clone(
+        &self,
+        snapshot_path: &Path,
+        mem_file_path: &Path,
+        overrides: &CloneOverrides,
+    ) -> Result<(), DriverError> {
+        let params = self.load_params(snapshot_path, mem_file_path, true, overrides);
+        self.client
+            .load_snapshot(&params)
+            .await
+            .map_err(|e| self.start_failed(format!("snapshot load: {e}")))
+    }
+
+    /// The body of a load at this VMM's own vsock path (host paths named as Firecracker sees
+    /// them).
+    pub fn load_params(
+        &self,
+        snapshot_path: &Path,
+        mem_file_path: &Path,
+        resume: bool,
+        overrides: &CloneOverrides,
+    ) -> api::SnapshotLoadParams {
+        api::SnapshotLoadParams {
+            snapshot_path: self.files.vmm_path(snapshot_path),
+            mem_file_path: None,
+            mem_backend: Some(api::MemoryBackend {
+                backend_type: api::MemoryBackendType::File,
+                backend_path: self.files.vmm_path(mem_file_path),
+            }),
+            track_dirty_pages: None,
+            resume_vm: Some(resume),
+            network_overrides: overrides.network.clone(),
+            vsock_override: Some(api::VsockOverride {
+                uds_path: self.files.vmm_path(&self.files.vsock),
+            }),
+            clock_realtime: overrides.clock_realtime.then_some(true),
+        }
+    }
+}
+
+/// What a clone changes in the template's devices, besides its vsock socket (always its own:
+/// `VmmFiles::vsock`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CloneOverrides {
+    /// The clone's TAP for each interface of the template (`iface_id` as the template was
+    /// configured, e.g. `eth0`). The TAP must exist (a jailed Firecracker cannot create one);
+    /// the guest keeps the template's MAC and address until `Reidentify` changes them.
+    pub network: Vec<api::NetworkOverride>,
+    /// Send `clock_realtime` (Firecracker >= 1.16, x86 only; older releases refuse the field).
+    /// Without it the guest's clock resumes at the snapshot's time until `Reidentify` sets it.
+    pub clock_realtime: bool,
+}
+
+/// The Firecracker release `bin --version` prints (`1.17.0` of `Firecracker v1.17.0`): part of
+/// a template's key, since a snapshot loads only into the release that took it. Runs a process:
+/// call it once at startup (or from a blocking task).
+pub fn version(bin: &Path) -> Result<String, jailer::JailerError> {
+    jailer::version_of(bin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vmm(jail: Option<&str>) -> Vmm {
+        let root = jail.map(PathBuf::from);
+        let dir = root
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/var/lib/imp/vms/c1"));
+        let files = VmmFiles {
+            api_sock: dir.join("api.sock"),
+            vsock: dir.join("vsock.sock"),
+            serial_log: dir.join("serial.log"),
+            stderr_log: dir.join("stderr.log"),
+            vmm_log: dir.join("firecracker.log"),
+            jail: root,
+        };
+        Vmm {
+            process: Proc {
+                pid: 1,
+                start_time: 1,
+            },
+            client: FirecrackerClient::new(&files.api_sock),
+            files,
+        }
+    }
+
+    /// The body a clone load sends, field for field as firecracker-api.yaml names them: the
+    /// file backend (not the deprecated `mem_file_path`), the clone's own vsock socket and TAP,
+    /// resumed; `clock_realtime` only when asked for.
+    #[test]
+    fn a_clone_load_names_the_file_backend_its_own_socket_and_its_taps() {
+        let overrides = CloneOverrides {
+            network: vec![api::NetworkOverride {
+                iface_id: "eth0".into(),
+                host_dev_name: "imp-c1".into(),
+            }],
+            clock_realtime: false,
+        };
+        let p = vmm(None).load_params(
+            Path::new("/var/lib/imp/templates/t/vm.snap"),
+            Path::new("/var/lib/imp/templates/t/vm.mem"),
+            true,
+            &overrides,
+        );
+        assert_eq!(
+            serde_json::to_value(&p).unwrap(),
+            serde_json::json!({
+                "snapshot_path": "/var/lib/imp/templates/t/vm.snap",
+                "mem_backend": {"backend_type": "File", "backend_path": "/var/lib/imp/templates/t/vm.mem"},
+                "resume_vm": true,
+                "network_overrides": [{"iface_id": "eth0", "host_dev_name": "imp-c1"}],
+                "vsock_override": {"uds_path": "/var/lib/imp/vms/c1/vsock.sock"},
+            })
+        );
+        // Jailed: every path as Firecracker sees it in its chroot.
+        let jailed = vmm(Some("/var/lib/imp/jailer/firecracker/c1/root"));
+        let root = jailed.files.jail.clone().unwrap();
+        let p = jailed.load_params(
+            &root.join("template.snap"),
+            &root.join("template.mem"),
+            true,
+            &CloneOverrides {
+                clock_realtime: true,
+                ..CloneOverrides::default()
+            },
+        );
+        let v = serde_json::to_value(&p).unwrap();
+        assert_eq!(v["snapshot_path"], "/template.snap");
+        assert_eq!(v["mem_backend"]["backend_path"], "/template.mem");
+        assert_eq!(v["vsock_override"]["uds_path"], "/vsock.sock");
+        assert_eq!(v["clock_realtime"], true);
+        assert!(v.get("network_overrides").is_none());
     }
 }

@@ -215,6 +215,9 @@ pub fn qemu_args(
             format!("virtio-net-pci,netdev={},mac={}", n.id, n.mac),
         ]);
     }
+    // A VM generation ID: every `-incoming` (a resume, a clone of a template) gets a new one,
+    // so the guest kernel reseeds its generator by itself on a restore (docs/snapshots.md).
+    a.extend(["-device".into(), VMGENID_DEVICE.into()]);
     a.extend([
         "-chardev".into(),
         format!("socket,id=vsock0,path={}", files.vhost_sock.display()),
@@ -239,6 +242,8 @@ pub fn qemu_args(
 }
 
 const VSOCK_DEVICE: &str = "vhost-user-vsock-pci";
+/// `guid=auto`: a new generation ID at each start, including each incoming migration.
+pub const VMGENID_DEVICE: &str = "vmgenid,guid=auto";
 /// The name a suspend's migration descriptor gets in QEMU (`getfd`).
 const MIGRATION_FD: &str = "impsuspend";
 const VSOCK_ID: &str = "vsock0dev";
@@ -845,6 +850,12 @@ mod tests {
             ]
         );
         assert!(after(&a, "-device").contains(&"vhost-user-vsock-pci,chardev=vsock0,id=vsock0dev"));
+        assert!(after(&a, "-device").contains(&"vmgenid,guid=auto"));
+        let inc = incoming_args(&plan(), &files(), "kvm", None, 9);
+        assert!(
+            after(&inc, "-device").contains(&"vmgenid,guid=auto"),
+            "a restore gets a new generation id"
+        );
         assert_eq!(
             after(&a, "-qmp"),
             ["unix:/vms/a/api.sock,server=on,wait=off"]

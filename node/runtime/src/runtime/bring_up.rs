@@ -9,7 +9,7 @@ use imp_guest::host::Announcements;
 use tokio::time::Instant;
 
 use super::{Ensured, InFlight, Runtime, RuntimeError, Vm, valid_uid, validate, vm};
-use crate::api::{Backend, Failure, VmSpec, VmState, VmStatus};
+use crate::api::{Backend, Failure, StartKind, StartReport, VmSpec, VmState, VmStatus};
 use crate::firecracker::jailer::{self, Place};
 use crate::firecracker::{self, BootPlan, VmmFiles};
 use crate::inventory::VmRecord;
@@ -19,6 +19,12 @@ use crate::qemu::{self, QemuFiles, QemuVm};
 use crate::rootfs::store::ImageSpec;
 use crate::tap;
 use crate::vmm::{self, DriverError, VmPlan};
+
+/// How long a clone whose restore failed waits for its TAP to be free before booting.
+const TAP_FREE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a clone's restore (fresh VMM to Hello) may take before it boots instead (at most
+/// the boot timeout): a TCG clone on a loaded host restores in about a second.
+const RESTORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Runtime {
     /// The request's host paths resolved under the image directories (400 naming the field
@@ -55,9 +61,10 @@ impl Runtime {
         validate::spec(&spec).map_err(RuntimeError::InvalidSpec)?;
         let resolved = self.resolve_paths(&spec)?;
         // Stored and compared as asked and without pull credentials: they are used for this
-        // request only.
+        // request only. `from_template` is how, not what: the same VM either way.
         let stored = VmSpec {
             image: spec.image.as_ref().map(ImageSpec::without_credentials),
+            from_template: false,
             ..spec.clone()
         };
         let spec_json = serde_json::to_string(&stored).expect("spec serialises");
@@ -165,6 +172,7 @@ impl Runtime {
             backend: self.cfg.backend,
             helper_pid: None,
             helper_start_time: None,
+            start_json: None,
             dir,
         }
     }
@@ -198,6 +206,9 @@ impl Runtime {
                 self.inventory
                     .set_failed(&uid, e.reason(), &e.to_string())
                     .await?;
+                if let Some(start) = &rec.start_json {
+                    self.inventory.set_start(&uid, start).await?;
+                }
                 if spec
                     .network
                     .as_ref()
@@ -264,19 +275,32 @@ impl Runtime {
             // The resolved path (the request's may be a symlink).
             rec.base_disk = disk.clone();
         }
-        if let (Some(path), Some(bytes)) = (&rec.writable_disk, spec.writable_disk_bytes) {
-            // A clone of an empty ext4 template: O(1) whatever the image size. The guest mounts
-            // it as the overlay upper layer (imp.overlay), it does not format it.
-            self.writable.create(path, bytes).map_err(|source| {
-                (
-                    RuntimeError::WritableDrive {
-                        uid: uid.clone(),
-                        source,
-                    },
-                    None,
-                )
-            })?;
+        // A `from_template` VM: the template to restore, or why it boots (docs/snapshots.md).
+        let mut start = StartReport {
+            from: StartKind::Boot,
+            template: None,
+            fallback: None,
+            restore_seconds: None,
+            reidentify_seconds: None,
+        };
+        let mut source = None;
+        if spec.from_template {
+            let (src, fallback) = self.template_for(rec, spec);
+            start.fallback = fallback;
+            source = src;
         }
+        if let (Some(src), Some(path)) = (&source, &rec.writable_disk) {
+            // The template's drive at snapshot time: the restored guest has it mounted.
+            if let Err(message) = Self::clone_writable(src, path) {
+                tracing::warn!(uid, key = %src.key, message, "cloning the template's drive failed; booting");
+                start.fallback = Some(self.restore_failed(&src.key, message));
+                source = None;
+            }
+        }
+        if source.is_none() {
+            self.empty_writable(rec, spec).map_err(|e| (e, None))?;
+        }
+        rec.start_json = Some(serde_json::to_string(&start).expect("start serialises"));
         if let Some(t) = &rec.tap {
             let net_err = |source| {
                 (
@@ -321,14 +345,6 @@ impl Runtime {
             )
         })?;
         let jail = self.vm_jail(rec).map_err(|e| (e, None))?;
-        let spawned_at = Instant::now();
-        let (vm, mut announcements) = match rec.backend {
-            Backend::Firecracker => {
-                self.start_firecracker(rec, spec, &files, &plan, &procs, jail.as_ref())
-                    .await?
-            }
-            Backend::Qemu => self.start_qemu(rec, &plan, &procs, jail.as_ref()).await?,
-        };
         let fail = |source, vm: &Vm| {
             (
                 RuntimeError::Boot {
@@ -338,16 +354,122 @@ impl Runtime {
                 Some(vm.clone()),
             )
         };
-        let deadline = spawned_at + self.cfg.boot_timeout;
-        vmm::wait_for_hello(
-            &files.vsock,
-            &files.serial_log,
-            || vm.is_alive(),
-            deadline,
-            announcements.as_mut(),
-        )
-        .await
-        .map_err(|e| fail(e, &vm))?;
+        let (vm, spawned_at, deadline, mut announcements) = loop {
+            let spawned_at = Instant::now();
+            let deadline = spawned_at + self.cfg.boot_timeout;
+            if let Some(src) = &source {
+                // The template's kernel command line: the clone's own identity comes later.
+                let plan = VmPlan {
+                    boot_args: src.boot_args.clone(),
+                    ..plan.clone()
+                };
+                // A restore that hangs falls back sooner than a boot would time out.
+                let restore_deadline = spawned_at + self.cfg.boot_timeout.min(RESTORE_TIMEOUT);
+                let restored = match self
+                    .restore_clone(rec, &plan, &procs, jail.as_ref(), src, restore_deadline)
+                    .await
+                {
+                    Ok(vm) => vmm::wait_for_hello(
+                        &files.vsock,
+                        &files.serial_log,
+                        || vm.is_alive(),
+                        restore_deadline,
+                        None,
+                    )
+                    .await
+                    .map(|_| vm.clone())
+                    .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm))),
+                    Err(e) => Err(e),
+                };
+                match restored {
+                    Ok(vm) => {
+                        let secs = spawned_at.elapsed().as_secs_f64();
+                        self.metrics.restore_seconds.observe(secs);
+                        start.from = StartKind::Clone;
+                        start.template = Some(src.key.clone());
+                        start.restore_seconds = Some(secs);
+                        break (vm, spawned_at, deadline, None);
+                    }
+                    Err((message, vm)) => {
+                        tracing::warn!(uid, key = %src.key, message, "restoring the template failed; booting");
+                        if let Some(vm) = vm {
+                            vm.kill().await;
+                        }
+                        start.fallback = Some(self.restore_failed(&src.key, message));
+                        rec.start_json =
+                            Some(serde_json::to_string(&start).expect("start serialises"));
+                        source = None;
+                        let _ = std::fs::remove_file(&rec.api_socket);
+                        let _ = std::fs::remove_file(&rec.vsock_path);
+                        self.empty_writable(rec, spec).map_err(|e| (e, None))?;
+                        if let Some(t) = &rec.tap
+                            && let Err(holders) = qemu::wait_tap_free(t, TAP_FREE_TIMEOUT).await
+                        {
+                            return Err((
+                                RuntimeError::QemuStart {
+                                    uid: uid.clone(),
+                                    source: qemu::QemuError::StartFailed {
+                                        what: "QEMU",
+                                        message: format!("TAP {t} is still held by {holders:?}"),
+                                        log: String::new(),
+                                    },
+                                },
+                                None,
+                            ));
+                        }
+                        continue;
+                    }
+                }
+            }
+            let (vm, announcements) = match rec.backend {
+                Backend::Firecracker => {
+                    self.start_firecracker(rec, spec, &files, &plan, &procs, jail.as_ref())
+                        .await?
+                }
+                Backend::Qemu => self.start_qemu(rec, &plan, &procs, jail.as_ref()).await?,
+            };
+            break (vm, spawned_at, deadline, announcements);
+        };
+        if source.is_none() {
+            vmm::wait_for_hello(
+                &files.vsock,
+                &files.serial_log,
+                || vm.is_alive(),
+                deadline,
+                announcements.as_mut(),
+            )
+            .await
+            .map_err(|e| fail(e, &vm))?;
+        }
+        if let Some(src) = &source {
+            // Only a clone with an identity of its own is Running: the agent hands the JIT
+            // config only to Running VMs.
+            let t = Instant::now();
+            let identified = self.reidentify_clone(rec, spec, &src.key, deadline).await;
+            rec.start_json = Some(serde_json::to_string(&start).expect("start serialises"));
+            identified.map_err(|message| {
+                (
+                    RuntimeError::ReidentifyFailed {
+                        uid: uid.clone(),
+                        message,
+                    },
+                    Some(vm.clone()),
+                )
+            })?;
+            start.reidentify_seconds = Some(t.elapsed().as_secs_f64());
+            self.metrics
+                .restores
+                .get_or_create(&crate::metrics::OutcomeLabel {
+                    outcome: "cloned".into(),
+                })
+                .inc();
+        }
+        let start_json = serde_json::to_string(&start).expect("start serialises");
+        self.inventory
+            .set_start(&uid, &start_json)
+            .await
+            .map_err(|e| (e.into(), Some(vm.clone())))?;
+        rec.start_json = Some(start_json);
         // How long after the guest announced itself its Hello was in: the detection's own delay.
         let hello_after_announce_ms = announcements
             .as_ref()
@@ -355,8 +477,12 @@ impl Runtime {
             .map(|at| at.elapsed().as_secs_f64() * 1e3);
         let announced = hello_after_announce_ms.is_some();
         drop(announcements);
+        // To Running: for a clone, restore and reidentify (imp_vm_boot_latency_seconds counts
+        // boots only; a clone's restore is in imp_runtime_restore_seconds).
         let secs = spawned_at.elapsed().as_secs_f64();
-        self.metrics.boot_latency.observe(secs);
+        if start.from == StartKind::Boot {
+            self.metrics.boot_latency.observe(secs);
+        }
         rec.boot_seconds = Some(secs);
         self.inventory
             .set_running(&uid, secs)
@@ -367,11 +493,49 @@ impl Runtime {
             pid = vm.process().0,
             backend = rec.backend.as_str(),
             boot_seconds = secs,
+            from = ?start.from,
+            template = start.template,
+            fallback = start.fallback.as_ref().map(|f| f.reason.as_str()),
             announced,
             hello_after_announce_ms,
             "VM running"
         );
         Ok(())
+    }
+
+    /// A fresh writable drive for row `rec` (when its spec has one): a clone of an empty ext4
+    /// template, O(1) whatever the image size. The guest mounts it as the overlay upper layer
+    /// (imp.overlay), it does not format it.
+    fn empty_writable(&self, rec: &VmRecord, spec: &VmSpec) -> Result<(), RuntimeError> {
+        if let (Some(path), Some(bytes)) = (&rec.writable_disk, spec.writable_disk_bytes) {
+            let _ = crate::rootfs::writable::WritableDrives::remove(path);
+            self.writable
+                .create(path, bytes)
+                .map_err(|source| RuntimeError::WritableDrive {
+                    uid: rec.uid.clone(),
+                    source,
+                })?;
+            if let Some(cfg) = &self.cfg.jail
+                && let Some(id) = jail::id_of(cfg, &rec.dir)
+            {
+                let _ = jail::own(path, id, 0o600);
+            }
+        }
+        Ok(())
+    }
+
+    /// A restore of template `key` that failed: counted, the VM boots instead.
+    fn restore_failed(&self, key: &str, message: String) -> Failure {
+        self.metrics
+            .restores
+            .get_or_create(&crate::metrics::OutcomeLabel {
+                outcome: super::template::reason::RESTORE_FAILED.into(),
+            })
+            .inc();
+        Failure {
+            reason: super::template::reason::RESTORE_FAILED.into(),
+            message: format!("restore of template {key}: {message}"),
+        }
     }
 
     /// Spawn (recorded at once), configure and start a Firecracker VM: through its jailer

@@ -71,6 +71,20 @@ impl Runtime {
             .map(VmCgroups::open)
             .transpose()
             .map_err(RuntimeError::Cgroups)?;
+        let vmm_facts = match cfg.backend {
+            crate::api::Backend::Qemu => super::template::qemu_facts(&cfg.qemu),
+            crate::api::Backend::Firecracker => super::template::key::VmmFacts {
+                version: "firecracker".into(),
+                accel: "kvm".into(),
+                cpu: String::new(),
+            },
+        };
+        let (templates, interrupted) = super::template::Templates::open(
+            &cfg.state_dir.join("templates"),
+            vmm_facts,
+            cfg.template_budget_bytes,
+        )
+        .map_err(RuntimeError::Templates)?;
         let rt = Arc::new(Self {
             cfg,
             vms_dir,
@@ -83,8 +97,13 @@ impl Runtime {
             inflight: Mutex::new(HashMap::new()),
             net_lock: tokio::sync::Mutex::new(()),
             jail_lock: Mutex::new(()),
+            templates,
         });
+        rt.forget_interrupted_builds(&interrupted);
         rt.recover().await?;
+        rt.gc_templates().await;
+        rt.refresh_template_gauges();
+        tokio::spawn(Self::build_templates(Arc::downgrade(&rt)));
         rt.readiness();
         tokio::spawn(Self::cap_serial_logs(Arc::downgrade(&rt)));
         Ok(rt)
@@ -235,11 +254,13 @@ impl Runtime {
         }
         // Image references of VMs that were cleaned up above, or whose start crashed between
         // taking the reference and writing anything else.
-        let holders: Vec<String> = rows
+        let mut holders: Vec<String> = rows
             .into_iter()
             .filter(|r| r.state != VmState::Failed)
             .map(|r| r.uid)
             .collect();
+        // Templates hold their base image like a VM does.
+        holders.extend(self.templates.holders());
         self.rootfs
             .retain_vms(&holders)
             .await
