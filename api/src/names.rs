@@ -322,6 +322,8 @@ pub mod reason {
         TEMPLATE_VMM_MISMATCH = "TemplateVmmMismatch" in [VmStart, Runtime];
         /// The node's last build of the template failed: booted cold.
         TEMPLATE_FAILED = "TemplateFailed" in [VmStart, Runtime];
+        /// The node's VMM backend keeps no templates: booted cold.
+        TEMPLATE_UNSUPPORTED = "TemplateUnsupported" in [VmStart, Runtime];
         /// Restoring the clone from the template's snapshot failed: booted cold.
         RESTORE_FAILED = "RestoreFailed" in [VmStart, Runtime];
         /// A clone restored from a template did not take an identity of its own (the guest's `Reidentify` failed or its evidence did not match): the VM fails, never Running, and its runner config is never read.

@@ -176,7 +176,7 @@ pub struct StartStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
     /// Asked `startFrom: Template` but booted: why (TemplateMissing, TemplateBuilding,
-    /// TemplateStale, TemplateVmmMismatch, TemplateFailed, RestoreFailed).
+    /// TemplateStale, TemplateVmmMismatch, TemplateFailed, TemplateUnsupported, RestoreFailed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback_reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

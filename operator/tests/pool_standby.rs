@@ -57,7 +57,8 @@ fn error(status: StatusCode, reason: &str, message: &str) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// A clone that never took its identity: Failed, ReidentifyFailed, started as a Clone.
+/// A clone that never took its identity: answered 422 ReidentifyFailed; recorded Failed, started
+/// as a Clone.
 async fn put_vm(
     State(s): State<Shared>,
     UrlPath(uid): UrlPath<String>,
@@ -86,13 +87,14 @@ async fn put_vm(
     };
     let mut f = s.lock().unwrap();
     f.puts.push((uid.clone(), spec));
-    let created = f.vms.insert(uid, status.clone()).is_none();
-    let code = if created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    (code, Json(status)).into_response()
+    f.vms.insert(uid, status);
+    // As imp-runtime answers a start that failed: 422 with the reason; the VM's record (GET)
+    // is Failed and says how it was started.
+    error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        reason::REIDENTIFY_FAILED,
+        "the clone's guest answered Reidentify with the template's machine-id",
+    )
 }
 
 async fn get_vm(State(s): State<Shared>, UrlPath(uid): UrlPath<String>) -> Response {
@@ -404,4 +406,102 @@ async fn bind(h: &PoolHarness, vm: &str, node: &str) {
         )
         .await
         .unwrap();
+}
+
+/// The same pool on a real node (imp-runtime driving the Firecracker simulator, the imp-agent
+/// binary; testkit's SimNode): the runtime's Firecracker backend keeps no templates yet, so the
+/// agent publishes none Ready, and the pool's `startFrom: Template` VM boots cold, Running, with
+/// `status.start` saying so and why (`TemplateUnsupported`), counted by the pool. Skipped (with
+/// the reason) without docker-registry; IMP_REQUIRE_REGISTRY=1 makes the skip a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
+    use imp_testkit::registry::RegistryError;
+    use imp_testkit::simnode::{SimNode, SimNodeBinaries, SimNodeOptions};
+    let registry = match imp_testkit::oci::try_registry_with_base_image().await {
+        Ok(r) => r,
+        Err(e @ RegistryError::BinaryMissing) => {
+            imp_testkit::skip::skip_or_fail(
+                "IMP_REQUIRE_REGISTRY",
+                "snapshot standby on a simulated node",
+                &format!("no local registry ({e})"),
+            );
+            return;
+        }
+        Err(e) => panic!("the local registry did not start: {e}"),
+    };
+    let bins = SimNodeBinaries::locate().expect("imp-runtime, imp-agent and the simulators");
+    let mut h = PoolHarness::start("pool-standby-node").await;
+    let class = h.add_agent_nodes(1).await;
+    let node_name = format!("{}-n0", h.ns);
+    let node = SimNode::start(
+        &bins,
+        &SimNodeOptions {
+            node_name: node_name.clone(),
+            lease_namespace: h.ns.clone(),
+            kubeconfig: h.env.kubeconfig_path().to_path_buf(),
+            registry: registry.host(),
+            capacity_vcpu: 4,
+            capacity_memory_mib: 8192,
+            writable_budget_bytes: 16 << 30,
+        },
+    )
+    .await;
+    let image = format!("{}/ci/base:1", registry.host());
+    let pool = imp_testkit::fixtures::pool("standby")
+        .org(h.sim.org())
+        .app_secret(APP_SECRET)
+        .labels(&LABELS)
+        .class(&class)
+        .image(&image)
+        .webhook_secret("webhook")
+        .min_idle(1)
+        .max_runners(1)
+        .standby(true)
+        .build();
+    h.pools().create(&Default::default(), &pool).await.unwrap();
+    let vm = h.wait_minted("standby", 1, WAIT).await.remove(0);
+    assert_eq!(vm.spec.start_from, Some(StartFrom::Template));
+    bind(&h, &vm.name_any(), &node_name).await;
+    let running = h
+        .wait("the standby VM Running", Duration::from_secs(120), || async {
+            let vm = h.vms().get_opt(&vm.name_any()).await.ok()??;
+            let st = vm.status.clone()?;
+            assert_ne!(
+                st.phase,
+                Some(VmPhase::Failed),
+                "{st:?}\n{}",
+                node.logs(40)
+            );
+            (st.phase == Some(VmPhase::Running)).then_some(st)
+        })
+        .await;
+    let start = running.start.expect("status.start written with Running");
+    assert_eq!(start.from, StartedFrom::Boot, "{start:?}");
+    assert_eq!(
+        start.fallback_reason.as_deref(),
+        Some(reason::TEMPLATE_UNSUPPORTED),
+        "{start:?}"
+    );
+    h.wait("the cold start counted with its reason", WAIT, || async {
+        (h.metric(&format!(
+            "imp_runner_vm_starts_total{{from=\"boot\",fallback=\"{}\"}}",
+            reason::TEMPLATE_UNSUPPORTED
+        )) == 1.0)
+            .then_some(())
+    })
+    .await;
+    // The template was asked for and failed: nothing is reported Ready on the Node.
+    let nodes: Api<Node> = Api::all(h.client.clone());
+    let n = nodes.get(&node_name).await.unwrap();
+    assert!(
+        !n.annotations().contains_key(ANNOTATION_TEMPLATES_READY),
+        "{:?}",
+        n.annotations()
+    );
+    // Scale to zero: the pool's deletion removes the VM; the node releases it.
+    h.pools().delete("standby", &Default::default()).await.unwrap();
+    h.wait("the node holding no VM", Duration::from_secs(60), || async {
+        (node.vm_dirs() == 0).then_some(())
+    })
+    .await;
 }

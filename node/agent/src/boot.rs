@@ -261,6 +261,17 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error
             }
         }
         Err(ClientError::Api { status, body }) if status.is_client_error() => {
+            // A clone that failed its Reidentify is answered 422; the runtime's record says how
+            // it was started: kept with the failure (best effort, the failure is what matters).
+            if let Ok(st) = ctx.runtime.inspect(&uid).await
+                && let Some(start) = st.start.as_ref().map(status::start_status)
+            {
+                status::update(api, &name, Guard::STARTING, |_, s| {
+                    s.start = Some(start.clone());
+                    true
+                })
+                .await?;
+            }
             let reason = match body.error.as_str() {
                 api_reason::INVALID_SPEC | api_reason::INVALID_BODY | api_reason::SPEC_CONFLICT => {
                     api_reason::SPEC_INVALID

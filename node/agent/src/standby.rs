@@ -106,7 +106,14 @@ pub async fn pass(
                     TemplateState::Building => out.building = true,
                     TemplateState::Failed => {
                         let f = t.failure.as_ref();
-                        tracing::warn!(pool = %p.pool, key = %t.key, reason = ?f.map(|f| &f.reason), message = ?f.map(|f| &f.message), "the pool's snapshot template failed to build; its VMs boot cold here until a retry succeeds");
+                        let reason = f.map(|f| f.reason.as_str());
+                        let message = f.map(|f| f.message.as_str());
+                        if reason == Some(imp_api::names::reason::TEMPLATE_UNSUPPORTED) {
+                            // Asked every pass; the VMs' status.start says it for each VM.
+                            tracing::debug!(pool = %p.pool, ?message, "this node keeps no snapshot templates; the pool's VMs boot cold here");
+                        } else {
+                            tracing::warn!(pool = %p.pool, key = %t.key, ?reason, ?message, "the pool's snapshot template failed to build; its VMs boot cold here until a retry succeeds");
+                        }
                     }
                 }
             }
