@@ -44,9 +44,9 @@ use std::time::{Duration, Instant};
 use common::{Agent, AgentOptions, Bench, start_agent, templates_ready};
 use imp_api::{ImpVMRunnerPool, ScaleSetSpec, names::LABEL_RUNNER_POOL};
 use imp_operator::runnerpool::slo::{CloneTimes, JOB_PHASES, clone_phases, job_phases};
-use kube::ResourceExt;
 use imp_testkit::github::{JobSpec, WebhookFault};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::{
     Api,
     api::{ListParams, PostParams},

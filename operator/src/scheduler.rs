@@ -611,7 +611,9 @@ mod tests {
             BTreeSet::from(["a-uid".to_owned(), "b-uid".to_owned()])
         );
         assert_eq!(
-            NodeInfo::from_node(&n, Heartbeat::Fresh).templates_ready.len(),
+            NodeInfo::from_node(&n, Heartbeat::Fresh)
+                .templates_ready
+                .len(),
             2
         );
     }

@@ -136,12 +136,18 @@ async fn a_standby_pool_s_clone_adds_restore_and_reidentify_to_its_job_s_phases(
         ));
     }
     let wait = h.metric("imp_runner_job_wait_seconds_sum");
-    assert!((sum - wait).abs() < 1e-3, "phases add up to the wait: {sum} vs {wait}");
+    assert!(
+        (sum - wait).abs() < 1e-3,
+        "phases add up to the wait: {sum} vs {wait}"
+    );
     for phase in CLONE_PHASES {
         let d = h.metric(&format!(
             "imp_runner_job_phase_seconds_sum{{phase=\"{phase}\"}}"
         ));
-        assert!((0.0..=0.03).contains(&d), "{phase} {d} s: at most what the node reported");
+        assert!(
+            (0.0..=0.03).contains(&d),
+            "{phase} {d} s: at most what the node reported"
+        );
     }
     // The start counted once, as a clone.
     h.wait("the start counted", WAIT, || async {

@@ -242,19 +242,19 @@ async fn a_clone_that_fails_reidentify_never_has_its_jit_secret_read_and_is_repl
         .max_runners(1)
         .standby(true)
         .build();
-    let pool = h
-        .pools()
-        .create(&Default::default(), &pool)
-        .await
-        .unwrap();
+    let pool = h.pools().create(&Default::default(), &pool).await.unwrap();
     let pool_uid = pool.uid().unwrap();
 
     // The node keeps the pool's template and says it is Ready.
     let nodes: Api<Node> = Api::all(h.client.clone());
-    h.wait("the node reporting the pool's template Ready", WAIT, || async {
-        let n = nodes.get(&node).await.ok()?;
-        (n.annotations().get(ANNOTATION_TEMPLATES_READY) == Some(&pool_uid)).then_some(())
-    })
+    h.wait(
+        "the node reporting the pool's template Ready",
+        WAIT,
+        || async {
+            let n = nodes.get(&node).await.ok()?;
+            (n.annotations().get(ANNOTATION_TEMPLATES_READY) == Some(&pool_uid)).then_some(())
+        },
+    )
     .await;
     {
         let f = fake.lock().unwrap();
@@ -283,17 +283,17 @@ async fn a_clone_that_fails_reidentify_never_has_its_jit_secret_read_and_is_repl
             seen.lock().unwrap().get(&first_name).and_then(|states| {
                 states
                     .iter()
-                    .find(|vm| {
-                        vm.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Failed)
-                    })
+                    .find(|vm| vm.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Failed))
                     .cloned()
             })
         })
         .await;
     assert!(
-        !seen.lock().unwrap()[&first_name]
-            .iter()
-            .any(|vm| vm.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Running)),
+        !seen.lock().unwrap()[&first_name].iter().any(|vm| vm
+            .status
+            .as_ref()
+            .and_then(|s| s.phase)
+            == Some(VmPhase::Running)),
         "the clone was never Running"
     );
     let st = failed.status.clone().unwrap();
@@ -319,7 +319,12 @@ async fn a_clone_that_fails_reidentify_never_has_its_jit_secret_read_and_is_repl
     })
     .await;
     h.wait("the failed VM deleted", WAIT, || async {
-        h.vms().get_opt(&first_name).await.ok()?.is_none().then_some(())
+        h.vms()
+            .get_opt(&first_name)
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
     })
     .await;
     h.wait("the start and its failure counted", WAIT, || async {
@@ -463,17 +468,16 @@ async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
     assert_eq!(vm.spec.start_from, Some(StartFrom::Template));
     bind(&h, &vm.name_any(), &node_name).await;
     let running = h
-        .wait("the standby VM Running", Duration::from_secs(120), || async {
-            let vm = h.vms().get_opt(&vm.name_any()).await.ok()??;
-            let st = vm.status.clone()?;
-            assert_ne!(
-                st.phase,
-                Some(VmPhase::Failed),
-                "{st:?}\n{}",
-                node.logs(40)
-            );
-            (st.phase == Some(VmPhase::Running)).then_some(st)
-        })
+        .wait(
+            "the standby VM Running",
+            Duration::from_secs(120),
+            || async {
+                let vm = h.vms().get_opt(&vm.name_any()).await.ok()??;
+                let st = vm.status.clone()?;
+                assert_ne!(st.phase, Some(VmPhase::Failed), "{st:?}\n{}", node.logs(40));
+                (st.phase == Some(VmPhase::Running)).then_some(st)
+            },
+        )
         .await;
     let start = running.start.expect("status.start written with Running");
     assert_eq!(start.from, StartedFrom::Boot, "{start:?}");
@@ -499,9 +503,14 @@ async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
         n.annotations()
     );
     // Scale to zero: the pool's deletion removes the VM; the node releases it.
-    h.pools().delete("standby", &Default::default()).await.unwrap();
-    h.wait("the node holding no VM", Duration::from_secs(60), || async {
-        (node.vm_dirs() == 0).then_some(())
-    })
+    h.pools()
+        .delete("standby", &Default::default())
+        .await
+        .unwrap();
+    h.wait(
+        "the node holding no VM",
+        Duration::from_secs(60),
+        || async { (node.vm_dirs() == 0).then_some(()) },
+    )
     .await;
 }

@@ -266,7 +266,12 @@ mod tests {
         assert!(!boot.from_template);
         let explicit = vm_spec(&vm(json!({"startFrom": "Boot"})), &class(None), &[], None);
         assert!(!explicit.unwrap().from_template);
-        let clone = vm_spec(&vm(json!({"startFrom": "Template"})), &class(None), &[], None);
+        let clone = vm_spec(
+            &vm(json!({"startFrom": "Template"})),
+            &class(None),
+            &[],
+            None,
+        );
         assert!(clone.unwrap().from_template);
     }
 

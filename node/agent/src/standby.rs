@@ -136,8 +136,13 @@ pub async fn pass(
             Ok(held) => {
                 for key in unwanted(&held, &wanted) {
                     match runtime.delete_template(&key).await {
-                        Ok(()) => tracing::info!(key, "deleted a snapshot template no standby pool here wants"),
-                        Err(e) => tracing::warn!(key, error = %e, "deleting an unwanted snapshot template failed"),
+                        Ok(()) => tracing::info!(
+                            key,
+                            "deleted a snapshot template no standby pool here wants"
+                        ),
+                        Err(e) => {
+                            tracing::warn!(key, error = %e, "deleting an unwanted snapshot template failed")
+                        }
                     }
                 }
             }

@@ -278,7 +278,10 @@ mod tests {
         };
         let s = start_status(&fell_back);
         assert_eq!(s.from, StartedFrom::Boot);
-        assert_eq!(s.fallback_reason.as_deref(), Some(reason::TEMPLATE_BUILDING));
+        assert_eq!(
+            s.fallback_reason.as_deref(),
+            Some(reason::TEMPLATE_BUILDING)
+        );
         let msg = s.fallback_message.unwrap();
         assert!(!msg.contains('\n') && !msg.contains('\x1b'), "{msg:?}");
     }
