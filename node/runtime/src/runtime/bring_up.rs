@@ -369,16 +369,23 @@ impl Runtime {
                     .restore_clone(rec, &plan, &procs, jail.as_ref(), src, restore_deadline)
                     .await
                 {
-                    Ok(vm) => vmm::wait_for_hello(
-                        &files.vsock,
-                        &files.serial_log,
-                        || vm.is_alive(),
-                        restore_deadline,
-                        None,
-                    )
-                    .await
-                    .map(|_| vm.clone())
-                    .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm))),
+                    Ok(vm) => {
+                        // The guest runs from here: how soon its Hello is seen (docs/snapshots.md).
+                        let resumed = Instant::now();
+                        let hello = vmm::wait_for_hello(
+                            &files.vsock,
+                            &files.serial_log,
+                            || vm.is_alive(),
+                            restore_deadline,
+                            None,
+                        )
+                        .await;
+                        let hello_after_resume_ms = resumed.elapsed().as_secs_f64() * 1000.0;
+                        tracing::info!(uid, key = %src.key, hello_after_resume_ms, ok = hello.is_ok(), "clone resumed");
+                        hello
+                            .map(|_| vm.clone())
+                            .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm)))
+                    }
                     Err(e) => Err(e),
                 };
                 match restored {
