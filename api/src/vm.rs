@@ -53,6 +53,12 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
         json_path = ".status.reason",
         priority = 1
     ),
+    printcolumn(
+        name = "Start",
+        type_ = "string",
+        json_path = ".status.start.from",
+        priority = 1
+    ),
     selectable = ".spec.nodeName"
 )]
 #[serde(rename_all = "camelCase")]
