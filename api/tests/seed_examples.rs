@@ -243,8 +243,7 @@ async fn kubectl_get_wide_shows_the_printer_columns() {
         .build();
     let api: Api<ImpVM> = env.api();
     api.create(&Default::default(), &vm).await.unwrap();
-    let status =
-        serde_json::json!({"status": {"phase": "Running", "ip": "10.44.0.7", "reason": "Started"}});
+    let status = serde_json::json!({"status": {"phase": "Running", "ip": "10.44.0.7", "reason": "Started", "start": {"from": "Clone", "template": "0123abcd", "restoreSeconds": 0.02, "reidentifySeconds": 0.001}}});
     api.patch_status(
         "cols",
         &Default::default(),
@@ -271,7 +270,8 @@ async fn kubectl_get_wide_shows_the_printer_columns() {
             "AGE",
             "CLASS",
             "LIFECYCLE",
-            "REASON"
+            "REASON",
+            "START"
         ],
         "{table}"
     );
@@ -281,7 +281,11 @@ async fn kubectl_get_wide_shows_the_printer_columns() {
         ["cols", "Running", "node-a", "10.44.0.7"],
         "{table}"
     );
-    assert_eq!(row[5..], ["web-small", "ephemeral", "Started"], "{table}");
+    assert_eq!(
+        row[5..],
+        ["web-small", "ephemeral", "Started", "Clone"],
+        "{table}"
+    );
 
     // Short name and category resolve too.
     for resource in ["impvm", "imp"] {
