@@ -366,7 +366,15 @@ impl Runtime {
                 // A restore that hangs falls back sooner than a boot would time out.
                 let restore_deadline = spawned_at + self.cfg.boot_timeout.min(RESTORE_TIMEOUT);
                 let restored = match self
-                    .restore_clone(rec, &plan, &procs, jail.as_ref(), src, restore_deadline)
+                    .restore_clone(
+                        rec,
+                        spec,
+                        &plan,
+                        &procs,
+                        jail.as_ref(),
+                        src,
+                        restore_deadline,
+                    )
                     .await
                 {
                     Ok(vm) => vmm::wait_for_hello(
@@ -556,7 +564,7 @@ impl Runtime {
         };
         let (vmm, plan) = match jail.filter(|_| files.jail.is_some()) {
             Some(j) => self
-                .spawn_jailed(rec, spec, files, plan, j.id)
+                .spawn_jailed(rec, spec, files, plan, j.id, &[])
                 .await
                 .map_err(|e| (e, None))?,
             None => (
@@ -602,9 +610,10 @@ impl Runtime {
         Ok((vm, announcements))
     }
 
-    /// Stage VM `r`'s jail (its kernel, initrd and drives hard-linked in, see `jailer::stage`)
-    /// and start Firecracker in it through the jailer as uid `id`, in cgroups with the limits
-    /// of `spec`. Returns the process and the plan with its files' paths in the jail.
+    /// Stage VM `r`'s jail (its kernel, initrd and drives hard-linked in, see `jailer::stage`,
+    /// and `extra`: a clone's template snapshot) and start Firecracker in it through the jailer
+    /// as uid `id`, in cgroups with the limits of `spec`. Returns the process and the plan with
+    /// its files' paths in the jail.
     pub(super) async fn spawn_jailed(
         &self,
         r: &VmRecord,
@@ -612,6 +621,7 @@ impl Runtime {
         files: &VmmFiles,
         plan: &VmPlan,
         id: u32,
+        extra: &[(&Path, &str, Place)],
     ) -> Result<(firecracker::Vmm, VmPlan), RuntimeError> {
         let jailer_err = |source| RuntimeError::Jailer {
             uid: r.uid.clone(),
@@ -648,6 +658,7 @@ impl Runtime {
         let links: Vec<(&Path, &str, Place)> = links
             .iter()
             .map(|(p, n, k)| (p.as_path(), n.as_str(), *k))
+            .chain(extra.iter().copied())
             .collect();
         jailer::stage(root, &self.cfg.firecracker_bin, id, &links).map_err(jailer_err)?;
         // The console and stderr the runtime writes for it: the VM's, 0600, so imp-agent (uid 0
