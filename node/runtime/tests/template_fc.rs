@@ -332,9 +332,12 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     ] {
         assert!(m.contains(line), "{line}\n{m}");
     }
-    // Nothing JIT-like in the template, or anywhere in the state dir.
+    // Nothing JIT-like in the template, the VMs' directories or the jails.
     let needles: [&[u8]; 2] = [JIT_KEY.as_bytes(), b"jitconfig"];
-    assert!(files_holding(&h.state_dir, &needles).is_empty());
+    for dir in ["templates", "vms", "jailer"] {
+        let found = files_holding(&h.state_dir.join(dir), &needles);
+        assert!(found.is_empty(), "{found:?}");
+    }
 
     // Another Firecracker release built it: cold boot with the reason, rebuilt, clones again.
     h.signal_runtime("TERM");
