@@ -217,9 +217,16 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     assert_eq!(t.key.len(), 24, "{t:?}");
     let key = t.key.clone();
     let built = wait_built(&h, &key).await;
-    assert_eq!(built.state, TemplateState::Ready, "{built:?}\n{}", h.runtime_log());
+    assert_eq!(
+        built.state,
+        TemplateState::Ready,
+        "{built:?}\n{}",
+        h.runtime_log()
+    );
     assert!(
-        built.vmm.contains(imp_testkit::firecracker::sim::VMM_VERSION),
+        built
+            .vmm
+            .contains(imp_testkit::firecracker::sim::VMM_VERSION),
         "{built:?}"
     );
     let tdir = h.state_dir.join("templates").join(&key);
@@ -238,7 +245,10 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
         serde_json::from_slice(&std::fs::read(tdir.join("meta.json")).unwrap()).unwrap();
     assert_eq!(
         meta["vmm"]["version"],
-        format!("Firecracker v{}", imp_testkit::firecracker::sim::VMM_VERSION)
+        format!(
+            "Firecracker v{}",
+            imp_testkit::firecracker::sim::VMM_VERSION
+        )
     );
     // The build VM is gone: its process, directory, jail and TAP.
     let build_vm = holder(&key);
@@ -256,7 +266,11 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
         let (st, secs) = put(&h, &uid, &spec).await;
         let start = st.start.clone().unwrap();
         assert_eq!(
-            (start.from, start.template.as_deref(), start.fallback.as_ref()),
+            (
+                start.from,
+                start.template.as_deref(),
+                start.fallback.as_ref()
+            ),
             (StartKind::Clone, Some(key.as_str()), None),
             "{st:?}\n{}",
             h.runtime_log()
@@ -282,7 +296,10 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
                     .trim()
                     .to_string();
             let hostname = run(&h, &uid, &["uname", "-n"]).await;
-            assert_eq!(hostname, uid, "a clone's hostname is its uid (no imp.hostname)");
+            assert_eq!(
+                hostname, uid,
+                "a clone's hostname is its uid (no imp.hostname)"
+            );
             assert_eq!(machine_id.len(), 32, "{machine_id:?}");
             identities.push((machine_id, hostname));
         }
@@ -401,9 +418,7 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     let mut owners: Vec<String> = (0..10)
         .flat_map(|i| [format!("cold{i}"), format!("clone{i}")])
         .collect();
-    owners.extend(
-        ["refused", "hung", "mism", "clone-again", "broken"].map(String::from),
-    );
+    owners.extend(["refused", "hung", "mism", "clone-again", "broken"].map(String::from));
     owners.push(holder(&key));
     for o in owners {
         let tap = h.tap_for(&o);

@@ -20,14 +20,14 @@ use tokio::time::Instant;
 
 use super::{Runtime, RuntimeError, Vm, vm};
 use crate::api::{Backend, Failure, TemplateState, TemplateStatus, VmSpec};
+use crate::firecracker::CloneOverrides;
+use crate::firecracker::api::NetworkOverride;
+use crate::firecracker::jailer::{self, Place};
 use crate::inventory::VmRecord;
 use crate::metrics::{OutcomeLabel, ReasonLabel};
 use crate::network;
 use crate::qemu::{self, QemuFiles, QemuVm};
 use crate::rootfs::writable::{WritableDrives, clone_file};
-use crate::firecracker::api::NetworkOverride;
-use crate::firecracker::jailer::{self, Place};
-use crate::firecracker::CloneOverrides;
 use crate::tap;
 use crate::vmm::VmPlan;
 pub use key::reason;
@@ -654,7 +654,10 @@ impl Runtime {
                 self.restore_qemu_clone(r, plan, cgroups, jail, src, deadline)
                     .await
             }
-            Backend::Firecracker => self.restore_firecracker_clone(r, spec, plan, jail, src).await,
+            Backend::Firecracker => {
+                self.restore_firecracker_clone(r, spec, plan, jail, src)
+                    .await
+            }
         }
     }
 
@@ -696,7 +699,9 @@ impl Runtime {
             .map_err(|e| fail(e.to_string()))?;
         r.pid = Some(vmm.process.pid);
         r.start_time = Some(vmm.process.start_time);
-        vmm.wait_api_ready().await.map_err(|e| fail(e.to_string()))?;
+        vmm.wait_api_ready()
+            .await
+            .map_err(|e| fail(e.to_string()))?;
         let overrides = CloneOverrides {
             network: staged
                 .nics
@@ -718,8 +723,7 @@ impl Runtime {
             let _ = std::fs::remove_file(root.join(name));
         }
         loaded.map_err(|e| fail(e.to_string()))?;
-        jailer::expose_vsock(&files.vsock, &r.vsock_path, j.id)
-            .map_err(|e| fail(e.to_string()))?;
+        jailer::expose_vsock(&files.vsock, &r.vsock_path, j.id).map_err(|e| fail(e.to_string()))?;
         self.inventory
             .set_state(&r.uid, crate::api::VmState::Booting)
             .await
@@ -1044,7 +1048,11 @@ impl Runtime {
                     return Err(failed(reason::TEMPLATE_FAILED, "no VMM recorded".into()));
                 }
             }
-            let mut files = if shared.is_empty() { vec![mem] } else { Vec::new() };
+            let mut files = if shared.is_empty() {
+                vec![mem]
+            } else {
+                Vec::new()
+            };
             for f in &shared {
                 shared_read_only(f).map_err(|e| {
                     failed(reason::TEMPLATE_FAILED, format!("own {}: {e}", f.display()))
