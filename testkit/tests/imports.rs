@@ -558,6 +558,7 @@ const KNOWN: &[&str] = &[
     "imports its parent: node/runtime/src/runtime/net.rs -> node/runtime/src/runtime.rs",
     "imports its parent: node/runtime/src/runtime/startup.rs -> node/runtime/src/runtime.rs",
     "imports its parent: node/runtime/src/runtime/suspend.rs -> node/runtime/src/runtime.rs",
+    "imports its parent: node/runtime/src/runtime/template.rs -> node/runtime/src/runtime.rs",
     "imports its parent: node/runtime/src/runtime/teardown.rs -> node/runtime/src/runtime.rs",
     "imports its parent: node/runtime/src/server.rs -> node/runtime/src/lib.rs",
     "imports its parent: node/runtime/src/vmm/mod.rs -> node/runtime/src/lib.rs",
