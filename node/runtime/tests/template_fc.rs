@@ -410,7 +410,15 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     let rebuilt = wait_built(&h, &key).await;
     assert_eq!(rebuilt.state, TemplateState::Ready, "{rebuilt:?}");
     let (st, _) = put(&h, "clone-again", &spec).await;
-    assert_eq!(st.start.unwrap().from, StartKind::Clone);
+    assert_eq!(st.start.clone().unwrap().from, StartKind::Clone);
+    // A runtime restart finds the clone Running in its jail, with its start report.
+    h.kill9_runtime();
+    h.start_runtime().await;
+    let again = h.client.inspect("clone-again").await.unwrap();
+    assert_eq!(
+        (again.state, again.pid, again.start),
+        (VmState::Running, st.pid, st.start)
+    );
     // The template deleted under a running clone: its files go, the clone runs on.
     h.client.delete_template(&key).await.unwrap();
     assert!(!tdir.exists());
