@@ -377,26 +377,26 @@ impl Runtime {
                     )
                     .await
                 {
-                    Ok(vm) => vmm::wait_for_hello(
+                    Ok((vm, mut heard)) => vmm::wait_for_hello(
                         &files.vsock,
                         &files.serial_log,
                         || vm.is_alive(),
                         restore_deadline,
-                        None,
+                        heard.as_mut(),
                     )
                     .await
-                    .map(|_| vm.clone())
+                    .map(|_| (vm.clone(), heard))
                     .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm))),
                     Err(e) => Err(e),
                 };
                 match restored {
-                    Ok(vm) => {
+                    Ok((vm, heard)) => {
                         let secs = spawned_at.elapsed().as_secs_f64();
                         self.metrics.restore_seconds.observe(secs);
                         start.from = StartKind::Clone;
                         start.template = Some(src.key.clone());
                         start.restore_seconds = Some(secs);
-                        break (vm, spawned_at, deadline, None);
+                        break (vm, spawned_at, deadline, heard);
                     }
                     Err((message, vm)) => {
                         tracing::warn!(uid, key = %src.key, message, "restoring the template failed; booting");

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use imp_guest::host::IdentityCheck;
+use imp_guest::host::{Announcements, IdentityCheck};
 use imp_guest::protocol::{AGENT_VSOCK_PORT, NetIdentity, Reidentify};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -636,8 +636,9 @@ impl Runtime {
         }
     }
 
-    /// A fresh VMM for row `r` restoring template `src`, running. On error, the message and
-    /// what to kill. The backend's own steps are behind this match.
+    /// A fresh VMM for row `r` restoring template `src`, running, and where its guest's
+    /// announcements arrive (if bound). On error, the message and what to kill. The backend's
+    /// own steps are behind this match.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn restore_clone(
         &self,
@@ -648,12 +649,12 @@ impl Runtime {
         jail: Option<&crate::jail::VmJail>,
         src: &CloneSource,
         deadline: Instant,
-    ) -> Result<Vm, (String, Option<Vm>)> {
+    ) -> Result<(Vm, Option<Announcements>), (String, Option<Vm>)> {
         match r.backend {
-            Backend::Qemu => {
-                self.restore_qemu_clone(r, plan, cgroups, jail, src, deadline)
-                    .await
-            }
+            Backend::Qemu => self
+                .restore_qemu_clone(r, plan, cgroups, jail, src, deadline)
+                .await
+                .map(|vm| (vm, None)),
             Backend::Firecracker => {
                 self.restore_firecracker_clone(r, spec, plan, jail, src)
                     .await
@@ -674,7 +675,7 @@ impl Runtime {
         plan: &VmPlan,
         jail: Option<&crate::jail::VmJail>,
         src: &CloneSource,
-    ) -> Result<Vm, (String, Option<Vm>)> {
+    ) -> Result<(Vm, Option<Announcements>), (String, Option<Vm>)> {
         let files = vm::files_of(r);
         let (Some(j), Some(root)) = (jail, files.jail.clone()) else {
             return Err((UNJAILED.into(), None));
@@ -714,6 +715,10 @@ impl Runtime {
             // Reidentify sets the clock (older releases refuse the field).
             clock_realtime: false,
         };
+        // Before the load, as before a boot's InstanceStart: a restored guest whose agent
+        // announces itself (the simulator's fresh one does) is found at once; one that does not
+        // (a real guest was listening when snapshotted) answers the first connect anyway.
+        let heard = crate::vmm::listen_for_announcements(&files.vsock, Some(j.id));
         let loaded = vmm
             .restore_clone(&root.join(JAIL_VMSTATE), &root.join(JAIL_MEM), &overrides)
             .await;
@@ -728,7 +733,7 @@ impl Runtime {
             .set_state(&r.uid, crate::api::VmState::Booting)
             .await
             .map_err(|e| fail(e.to_string()))?;
-        Ok(vm)
+        Ok((vm, heard))
     }
 
     /// A fresh QEMU for row `r` loading template `src` (vsock device first, each process
