@@ -502,3 +502,73 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
         par_wall,
     );
 }
+
+/// A runtime killed while a Firecracker template builds: the next start removes the build's
+/// `.building` directory, its VMM and guest, jail and TAP; the next request builds it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_firecracker_build_leaves_nothing_after_a_restart() {
+    if !is_root() {
+        return imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "an_interrupted_firecracker_build_leaves_nothing_after_a_restart",
+            "the jailer switches uids and makes device nodes; the build VM has a TAP",
+        );
+    }
+    let mut h = Harness::new(jailed_simulator());
+    h.extra_env
+        .push(("IMP_JAILER_DOUBLE_KEEP_ROOT".into(), "1".into()));
+    h.start_runtime().await;
+    let spec = h.spec(true);
+    // Built once to learn the key (the build VM's id), then deleted.
+    let key = h.client.ensure_template(&spec).await.unwrap().key;
+    assert_eq!(wait_built(&h, &key).await.state, TemplateState::Ready);
+    h.client.delete_template(&key).await.unwrap();
+    // Its next build VM's guest takes 3 s to come up: the runtime dies meanwhile.
+    let build_vm = holder(&key);
+    h.knobs(
+        &build_vm,
+        Knobs {
+            boot_delay_ms: 3000,
+            ..Knobs::default()
+        },
+    );
+    let t = h.client.ensure_template(&spec).await.unwrap();
+    assert_eq!(t.state, TemplateState::Building);
+    let building = h
+        .state_dir
+        .join("templates")
+        .join(format!("{key}.building"));
+    eventually(
+        || {
+            (
+                jail_of(&h, &build_vm).join("api.sock").exists(),
+                building.exists(),
+            )
+        },
+        |&(a, b)| a && b,
+    )
+    .await;
+    h.kill9_runtime();
+    assert!(
+        !processes_of(&h).is_empty(),
+        "the build VM outlives the runtime"
+    );
+    let tap = h.tap_for(&build_vm);
+    assert!(output("ip", &["-o", "link", "show"]).contains(&tap));
+
+    h.start_runtime().await;
+    eventually(|| processes_of(&h), Vec::is_empty).await;
+    assert!(h.client.templates().await.unwrap().is_empty());
+    assert!(!building.exists());
+    assert!(!jail_of(&h, &build_vm).parent().unwrap().exists());
+    assert!(!h.vms_dir().join(&build_vm).exists());
+    assert!(!output("ip", &["-o", "link", "show"]).contains(&tap));
+
+    // Asked again, it is built (slowly, the knob stays).
+    h.client.ensure_template(&spec).await.unwrap();
+    let rebuilt = wait_built(&h, &key).await;
+    assert_eq!(rebuilt.state, TemplateState::Ready, "{rebuilt:?}");
+    h.client.delete_template(&key).await.unwrap();
+    eventually(|| processes_of(&h), Vec::is_empty).await;
+    h.signal_runtime("TERM");
+}
