@@ -5,7 +5,9 @@
 //! drive and `meta.json` root's 0600, the directory 0700); clones restore it in jails of their
 //! own and are Running only after `Reidentify` (each its own machine-id and hostname, its
 //! random sample checked against the earlier clones' by the runtime); a clone whose guest
-//! refuses or never answers `Reidentify` is Failed `ReidentifyFailed` with nothing left; a
+//! refuses or never answers `Reidentify` is Failed `ReidentifyFailed` with nothing left; three
+//! clones restore at once; a clone survives a kill -9'd runtime, a suspend and resume, and the
+//! deletion of its template; a
 //! template of another VMM release is `TemplateVmmMismatch` (cold boot, rebuilt); a template
 //! whose memory file is cut short is `RestoreFailed` (cold boot). Nothing is left at the end:
 //! no process, jail, TAP, VM or template file. Prints cold boot and clone create->Running
@@ -418,6 +420,20 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     assert_eq!(
         (again.state, again.pid, again.start),
         (VmState::Running, st.pid, st.start)
+    );
+    // A clone suspends and resumes like any VM (its own snapshot, in its own jail).
+    h.client.suspend("clone-again").await.unwrap();
+    assert_eq!(
+        h.client.inspect("clone-again").await.unwrap().state,
+        VmState::Suspended
+    );
+    h.client
+        .resume("clone-again")
+        .await
+        .unwrap_or_else(|e| panic!("resume a clone: {e}\n{}", h.runtime_log()));
+    assert_eq!(
+        run(&h, "clone-again", &["echo", "resumed"]).await,
+        "resumed"
     );
     // The template deleted under a running clone: its files go, the clone runs on.
     h.client.delete_template(&key).await.unwrap();
