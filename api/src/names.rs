@@ -47,6 +47,10 @@ pub const ANNOTATION_IP_ALLOCATION: &str = "imp.dev/ip-allocation";
 /// Suspended` (RFC 3339), written in the same patch. It marks the suspend as the lifecycle's (not a
 /// user's) and is removed once the VM is resumed (docs/architecture.md, pressureLifecycle).
 pub const ANNOTATION_PRESSURE_SUSPENDED_AT: &str = "imp.dev/pressure-suspended-at";
+/// Annotation on a Node, written by its agent: the uids of the standby pools (`spec.scaling.standby`)
+/// whose snapshot template is Ready on the node, comma-separated and sorted. The scheduler prefers
+/// these nodes for the pools' `startFrom: Template` VMs (docs/runner-pool.md, "Snapshot standby").
+pub const ANNOTATION_TEMPLATES_READY: &str = "imp.dev/templates-ready";
 /// Key inside a JIT Secret holding the encoded runner config.
 pub const SECRET_KEY_JITCONFIG: &str = "jitconfig";
 /// Field manager used by the operator for server-side apply and status patches.
@@ -133,6 +137,8 @@ pub mod reason {
     pub enum Site {
         /// ImpVM `status.reason` (the phase says Failed, or Pending when no node fits).
         VmStatus,
+        /// ImpVM `status.start.fallbackReason`: why a VM asked to start from a template booted.
+        VmStart,
         /// The reason of an ImpVM condition of this type.
         VmCondition(&'static str),
         /// The reason of an ImpVMRunnerPool condition of this type.
@@ -154,6 +160,7 @@ pub mod reason {
         pub fn describe(self) -> String {
             match self {
                 Site::VmStatus => "ImpVM `status.reason`".into(),
+                Site::VmStart => "ImpVM `status.start.fallbackReason`".into(),
                 Site::VmCondition(t) => format!("ImpVM condition `{t}`"),
                 Site::PoolCondition(t) => format!("ImpVMRunnerPool condition `{t}`"),
                 Site::NetworkCondition(t) => format!("ImpNetwork condition `{t}`"),
@@ -303,6 +310,24 @@ pub mod reason {
         NETWORK_SETUP_FAILED = "NetworkSetupFailed" in [VmStatus, Runtime];
         /// The VM's writable drive could not be created.
         DISK_SETUP_FAILED = "DiskSetupFailed" in [VmStatus, Runtime];
+
+        // Snapshot standby (imp-runtime; docs/runner-pool.md "Snapshot standby").
+        /// Asked to start from a template, the node had none for the VM's spec: booted cold.
+        TEMPLATE_MISSING = "TemplateMissing" in [VmStart, Runtime];
+        /// Asked to start from a template, the node's template for the spec was still being built: booted cold.
+        TEMPLATE_BUILDING = "TemplateBuilding" in [VmStart, Runtime];
+        /// The node's template was taken from inputs that changed since (kernel, image, guest agent): booted cold.
+        TEMPLATE_STALE = "TemplateStale" in [VmStart, Runtime];
+        /// The template's snapshot was taken with another VMM or version than the node runs now: booted cold.
+        TEMPLATE_VMM_MISMATCH = "TemplateVmmMismatch" in [VmStart, Runtime];
+        /// The node's last build of the template failed: booted cold.
+        TEMPLATE_FAILED = "TemplateFailed" in [VmStart, Runtime];
+        /// The node's VMM backend keeps no templates: booted cold.
+        TEMPLATE_UNSUPPORTED = "TemplateUnsupported" in [VmStart, Runtime];
+        /// Restoring the clone from the template's snapshot failed: booted cold.
+        RESTORE_FAILED = "RestoreFailed" in [VmStart, Runtime];
+        /// A clone restored from a template did not take an identity of its own (the guest's `Reidentify` failed or its evidence did not match): the VM fails, never Running, and its runner config is never read.
+        REIDENTIFY_FAILED = "ReidentifyFailed" in [VmStatus, Runtime];
 
         // imp-runtime API errors (the agent maps the spec ones to SpecInvalid).
         /// The VM uid in the path is not a valid uid.

@@ -184,6 +184,13 @@ pub struct Scaling {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 1000))]
     pub scale_up_step: Option<u32>,
+    /// Snapshot standby, in addition to `minIdle` (default false): the pool's runner VMs start
+    /// from a snapshot template (`startFrom: Template`) that each node able to serve the pool
+    /// keeps ready, so a job that finds no idle runner gets a clone restored in milliseconds
+    /// instead of a cold boot. A node without a Ready template boots the VM cold and says why
+    /// (`status.start.fallbackReason`; docs/runner-pool.md, "Snapshot standby").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub standby: Option<bool>,
 }
 
 /// Default number of runners created per reconcile pass.
@@ -195,6 +202,10 @@ impl Scaling {
     }
     pub fn scale_up_step(&self) -> u32 {
         self.scale_up_step.unwrap_or(DEFAULT_SCALE_UP_STEP)
+    }
+    /// `standby`, defaulted.
+    pub fn standby(&self) -> bool {
+        self.standby.unwrap_or(false)
     }
 }
 

@@ -53,6 +53,12 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
         json_path = ".status.reason",
         priority = 1
     ),
+    printcolumn(
+        name = "Start",
+        type_ = "string",
+        json_path = ".status.start.from",
+        priority = 1
+    ),
     selectable = ".spec.nodeName"
 )]
 #[serde(rename_all = "camelCase")]
@@ -75,6 +81,10 @@ pub const MIN_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
     .message("imagePullSecrets cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".imagePullSecrets"))]
 #[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.runnerUser) == has(oldSelf.runnerUser) && (!has(self.runnerUser) || self.runnerUser == oldSelf.runnerUser))")
     .message("runnerUser cannot change once runnerConfigSecret is set (the runner config was minted for this VM)").field_path(".runnerUser"))]
+// How a runner VM starts is chosen with its pool's standby setting when it is created; it stays
+// what its runner config was minted with.
+#[x_kube(validation = kube::core::Rule::new("!has(oldSelf.runnerConfigSecret) || (has(self.startFrom) == has(oldSelf.startFrom) && (!has(self.startFrom) || self.startFrom == oldSelf.startFrom))")
+    .message("startFrom cannot change once runnerConfigSecret is set").field_path(".startFrom"))]
 // A one-job VM has nothing to come back to: suspending it would only hold its node's memory and its
 // runner's job. Runner VMs are ephemeral and carry runnerConfigSecret; either marks a VM as one.
 #[x_kube(validation = kube::core::Rule::new("!has(self.desiredState) || !(self.desiredState in ['Suspended', 'ScaleToZero']) || (self.lifecycle == 'persistent' && !has(self.runnerConfigSecret))")
@@ -133,6 +143,57 @@ pub struct ImpVMSpec {
     /// Unset: uid 1001 (the `runner` user), never root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runner_user: Option<RunnerUser>,
+    /// `Boot` (default): a cold boot of kernel and image. `Template`: a clone restored from the
+    /// node's snapshot template for this spec, when the node has one Ready; otherwise the node
+    /// boots it cold and `status.start.fallbackReason` says why. Set by a runner pool with
+    /// `scaling.standby` (docs/runner-pool.md, "Snapshot standby").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_from: Option<StartFrom>,
+}
+
+/// How a VM is asked to start (`spec.startFrom`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+pub enum StartFrom {
+    /// A cold boot.
+    #[default]
+    Boot,
+    /// A clone of the node's snapshot template, else a cold boot.
+    Template,
+}
+
+/// How a VM was started (`status.start.from`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub enum StartedFrom {
+    /// Booted cold.
+    Boot,
+    /// Restored from a snapshot template, then given an identity of its own.
+    Clone,
+}
+
+/// How the node started the VM, as imp-runtime reported it (written by the agent once, with
+/// Running or Failed).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StartStatus {
+    pub from: StartedFrom,
+    /// The template's content key, for a clone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Asked `startFrom: Template` but booted: why (TemplateMissing, TemplateBuilding,
+    /// TemplateStale, TemplateVmmMismatch, TemplateFailed, TemplateUnsupported, RestoreFailed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_message: Option<String>,
+    /// A clone: from its fresh VMM's start to the restored guest agent's Hello.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_seconds: Option<f64>,
+    /// A clone: the guest's `Reidentify` round trip (entropy, MAC, address, hostname, machine-id,
+    /// clock), its evidence checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reidentify_seconds: Option<f64>,
 }
 
 /// The uid the runner runs as when `runnerUser.uid` is unset: the `runner` user of GitHub's hosted
@@ -192,6 +253,11 @@ impl ImpVMSpec {
     /// `desiredState`, defaulted.
     pub fn desired_state(&self) -> DesiredState {
         self.desired_state.unwrap_or_default()
+    }
+
+    /// `startFrom`, defaulted.
+    pub fn start_from(&self) -> StartFrom {
+        self.start_from.unwrap_or_default()
     }
 }
 
@@ -337,6 +403,10 @@ pub struct ImpVMStatus {
     /// (written by the pool controller; docs/runner-pool.md, "Why did my job wait").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<ServedJobStatus>,
+    /// How the node started the VM: booted, or cloned from a snapshot template (and if a clone
+    /// was asked for but the VM booted, why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<StartStatus>,
 }
 
 /// The workflow job a runner VM served, and the time of each step from the job being queued to its

@@ -65,6 +65,9 @@ fn changes() -> Vec<(&'static str, Value)> {
             "runnerUser",
             json!({"spec": {"runnerUser": {"uid": 0, "runAsRoot": true}}}),
         ),
+        // How it starts is fixed with the mint too (not in the boot digest: a clone runs the
+        // same spec), so a standby VM cannot be switched to a boot or back once minted.
+        ("startFrom", json!({"spec": {"startFrom": "Template"}})),
     ]
 }
 

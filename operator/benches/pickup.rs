@@ -16,6 +16,15 @@
 //! creationTimestamp and the agent-written status Times are to the second. The operator's own record
 //! (`status.job`) is read too and its queued -> picked up compared.
 //!
+//! The `standby` scenario is `from-zero` (minIdle 0) with `scaling.standby: true`: every node reports
+//! the pool's snapshot template Ready (as agents do once it is built; the annotation the scheduler
+//! prefers), and the node side starts the pool's `startFrom: Template` VMs as clones: instead of the
+//! boot it simulates the restore (IMP_BENCH_RESTORE_MS, default 30: Firecracker's published
+//! snapshot restore-to-usable, docs/SNAPSHOTS.md of firecracker-microvm/firecracker) and the guest's
+//! `Reidentify` (IMP_BENCH_REIDENTIFY_MS, default 5: one vsock round trip and a few guest syscalls;
+//! an estimate, not a measurement), and reports both in `status.start` as the agent does. Its
+//! phases split `boot` into the node's own work, `restore` and `reidentify`.
+//!
 //! The `warm-scaleset` scenario is `warm` with the pool's demand taken from a runner scale set
 //! (`spec.github.scaleSet`; the simulator's broker, long poll, acquire, `generatejitconfig`) and every
 //! webhook dropped: the same jobs, routed by `runs-on: <scale set>`. Each scenario counts the GitHub
@@ -24,18 +33,20 @@
 //! IMP_BENCH_IDLE_SECS (120) and its calls are projected to an hour.
 //!
 //! `cargo bench -p imp-operator --bench pickup`; IMP_BENCH_JOBS (200), IMP_BENCH_IDLE (20),
-//! IMP_BENCH_COLD_JOBS (50), IMP_BENCH_INTERVAL_MS (250, between queued jobs), IMP_BENCH_BOOT_MS (500),
+//! IMP_BENCH_COLD_JOBS (50, also the standby scenario's), IMP_BENCH_INTERVAL_MS (250, between queued
+//! jobs), IMP_BENCH_BOOT_MS (500), IMP_BENCH_RESTORE_MS (30), IMP_BENCH_REIDENTIFY_MS (5),
 //! IMP_BENCH_JOB_MS (2000, how long each job runs), IMP_BENCH_IDLE_SECS (120).
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{Agent, AgentOptions, Bench, start_agent};
+use common::{Agent, AgentOptions, Bench, start_agent, templates_ready};
 use imp_api::{ImpVMRunnerPool, ScaleSetSpec, names::LABEL_RUNNER_POOL};
-use imp_operator::runnerpool::slo::{JOB_PHASES, job_phases};
+use imp_operator::runnerpool::slo::{CloneTimes, JOB_PHASES, clone_phases, job_phases};
 use imp_testkit::github::{JobSpec, WebhookFault};
 use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
 use kube::{
     Api,
     api::{ListParams, PostParams},
@@ -70,6 +81,8 @@ struct Scenario {
     interval: Duration,
     /// Take demand from this runner scale set, webhooks dropped.
     scale_set: Option<&'static str>,
+    /// `scaling.standby`: the pool's VMs start as clones of the nodes' templates.
+    standby: bool,
 }
 
 /// GitHub calls, REST and the scale-set broker's.
@@ -108,6 +121,8 @@ struct Served {
     phases: Vec<(&'static str, Duration)>,
     /// Queued -> picked up as the operator recorded it on the VM (`status.job`), if it did.
     recorded: Option<Duration>,
+    /// Its VM was started as a clone.
+    clone: bool,
 }
 
 struct Outcome {
@@ -134,6 +149,7 @@ async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outco
         .min_idle(s.min_idle)
         .max_runners(s.max_runners)
         .scale_up_step(100)
+        .standby(s.standby)
         .build();
     if let Some(set) = s.scale_set {
         pool.spec.github.scale_set = Some(ScaleSetSpec {
@@ -145,7 +161,10 @@ async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outco
             .inject_webhook_fault(WebhookFault::Drop, 10 * s.jobs as u32 + 1000);
     }
     let before = calls(b);
-    pools.create(&PostParams::default(), &pool).await?;
+    let created = pools.create(&PostParams::default(), &pool).await?;
+    if s.standby {
+        templates_ready(b, agent, &created.uid().unwrap_or_default()).await?;
+    }
     let t0 = Instant::now();
     loop {
         let st = pools.get_status(s.name).await?.status.unwrap_or_default();
@@ -223,6 +242,7 @@ async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outco
                 wait,
                 phases: Vec::new(),
                 recorded: None,
+                clone: false,
             });
             continue;
         };
@@ -245,10 +265,15 @@ async fn run(b: &mut Bench, agent: &Agent, s: &Scenario) -> anyhow::Result<Outco
                     r.picked_up_time.as_ref()?.0,
                 ))
             });
+        let clone = vm.clone.map(|(restore, reidentify)| CloneTimes {
+            restore,
+            reidentify,
+        });
         served.push(Served {
             wait,
-            phases: job_phases(&steps),
+            phases: clone_phases(job_phases(&steps), clone),
             recorded,
+            clone: clone.is_some(),
         });
     }
 
@@ -345,7 +370,9 @@ fn owner(phase: &str) -> &'static str {
         "vm_create" => "Imp: webhook -> pool decision -> ImpVM created",
         "mint" => "Imp + GitHub sim: JIT config minted, Secret, VM spec",
         "schedule" => "Imp: ImpVM controller binds a node",
-        "boot" => "fixed: simulated boot (+ agent watch and Secret read)",
+        "boot" => "fixed: simulated boot (+ agent watch and Secret read; a clone: those alone)",
+        "restore" => "fixed: simulated clone restore",
+        "reidentify" => "fixed: simulated clone reidentify",
         "runner_start" => "node agent: Started status write",
         "pickup" => "fixed: fake runner connect + 50 ms acquire poll",
         _ => "",
@@ -353,11 +380,12 @@ fn owner(phase: &str) -> &'static str {
 }
 
 fn report(s: &Scenario, o: &Outcome, boot: Duration) {
+    let standby = if s.standby { ", standby" } else { "" };
     let mut waits: Vec<Duration> = o.served.iter().map(|j| j.wait).collect();
     waits.sort();
     println!();
     println!(
-        "{}: minIdle {}, maxRunners {}, {} jobs one per {:?}, all picked up {:.1?} after the first was queued",
+        "{}: minIdle {}{standby}, maxRunners {}, {} jobs one per {:?}, all picked up {:.1?} after the first was queued",
         s.name,
         s.min_idle,
         s.max_runners,
@@ -389,6 +417,13 @@ fn report(s: &Scenario, o: &Outcome, boot: Duration) {
         ms(pct(&rec, 0.5)),
         ms(pct(&rec, 0.99))
     );
+    let clones = o.served.iter().filter(|j| j.clone).count();
+    if clones > 0 {
+        println!(
+            "  {clones} of {} jobs' runner VMs started as clones of a snapshot template",
+            o.served.len()
+        );
+    }
     if o.unattributed > 0 {
         println!(
             "  {} jobs' runner VM not seen by the agent (no phases)",
@@ -406,7 +441,11 @@ fn report(s: &Scenario, o: &Outcome, boot: Duration) {
         .filter(|j| !j.phases.is_empty())
         .count()
         .max(1) as u32;
-    for phase in &JOB_PHASES[..6] {
+    let clone_phases = ["restore", "reidentify"];
+    for phase in JOB_PHASES.iter().filter(|p| **p != "run") {
+        if clones == 0 && clone_phases.contains(phase) {
+            continue;
+        }
         let mut d: Vec<Duration> = o
             .served
             .iter()
@@ -427,7 +466,7 @@ fn report(s: &Scenario, o: &Outcome, boot: Duration) {
                 let sleep: Duration = o
                     .served
                     .iter()
-                    .filter(|j| !j.phases.is_empty())
+                    .filter(|j| !j.phases.is_empty() && !j.clone)
                     .map(|j| {
                         j.phases
                             .iter()
@@ -440,7 +479,7 @@ fn report(s: &Scenario, o: &Outcome, boot: Duration) {
                 fixed += sleep;
                 imp += m.saturating_sub(sleep);
             }
-            "pickup" => fixed += m,
+            "pickup" | "restore" | "reidentify" => fixed += m,
             _ => imp += m,
         }
         println!(
@@ -453,7 +492,7 @@ fn report(s: &Scenario, o: &Outcome, boot: Duration) {
         );
     }
     println!(
-        "  mean wait {:.0} ms = Imp + API server + agent {:.0} ms, fixed (simulated boot, runner poll) {:.0} ms",
+        "  mean wait {:.0} ms = Imp + API server + agent {:.0} ms, fixed (simulated boot or clone, runner poll) {:.0} ms",
         ms(mean(&waits)),
         ms(imp),
         ms(fixed)
@@ -472,10 +511,12 @@ async fn bench() -> anyhow::Result<()> {
     let cold_jobs = env_u64("IMP_BENCH_COLD_JOBS", 50) as usize;
     let interval = Duration::from_millis(env_u64("IMP_BENCH_INTERVAL_MS", 250));
     let boot = Duration::from_millis(env_u64("IMP_BENCH_BOOT_MS", 500));
+    let restore = Duration::from_millis(env_u64("IMP_BENCH_RESTORE_MS", 30));
+    let reidentify = Duration::from_millis(env_u64("IMP_BENCH_REIDENTIFY_MS", 5));
     let job = Duration::from_millis(env_u64("IMP_BENCH_JOB_MS", 2000));
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "pickup bench: {cpus} CPUs, load average {} at start; simulated boot {boot:?}, jobs run {job:?}",
+        "pickup bench: {cpus} CPUs, load average {} at start; simulated boot {boot:?}, clone restore {restore:?} + reidentify {reidentify:?}, jobs run {job:?}",
         loadavg()
     );
     let mut b = Bench::start("pickup").await?;
@@ -484,6 +525,8 @@ async fn bench() -> anyhow::Result<()> {
         AgentOptions {
             run_jobs: true,
             boot,
+            restore,
+            reidentify,
             job,
         },
     );
@@ -495,6 +538,7 @@ async fn bench() -> anyhow::Result<()> {
             jobs: cold_jobs,
             interval,
             scale_set: None,
+            standby: false,
         },
         Scenario {
             name: "warm",
@@ -503,6 +547,16 @@ async fn bench() -> anyhow::Result<()> {
             jobs,
             interval,
             scale_set: None,
+            standby: false,
+        },
+        Scenario {
+            name: "standby",
+            min_idle: 0,
+            max_runners: 20,
+            jobs: cold_jobs,
+            interval,
+            scale_set: None,
+            standby: true,
         },
         // Last: its dropped deliveries must not reach another scenario.
         Scenario {
@@ -512,6 +566,7 @@ async fn bench() -> anyhow::Result<()> {
             jobs,
             interval,
             scale_set: Some(SET),
+            standby: false,
         },
     ];
     let mut outcomes = Vec::new();

@@ -6,17 +6,20 @@
 //! not cordoned, no Memory/Disk/PID pressure, fresh agent heartbeat, nodeSelector, taints tolerated
 //! (NoSchedule and NoExecute; PreferNoSchedule is ignored), known capacity, enough free vCPU and memory, and
 //! enough writable-drive disk where the agent published the node's budget.
-//! Among the nodes that pass, best fit: the least memory left after placement, then the least CPU left,
-//! then the node name, so equal inputs always give the same answer.
+//! Among the nodes that pass, a VM that asks to start from a snapshot template (a standby pool's,
+//! [`VmRequest::template_of`]) goes first to the nodes whose agent reports that pool's template Ready
+//! (`imp.dev/templates-ready`): a clone there takes milliseconds, a cold boot elsewhere seconds, and
+//! any node still runs it (cold, saying why). Then best fit: the least memory left after placement,
+//! then the least CPU left, then the node name, so equal inputs always give the same answer.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     fmt,
 };
 
 use imp_api::names::{
     ANNOTATION_CAPACITY_DISK_MIB, ANNOTATION_CAPACITY_MEMORY_MIB, ANNOTATION_CAPACITY_VCPU,
-    LABEL_NODE_ENABLED,
+    ANNOTATION_TEMPLATES_READY, LABEL_NODE_ENABLED,
 };
 use k8s_openapi::api::core::v1::{Node, Taint, Toleration};
 
@@ -29,6 +32,9 @@ pub struct VmRequest {
     pub disk_mib: u64,
     pub node_selector: BTreeMap<String, String>,
     pub tolerations: Vec<Toleration>,
+    /// `startFrom: Template`: the uid of the pool whose snapshot template the VM is cloned from.
+    /// Nodes reporting it Ready are preferred over any fit elsewhere.
+    pub template_of: Option<String>,
 }
 
 impl VmRequest {
@@ -68,6 +74,8 @@ pub struct NodeInfo {
     pub heartbeat: Heartbeat,
     /// None when neither the agent's annotations nor the node's allocatable say how much there is.
     pub capacity: Option<Capacity>,
+    /// Pools (uid) whose snapshot template the node's agent reports Ready.
+    pub templates_ready: BTreeSet<String>,
 }
 
 /// A VM that occupies capacity on a node.
@@ -223,8 +231,8 @@ pub fn schedule(
         *u.disk_mib.get_or_insert(0) += r.disk_mib;
     }
     let mut rejections = BTreeMap::new();
-    // (memory left, cpu left, name): smallest wins.
-    let mut best: Option<(u64, u64, &str)> = None;
+    // (no Ready template wanted here, memory left, cpu left, name): smallest wins.
+    let mut best: Option<(bool, u64, u64, &str)> = None;
     for node in nodes {
         match fit(
             vm,
@@ -235,7 +243,12 @@ pub fn schedule(
                 rejections.insert(node.name.clone(), r);
             }
             Ok(left) => {
-                let key = (left.memory_mib, left.millicpu, node.name.as_str());
+                let key = (
+                    !has_template(vm, node),
+                    left.memory_mib,
+                    left.millicpu,
+                    node.name.as_str(),
+                );
                 if best.is_none_or(|b| key < b) {
                     best = Some(key);
                 }
@@ -243,12 +256,19 @@ pub fn schedule(
         }
     }
     match best {
-        Some((_, _, name)) => Ok(name.to_owned()),
+        Some((_, _, _, name)) => Ok(name.to_owned()),
         None => Err(Unschedulable {
             rejections,
             pinned: None,
         }),
     }
+}
+
+/// Whether `node` reports Ready the snapshot template `vm` wants (false for a VM that wants none).
+fn has_template(vm: &VmRequest, node: &NodeInfo) -> bool {
+    vm.template_of
+        .as_ref()
+        .is_some_and(|pool| node.templates_ready.contains(pool))
 }
 
 /// Checks the node the user named in spec.nodeName with the taint and capacity filters of
@@ -386,8 +406,25 @@ impl NodeInfo {
             taints: spec.and_then(|s| s.taints.clone()).unwrap_or_default(),
             heartbeat,
             capacity: node_capacity(node),
+            templates_ready: templates_ready(node),
         }
     }
+}
+
+/// The pools whose template the node's agent reports Ready ([`ANNOTATION_TEMPLATES_READY`]).
+pub fn templates_ready(node: &Node) -> BTreeSet<String> {
+    node.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_TEMPLATES_READY))
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|u| !u.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Capacity for VMs: the agent's annotations if present (each independently), else the node's allocatable.
@@ -489,6 +526,7 @@ mod tests {
                 memory_mib: mem,
                 disk_mib: None,
             }),
+            templates_ready: BTreeSet::new(),
         }
     }
 
@@ -528,6 +566,56 @@ mod tests {
             disk_mib: disk,
             ..resident(node, 0, 0)
         }
+    }
+
+    #[test]
+    fn a_template_vm_prefers_nodes_with_its_pool_s_template_ready_else_fits_anywhere() {
+        // "big" is the best fit by memory; "small" has the pool's template Ready.
+        let mut nodes = [node("big", 8, 4096), node("small", 8, 16384)];
+        nodes[1].templates_ready = ["pool-uid".to_owned()].into();
+        let boot = req(1, 1024);
+        assert_eq!(schedule(&boot, &nodes, &[]).unwrap(), "big");
+        let clone = VmRequest {
+            template_of: Some("pool-uid".into()),
+            ..boot.clone()
+        };
+        assert_eq!(schedule(&clone, &nodes, &[]).unwrap(), "small");
+        // Another pool's template is no reason: best fit as for any VM.
+        let other = VmRequest {
+            template_of: Some("other-uid".into()),
+            ..boot.clone()
+        };
+        assert_eq!(schedule(&other, &nodes, &[]).unwrap(), "big");
+        // A node with the template that cannot fit the VM does not win: the clone boots cold
+        // elsewhere rather than wait.
+        let residents = [resident("small", 8, 0)];
+        assert_eq!(schedule(&clone, &nodes, &residents).unwrap(), "big");
+        // Among nodes with the template, best fit again.
+        nodes[0].templates_ready = ["pool-uid".to_owned()].into();
+        assert_eq!(schedule(&clone, &nodes, &[]).unwrap(), "big");
+    }
+
+    #[test]
+    fn templates_ready_are_read_from_the_agent_s_annotation() {
+        let mut n = Node::default();
+        assert!(templates_ready(&n).is_empty());
+        n.metadata.annotations = Some(
+            [(
+                ANNOTATION_TEMPLATES_READY.to_owned(),
+                " a-uid,b-uid,, ".to_owned(),
+            )]
+            .into(),
+        );
+        assert_eq!(
+            templates_ready(&n),
+            BTreeSet::from(["a-uid".to_owned(), "b-uid".to_owned()])
+        );
+        assert_eq!(
+            NodeInfo::from_node(&n, Heartbeat::Fresh)
+                .templates_ready
+                .len(),
+            2
+        );
     }
 
     #[test]

@@ -6,7 +6,7 @@ mod pool_common;
 use std::time::Duration;
 
 use imp_api::names::ANNOTATION_RUNNER_NAME;
-use imp_operator::runnerpool::slo::JOB_PHASES;
+use imp_operator::runnerpool::slo::{CLONE_PHASES, STEP_PHASES};
 use imp_testkit::github::JobStatus;
 use kube::ResourceExt;
 use pool_common::*;
@@ -68,7 +68,7 @@ async fn a_served_job_is_on_its_vm_status_and_in_the_phase_histograms() {
     })
     .await;
     let mut sum = 0.0;
-    for phase in &JOB_PHASES[..6] {
+    for phase in &STEP_PHASES {
         let sample = format!("imp_runner_job_phase_seconds_count{{phase=\"{phase}\"}}");
         assert_eq!(h.metric(&sample), 1.0, "{sample}:\n{}", h.metrics_text());
         sum += h.metric(&format!(
@@ -101,4 +101,62 @@ async fn a_served_job_is_on_its_vm_status_and_in_the_phase_histograms() {
     assert!((3.0..30.0).contains(&run), "the 4 s job ran {run} s");
     // No other job was served, so nothing else was observed.
     assert_eq!(h.metric("imp_runner_job_wait_seconds_count"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_standby_pool_s_clone_adds_restore_and_reidentify_to_its_job_s_phases() {
+    let mut h = PoolHarness::start("pool-slo-standby").await;
+    h.create_pool("slo", json!({"maxRunners": 2, "standby": true}))
+        .await;
+    h.wait("pool status", WAIT, || async {
+        (h.pool_status("slo").await.observed_generation == Some(1)).then_some(())
+    })
+    .await;
+    // The harness's agent starts a standby VM as a clone (restore 30 ms, reidentify 5 ms).
+    h.start_agent(true, Duration::from_secs(1));
+    let job = h.sim.queue_job(job());
+    h.wait("the served job on its VM's status", WAIT, || async {
+        h.runner_vms("slo").await.into_iter().find_map(|vm| {
+            let rec = vm.status.as_ref()?.job.clone()?;
+            (rec.job_id == Some(job.id as i64)).then_some(())
+        })
+    })
+    .await;
+    h.wait("the wait histogram", WAIT, || async {
+        (h.metric("imp_runner_job_wait_seconds_count") == 1.0).then_some(())
+    })
+    .await;
+    // Every phase up to the pickup observed once, the clone's two among them, adding up to the wait.
+    let mut sum = 0.0;
+    for phase in STEP_PHASES.iter().chain(&CLONE_PHASES) {
+        let sample = format!("imp_runner_job_phase_seconds_count{{phase=\"{phase}\"}}");
+        assert_eq!(h.metric(&sample), 1.0, "{sample}:\n{}", h.metrics_text());
+        sum += h.metric(&format!(
+            "imp_runner_job_phase_seconds_sum{{phase=\"{phase}\"}}"
+        ));
+    }
+    let wait = h.metric("imp_runner_job_wait_seconds_sum");
+    assert!(
+        (sum - wait).abs() < 1e-3,
+        "phases add up to the wait: {sum} vs {wait}"
+    );
+    for phase in CLONE_PHASES {
+        let d = h.metric(&format!(
+            "imp_runner_job_phase_seconds_sum{{phase=\"{phase}\"}}"
+        ));
+        assert!(
+            (0.0..=0.03).contains(&d),
+            "{phase} {d} s: at most what the node reported"
+        );
+    }
+    // The start counted once, as a clone.
+    h.wait("the start counted", WAIT, || async {
+        (h.metric("imp_runner_vm_starts_total{from=\"clone\",fallback=\"none\"}") >= 1.0)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        h.metric("imp_runner_vm_starts_total{from=\"boot\",fallback=\"none\"}"),
+        0.0
+    );
 }

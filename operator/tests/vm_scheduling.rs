@@ -389,3 +389,49 @@ async fn a_user_pinned_vm_waits_for_capacity_and_taints_like_any_other() {
     );
     h.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_standby_vm_goes_to_a_node_holding_its_pool_s_template_ready() {
+    use imp_api::{ImpVMRunnerPool, StartFrom, names::ANNOTATION_TEMPLATES_READY};
+    use kube::api::{Patch, PatchParams, PostParams};
+    let mut h = Harness::start("vmsched-standby").await;
+    let big = h.add_node("big", 8, 16384).await;
+    let small = h.add_node("small", 2, 2048).await;
+    let class = h.add_class("small", 1, 1024, None).await;
+    // A pool (no pool controller runs here) whose template only "big" reports Ready.
+    let pool = h
+        .env
+        .api::<ImpVMRunnerPool>()
+        .create(&PostParams::default(), &fixtures::pool("standby").build())
+        .await
+        .unwrap();
+    let uid = pool.uid().unwrap();
+    let patch = json!({"metadata": {"annotations": {ANNOTATION_TEMPLATES_READY: uid}}});
+    h.nodes()
+        .patch(&big, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    // The controller's Node cache sees the annotation before the VMs exist.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let owned = |name: &str, start: Option<StartFrom>| {
+        let mut vm = fixtures::vm(name).class(&class).build();
+        vm.spec.start_from = start;
+        vm.metadata.owner_references = Some(vec![
+            serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1",
+                "kind": "ImpVMRunnerPool", "name": "standby", "uid": uid, "controller": true}))
+            .unwrap(),
+        ]);
+        vm
+    };
+    h.create_vm(owned("clone", Some(StartFrom::Template))).await;
+    h.create_vm(owned("boot", None)).await;
+    let clone = h.wait_phase("clone", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(
+        node_of(&clone),
+        Some(big.as_str()),
+        "the template's node, not the best fit ({small})"
+    );
+    let boot = h.wait_phase("boot", VmPhase::Scheduled, WAIT).await;
+    assert_eq!(node_of(&boot), Some(small.as_str()), "a boot: best fit");
+    h.finish().await;
+}

@@ -60,6 +60,7 @@ pub fn vm(name: &str) -> VmBuilder {
             expire_after: None,
             runner_config_secret: None,
             runner_user: None,
+            start_from: None,
         },
     ))
 }
@@ -385,6 +386,7 @@ pub fn pool(name: &str) -> PoolBuilder {
                 min_idle: None,
                 max_runners: 1,
                 scale_up_step: None,
+                standby: None,
             },
             webhook_secret_ref: None,
         },
@@ -448,6 +450,11 @@ impl PoolBuilder {
     }
     pub fn scale_up_step(mut self, n: u32) -> Self {
         self.0.spec.scaling.scale_up_step = Some(n);
+        self
+    }
+    /// `scaling.standby`: runner VMs start from the nodes' snapshot templates.
+    pub fn standby(mut self, on: bool) -> Self {
+        self.0.spec.scaling.standby = Some(on);
         self
     }
     /// The Secret (default key) with the HMAC secret of webhooks routed to this pool.

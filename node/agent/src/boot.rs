@@ -200,9 +200,12 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error
         .await;
     match ctx.runtime.ensure_running(&uid, &spec).await {
         Ok((_, st)) if st.state == VmState::Running => {
+            let start = st.start.as_ref().map(status::start_status);
             let written = status::update(api, &name, Guard::STARTING, |vm, s| {
                 let now = Timestamp::now();
                 s.phase = Some(VmPhase::Running);
+                // How it started (a clone, or a boot and why), from the runtime's report.
+                s.start = start.clone();
                 // ARCHITECTURE §3: the agent reports the guest's address once it runs.
                 s.ip = address.map(|a| a.addr().to_string());
                 s.boot_complete_time = Some(Time(now));
@@ -223,22 +226,52 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error
                 if let Some(b) = st.boot_seconds {
                     ctx.metrics.boot(b);
                 }
-                info!(vm = %name, boot_seconds = ?st.boot_seconds, "VM running");
-                let note = match st.boot_seconds {
-                    Some(b) => format!("the guest agent answered after {b:.2}s"),
-                    None => "the guest agent answered".into(),
+                info!(vm = %name, boot_seconds = ?st.boot_seconds, start = ?start, "VM running");
+                let note = match (st.boot_seconds, &start) {
+                    (_, Some(s)) if s.from == imp_api::StartedFrom::Clone => format!(
+                        "cloned from template {}: restored in {:.3}s, reidentified in {:.3}s",
+                        s.template.as_deref().unwrap_or("?"),
+                        s.restore_seconds.unwrap_or_default(),
+                        s.reidentify_seconds.unwrap_or_default()
+                    ),
+                    (Some(b), Some(s)) if s.fallback_reason.is_some() => format!(
+                        "the guest agent answered after {b:.2}s (booted: {})",
+                        s.fallback_reason.as_deref().unwrap_or_default()
+                    ),
+                    (Some(b), _) => format!("the guest agent answered after {b:.2}s"),
+                    (None, _) => "the guest agent answered".into(),
                 };
                 ctx.event(&running, false, api_reason::VM_RUNNING, note)
                     .await;
             }
         }
         Ok((_, st)) => {
+            if let Some(start) = st.start.as_ref().map(status::start_status) {
+                // A clone that failed (ReidentifyFailed) says so before its Failed: never Running,
+                // so its runner handoff never begins and its JIT Secret is never read.
+                status::update(api, &name, Guard::STARTING, |_, s| {
+                    s.start = Some(start.clone());
+                    true
+                })
+                .await?;
+            }
             if let RuntimeFacts::Failed { reason, message } = runtime_facts(Ok(st))? {
                 ctx.fail(api, &name, &reason, &message, Guard::STARTING)
                     .await?;
             }
         }
         Err(ClientError::Api { status, body }) if status.is_client_error() => {
+            // A clone that failed its Reidentify is answered 422; the runtime's record says how
+            // it was started: kept with the failure (best effort, the failure is what matters).
+            if let Ok(st) = ctx.runtime.inspect(&uid).await
+                && let Some(start) = st.start.as_ref().map(status::start_status)
+            {
+                status::update(api, &name, Guard::STARTING, |_, s| {
+                    s.start = Some(start.clone());
+                    true
+                })
+                .await?;
+            }
             let reason = match body.error.as_str() {
                 api_reason::INVALID_SPEC | api_reason::INVALID_BODY | api_reason::SPEC_CONFLICT => {
                     api_reason::SPEC_INVALID

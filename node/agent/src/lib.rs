@@ -7,7 +7,8 @@
 //! runtime spec), [`capacity`] (what the Node offers VMs), [`suspend`] (suspend, resume,
 //! ScaleToZero). I/O: [`controller`] (watch, observe, the one executor, sweep), [`boot`] and
 //! [`runner`] (the per-VM tasks), [`suspender`], [`monitor`], [`status`] (guarded writes),
-//! [`lease`] (heartbeat and capacity publishing), [`http`]. Shared one floor below them:
+//! [`lease`] (heartbeat and capacity publishing), [`prebuild`] (images and, with [`standby`],
+//! snapshot templates of the pools the node serves), [`http`]. Shared one floor below them:
 //! [`context`], [`config`].
 
 pub mod binding;
@@ -25,6 +26,7 @@ pub mod monitor;
 pub mod prebuild;
 pub mod runner;
 pub mod spec;
+pub mod standby;
 pub mod status;
 pub mod suspend;
 pub mod suspender;

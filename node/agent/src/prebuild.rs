@@ -10,6 +10,10 @@
 //! `imp_rootfs_prebuilds_in_progress`, failures by reason in `imp_rootfs_build_failures_total`)
 //! and applies its cache budget: a pre-built image is unreferenced, so it is the first kind of
 //! image garbage collection may take, least recently used first.
+//!
+//! The same loop keeps the snapshot templates of the standby pools the node can serve
+//! ([`super::standby`]), after the pre-builds (a template starts from the pool's image), and
+//! looks again every [`TEMPLATE_POLL`] while one is being built so its Ready is published soon.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -26,6 +30,7 @@ use tokio::time::Instant;
 
 use super::config::AgentConfig;
 use super::spec::{self, SpecError};
+use super::standby::{self, StandbyPool};
 use imp_runtime_api::client::{ClientError, RuntimeClient};
 use imp_runtime_api::image::ImageSpec;
 
@@ -33,6 +38,8 @@ use imp_runtime_api::image::ImageSpec;
 pub const RETRY: Backoff = Backoff::new(Duration::from_secs(30), Duration::from_secs(1800));
 /// Upper bound between two passes without any pool change (a retry coming due, a Node relabel).
 const TICK: Duration = Duration::from_secs(30);
+/// Between two passes while a snapshot template is being built.
+const TEMPLATE_POLL: Duration = Duration::from_secs(2);
 
 /// What a pool's VMs are built from: a change of any of it is a new pre-build.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,22 +250,35 @@ pub async fn run(client: Client, node_name: String, runtime: RuntimeClient) {
             return;
         }
         loop {
+            let mut wait = TICK;
             match nodes.get_opt(&node_name).await {
                 Ok(Some(node)) => {
-                    let pools: Vec<PoolImage> = reader
-                        .state()
+                    let state = reader.state();
+                    let pools: Vec<PoolImage> =
+                        state.iter().map(|p| PoolImage::from_pool(p)).collect();
+                    let facts = NodeFacts::from_node(&node);
+                    pass(&client, &runtime, &pools, &facts, &mut attempts).await;
+                    let standby: Vec<StandbyPool> = state
                         .iter()
-                        .map(|p| PoolImage::from_pool(p))
+                        .filter(|p| servable(&PoolImage::from_pool(p), &facts))
+                        .filter_map(|p| StandbyPool::from_pool(p))
                         .collect();
-                    let node = NodeFacts::from_node(&node);
-                    pass(&client, &runtime, &pools, &node, &mut attempts).await;
+                    let published = node
+                        .annotations()
+                        .get(imp_api::names::ANNOTATION_TEMPLATES_READY)
+                        .map(String::as_str);
+                    let seen =
+                        standby::pass(&client, &runtime, &node_name, published, &standby).await;
+                    if seen.building {
+                        wait = TEMPLATE_POLL;
+                    }
                 }
                 Ok(None) => tracing::debug!(node = %node_name, "Node not found; no pre-builds"),
                 Err(e) => tracing::warn!(error = %e, "reading the Node for pre-builds"),
             }
             tokio::select! {
                 () = changed.notified() => {}
-                () = tokio::time::sleep(TICK) => {}
+                () = tokio::time::sleep(wait) => {}
             }
         }
     };

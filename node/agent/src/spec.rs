@@ -1,7 +1,7 @@
 //! ImpVM + ImpVMClass (+ image pull Secrets, + ImpNetwork) -> the runtime's `VmSpec`, pure.
 
 use imp_api::names::ANNOTATION_IP_ALLOCATION;
-use imp_api::{ImpNetwork, ImpVM, ImpVMClassSpec};
+use imp_api::{ImpNetwork, ImpVM, ImpVMClassSpec, PullPolicy, RunnerVmTemplateSpec, StartFrom};
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 
@@ -107,30 +107,78 @@ pub fn attachment(
 /// The spec imp-runtime gets for `vm` of class `class`. `pull_secrets` are the Secrets named by
 /// `spec.imagePullSecrets`, in order; the first one is used (one registry credential per VM).
 /// `network`: the VM's [`attachment`] when it has a networkRef.
+/// `from_template` follows `spec.startFrom` (a standby pool's VMs: `Template`).
 pub fn vm_spec(
     vm: &ImpVM,
     class: &ImpVMClassSpec,
     pull_secrets: &[Secret],
     network: Option<NetworkAttachment>,
 ) -> Result<VmSpec, SpecError> {
+    let image = Image {
+        base: &vm.spec.image,
+        runner: vm.spec.runner_image.as_deref(),
+        pull_policy: vm.spec.image_pull_policy,
+    };
+    let mut spec = spec_of(image, class, pull_secrets)?;
+    spec.network = network.map(|a| NetworkSpec {
+        guest_mac: None,
+        attachment: Some(a),
+    });
+    spec.from_template = vm.spec.start_from() == StartFrom::Template;
+    Ok(spec)
+}
+
+/// The spec of the snapshot template a standby pool's clones start from on this node: what
+/// [`vm_spec`] gives each of the pool's VMs, less what makes one VM itself. A NIC when the pool's
+/// VMs have a network, but no attachment (address, MAC) and no hostname: the template is shared
+/// by every clone, which takes its own identity when restored (docs/runner-pool.md).
+pub fn template_spec(
+    t: &RunnerVmTemplateSpec,
+    class: &ImpVMClassSpec,
+    pull_secrets: &[Secret],
+) -> Result<VmSpec, SpecError> {
+    let image = Image {
+        base: &t.image,
+        runner: t.runner_image.as_deref(),
+        pull_policy: t.image_pull_policy,
+    };
+    let mut spec = spec_of(image, class, pull_secrets)?;
+    spec.network = t.network_ref.as_ref().map(|_| NetworkSpec {
+        guest_mac: None,
+        attachment: None,
+    });
+    spec.from_template = true;
+    Ok(spec)
+}
+
+/// The images of a VM.
+struct Image<'a> {
+    base: &'a str,
+    runner: Option<&'a str>,
+    pull_policy: Option<PullPolicy>,
+}
+
+/// Size, images and disk: what a VM and its pool's template share. No network.
+fn spec_of(
+    image: Image<'_>,
+    class: &ImpVMClassSpec,
+    pull_secrets: &[Secret],
+) -> Result<VmSpec, SpecError> {
     Ok(VmSpec {
         vcpu: class.vcpu,
         memory_mib: u64::from(class.memory_mib),
         base_disk: None,
         image: Some(ImageSpec {
-            base: vm.spec.image.clone(),
-            runner: vm.spec.runner_image.clone(),
+            base: image.base.to_owned(),
+            runner: image.runner.map(str::to_owned),
             credentials: pull_secrets.first().map(credentials).transpose()?,
-            pull_policy: vm.spec.image_pull_policy,
+            pull_policy: image.pull_policy,
         }),
         writable_disk_bytes: Some(u64::from(class.disk_gib()) << 30),
         kernel: None,
         initrd: None,
         extra_boot_args: None,
-        network: network.map(|a| NetworkSpec {
-            guest_mac: None,
-            attachment: Some(a),
-        }),
+        network: None,
         from_template: false,
     })
 }
@@ -210,6 +258,62 @@ mod tests {
         assert!(image.credentials.is_none());
         assert!(s.base_disk.is_none());
         assert!(s.network.is_none());
+    }
+
+    #[test]
+    fn start_from_template_asks_the_runtime_for_a_clone() {
+        let boot = vm_spec(&vm(json!({})), &class(None), &[], None).unwrap();
+        assert!(!boot.from_template);
+        let explicit = vm_spec(&vm(json!({"startFrom": "Boot"})), &class(None), &[], None);
+        assert!(!explicit.unwrap().from_template);
+        let clone = vm_spec(
+            &vm(json!({"startFrom": "Template"})),
+            &class(None),
+            &[],
+            None,
+        );
+        assert!(clone.unwrap().from_template);
+    }
+
+    #[test]
+    fn a_pool_s_template_spec_is_its_vms_spec_without_their_identity() {
+        let t: RunnerVmTemplateSpec = serde_json::from_value(json!({
+            "classRef": {"name": "c"}, "image": "reg.example/base:1",
+            "runnerImage": "reg.example/runner:2", "imagePullPolicy": "Always",
+            "networkRef": {"name": "runners"}}))
+        .unwrap();
+        let cfg = r#"{"auths":{}}"#;
+        let pull = [pull_secret(DOCKERCONFIGJSON_KEY, cfg)];
+        let template = template_spec(&t, &class(Some(10)), &pull).unwrap();
+        // One of the pool's VMs, with its address.
+        let net = network(json!({"subnet": "198.51.100.0/24", "gateway": "198.51.100.1"}));
+        let a = attachment(&net, "198.51.100.7/24".parse().unwrap()).unwrap();
+        let mut one = annotated(Some("198.51.100.7/24"));
+        one.spec.runner_image = t.runner_image.clone();
+        one.spec.image_pull_policy = t.image_pull_policy;
+        one.spec.start_from = Some(StartFrom::Template);
+        let vm = vm_spec(&one, &class(Some(10)), &pull, Some(a)).unwrap();
+        assert_eq!(
+            template.network,
+            Some(NetworkSpec {
+                guest_mac: None,
+                attachment: None
+            }),
+            "a NIC, no address, no MAC"
+        );
+        let mut vm_less_identity = vm.clone();
+        vm_less_identity.network.as_mut().unwrap().attachment = None;
+        assert_eq!(template, vm_less_identity);
+        assert!(template.from_template);
+        // Without a networkRef, no NIC.
+        let mut bare = t.clone();
+        bare.network_ref = None;
+        assert!(
+            template_spec(&bare, &class(None), &[])
+                .unwrap()
+                .network
+                .is_none()
+        );
     }
 
     #[test]

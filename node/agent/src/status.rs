@@ -9,7 +9,8 @@
 use VmPhase::{Resuming, Running, Scheduled, Starting, Suspended, Suspending};
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{condition::READY, reason};
-use imp_api::{ImpVM, ImpVMStatus, VmPhase};
+use imp_api::{ImpVM, ImpVMStatus, StartStatus, StartedFrom, VmPhase};
+use imp_runtime_api::api::{StartKind, StartReport};
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, api::PostParams};
 
@@ -99,6 +100,25 @@ pub fn mark_failed(
         generation,
         now,
     );
+}
+
+/// `status.start` from imp-runtime's report of how it started the VM. The fallback's message may
+/// carry what a guest said (a failed restore's detail): bounded and stripped like any guest text.
+pub fn start_status(r: &StartReport) -> StartStatus {
+    StartStatus {
+        from: match r.from {
+            StartKind::Boot => StartedFrom::Boot,
+            StartKind::Clone => StartedFrom::Clone,
+        },
+        template: r.template.clone(),
+        fallback_reason: r.fallback.as_ref().map(|f| f.reason.clone()),
+        fallback_message: r
+            .fallback
+            .as_ref()
+            .map(|f| imp_api::untrusted::guest_text(&f.message)),
+        restore_seconds: r.restore_seconds,
+        reidentify_seconds: r.reidentify_seconds,
+    }
 }
 
 /// Outcome of [`update`].
@@ -226,6 +246,44 @@ mod tests {
             &vm(true),
             &status(Some(VmPhase::Terminating), Some(HandoffState::Sent))
         ));
+    }
+
+    #[test]
+    fn the_runtime_s_start_report_becomes_status_start() {
+        use imp_runtime_api::api::Failure;
+        let clone = StartReport {
+            from: StartKind::Clone,
+            template: Some("sha256:abc".into()),
+            fallback: None,
+            restore_seconds: Some(0.031),
+            reidentify_seconds: Some(0.004),
+        };
+        let s = start_status(&clone);
+        assert_eq!(s.from, StartedFrom::Clone);
+        assert_eq!(s.template.as_deref(), Some("sha256:abc"));
+        assert_eq!(
+            (s.restore_seconds, s.reidentify_seconds),
+            (Some(0.031), Some(0.004))
+        );
+        assert!(s.fallback_reason.is_none() && s.fallback_message.is_none());
+        let fell_back = StartReport {
+            from: StartKind::Boot,
+            template: None,
+            fallback: Some(Failure {
+                reason: reason::TEMPLATE_BUILDING.into(),
+                message: "template sha256:abc is being built\n\x1b[2Jfake line".into(),
+            }),
+            restore_seconds: None,
+            reidentify_seconds: None,
+        };
+        let s = start_status(&fell_back);
+        assert_eq!(s.from, StartedFrom::Boot);
+        assert_eq!(
+            s.fallback_reason.as_deref(),
+            Some(reason::TEMPLATE_BUILDING)
+        );
+        let msg = s.fallback_message.unwrap();
+        assert!(!msg.contains('\n') && !msg.contains('\x1b'), "{msg:?}");
     }
 
     #[test]

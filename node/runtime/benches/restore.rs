@@ -186,6 +186,22 @@ async fn measure(name: &str, h: &Harness, spec: &VmSpec, runs: usize) {
         "  ratio clone / cold, create -> runner started (p50): {:.3}",
         median(&clone_started) / median(&cold_started)
     );
+    // Detection: from the restored guest running (QEMU `cont`, Firecracker's load with
+    // resume_vm) to its Hello, as imp-runtime logs it per clone.
+    let detect: Vec<f64> = h
+        .runtime_log()
+        .lines()
+        .filter(|l| l.contains("clone resumed"))
+        .filter_map(|l| field_ms(l, "hello_after_resume_ms="))
+        .collect();
+    if !detect.is_empty() {
+        let max = detect.iter().cloned().fold(0.0, f64::max);
+        println!(
+            "  clone: guest resumed -> Hello seen p50 {:.1} ms (max {max:.1} ms, {} clones)",
+            median(&detect),
+            detect.len()
+        );
+    }
     let rss = |v: &[Start]| median(&v.iter().map(|s| s.rss_kib as f64).collect::<Vec<_>>());
     println!(
         "  memory: idle cold-booted VM's VMM RSS p50 {:.0} MiB, idle clone's {:.0} MiB; a standby holds no process, {} MiB of template files on disk per node (shared by the pool)",
@@ -264,4 +280,14 @@ async fn firecracker(runs: usize) {
     } else {
         println!("skipped the Firecracker simulator: the jailer double needs root");
     }
+}
+
+/// The number after `field` in a log line.
+fn field_ms(line: &str, field: &str) -> Option<f64> {
+    let rest = line.split(field).nth(1)?;
+    let num: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    num.parse().ok()
 }

@@ -2,8 +2,10 @@
 //! fake nodes (heartbeat Leases renewed here), the GitHub simulator, and the operator (ImpVM controller,
 //! pool controller and webhook receiver, production timings) in a child process of the bench binary so
 //! its peak RSS is its own. The bench process plays the node agents: [`start_agent`] marks every bound,
-//! minted VM Running with handoff Started, optionally after a simulated boot and running the
-//! simulator's fake runner with the VM's JIT config, and confirms teardown of deleted VMs.
+//! minted VM Running with handoff Started, optionally after a simulated boot (or, for a standby pool's
+//! `startFrom: Template` VM on a node reporting the pool's template Ready, a simulated clone: restore
+//! and reidentify, reported in `status.start` as the agent does) and running the simulator's fake
+//! runner with the VM's JIT config, and confirms teardown of deleted VMs.
 
 #![allow(dead_code)] // each bench uses a different subset
 
@@ -21,9 +23,11 @@ use std::{
 
 use futures::TryStreamExt;
 use imp_api::{
-    HandoffState, ImpVM, ImpVMClass, ImpVMStatus, RunnerStatus, ServedJobStatus, VmPhase,
+    HandoffState, ImpVM, ImpVMClass, ImpVMStatus, RunnerStatus, ServedJobStatus, StartFrom,
+    StartStatus, StartedFrom, VmPhase,
     names::{
-        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, SECRET_KEY_JITCONFIG, condition, reason,
+        ANNOTATION_RUNNER_ID, ANNOTATION_RUNNER_NAME, ANNOTATION_TEMPLATES_READY,
+        SECRET_KEY_JITCONFIG, condition, reason,
     },
 };
 use imp_operator::{
@@ -274,6 +278,10 @@ pub struct AgentOptions {
     pub run_jobs: bool,
     /// The simulated boot (VM bound -> guest Hello).
     pub boot: Duration,
+    /// A simulated clone (a `startFrom: Template` VM on a node reporting its pool's template
+    /// Ready): the restore, then the reidentify, instead of `boot`.
+    pub restore: Duration,
+    pub reidentify: Duration,
     /// How long the fake runner's job runs.
     pub job: Duration,
 }
@@ -288,6 +296,8 @@ pub struct VmSeen {
     pub scheduled: Option<Timestamp>,
     pub booted: Option<Timestamp>,
     pub started: Option<Timestamp>,
+    /// Started as a clone: (restore, reidentify) as simulated.
+    pub clone: Option<(Duration, Duration)>,
     /// The operator's SLO record of the VM's job (`status.job`), as last seen.
     pub job: Option<ServedJobStatus>,
 }
@@ -299,6 +309,8 @@ pub struct Agent {
     pub started: Arc<AtomicU32>,
     /// Per VM name.
     pub seen: Arc<Mutex<HashMap<String, VmSeen>>>,
+    /// (node, pool uid) of the snapshot templates the nodes hold Ready.
+    pub templates: Arc<Mutex<HashSet<(String, String)>>>,
 }
 
 impl Agent {
@@ -372,11 +384,17 @@ pub fn start_agent(bench: &Bench, opts: AgentOptions) -> Agent {
     agent
 }
 
-/// Running, booted and handoff Started with the runner's id and name, as the agent writes them.
+/// Running, booted and handoff Started with the runner's id and name, as the agent writes them
+/// (with `status.start` when `start` says how it started).
 async fn write_started(vms: &Api<ImpVM>, vm: &ImpVM) -> bool {
+    write_started_as(vms, vm, None).await
+}
+
+async fn write_started_as(vms: &Api<ImpVM>, vm: &ImpVM, start: Option<StartStatus>) -> bool {
     let ann = vm.annotations();
     let now = Time(Timestamp::now());
     let status = ImpVMStatus {
+        start,
         phase: Some(VmPhase::Running),
         first_running_time: Some(now.clone()),
         boot_complete_time: Some(now.clone()),
@@ -424,9 +442,31 @@ async fn handoff(vm: ImpVM, vms: Api<ImpVM>, secrets: Api<Secret>, a: Agent, o: 
     else {
         return;
     };
-    tokio::time::sleep(o.boot).await;
+    let clone = vm.spec.start_from == Some(StartFrom::Template) && template_ready_here(&a, &vm);
+    let start = if clone {
+        tokio::time::sleep(o.restore + o.reidentify).await;
+        Some(StartStatus {
+            from: StartedFrom::Clone,
+            template: Some("sha256:bench-template".into()),
+            fallback_reason: None,
+            fallback_message: None,
+            restore_seconds: Some(o.restore.as_secs_f64()),
+            reidentify_seconds: Some(o.reidentify.as_secs_f64()),
+        })
+    } else {
+        tokio::time::sleep(o.boot).await;
+        Some(StartStatus {
+            from: StartedFrom::Boot,
+            template: None,
+            fallback_reason: (vm.spec.start_from == Some(StartFrom::Template))
+                .then(|| reason::TEMPLATE_MISSING.to_owned()),
+            fallback_message: None,
+            restore_seconds: None,
+            reidentify_seconds: None,
+        })
+    };
     let booted = Timestamp::now();
-    if !write_started(&vms, &vm).await {
+    if !write_started_as(&vms, &vm, start).await {
         return;
     }
     let started = Timestamp::now();
@@ -434,6 +474,7 @@ async fn handoff(vm: ImpVM, vms: Api<ImpVM>, secrets: Api<Secret>, a: Agent, o: 
     if let Some(s) = a.seen.lock().unwrap().get_mut(&name) {
         s.booted = Some(booted);
         s.started = Some(started);
+        s.clone = clone.then_some((o.restore, o.reidentify));
     }
     let _ = secrets.delete(&secret, &Default::default()).await;
     let opts = FakeRunnerOptions {
@@ -448,6 +489,42 @@ async fn handoff(vm: ImpVM, vms: Api<ImpVM>, secrets: Api<Secret>, a: Agent, o: 
             .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await;
     }
+}
+
+/// Whether the VM's node holds its pool's template Ready (what imp-runtime decides locally, from
+/// what [`templates_ready`] recorded).
+fn template_ready_here(a: &Agent, vm: &ImpVM) -> bool {
+    let (Some(node), Some(pool)) = (
+        vm.spec.node_name.as_deref(),
+        vm.metadata
+            .owner_references
+            .as_ref()
+            .and_then(|o| o.iter().find(|o| o.controller == Some(true)))
+            .map(|o| o.uid.as_str()),
+    ) else {
+        return false;
+    };
+    a.templates
+        .lock()
+        .unwrap()
+        .contains(&(node.to_owned(), pool.to_owned()))
+}
+
+/// Every node holds `pool_uid`'s template Ready and says so on its Node (as agents do once
+/// their template is built): the scheduler's preference and the simulated clones follow.
+pub async fn templates_ready(b: &Bench, a: &Agent, pool_uid: &str) -> anyhow::Result<()> {
+    let nodes: Api<Node> = Api::all(b.client.clone());
+    for n in &b.node_names {
+        let patch = json!({"metadata": {"annotations": {ANNOTATION_TEMPLATES_READY: pool_uid}}});
+        nodes
+            .patch(n, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        a.templates
+            .lock()
+            .unwrap()
+            .insert((n.clone(), pool_uid.to_owned()));
+    }
+    Ok(())
 }
 
 /// imp-runtime released everything: the TornDown condition the ImpVM controller waits for.

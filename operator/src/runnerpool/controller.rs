@@ -81,6 +81,8 @@ struct PoolMemory {
     start_backoff: Backoff,
     /// VMs (uid) already counted as start failures: each counts once.
     counted_start_failures: HashSet<String>,
+    /// VMs (uid) whose `status.start` was counted (`imp_runner_vm_starts_total`): each once.
+    counted_starts: HashSet<String>,
     creds: Creds,
     /// App and scope, for the sweep.
     github: Option<(GithubApp, RunnerScope)>,
@@ -293,6 +295,9 @@ fn vm_times(vm: &ImpVM) -> VmTimes {
             .map(|t| t.0),
         runner_started: runner.and_then(|r| r.started_time.as_ref()).map(|t| t.0),
         runner_exited: runner.and_then(|r| r.exited_time.as_ref()).map(|t| t.0),
+        clone_start: status
+            .and_then(|s| s.start.as_ref())
+            .and_then(super::starts::clone_times),
     }
 }
 
@@ -591,6 +596,7 @@ impl Ctx {
                     disk_mib: u64::from(class.spec.disk_gib()) * 1024,
                     node_selector: t.node_selector.clone().unwrap_or_default(),
                     tolerations: t.tolerations.clone().unwrap_or_default(),
+                    template_of: None,
                 };
                 let infos: Vec<_> = self
                     .nodes
@@ -681,6 +687,7 @@ impl Ctx {
             .collect();
         self.credit_pickups(key, started_runners, now, wall);
         let refused = self.note_start_failures(pool, key, &vms).await;
+        self.note_starts(key, &vms);
         let served: Vec<ServedFacts> = {
             let d = self.shared.demand();
             vms.iter()
@@ -1304,6 +1311,21 @@ impl Ctx {
         Ok(())
     }
 
+    /// Counts each VM's start (booted or cloned, and a clone's fallback) once.
+    fn note_starts(&self, key: &PoolKey, vms: &[ImpVM]) {
+        let facts: Vec<_> = vms
+            .iter()
+            .filter_map(|vm| Some((vm.uid()?, vm.status.as_ref()?.start.as_ref())))
+            .collect();
+        let fresh = self.memory(key, |m| {
+            super::starts::account_starts(&mut m.counted_starts, &facts)
+        });
+        for s in &fresh {
+            debug!(pool = %key, from = s.from, fallback = %s.fallback, "runner VM started");
+            self.shared.metrics.vm_started(s);
+        }
+    }
+
     /// Counts VMs that failed before their runner started ([`account_start_failures`]), with an Event
     /// naming the VM and its reason. A runner GitHub refused (exit code 7) never took a job either:
     /// it counts the same way (so even an outage at GitHub cannot cause a retry storm), and is
@@ -1749,7 +1771,11 @@ fn from_template(pool: &ImpVMRunnerPool, vm: &ImpVM) -> bool {
     let mut have = vm.spec.clone();
     have.node_name = None;
     have.runner_config_secret = None;
-    runner_vm(pool).is_ok_and(|want| want.spec == have)
+    // How it starts (snapshot standby toggled since) does not change what runs.
+    runner_vm(pool).is_ok_and(|want| {
+        have.start_from = want.spec.start_from;
+        want.spec == have
+    })
 }
 
 /// A new runner VM of `pool`: generateName `<pool>-`, ephemeral, labelled, controlled by the pool.
@@ -1782,6 +1808,12 @@ pub fn runner_vm(pool: &ImpVMRunnerPool) -> Result<ImpVM> {
             expire_after: s.expire_after.clone(),
             runner_config_secret: None,
             runner_user: s.runner_user.clone(),
+            // Snapshot standby: the node clones the VM from its template when it has one Ready.
+            start_from: pool
+                .spec
+                .scaling
+                .standby()
+                .then_some(imp_api::StartFrom::Template),
         },
     );
     let mut annotations = meta.annotations;
@@ -1976,6 +2008,21 @@ mod from_template_tests {
             !from_template(&pool, &vm),
             "another image is not the pool's runner"
         );
+    }
+
+    #[test]
+    fn a_standby_pool_s_vms_start_from_its_template_and_a_toggle_keeps_them_its_own() {
+        let mut pool = imp_testkit::fixtures::pool("p").build();
+        pool.metadata.uid = Some("pool-uid".into());
+        let boot = runner_vm(&pool).unwrap();
+        assert_eq!(boot.spec.start_from, None);
+        pool.spec.scaling.standby = Some(true);
+        let clone = runner_vm(&pool).unwrap();
+        assert_eq!(clone.spec.start_from, Some(imp_api::StartFrom::Template));
+        // Turning standby on or off changes how new VMs start, not what runs in them.
+        assert!(from_template(&pool, &boot));
+        pool.spec.scaling.standby = Some(false);
+        assert!(from_template(&pool, &clone));
     }
 }
 

@@ -1472,6 +1472,7 @@ mod tests {
             min_idle: Some(min_idle),
             max_runners: max,
             scale_up_step: Some(10),
+            standby: None,
         }
     }
 
@@ -1739,6 +1740,7 @@ mod tests {
             boot_complete: Some(t(4)),
             runner_started: Some(t(5)),
             runner_exited: Some(t(65)),
+            clone_start: None,
         };
         let secs = |v: Vec<(&'static str, Duration)>| -> Vec<(&'static str, u64)> {
             v.into_iter().map(|(p, d)| (p, d.as_secs())).collect()

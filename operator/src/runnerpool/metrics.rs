@@ -44,6 +44,9 @@ pub struct PoolMetrics {
     /// `imp_runner_vm_start_failures_total{reason}`: runner VMs that failed before their runner
     /// started, by the VM's failure reason.
     pub vm_start_failures: Family<ReasonLabels, Counter>,
+    /// `imp_runner_vm_starts_total{from,fallback}`: runner VMs started, `boot` or `clone`, with the
+    /// reason a VM asked to start from a template booted (`none` when it did not fall back).
+    pub vm_starts: Family<StartLabels, Counter>,
     /// `imp_runner_deadline_replacements_total{reason}`: `BootDeadlineExceeded`, `RunnerNeverOnline`.
     pub deadline_replacements: Family<ReasonLabels, Counter>,
     /// `imp_runner_orphans_reaped_total`: registrations without a VM deleted by the reaper.
@@ -73,6 +76,14 @@ pub struct PoolMetrics {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StartLabels {
+    /// `boot` or `clone`.
+    pub from: String,
+    /// The fallback reason (`TemplateMissing`, ...) or `none`.
+    pub fallback: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PoolLabels {
     /// `namespace/name`.
     pub pool: String,
@@ -98,6 +109,7 @@ impl Default for PoolMetrics {
             job_pickup_latency: Histogram::new(exponential_buckets(0.25, 2.0, 14)),
             deregistrations: Family::default(),
             vm_start_failures: Family::default(),
+            vm_starts: Family::default(),
             deadline_replacements: Family::default(),
             orphans_reaped: Counter::default(),
             // 0.1 s .. ~27 min: scheduling takes milliseconds, boots seconds, jobs minutes.
@@ -164,6 +176,15 @@ impl PoolMetrics {
             .observe(d.as_secs_f64());
     }
 
+    pub fn vm_started(&self, s: &super::starts::Start) {
+        self.vm_starts
+            .get_or_create(&StartLabels {
+                from: s.from.to_owned(),
+                fallback: s.fallback.clone(),
+            })
+            .inc();
+    }
+
     pub fn job_phase(&self, phase: &str, d: std::time::Duration) {
         self.job_phase
             .get_or_create(&PhaseLabels {
@@ -187,6 +208,11 @@ impl PoolMetrics {
             "imp_runner_vm_start_failures",
             "Runner VMs that failed before their runner started, by reason (the pool backs off)",
             self.vm_start_failures.clone(),
+        );
+        registry.register(
+            "imp_runner_vm_starts",
+            "Runner VMs started, by how (boot, clone) and the reason a clone asked for fell back to a boot (none)",
+            self.vm_starts.clone(),
         );
         registry.register(
             "imp_runner_jit_mint_errors",
@@ -225,7 +251,7 @@ impl PoolMetrics {
         );
         registry.register(
             "imp_runner_job_phase_seconds",
-            "Time served workflow jobs waited per step (vm_create, mint, schedule, boot, runner_start, pickup, run)",
+            "Time served workflow jobs waited per step (vm_create, mint, schedule, boot, restore, reidentify, runner_start, pickup, run)",
             self.job_phase.clone(),
         );
         registry.register(
@@ -360,6 +386,10 @@ mod tests {
             .inc();
         m.deadline_replacement(imp_api::names::reason::RUNNER_NEVER_ONLINE);
         m.orphan_reaped();
+        m.vm_started(&super::super::starts::Start {
+            from: "clone",
+            fallback: super::super::starts::NO_FALLBACK.into(),
+        });
         m.vm_phase("booting", std::time::Duration::from_secs(3));
         m.job_phase("pickup", std::time::Duration::from_secs(1));
         m.job_wait.observe(4.0);
@@ -376,6 +406,7 @@ mod tests {
             "imp_runner_vm_start_failures_total{reason=\"RootfsRejected\"} 1",
             "imp_runner_deadline_replacements_total{reason=\"RunnerNeverOnline\"} 1",
             "imp_runner_orphans_reaped_total 1",
+            "imp_runner_vm_starts_total{from=\"clone\",fallback=\"none\"} 1",
             "imp_runner_vm_phase_seconds_count{phase=\"booting\"} 1",
             "imp_runner_job_phase_seconds_count{phase=\"pickup\"} 1",
             "imp_runner_job_wait_seconds_count 1",

@@ -3,7 +3,7 @@
 //! doing), [`plan`] (how many runners), [`decide`] (the whole pass: mint policy, deadlines, the
 //! registration reaper, status), [`demand`] (jobs from webhooks and the sweep), [`labels`] (which
 //! jobs a pool's runners take), [`slo`] (which job a VM
-//! served and how long it waited for each step). I/O: [`controller`]
+//! served and how long it waited for each step), [`starts`] (booted or cloned, counted once). I/O: [`controller`]
 //! (observe, execute, and the queued-job sweep). The webhook receiver is in [`crate::webhook`]. See
 //! docs/runner-pool.md.
 
@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod plan;
 pub mod shared;
 pub mod slo;
+pub mod starts;
 
 pub use config::{DEFAULT_WEBHOOK_SECRET_KEY, PoolControllerConfig, PoolTiming, SecretKeySelector};
 pub use controller::run_runnerpool_controller;

@@ -265,6 +265,7 @@ mod tests {
             min_idle: Some(min_idle),
             max_runners: max,
             scale_up_step: Some(step),
+            standby: None,
         }
     }
 

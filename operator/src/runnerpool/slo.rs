@@ -7,6 +7,11 @@
 //! A step that happened before the job was queued did not delay it (a warm runner was waiting): every
 //! step time is clamped to be no earlier than the steps before it and the queued time, so the phases of
 //! a job are never negative and add up to its wait (queued -> picked up) plus its run.
+//!
+//! A VM cloned from a snapshot template (snapshot standby) reports how long its restore and its
+//! `Reidentify` took (`status.start`): both are the last part of its boot step (imp-runtime reports
+//! the clone Running only once reidentified), so they are taken off the end of `boot` as the phases
+//! `restore` and `reidentify`; the sum stays the wait.
 
 use std::time::Duration;
 
@@ -17,17 +22,41 @@ use super::demand::ServedJob;
 
 /// Values of the `phase` label of `imp_runner_job_phase_seconds`, in order; each names the step the
 /// job waited for: queued -> VM created (`vm_create`) -> JIT minted (`mint`) -> scheduled (`schedule`)
-/// -> guest booted (`boot`) -> runner started (`runner_start`) -> job picked up (`pickup`) -> completed
-/// (`run`).
-pub const JOB_PHASES: [&str; 7] = [
+/// -> guest booted (`boot`; for a clone, the node's work before the restore) -> clone restored
+/// (`restore`) -> clone reidentified (`reidentify`) -> runner started (`runner_start`) -> job picked
+/// up (`pickup`) -> completed (`run`).
+pub const JOB_PHASES: [&str; 9] = [
+    "vm_create",
+    "mint",
+    "schedule",
+    "boot",
+    "restore",
+    "reidentify",
+    "runner_start",
+    "pickup",
+    "run",
+];
+
+/// The phases measured from step times, one per step after the queued time: every served job has
+/// them up to `pickup` (a step never seen is left out and its time falls to the next).
+pub const STEP_PHASES: [&str; 6] = [
     "vm_create",
     "mint",
     "schedule",
     "boot",
     "runner_start",
     "pickup",
-    "run",
 ];
+
+/// The phases a clone's boot step is split into (from its `status.start`).
+pub const CLONE_PHASES: [&str; 2] = ["restore", "reidentify"];
+
+/// A clone's restore and reidentify, as its node reported them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CloneTimes {
+    pub restore: Duration,
+    pub reidentify: Duration,
+}
 
 /// The timestamps of one runner VM's life, from its ImpVM.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -37,6 +66,8 @@ pub struct VmTimes {
     pub boot_complete: Option<Timestamp>,
     pub runner_started: Option<Timestamp>,
     pub runner_exited: Option<Timestamp>,
+    /// A clone's restore and reidentify (`status.start`); None for a boot.
+    pub clone_start: Option<CloneTimes>,
 }
 
 /// What a pass knows of one runner VM for its SLO record.
@@ -121,7 +152,7 @@ pub fn served_updates(facts: &[ServedFacts]) -> Vec<ServedUpdate> {
                 (Some(q), Some(p)) => Some(span(q, p.max(q))),
                 _ => None,
             };
-            (job_phases(&steps), wait)
+            (clone_phases(job_phases(&steps), f.times.clone_start), wait)
         } else {
             (Vec::new(), None)
         };
@@ -135,7 +166,7 @@ pub fn served_updates(facts: &[ServedFacts]) -> Vec<ServedUpdate> {
     out
 }
 
-/// Phase durations from step times (`steps[0]` the queued time, then one per [`JOB_PHASES`] entry, as
+/// Phase durations from step times (`steps[0]` the queued time, then one per [`STEP_PHASES`] entry, as
 /// many as given). Each step counts from the latest step before it (or the queued time), never earlier:
 /// a step done before the job was queued took none of its time. A missing step is left out and its time
 /// falls to the next phase; without a queued time nothing is measured.
@@ -144,12 +175,38 @@ pub fn job_phases(steps: &[Option<Timestamp>]) -> Vec<(&'static str, Duration)> 
         return Vec::new();
     };
     let mut out = Vec::new();
-    for (phase, step) in JOB_PHASES.iter().zip(steps.iter().skip(1)) {
+    for (phase, step) in STEP_PHASES.iter().zip(steps.iter().skip(1)) {
         if let Some(s) = step {
             let s = (*s).max(at);
             out.push((*phase, span(at, s)));
             at = s;
         }
+    }
+    out
+}
+
+/// `phases` (from [`job_phases`]) with a clone's restore and reidentify taken off the end of its
+/// `boot` phase, reidentify first (it is the very end): a part that lies before the boot phase's
+/// start (the job was queued later) did not delay the job and is not counted. The sum stays the
+/// same; without `clone` (a boot) the phases are returned as they are.
+pub fn clone_phases(
+    phases: Vec<(&'static str, Duration)>,
+    clone: Option<CloneTimes>,
+) -> Vec<(&'static str, Duration)> {
+    let Some(c) = clone else {
+        return phases;
+    };
+    let mut out = Vec::with_capacity(phases.len() + 2);
+    for (phase, d) in phases {
+        if phase != "boot" {
+            out.push((phase, d));
+            continue;
+        }
+        let reidentify = c.reidentify.min(d);
+        let restore = c.restore.min(d - reidentify);
+        out.push(("boot", d - reidentify - restore));
+        out.push(("restore", restore));
+        out.push(("reidentify", reidentify));
     }
     out
 }
@@ -190,6 +247,7 @@ mod tests {
             boot_complete: Some(t(created + 2_100)),
             runner_started: started.map(t),
             runner_exited: None,
+            clone_start: None,
         }
     }
 
@@ -239,6 +297,75 @@ mod tests {
         let sum: Duration = u.phases.iter().map(|(_, d)| *d).sum();
         assert_eq!(u.wait, Some(Duration::from_millis(4_000)));
         assert_eq!(sum, u.wait.unwrap());
+    }
+
+    #[test]
+    fn a_clone_s_restore_and_reidentify_are_taken_off_the_end_of_its_boot() {
+        // Queued at 0, created 50, minted 300, scheduled 150, booted 2150 (of which the clone's
+        // restore took 30 ms and its reidentify 5 ms), runner 2500, picked up 4000.
+        let mut times = times(50, Some(2_500));
+        times.clone_start = Some(CloneTimes {
+            restore: Duration::from_millis(30),
+            reidentify: Duration::from_millis(5),
+        });
+        let f = ServedFacts {
+            vm: "p-1".into(),
+            recorded: Some(minted(50, 300)),
+            times,
+            job: Some(job(0, Some(4_000), None)),
+        };
+        let u = &served_updates(&[f])[0];
+        assert_eq!(
+            ms(&u.phases),
+            vec![
+                ("vm_create", 50),
+                ("mint", 250),
+                ("schedule", 0),
+                ("boot", 1_815),
+                ("restore", 30),
+                ("reidentify", 5),
+                ("runner_start", 350),
+                ("pickup", 1_500),
+            ]
+        );
+        let sum: Duration = u.phases.iter().map(|(_, d)| *d).sum();
+        assert_eq!(sum, u.wait.unwrap());
+        // In JOB_PHASES order.
+        let order: Vec<usize> = u
+            .phases
+            .iter()
+            .map(|(p, _)| JOB_PHASES.iter().position(|q| q == p).unwrap())
+            .collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+    }
+
+    #[test]
+    fn a_clone_s_phases_count_only_what_the_job_waited_for() {
+        let c = Some(CloneTimes {
+            restore: Duration::from_millis(30),
+            reidentify: Duration::from_millis(5),
+        });
+        let d = Duration::from_millis;
+        // The job was queued 20 ms before the clone was Running: 5 ms reidentify, 15 of restore.
+        assert_eq!(
+            ms(&clone_phases(vec![("boot", d(20)), ("pickup", d(7))], c)),
+            vec![
+                ("boot", 0),
+                ("restore", 15),
+                ("reidentify", 5),
+                ("pickup", 7)
+            ]
+        );
+        // A warm clone: its boot took none of the job's time, nor do its parts.
+        assert_eq!(
+            ms(&clone_phases(vec![("boot", d(0))], c)),
+            vec![("boot", 0), ("restore", 0), ("reidentify", 0)]
+        );
+        // A boot is left as it is.
+        assert_eq!(
+            ms(&clone_phases(vec![("boot", d(20))], None)),
+            vec![("boot", 20)]
+        );
     }
 
     #[test]

@@ -546,6 +546,7 @@ mod tests {
                 memory_mib: mem,
                 disk_mib: disk,
             }),
+            templates_ready: Default::default(),
         }
     }
 

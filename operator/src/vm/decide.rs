@@ -148,7 +148,23 @@ pub fn request(vm: &ImpVM, class: &ImpVMClassSpec) -> VmRequest {
         disk_mib: u64::from(class.disk_gib()) * 1024,
         node_selector: vm.spec.node_selector.clone().unwrap_or_default(),
         tolerations: vm.spec.tolerations.clone().unwrap_or_default(),
+        template_of: template_of(vm),
     }
+}
+
+/// The pool whose snapshot template a `startFrom: Template` VM is cloned from: its controlling
+/// ImpVMRunnerPool (the agents report Ready templates by pool uid). None for a VM that boots, or
+/// one no pool controls (it boots cold on whichever node it lands).
+pub fn template_of(vm: &ImpVM) -> Option<String> {
+    if vm.spec.start_from() != imp_api::StartFrom::Template {
+        return None;
+    }
+    vm.metadata
+        .owner_references
+        .as_ref()?
+        .iter()
+        .find(|o| o.controller == Some(true) && o.kind == "ImpVMRunnerPool")
+        .map(|o| o.uid.clone())
 }
 
 /// The ImpNetwork the VM attaches to.
@@ -851,6 +867,30 @@ mod tests {
         .unwrap();
         v.status = Some(ImpVMStatus::default());
         v
+    }
+
+    #[test]
+    fn a_template_vm_asks_for_its_controlling_pool_s_template() {
+        let owned = |v: &mut ImpVM, kind: &str, controller: bool| {
+            v.metadata.owner_references = Some(vec![
+                serde_json::from_value(json!({"apiVersion": "imp.dev/v1alpha1", "kind": kind,
+                    "name": "p", "uid": "pool-uid", "controller": controller}))
+                .unwrap(),
+            ]);
+        };
+        let mut standby = vm("ephemeral", json!({"startFrom": "Template"}));
+        assert_eq!(template_of(&standby), None, "no pool: nothing to prefer");
+        owned(&mut standby, "ImpVMRunnerPool", true);
+        assert_eq!(template_of(&standby).as_deref(), Some("pool-uid"));
+        assert_eq!(
+            request(&standby, &class()).template_of.as_deref(),
+            Some("pool-uid")
+        );
+        let mut boot = vm("ephemeral", json!({}));
+        owned(&mut boot, "ImpVMRunnerPool", true);
+        assert_eq!(request(&boot, &class()).template_of, None);
+        owned(&mut standby, "ImpVMRunnerPool", false);
+        assert_eq!(template_of(&standby), None, "an owner, not the controller");
     }
 
     fn bound_vm(lifecycle: &str, phase: VmPhase, extra_spec: serde_json::Value) -> ImpVM {

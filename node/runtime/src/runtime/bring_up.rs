@@ -377,16 +377,23 @@ impl Runtime {
                     )
                     .await
                 {
-                    Ok((vm, mut heard)) => vmm::wait_for_hello(
-                        &files.vsock,
-                        &files.serial_log,
-                        || vm.is_alive(),
-                        restore_deadline,
-                        heard.as_mut(),
-                    )
-                    .await
-                    .map(|_| (vm.clone(), heard))
-                    .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm))),
+                    Ok((vm, mut heard)) => {
+                        // The guest runs from here: how soon its Hello is seen (docs/snapshots.md).
+                        let resumed = Instant::now();
+                        let hello = vmm::wait_for_hello(
+                            &files.vsock,
+                            &files.serial_log,
+                            || vm.is_alive(),
+                            restore_deadline,
+                            heard.as_mut(),
+                        )
+                        .await;
+                        let hello_after_resume_ms = resumed.elapsed().as_secs_f64() * 1000.0;
+                        tracing::info!(uid, key = %src.key, hello_after_resume_ms, ok = hello.is_ok(), "clone resumed");
+                        hello
+                            .map(|_| (vm.clone(), heard))
+                            .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm)))
+                    }
                     Err(e) => Err(e),
                 };
                 match restored {
