@@ -1,5 +1,6 @@
-//! Templates through imp-runtime's socket API with the Firecracker simulator (docs/snapshots.md):
-//! this backend keeps no templates yet, so a `from_template` VM boots and says why
+//! Templates through imp-runtime's socket API with the unjailed Firecracker simulator
+//! (docs/snapshots.md): an unjailed Firecracker keeps no templates (a load cannot override drive
+//! paths; the jailed branch is tests/template_fc.rs), so a `from_template` VM boots and says why
 //! (`TemplateUnsupported`), a cold boot reports `Boot` with no fallback, `from_template` is no
 //! part of a spec conflict, and the template endpoints answer (POST: Failed with the reason,
 //! nothing kept; GET: empty; DELETE: idempotent, 400 for a malformed key). The start report

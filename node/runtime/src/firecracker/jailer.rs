@@ -16,7 +16,9 @@
 //! root-owned, read-only inode for all clones), the shared kernel and base image
 //! ([`Place::Shared`]), and the clone's own copy of the template's writable drive at the
 //! template's name ([`Place::Own`], owned by the clone's uid). Nothing of one clone is
-//! reachable from another's jail, and nothing a clone can write is shared.
+//! reachable from another's jail, and nothing a clone can write is shared. The runtime
+//! (runtime/template.rs) unlinks the template's two links from a clone's jail once the load
+//! returned: the state was read, and the memory mapping holds its inode.
 //!
 //! Not used: `--daemonize` (it sends stdio to /dev/null, and Firecracker's stdout is the guest
 //! console the runtime logs; the runtime gives the process a session of its own anyway) and

@@ -366,10 +366,18 @@ impl Runtime {
                 // A restore that hangs falls back sooner than a boot would time out.
                 let restore_deadline = spawned_at + self.cfg.boot_timeout.min(RESTORE_TIMEOUT);
                 let restored = match self
-                    .restore_clone(rec, &plan, &procs, jail.as_ref(), src, restore_deadline)
+                    .restore_clone(
+                        rec,
+                        spec,
+                        &plan,
+                        &procs,
+                        jail.as_ref(),
+                        src,
+                        restore_deadline,
+                    )
                     .await
                 {
-                    Ok(vm) => {
+                    Ok((vm, mut heard)) => {
                         // The guest runs from here: how soon its Hello is seen (docs/snapshots.md).
                         let resumed = Instant::now();
                         let hello = vmm::wait_for_hello(
@@ -377,25 +385,25 @@ impl Runtime {
                             &files.serial_log,
                             || vm.is_alive(),
                             restore_deadline,
-                            None,
+                            heard.as_mut(),
                         )
                         .await;
                         let hello_after_resume_ms = resumed.elapsed().as_secs_f64() * 1000.0;
                         tracing::info!(uid, key = %src.key, hello_after_resume_ms, ok = hello.is_ok(), "clone resumed");
                         hello
-                            .map(|_| vm.clone())
+                            .map(|_| (vm.clone(), heard))
                             .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm)))
                     }
                     Err(e) => Err(e),
                 };
                 match restored {
-                    Ok(vm) => {
+                    Ok((vm, heard)) => {
                         let secs = spawned_at.elapsed().as_secs_f64();
                         self.metrics.restore_seconds.observe(secs);
                         start.from = StartKind::Clone;
                         start.template = Some(src.key.clone());
                         start.restore_seconds = Some(secs);
-                        break (vm, spawned_at, deadline, None);
+                        break (vm, spawned_at, deadline, heard);
                     }
                     Err((message, vm)) => {
                         tracing::warn!(uid, key = %src.key, message, "restoring the template failed; booting");
@@ -563,7 +571,7 @@ impl Runtime {
         };
         let (vmm, plan) = match jail.filter(|_| files.jail.is_some()) {
             Some(j) => self
-                .spawn_jailed(rec, spec, files, plan, j.id)
+                .spawn_jailed(rec, spec, files, plan, j.id, &[])
                 .await
                 .map_err(|e| (e, None))?,
             None => (
@@ -609,9 +617,10 @@ impl Runtime {
         Ok((vm, announcements))
     }
 
-    /// Stage VM `r`'s jail (its kernel, initrd and drives hard-linked in, see `jailer::stage`)
-    /// and start Firecracker in it through the jailer as uid `id`, in cgroups with the limits
-    /// of `spec`. Returns the process and the plan with its files' paths in the jail.
+    /// Stage VM `r`'s jail (its kernel, initrd and drives hard-linked in, see `jailer::stage`,
+    /// and `extra`: a clone's template snapshot) and start Firecracker in it through the jailer
+    /// as uid `id`, in cgroups with the limits of `spec`. Returns the process and the plan with
+    /// its files' paths in the jail.
     pub(super) async fn spawn_jailed(
         &self,
         r: &VmRecord,
@@ -619,6 +628,7 @@ impl Runtime {
         files: &VmmFiles,
         plan: &VmPlan,
         id: u32,
+        extra: &[(&Path, &str, Place)],
     ) -> Result<(firecracker::Vmm, VmPlan), RuntimeError> {
         let jailer_err = |source| RuntimeError::Jailer {
             uid: r.uid.clone(),
@@ -655,6 +665,7 @@ impl Runtime {
         let links: Vec<(&Path, &str, Place)> = links
             .iter()
             .map(|(p, n, k)| (p.as_path(), n.as_str(), *k))
+            .chain(extra.iter().copied())
             .collect();
         jailer::stage(root, &self.cfg.firecracker_bin, id, &links).map_err(jailer_err)?;
         // The console and stderr the runtime writes for it: the VM's, 0600, so imp-agent (uid 0

@@ -73,11 +73,9 @@ impl Runtime {
             .map_err(RuntimeError::Cgroups)?;
         let vmm_facts = match cfg.backend {
             crate::api::Backend::Qemu => super::template::qemu_facts(&cfg.qemu),
-            crate::api::Backend::Firecracker => super::template::key::VmmFacts {
-                version: "firecracker".into(),
-                accel: "kvm".into(),
-                cpu: String::new(),
-            },
+            crate::api::Backend::Firecracker => {
+                super::template::firecracker_facts(&cfg.firecracker_bin)
+            }
         };
         let (templates, interrupted) = super::template::Templates::open(
             &cfg.state_dir.join("templates"),

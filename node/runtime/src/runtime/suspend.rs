@@ -303,7 +303,7 @@ impl Runtime {
                 let vmm = match &jail {
                     Some(j) => {
                         let plan = self.plan_of(r, &spec);
-                        self.spawn_jailed(r, &spec, &files, &plan, j.id)
+                        self.spawn_jailed(r, &spec, &files, &plan, j.id, &[])
                             .await
                             .map_err(|e| (e.to_string(), None))?
                             .0

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use imp_guest::host::IdentityCheck;
+use imp_guest::host::{Announcements, IdentityCheck};
 use imp_guest::protocol::{AGENT_VSOCK_PORT, NetIdentity, Reidentify};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -20,6 +20,9 @@ use tokio::time::Instant;
 
 use super::{Runtime, RuntimeError, Vm, vm};
 use crate::api::{Backend, Failure, TemplateState, TemplateStatus, VmSpec};
+use crate::firecracker::CloneOverrides;
+use crate::firecracker::api::NetworkOverride;
+use crate::firecracker::jailer::{self, Place};
 use crate::inventory::VmRecord;
 use crate::metrics::{OutcomeLabel, ReasonLabel};
 use crate::network;
@@ -120,6 +123,8 @@ pub struct Templates {
 pub(super) struct CloneSource {
     pub key: String,
     pub mem: PathBuf,
+    /// Firecracker's device state file (`vmstate`); QEMU's stream has it in `mem`.
+    pub vmstate: Option<PathBuf>,
     pub writable: Option<PathBuf>,
     pub boot_args: String,
 }
@@ -161,6 +166,58 @@ fn private(path: &Path) -> std::io::Result<()> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
 }
 
+/// A template's snapshot file (Firecracker's `mem` and `vmstate`): root's, 0444. Every clone's
+/// jail hard-links this one inode (`jailer::Place::Template`, which makes it so anyway), so
+/// each clone's uid reads it and none writes it; outside the jails it lies in the 0700
+/// templates directory, which no VM reaches.
+fn shared_read_only(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::os::unix::fs::chown(path, Some(0), Some(0)).or_else(|e| {
+        if e.kind() == std::io::ErrorKind::PermissionDenied {
+            Ok(())
+        } else {
+            Err(e)
+        }
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
+}
+
+/// Names of a template's snapshot in a Firecracker clone's jail (beside the kernel, initrd and
+/// drives `spawn_jailed` stages under the names the template's jail had).
+const JAIL_VMSTATE: &str = "template.vmstate";
+const JAIL_MEM: &str = "template.mem";
+
+/// The host's CPU model (`model name` of /proc/cpuinfo): a KVM snapshot loads only on the
+/// CPU model that took it.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_default()
+}
+
+/// The VMM facts of this runtime's Firecracker: its release (`bin --version`: a snapshot loads
+/// only into the release that took it), KVM, the CPU model.
+pub fn firecracker_facts(bin: &Path) -> VmmFacts {
+    let version = match crate::firecracker::version(bin) {
+        Ok(v) => format!("Firecracker v{v}"),
+        Err(e) => {
+            tracing::warn!(error = %e, "no Firecracker version: its templates match no other");
+            "Firecracker (unknown version)".into()
+        }
+    };
+    VmmFacts {
+        version,
+        accel: "kvm".into(),
+        cpu: cpu_model(),
+    }
+}
+
 /// The VMM facts of this runtime's QEMU: its version line, the accelerator it gets here, the
 /// CPU model a KVM guest sees.
 pub fn qemu_facts(cfg: &qemu::QemuConfig) -> VmmFacts {
@@ -177,15 +234,7 @@ pub fn qemu_facts(cfg: &qemu::QemuConfig) -> VmmFacts {
         .unwrap_or_default();
     let accel = qemu::resolve_accel(cfg.accel, crate::vmm::kvm_usable()).to_string();
     let cpu = if accel == "kvm" {
-        std::fs::read_to_string("/proc/cpuinfo")
-            .ok()
-            .and_then(|c| {
-                c.lines()
-                    .find_map(|l| l.strip_prefix("model name"))
-                    .and_then(|l| l.split_once(':'))
-                    .map(|(_, m)| m.trim().to_string())
-            })
-            .unwrap_or_default()
+        cpu_model()
     } else {
         "tcg".into()
     };
@@ -210,8 +259,11 @@ impl Templates {
             let meta: Option<Meta> = std::fs::read(path.join("meta.json"))
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
-            let complete = path.join("mem").is_file();
-            match meta.filter(|m| complete && key::valid_key(&name) && m.key == name) {
+            let complete = |m: &Meta| {
+                path.join("mem").is_file()
+                    && (m.inputs.backend != Backend::Firecracker || path.join("vmstate").is_file())
+            };
+            match meta.filter(|m| complete(m) && key::valid_key(&name) && m.key == name) {
                 Some(meta) => {
                     let bytes = dir_bytes(&path);
                     let mut entry = Entry::new(VmSpec {
@@ -315,10 +367,11 @@ impl Templates {
     }
 }
 
-/// The base-image reference holder (and VM directory name) of template `key`'s build: not a
-/// valid VM uid, so no VM ever has it.
+/// The base-image reference holder (and VM directory name, jailer id) of template `key`'s
+/// build: not a valid VM uid (it has a capital), so no VM ever has it, and a valid jailer id
+/// (alphanumerics and hyphens).
 pub fn holder(key: &str) -> String {
-    format!("_tmpl-{key}")
+    format!("Tmpl-{key}")
 }
 
 /// 64 bytes from the host's `getrandom(2)`: a clone's entropy (never logged).
@@ -351,7 +404,19 @@ fn net_identity(uid: &str, spec: &VmSpec) -> Option<NetIdentity> {
     })
 }
 
+/// Why an unjailed Firecracker keeps no templates.
+const UNJAILED: &str = "an unjailed Firecracker keeps no templates: a snapshot records its drives' host paths, which a load cannot override, so clones need jails (--jailer-path)";
+
 impl Runtime {
+    /// Whether this runtime's backend keeps templates: QEMU, and Firecracker through its
+    /// jailer (a clone's jail gives the template's drive paths the clone's own files).
+    fn keeps_templates(&self) -> bool {
+        match self.cfg.backend {
+            Backend::Qemu => true,
+            Backend::Firecracker => self.jailer(Backend::Firecracker).is_some(),
+        }
+    }
+
     /// `POST /v1/templates`: the template for `spec` (its paths resolved), building it in the
     /// background when there is none (or it is stale, or its last build failed long enough
     /// ago). Answers at once.
@@ -367,25 +432,25 @@ impl Runtime {
             .expect("templates")
             .get(&key)
             .map(Entry::known);
-        let build = match (self.cfg.backend, known) {
-            (Backend::Firecracker, _) => {
-                return Ok(TemplateStatus {
-                    key,
-                    state: TemplateState::Failed,
-                    bytes: 0,
-                    vmm: "firecracker".into(),
-                    build_seconds: None,
-                    clones: 0,
-                    failure: Some(Failure {
-                        reason: reason::TEMPLATE_UNSUPPORTED.into(),
-                        message: "this node's Firecracker backend keeps no templates yet".into(),
-                    }),
-                });
-            }
-            (_, None) => true,
-            (_, Some(Known::Failed { retry })) => retry,
-            (_, Some(Known::Ready { vmm, .. })) => *vmm != self.templates.vmm,
-            (_, Some(_)) => false,
+        if !self.keeps_templates() {
+            return Ok(TemplateStatus {
+                key,
+                state: TemplateState::Failed,
+                bytes: 0,
+                vmm: self.templates.vmm.version.clone(),
+                build_seconds: None,
+                clones: 0,
+                failure: Some(Failure {
+                    reason: reason::TEMPLATE_UNSUPPORTED.into(),
+                    message: UNJAILED.into(),
+                }),
+            });
+        }
+        let build = match known {
+            None => true,
+            Some(Known::Failed { retry }) => retry,
+            Some(Known::Ready { vmm, .. }) => *vmm != self.templates.vmm,
+            Some(_) => false,
         };
         if build {
             self.templates.queue_build(&key, &tspec);
@@ -487,7 +552,7 @@ impl Runtime {
             .get(&key)
             .map_or(Known::None, Entry::known);
         let decision = key::decide(
-            r.backend == Backend::Qemu,
+            r.backend == self.cfg.backend && self.keeps_templates(),
             &known,
             &content,
             &self.templates.vmm,
@@ -521,6 +586,7 @@ impl Runtime {
                     Some(CloneSource {
                         key,
                         mem: dir.join("mem"),
+                        vmstate: (r.backend == Backend::Firecracker).then(|| dir.join("vmstate")),
                         writable: inputs.writable_disk_bytes.map(|_| dir.join("writable.img")),
                         boot_args: meta.boot_args,
                     }),
@@ -553,9 +619,7 @@ impl Runtime {
                         };
                         format!("{what} changed since template {key} was built; rebuilding")
                     }
-                    (_, reason::TEMPLATE_UNSUPPORTED) => {
-                        format!("the {} backend keeps no templates yet", r.backend.as_str())
-                    }
+                    (_, reason::TEMPLATE_UNSUPPORTED) => UNJAILED.to_string(),
                     (_, reason::TEMPLATE_FAILED) => {
                         let entries = self.templates.entries.lock().expect("templates");
                         let why = entries
@@ -572,28 +636,104 @@ impl Runtime {
         }
     }
 
-    /// A fresh VMM for row `r` restoring template `src`, running. On error, the message and
-    /// what to kill. The backend's own steps are behind this match (a Firecracker branch:
-    /// `snapshot_load` with `vsock_override` and `network_overrides`, docs/snapshots.md).
+    /// A fresh VMM for row `r` restoring template `src`, running, and where its guest's
+    /// announcements arrive (if bound). On error, the message and what to kill. The backend's
+    /// own steps are behind this match.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn restore_clone(
         &self,
         r: &mut VmRecord,
+        spec: &VmSpec,
         plan: &VmPlan,
         cgroups: &[PathBuf],
         jail: Option<&crate::jail::VmJail>,
         src: &CloneSource,
         deadline: Instant,
-    ) -> Result<Vm, (String, Option<Vm>)> {
+    ) -> Result<(Vm, Option<Announcements>), (String, Option<Vm>)> {
         match r.backend {
-            Backend::Qemu => {
-                self.restore_qemu_clone(r, plan, cgroups, jail, src, deadline)
+            Backend::Qemu => self
+                .restore_qemu_clone(r, plan, cgroups, jail, src, deadline)
+                .await
+                .map(|vm| (vm, None)),
+            Backend::Firecracker => {
+                self.restore_firecracker_clone(r, spec, plan, jail, src)
                     .await
             }
-            Backend::Firecracker => Err((
-                "the Firecracker backend keeps no templates yet".into(),
-                None,
-            )),
         }
+    }
+
+    /// A fresh jailed Firecracker for row `r` loading template `src` (the recipe of
+    /// firecracker/jailer.rs): its jail holds the template's `vmstate` and `mem` (one
+    /// hard-linked, root-owned, read-only inode for all clones), the shared kernel, initrd and
+    /// base image, and its own copy of the template's writable drive, each under the name the
+    /// template's jail had (a load cannot override drive paths); the load gives it its own TAP
+    /// (`network_overrides`) and vsock socket (`vsock_override`) and resumes it.
+    async fn restore_firecracker_clone(
+        &self,
+        r: &mut VmRecord,
+        spec: &VmSpec,
+        plan: &VmPlan,
+        jail: Option<&crate::jail::VmJail>,
+        src: &CloneSource,
+    ) -> Result<(Vm, Option<Announcements>), (String, Option<Vm>)> {
+        let files = vm::files_of(r);
+        let (Some(j), Some(root)) = (jail, files.jail.clone()) else {
+            return Err((UNJAILED.into(), None));
+        };
+        let vmstate = src
+            .vmstate
+            .as_deref()
+            .ok_or(("the template has no vmstate file".to_string(), None))?;
+        let snapshot = [
+            (vmstate, JAIL_VMSTATE, Place::Template),
+            (src.mem.as_path(), JAIL_MEM, Place::Template),
+        ];
+        let (vmm, staged) = self
+            .spawn_jailed(r, spec, &files, plan, j.id, &snapshot)
+            .await
+            .map_err(|e| (e.to_string(), None))?;
+        let vm = Vm::Firecracker(vmm.clone());
+        let fail = |m: String| (m, Some(vm.clone()));
+        self.inventory
+            .set_process(&r.uid, vmm.process.pid, vmm.process.start_time)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        r.pid = Some(vmm.process.pid);
+        r.start_time = Some(vmm.process.start_time);
+        vmm.wait_api_ready()
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let overrides = CloneOverrides {
+            network: staged
+                .nics
+                .iter()
+                .map(|n| NetworkOverride {
+                    iface_id: n.id.into(),
+                    host_dev_name: n.tap.clone(),
+                })
+                .collect(),
+            // Reidentify sets the clock (older releases refuse the field).
+            clock_realtime: false,
+        };
+        // Before the load, as before a boot's InstanceStart: a restored guest whose agent
+        // announces itself (the simulator's fresh one does) is found at once; one that does not
+        // (a real guest was listening when snapshotted) answers the first connect anyway.
+        let heard = crate::vmm::listen_for_announcements(&files.vsock, Some(j.id));
+        let loaded = vmm
+            .restore_clone(&root.join(JAIL_VMSTATE), &root.join(JAIL_MEM), &overrides)
+            .await;
+        // Loaded or not, the links go: the state was read, the memory is mapped (the mapping
+        // holds the inode), and a cold boot after a failed load must not find them.
+        for name in [JAIL_VMSTATE, JAIL_MEM] {
+            let _ = std::fs::remove_file(root.join(name));
+        }
+        loaded.map_err(|e| fail(e.to_string()))?;
+        jailer::expose_vsock(&files.vsock, &r.vsock_path, j.id).map_err(|e| fail(e.to_string()))?;
+        self.inventory
+            .set_state(&r.uid, crate::api::VmState::Booting)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        Ok((vm, heard))
     }
 
     /// A fresh QEMU for row `r` loading template `src` (vsock device first, each process
@@ -677,7 +817,9 @@ impl Runtime {
         let mut guest = imp_guest::host::connect(&r.vsock_path, AGENT_VSOCK_PORT, deadline)
             .await
             .map_err(|e| format!("connect: {e}"))?;
-        guest.set_answer_timeout(REIDENTIFY_TIMEOUT);
+        // Within the clone's boot deadline: a guest that never answers fails the start in time.
+        let left = deadline.saturating_duration_since(Instant::now());
+        guest.set_answer_timeout(REIDENTIFY_TIMEOUT.min(left).max(Duration::from_secs(1)));
         let previous_samples = self
             .templates
             .entries
@@ -840,11 +982,8 @@ impl Runtime {
             reason: reason.into(),
             message,
         };
-        if self.cfg.backend != Backend::Qemu {
-            return Err(failed(
-                reason::TEMPLATE_UNSUPPORTED,
-                "only the QEMU backend keeps templates".into(),
-            ));
+        if !self.keeps_templates() {
+            return Err(failed(reason::TEMPLATE_UNSUPPORTED, UNJAILED.into()));
         }
         let uid = holder(key);
         let mut rec = self.new_record(&uid, spec, "{}".into());
@@ -868,7 +1007,8 @@ impl Runtime {
             }
             let boot_args = self.plan_of(&rec, spec).boot_args;
             let mem = building.join("mem");
-            // The backend's snapshot (a Firecracker branch: pause, `snapshot_create`).
+            // The backend's snapshot.
+            let mut shared = vec![mem.clone()];
             match vm::of_record(&rec) {
                 Some(Vm::Qemu(q)) => {
                     let migrated = q.migrate_to_file(&mem).await;
@@ -881,19 +1021,48 @@ impl Runtime {
                             "the migration's writer still holds the memory file".into(),
                         ));
                     }
+                    // QEMU's clones read it through a descriptor the runtime opens: 0600.
+                    shared.clear();
                 }
-                Some(other) => {
-                    other.kill().await;
-                    return Err(failed(
-                        reason::TEMPLATE_UNSUPPORTED,
-                        format!("{} keeps no templates yet", other.backend().as_str()),
-                    ));
+                Some(Vm::Firecracker(v)) => {
+                    // Paused, snapshotted into its jail, killed (never resumed: the drive stays
+                    // as the snapshot's guest left it); then the files leave the jail.
+                    let Some(root) = v.files.jail.clone() else {
+                        v.kill().await;
+                        return Err(failed(reason::TEMPLATE_UNSUPPORTED, UNJAILED.into()));
+                    };
+                    let (snap, in_jail) = (root.join(JAIL_VMSTATE), root.join(JAIL_MEM));
+                    let made = match v.pause().await {
+                        Ok(()) => v.snapshot_create(&snap, &in_jail).await,
+                        Err(e) => Err(e),
+                    };
+                    v.kill().await;
+                    made.map_err(|e| failed(reason::TEMPLATE_FAILED, format!("snapshot: {e}")))?;
+                    let vmstate = building.join("vmstate");
+                    for (from, to) in [(&snap, &vmstate), (&in_jail, &mem)] {
+                        std::fs::rename(from, to).map_err(|e| {
+                            failed(
+                                reason::TEMPLATE_FAILED,
+                                format!("move {} out of the jail: {e}", from.display()),
+                            )
+                        })?;
+                    }
+                    shared.push(vmstate);
                 }
                 None => {
                     return Err(failed(reason::TEMPLATE_FAILED, "no VMM recorded".into()));
                 }
             }
-            let mut files = vec![mem];
+            let mut files = if shared.is_empty() {
+                vec![mem]
+            } else {
+                Vec::new()
+            };
+            for f in &shared {
+                shared_read_only(f).map_err(|e| {
+                    failed(reason::TEMPLATE_FAILED, format!("own {}: {e}", f.display()))
+                })?;
+            }
             if let Some(w) = &rec.writable_disk {
                 let dest = building.join("writable.img");
                 std::fs::rename(w, &dest)
@@ -939,6 +1108,14 @@ impl Runtime {
         }
         self.remove_cgroup(&uid).await;
         let _ = std::fs::remove_dir_all(&rec.dir);
+        // A jailed build VM's jail, `<base>/<exec name>/<uid>` above its root.
+        if let Some(dir) = vm::jail_root_of(&rec)
+            .as_deref()
+            .and_then(Path::parent)
+            .filter(|d| d.file_name().is_some_and(|n| n == uid.as_str()))
+        {
+            let _ = std::fs::remove_dir_all(dir);
+        }
         if out.is_err() {
             let _ = std::fs::remove_dir_all(&building);
             if let Err(e) = self.rootfs.release(&uid).await {

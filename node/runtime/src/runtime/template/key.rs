@@ -26,7 +26,8 @@ pub mod reason {
     pub const TEMPLATE_VMM_MISMATCH: &str = "TemplateVmmMismatch";
     /// The template's last build failed; retried after a backoff.
     pub const TEMPLATE_FAILED: &str = "TemplateFailed";
-    /// This backend keeps no templates (Firecracker, for now).
+    /// This backend keeps no templates: an unjailed Firecracker (a snapshot records drive paths a
+    /// load cannot override; clones need jails).
     pub const TEMPLATE_UNSUPPORTED: &str = "TemplateUnsupported";
     /// The restore of a ready template failed: the VM booted instead.
     pub const RESTORE_FAILED: &str = "RestoreFailed";
