@@ -24,24 +24,6 @@ const NOT_REASONS: &[(&str, &str, &str)] = &[
     ),
 ];
 
-/// Reasons imp-runtime still spells in a module of its own (the snapshot template reasons, added
-/// to `imp_api::names` after the runtime's template change, which could not edit the api crate):
-/// the same values, to be replaced there by the constants of `imp_api::names::reason`, and then
-/// dropped from this list.
-const TO_MOVE: &[(&str, &[&str])] = &[(
-    "node/runtime/src/runtime/template/key.rs",
-    &[
-        reason::TEMPLATE_MISSING,
-        reason::TEMPLATE_BUILDING,
-        reason::TEMPLATE_STALE,
-        reason::TEMPLATE_VMM_MISMATCH,
-        reason::TEMPLATE_FAILED,
-        reason::TEMPLATE_UNSUPPORTED,
-        reason::RESTORE_FAILED,
-        reason::REIDENTIFY_FAILED,
-    ],
-)];
-
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -220,10 +202,7 @@ fn no_reason_literal_outside_imp_api_names() {
             .into_owned();
         let src = fs::read_to_string(file).unwrap_or_else(|e| panic!("read {rel}: {e}"));
         for (line, value) in reason_literals(&src) {
-            let to_move = TO_MOVE
-                .iter()
-                .any(|(f, vs)| *f == rel && vs.contains(&value));
-            if !to_move && !NOT_REASONS.iter().any(|(f, v, _)| *f == rel && *v == value) {
+            if !NOT_REASONS.iter().any(|(f, v, _)| *f == rel && *v == value) {
                 found.push(format!("{rel}:{line}: \"{value}\""));
             }
         }

@@ -11,29 +11,12 @@ use crate::api::{Backend, NetworkSpec, VmSpec};
 use crate::rootfs::store::ImageSpec;
 
 /// Reasons of a `from_template` VM that booted cold (`StartReport.fallback`), and of a clone
-/// that failed. They belong with the other reasons in `imp_api::names` (docs/reasons.md); kept
-/// here until the api crate takes them (this change may not edit it).
+/// that failed (docs/reasons.md, docs/snapshots.md).
 pub mod reason {
-    /// No template for the spec's key: its build is started, the VM boots.
-    pub const TEMPLATE_MISSING: &str = "TemplateMissing";
-    /// The template is being built.
-    pub const TEMPLATE_BUILDING: &str = "TemplateBuilding";
-    /// A file the template was built from (kernel, initrd, base disk) or the image its reference
-    /// resolved to changed: rebuilt.
-    pub const TEMPLATE_STALE: &str = "TemplateStale";
-    /// The template was built by another VMM version, accelerator or CPU model than this
-    /// runtime's: a restore would not load (or not be the same machine). Rebuilt.
-    pub const TEMPLATE_VMM_MISMATCH: &str = "TemplateVmmMismatch";
-    /// The template's last build failed; retried after a backoff.
-    pub const TEMPLATE_FAILED: &str = "TemplateFailed";
-    /// This backend keeps no templates: an unjailed Firecracker (a snapshot records drive paths a
-    /// load cannot override; clones need jails).
-    pub const TEMPLATE_UNSUPPORTED: &str = "TemplateUnsupported";
-    /// The restore of a ready template failed: the VM booted instead.
-    pub const RESTORE_FAILED: &str = "RestoreFailed";
-    /// A clone's `Reidentify` failed (refused, timed out, evidence did not hold): the clone is
-    /// Failed and never handed a config.
-    pub const REIDENTIFY_FAILED: &str = "ReidentifyFailed";
+    pub use imp_api::names::reason::{
+        REIDENTIFY_FAILED, RESTORE_FAILED, TEMPLATE_BUILDING, TEMPLATE_FAILED, TEMPLATE_MISSING,
+        TEMPLATE_STALE, TEMPLATE_UNSUPPORTED, TEMPLATE_VMM_MISMATCH,
+    };
     /// Every fallback reason, in the order of docs/snapshots.md.
     pub const FALLBACKS: [&str; 7] = [
         TEMPLATE_MISSING,
