@@ -415,8 +415,8 @@ async fn bind(h: &PoolHarness, vm: &str, node: &str) {
 
 /// The same pool on a real node (imp-runtime driving the Firecracker simulator, the imp-agent
 /// binary; testkit's SimNode): an unjailed Firecracker keeps no templates (a snapshot records
-/// host drive paths a load cannot override), so the agent publishes none Ready, and the pool's `startFrom: Template` VM boots cold, Running, with
-/// `status.start` saying so and why (`TemplateUnsupported`), counted by the pool. Skipped (with
+/// host drive paths a load cannot override), so the agent publishes none Ready, and the pool's
+/// `startFrom: Template` VM boots cold, Running, with `status.start` saying so and why (`TemplateUnsupported`), counted by the pool. Skipped (with
 /// the reason) without docker-registry; IMP_REQUIRE_REGISTRY=1 makes the skip a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
