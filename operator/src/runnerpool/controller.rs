@@ -927,25 +927,30 @@ impl Ctx {
     async fn record_served(&self, key: &PoolKey, pp: &PoolPlan) {
         for u in &pp.served {
             let patch = json!({"status": {"job": u.status}});
-            match self
+            let recorded = match self
                 .vms(key)
                 .patch_status(&u.vm, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
             {
-                Ok(_) => {
-                    for (phase, d) in &u.phases {
-                        self.shared.metrics.job_phase(phase, *d);
-                    }
-                    if let Some(w) = u.wait {
-                        self.shared.metrics.job_wait.observe(w.as_secs_f64());
-                    }
-                    if !u.phases.is_empty() {
-                        info!(pool = %key, vm = %u.vm, job_id = ?u.status.job_id, wait = ?u.wait, "served job recorded");
-                    }
-                }
-                Err(kube::Error::Api(s)) if s.code == 404 => {}
+                Ok(_) => true,
+                // Gone, this pass's removals among the likely (a job done within one pass: its
+                // runner already exited when its pickup was first learnt): no later pass sees
+                // it, so its phases are observed now, once, or never.
+                Err(kube::Error::Api(s)) if s.code == 404 => true,
                 Err(e) => {
-                    warn!(pool = %key, vm = %u.vm, error = %e, "recording the served job on the VM failed")
+                    warn!(pool = %key, vm = %u.vm, error = %e, "recording the served job on the VM failed");
+                    false
+                }
+            };
+            if recorded {
+                for (phase, d) in &u.phases {
+                    self.shared.metrics.job_phase(phase, *d);
+                }
+                if let Some(w) = u.wait {
+                    self.shared.metrics.job_wait.observe(w.as_secs_f64());
+                }
+                if !u.phases.is_empty() {
+                    info!(pool = %key, vm = %u.vm, job_id = ?u.status.job_id, wait = ?u.wait, "served job recorded");
                 }
             }
         }
