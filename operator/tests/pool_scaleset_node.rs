@@ -121,6 +121,7 @@ async fn two_operators_killed_at_random_serve_every_scale_set_job_on_real_nodes_
             capacity_vcpu: VMS_PER_NODE,
             capacity_memory_mib: u64::from(VMS_PER_NODE) * 2048,
             writable_budget_bytes: u64::from(VMS_PER_NODE) * (4 << 30),
+            jailed: false,
         };
         nodes.push(SimNode::start(&bins, &opts).await);
     }
