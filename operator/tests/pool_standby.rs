@@ -416,8 +416,9 @@ async fn bind(h: &PoolHarness, vm: &str, node: &str) {
 /// The same pool on a real node (imp-runtime driving the Firecracker simulator, the imp-agent
 /// binary; testkit's SimNode): an unjailed Firecracker keeps no templates (a snapshot records
 /// host drive paths a load cannot override), so the agent publishes none Ready, and the pool's
-/// `startFrom: Template` VM boots cold, Running, with `status.start` saying so and why (`TemplateUnsupported`), counted by the pool. Skipped (with
-/// the reason) without docker-registry; IMP_REQUIRE_REGISTRY=1 makes the skip a failure.
+/// `startFrom: Template` VM boots cold, Running, with `status.start` saying so and why
+/// (`TemplateUnsupported`), counted by the pool. Skipped (with the reason) without
+/// docker-registry; IMP_REQUIRE_REGISTRY=1 makes the skip a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
     use imp_testkit::registry::RegistryError;
@@ -448,6 +449,7 @@ async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
             capacity_vcpu: 4,
             capacity_memory_mib: 8192,
             writable_budget_bytes: 16 << 30,
+            jailed: false,
         },
     )
     .await;
@@ -513,4 +515,222 @@ async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
         || async { (node.vm_dirs() == 0).then_some(()) },
     )
     .await;
+}
+
+/// Snapshot standby through the whole product on a jailed node (testkit's SimNode, the
+/// simulator through the jailer double as the smoke runs it): the agent has imp-runtime build
+/// the standby pool's template and publishes it Ready on the Node; then each job queued at the
+/// GitHub simulator is run by a runner VM of its own (the test binds it, as the scheduler would)
+/// that imp-runtime restored from the template and reidentified: `status.start` says Clone, with
+/// the template and its restore and reidentify times; the fake runner runs the job to success;
+/// the VM is deleted after; the pool counts each clone start and its restore and reidentify
+/// phases. Then the pool is deleted and the node holds no VM, jail or VM process. Skipped (with
+/// the reason) without docker-registry (IMP_REQUIRE_REGISTRY=1: a failure) or when not root (the
+/// jailer double switches uids, makes device nodes and namespaces; IMP_REQUIRE_ROOT=1: a
+/// failure).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
+    use imp_api::names::ANNOTATION_RUNNER_NAME;
+    use imp_testkit::registry::RegistryError;
+    use imp_testkit::simnode::{SimNode, SimNodeBinaries, SimNodeOptions};
+    use std::time::Instant;
+    const JOBS: usize = 3;
+    const SLOW: Duration = Duration::from_secs(180);
+    if !SimNode::can_jail() {
+        imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "snapshot standby on a jailed simulated node",
+            "not root (the jailer switches uids, makes device nodes and namespaces)",
+        );
+        return;
+    }
+    let registry = match imp_testkit::oci::try_registry_with_base_image().await {
+        Ok(r) => r,
+        Err(e @ RegistryError::BinaryMissing) => {
+            imp_testkit::skip::skip_or_fail(
+                "IMP_REQUIRE_REGISTRY",
+                "snapshot standby on a jailed simulated node",
+                &format!("no local registry ({e})"),
+            );
+            return;
+        }
+        Err(e) => panic!("the local registry did not start: {e}"),
+    };
+    let bins = SimNodeBinaries::locate().expect("imp-runtime, imp-agent and the simulators");
+    let mut h = PoolHarness::start("pool-standby-jail").await;
+    let class = h.add_agent_nodes(1).await;
+    let node_name = format!("{}-n0", h.ns);
+    let node = SimNode::start(
+        &bins,
+        &SimNodeOptions {
+            node_name: node_name.clone(),
+            lease_namespace: h.ns.clone(),
+            kubeconfig: h.env.kubeconfig_path().to_path_buf(),
+            registry: registry.host(),
+            capacity_vcpu: 4,
+            capacity_memory_mib: 8192,
+            writable_budget_bytes: 16 << 30,
+            jailed: true,
+        },
+    )
+    .await;
+    let image = format!("{}/ci/base:1", registry.host());
+    let pool = imp_testkit::fixtures::pool("standby")
+        .org(h.sim.org())
+        .app_secret(APP_SECRET)
+        .labels(&LABELS)
+        .class(&class)
+        .image(&image)
+        .webhook_secret("webhook")
+        .min_idle(0)
+        .max_runners(2)
+        .standby(true)
+        .build();
+    let started = Instant::now();
+    let pool = h.pools().create(&Default::default(), &pool).await.unwrap();
+    let pool_uid = pool.uid().unwrap();
+
+    // The agent has the runtime build the pool's template and publishes it Ready.
+    let nodes: Api<Node> = Api::all(h.client.clone());
+    h.wait("the node reporting the pool's template Ready", SLOW, || async {
+        let n = nodes.get(&node_name).await.ok()?;
+        n.annotations()
+            .get(ANNOTATION_TEMPLATES_READY)?
+            .split(',')
+            .any(|u| u == pool_uid)
+            .then_some(())
+    })
+    .await;
+    let template_ready = started.elapsed();
+    assert!(
+        h.runner_vms("standby").await.is_empty(),
+        "minIdle 0: no VM before a job"
+    );
+
+    let seen = watch_vms(&h);
+    let mut vm_uids = Vec::new();
+    let mut template_key = None;
+    for i in 0..JOBS {
+        let queued = Instant::now();
+        let job = h.sim.queue_job(job());
+        let vm = h
+            .wait(&format!("job {i}'s runner VM minted"), WAIT, || async {
+                h.runner_vms("standby").await.into_iter().find(|v| {
+                    v.spec.runner_config_secret.is_some()
+                        && !vm_uids.contains(&v.uid().unwrap_or_default())
+                })
+            })
+            .await;
+        assert_eq!(vm.spec.start_from, Some(StartFrom::Template));
+        let (vm_name, vm_uid) = (vm.name_any(), vm.uid().unwrap());
+        vm_uids.push(vm_uid.clone());
+        bind(&h, &vm_name, &node_name).await;
+        let done = h
+            .wait(&format!("job {i} completed"), SLOW, || async {
+                if let Some(vms) = seen.lock().unwrap().get(&vm_name) {
+                    let failed = vms
+                        .iter()
+                        .find(|v| v.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Failed));
+                    assert!(
+                        failed.is_none(),
+                        "{:?}\n{}",
+                        failed.unwrap().status,
+                        node.logs(40)
+                    );
+                }
+                let j = h.sim.job(job.id)?;
+                j.completed_at.is_some().then_some(j)
+            })
+            .await;
+        let job_took = queued.elapsed();
+        assert_eq!(done.conclusion.as_deref(), Some("success"), "{done:?}");
+        // Its VM: Running as a clone of the pool's template, and its runner ran the job.
+        let versions = seen.lock().unwrap().get(&vm_name).cloned().unwrap_or_default();
+        let running = versions
+            .iter()
+            .find(|v| v.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Running))
+            .unwrap_or_else(|| panic!("job {i}'s VM never seen Running: {versions:?}"));
+        let start = running
+            .status
+            .as_ref()
+            .and_then(|s| s.start.clone())
+            .expect("status.start written with Running");
+        assert_eq!(start.from, StartedFrom::Clone, "{start:?}\n{}", node.logs(40));
+        assert_eq!(start.fallback_reason, None, "{start:?}");
+        let key = start.template.clone().expect("the clone's template");
+        assert_eq!(
+            template_key.get_or_insert_with(|| key.clone()),
+            &key,
+            "each clone of the pool's one template"
+        );
+        let restore = start.restore_seconds.expect("restoreSeconds");
+        let reidentify = start.reidentify_seconds.expect("reidentifySeconds");
+        assert!(restore > 0.0 && reidentify > 0.0, "{start:?}");
+        let runner = versions
+            .iter()
+            .find_map(|v| v.annotations().get(ANNOTATION_RUNNER_NAME).cloned());
+        assert_eq!(done.runner_name, runner, "the job's runner is the VM's");
+        // Spent: the pool deletes it and the node releases it.
+        h.wait(&format!("job {i}'s VM deleted"), WAIT, || async {
+            h.vms().get_opt(&vm_name).await.ok()?.is_none().then_some(())
+        })
+        .await;
+        eprintln!(
+            "job {i}: VM {vm_uid} cloned from {key}: restore {restore:.3}s, reidentify \
+             {reidentify:.3}s; job queued to completed {job_took:.1?}, VM deleted at {:.1?}",
+            queued.elapsed()
+        );
+    }
+    h.wait("each clone start counted", WAIT, || async {
+        (h.metric("imp_runner_vm_starts_total{from=\"clone\",fallback=\"none\"}")
+            == JOBS as f64)
+            .then_some(())
+    })
+    .await;
+    assert_eq!(
+        h.metric("imp_runner_vm_starts_total{from=\"boot\""),
+        0.0,
+        "{}",
+        h.metrics_text()
+    );
+    let phases = |h: &PoolHarness| {
+        h.metrics_text()
+            .lines()
+            .filter(|l| l.starts_with("imp_runner_job_phase_seconds_count"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let observed = Instant::now();
+    while !(h.metric("imp_runner_job_phase_seconds_count{phase=\"restore\"}") == JOBS as f64
+        && h.metric("imp_runner_job_phase_seconds_count{phase=\"reidentify\"}") == JOBS as f64)
+    {
+        assert!(
+            observed.elapsed() < WAIT,
+            "each job's restore and reidentify observed: {:?}\n{}",
+            phases(&h),
+            captured_logs()
+                .lines()
+                .filter(|l| l.contains("served job") || l.contains("ERROR") || l.contains("WARN"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The pool deleted: no VM left, and nothing of one on the node.
+    h.pools()
+        .delete("standby", &Default::default())
+        .await
+        .unwrap();
+    h.wait("the pool gone and the node empty", SLOW, || async {
+        let vms = h.vms().list(&Default::default()).await.ok()?.items.len();
+        (vms == 0 && node.vm_dirs() == 0 && node.jail_dirs() == 0 && node.vm_processes().is_empty())
+            .then_some(())
+    })
+    .await;
+    eprintln!(
+        "jailed standby: template Ready at {template_ready:.1?}, {JOBS} jobs on clones, all done \
+         at {:.1?}",
+        started.elapsed()
+    );
 }
