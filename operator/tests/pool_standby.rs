@@ -592,14 +592,18 @@ async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
 
     // The agent has the runtime build the pool's template and publishes it Ready.
     let nodes: Api<Node> = Api::all(h.client.clone());
-    h.wait("the node reporting the pool's template Ready", SLOW, || async {
-        let n = nodes.get(&node_name).await.ok()?;
-        n.annotations()
-            .get(ANNOTATION_TEMPLATES_READY)?
-            .split(',')
-            .any(|u| u == pool_uid)
-            .then_some(())
-    })
+    h.wait(
+        "the node reporting the pool's template Ready",
+        SLOW,
+        || async {
+            let n = nodes.get(&node_name).await.ok()?;
+            n.annotations()
+                .get(ANNOTATION_TEMPLATES_READY)?
+                .split(',')
+                .any(|u| u == pool_uid)
+                .then_some(())
+        },
+    )
     .await;
     let template_ready = started.elapsed();
     assert!(
@@ -645,7 +649,12 @@ async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
         let job_took = queued.elapsed();
         assert_eq!(done.conclusion.as_deref(), Some("success"), "{done:?}");
         // Its VM: Running as a clone of the pool's template, and its runner ran the job.
-        let versions = seen.lock().unwrap().get(&vm_name).cloned().unwrap_or_default();
+        let versions = seen
+            .lock()
+            .unwrap()
+            .get(&vm_name)
+            .cloned()
+            .unwrap_or_default();
         let running = versions
             .iter()
             .find(|v| v.status.as_ref().and_then(|s| s.phase) == Some(VmPhase::Running))
@@ -655,7 +664,12 @@ async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
             .as_ref()
             .and_then(|s| s.start.clone())
             .expect("status.start written with Running");
-        assert_eq!(start.from, StartedFrom::Clone, "{start:?}\n{}", node.logs(40));
+        assert_eq!(
+            start.from,
+            StartedFrom::Clone,
+            "{start:?}\n{}",
+            node.logs(40)
+        );
         assert_eq!(start.fallback_reason, None, "{start:?}");
         let key = start.template.clone().expect("the clone's template");
         assert_eq!(
@@ -672,7 +686,12 @@ async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
         assert_eq!(done.runner_name, runner, "the job's runner is the VM's");
         // Spent: the pool deletes it and the node releases it.
         h.wait(&format!("job {i}'s VM deleted"), WAIT, || async {
-            h.vms().get_opt(&vm_name).await.ok()?.is_none().then_some(())
+            h.vms()
+                .get_opt(&vm_name)
+                .await
+                .ok()?
+                .is_none()
+                .then_some(())
         })
         .await;
         eprintln!(
@@ -682,8 +701,7 @@ async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
         );
     }
     h.wait("each clone start counted", WAIT, || async {
-        (h.metric("imp_runner_vm_starts_total{from=\"clone\",fallback=\"none\"}")
-            == JOBS as f64)
+        (h.metric("imp_runner_vm_starts_total{from=\"clone\",fallback=\"none\"}") == JOBS as f64)
             .then_some(())
     })
     .await;
