@@ -323,7 +323,7 @@ impl Vmm {
             &self.files.serial_log,
             || self.is_alive(),
             deadline,
-            None,
+            crate::vmm::Detect::Backoff,
         )
         .await
     }

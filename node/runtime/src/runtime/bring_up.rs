@@ -385,7 +385,9 @@ impl Runtime {
                             &files.serial_log,
                             || vm.is_alive(),
                             restore_deadline,
-                            heard.as_mut(),
+                            heard
+                                .as_mut()
+                                .map_or(vmm::Detect::Resumed, vmm::Detect::Announced),
                         )
                         .await;
                         let hello_after_resume_ms = resumed.elapsed().as_secs_f64() * 1000.0;
@@ -451,7 +453,9 @@ impl Runtime {
                 &files.serial_log,
                 || vm.is_alive(),
                 deadline,
-                announcements.as_mut(),
+                announcements
+                    .as_mut()
+                    .map_or(vmm::Detect::Backoff, vmm::Detect::Announced),
             )
             .await
             .map_err(|e| fail(e, &vm))?;

@@ -237,7 +237,7 @@ impl Runtime {
                     &r.serial_log,
                     || vm.is_alive(),
                     deadline,
-                    None,
+                    vmm::Detect::Resumed,
                 )
                 .await;
                 match hello {

@@ -15,24 +15,38 @@ use super::serial;
 const WATCH: Duration = Duration::from_millis(100);
 const PANIC_MARKER: &str = "Kernel panic";
 
+/// How [`wait_for_hello`] learns that the guest agent listens.
+pub enum Detect<'a> {
+    /// The guest's announcement (bound before the VM started, see [`listen_for_announcements`])
+    /// triggers the connect at once; the backoff stays as the fallback.
+    Announced(&'a mut Announcements),
+    /// The connect's backoff (20 ms doubling to 500 ms) finds it.
+    Backoff,
+    /// A guest resumed from a snapshot: its agent listened before the snapshot and answers as
+    /// soon as its vsock is back, so the connect is attempted every few milliseconds
+    /// (`imp_guest::host::connect_resumed`).
+    Resumed,
+}
+
 /// Wait for the guest agent's Hello through the hybrid vsock until `deadline`, watching the
 /// VM and its serial console so a dead or panicked guest fails at once. The answer after `OK`
-/// is opaque (Firecracker names a host port, vhost-device-vsock the guest's). With
-/// `announcements` (bound before the VM started, see [`listen_for_announcements`]) the guest's
-/// announcement triggers the connect at once; without, the connect's backoff finds it.
+/// is opaque (Firecracker names a host port, vhost-device-vsock the guest's).
 pub async fn wait_for_hello(
     vsock: &Path,
     serial_log: &Path,
     alive: impl Fn() -> bool,
     deadline: Instant,
-    announcements: Option<&mut Announcements>,
+    detect: Detect<'_>,
 ) -> Result<Hello, DriverError> {
     let connect = async {
-        match announcements {
-            Some(a) => {
+        match detect {
+            Detect::Announced(a) => {
                 imp_guest::host::connect_announced(vsock, AGENT_VSOCK_PORT, a, deadline).await
             }
-            None => imp_guest::host::connect(vsock, AGENT_VSOCK_PORT, deadline).await,
+            Detect::Backoff => imp_guest::host::connect(vsock, AGENT_VSOCK_PORT, deadline).await,
+            Detect::Resumed => {
+                imp_guest::host::connect_resumed(vsock, AGENT_VSOCK_PORT, deadline).await
+            }
         }
     };
     let watch = async {

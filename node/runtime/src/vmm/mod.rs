@@ -13,7 +13,7 @@ pub mod serial;
 
 use crate::api::{Backend, Readiness};
 pub use error::DriverError;
-pub use hello::{listen_for_announcements, wait_for_hello};
+pub use hello::{Detect, listen_for_announcements, wait_for_hello};
 pub use plan::{DrivePlan, NicPlan, VmPlan};
 pub use process::{Proc, SpawnError, spawn_detached};
 
