@@ -15,6 +15,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use common::measure::rss_kib;
 use common::{Harness, is_root};
 use http::StatusCode;
 use imp_common::SecretString;
@@ -45,16 +46,6 @@ fn layers() -> Vec<Vec<u8>> {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
-}
-
-/// VmRSS of `pid` in KiB.
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 async fn guest(h: &Harness, uid: &str) -> HostClient {

@@ -24,13 +24,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
+use common::measure::rss_kib;
+use common::template::{self, put};
 use common::{Backend, Harness, TestNetwork, busybox_layer, network_tests_can_run, output};
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
 use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
 use imp_runtime::api::{
     NetworkAttachment, NetworkSpec, StartKind, TemplateState, TemplateStatus, VmSpec, VmState,
-    VmStatus,
 };
 use imp_runtime::rootfs::store::ImageSpec;
 use imp_runtime::runtime::template::reason;
@@ -136,44 +137,9 @@ async fn guest(h: &Harness, uid: &str) -> HostClient {
     c
 }
 
-/// PUT and wait: the status and the seconds from create to Running.
-async fn put(h: &Harness, uid: &str, spec: &VmSpec) -> (VmStatus, f64) {
-    let t = Instant::now();
-    let (_, st) = h
-        .client
-        .ensure_running(uid, spec)
-        .await
-        .unwrap_or_else(|e| panic!("PUT {uid}: {e}\n{}", h.runtime_log()));
-    assert_eq!(st.state, VmState::Running, "{st:?}");
-    (st, t.elapsed().as_secs_f64())
-}
-
 /// The template `key` once it is no longer Building (fails on timeout).
 async fn wait_built(h: &Harness, key: &str) -> TemplateStatus {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let all = h.client.templates().await.unwrap();
-        if let Some(t) = all.iter().find(|t| t.key == key)
-            && t.state != TemplateState::Building
-        {
-            return t.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "template {key} not built: {all:?}\n{}",
-            h.runtime_log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
+    template::wait_built(h, key, Duration::from_secs(600), Duration::from_millis(200)).await
 }
 
 /// Whether `needle` occurs in the file at `path` (read in chunks, overlapping by its length).

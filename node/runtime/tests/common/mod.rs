@@ -5,7 +5,9 @@
 
 pub mod agent;
 pub mod confine;
+pub mod measure;
 pub mod scale_to_zero;
+pub mod template;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
