@@ -8,12 +8,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use imp_guest::host::{HostClient, HostError, IdentityCheck};
 use imp_guest::protocol::{ErrorCode, Reidentify};
 use serde_json::{Value, json};
+
+use super::sim_tests::call;
 
 const AGENT_PORT: u32 = 10000;
 
@@ -25,31 +24,6 @@ fn root_or_skip(what: &str) -> bool {
     }
     crate::skip::skip_or_fail("IMP_REQUIRE_ROOT", what, "needs root");
     false
-}
-
-async fn call(sock: &Path, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-    let stream = tokio::net::UnixStream::connect(sock)
-        .await
-        .expect("connect");
-    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let req = http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost")
-        .body(Full::new(Bytes::from(
-            body.map(|b| b.to_string()).unwrap_or_default(),
-        )))
-        .unwrap();
-    let resp = tx.send_request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
 }
 
 fn fault(v: &Value) -> String {
