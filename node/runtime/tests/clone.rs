@@ -5,34 +5,19 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
+use common::vmm::{KillOnDrop, files};
 use imp_api::names::reason;
 use imp_guest::host::IdentityCheck;
 use imp_guest::protocol::Reidentify;
 use imp_runtime::firecracker::api::{
     BootSource, InstanceState, MachineConfiguration, NetworkInterface, NetworkOverride, Vsock,
 };
-use imp_runtime::firecracker::{self, BootPlan, CloneOverrides, VmmFiles};
+use imp_runtime::firecracker::{self, BootPlan, CloneOverrides};
 use tokio::time::Instant;
-
-/// Kills the VMMs this test spawned when it ends, also when it panics (they are detached).
-#[derive(Default)]
-struct KillOnDrop(Vec<i32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &pid in &self.0 {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-}
 
 /// TAPs this test made (`ip tuntap`), deleted when it ends.
 #[derive(Default)]
@@ -55,17 +40,6 @@ impl Drop for Taps {
         for t in &self.0 {
             let _ = Command::new("ip").args(["link", "del", "dev", t]).status();
         }
-    }
-}
-
-fn files(dir: &Path, name: &str) -> VmmFiles {
-    VmmFiles {
-        api_sock: dir.join(format!("{name}.api")),
-        vsock: dir.join(format!("{name}.vsock")),
-        serial_log: dir.join(format!("{name}.serial")),
-        stderr_log: dir.join(format!("{name}.stderr")),
-        vmm_log: dir.join(format!("{name}.fc.log")),
-        jail: None,
     }
 }
 

@@ -5,39 +5,13 @@ mod common;
 
 use std::time::Duration;
 
+use common::vmm::{KillOnDrop, files};
 use imp_api::names::reason;
 use imp_runtime::firecracker::api::{
     BootSource, Drive, InstanceState, MachineConfiguration, Vsock,
 };
-use imp_runtime::firecracker::{self, BootPlan, VmmFiles};
+use imp_runtime::firecracker::{self, BootPlan};
 use tokio::time::Instant;
-
-/// Kills the VMMs this test spawned when it ends, also when it panics: a VMM is spawned detached
-/// (by design it outlives its runtime), so nothing else would stop it.
-#[derive(Default)]
-struct KillOnDrop(Vec<i32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &pid in &self.0 {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-}
-
-fn files(dir: &std::path::Path, name: &str) -> VmmFiles {
-    VmmFiles {
-        api_sock: dir.join(format!("{name}.api")),
-        vsock: dir.join(format!("{name}.vsock")),
-        serial_log: dir.join(format!("{name}.serial")),
-        stderr_log: dir.join(format!("{name}.stderr")),
-        vmm_log: dir.join(format!("{name}.fc.log")),
-        jail: None,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {

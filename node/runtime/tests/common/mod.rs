@@ -8,6 +8,7 @@ pub mod confine;
 pub mod measure;
 pub mod scale_to_zero;
 pub mod template;
+pub mod vmm;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
