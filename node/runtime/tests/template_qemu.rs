@@ -20,13 +20,14 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
 use common::measure::rss_kib;
 use common::template::{self, put};
-use common::{Backend, Harness, TestNetwork, busybox_layer, network_tests_can_run, output};
+use common::{
+    Backend, Children, Harness, TestNetwork, busybox_layer, network_tests_can_run, output, peer_cgi,
+};
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
 use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
@@ -35,27 +36,12 @@ use imp_runtime::api::{
 };
 use imp_runtime::rootfs::store::ImageSpec;
 use imp_runtime::runtime::template::reason;
-use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
-use imp_testkit::registry::{Registry, RegistryOptions};
 
 const GATEWAY: &str = "198.51.100.1";
 const WEB: &str = "192.0.2.80";
 /// The env key a runner's JIT config arrives in, and the fake secret the jobs get.
 const JIT_KEY: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
-
-/// Background processes (the "internet"'s web server), killed on drop.
-#[derive(Default)]
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
     NetworkAttachment {
@@ -189,18 +175,8 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let files = tempfile::tempdir().unwrap();
     let initrd = files.path().join("initrd.gz");
     qemu::scripted_initrd(&s, &initrd);
-    let (registry, base) = tn.in_node(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let r = Registry::start(RegistryOptions::default()).await.unwrap();
-                let layers = vec![busybox_layer().dir("tmp", 0o1777).into_gzip()];
-                let base = push_gzip_image(&r.host(), "imp/tmpl-base:qemu", layers).await;
-                (r, base)
-            })
-    });
+    let layers = vec![busybox_layer().dir("tmp", 0o1777).into_gzip()];
+    let (registry, base) = tn.registry_in_node("imp/tmpl-base:qemu", layers);
     // The "internet": a web server whose CGI answers the address it sees.
     output(
         "ip",
@@ -215,25 +191,11 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         ],
     );
     let www = files.path().join("www");
-    std::fs::create_dir_all(www.join("cgi-bin")).unwrap();
-    let peer = www.join("cgi-bin/peer");
-    std::fs::write(
-        &peer,
-        "#!/bin/sh\nprintf 'Content-Type: text/plain\\r\\n\\r\\npeer=%s' \"$REMOTE_ADDR\"\n",
-    )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    peer_cgi(&www);
     let www_s = www.display().to_string();
-    children.0.push(
-        Command::new("ip")
-            .args(["netns", "exec", &tn.inet])
-            .args(["busybox", "httpd", "-f", "-p", "0.0.0.0:8080", "-h", &www_s])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    children.spawn(
+        &tn.inet,
+        &["busybox", "httpd", "-f", "-p", "0.0.0.0:8080", "-h", &www_s],
     );
 
     let mut h = Harness::qemu(&s, &initrd, registry.host());
@@ -516,6 +478,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         ),
     )
     .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
     if let Backend::Qemu { qemu, .. } = &mut h.backend {
         *qemu = wrapper.clone();

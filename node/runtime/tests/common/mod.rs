@@ -525,6 +525,71 @@ impl TestNetwork {
     }
 }
 
+impl TestNetwork {
+    /// A local registry started inside the node namespace (the runtime pulls from its loopback
+    /// there) holding `layers` as `repo_tag`: the registry and the image's reference.
+    pub fn registry_in_node(
+        &self,
+        repo_tag: &str,
+        layers: Vec<Vec<u8>>,
+    ) -> (imp_testkit::registry::Registry, String) {
+        use imp_testkit::registry::{Registry, RegistryOptions};
+        self.in_node(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async {
+                    let r = Registry::start(RegistryOptions::default()).await.unwrap();
+                    let base = imp_testkit::oci::push_gzip_image(&r.host(), repo_tag, layers).await;
+                    (r, base)
+                })
+        })
+    }
+}
+
+/// Background processes in network namespaces (a test's "internet" servers), killed on drop.
+#[derive(Default)]
+pub struct Children(pub Vec<Child>);
+
+impl Children {
+    /// `argv` inside namespace `ns`.
+    pub fn spawn(&mut self, ns: &str, argv: &[&str]) {
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .args(argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.0.push(child);
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `cgi-bin/peer` under the web root `www` for busybox httpd: answers `peer=<the client address
+/// it sees>`.
+pub fn peer_cgi(www: &Path) {
+    std::fs::create_dir_all(www.join("cgi-bin")).unwrap();
+    let peer = www.join("cgi-bin/peer");
+    std::fs::write(
+        &peer,
+        "#!/bin/sh\nprintf 'Content-Type: text/plain\\r\\n\\r\\npeer=%s' \"$REMOTE_ADDR\"\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
 /// A TCP forwarder listening inside a network namespace, to a target in the test's own.
 pub struct Forwarder {
     /// `host:port` it listens on, inside its namespace.
