@@ -28,19 +28,15 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
 use common::{
     Children, Harness, TestNetwork, busybox_layer, dnsmasq_argv, network_tests_can_run, output,
     peer_cgi,
 };
-use imp_common::SecretString;
 use imp_guest::host::HostClient;
-use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
 use imp_runtime::api::{NetworkAttachment, NetworkSpec, VmSpec, VmState};
 use imp_runtime::network::{self, bridge_mac, bridge_name, vm_mac};
 use imp_runtime::rootfs::store::ImageSpec;
@@ -105,42 +101,7 @@ impl Guest {
     async fn sh(&mut self, script: &str) -> (Option<i32>, String) {
         self.execs += 1;
         let id = format!("{}-{}", self.session, self.execs);
-        self.client
-            .exec(Exec {
-                id: id.clone(),
-                argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
-                env: BTreeMap::from([("PATH".to_owned(), SecretString::from("/bin"))]),
-                cwd: None,
-                uid: None,
-                gid: None,
-                refuse_root: false,
-                timeout_s: Some(120),
-                stream_output: true,
-                poweroff_on_exit: false,
-            })
-            .await
-            .unwrap();
-        let mut out = Vec::new();
-        loop {
-            let msg = tokio::time::timeout(Duration::from_secs(180), self.client.recv())
-                .await
-                .unwrap_or_else(|_| panic!("{script}: no Exited"))
-                .unwrap();
-            match msg {
-                GuestToHost::Output(o) if o.id == id => {
-                    let data = base64::engine::general_purpose::STANDARD
-                        .decode(&o.data_b64)
-                        .unwrap();
-                    if matches!(o.stream, OutputStream::Stdout | OutputStream::Stderr) {
-                        out.extend(data);
-                    }
-                }
-                GuestToHost::Exited(e) if e.id == id => {
-                    return (e.code, String::from_utf8_lossy(&out).into_owned());
-                }
-                _ => {}
-            }
-        }
+        common::sh(&mut self.client, &id, script, &[]).await
     }
 
     /// `sh -c script`, which must succeed: its output.

@@ -18,19 +18,16 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use base64::Engine;
 use common::measure::rss_kib;
 use common::template::{self, put};
 use common::{
-    Backend, Children, Harness, TestNetwork, busybox_layer, network_tests_can_run, output, peer_cgi,
+    Backend, Children, Harness, TestNetwork, busybox_layer, network_tests_can_run, output,
+    peer_cgi, sh,
 };
-use imp_common::SecretString;
 use imp_guest::host::HostClient;
-use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
 use imp_runtime::api::{
     NetworkAttachment, NetworkSpec, StartKind, TemplateState, TemplateStatus, VmSpec, VmState,
 };
@@ -56,54 +53,6 @@ fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
         egress_allow: vec![],
         egress_deny: vec![],
         ingress: vec![],
-    }
-}
-
-/// `sh -c script` in the guest to completion with `env`: exit code and output.
-async fn sh(
-    c: &mut HostClient,
-    id: &str,
-    script: &str,
-    env: &[(&str, &str)],
-) -> (Option<i32>, String) {
-    let mut vars = BTreeMap::from([("PATH".to_owned(), SecretString::from("/bin"))]);
-    for (k, v) in env {
-        vars.insert((*k).to_owned(), SecretString::from(*v));
-    }
-    c.exec(Exec {
-        id: id.into(),
-        argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
-        env: vars,
-        cwd: None,
-        uid: None,
-        gid: None,
-        refuse_root: false,
-        timeout_s: Some(120),
-        stream_output: true,
-        poweroff_on_exit: false,
-    })
-    .await
-    .unwrap();
-    let mut out = Vec::new();
-    loop {
-        let msg = tokio::time::timeout(Duration::from_secs(180), c.recv())
-            .await
-            .unwrap_or_else(|_| panic!("{script}: no Exited"))
-            .unwrap();
-        match msg {
-            GuestToHost::Output(o) if o.id == id => {
-                let data = base64::engine::general_purpose::STANDARD
-                    .decode(&o.data_b64)
-                    .unwrap();
-                if matches!(o.stream, OutputStream::Stdout | OutputStream::Stderr) {
-                    out.extend(data);
-                }
-            }
-            GuestToHost::Exited(e) if e.id == id => {
-                return (e.code, String::from_utf8_lossy(&out).into_owned());
-            }
-            _ => {}
-        }
     }
 }
 

@@ -590,6 +590,62 @@ pub fn peer_cgi(www: &Path) {
     std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
+/// `sh -c script` in the guest to completion with `env`: exit code and output.
+pub async fn sh(
+    c: &mut imp_guest::host::HostClient,
+    id: &str,
+    script: &str,
+    env: &[(&str, &str)],
+) -> (Option<i32>, String) {
+    let mut vars = std::collections::BTreeMap::from([(
+        "PATH".to_owned(),
+        imp_common::SecretString::from("/bin"),
+    )]);
+    for (k, v) in env {
+        vars.insert((*k).to_owned(), imp_common::SecretString::from(*v));
+    }
+    c.exec(imp_guest::protocol::Exec {
+        id: id.into(),
+        argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
+        env: vars,
+        cwd: None,
+        uid: None,
+        gid: None,
+        refuse_root: false,
+        timeout_s: Some(120),
+        stream_output: true,
+        poweroff_on_exit: false,
+    })
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(180), c.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{script}: no Exited"))
+            .unwrap();
+        match msg {
+            imp_guest::protocol::GuestToHost::Output(o) if o.id == id => {
+                use base64::Engine as _;
+                let data = base64::engine::general_purpose::STANDARD
+                    .decode(&o.data_b64)
+                    .unwrap();
+                if matches!(
+                    o.stream,
+                    imp_guest::protocol::OutputStream::Stdout
+                        | imp_guest::protocol::OutputStream::Stderr
+                ) {
+                    out.extend(data);
+                }
+            }
+            imp_guest::protocol::GuestToHost::Exited(e) if e.id == id => {
+                return (e.code, String::from_utf8_lossy(&out).into_owned());
+            }
+            _ => {}
+        }
+    }
+}
+
 /// A TCP forwarder listening inside a network namespace, to a target in the test's own.
 pub struct Forwarder {
     /// `host:port` it listens on, inside its namespace.
