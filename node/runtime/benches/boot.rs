@@ -23,8 +23,7 @@ use std::time::{Duration, Instant};
 use common::Harness;
 use common::measure::{env_u64, median, summary};
 use http::StatusCode;
-use imp_runtime::api::{VmSpec, VmState};
-use imp_runtime::rootfs::store::ImageSpec;
+use imp_runtime::api::VmState;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu::{self, Drive};
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -64,23 +63,7 @@ async fn main() {
     open.extra_env
         .push(("IMP_NO_CONFINE".to_string(), "1".to_string()));
     open.start_runtime().await;
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 512,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(128 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: None,
-        from_template: false,
-    };
+    let spec = common::image_vm(base, 512, 128 << 20, false);
     let put = |h: &Harness, uid: String| {
         let client = h.client.clone();
         let spec = spec.clone();

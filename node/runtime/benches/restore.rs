@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use common::Harness;
 use common::measure::{env_u64, median, rss_kib, summary};
 use imp_runtime::api::{StartKind, TemplateState, VmSpec, VmState};
-use imp_runtime::rootfs::store::ImageSpec;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -206,23 +205,7 @@ async fn main() {
     .await;
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 512,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(128 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: None,
-        from_template: false,
-    };
+    let spec = common::image_vm(base, 512, 128 << 20, false);
     measure(
         &format!("QEMU {} (TCG)", s.kernel.display()),
         &h,

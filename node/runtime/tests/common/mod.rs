@@ -646,6 +646,31 @@ pub async fn sh(
     }
 }
 
+/// A one-vCPU VM of the image `base` (no base disk), `memory_mib` of memory and a writable disk of
+/// `disk_bytes`, with a NIC (no attachment) when `network`; guests report for up to 60 s.
+pub fn image_vm(base: String, memory_mib: u64, disk_bytes: u64, network: bool) -> VmSpec {
+    VmSpec {
+        vcpu: 1,
+        memory_mib,
+        base_disk: None,
+        image: Some(imp_runtime::rootfs::store::ImageSpec {
+            base,
+            runner: None,
+            credentials: None,
+            pull_policy: None,
+        }),
+        writable_disk_bytes: Some(disk_bytes),
+        kernel: None,
+        initrd: None,
+        extra_boot_args: Some("imp.report_grace_s=60".into()),
+        network: network.then_some(NetworkSpec {
+            guest_mac: None,
+            attachment: None,
+        }),
+        from_template: false,
+    }
+}
+
 /// A TCP forwarder listening inside a network namespace, to a target in the test's own.
 pub struct Forwarder {
     /// `host:port` it listens on, inside its namespace.
