@@ -33,8 +33,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{
-    Children, Harness, TestNetwork, busybox_layer, dnsmasq_argv, network_tests_can_run, output,
-    peer_cgi,
+    Children, Harness, TestNetwork, busybox_layer, dnsmasq_argv, nat_attachment,
+    network_tests_can_run, output, peer_cgi,
 };
 use imp_guest::host::HostClient;
 use imp_runtime::api::{NetworkAttachment, NetworkSpec, VmSpec, VmState};
@@ -57,22 +57,6 @@ fn web_root(dir: &Path) {
 /// The guests' base: Debian's static busybox as /bin/sh and every command the checks use.
 fn layers() -> Vec<Vec<u8>> {
     vec![busybox_layer().dir("tmp", 0o1777).into_gzip()]
-}
-
-fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
-    NetworkAttachment {
-        network_id: network_id.into(),
-        network_name: "ci/runners".into(),
-        address: address.parse().unwrap(),
-        gateway: GATEWAY.parse().unwrap(),
-        dns: vec!["192.0.2.1".parse().unwrap()],
-        mtu: None,
-        nat: true,
-        egress_interface: None,
-        egress_allow: vec![],
-        egress_deny: vec![],
-        ingress: vec![],
-    }
 }
 
 /// One guest's agent connection and a counter for unique exec ids.
@@ -294,7 +278,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
         extra_boot_args: Some("imp.report_grace_s=60".into()),
         network: Some(NetworkSpec {
             guest_mac: None,
-            attachment: Some(attachment(&net_id, address)),
+            attachment: Some(nat_attachment(&net_id, address, GATEWAY)),
         }),
         from_template: false,
     };
@@ -445,7 +429,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
     assert_eq!(page, "peer=192.0.2.2", "connectivity after the restart");
     let attachments: Vec<_> = vms
         .iter()
-        .map(|(_, ip)| attachment(&net_id, &format!("{ip}/24")))
+        .map(|(_, ip)| nat_attachment(&net_id, &format!("{ip}/24"), GATEWAY))
         .collect();
     let desired = network::desired(
         vms.iter()

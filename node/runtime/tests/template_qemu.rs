@@ -24,13 +24,11 @@ use std::time::{Duration, Instant};
 use common::measure::rss_kib;
 use common::template::{self, put};
 use common::{
-    Backend, Children, Harness, TestNetwork, busybox_layer, network_tests_can_run, output,
-    peer_cgi, sh,
+    Backend, Children, Harness, TestNetwork, busybox_layer, nat_attachment, network_tests_can_run,
+    output, peer_cgi, sh,
 };
 use imp_guest::host::HostClient;
-use imp_runtime::api::{
-    NetworkAttachment, NetworkSpec, StartKind, TemplateState, TemplateStatus, VmSpec, VmState,
-};
+use imp_runtime::api::{NetworkSpec, StartKind, TemplateState, TemplateStatus, VmSpec, VmState};
 use imp_runtime::rootfs::store::ImageSpec;
 use imp_runtime::runtime::template::reason;
 use imp_testkit::qemu;
@@ -39,22 +37,6 @@ const GATEWAY: &str = "198.51.100.1";
 const WEB: &str = "192.0.2.80";
 /// The env key a runner's JIT config arrives in, and the fake secret the jobs get.
 const JIT_KEY: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
-
-fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
-    NetworkAttachment {
-        network_id: network_id.into(),
-        network_name: "ci/runners".into(),
-        address: address.parse().unwrap(),
-        gateway: GATEWAY.parse().unwrap(),
-        dns: vec!["192.0.2.1".parse().unwrap()],
-        mtu: None,
-        nat: true,
-        egress_interface: None,
-        egress_allow: vec![],
-        egress_deny: vec![],
-        ingress: vec![],
-    }
-}
 
 async fn ok(c: &mut HostClient, id: &str, script: &str) -> String {
     let (code, out) = sh(c, id, script, &[]).await;
@@ -167,7 +149,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         extra_boot_args: Some(extra.into()),
         network: Some(NetworkSpec {
             guest_mac: None,
-            attachment: Some(attachment(&net_id, address)),
+            attachment: Some(nat_attachment(&net_id, address, GATEWAY)),
         }),
         from_template: true,
     };

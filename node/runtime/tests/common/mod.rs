@@ -671,6 +671,28 @@ pub fn image_vm(base: String, memory_mib: u64, disk_bytes: u64, network: bool) -
     }
 }
 
+/// An attachment to the ImpNetwork "ci/runners" (`network_id`) at `address` (CIDR) behind
+/// `gateway`, with NAT and the "internet"'s DNS server 192.0.2.1.
+pub fn nat_attachment(
+    network_id: &str,
+    address: &str,
+    gateway: &str,
+) -> imp_runtime::api::NetworkAttachment {
+    imp_runtime::api::NetworkAttachment {
+        network_id: network_id.into(),
+        network_name: "ci/runners".into(),
+        address: address.parse().unwrap(),
+        gateway: gateway.parse().unwrap(),
+        dns: vec!["192.0.2.1".parse().unwrap()],
+        mtu: None,
+        nat: true,
+        egress_interface: None,
+        egress_allow: vec![],
+        egress_deny: vec![],
+        ingress: vec![],
+    }
+}
+
 /// A TCP forwarder listening inside a network namespace, to a target in the test's own.
 pub struct Forwarder {
     /// `host:port` it listens on, inside its namespace.
