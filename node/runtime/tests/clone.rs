@@ -9,13 +9,11 @@ use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
-use common::vmm::{KillOnDrop, files};
+use common::vmm::{KillOnDrop, boot_source, files, machine};
 use imp_api::names::reason;
 use imp_guest::host::IdentityCheck;
 use imp_guest::protocol::Reidentify;
-use imp_runtime::firecracker::api::{
-    BootSource, InstanceState, MachineConfiguration, NetworkInterface, NetworkOverride, Vsock,
-};
+use imp_runtime::firecracker::api::{InstanceState, NetworkInterface, NetworkOverride, Vsock};
 use imp_runtime::firecracker::{self, BootPlan, CloneOverrides};
 use tokio::time::Instant;
 
@@ -89,22 +87,10 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
     // The template: booted with a NIC, paused, snapshotted, stopped.
     let mut spawned = KillOnDrop::default();
     let t = files(dir.path(), "tpl");
-    let vmm = firecracker::spawn(&simulator, "tpl", &t, &[]).unwrap();
-    spawned.0.push(vmm.process.pid);
-    vmm.wait_api_ready().await.unwrap();
+    let vmm = spawned.spawn(&simulator, "tpl", &t).await;
     let plan = BootPlan {
-        machine: MachineConfiguration {
-            vcpu_count: 1,
-            mem_size_mib: 256,
-            smt: None,
-            track_dirty_pages: None,
-            huge_pages: None,
-        },
-        boot_source: BootSource {
-            kernel_image_path: kernel.display().to_string(),
-            initrd_path: None,
-            boot_args: Some("console=ttyS0".into()),
-        },
+        machine: machine(1, 256),
+        boot_source: boot_source(&kernel),
         drives: vec![],
         network: vec![NetworkInterface {
             iface_id: "eth0".into(),
@@ -136,9 +122,7 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
         let tap = format!("impc{i}x{tag}");
         taps.add(&tap);
         let f = files(dir.path(), &format!("clone{i}"));
-        let vmm = firecracker::spawn(&simulator, &format!("clone{i}"), &f, &[]).unwrap();
-        spawned.0.push(vmm.process.pid);
-        vmm.wait_api_ready().await.unwrap();
+        let vmm = spawned.spawn(&simulator, &format!("clone{i}"), &f).await;
         let overrides = CloneOverrides {
             network: vec![NetworkOverride {
                 iface_id: "eth0".into(),
@@ -184,9 +168,7 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
     // A restore onto a socket path already in use: refused, and the VMM is gone.
     let f = files(dir.path(), "clone-bad");
     std::fs::write(&f.vsock, b"taken").unwrap();
-    let vmm = firecracker::spawn(&simulator, "clone-bad", &f, &[]).unwrap();
-    spawned.0.push(vmm.process.pid);
-    vmm.wait_api_ready().await.unwrap();
+    let vmm = spawned.spawn(&simulator, "clone-bad", &f).await;
     let e = vmm
         .restore_clone(&snap, &mem, &CloneOverrides::default())
         .await
