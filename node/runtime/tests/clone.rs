@@ -12,9 +12,9 @@ use base64::Engine as _;
 use common::vmm::{KillOnDrop, boot_source, files, machine};
 use imp_api::names::reason;
 use imp_guest::host::IdentityCheck;
-use imp_guest::protocol::Reidentify;
 use imp_runtime::firecracker::api::{InstanceState, NetworkInterface, NetworkOverride, Vsock};
 use imp_runtime::firecracker::{self, BootPlan, CloneOverrides};
+use imp_testkit::firecracker::reidentify_request;
 use tokio::time::Instant;
 
 /// TAPs this test made (`ip tuntap`), deleted when it ends.
@@ -38,23 +38,6 @@ impl Drop for Taps {
         for t in &self.0 {
             let _ = Command::new("ip").args(["link", "del", "dev", t]).status();
         }
-    }
-}
-
-fn reidentify(hostname: &str) -> Reidentify {
-    let mut entropy = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
-        .unwrap();
-    Reidentify {
-        entropy_b64: base64::engine::general_purpose::STANDARD.encode(entropy),
-        hostname: hostname.into(),
-        machine_id: None,
-        wall_clock_unix_ns: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-        network: None,
     }
 }
 
@@ -152,7 +135,7 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
             ..IdentityCheck::default()
         };
         let got = client
-            .reidentify(reidentify(&format!("clone{i}")), &check)
+            .reidentify(reidentify_request(&format!("clone{i}")), &check)
             .await
             .unwrap();
         assert_eq!(got.hostname, format!("clone{i}"));

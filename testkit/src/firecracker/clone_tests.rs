@@ -5,13 +5,14 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use imp_guest::host::{HostClient, HostError, IdentityCheck};
-use imp_guest::protocol::{ErrorCode, Reidentify};
+use imp_guest::protocol::ErrorCode;
 use serde_json::{Value, json};
 
+use super::reidentify_request;
 use super::sim_tests::call;
 
 const AGENT_PORT: u32 = 10000;
@@ -251,27 +252,6 @@ fn load_body(t: &Template, uds: &Path) -> Value {
         "vsock_override": {"uds_path": uds},
         "resume_vm": true,
     })
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
-fn reidentify_request(hostname: &str) -> Reidentify {
-    let mut entropy = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
-        .unwrap();
-    Reidentify {
-        entropy_b64: base64::engine::general_purpose::STANDARD.encode(entropy),
-        hostname: hostname.into(),
-        machine_id: None,
-        wall_clock_unix_ns: now_ns(),
-        network: None,
-    }
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
