@@ -300,6 +300,15 @@ impl Templates {
         ))
     }
 
+    /// What is known of template `key`, if it is known.
+    fn known(&self, key: &str) -> Option<Known> {
+        self.entries
+            .lock()
+            .expect("templates")
+            .get(key)
+            .map(Entry::known)
+    }
+
     fn dir_of(&self, key: &str) -> PathBuf {
         self.dir.join(key)
     }
@@ -421,13 +430,7 @@ impl Runtime {
         let resolved = self.resolve_paths(spec)?;
         let (inputs, tspec) = self.template_inputs(&resolved);
         let key = key::key(&inputs);
-        let known = self
-            .templates
-            .entries
-            .lock()
-            .expect("templates")
-            .get(&key)
-            .map(Entry::known);
+        let known = self.templates.known(&key);
         if !self.keeps_templates() {
             return Ok(TemplateStatus {
                 key,
@@ -540,13 +543,7 @@ impl Runtime {
         let (inputs, tspec) = self.template_inputs(spec);
         let key = key::key(&inputs);
         let content = self.content_of(r, spec);
-        let known = self
-            .templates
-            .entries
-            .lock()
-            .expect("templates")
-            .get(&key)
-            .map_or(Known::None, Entry::known);
+        let known = self.templates.known(&key).unwrap_or(Known::None);
         let decision = key::decide(
             r.backend == self.cfg.backend && self.keeps_templates(),
             &known,
