@@ -14,6 +14,29 @@ use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
 
+/// Once the one job wait is observed: each of `phases` observed once, their seconds adding up to
+/// the wait's; the wait's seconds.
+async fn wait_of_phases<'a>(h: &PoolHarness, phases: impl Iterator<Item = &'a &'a str>) -> f64 {
+    h.wait("the wait histogram", WAIT, || async {
+        (h.metric("imp_runner_job_wait_seconds_count") == 1.0).then_some(())
+    })
+    .await;
+    let mut sum = 0.0;
+    for phase in phases {
+        let sample = format!("imp_runner_job_phase_seconds_count{{phase=\"{phase}\"}}");
+        assert_eq!(h.metric(&sample), 1.0, "{sample}:\n{}", h.metrics_text());
+        sum += h.metric(&format!(
+            "imp_runner_job_phase_seconds_sum{{phase=\"{phase}\"}}"
+        ));
+    }
+    let wait = h.metric("imp_runner_job_wait_seconds_sum");
+    assert!(
+        (sum - wait).abs() < 1e-3,
+        "phases add up to the wait: {sum} vs {wait}"
+    );
+    wait
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_served_job_is_on_its_vm_status_and_in_the_phase_histograms() {
     let mut h = PoolHarness::start("pool-slo").await;
@@ -63,23 +86,7 @@ async fn a_served_job_is_on_its_vm_status_and_in_the_phase_histograms() {
     eprintln!("VM {vm} served job {}: {rec:?}", job.id);
 
     // Every step up to the pickup observed once, adding up to the wait.
-    h.wait("the wait histogram", WAIT, || async {
-        (h.metric("imp_runner_job_wait_seconds_count") == 1.0).then_some(())
-    })
-    .await;
-    let mut sum = 0.0;
-    for phase in &STEP_PHASES {
-        let sample = format!("imp_runner_job_phase_seconds_count{{phase=\"{phase}\"}}");
-        assert_eq!(h.metric(&sample), 1.0, "{sample}:\n{}", h.metrics_text());
-        sum += h.metric(&format!(
-            "imp_runner_job_phase_seconds_sum{{phase=\"{phase}\"}}"
-        ));
-    }
-    let wait = h.metric("imp_runner_job_wait_seconds_sum");
-    assert!(
-        (sum - wait).abs() < 1e-3,
-        "phases add up to the wait: {sum} vs {wait}"
-    );
+    let wait = wait_of_phases(&h, STEP_PHASES.iter()).await;
     assert!(
         wait > 0.0 && wait <= queued.elapsed().as_secs_f64() + 1.0,
         "wait {wait} s within the test's own clock"
@@ -122,24 +129,8 @@ async fn a_standby_pool_s_clone_adds_restore_and_reidentify_to_its_job_s_phases(
         })
     })
     .await;
-    h.wait("the wait histogram", WAIT, || async {
-        (h.metric("imp_runner_job_wait_seconds_count") == 1.0).then_some(())
-    })
-    .await;
     // Every phase up to the pickup observed once, the clone's two among them, adding up to the wait.
-    let mut sum = 0.0;
-    for phase in STEP_PHASES.iter().chain(&CLONE_PHASES) {
-        let sample = format!("imp_runner_job_phase_seconds_count{{phase=\"{phase}\"}}");
-        assert_eq!(h.metric(&sample), 1.0, "{sample}:\n{}", h.metrics_text());
-        sum += h.metric(&format!(
-            "imp_runner_job_phase_seconds_sum{{phase=\"{phase}\"}}"
-        ));
-    }
-    let wait = h.metric("imp_runner_job_wait_seconds_sum");
-    assert!(
-        (sum - wait).abs() < 1e-3,
-        "phases add up to the wait: {sum} vs {wait}"
-    );
+    wait_of_phases(&h, STEP_PHASES.iter().chain(&CLONE_PHASES)).await;
     for phase in CLONE_PHASES {
         let d = h.metric(&format!(
             "imp_runner_job_phase_seconds_sum{{phase=\"{phase}\"}}"

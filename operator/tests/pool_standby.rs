@@ -413,6 +413,63 @@ async fn bind(h: &PoolHarness, vm: &str, node: &str) {
         .unwrap();
 }
 
+/// The local registry with the base image; None (having said why) without docker-registry,
+/// which IMP_REQUIRE_REGISTRY=1 makes a failure.
+async fn registry_or_skip(what: &str) -> Option<imp_testkit::registry::Registry> {
+    use imp_testkit::registry::RegistryError;
+    match imp_testkit::oci::try_registry_with_base_image().await {
+        Ok(r) => Some(r),
+        Err(e @ RegistryError::BinaryMissing) => {
+            imp_testkit::skip::skip_or_fail(
+                "IMP_REQUIRE_REGISTRY",
+                what,
+                &format!("no local registry ({e})"),
+            );
+            None
+        }
+        Err(e) => panic!("the local registry did not start: {e}"),
+    }
+}
+
+/// A simulated node `node_name` (jailed or not) of `h`'s cluster, pulling from `registry`.
+async fn start_node(
+    h: &PoolHarness,
+    bins: &imp_testkit::simnode::SimNodeBinaries,
+    node_name: &str,
+    registry: &imp_testkit::registry::Registry,
+    jailed: bool,
+) -> imp_testkit::simnode::SimNode {
+    imp_testkit::simnode::SimNode::start(
+        bins,
+        &imp_testkit::simnode::SimNodeOptions {
+            node_name: node_name.to_owned(),
+            lease_namespace: h.ns.clone(),
+            kubeconfig: h.env.kubeconfig_path().to_path_buf(),
+            registry: registry.host(),
+            capacity_vcpu: 4,
+            capacity_memory_mib: 8192,
+            writable_budget_bytes: 16 << 30,
+            jailed,
+        },
+    )
+    .await
+}
+
+/// The standby pool "standby" of class `class` on the registry's base image (sizes to add).
+fn standby_pool(
+    h: &PoolHarness,
+    class: &str,
+    registry: &imp_testkit::registry::Registry,
+) -> imp_testkit::fixtures::PoolBuilder {
+    imp_testkit::fixtures::pool("standby")
+        .org(h.sim.org())
+        .app_secret(APP_SECRET)
+        .labels(&LABELS)
+        .class(class)
+        .image(&format!("{}/ci/base:1", registry.host()))
+        .webhook_secret("webhook")
+}
+
 /// The same pool on a real node (imp-runtime driving the Firecracker simulator, the imp-agent
 /// binary; testkit's SimNode): an unjailed Firecracker keeps no templates (a snapshot records
 /// host drive paths a load cannot override), so the agent publishes none Ready, and the pool's
@@ -421,46 +478,16 @@ async fn bind(h: &PoolHarness, vm: &str, node: &str) {
 /// docker-registry; IMP_REQUIRE_REGISTRY=1 makes the skip a failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
-    use imp_testkit::registry::RegistryError;
-    use imp_testkit::simnode::{SimNode, SimNodeBinaries, SimNodeOptions};
-    let registry = match imp_testkit::oci::try_registry_with_base_image().await {
-        Ok(r) => r,
-        Err(e @ RegistryError::BinaryMissing) => {
-            imp_testkit::skip::skip_or_fail(
-                "IMP_REQUIRE_REGISTRY",
-                "snapshot standby on a simulated node",
-                &format!("no local registry ({e})"),
-            );
-            return;
-        }
-        Err(e) => panic!("the local registry did not start: {e}"),
+    use imp_testkit::simnode::SimNodeBinaries;
+    let Some(registry) = registry_or_skip("snapshot standby on a simulated node").await else {
+        return;
     };
     let bins = SimNodeBinaries::locate().expect("imp-runtime, imp-agent and the simulators");
     let mut h = PoolHarness::start("pool-standby-node").await;
     let class = h.add_agent_nodes(1).await;
     let node_name = format!("{}-n0", h.ns);
-    let node = SimNode::start(
-        &bins,
-        &SimNodeOptions {
-            node_name: node_name.clone(),
-            lease_namespace: h.ns.clone(),
-            kubeconfig: h.env.kubeconfig_path().to_path_buf(),
-            registry: registry.host(),
-            capacity_vcpu: 4,
-            capacity_memory_mib: 8192,
-            writable_budget_bytes: 16 << 30,
-            jailed: false,
-        },
-    )
-    .await;
-    let image = format!("{}/ci/base:1", registry.host());
-    let pool = imp_testkit::fixtures::pool("standby")
-        .org(h.sim.org())
-        .app_secret(APP_SECRET)
-        .labels(&LABELS)
-        .class(&class)
-        .image(&image)
-        .webhook_secret("webhook")
+    let node = start_node(&h, &bins, &node_name, &registry, false).await;
+    let pool = standby_pool(&h, &class, &registry)
         .min_idle(1)
         .max_runners(1)
         .standby(true)
@@ -531,8 +558,7 @@ async fn on_a_node_without_templates_a_standby_vm_boots_cold_and_says_why() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
     use imp_api::names::ANNOTATION_RUNNER_NAME;
-    use imp_testkit::registry::RegistryError;
-    use imp_testkit::simnode::{SimNode, SimNodeBinaries, SimNodeOptions};
+    use imp_testkit::simnode::{SimNode, SimNodeBinaries};
     use std::time::Instant;
     const JOBS: usize = 3;
     const SLOW: Duration = Duration::from_secs(180);
@@ -544,44 +570,16 @@ async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
         );
         return;
     }
-    let registry = match imp_testkit::oci::try_registry_with_base_image().await {
-        Ok(r) => r,
-        Err(e @ RegistryError::BinaryMissing) => {
-            imp_testkit::skip::skip_or_fail(
-                "IMP_REQUIRE_REGISTRY",
-                "snapshot standby on a jailed simulated node",
-                &format!("no local registry ({e})"),
-            );
-            return;
-        }
-        Err(e) => panic!("the local registry did not start: {e}"),
+    let Some(registry) = registry_or_skip("snapshot standby on a jailed simulated node").await
+    else {
+        return;
     };
     let bins = SimNodeBinaries::locate().expect("imp-runtime, imp-agent and the simulators");
     let mut h = PoolHarness::start("pool-standby-jail").await;
     let class = h.add_agent_nodes(1).await;
     let node_name = format!("{}-n0", h.ns);
-    let node = SimNode::start(
-        &bins,
-        &SimNodeOptions {
-            node_name: node_name.clone(),
-            lease_namespace: h.ns.clone(),
-            kubeconfig: h.env.kubeconfig_path().to_path_buf(),
-            registry: registry.host(),
-            capacity_vcpu: 4,
-            capacity_memory_mib: 8192,
-            writable_budget_bytes: 16 << 30,
-            jailed: true,
-        },
-    )
-    .await;
-    let image = format!("{}/ci/base:1", registry.host());
-    let pool = imp_testkit::fixtures::pool("standby")
-        .org(h.sim.org())
-        .app_secret(APP_SECRET)
-        .labels(&LABELS)
-        .class(&class)
-        .image(&image)
-        .webhook_secret("webhook")
+    let node = start_node(&h, &bins, &node_name, &registry, true).await;
+    let pool = standby_pool(&h, &class, &registry)
         .min_idle(0)
         .max_runners(2)
         .standby(true)

@@ -566,6 +566,7 @@ const KNOWN: &[&str] = &[
     "imports its parent: node/runtime/tests/common/agent.rs -> node/runtime/tests/common/mod.rs",
     "imports its parent: node/runtime/tests/common/confine.rs -> node/runtime/tests/common/mod.rs",
     "imports its parent: node/runtime/tests/common/scale_to_zero.rs -> node/runtime/tests/common/mod.rs",
+    "imports its parent: node/runtime/tests/common/template.rs -> node/runtime/tests/common/mod.rs",
     // operator tests: the shared pool harness in tests/pool_common/mod.rs (PoolHarness, the operator process).
     "imports its parent: operator/tests/pool_common/scaleset_chaos.rs -> operator/tests/pool_common/mod.rs",
     // kubectl-imp: lib.rs defines what its modules use (issue 34).

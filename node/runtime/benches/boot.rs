@@ -21,35 +21,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Harness;
+use common::measure::{env_u64, median, summary};
 use http::StatusCode;
-use imp_runtime::api::{VmSpec, VmState};
-use imp_runtime::rootfs::store::ImageSpec;
+use imp_runtime::api::VmState;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu::{self, Drive};
 use imp_testkit::registry::{Registry, RegistryOptions};
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn summary(v: &[f64]) -> String {
-    let min = v.iter().cloned().fold(f64::MAX, f64::min);
-    let max = v.iter().cloned().fold(0.0, f64::max);
-    format!(
-        "p50 {:.2} s (min {min:.2}, max {max:.2}, {} runs)",
-        median(v),
-        v.len()
-    )
-}
 
 fn skip(why: &str) {
     if std::env::var("IMP_REQUIRE_QEMU").as_deref() == Ok("1") {
@@ -86,23 +63,7 @@ async fn main() {
     open.extra_env
         .push(("IMP_NO_CONFINE".to_string(), "1".to_string()));
     open.start_runtime().await;
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 512,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(128 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: None,
-        from_template: false,
-    };
+    let spec = common::image_vm(base, 512, 128 << 20, false);
     let put = |h: &Harness, uid: String| {
         let client = h.client.clone();
         let spec = spec.clone();
@@ -178,19 +139,19 @@ async fn main() {
     println!("  first VM (builds the base image): {first:.2} s create request -> Running");
     println!(
         "  imp-runtime create request -> guest Hello (Running): {}",
-        summary(&wall)
+        summary(&wall, 2)
     );
     println!(
         "  imp-runtime's own boot_seconds (VMM spawn -> Hello): {}",
-        summary(&reported)
+        summary(&reported, 2)
     );
     println!(
         "  unconfined (IMP_NO_CONFINE=1) create request -> Running: {}",
-        summary(&open_wall)
+        summary(&open_wall, 2)
     );
     println!(
         "  unconfined boot_seconds (VMM spawn -> Hello): {}",
-        summary(&open_reported)
+        summary(&open_reported, 2)
     );
     println!(
         "  confined / unconfined p50: create request {:.3}x, boot_seconds {:.3}x",
@@ -199,7 +160,7 @@ async fn main() {
     );
     println!(
         "  bare qemu-system-x86_64 start -> guest Hello: {}",
-        summary(&bare)
+        summary(&bare, 2)
     );
     println!(
         "  imp-runtime p50 - bare p50: {:.2} s ({:.2}x)",

@@ -10,26 +10,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::measure::{env_u64, rss_kib};
 use common::{Harness, is_root, simulator};
 use imp_testkit::firecracker::Knobs;
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -65,7 +48,7 @@ async fn main() {
         .expect("warmup VM");
     h.client.delete("warmup").await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let rss_idle = rss_kib(pid);
+    let rss_idle = rss_kib(pid as i32);
 
     let mut put = Vec::with_capacity(n);
     let mut boot = Vec::with_capacity(n);
@@ -81,7 +64,7 @@ async fn main() {
         boot.push(Duration::from_secs_f64(st.boot_seconds.unwrap()).saturating_sub(delay));
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let rss_loaded = rss_kib(pid);
+    let rss_loaded = rss_kib(pid as i32);
 
     let mut inspect = Vec::with_capacity(n);
     for i in 0..n {

@@ -20,34 +20,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::Harness;
+use common::measure::{env_u64, median, rss_kib, summary};
 use imp_runtime::api::{StartKind, TemplateState, VmSpec, VmState};
-use imp_runtime::rootfs::store::ImageSpec;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
 use imp_testkit::registry::{Registry, RegistryOptions};
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn summary(v: &[f64]) -> String {
-    let min = v.iter().cloned().fold(f64::MAX, f64::min);
-    let max = v.iter().cloned().fold(0.0, f64::max);
-    format!(
-        "p50 {:.3} s (min {min:.3}, max {max:.3}, {} runs)",
-        median(v),
-        v.len()
-    )
-}
 
 /// One VM's start: create -> Running, and -> the guest's `Started` of the first Exec.
 struct Start {
@@ -56,18 +33,6 @@ struct Start {
     restore: Option<f64>,
     reidentify: Option<f64>,
     rss_kib: u64,
-}
-
-/// The VMM's resident memory (the QEMU process, or the simulator's VMM).
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 async fn start(h: &Harness, uid: &str, spec: &VmSpec, clone: bool) -> Start {
@@ -163,24 +128,24 @@ async fn measure(name: &str, h: &Harness, spec: &VmSpec, runs: usize) {
     );
     println!(
         "  cold boot: create -> Running {}",
-        summary(&col(&cold, |s| s.running))
+        summary(&col(&cold, |s| s.running), 3)
     );
     println!(
         "  cold boot: create -> runner started {}",
-        summary(&cold_started)
+        summary(&cold_started, 3)
     );
     println!(
         "  clone:     create -> Running {}",
-        summary(&col(&clones, |s| s.running))
+        summary(&col(&clones, |s| s.running), 3)
     );
     println!(
         "  clone:     create -> runner started {}",
-        summary(&clone_started)
+        summary(&clone_started, 3)
     );
     println!(
         "  clone:     restore (fresh VMM -> Hello) {}, reidentify {}",
-        summary(&col(&clones, |s| s.restore.unwrap_or_default())),
-        summary(&col(&clones, |s| s.reidentify.unwrap_or_default()))
+        summary(&col(&clones, |s| s.restore.unwrap_or_default()), 3),
+        summary(&col(&clones, |s| s.reidentify.unwrap_or_default()), 3)
     );
     println!(
         "  ratio clone / cold, create -> runner started (p50): {:.3}",
@@ -240,23 +205,7 @@ async fn main() {
     .await;
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 512,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(128 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: None,
-        from_template: false,
-    };
+    let spec = common::image_vm(base, 512, 128 << 20, false);
     measure(
         &format!("QEMU {} (TCG)", s.kernel.display()),
         &h,

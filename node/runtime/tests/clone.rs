@@ -5,34 +5,17 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
+use common::vmm::{KillOnDrop, boot_source, files, machine};
 use imp_api::names::reason;
 use imp_guest::host::IdentityCheck;
-use imp_guest::protocol::Reidentify;
-use imp_runtime::firecracker::api::{
-    BootSource, InstanceState, MachineConfiguration, NetworkInterface, NetworkOverride, Vsock,
-};
-use imp_runtime::firecracker::{self, BootPlan, CloneOverrides, VmmFiles};
+use imp_runtime::firecracker::api::{InstanceState, NetworkInterface, NetworkOverride, Vsock};
+use imp_runtime::firecracker::{self, BootPlan, CloneOverrides};
+use imp_testkit::firecracker::reidentify_request;
 use tokio::time::Instant;
-
-/// Kills the VMMs this test spawned when it ends, also when it panics (they are detached).
-#[derive(Default)]
-struct KillOnDrop(Vec<i32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &pid in &self.0 {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-}
 
 /// TAPs this test made (`ip tuntap`), deleted when it ends.
 #[derive(Default)]
@@ -55,34 +38,6 @@ impl Drop for Taps {
         for t in &self.0 {
             let _ = Command::new("ip").args(["link", "del", "dev", t]).status();
         }
-    }
-}
-
-fn files(dir: &Path, name: &str) -> VmmFiles {
-    VmmFiles {
-        api_sock: dir.join(format!("{name}.api")),
-        vsock: dir.join(format!("{name}.vsock")),
-        serial_log: dir.join(format!("{name}.serial")),
-        stderr_log: dir.join(format!("{name}.stderr")),
-        vmm_log: dir.join(format!("{name}.fc.log")),
-        jail: None,
-    }
-}
-
-fn reidentify(hostname: &str) -> Reidentify {
-    let mut entropy = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
-        .unwrap();
-    Reidentify {
-        entropy_b64: base64::engine::general_purpose::STANDARD.encode(entropy),
-        hostname: hostname.into(),
-        machine_id: None,
-        wall_clock_unix_ns: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-        network: None,
     }
 }
 
@@ -115,22 +70,10 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
     // The template: booted with a NIC, paused, snapshotted, stopped.
     let mut spawned = KillOnDrop::default();
     let t = files(dir.path(), "tpl");
-    let vmm = firecracker::spawn(&simulator, "tpl", &t, &[]).unwrap();
-    spawned.0.push(vmm.process.pid);
-    vmm.wait_api_ready().await.unwrap();
+    let vmm = spawned.spawn(&simulator, "tpl", &t).await;
     let plan = BootPlan {
-        machine: MachineConfiguration {
-            vcpu_count: 1,
-            mem_size_mib: 256,
-            smt: None,
-            track_dirty_pages: None,
-            huge_pages: None,
-        },
-        boot_source: BootSource {
-            kernel_image_path: kernel.display().to_string(),
-            initrd_path: None,
-            boot_args: Some("console=ttyS0".into()),
-        },
+        machine: machine(1, 256),
+        boot_source: boot_source(&kernel),
         drives: vec![],
         network: vec![NetworkInterface {
             iface_id: "eth0".into(),
@@ -162,9 +105,7 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
         let tap = format!("impc{i}x{tag}");
         taps.add(&tap);
         let f = files(dir.path(), &format!("clone{i}"));
-        let vmm = firecracker::spawn(&simulator, &format!("clone{i}"), &f, &[]).unwrap();
-        spawned.0.push(vmm.process.pid);
-        vmm.wait_api_ready().await.unwrap();
+        let vmm = spawned.spawn(&simulator, &format!("clone{i}"), &f).await;
         let overrides = CloneOverrides {
             network: vec![NetworkOverride {
                 iface_id: "eth0".into(),
@@ -194,7 +135,7 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
             ..IdentityCheck::default()
         };
         let got = client
-            .reidentify(reidentify(&format!("clone{i}")), &check)
+            .reidentify(reidentify_request(&format!("clone{i}")), &check)
             .await
             .unwrap();
         assert_eq!(got.hostname, format!("clone{i}"));
@@ -210,9 +151,7 @@ async fn clones_restore_from_one_template_on_their_own_socket_and_tap() {
     // A restore onto a socket path already in use: refused, and the VMM is gone.
     let f = files(dir.path(), "clone-bad");
     std::fs::write(&f.vsock, b"taken").unwrap();
-    let vmm = firecracker::spawn(&simulator, "clone-bad", &f, &[]).unwrap();
-    spawned.0.push(vmm.process.pid);
-    vmm.wait_api_ready().await.unwrap();
+    let vmm = spawned.spawn(&simulator, "clone-bad", &f).await;
     let e = vmm
         .restore_clone(&snap, &mem, &CloneOverrides::default())
         .await

@@ -13,26 +13,13 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use imp_guest::host::{HostError, IdentityCheck};
+use common::vmm::KillOnDrop;
+use imp_guest::host::{HostClient, HostError, IdentityCheck};
 use imp_guest::protocol::{AGENT_VSOCK_PORT, ErrorCode, Reidentify};
 use imp_runtime::firecracker::api::{BootSource, Drive, MachineConfiguration, Vsock};
 use imp_runtime::firecracker::jailer::{self, JailerConfig, JailerRun, Place};
 use imp_runtime::firecracker::{self, BootPlan, CloneOverrides, VmmFiles};
 use tokio::time::Instant;
-
-#[derive(Default)]
-struct KillOnDrop(Vec<i32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &pid in &self.0 {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-}
 
 fn files(dir: &Path, name: &str, jail: Option<&Path>) -> VmmFiles {
     let inner = jail.unwrap_or(dir);
@@ -44,6 +31,17 @@ fn files(dir: &Path, name: &str, jail: Option<&Path>) -> VmmFiles {
         vmm_log: inner.join(jailer::VMM_LOG),
         jail: jail.map(Path::to_path_buf),
     }
+}
+
+/// The guest agent of the VMM with files `f` (waits up to 10 s for it).
+async fn agent(f: &VmmFiles) -> HostClient {
+    imp_guest::host::connect(
+        &f.vsock,
+        AGENT_VSOCK_PORT,
+        Instant::now() + Duration::from_secs(10),
+    )
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,13 +248,7 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
     }
     // Without CAP_SYS_ADMIN, a jailed simulator's clone manages no identity: it refuses.
     let (_, f) = &clones[0];
-    let mut g = imp_guest::host::connect(
-        &f.vsock,
-        AGENT_VSOCK_PORT,
-        Instant::now() + Duration::from_secs(10),
-    )
-    .await
-    .unwrap();
+    let mut g = agent(f).await;
     let req = Reidentify {
         entropy_b64: "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=".into(),
         hostname: "clone-0".into(),
@@ -269,13 +261,7 @@ async fn jailed_clones_load_the_template_linked_read_only_into_their_jails() {
         other => panic!("expected a refusal, got {other:?}"),
     }
     let (_, f) = &clones[2];
-    let mut g = imp_guest::host::connect(
-        &f.vsock,
-        AGENT_VSOCK_PORT,
-        Instant::now() + Duration::from_secs(10),
-    )
-    .await
-    .unwrap();
+    let mut g = agent(f).await;
     let req = Reidentify {
         entropy_b64: "AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA=".into(),
         hostname: "clone-2".into(),

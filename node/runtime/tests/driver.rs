@@ -5,39 +5,11 @@ mod common;
 
 use std::time::Duration;
 
+use common::vmm::{KillOnDrop, boot_source, files, machine};
 use imp_api::names::reason;
-use imp_runtime::firecracker::api::{
-    BootSource, Drive, InstanceState, MachineConfiguration, Vsock,
-};
-use imp_runtime::firecracker::{self, BootPlan, VmmFiles};
+use imp_runtime::firecracker::BootPlan;
+use imp_runtime::firecracker::api::{Drive, InstanceState, Vsock};
 use tokio::time::Instant;
-
-/// Kills the VMMs this test spawned when it ends, also when it panics: a VMM is spawned detached
-/// (by design it outlives its runtime), so nothing else would stop it.
-#[derive(Default)]
-struct KillOnDrop(Vec<i32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &pid in &self.0 {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-    }
-}
-
-fn files(dir: &std::path::Path, name: &str) -> VmmFiles {
-    VmmFiles {
-        api_sock: dir.join(format!("{name}.api")),
-        vsock: dir.join(format!("{name}.vsock")),
-        serial_log: dir.join(format!("{name}.serial")),
-        stderr_log: dir.join(format!("{name}.stderr")),
-        vmm_log: dir.join(format!("{name}.fc.log")),
-        jail: None,
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
@@ -54,22 +26,10 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
 
     let a = files(dir.path(), "a");
     let mut spawned = KillOnDrop::default();
-    let vmm = firecracker::spawn(&simulator, "snap-a", &a, &[]).unwrap();
-    spawned.0.push(vmm.process.pid);
-    vmm.wait_api_ready().await.unwrap();
+    let vmm = spawned.spawn(&simulator, "snap-a", &a).await;
     let plan = BootPlan {
-        machine: MachineConfiguration {
-            vcpu_count: 2,
-            mem_size_mib: 64,
-            smt: None,
-            track_dirty_pages: None,
-            huge_pages: None,
-        },
-        boot_source: BootSource {
-            kernel_image_path: kernel.display().to_string(),
-            initrd_path: None,
-            boot_args: Some("console=ttyS0".into()),
-        },
+        machine: machine(2, 64),
+        boot_source: boot_source(&kernel),
         drives: vec![Drive {
             drive_id: "rootfs".into(),
             is_root_device: true,
@@ -125,9 +85,7 @@ async fn snapshot_of_a_paused_vm_restores_into_a_fresh_process() {
 
     // Restore into a new process with a new vsock path.
     let b = files(dir.path(), "b");
-    let restored = firecracker::spawn(&simulator, "snap-b", &b, &[]).unwrap();
-    spawned.0.push(restored.process.pid);
-    restored.wait_api_ready().await.unwrap();
+    let restored = spawned.spawn(&simulator, "snap-b", &b).await;
     restored.snapshot_load(&snap, &mem, true).await.unwrap();
     assert_eq!(
         restored.client.describe_instance().await.unwrap().state,

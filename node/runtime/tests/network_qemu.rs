@@ -28,90 +28,35 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
-use common::{Harness, TestNetwork, busybox_layer, dnsmasq_argv, network_tests_can_run, output};
-use imp_common::SecretString;
+use common::{
+    Children, Harness, TestNetwork, busybox_layer, dnsmasq_argv, nat_attachment,
+    network_tests_can_run, output, peer_cgi,
+};
 use imp_guest::host::HostClient;
-use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
 use imp_runtime::api::{NetworkAttachment, NetworkSpec, VmSpec, VmState};
 use imp_runtime::network::{self, bridge_mac, bridge_name, vm_mac};
 use imp_runtime::rootfs::store::ImageSpec;
-use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
-use imp_testkit::registry::{Registry, RegistryOptions};
 
 const BIG: usize = 20 << 20;
 const GATEWAY: &str = "198.51.100.1";
 const WEB: &str = "192.0.2.80";
 
-/// Background processes of the test (dnsmasq, httpds), killed on drop.
-#[derive(Default)]
-struct Children(Vec<Child>);
-
-impl Children {
-    /// `argv` inside namespace `ns`.
-    fn spawn(&mut self, ns: &str, argv: &[&str]) {
-        let child = Command::new("ip")
-            .args(["netns", "exec", ns])
-            .args(argv)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        self.0.push(child);
-    }
-}
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// A document root for busybox httpd: `index.html` ("up"), `big` (BIG bytes) and
 /// `cgi-bin/peer` (answers `peer=<the client address it sees>`).
 fn web_root(dir: &Path) {
-    std::fs::create_dir_all(dir.join("cgi-bin")).unwrap();
+    peer_cgi(dir);
     std::fs::write(dir.join("index.html"), "up\n").unwrap();
     std::fs::write(dir.join("big"), vec![0u8; BIG]).unwrap();
-    let peer = dir.join("cgi-bin/peer");
-    std::fs::write(
-        &peer,
-        "#!/bin/sh\nprintf 'Content-Type: text/plain\\r\\n\\r\\npeer=%s' \"$REMOTE_ADDR\"\n",
-    )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
 /// The guests' base: Debian's static busybox as /bin/sh and every command the checks use.
 fn layers() -> Vec<Vec<u8>> {
     vec![busybox_layer().dir("tmp", 0o1777).into_gzip()]
-}
-
-fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
-    NetworkAttachment {
-        network_id: network_id.into(),
-        network_name: "ci/runners".into(),
-        address: address.parse().unwrap(),
-        gateway: GATEWAY.parse().unwrap(),
-        dns: vec!["192.0.2.1".parse().unwrap()],
-        mtu: None,
-        nat: true,
-        egress_interface: None,
-        egress_allow: vec![],
-        egress_deny: vec![],
-        ingress: vec![],
-    }
 }
 
 /// One guest's agent connection and a counter for unique exec ids.
@@ -140,42 +85,7 @@ impl Guest {
     async fn sh(&mut self, script: &str) -> (Option<i32>, String) {
         self.execs += 1;
         let id = format!("{}-{}", self.session, self.execs);
-        self.client
-            .exec(Exec {
-                id: id.clone(),
-                argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
-                env: BTreeMap::from([("PATH".to_owned(), SecretString::from("/bin"))]),
-                cwd: None,
-                uid: None,
-                gid: None,
-                refuse_root: false,
-                timeout_s: Some(120),
-                stream_output: true,
-                poweroff_on_exit: false,
-            })
-            .await
-            .unwrap();
-        let mut out = Vec::new();
-        loop {
-            let msg = tokio::time::timeout(Duration::from_secs(180), self.client.recv())
-                .await
-                .unwrap_or_else(|_| panic!("{script}: no Exited"))
-                .unwrap();
-            match msg {
-                GuestToHost::Output(o) if o.id == id => {
-                    let data = base64::engine::general_purpose::STANDARD
-                        .decode(&o.data_b64)
-                        .unwrap();
-                    if matches!(o.stream, OutputStream::Stdout | OutputStream::Stderr) {
-                        out.extend(data);
-                    }
-                }
-                GuestToHost::Exited(e) if e.id == id => {
-                    return (e.code, String::from_utf8_lossy(&out).into_owned());
-                }
-                _ => {}
-            }
-        }
+        common::sh(&mut self.client, &id, script, &[]).await
     }
 
     /// `sh -c script`, which must succeed: its output.
@@ -278,17 +188,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
     qemu::scripted_initrd(&s, &initrd);
 
     // The registry runs in the node namespace: the runtime pulls from its loopback there.
-    let (registry, base) = tn.in_node(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let r = Registry::start(RegistryOptions::default()).await.unwrap();
-                let base = push_gzip_image(&r.host(), "imp/net-base:qemu", layers()).await;
-                (r, base)
-            })
-    });
+    let (registry, base) = tn.registry_in_node("imp/net-base:qemu", layers());
 
     // The "internet": DNS and a web server on a second address.
     let inet = tn.inet.as_str();
@@ -378,7 +278,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
         extra_boot_args: Some("imp.report_grace_s=60".into()),
         network: Some(NetworkSpec {
             guest_mac: None,
-            attachment: Some(attachment(&net_id, address)),
+            attachment: Some(nat_attachment(&net_id, address, GATEWAY)),
         }),
         from_template: false,
     };
@@ -529,7 +429,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
     assert_eq!(page, "peer=192.0.2.2", "connectivity after the restart");
     let attachments: Vec<_> = vms
         .iter()
-        .map(|(_, ip)| attachment(&net_id, &format!("{ip}/24")))
+        .map(|(_, ip)| nat_attachment(&net_id, &format!("{ip}/24"), GATEWAY))
         .collect();
     let desired = network::desired(
         vms.iter()

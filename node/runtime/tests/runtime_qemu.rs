@@ -15,13 +15,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use common::measure::rss_kib;
 use common::{Harness, is_root};
 use http::StatusCode;
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
 use imp_guest::protocol::Exec;
-use imp_runtime::api::{VmSpec, VmState};
-use imp_runtime::rootfs::store::ImageSpec;
+use imp_runtime::api::VmState;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu::{self, Drive};
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -45,16 +45,6 @@ fn layers() -> Vec<Vec<u8>> {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
-}
-
-/// VmRSS of `pid` in KiB.
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 async fn guest(h: &Harness, uid: &str) -> HostClient {
@@ -108,26 +98,7 @@ async fn qemu_vms_boot_run_survive_a_runtime_kill_and_leave_nothing() {
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
     let network = is_root();
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 512,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base: base.clone(),
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(128 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: network.then_some(imp_runtime::api::NetworkSpec {
-            guest_mac: None,
-            attachment: None,
-        }),
-        from_template: false,
-    };
+    let spec = common::image_vm(base.clone(), 512, 128 << 20, network);
     let (code, st) = h
         .client
         .ensure_running("qemu-a", &spec)

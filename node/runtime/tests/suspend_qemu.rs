@@ -21,8 +21,7 @@ use common::{Harness, is_root};
 use imp_common::SecretString;
 use imp_guest::host::HostClient;
 use imp_guest::protocol::Exec;
-use imp_runtime::api::{VmSpec, VmState};
-use imp_runtime::rootfs::store::ImageSpec;
+use imp_runtime::api::VmState;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -80,26 +79,7 @@ async fn qemu_suspend_resume_keeps_the_guest() {
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
     let network = is_root();
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 256,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(64 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: network.then_some(imp_runtime::api::NetworkSpec {
-            guest_mac: None,
-            attachment: None,
-        }),
-        from_template: false,
-    };
+    let spec = common::image_vm(base, 256, 64 << 20, network);
     let uid = "qsus";
     let (_, st) = h
         .client

@@ -23,42 +23,18 @@ use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use common::measure::median;
+use common::template::{self, put};
 use common::{Harness, exec, is_root, jailed_simulator, output};
-use imp_runtime::api::{StartKind, TemplateState, TemplateStatus, VmSpec, VmState, VmStatus};
+use imp_runtime::api::{StartKind, TemplateState, TemplateStatus, VmSpec, VmState};
 use imp_runtime::runtime::template::{holder, reason};
 use imp_testkit::firecracker::{Knobs, ReidentifyKnob};
 
 const JIT_KEY: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
 
-/// PUT and wait: the status and the seconds from create to Running.
-async fn put(h: &Harness, uid: &str, spec: &VmSpec) -> (VmStatus, f64) {
-    let t = Instant::now();
-    let (_, st) = h
-        .client
-        .ensure_running(uid, spec)
-        .await
-        .unwrap_or_else(|e| panic!("PUT {uid}: {e}\n{}", h.runtime_log()));
-    assert_eq!(st.state, VmState::Running, "{st:?}");
-    (st, t.elapsed().as_secs_f64())
-}
-
 /// The template `key` once it is no longer Building.
 async fn wait_built(h: &Harness, key: &str) -> TemplateStatus {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let all = h.client.templates().await.unwrap();
-        if let Some(t) = all.iter().find(|t| t.key == key)
-            && t.state != TemplateState::Building
-        {
-            return t.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "template {key} not built: {all:?}\n{}",
-            h.runtime_log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    template::wait_built(h, key, Duration::from_secs(60), Duration::from_millis(50)).await
 }
 
 /// The jail root of VM (or build VM) `id`.
@@ -157,12 +133,6 @@ fn files_holding(dir: &Path, needles: &[&[u8]]) -> Vec<PathBuf> {
         }
     }
     found
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
 }
 
 /// Wait (up to 10 s) until `f` holds; else fail with what `what` returns.

@@ -18,107 +18,25 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use base64::Engine;
-use common::{Backend, Harness, TestNetwork, busybox_layer, network_tests_can_run, output};
-use imp_common::SecretString;
-use imp_guest::host::HostClient;
-use imp_guest::protocol::{Exec, GuestToHost, OutputStream};
-use imp_runtime::api::{
-    NetworkAttachment, NetworkSpec, StartKind, TemplateState, TemplateStatus, VmSpec, VmState,
-    VmStatus,
+use common::measure::rss_kib;
+use common::template::{self, put};
+use common::{
+    Backend, Children, Harness, TestNetwork, busybox_layer, nat_attachment, network_tests_can_run,
+    output, peer_cgi, sh,
 };
+use imp_guest::host::HostClient;
+use imp_runtime::api::{NetworkSpec, StartKind, TemplateState, TemplateStatus, VmSpec, VmState};
 use imp_runtime::rootfs::store::ImageSpec;
 use imp_runtime::runtime::template::reason;
-use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
-use imp_testkit::registry::{Registry, RegistryOptions};
 
 const GATEWAY: &str = "198.51.100.1";
 const WEB: &str = "192.0.2.80";
 /// The env key a runner's JIT config arrives in, and the fake secret the jobs get.
 const JIT_KEY: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
-
-/// Background processes (the "internet"'s web server), killed on drop.
-#[derive(Default)]
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn attachment(network_id: &str, address: &str) -> NetworkAttachment {
-    NetworkAttachment {
-        network_id: network_id.into(),
-        network_name: "ci/runners".into(),
-        address: address.parse().unwrap(),
-        gateway: GATEWAY.parse().unwrap(),
-        dns: vec!["192.0.2.1".parse().unwrap()],
-        mtu: None,
-        nat: true,
-        egress_interface: None,
-        egress_allow: vec![],
-        egress_deny: vec![],
-        ingress: vec![],
-    }
-}
-
-/// `sh -c script` in the guest to completion with `env`: exit code and output.
-async fn sh(
-    c: &mut HostClient,
-    id: &str,
-    script: &str,
-    env: &[(&str, &str)],
-) -> (Option<i32>, String) {
-    let mut vars = BTreeMap::from([("PATH".to_owned(), SecretString::from("/bin"))]);
-    for (k, v) in env {
-        vars.insert((*k).to_owned(), SecretString::from(*v));
-    }
-    c.exec(Exec {
-        id: id.into(),
-        argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
-        env: vars,
-        cwd: None,
-        uid: None,
-        gid: None,
-        refuse_root: false,
-        timeout_s: Some(120),
-        stream_output: true,
-        poweroff_on_exit: false,
-    })
-    .await
-    .unwrap();
-    let mut out = Vec::new();
-    loop {
-        let msg = tokio::time::timeout(Duration::from_secs(180), c.recv())
-            .await
-            .unwrap_or_else(|_| panic!("{script}: no Exited"))
-            .unwrap();
-        match msg {
-            GuestToHost::Output(o) if o.id == id => {
-                let data = base64::engine::general_purpose::STANDARD
-                    .decode(&o.data_b64)
-                    .unwrap();
-                if matches!(o.stream, OutputStream::Stdout | OutputStream::Stderr) {
-                    out.extend(data);
-                }
-            }
-            GuestToHost::Exited(e) if e.id == id => {
-                return (e.code, String::from_utf8_lossy(&out).into_owned());
-            }
-            _ => {}
-        }
-    }
-}
 
 async fn ok(c: &mut HostClient, id: &str, script: &str) -> String {
     let (code, out) = sh(c, id, script, &[]).await;
@@ -136,44 +54,9 @@ async fn guest(h: &Harness, uid: &str) -> HostClient {
     c
 }
 
-/// PUT and wait: the status and the seconds from create to Running.
-async fn put(h: &Harness, uid: &str, spec: &VmSpec) -> (VmStatus, f64) {
-    let t = Instant::now();
-    let (_, st) = h
-        .client
-        .ensure_running(uid, spec)
-        .await
-        .unwrap_or_else(|e| panic!("PUT {uid}: {e}\n{}", h.runtime_log()));
-    assert_eq!(st.state, VmState::Running, "{st:?}");
-    (st, t.elapsed().as_secs_f64())
-}
-
 /// The template `key` once it is no longer Building (fails on timeout).
 async fn wait_built(h: &Harness, key: &str) -> TemplateStatus {
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let all = h.client.templates().await.unwrap();
-        if let Some(t) = all.iter().find(|t| t.key == key)
-            && t.state != TemplateState::Building
-        {
-            return t.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "template {key} not built: {all:?}\n{}",
-            h.runtime_log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-fn rss_kib(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
+    template::wait_built(h, key, Duration::from_secs(600), Duration::from_millis(200)).await
 }
 
 /// Whether `needle` occurs in the file at `path` (read in chunks, overlapping by its length).
@@ -223,18 +106,8 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let files = tempfile::tempdir().unwrap();
     let initrd = files.path().join("initrd.gz");
     qemu::scripted_initrd(&s, &initrd);
-    let (registry, base) = tn.in_node(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(async {
-                let r = Registry::start(RegistryOptions::default()).await.unwrap();
-                let layers = vec![busybox_layer().dir("tmp", 0o1777).into_gzip()];
-                let base = push_gzip_image(&r.host(), "imp/tmpl-base:qemu", layers).await;
-                (r, base)
-            })
-    });
+    let layers = vec![busybox_layer().dir("tmp", 0o1777).into_gzip()];
+    let (registry, base) = tn.registry_in_node("imp/tmpl-base:qemu", layers);
     // The "internet": a web server whose CGI answers the address it sees.
     output(
         "ip",
@@ -249,25 +122,11 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         ],
     );
     let www = files.path().join("www");
-    std::fs::create_dir_all(www.join("cgi-bin")).unwrap();
-    let peer = www.join("cgi-bin/peer");
-    std::fs::write(
-        &peer,
-        "#!/bin/sh\nprintf 'Content-Type: text/plain\\r\\n\\r\\npeer=%s' \"$REMOTE_ADDR\"\n",
-    )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    peer_cgi(&www);
     let www_s = www.display().to_string();
-    children.0.push(
-        Command::new("ip")
-            .args(["netns", "exec", &tn.inet])
-            .args(["busybox", "httpd", "-f", "-p", "0.0.0.0:8080", "-h", &www_s])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    children.spawn(
+        &tn.inet,
+        &["busybox", "httpd", "-f", "-p", "0.0.0.0:8080", "-h", &www_s],
     );
 
     let mut h = Harness::qemu(&s, &initrd, registry.host());
@@ -290,7 +149,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         extra_boot_args: Some(extra.into()),
         network: Some(NetworkSpec {
             guest_mac: None,
-            attachment: Some(attachment(&net_id, address)),
+            attachment: Some(nat_attachment(&net_id, address, GATEWAY)),
         }),
         from_template: true,
     };
@@ -550,6 +409,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         ),
     )
     .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
     if let Backend::Qemu { qemu, .. } = &mut h.backend {
         *qemu = wrapper.clone();

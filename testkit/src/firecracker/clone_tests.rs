@@ -5,15 +5,15 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use imp_guest::host::{HostClient, HostError, IdentityCheck};
-use imp_guest::protocol::{ErrorCode, Reidentify};
+use imp_guest::protocol::ErrorCode;
 use serde_json::{Value, json};
+
+use super::reidentify_request;
+use super::sim_tests::call;
 
 const AGENT_PORT: u32 = 10000;
 
@@ -25,31 +25,6 @@ fn root_or_skip(what: &str) -> bool {
     }
     crate::skip::skip_or_fail("IMP_REQUIRE_ROOT", what, "needs root");
     false
-}
-
-async fn call(sock: &Path, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-    let stream = tokio::net::UnixStream::connect(sock)
-        .await
-        .expect("connect");
-    let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .unwrap();
-    tokio::spawn(conn);
-    let req = http::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "localhost")
-        .body(Full::new(Bytes::from(
-            body.map(|b| b.to_string()).unwrap_or_default(),
-        )))
-        .unwrap();
-    let resp = tx.send_request(req).await.unwrap();
-    let status = resp.status().as_u16();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (
-        status,
-        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-    )
 }
 
 fn fault(v: &Value) -> String {
@@ -277,27 +252,6 @@ fn load_body(t: &Template, uds: &Path) -> Value {
         "vsock_override": {"uds_path": uds},
         "resume_vm": true,
     })
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-}
-
-fn reidentify_request(hostname: &str) -> Reidentify {
-    let mut entropy = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
-        .unwrap();
-    Reidentify {
-        entropy_b64: base64::engine::general_purpose::STANDARD.encode(entropy),
-        hostname: hostname.into(),
-        machine_id: None,
-        wall_clock_unix_ns: now_ns(),
-        network: None,
-    }
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {

@@ -51,6 +51,26 @@ pub fn binaries() -> &'static SimBinaries {
     })
 }
 
+/// A `Reidentify` for a clone: 32 fresh random bytes of entropy, `hostname`, the host's clock,
+/// no machine-id (the guest makes one) and no network.
+pub fn reidentify_request(hostname: &str) -> imp_guest::protocol::Reidentify {
+    use base64::Engine as _;
+    let mut entropy = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut entropy))
+        .unwrap();
+    imp_guest::protocol::Reidentify {
+        entropy_b64: base64::engine::general_purpose::STANDARD.encode(entropy),
+        hostname: hostname.into(),
+        machine_id: None,
+        wall_clock_unix_ns: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+        network: None,
+    }
+}
+
 #[cfg(test)]
 mod clone_tests;
 #[cfg(test)]

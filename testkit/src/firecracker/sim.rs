@@ -1580,28 +1580,46 @@ async fn hold_relay(
     }
 }
 
+/// One frame from `from`: its length prefix as read, and its payload.
+async fn read_frame<R>(from: &mut R) -> std::io::Result<([u8; 4], Vec<u8>)>
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt as _;
+    let mut len = [0u8; 4];
+    from.read_exact(&mut len).await?;
+    let n = u32::from_be_bytes(len) as usize;
+    if n > imp_guest::frame::MAX_FRAME_BYTES {
+        return Err(std::io::Error::other("frame too large"));
+    }
+    let mut payload = vec![0u8; n];
+    from.read_exact(&mut payload).await?;
+    Ok((len, payload))
+}
+
+/// Writes a frame read by `read_frame` on to `to`, flushed.
+async fn write_frame<W>(to: &mut W, len: &[u8; 4], payload: &[u8]) -> std::io::Result<()>
+where
+    W: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncWriteExt as _;
+    to.write_all(len).await?;
+    to.write_all(payload).await?;
+    to.flush().await
+}
+
 /// Copies frames from `from` to `to`, dropping those of type `kind`.
 pub async fn drop_frames<R, W>(from: &mut R, to: &mut W, kind: &str) -> std::io::Result<()>
 where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     loop {
-        let mut len = [0u8; 4];
-        from.read_exact(&mut len).await?;
-        let n = u32::from_be_bytes(len) as usize;
-        if n > imp_guest::frame::MAX_FRAME_BYTES {
-            return Err(std::io::Error::other("frame too large"));
-        }
-        let mut payload = vec![0u8; n];
-        from.read_exact(&mut payload).await?;
+        let (len, payload) = read_frame(from).await?;
         if frame_type(&payload).as_deref() == Some(kind) {
             continue;
         }
-        to.write_all(&len).await?;
-        to.write_all(&payload).await?;
-        to.flush().await?;
+        write_frame(to, &len, &payload).await?;
     }
 }
 
@@ -1619,24 +1637,14 @@ where
     R: tokio::io::AsyncRead + Unpin,
     W: tokio::io::AsyncWrite + Unpin,
 {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     loop {
-        let mut len = [0u8; 4];
-        from.read_exact(&mut len).await?;
-        let n = u32::from_be_bytes(len) as usize;
-        if n > imp_guest::frame::MAX_FRAME_BYTES {
-            return Err(std::io::Error::other("frame too large"));
-        }
-        let mut payload = vec![0u8; n];
-        from.read_exact(&mut payload).await?;
+        let (len, payload) = read_frame(from).await?;
         if is_started(&payload) {
             while hold.exists() {
                 tokio::time::sleep(HOLD_POLL).await;
             }
         }
-        to.write_all(&len).await?;
-        to.write_all(&payload).await?;
-        to.flush().await?;
+        write_frame(to, &len, &payload).await?;
     }
 }
 

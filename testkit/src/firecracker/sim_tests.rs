@@ -10,7 +10,13 @@ use serde_json::{Value, json};
 
 use super::sim::{self, Knobs, Options};
 
-async fn call(sock: &Path, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+/// One request to a VMM's API socket: the status and the JSON body (Null when there is none).
+pub(super) async fn call(
+    sock: &Path,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
     let stream = tokio::net::UnixStream::connect(sock)
         .await
         .expect("connect");

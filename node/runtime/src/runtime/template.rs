@@ -153,6 +153,19 @@ fn dir_bytes(dir: &Path) -> u64 {
 /// `path` root's, 0600 (a directory 0700): no VM (another uid) reads a template's memory or
 /// drive.
 fn private(path: &Path) -> std::io::Result<()> {
+    root_owned(path, if path.is_dir() { 0o700 } else { 0o600 })
+}
+
+/// A template's snapshot file (Firecracker's `mem` and `vmstate`): root's, 0444. Every clone's
+/// jail hard-links this one inode (`jailer::Place::Template`, which makes it so anyway), so
+/// each clone's uid reads it and none writes it; outside the jails it lies in the 0700
+/// templates directory, which no VM reaches.
+fn shared_read_only(path: &Path) -> std::io::Result<()> {
+    root_owned(path, 0o444)
+}
+
+/// `path` root's with `mode`.
+fn root_owned(path: &Path, mode: u32) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
     std::os::unix::fs::chown(path, Some(0), Some(0)).or_else(|e| {
         // Unprivileged runtimes (tests without root) own their files already.
@@ -162,24 +175,7 @@ fn private(path: &Path) -> std::io::Result<()> {
             Err(e)
         }
     })?;
-    let mode = if path.is_dir() { 0o700 } else { 0o600 };
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-}
-
-/// A template's snapshot file (Firecracker's `mem` and `vmstate`): root's, 0444. Every clone's
-/// jail hard-links this one inode (`jailer::Place::Template`, which makes it so anyway), so
-/// each clone's uid reads it and none writes it; outside the jails it lies in the 0700
-/// templates directory, which no VM reaches.
-fn shared_read_only(path: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt as _;
-    std::os::unix::fs::chown(path, Some(0), Some(0)).or_else(|e| {
-        if e.kind() == std::io::ErrorKind::PermissionDenied {
-            Ok(())
-        } else {
-            Err(e)
-        }
-    })?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
 }
 
 /// Names of a template's snapshot in a Firecracker clone's jail (beside the kernel, initrd and
@@ -304,6 +300,15 @@ impl Templates {
         ))
     }
 
+    /// What is known of template `key`, if it is known.
+    fn known(&self, key: &str) -> Option<Known> {
+        self.entries
+            .lock()
+            .expect("templates")
+            .get(key)
+            .map(Entry::known)
+    }
+
     fn dir_of(&self, key: &str) -> PathBuf {
         self.dir.join(key)
     }
@@ -425,13 +430,7 @@ impl Runtime {
         let resolved = self.resolve_paths(spec)?;
         let (inputs, tspec) = self.template_inputs(&resolved);
         let key = key::key(&inputs);
-        let known = self
-            .templates
-            .entries
-            .lock()
-            .expect("templates")
-            .get(&key)
-            .map(Entry::known);
+        let known = self.templates.known(&key);
         if !self.keeps_templates() {
             return Ok(TemplateStatus {
                 key,
@@ -544,13 +543,7 @@ impl Runtime {
         let (inputs, tspec) = self.template_inputs(spec);
         let key = key::key(&inputs);
         let content = self.content_of(r, spec);
-        let known = self
-            .templates
-            .entries
-            .lock()
-            .expect("templates")
-            .get(&key)
-            .map_or(Known::None, Entry::known);
+        let known = self.templates.known(&key).unwrap_or(Known::None);
         let decision = key::decide(
             r.backend == self.cfg.backend && self.keeps_templates(),
             &known,

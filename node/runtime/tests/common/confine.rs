@@ -1,8 +1,7 @@
 //! What the confinement tests (confine_qemu.rs, escape_qemu.rs) share: a runtime on the QEMU
 //! backend (confined, the default) and the spec of a small busybox guest from a local registry.
 
-use imp_runtime::api::{NetworkSpec, VmSpec};
-use imp_runtime::rootfs::store::ImageSpec;
+use imp_runtime::api::VmSpec;
 use imp_testkit::oci::push_gzip_image;
 use imp_testkit::qemu;
 use imp_testkit::registry::{Registry, RegistryOptions};
@@ -41,26 +40,7 @@ pub async fn guests(tag: &str, network: bool) -> Option<Guests> {
     .await;
     let mut h = Harness::qemu(&s, &initrd, registry.host());
     h.start_runtime().await;
-    let spec = VmSpec {
-        vcpu: 1,
-        memory_mib: 256,
-        base_disk: None,
-        image: Some(ImageSpec {
-            base,
-            runner: None,
-            credentials: None,
-            pull_policy: None,
-        }),
-        writable_disk_bytes: Some(64 << 20),
-        kernel: None,
-        initrd: None,
-        extra_boot_args: Some("imp.report_grace_s=60".into()),
-        network: network.then_some(NetworkSpec {
-            guest_mac: None,
-            attachment: None,
-        }),
-        from_template: false,
-    };
+    let spec = super::image_vm(base, 256, 64 << 20, network);
     Some(Guests {
         h,
         spec,

@@ -5,7 +5,10 @@
 
 pub mod agent;
 pub mod confine;
+pub mod measure;
 pub mod scale_to_zero;
+pub mod template;
+pub mod vmm;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -519,6 +522,174 @@ impl TestNetwork {
     /// there); `f` may drive async code on its own runtime.
     pub fn in_node<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
         in_netns(&self.node, f)
+    }
+}
+
+impl TestNetwork {
+    /// A local registry started inside the node namespace (the runtime pulls from its loopback
+    /// there) holding `layers` as `repo_tag`: the registry and the image's reference.
+    pub fn registry_in_node(
+        &self,
+        repo_tag: &str,
+        layers: Vec<Vec<u8>>,
+    ) -> (imp_testkit::registry::Registry, String) {
+        use imp_testkit::registry::{Registry, RegistryOptions};
+        self.in_node(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async {
+                    let r = Registry::start(RegistryOptions::default()).await.unwrap();
+                    let base = imp_testkit::oci::push_gzip_image(&r.host(), repo_tag, layers).await;
+                    (r, base)
+                })
+        })
+    }
+}
+
+/// Background processes in network namespaces (a test's "internet" servers), killed on drop.
+#[derive(Default)]
+pub struct Children(pub Vec<Child>);
+
+impl Children {
+    /// `argv` inside namespace `ns`.
+    pub fn spawn(&mut self, ns: &str, argv: &[&str]) {
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .args(argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.0.push(child);
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `cgi-bin/peer` under the web root `www` for busybox httpd: answers `peer=<the client address
+/// it sees>`.
+pub fn peer_cgi(www: &Path) {
+    std::fs::create_dir_all(www.join("cgi-bin")).unwrap();
+    let peer = www.join("cgi-bin/peer");
+    std::fs::write(
+        &peer,
+        "#!/bin/sh\nprintf 'Content-Type: text/plain\\r\\n\\r\\npeer=%s' \"$REMOTE_ADDR\"\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// `sh -c script` in the guest to completion with `env`: exit code and output.
+pub async fn sh(
+    c: &mut imp_guest::host::HostClient,
+    id: &str,
+    script: &str,
+    env: &[(&str, &str)],
+) -> (Option<i32>, String) {
+    let mut vars = std::collections::BTreeMap::from([(
+        "PATH".to_owned(),
+        imp_common::SecretString::from("/bin"),
+    )]);
+    for (k, v) in env {
+        vars.insert((*k).to_owned(), imp_common::SecretString::from(*v));
+    }
+    c.exec(imp_guest::protocol::Exec {
+        id: id.into(),
+        argv: ["/bin/sh", "-c", script].map(String::from).to_vec(),
+        env: vars,
+        cwd: None,
+        uid: None,
+        gid: None,
+        refuse_root: false,
+        timeout_s: Some(120),
+        stream_output: true,
+        poweroff_on_exit: false,
+    })
+    .await
+    .unwrap();
+    let mut out = Vec::new();
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(180), c.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{script}: no Exited"))
+            .unwrap();
+        match msg {
+            imp_guest::protocol::GuestToHost::Output(o) if o.id == id => {
+                use base64::Engine as _;
+                let data = base64::engine::general_purpose::STANDARD
+                    .decode(&o.data_b64)
+                    .unwrap();
+                if matches!(
+                    o.stream,
+                    imp_guest::protocol::OutputStream::Stdout
+                        | imp_guest::protocol::OutputStream::Stderr
+                ) {
+                    out.extend(data);
+                }
+            }
+            imp_guest::protocol::GuestToHost::Exited(e) if e.id == id => {
+                return (e.code, String::from_utf8_lossy(&out).into_owned());
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A one-vCPU VM of the image `base` (no base disk), `memory_mib` of memory and a writable disk of
+/// `disk_bytes`, with a NIC (no attachment) when `network`; guests report for up to 60 s.
+pub fn image_vm(base: String, memory_mib: u64, disk_bytes: u64, network: bool) -> VmSpec {
+    VmSpec {
+        vcpu: 1,
+        memory_mib,
+        base_disk: None,
+        image: Some(imp_runtime::rootfs::store::ImageSpec {
+            base,
+            runner: None,
+            credentials: None,
+            pull_policy: None,
+        }),
+        writable_disk_bytes: Some(disk_bytes),
+        kernel: None,
+        initrd: None,
+        extra_boot_args: Some("imp.report_grace_s=60".into()),
+        network: network.then_some(NetworkSpec {
+            guest_mac: None,
+            attachment: None,
+        }),
+        from_template: false,
+    }
+}
+
+/// An attachment to the ImpNetwork "ci/runners" (`network_id`) at `address` (CIDR) behind
+/// `gateway`, with NAT and the "internet"'s DNS server 192.0.2.1.
+pub fn nat_attachment(
+    network_id: &str,
+    address: &str,
+    gateway: &str,
+) -> imp_runtime::api::NetworkAttachment {
+    imp_runtime::api::NetworkAttachment {
+        network_id: network_id.into(),
+        network_name: "ci/runners".into(),
+        address: address.parse().unwrap(),
+        gateway: gateway.parse().unwrap(),
+        dns: vec!["192.0.2.1".parse().unwrap()],
+        mtu: None,
+        nat: true,
+        egress_interface: None,
+        egress_allow: vec![],
+        egress_deny: vec![],
+        ingress: vec![],
     }
 }
 
