@@ -260,8 +260,9 @@ pub async fn run(client: Client, node_name: String, runtime: RuntimeClient) {
                     pass(&client, &runtime, &pools, &facts, &mut attempts).await;
                     let standby: Vec<StandbyPool> = state
                         .iter()
-                        .filter(|p| servable(&PoolImage::from_pool(p), &facts))
-                        .filter_map(|p| StandbyPool::from_pool(p))
+                        .zip(&pools)
+                        .filter(|(_, image)| servable(image, &facts))
+                        .filter_map(|(p, _)| StandbyPool::from_pool(p))
                         .collect();
                     let published = node
                         .annotations()

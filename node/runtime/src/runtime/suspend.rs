@@ -339,18 +339,9 @@ impl Runtime {
                 {
                     return Err((format!("TAP {tap} is still held by {holders:?}"), None));
                 }
-                let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, &procs, jail)
-                    .await
-                    .map_err(|e| (e.to_string(), None))?;
-                let helper_only = Vm::Qemu(QemuVm {
-                    qemu: vhost,
-                    vhost: None,
-                    qmp: qemu::Qmp::new(&files.qmp_sock),
-                });
-                self.inventory
-                    .set_helper(uid, vhost.pid, vhost.start_time)
-                    .await
-                    .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+                let (vhost, helper_only) = self
+                    .spawn_restore_helper(uid, &files, plan.guest_cid, &procs, jail)
+                    .await?;
                 // A killed QEMU's leader is a zombie before its last thread has closed the
                 // TAP: the new QEMU's TUNSETIFF fails with EBUSY for a moment. Retry that.
                 let mut tries = 0;
@@ -393,6 +384,32 @@ impl Runtime {
                 Ok(vm)
             }
         }
+    }
+
+    /// A QEMU restore's vsock helper (vhost-device-vsock), recorded on row `uid` as soon as it
+    /// runs (a resume and a clone start it the same way). Also the helper alone as a [`Vm`], for
+    /// the caller to kill when a later step fails; on error, the message and what to kill.
+    pub(super) async fn spawn_restore_helper(
+        &self,
+        uid: &str,
+        files: &QemuFiles,
+        guest_cid: u32,
+        cgroups: &[PathBuf],
+        jail: Option<&crate::jail::VmJail>,
+    ) -> Result<(vmm::Proc, Vm), (String, Option<Vm>)> {
+        let vhost = qemu::spawn_vhost(&self.cfg.qemu, files, guest_cid, cgroups, jail)
+            .await
+            .map_err(|e| (e.to_string(), None))?;
+        let helper_only = Vm::Qemu(QemuVm {
+            qemu: vhost,
+            vhost: None,
+            qmp: qemu::Qmp::new(&files.qmp_sock),
+        });
+        self.inventory
+            .set_helper(uid, vhost.pid, vhost.start_time)
+            .await
+            .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+        Ok((vhost, helper_only))
     }
 
     pub(super) async fn refresh_snapshot_gauge(&self) {

@@ -742,18 +742,9 @@ impl Runtime {
     ) -> Result<Vm, (String, Option<Vm>)> {
         let uid = r.uid.clone();
         let files = QemuFiles::in_dir(&r.dir, &r.api_socket, &r.vsock_path, &r.serial_log);
-        let vhost = qemu::spawn_vhost(&self.cfg.qemu, &files, plan.guest_cid, cgroups, jail)
-            .await
-            .map_err(|e| (e.to_string(), None))?;
-        let helper_only = Vm::Qemu(QemuVm {
-            qemu: vhost,
-            vhost: None,
-            qmp: qemu::Qmp::new(&files.qmp_sock),
-        });
-        self.inventory
-            .set_helper(&uid, vhost.pid, vhost.start_time)
-            .await
-            .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+        let (vhost, helper_only) = self
+            .spawn_restore_helper(&uid, &files, plan.guest_cid, cgroups, jail)
+            .await?;
         r.helper_pid = Some(vhost.pid);
         r.helper_start_time = Some(vhost.start_time);
         // The runtime opens the template's memory and hands QEMU the descriptor: a confined
