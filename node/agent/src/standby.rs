@@ -6,8 +6,13 @@
 //! `startFrom: Template` VMs. Templates no pool here wants any more (standby turned off, the
 //! pool gone or changed, the node no longer serving it) are deleted.
 //!
+//! A build runs a VM of the pool's class: it is asked for only when that VM fits beside the
+//! VMs holding a share and the builds in flight (the runtime's dry run says whether a request
+//! would build; [`plan`] decides; docs/snapshots.md "Capacity"), else deferred to a later pass.
+//!
 //! Called by the pre-build loop ([`super::prebuild`]) after its image pre-builds, with the
-//! standby pools it found servable; [`ready_annotation`] and [`unwanted`] are the pure parts.
+//! standby pools it found servable; [`plan`], [`ready_annotation`] and [`unwanted`] are the pure
+//! parts.
 
 use std::collections::{BTreeMap, BTreeSet};
 
