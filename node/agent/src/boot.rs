@@ -6,7 +6,7 @@
 use imp_api::conditions::{self, ConditionStatus};
 use imp_api::names::{self, condition, reason as api_reason};
 use imp_api::{ImpNetwork, ImpVM, ImpVMClass, ImpVMClassSpec, VmPhase};
-use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::api::core::v1::{Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::{Api, ResourceExt};
@@ -22,14 +22,23 @@ use imp_runtime_api::api::VmState;
 use imp_runtime_api::client::ClientError;
 
 /// [`capacity::admit`] on what is true now: the capacity this node offers (its settings and
-/// host, as the heartbeat publishes it), the VMs bound here (but `uid`) that hold a share, sized
-/// by their classes, and the template builds the runtime has in flight.
+/// host) for what its Node publishes, the VMs bound here (but `uid`) that hold a share, sized by
+/// their classes, and the template builds the runtime has in flight.
 async fn admission(
     ctx: &Context,
     uid: &str,
     class: &ImpVMClassSpec,
 ) -> Result<Result<(), String>, Error> {
-    let offered = capacity::offered(&ctx.config.capacity, capacity::HostFacts::read());
+    let nodes: Api<Node> = Api::all(ctx.client.clone());
+    let published = nodes
+        .get_opt(&ctx.config.node_name)
+        .await?
+        .map(|n| n.annotations().clone())
+        .unwrap_or_default();
+    let offered = capacity::limits(
+        capacity::offered(&ctx.config.capacity, capacity::HostFacts::read()),
+        &published,
+    );
     let held = capacity::held(&ctx.client, &ctx.config.node_name, Some(uid)).await?;
     let builds = capacity::builds(&ctx.runtime.capacity().await?);
     Ok(capacity::admit(&offered, &held, &builds, VmSize::of(class)))

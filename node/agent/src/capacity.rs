@@ -110,6 +110,21 @@ pub fn offered(config: &CapacityConfig, host: HostFacts) -> BTreeMap<String, Str
     out
 }
 
+/// The offer for the capacities the Node publishes (`published`, its annotations), the limits
+/// [`admit`] checks against: a capacity not published is not checked (as the scheduler, which
+/// then falls back to the Node's allocatable), and a published one is checked against the offer,
+/// not the published value, which had the builds of its heartbeat subtracted (the builds now are
+/// counted as shares instead).
+pub fn limits(
+    offered: BTreeMap<String, String>,
+    published: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    offered
+        .into_iter()
+        .filter(|(k, _)| published.contains_key(k))
+        .collect()
+}
+
 /// The VMs the runtime's template builds run (queued or running), as shares of the node.
 pub fn builds(runtime: &imp_runtime_api::api::Capacity) -> Vec<VmSize> {
     runtime
@@ -354,6 +369,22 @@ mod tests {
             assert!(!holds_capacity(Some(not)), "{not:?}");
         }
         assert!(!holds_capacity(None));
+    }
+
+    #[test]
+    fn only_published_capacities_are_checked_against_the_offer() {
+        let offer = published("8", "16384");
+        // Published with a build subtracted: the limit is the offer.
+        let on_node = BTreeMap::from([
+            (ANNOTATION_CAPACITY_VCPU.to_owned(), "6".to_owned()),
+            (ANNOTATION_CAPACITY_DISK_MIB.to_owned(), "100".to_owned()),
+        ]);
+        assert_eq!(
+            limits(offer.clone(), &on_node),
+            BTreeMap::from([(ANNOTATION_CAPACITY_VCPU.to_owned(), "8".to_owned())])
+        );
+        // Nothing published (no Node, or not yet): nothing checked.
+        assert!(limits(offer, &BTreeMap::new()).is_empty());
     }
 
     #[test]

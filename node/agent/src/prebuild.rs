@@ -271,12 +271,14 @@ pub async fn run(client: Client, node_name: String, runtime: RuntimeClient, offe
                         .filter(|(_, image)| servable(image, &facts))
                         .filter_map(|(p, _)| StandbyPool::from_pool(p))
                         .collect();
-                    let published = node
-                        .annotations()
-                        .get(imp_api::names::ANNOTATION_TEMPLATES_READY)
-                        .map(String::as_str);
                     let seen = standby::pass(
-                        &client, &runtime, &node_name, published, &standby, &offer, &deferred,
+                        &client,
+                        &runtime,
+                        &node_name,
+                        node.annotations(),
+                        &standby,
+                        &offer,
+                        &deferred,
                     )
                     .await;
                     if seen.building {

@@ -131,18 +131,21 @@ pub fn plan(
 }
 
 /// Ensures the templates of `pools` where the node has room for their builds, deletes those no
-/// longer wanted, and publishes the Ready ones on Node `node_name` (whose current annotation
-/// value is `published`). `offer` is the node's capacity settings; `deferred` the pools the
-/// previous pass deferred (said once, at info).
+/// longer wanted, and publishes the Ready ones on Node `node_name` (whose annotations are
+/// `annotations`). `offer` is the node's capacity settings; `deferred` the pools the previous
+/// pass deferred (said once, at info).
 pub async fn pass(
     client: &Client,
     runtime: &RuntimeClient,
     node_name: &str,
-    published: Option<&str>,
+    annotations: &BTreeMap<String, String>,
     pools: &[StandbyPool],
     offer: &CapacityConfig,
     deferred: &BTreeSet<String>,
 ) -> Outcome {
+    let published = annotations
+        .get(ANNOTATION_TEMPLATES_READY)
+        .map(String::as_str);
     let mut out = Outcome::default();
     let mut ready = BTreeSet::new();
     let mut wanted = BTreeSet::new();
@@ -163,7 +166,7 @@ pub async fn pass(
         .iter()
         .any(|(_, (_, d))| d.as_ref().is_some_and(|d| d.would_build));
     let holdings = if wants_build {
-        holdings(client, runtime, node_name, offer).await
+        holdings(client, runtime, node_name, annotations, offer).await
     } else {
         Ok(Default::default())
     };
@@ -275,12 +278,13 @@ pub async fn pass(
     out
 }
 
-/// What the node offers, the shares its VMs hold and its runtime's builds in flight; Err says
+/// What the node offers (for what its Node publishes), the shares its VMs hold and its runtime's builds in flight; Err says
 /// what could not be read.
 async fn holdings(
     client: &Client,
     runtime: &RuntimeClient,
     node_name: &str,
+    annotations: &BTreeMap<String, String>,
     offer: &CapacityConfig,
 ) -> Result<(BTreeMap<String, String>, Vec<VmSize>, Vec<VmSize>), String> {
     let builds = runtime
@@ -291,7 +295,10 @@ async fn holdings(
         .await
         .map_err(|e| format!("the VMs bound here: {e}"))?;
     Ok((
-        capacity::offered(offer, capacity::HostFacts::read()),
+        capacity::limits(
+            capacity::offered(offer, capacity::HostFacts::read()),
+            annotations,
+        ),
         held,
         capacity::builds(&builds),
     ))
