@@ -813,7 +813,7 @@ async fn a_template_build_waits_for_room_on_the_node() {
     let pool_uid = pool.uid().unwrap();
     let agent_log = || std::fs::read_to_string(node.dir().join("agent.log")).unwrap_or_default();
     let deferred = "the pool's snapshot template waits for room on the node";
-    h.wait("the build deferred for want of room", SLOW, || async {
+    h.wait("the build deferred for want of room", WAIT, || async {
         let this_pool = format!("pool={}/standby ", h.ns);
         agent_log()
             .lines()
