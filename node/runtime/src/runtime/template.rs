@@ -687,12 +687,9 @@ impl Runtime {
             .map_err(|e| (e.to_string(), None))?;
         let vm = Vm::Firecracker(vmm.clone());
         let fail = |m: String| (m, Some(vm.clone()));
-        self.inventory
-            .set_process(&r.uid, vmm.process.pid, vmm.process.start_time)
+        self.record_vmm(r, vmm.process)
             .await
             .map_err(|e| fail(e.to_string()))?;
-        r.pid = Some(vmm.process.pid);
-        r.start_time = Some(vmm.process.start_time);
         vmm.wait_api_ready()
             .await
             .map_err(|e| fail(e.to_string()))?;
@@ -759,12 +756,9 @@ impl Runtime {
         };
         let vm = Vm::Qemu(q.clone());
         let fail = |m: String| (m, Some(vm.clone()));
-        self.inventory
-            .set_process(&uid, proc.pid, proc.start_time)
+        self.record_vmm(r, proc)
             .await
             .map_err(|e| fail(e.to_string()))?;
-        r.pid = Some(proc.pid);
-        r.start_time = Some(proc.start_time);
         self.inventory
             .set_state(&uid, crate::api::VmState::Booting)
             .await
