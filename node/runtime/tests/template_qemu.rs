@@ -92,11 +92,12 @@ struct Inside {
     random: String,
 }
 
-/// What the guest of `c` says about itself.
-async fn whoami(c: &mut HostClient) -> Inside {
+/// What the guest of `c` says about itself, asked by exec `id` (the agent answers a known id
+/// from its exec table, so each asking needs its own).
+async fn whoami(c: &mut HostClient, id: &str) -> Inside {
     let out = ok(
         c,
-        "whoami",
+        id,
         "busybox hostname; busybox cat /etc/machine-id; busybox cat /sys/class/net/eth0/address; \
          busybox ip -4 -o addr show dev eth0 | busybox awk '{print $4}'; \
          busybox head -c 32 /dev/urandom | busybox od -An -tx1 | busybox tr -d ' \\n'; echo",
@@ -278,7 +279,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
             idle_clone_rss = rss_kib(st.pid.unwrap());
         }
         let mut c = guest(&h, &uid).await;
-        let inside = whoami(&mut c).await;
+        let inside = whoami(&mut c, "whoami").await;
         assert_eq!(
             inside.hostname, uid,
             "the hostname a cold boot of the spec would get"
@@ -407,7 +408,8 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     let meta_path = tdir.join("meta.json");
     let mut meta: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&meta_path).unwrap()).unwrap();
-    assert_eq!(meta["vmm"]["version"], built.vmm.as_str(), "{meta}");
+    let recorded = meta["vmm"]["version"].as_str().unwrap().to_string();
+    assert!(built.vmm.starts_with(&recorded), "{meta}");
     meta["vmm"]["version"] = "QEMU emulator version 99.0.0 (imp test)".into();
     std::fs::write(&meta_path, serde_json::to_vec(&meta).unwrap()).unwrap();
     h.start_runtime().await;
@@ -427,7 +429,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
     // A clone suspends and resumes (its vsock device, plugged after the incoming migration,
     // unplugged; the VM migrated to a file) and comes back as itself.
     let mut c = guest(&h, "clone9").await;
-    let before = whoami(&mut c).await;
+    let before = whoami(&mut c, "whoami-suspend").await;
     ok(
         &mut c,
         "mark",
@@ -458,7 +460,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         (&pre.vsock_path, &pre.tap)
     );
     let mut c = guest(&h, "clone9").await;
-    let after = whoami(&mut c).await;
+    let after = whoami(&mut c, "whoami-resumed").await;
     assert_eq!(
         Inside {
             random: String::new(),
