@@ -12,13 +12,13 @@ use super::{Ensured, InFlight, Runtime, RuntimeError, Vm, valid_uid, validate, v
 use crate::api::{Backend, Failure, StartKind, StartReport, VmSpec, VmState, VmStatus};
 use crate::firecracker::jailer::{self, Place};
 use crate::firecracker::{self, BootPlan, VmmFiles};
-use crate::inventory::VmRecord;
+use crate::inventory::{InventoryError, VmRecord};
 use crate::jail::{self, VmJail};
 use crate::metrics::ReasonLabel;
 use crate::qemu::{self, QemuFiles, QemuVm};
 use crate::rootfs::store::ImageSpec;
 use crate::tap;
-use crate::vmm::{self, DriverError, VmPlan};
+use crate::vmm::{self, DriverError, Proc, VmPlan};
 
 /// How long a clone whose restore failed waits for its TAP to be free before booting.
 const TAP_FREE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -587,12 +587,9 @@ impl Runtime {
         let plan = &plan;
         let vm = Vm::Firecracker(vmm.clone());
         let fail = |e| (boot(e), Some(vm.clone()));
-        self.inventory
-            .set_process(&uid, vmm.process.pid, vmm.process.start_time)
+        self.record_vmm(rec, vmm.process)
             .await
             .map_err(|e| (e.into(), Some(vm.clone())))?;
-        rec.pid = Some(vmm.process.pid);
-        rec.start_time = Some(vmm.process.start_time);
         vmm.wait_api_ready().await.map_err(fail)?;
         vmm.configure(&BootPlan::new(plan, |p| files.vmm_path(p)))
             .await
@@ -710,6 +707,22 @@ impl Runtime {
         Ok((vmm, staged))
     }
 
+    /// Record `vmm` as row `r`'s VMM process: in the inventory first (a restart finds it there
+    /// and kills or adopts it), then in `r`. Called as soon as the process exists, before any
+    /// step that can fail.
+    pub(super) async fn record_vmm(
+        &self,
+        r: &mut VmRecord,
+        vmm: Proc,
+    ) -> Result<(), InventoryError> {
+        self.inventory
+            .set_process(&r.uid, vmm.pid, vmm.start_time)
+            .await?;
+        r.pid = Some(vmm.pid);
+        r.start_time = Some(vmm.start_time);
+        Ok(())
+    }
+
     /// Spawn the vsock device, then QEMU (each recorded as soon as it exists), confined to
     /// `jail` when given.
     pub(super) async fn start_qemu(
@@ -751,12 +764,9 @@ impl Runtime {
             vhost: Some(vhost),
             qmp: qemu::Qmp::new(&files.qmp_sock),
         });
-        self.inventory
-            .set_process(&uid, proc.pid, proc.start_time)
+        self.record_vmm(rec, proc)
             .await
             .map_err(|e| (e.into(), Some(vm.clone())))?;
-        rec.pid = Some(proc.pid);
-        rec.start_time = Some(proc.start_time);
         self.inventory
             .set_state(&uid, VmState::Booting)
             .await
