@@ -343,31 +343,11 @@ impl Runtime {
                 let (vhost, helper_only) = self
                     .spawn_restore_helper(r, &files, plan.guest_cid, &procs, jail)
                     .await?;
-                // A killed QEMU's leader is a zombie before its last thread has closed the
-                // TAP: the new QEMU's TUNSETIFF fails with EBUSY for a moment. Retry that.
-                let mut tries = 0;
-                let proc = loop {
-                    match qemu::spawn_qemu_incoming(
-                        &self.cfg.qemu,
-                        &files,
-                        &plan,
-                        &procs,
-                        jail,
-                        &mem,
-                    )
-                    .await
-                    {
-                        Ok(p) => break p,
-                        Err(e)
-                            if tries < TAP_BUSY_RETRIES
-                                && e.to_string().contains("resource busy") =>
-                        {
-                            tries += 1;
-                            tokio::time::sleep(Duration::from_millis(250)).await;
-                        }
-                        Err(e) => return Err((e.to_string(), Some(helper_only.clone()))),
-                    }
-                };
+                // The TAP may stay busy a moment after the old QEMU went: spawn waits for it.
+                let proc =
+                    qemu::spawn_qemu_incoming(&self.cfg.qemu, &files, &plan, &procs, jail, &mem)
+                        .await
+                        .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
                 let q = self.record_restored_qemu(r, &files, proc, vhost).await?;
                 let vm = Vm::Qemu(q.clone());
                 let fail = |m: String| (m, Some(vm.clone()));
@@ -468,9 +448,6 @@ fn private(files: &[PathBuf]) {
 
 /// How long the writer of a QEMU migration stream may take to flush it after QEMU is gone.
 const SNAPSHOT_WRITER_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// Starts of a resuming QEMU retried while its TAP is still busy (250 ms apart).
-const TAP_BUSY_RETRIES: u32 = 120;
 
 /// The files `suspend` writes into a VM's directory (names differ from `snapshot`'s, which
 /// leaves the VM running).
