@@ -163,6 +163,13 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     h.extra_env
         .push(("IMP_JAILER_DOUBLE_KEEP_ROOT".into(), "1".into()));
     h.boot_timeout_secs = 8.0;
+    h.knobs(
+        "silent",
+        Knobs {
+            silent_first_clone: true,
+            ..Knobs::default()
+        },
+    );
     for (uid, knob) in [
         ("refused", ReidentifyKnob::Refuse),
         ("hung", ReidentifyKnob::Hang),
@@ -323,6 +330,25 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     assert_eq!(ids.len(), 3, "{ids:?}");
     let listed = h.client.templates().await.unwrap();
     assert_eq!(listed.iter().find(|t| t.key == key).unwrap().clones, 13);
+
+    // A restored clone that never says Hello (its vsock device never woke up) is restored again,
+    // once, from the template's files in the same jail: still a clone, its wait counted whole.
+    let (st, _) = put(&h, "silent", &spec).await;
+    let start = st.start.clone().unwrap();
+    assert_eq!(
+        (start.from, start.fallback.as_ref()),
+        (StartKind::Clone, None),
+        "{st:?}\n{}",
+        h.runtime_log()
+    );
+    assert!(
+        start.restore_seconds.unwrap() >= 7.0,
+        "the first restore waited out its window (boot timeout 8 s): {start:?}"
+    );
+    assert!(jail_of(&h, "silent").join("vsock.sock.silenced").exists());
+    assert!(h.runtime_log().contains("restoring it again"));
+    assert_eq!(run(&h, "silent", &["uname", "-n"]).await, "silent");
+    h.client.delete("silent").await.unwrap();
 
     // Reidentify refused, then never answered: Failed, never Running, everything released.
     for (uid, why) in [("refused", "refused"), ("hung", "timeout")] {

@@ -58,6 +58,11 @@ pub struct Knobs {
     /// without an identity to manage), or never answer it (the frame is swallowed on its way
     /// in). Test-only.
     pub reidentify: ReidentifyKnob,
+    /// A clone (a loaded snapshot) that finds no `<vsock uds>.silenced` beside its vsock socket
+    /// creates it and starts no guest agent: the runtime's second restore of the VM, in the
+    /// same jail, finds it and answers (a restore whose vsock device never woke up, as a QEMU
+    /// clone's now and then did). Test-only.
+    pub silent_first_clone: bool,
 }
 
 /// See [`Knobs::reidentify`].
@@ -882,6 +887,17 @@ impl Sim {
             return Ok(());
         }
         let knobs = self.knobs.clone();
+        if vm.clone
+            && knobs.silent_first_clone
+            && std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(format!("{uds}.silenced"))
+                .is_ok()
+        {
+            serial("[    0.100000] imp-sim: silent_first_clone: no guest agent this time");
+            return Ok(());
+        }
         if knobs.hang {
             serial("[    0.100000] imp-sim: hanging (no guest agent)");
             return Ok(());

@@ -363,6 +363,8 @@ impl Runtime {
             )
         };
         let mut restores = 0;
+        // A clone restored again reports its whole wait.
+        let restore_began = Instant::now();
         let (vm, spawned_at, deadline, mut announcements) = loop {
             let spawned_at = Instant::now();
             let deadline = spawned_at + self.cfg.boot_timeout;
@@ -416,12 +418,19 @@ impl Runtime {
                                 vm.kill().await;
                                 let _ = std::fs::remove_file(&rec.api_socket);
                                 let _ = std::fs::remove_file(&rec.vsock_path);
-                                if let Some(path) = &rec.writable_disk
-                                    && let Err(message) = Self::clone_writable(src, path)
-                                {
-                                    Err((message, None))
-                                } else {
-                                    continue;
+                                let copied = match &rec.writable_disk {
+                                    Some(path) => Self::clone_writable(src, path).and_then(|_| {
+                                        // The confined VMM opens it as the VM's uid.
+                                        jail.as_ref().map_or(Ok(()), |j| {
+                                            jail::own(path, j.id, 0o600)
+                                                .map_err(|e| format!("own {}: {e}", path.display()))
+                                        })
+                                    }),
+                                    None => Ok(()),
+                                };
+                                match copied {
+                                    Ok(()) => continue,
+                                    Err(message) => Err((message, None)),
                                 }
                             }
                             Err(e) => Err((format!("no guest agent Hello: {e}"), Some(vm))),
@@ -431,7 +440,7 @@ impl Runtime {
                 };
                 match restored {
                     Ok((vm, heard)) => {
-                        let secs = spawned_at.elapsed().as_secs_f64();
+                        let secs = restore_began.elapsed().as_secs_f64();
                         self.metrics.restore_seconds.observe(secs);
                         start.from = StartKind::Clone;
                         start.template = Some(src.key.clone());
