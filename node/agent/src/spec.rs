@@ -180,6 +180,7 @@ fn spec_of(
         extra_boot_args: None,
         network: None,
         from_template: false,
+        warm_paths: Vec::new(),
     })
 }
 

@@ -152,6 +152,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
             attachment: Some(nat_attachment(&net_id, address, GATEWAY)),
         }),
         from_template: true,
+        warm_paths: Vec::new(),
     };
     const ARGS: &str = "imp.report_grace_s=60";
 

@@ -209,6 +209,7 @@ impl Harness {
                 attachment: None,
             }),
             from_template: false,
+            warm_paths: Vec::new(),
         }
     }
 
@@ -668,6 +669,7 @@ pub fn image_vm(base: String, memory_mib: u64, disk_bytes: u64, network: bool) -
             attachment: None,
         }),
         from_template: false,
+        warm_paths: Vec::new(),
     }
 }
 
