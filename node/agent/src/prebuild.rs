@@ -215,6 +215,7 @@ pub fn spawn(client: Client, config: &AgentConfig) -> AbortOnDrop {
         client,
         config.node_name.clone(),
         RuntimeClient::new(config.runtime_socket.clone()),
+        config.template_warm_paths.clone(),
     )))
 }
 
@@ -228,7 +229,12 @@ impl Drop for AbortOnDrop {
 }
 
 /// Watch the pools; after each change (and every [`TICK`]) plan and pre-build. Never returns.
-pub async fn run(client: Client, node_name: String, runtime: RuntimeClient) {
+pub async fn run(
+    client: Client,
+    node_name: String,
+    runtime: RuntimeClient,
+    warm_paths: Vec<String>,
+) {
     let pools: Api<ImpVMRunnerPool> = Api::all(client.clone());
     let (reader, writer) = reflector::store();
     let changed = Arc::new(tokio::sync::Notify::new());
@@ -268,8 +274,15 @@ pub async fn run(client: Client, node_name: String, runtime: RuntimeClient) {
                         .annotations()
                         .get(imp_api::names::ANNOTATION_TEMPLATES_READY)
                         .map(String::as_str);
-                    let seen =
-                        standby::pass(&client, &runtime, &node_name, published, &standby).await;
+                    let seen = standby::pass(
+                        &client,
+                        &runtime,
+                        &node_name,
+                        published,
+                        &standby,
+                        &warm_paths,
+                    )
+                    .await;
                     if seen.building {
                         wait = TEMPLATE_POLL;
                     }

@@ -90,13 +90,14 @@ pub async fn pass(
     node_name: &str,
     published: Option<&str>,
     pools: &[StandbyPool],
+    warm_paths: &[String],
 ) -> Outcome {
     let mut out = Outcome::default();
     let mut ready = BTreeSet::new();
     let mut wanted = BTreeSet::new();
     let mut complete = true;
     for p in pools {
-        match ensure(client, runtime, p).await {
+        match ensure(client, runtime, p, warm_paths).await {
             Ok(t) => {
                 wanted.insert(t.key.clone());
                 match t.state {
@@ -166,11 +167,13 @@ pub async fn pass(
     out
 }
 
-/// The pool's template spec on this node (its class, its first pull Secret), asked for.
+/// The pool's template spec on this node (its class, its first pull Secret, the agent's warm
+/// paths), asked for.
 async fn ensure(
     client: &Client,
     runtime: &RuntimeClient,
     p: &StandbyPool,
+    warm_paths: &[String],
 ) -> Result<TemplateStatus, TemplateError> {
     let classes: Api<ImpVMClass> = Api::all(client.clone());
     let class_name = &p.template.class_ref.name;
@@ -187,7 +190,7 @@ async fn ensure(
             .ok_or_else(|| TemplateError::SecretMissing(format!("{}/{}", p.namespace, r.name)))?;
         pull.push(s);
     }
-    let spec = spec::template_spec(&p.template, &class.spec, &pull)?;
+    let spec = spec::template_spec(&p.template, &class.spec, &pull, warm_paths)?;
     Ok(runtime.ensure_template(&spec).await?)
 }
 
@@ -204,6 +207,7 @@ mod tests {
             build_seconds: None,
             clones: 0,
             failure: None,
+            warm: None,
         }
     }
 
