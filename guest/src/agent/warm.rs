@@ -88,7 +88,8 @@ const CHUNK: usize = 1 << 20;
 
 /// Walk the plan's roots depth first in name order (a truncated walk reads the same files each
 /// time), reading every regular file to its end or to the byte bound. Never follows a symlink,
-/// never leaves a root's filesystem (no /proc or /sys under a `/`). Blocking.
+/// never enters a directory of another filesystem than its root's (no /proc or /sys under a
+/// `/`). Blocking.
 pub fn run(plan: &Plan) -> Warmed {
     let started = Instant::now();
     let mut left = Budget {
@@ -113,7 +114,8 @@ pub fn run(plan: &Plan) -> Warmed {
         let mut stack = vec![(root.clone(), meta)];
         while let Some((path, meta)) = stack.pop() {
             let ft = meta.file_type();
-            if meta.dev() != dev || !(ft.is_dir() || ft.is_file()) {
+            // Directories only: overlayfs reports its lower layers' device for files.
+            if (ft.is_dir() && meta.dev() != dev) || !(ft.is_dir() || ft.is_file()) {
                 out.skipped += 1;
             } else if ft.is_file() {
                 if left.files == 0 {

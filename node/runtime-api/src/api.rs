@@ -293,6 +293,10 @@ pub struct WarmReport {
     /// A bound (bytes, files) stopped the guest before every file was read.
     #[serde(default)]
     pub truncated: bool,
+    /// Entries the guest skipped: symlinks, special files, directories of other filesystems,
+    /// unreadable or missing ones.
+    #[serde(default)]
+    pub skipped: u64,
     /// Why nothing was warmed although asked (a guest too old to know `warm`, no answer in
     /// time): the template was built anyway, cold.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1155,6 +1155,7 @@ impl Runtime {
                         bytes = r.bytes,
                         millis = r.millis,
                         truncated = r.truncated,
+                        skipped = r.skipped,
                         "template page cache warmed"
                     ),
                     Some(e) => {

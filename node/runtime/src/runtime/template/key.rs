@@ -202,6 +202,7 @@ pub fn judge_warm(answer: Result<Warmed, HostError>) -> WarmVerdict {
             bytes: 0,
             millis: 0,
             truncated: false,
+            skipped: 0,
             error: Some(why),
         })
     };
@@ -211,6 +212,7 @@ pub fn judge_warm(answer: Result<Warmed, HostError>) -> WarmVerdict {
             bytes: w.bytes,
             millis: w.millis,
             truncated: w.truncated,
+            skipped: w.skipped,
             error: None,
         }),
         Err(HostError::Guest(e)) if e.code == ErrorCode::UnknownType => {
@@ -421,6 +423,7 @@ mod tests {
                 bytes: 10,
                 millis: 2,
                 truncated: true,
+                skipped: 1,
                 error: None
             })
         );
