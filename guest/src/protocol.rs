@@ -255,8 +255,14 @@ pub enum HostToGuest {
 
 impl HostToGuest {
     /// Every `type` value of this direction, for telling an unknown type from a malformed one.
-    pub const TYPES: &'static [&'static str] =
-        &["exec", "http_probe", "metrics", "shutdown", "reidentify", "warm"];
+    pub const TYPES: &'static [&'static str] = &[
+        "exec",
+        "http_probe",
+        "metrics",
+        "shutdown",
+        "reidentify",
+        "warm",
+    ];
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

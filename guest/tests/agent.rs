@@ -636,7 +636,11 @@ async fn warm_reads_a_tree_names_bad_fields_and_leaves_the_identity_alone() {
         .warm(req(vec![root.display().to_string()]))
         .await
         .unwrap();
-    assert_eq!((w.files, w.bytes, w.truncated, w.skipped), (2, 300_010, false, 1), "{w:?}");
+    assert_eq!(
+        (w.files, w.bytes, w.truncated, w.skipped),
+        (2, 300_010, false, 1),
+        "{w:?}"
+    );
     match client.warm(req(vec!["runner".into()])).await {
         Err(HostError::Guest(e)) => {
             assert_eq!(e.code, ErrorCode::InvalidRequest);

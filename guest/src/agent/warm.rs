@@ -206,7 +206,10 @@ mod tests {
             edit(&mut w);
             let e = plan(&w).unwrap_err();
             assert_eq!(e.field, field, "{e}");
-            assert!(e.to_string().starts_with(&format!("warm: {field}: ")), "{e}");
+            assert!(
+                e.to_string().starts_with(&format!("warm: {field}: ")),
+                "{e}"
+            );
         }
         let e = plan(&req(&["/ok", "relative"])).unwrap_err();
         assert!(e.reason.starts_with("[1]: "), "{e}");
@@ -227,7 +230,10 @@ mod tests {
 
     #[test]
     fn the_budget_bounds_bytes_and_files() {
-        let b = Budget { bytes: 10, files: 2 };
+        let b = Budget {
+            bytes: 10,
+            files: 2,
+        };
         assert_eq!((b.take(4), b.take(40), b.take(0)), (4, 10, 0));
     }
 

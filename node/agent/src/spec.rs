@@ -254,7 +254,10 @@ mod tests {
         let s = vm_spec(
             &vm(json!({"runnerImage": "reg.example/runner:2"})),
             &class(Some(10)),
-            &[], None, &[])
+            &[],
+            None,
+            &[],
+        )
         .unwrap();
         assert_eq!(s.vcpu, 2);
         assert_eq!(s.memory_mib, 2048);
@@ -271,12 +274,21 @@ mod tests {
     fn start_from_template_asks_the_runtime_for_a_clone() {
         let boot = vm_spec(&vm(json!({})), &class(None), &[], None, &[]).unwrap();
         assert!(!boot.from_template);
-        let explicit = vm_spec(&vm(json!({"startFrom": "Boot"})), &class(None), &[], None, &[]);
+        let explicit = vm_spec(
+            &vm(json!({"startFrom": "Boot"})),
+            &class(None),
+            &[],
+            None,
+            &[],
+        );
         assert!(!explicit.unwrap().from_template);
         let clone = vm_spec(
             &vm(json!({"startFrom": "Template"})),
             &class(None),
-            &[], None, &[]);
+            &[],
+            None,
+            &[],
+        );
         assert!(clone.unwrap().from_template);
     }
 
@@ -427,7 +439,10 @@ mod tests {
         let s = vm_spec(
             &vm(json!({})),
             &class(None),
-            &[pull_secret(DOCKERCONFIGJSON_KEY, cfg)], None, &[])
+            &[pull_secret(DOCKERCONFIGJSON_KEY, cfg)],
+            None,
+            &[],
+        )
         .unwrap();
         let creds = s.image.as_ref().unwrap().credentials.as_ref().unwrap();
         match creds {
@@ -443,7 +458,10 @@ mod tests {
             vm_spec(
                 &vm(json!({})),
                 &class(None),
-                &[pull_secret("other", "x")], None, &[])
+                &[pull_secret("other", "x")],
+                None,
+                &[]
+            )
             .unwrap_err(),
             SpecError::NoDockerConfig("pull".into())
         );

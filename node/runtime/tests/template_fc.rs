@@ -607,7 +607,13 @@ async fn a_template_warms_its_paths_before_the_snapshot_and_reports_them() {
     let warm = built.warm.clone().expect("a warm report");
     let bytes: usize = files.iter().map(|f| f.1).sum();
     assert_eq!(
-        (warm.files, warm.bytes, warm.truncated, warm.skipped, warm.error),
+        (
+            warm.files,
+            warm.bytes,
+            warm.truncated,
+            warm.skipped,
+            warm.error
+        ),
         (3, bytes as u64, false, 1, None),
         "the symlink skipped: {built:?}"
     );
@@ -616,7 +622,10 @@ async fn a_template_warms_its_paths_before_the_snapshot_and_reports_them() {
     )
     .unwrap();
     assert_eq!(meta["warm"]["files"], 3, "{meta}");
-    assert_eq!(meta["inputs"]["warm_paths"][0], runner.display().to_string());
+    assert_eq!(
+        meta["inputs"]["warm_paths"][0],
+        runner.display().to_string()
+    );
     assert!(
         h.runtime_log().contains("template page cache warmed"),
         "{}",
@@ -642,7 +651,11 @@ async fn a_template_warms_its_paths_before_the_snapshot_and_reports_them() {
         ..spec.clone()
     };
     let e = h.client.ensure_template(&bad).await.unwrap_err();
-    assert_eq!(e.reason(), Some(imp_api::names::reason::INVALID_SPEC), "{e}");
+    assert_eq!(
+        e.reason(),
+        Some(imp_api::names::reason::INVALID_SPEC),
+        "{e}"
+    );
     assert!(e.to_string().contains("warm_paths"), "{e}");
 
     for k in [&key, &cold_key] {

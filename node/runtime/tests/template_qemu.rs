@@ -573,7 +573,12 @@ async fn a_warm_template_holds_its_image_s_files_in_the_page_cache() {
     );
     let warm = built.warm.clone().expect("a warm report");
     assert_eq!(
-        (warm.files, warm.bytes, warm.truncated, warm.error.as_deref()),
+        (
+            warm.files,
+            warm.bytes,
+            warm.truncated,
+            warm.error.as_deref()
+        ),
         (FILES as u64, (FILES * FILE_BYTES) as u64, false, None),
         "{built:?}"
     );
@@ -591,7 +596,12 @@ async fn a_warm_template_holds_its_image_s_files_in_the_page_cache() {
     let cold_again = timed(&mut c, "read2", read).await;
     for i in 0..3 {
         // The Exec's own shell is read back first (it was dropped too): a no-op before each.
-        ok(&mut c, &format!("drop{i}"), "busybox sync; echo 3 > /proc/sys/vm/drop_caches").await;
+        ok(
+            &mut c,
+            &format!("drop{i}"),
+            "busybox sync; echo 3 > /proc/sys/vm/drop_caches",
+        )
+        .await;
         timed(&mut c, &format!("noop{i}"), "true").await;
         cold_reads.push(timed(&mut c, &format!("cold{i}"), read).await);
     }

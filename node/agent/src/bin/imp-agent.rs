@@ -47,7 +47,11 @@ struct Args {
     /// Guest paths a standby pool's snapshot template reads into its page cache before the
     /// snapshot (repeatable; env: comma-separated). Default: /opt/actions-runner and
     /// --runner-command (when it is a path).
-    #[arg(long = "template-warm-path", env = "IMP_TEMPLATE_WARM_PATHS", value_delimiter = ',')]
+    #[arg(
+        long = "template-warm-path",
+        env = "IMP_TEMPLATE_WARM_PATHS",
+        value_delimiter = ','
+    )]
     template_warm_path: Vec<String>,
     /// Warm templates' page cache at all (false: snapshots are taken without reading anything).
     #[arg(long, env = "IMP_TEMPLATE_WARM", default_value_t = true, action = clap::ArgAction::Set,

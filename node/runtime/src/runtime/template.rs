@@ -1137,15 +1137,14 @@ impl Runtime {
             max_files: WARM_DEFAULT_FILES,
         };
         let deadline = Instant::now() + WARM_TIMEOUT;
-        let answer = match imp_guest::host::connect(&rec.vsock_path, AGENT_VSOCK_PORT, deadline)
-            .await
-        {
-            Ok(mut guest) => {
-                guest.set_answer_timeout(WARM_TIMEOUT);
-                guest.warm(req).await
-            }
-            Err(e) => Err(e),
-        };
+        let answer =
+            match imp_guest::host::connect(&rec.vsock_path, AGENT_VSOCK_PORT, deadline).await {
+                Ok(mut guest) => {
+                    guest.set_answer_timeout(WARM_TIMEOUT);
+                    guest.warm(req).await
+                }
+                Err(e) => Err(e),
+            };
         match key::judge_warm(answer) {
             key::WarmVerdict::Snapshot(r) => {
                 match &r.error {
