@@ -43,6 +43,7 @@ const REIDENTIFY_TIMEOUT: Duration = Duration::from_secs(60);
 const ENTROPY_BYTES: usize = 64;
 /// How long a build VM's guest may take to warm its page cache (then it is snapshotted cold).
 const WARM_TIMEOUT: Duration = Duration::from_secs(300);
+const WARM_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the migration's writer may hold a template's memory file after QEMU is gone.
 const WRITER_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -960,7 +961,8 @@ impl Runtime {
         }
     }
 
-    /// Boot a VM of the template spec without identity, wait for its guest agent, migrate it
+    /// Boot a VM of the template spec without identity, wait for its guest agent, warm its
+    /// page cache (`warm_template`, a spec with `warm_paths`), migrate it
     /// into `<templates>/<key>.building/mem` with its writable drive, stop it; then the
     /// directory becomes `<templates>/<key>` with `meta.json`. Whatever fails, the build VM's
     /// process, TAP, cgroup and directory go.
@@ -1136,7 +1138,8 @@ impl Runtime {
             max_bytes: key::warm_max_bytes(spec.memory_mib),
             max_files: WARM_DEFAULT_FILES,
         };
-        let deadline = Instant::now() + WARM_TIMEOUT;
+        // The guest said Hello moments ago: a connect that takes long finds a dead guest.
+        let deadline = Instant::now() + WARM_CONNECT_TIMEOUT;
         let answer =
             match imp_guest::host::connect(&rec.vsock_path, AGENT_VSOCK_PORT, deadline).await {
                 Ok(mut guest) => {
