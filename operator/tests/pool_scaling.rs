@@ -442,7 +442,11 @@ async fn a_finished_runner_keeps_its_vm_until_its_exit_is_recorded() {
         }
     })
     .await;
-    assert!(observed.is_ok() && job_phases() == 1.0, "{}", h.metrics_text());
+    assert!(
+        observed.is_ok() && job_phases() == 1.0,
+        "{}",
+        h.metrics_text()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

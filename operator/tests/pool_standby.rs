@@ -22,8 +22,8 @@ use axum::routing::{get, put};
 use imp_api::names::{ANNOTATION_TEMPLATES_READY, reason};
 use imp_api::{StartFrom, StartedFrom, VmPhase};
 use imp_runtime_api::api::{
-    Capacity, ErrorBody, Failure, PrebuildStatus, StartKind, StartReport, TemplateList,
-    TemplateState, TemplateStatus, VmList, VmSpec, VmState, VmStatus,
+    ErrorBody, Failure, PrebuildStatus, StartKind, StartReport, TemplateList, TemplateState,
+    TemplateStatus, VmList, VmSpec, VmState, VmStatus,
 };
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -148,10 +148,9 @@ fn fake_runtime(socket: &Path, state: Shared) -> tokio::task::JoinHandle<()> {
         .route(
             "/v1/capacity",
             get(|| async {
-                Json(Capacity {
-                    writable_budget_bytes: 64 << 30,
-                    writable_used_bytes: 0,
-                })
+                // No template fields: as a runtime that predates them answers (and no
+                // `POST /v1/templates/dry-run`: the agent asks for templates as before).
+                Json(json!({"writable_budget_bytes": 64u64 << 30, "writable_used_bytes": 0}))
             }),
         )
         .route(
@@ -440,6 +439,18 @@ async fn start_node(
     registry: &imp_testkit::registry::Registry,
     jailed: bool,
 ) -> imp_testkit::simnode::SimNode {
+    start_sized_node(h, bins, node_name, registry, jailed, (4, 8192)).await
+}
+
+/// [`start_node`] offering `(vcpu, memory_mib)` to VMs.
+async fn start_sized_node(
+    h: &PoolHarness,
+    bins: &imp_testkit::simnode::SimNodeBinaries,
+    node_name: &str,
+    registry: &imp_testkit::registry::Registry,
+    jailed: bool,
+    (vcpu, memory_mib): (u32, u64),
+) -> imp_testkit::simnode::SimNode {
     imp_testkit::simnode::SimNode::start(
         bins,
         &imp_testkit::simnode::SimNodeOptions {
@@ -447,8 +458,8 @@ async fn start_node(
             lease_namespace: h.ns.clone(),
             kubeconfig: h.env.kubeconfig_path().to_path_buf(),
             registry: registry.host(),
-            capacity_vcpu: 4,
-            capacity_memory_mib: 8192,
+            capacity_vcpu: vcpu,
+            capacity_memory_mib: memory_mib,
             writable_budget_bytes: 16 << 30,
             jailed,
         },
@@ -750,4 +761,118 @@ async fn on_a_jailed_node_each_job_runs_on_a_clone_of_the_pools_template() {
          at {:.1?}",
         started.elapsed()
     );
+}
+
+/// Issue 32: a template build runs a VM of the pool's class, so the agent asks for one only when
+/// the node has room for it beside the VMs holding a share. On a jailed node offering exactly one
+/// VM of the class, a running VM leaves no room: the standby pool's build is deferred (the
+/// runtime builds nothing, the agent says why once); once that VM is gone, the next pass asks
+/// for it and the template is built and published Ready. Skipped as the test above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_build_waits_for_room_on_the_node() {
+    use imp_testkit::simnode::{SimNode, SimNodeBinaries};
+    const SLOW: Duration = Duration::from_secs(180);
+    if !SimNode::can_jail() {
+        imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "a template build waiting for room on a jailed simulated node",
+            "not root (the jailer switches uids, makes device nodes and namespaces)",
+        );
+        return;
+    }
+    let Some(registry) = registry_or_skip("a template build waiting for room").await else {
+        return;
+    };
+    let bins = SimNodeBinaries::locate().expect("imp-runtime, imp-agent and the simulators");
+    let mut h = PoolHarness::start("pool-standby-room").await;
+    // The class is 1 vCPU, 2048 MiB: the node has room for one.
+    let class = h.add_agent_nodes(1).await;
+    let node_name = format!("{}-n0", h.ns);
+    let node = start_sized_node(&h, &bins, &node_name, &registry, true, (1, 2048)).await;
+    let image = format!("{}/ci/base:1", registry.host());
+    let holder = imp_testkit::fixtures::vm("holder")
+        .namespace(&h.ns)
+        .class(&class)
+        .image(&image)
+        .persistent()
+        .build();
+    h.vms().create(&Default::default(), &holder).await.unwrap();
+    bind(&h, "holder", &node_name).await;
+    h.wait("the holder VM Running", SLOW, || async {
+        let st = h.vms().get_opt("holder").await.ok()??.status?;
+        assert_ne!(st.phase, Some(VmPhase::Failed), "{st:?}\n{}", node.logs(40));
+        (st.phase == Some(VmPhase::Running)).then_some(())
+    })
+    .await;
+
+    let pool = standby_pool(&h, &class, &registry)
+        .min_idle(0)
+        .max_runners(1)
+        .standby(true)
+        .build();
+    let pool = h.pools().create(&Default::default(), &pool).await.unwrap();
+    let pool_uid = pool.uid().unwrap();
+    let agent_log = || std::fs::read_to_string(node.dir().join("agent.log")).unwrap_or_default();
+    let deferred = "the pool's snapshot template waits for room on the node";
+    h.wait("the build deferred for want of room", WAIT, || async {
+        let this_pool = format!("pool={}/standby ", h.ns);
+        agent_log()
+            .lines()
+            .any(|l| l.contains(deferred) && l.contains(&this_pool))
+            .then_some(())
+    })
+    .await;
+    // Passes go on (every 5 s while deferred): none starts a build.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let templates = node.state_dir().join("templates");
+    let held: Vec<_> = std::fs::read_dir(&templates)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(held.is_empty(), "a build started without room: {held:?}");
+    // (Other tests' pools share the API server and may be servable here: this pool's lines.)
+    let this_pool = format!("pool={}/standby ", h.ns);
+    let lines: Vec<String> = agent_log()
+        .lines()
+        .filter(|l| l.contains(deferred) && l.contains(&this_pool))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(lines.len(), 1, "said once:\n{}", node.logs(40));
+    assert!(
+        lines[0].contains(
+            "the VM's 1 vCPU do not fit: the node publishes 1 (imp.dev/capacity-vcpu), 1 held by \
+             1 other VM"
+        ),
+        "{}",
+        node.logs(40)
+    );
+    let nodes: Api<Node> = Api::all(h.client.clone());
+    let n = nodes.get(&node_name).await.unwrap();
+    assert!(!n.annotations().contains_key(ANNOTATION_TEMPLATES_READY));
+
+    // The VM goes: room, and the next pass has the template built.
+    h.vms().delete("holder", &Default::default()).await.unwrap();
+    h.wait(
+        "the node reporting the pool's template Ready",
+        SLOW,
+        || async {
+            let n = nodes.get(&node_name).await.ok()?;
+            n.annotations()
+                .get(ANNOTATION_TEMPLATES_READY)?
+                .split(',')
+                .any(|u| u == pool_uid)
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(h.vms().get_opt("holder").await.unwrap().is_none());
+
+    h.pools()
+        .delete("standby", &Default::default())
+        .await
+        .unwrap();
+    h.wait("the node empty", SLOW, || async {
+        (node.vm_dirs() == 0 && node.jail_dirs() == 0 && node.vm_processes().is_empty())
+            .then_some(())
+    })
+    .await;
 }

@@ -9,7 +9,7 @@ use imp_api::{ImpNetwork, ImpVM, ImpVMClass, ImpVMClassSpec, VmPhase};
 use k8s_openapi::api::core::v1::{Node, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
-use kube::{Api, ResourceExt, api::ListParams};
+use kube::{Api, ResourceExt};
 use tracing::info;
 
 use super::binding::{self, Unbound};
@@ -21,44 +21,27 @@ use super::status::{self, Guard, Written};
 use imp_runtime_api::api::VmState;
 use imp_runtime_api::client::ClientError;
 
-/// [`capacity::admit`] on what the API server says now: the capacity published on this node's
-/// Node, and the VMs bound here (but `uid`) that hold a share, sized by their classes.
+/// [`capacity::admit`] on what is true now: the capacity this node offers (its settings and
+/// host) for what its Node publishes, the VMs bound here (but `uid`) that hold a share, sized by
+/// their classes, and the template builds the runtime has in flight.
 async fn admission(
     ctx: &Context,
     uid: &str,
     class: &ImpVMClassSpec,
 ) -> Result<Result<(), String>, Error> {
-    let node_name = &ctx.config.node_name;
     let nodes: Api<Node> = Api::all(ctx.client.clone());
     let published = nodes
-        .get_opt(node_name)
+        .get_opt(&ctx.config.node_name)
         .await?
         .map(|n| n.annotations().clone())
         .unwrap_or_default();
-    let vms: Api<ImpVM> = Api::all(ctx.client.clone());
-    let bound = vms
-        .list(&ListParams::default().fields(&format!("spec.nodeName={node_name}")))
-        .await?;
-    let classes: Api<ImpVMClass> = Api::all(ctx.client.clone());
-    let classes = classes.list(&ListParams::default()).await?;
-    let size = |c: &ImpVMClassSpec| VmSize {
-        vcpu: c.vcpu,
-        memory_mib: u64::from(c.memory_mib),
-    };
-    let held: Vec<VmSize> = bound
-        .items
-        .iter()
-        .filter(|v| v.uid().as_deref() != Some(uid))
-        .filter(|v| capacity::holds_capacity(v.status.as_ref().and_then(|s| s.phase)))
-        .filter_map(|v| {
-            let class = classes
-                .items
-                .iter()
-                .find(|c| c.name_any() == v.spec.class_ref.name)?;
-            Some(size(&class.spec))
-        })
-        .collect();
-    Ok(capacity::admit(&published, &held, size(class)))
+    let offered = capacity::limits(
+        capacity::offered(&ctx.config.capacity, capacity::HostFacts::read()),
+        &published,
+    );
+    let held = capacity::held(&ctx.client, &ctx.config.node_name, Some(uid)).await?;
+    let builds = capacity::builds(&ctx.runtime.capacity().await?);
+    Ok(capacity::admit(&offered, &held, &builds, VmSize::of(class)))
 }
 
 /// Starting (+bootStartTime), PUT the spec, then Running (+times, Ready) or Failed.

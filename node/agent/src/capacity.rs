@@ -92,13 +92,10 @@ pub fn parse_mem_total_mib(meminfo: &str) -> Option<u64> {
     Some(kib / 1024)
 }
 
-/// The annotations to publish. A value that can be known neither from the settings nor from the
-/// host is left out (the scheduler then falls back to the Node's allocatable) rather than guessed.
-pub fn annotations(
-    config: &CapacityConfig,
-    host: HostFacts,
-    runtime: &imp_runtime_api::api::Capacity,
-) -> BTreeMap<String, String> {
+/// What the node offers VMs before template builds (vCPU and memory annotations), from the
+/// settings or the host. A value that can be known neither way is left out (the scheduler then
+/// falls back to the Node's allocatable) rather than guessed.
+pub fn offered(config: &CapacityConfig, host: HostFacts) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     if let Some(v) = config.vcpu.or(host.cpus) {
         out.insert(ANNOTATION_CAPACITY_VCPU.to_owned(), v.to_string());
@@ -109,6 +106,58 @@ pub fn annotations(
     });
     if let Some(m) = memory {
         out.insert(ANNOTATION_CAPACITY_MEMORY_MIB.to_owned(), m.to_string());
+    }
+    out
+}
+
+/// The offer for the capacities the Node publishes (`published`, its annotations), the limits
+/// [`admit`] checks against: a capacity not published is not checked (as the scheduler, which
+/// then falls back to the Node's allocatable), and a published one is checked against the offer,
+/// not the published value, which had the builds of its heartbeat subtracted (the builds now are
+/// counted as shares instead).
+pub fn limits(
+    offered: BTreeMap<String, String>,
+    published: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    offered
+        .into_iter()
+        .filter(|(k, _)| published.contains_key(k))
+        .collect()
+}
+
+/// The VMs the runtime's template builds run (queued or running), as shares of the node.
+pub fn builds(runtime: &imp_runtime_api::api::Capacity) -> Vec<VmSize> {
+    runtime
+        .template_builds
+        .iter()
+        .map(|b| VmSize {
+            vcpu: b.vcpu,
+            memory_mib: b.memory_mib,
+        })
+        .collect()
+}
+
+/// The annotations to publish: what the node offers minus what the runtime's template builds
+/// take (nothing else counts their VMs: the scheduler sees a build within one heartbeat), and
+/// the runtime's writable-drive budget.
+pub fn annotations(
+    config: &CapacityConfig,
+    host: HostFacts,
+    runtime: &imp_runtime_api::api::Capacity,
+) -> BTreeMap<String, String> {
+    let mut out = offered(config, host);
+    let building = builds(runtime);
+    let vcpu: u64 = building.iter().map(|b| u64::from(b.vcpu)).sum();
+    let memory: u64 = building.iter().map(|b| b.memory_mib).sum();
+    for (key, minus) in [
+        (ANNOTATION_CAPACITY_VCPU, vcpu),
+        (ANNOTATION_CAPACITY_MEMORY_MIB, memory),
+    ] {
+        if let Some(v) = out.get_mut(key)
+            && let Ok(n) = v.parse::<u64>()
+        {
+            *v = n.saturating_sub(minus).to_string();
+        }
     }
     out.insert(
         ANNOTATION_CAPACITY_DISK_MIB.to_owned(),
@@ -138,6 +187,15 @@ pub struct VmSize {
     pub memory_mib: u64,
 }
 
+impl VmSize {
+    pub fn of(class: &imp_api::ImpVMClassSpec) -> Self {
+        VmSize {
+            vcpu: class.vcpu,
+            memory_mib: u64::from(class.memory_mib),
+        }
+    }
+}
+
 /// The phases in which a VM holds its share of the node: from Starting (written before the
 /// runtime is asked) until it stops; Scheduled ones have not passed [`admit`] yet.
 pub fn holds_capacity(phase: Option<VmPhase>) -> bool {
@@ -154,31 +212,42 @@ pub fn holds_capacity(phase: Option<VmPhase>) -> bool {
 }
 
 /// The agent's own admission, independent of the scheduler (a user may bind a VM to the node,
-/// or write its phase, past the operator's checks): `vm` is refused when, with the VMs that
-/// already hold a share (`held`), it would exceed the vCPUs or memory the node publishes
-/// (`published`, the Node's annotations). A capacity not published is not checked (as the
-/// scheduler, which then falls back to the Node's allocatable). Err is the refusal's message.
+/// or write its phase, past the operator's checks), and the gate of a template build: `vm` is
+/// refused when, with the VMs that already hold a share (`held`) and the template builds in
+/// flight (`builds`), it would exceed the vCPUs or memory the node offers (`offered`, see
+/// [`offered`]: what it publishes when nothing builds). A capacity not offered is not checked
+/// (as the scheduler, which then falls back to the Node's allocatable). Err is the refusal's
+/// message.
 pub fn admit(
-    published: &BTreeMap<String, String>,
+    offered: &BTreeMap<String, String>,
     held: &[VmSize],
+    builds: &[VmSize],
     vm: VmSize,
 ) -> Result<(), String> {
-    let read = |key: &str| {
-        published
-            .get(key)
-            .and_then(|v| v.trim().parse::<u64>().ok())
+    let read = |key: &str| offered.get(key).and_then(|v| v.trim().parse::<u64>().ok());
+    let all = || held.iter().chain(builds);
+    let used_vcpu: u64 = all().map(|h| u64::from(h.vcpu)).sum();
+    let used_mem: u64 = all().map(|h| h.memory_mib).sum();
+    let count = |n: usize, one: &str, many: &str| match n {
+        1 => format!("1 {one}"),
+        n => format!("{n} {many}"),
     };
-    let used_vcpu: u64 = held.iter().map(|h| u64::from(h.vcpu)).sum();
-    let used_mem: u64 = held.iter().map(|h| h.memory_mib).sum();
-    let others = match held.len() {
-        1 => "1 other VM".to_owned(),
-        n => format!("{n} other VMs"),
+    let mut others = count(held.len(), "other VM", "other VMs");
+    // What the node offers is what it publishes only while nothing builds.
+    let offers = if builds.is_empty() {
+        "publishes"
+    } else {
+        others += &format!(
+            " and {}",
+            count(builds.len(), "template build", "template builds")
+        );
+        "offers"
     };
     if let Some(cap) = read(ANNOTATION_CAPACITY_VCPU)
         && used_vcpu + u64::from(vm.vcpu) > cap
     {
         return Err(format!(
-            "the VM's {} vCPU do not fit: the node publishes {cap} ({ANNOTATION_CAPACITY_VCPU}), \
+            "the VM's {} vCPU do not fit: the node {offers} {cap} ({ANNOTATION_CAPACITY_VCPU}), \
              {used_vcpu} held by {others}",
             vm.vcpu
         ));
@@ -187,12 +256,41 @@ pub fn admit(
         && used_mem + vm.memory_mib > cap
     {
         return Err(format!(
-            "the VM's {} MiB do not fit: the node publishes {cap} MiB \
+            "the VM's {} MiB do not fit: the node {offers} {cap} MiB \
              ({ANNOTATION_CAPACITY_MEMORY_MIB}), {used_mem} MiB held by {others}",
             vm.memory_mib
         ));
     }
     Ok(())
+}
+
+/// The shares held by the VMs bound to `node` (but `except`): those in a phase that
+/// [`holds_capacity`], sized by their classes.
+pub async fn held(
+    client: &kube::Client,
+    node: &str,
+    except: Option<&str>,
+) -> Result<Vec<VmSize>, kube::Error> {
+    use kube::ResourceExt as _;
+    let vms: Api<imp_api::ImpVM> = Api::all(client.clone());
+    let bound = vms
+        .list(&kube::api::ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?;
+    let classes: Api<imp_api::ImpVMClass> = Api::all(client.clone());
+    let classes = classes.list(&kube::api::ListParams::default()).await?;
+    Ok(bound
+        .items
+        .iter()
+        .filter(|v| except.is_none() || v.uid().as_deref() != except)
+        .filter(|v| holds_capacity(v.status.as_ref().and_then(|s| s.phase)))
+        .filter_map(|v| {
+            let class = classes
+                .items
+                .iter()
+                .find(|c| c.name_any() == v.spec.class_ref.name)?;
+            Some(VmSize::of(&class.spec))
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -213,32 +311,40 @@ mod tests {
     #[test]
     fn a_vm_beyond_the_published_capacity_is_refused_naming_what_does_not_fit() {
         let p = published("4", "8192");
-        assert_eq!(admit(&p, &[size(2, 4096)], size(2, 4096)), Ok(()));
+        assert_eq!(admit(&p, &[size(2, 4096)], &[], size(2, 4096)), Ok(()));
         assert_eq!(
-            admit(&p, &[size(2, 1024), size(1, 1024)], size(2, 1024)).unwrap_err(),
+            admit(&p, &[size(2, 1024), size(1, 1024)], &[], size(2, 1024)).unwrap_err(),
             "the VM's 2 vCPU do not fit: the node publishes 4 (imp.dev/capacity-vcpu), 3 held by 2 \
              other VMs"
         );
         assert_eq!(
-            admit(&p, &[size(1, 8000)], size(1, 256)).unwrap_err(),
+            admit(&p, &[size(1, 8000)], &[], size(1, 256)).unwrap_err(),
             "the VM's 256 MiB do not fit: the node publishes 8192 MiB \
              (imp.dev/capacity-memory-mib), 8000 MiB held by 1 other VM"
         );
         // Alone and too big.
-        assert!(admit(&p, &[], size(5, 1)).is_err());
+        assert!(admit(&p, &[], &[], size(5, 1)).is_err());
     }
 
     #[test]
     fn what_is_not_published_is_not_checked() {
         assert_eq!(
-            admit(&BTreeMap::new(), &[size(64, 1 << 20)], size(64, 1 << 20)),
+            admit(
+                &BTreeMap::new(),
+                &[size(64, 1 << 20)],
+                &[],
+                size(64, 1 << 20)
+            ),
             Ok(())
         );
         let only_cpu = BTreeMap::from([(ANNOTATION_CAPACITY_VCPU.to_owned(), "2".to_owned())]);
-        assert_eq!(admit(&only_cpu, &[], size(2, 1 << 30)), Ok(()));
-        assert!(admit(&only_cpu, &[], size(3, 1)).is_err());
+        assert_eq!(admit(&only_cpu, &[], &[], size(2, 1 << 30)), Ok(()));
+        assert!(admit(&only_cpu, &[], &[], size(3, 1)).is_err());
         // Unreadable counts as not published, as for the scheduler.
-        assert_eq!(admit(&published("lots", "x"), &[], size(99, 99)), Ok(()));
+        assert_eq!(
+            admit(&published("lots", "x"), &[], &[], size(99, 99)),
+            Ok(())
+        );
     }
 
     #[test]
@@ -265,11 +371,102 @@ mod tests {
         assert!(!holds_capacity(None));
     }
 
+    #[test]
+    fn only_published_capacities_are_checked_against_the_offer() {
+        let offer = published("8", "16384");
+        // Published with a build subtracted: the limit is the offer.
+        let on_node = BTreeMap::from([
+            (ANNOTATION_CAPACITY_VCPU.to_owned(), "6".to_owned()),
+            (ANNOTATION_CAPACITY_DISK_MIB.to_owned(), "100".to_owned()),
+        ]);
+        assert_eq!(
+            limits(offer.clone(), &on_node),
+            BTreeMap::from([(ANNOTATION_CAPACITY_VCPU.to_owned(), "8".to_owned())])
+        );
+        // Nothing published (no Node, or not yet): nothing checked.
+        assert!(limits(offer, &BTreeMap::new()).is_empty());
+    }
+
+    #[test]
+    fn template_builds_hold_a_share_like_vms() {
+        let p = published("4", "8192");
+        // Room for the VM alone, not beside a build of the same size.
+        assert_eq!(admit(&p, &[size(2, 4096)], &[], size(2, 4096)), Ok(()));
+        assert_eq!(
+            admit(&p, &[size(2, 4096)], &[size(2, 4096)], size(2, 4096)).unwrap_err(),
+            "the VM's 2 vCPU do not fit: the node offers 4 (imp.dev/capacity-vcpu), 4 held by 1 \
+             other VM and 1 template build"
+        );
+        assert_eq!(
+            admit(&p, &[], &[size(1, 4096), size(1, 3000)], size(1, 2048)).unwrap_err(),
+            "the VM's 2048 MiB do not fit: the node offers 8192 MiB \
+             (imp.dev/capacity-memory-mib), 7096 MiB held by 0 other VMs and 2 template builds"
+        );
+        // A build alone: room while nothing else holds any.
+        assert_eq!(admit(&p, &[], &[], size(4, 8192)), Ok(()));
+        assert!(admit(&p, &[size(1, 1)], &[], size(4, 8192)).is_err());
+    }
+
     fn rt(budget: u64) -> imp_runtime_api::api::Capacity {
         imp_runtime_api::api::Capacity {
             writable_budget_bytes: budget,
-            writable_used_bytes: 0,
+            ..Default::default()
         }
+    }
+
+    fn building(vcpu: u32, memory_mib: u64) -> imp_runtime_api::api::TemplateBuild {
+        imp_runtime_api::api::TemplateBuild {
+            key: format!("{vcpu}-{memory_mib}"),
+            vcpu,
+            memory_mib,
+        }
+    }
+
+    #[test]
+    fn published_capacity_is_the_offer_minus_the_template_builds() {
+        let host = HostFacts {
+            cpus: Some(8),
+            memory_mib: Some(16384),
+        };
+        let mut runtime = rt(1 << 30);
+        runtime.template_builds = vec![building(2, 2048), building(1, 512)];
+        let a = annotations(&CapacityConfig::default(), host, &runtime);
+        assert_eq!(a[ANNOTATION_CAPACITY_VCPU], "5");
+        assert_eq!(
+            a[ANNOTATION_CAPACITY_MEMORY_MIB],
+            (15360 - 2560).to_string()
+        );
+        assert_eq!(a[ANNOTATION_CAPACITY_DISK_MIB], "1024");
+        // The offer itself does not move.
+        assert_eq!(
+            offered(&CapacityConfig::default(), host)[ANNOTATION_CAPACITY_VCPU],
+            "8"
+        );
+        // A build bigger than the node leaves zero, not an underflow.
+        runtime.template_builds = vec![building(16, 1 << 20)];
+        let a = annotations(&CapacityConfig::default(), host, &runtime);
+        assert_eq!(a[ANNOTATION_CAPACITY_VCPU], "0");
+        assert_eq!(a[ANNOTATION_CAPACITY_MEMORY_MIB], "0");
+        // Nothing offered, nothing subtracted from.
+        let a = annotations(&CapacityConfig::default(), HostFacts::default(), &runtime);
+        assert!(!a.contains_key(ANNOTATION_CAPACITY_VCPU));
+        assert_eq!(
+            builds(&runtime),
+            [VmSize {
+                vcpu: 16,
+                memory_mib: 1 << 20
+            }]
+        );
+    }
+
+    #[test]
+    fn an_old_runtimes_capacity_has_no_template_fields() {
+        let old: imp_runtime_api::api::Capacity =
+            serde_json::from_str(r#"{"writable_budget_bytes": 5, "writable_used_bytes": 1}"#)
+                .unwrap();
+        assert_eq!(old.writable_budget_bytes, 5);
+        assert!(old.template_builds.is_empty());
+        assert_eq!(old.template_budget_bytes, 0);
     }
 
     #[test]

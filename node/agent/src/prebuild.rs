@@ -15,7 +15,7 @@
 //! ([`super::standby`]), after the pre-builds (a template starts from the pool's image), and
 //! looks again every [`TEMPLATE_POLL`] while one is being built so its Ready is published soon.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +28,7 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Client, ResourceExt};
 use tokio::time::Instant;
 
+use super::capacity::CapacityConfig;
 use super::config::AgentConfig;
 use super::spec::{self, SpecError};
 use super::standby::{self, StandbyPool};
@@ -40,6 +41,9 @@ pub const RETRY: Backoff = Backoff::new(Duration::from_secs(30), Duration::from_
 const TICK: Duration = Duration::from_secs(30);
 /// Between two passes while a snapshot template is being built.
 const TEMPLATE_POLL: Duration = Duration::from_secs(2);
+/// How soon a template build deferred for want of room is looked at again (a VM that stops
+/// frees room without any pool event).
+const DEFERRED_POLL: Duration = Duration::from_secs(5);
 
 /// What a pool's VMs are built from: a change of any of it is a new pre-build.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,6 +219,7 @@ pub fn spawn(client: Client, config: &AgentConfig) -> AbortOnDrop {
         client,
         config.node_name.clone(),
         RuntimeClient::new(config.runtime_socket.clone()),
+        config.capacity,
         config.template_warm_paths.clone(),
     )))
 }
@@ -233,6 +238,7 @@ pub async fn run(
     client: Client,
     node_name: String,
     runtime: RuntimeClient,
+    offer: CapacityConfig,
     warm_paths: Vec<String>,
 ) {
     let pools: Api<ImpVMRunnerPool> = Api::all(client.clone());
@@ -252,6 +258,8 @@ pub async fn run(
     let passes = async {
         let nodes: Api<Node> = Api::all(client.clone());
         let mut attempts: BTreeMap<String, Attempt> = BTreeMap::new();
+        // Standby pools whose template build waits for room (said once).
+        let mut deferred = BTreeSet::new();
         if reader.wait_until_ready().await.is_err() {
             return;
         }
@@ -270,22 +278,23 @@ pub async fn run(
                         .filter(|(_, image)| servable(image, &facts))
                         .filter_map(|(p, _)| StandbyPool::from_pool(p))
                         .collect();
-                    let published = node
-                        .annotations()
-                        .get(imp_api::names::ANNOTATION_TEMPLATES_READY)
-                        .map(String::as_str);
                     let seen = standby::pass(
                         &client,
                         &runtime,
                         &node_name,
-                        published,
+                        node.annotations(),
                         &standby,
+                        &offer,
+                        &deferred,
                         &warm_paths,
                     )
                     .await;
                     if seen.building {
                         wait = TEMPLATE_POLL;
+                    } else if !seen.deferred.is_empty() {
+                        wait = DEFERRED_POLL;
                     }
+                    deferred = seen.deferred;
                 }
                 Ok(None) => tracing::debug!(node = %node_name, "Node not found; no pre-builds"),
                 Err(e) => tracing::warn!(error = %e, "reading the Node for pre-builds"),

@@ -322,13 +322,46 @@ pub struct VsockInfo {
     pub guest_agent_port: u32,
 }
 
-/// Body of `GET /v1/capacity`: the node's writable-drive budget and what VMs hold of it, for
-/// the agent to publish as node capacity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Body of `GET /v1/capacity`: the node's writable-drive budget and what VMs hold of it, and
+/// what templates take (their disk budget, and the VMs their builds run), for the agent to
+/// publish as node capacity. The template fields are absent from runtimes that predate them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capacity {
     pub writable_budget_bytes: u64,
     /// Writable-drive bytes of every VM but failed ones.
     pub writable_used_bytes: u64,
+    /// Bytes the Ready templates may hold together (`--template-budget-bytes`).
+    #[serde(default)]
+    pub template_budget_bytes: u64,
+    /// Allocated bytes of the Ready templates.
+    #[serde(default)]
+    pub template_used_bytes: u64,
+    /// Template builds queued or running: each runs a VM of its size while it builds (one at a
+    /// time), which nothing else on the node accounts for.
+    #[serde(default)]
+    pub template_builds: Vec<TemplateBuild>,
+}
+
+/// A template build in flight and the size of its build VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateBuild {
+    pub key: String,
+    pub vcpu: u32,
+    pub memory_mib: u64,
+}
+
+/// Answer of `POST /v1/templates/dry-run` (body [`TemplateRequest`]): what a `POST
+/// /v1/templates` of the spec would find and whether it would start a build, with nothing
+/// started; the agent asks before it lets a build take a VM's room.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TemplateDryRun {
+    pub key: String,
+    /// The template as it is; absent when the runtime knows none for the key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<TemplateStatus>,
+    /// The request would start a build (none known, a failed one due for retry, one built by
+    /// another VMM).
+    pub would_build: bool,
 }
 
 /// Body of `POST /v1/images`: build the base image of `image` ahead of its first VM (the agent

@@ -10,8 +10,8 @@ use serde::de::DeserializeOwned;
 
 use crate::api::{
     Capacity, ErrorBody, LinkStats, PrebuildRequest, PrebuildStatus, ResumeInfo, SnapshotInfo,
-    SuspendInfo, TemplateList, TemplateRequest, TemplateStatus, VmList, VmSpec, VmStatus,
-    VsockInfo,
+    SuspendInfo, TemplateDryRun, TemplateList, TemplateRequest, TemplateStatus, VmList, VmSpec,
+    VmStatus, VsockInfo,
 };
 use crate::image::ImageSpec;
 
@@ -180,7 +180,8 @@ impl RuntimeClient {
         Ok(self.json(Method::POST, "/v1/images", Some(body)).await?.1)
     }
 
-    /// `GET /v1/capacity`: the writable-drive budget and its use.
+    /// `GET /v1/capacity`: the writable-drive budget and its use, the templates' budget and use,
+    /// and the template builds in flight.
     pub async fn capacity(&self) -> Result<Capacity, ClientError> {
         Ok(self.json(Method::GET, "/v1/capacity", None).await?.1)
     }
@@ -222,6 +223,18 @@ impl RuntimeClient {
             .expect("request serialises");
         Ok(self
             .json(Method::POST, "/v1/templates", Some(body))
+            .await?
+            .1)
+    }
+
+    /// `POST /v1/templates/dry-run`: what [`Self::ensure_template`] of `spec` would find, and
+    /// whether it would start a build; starts nothing. A runtime that predates it answers 404
+    /// or 405.
+    pub async fn template_dry_run(&self, spec: &VmSpec) -> Result<TemplateDryRun, ClientError> {
+        let body = serde_json::to_vec(&TemplateRequest { spec: spec.clone() })
+            .expect("request serialises");
+        Ok(self
+            .json(Method::POST, "/v1/templates/dry-run", Some(body))
             .await?
             .1)
     }

@@ -15,8 +15,8 @@ use imp_api::names::reason;
 
 use crate::api::{
     Capacity, ErrorBody, LinkStats, MAX_BODY_BYTES, PrebuildRequest, PrebuildStatus, Readiness,
-    ResumeInfo, SnapshotInfo, SnapshotRequest, SuspendInfo, TemplateList, TemplateRequest,
-    TemplateStatus, VmList, VmSpec, VmStatus, VsockInfo,
+    ResumeInfo, SnapshotInfo, SnapshotRequest, SuspendInfo, TemplateDryRun, TemplateList,
+    TemplateRequest, TemplateStatus, VmList, VmSpec, VmStatus, VsockInfo,
 };
 use crate::runtime::{Ensured, Runtime, RuntimeError};
 
@@ -219,6 +219,15 @@ async fn ensure_template(
     Ok(Json(rt.ensure_template(&req.spec).await?))
 }
 
+/// `POST /v1/templates/dry-run`: what a `POST /v1/templates` would do, without doing it.
+async fn template_dry_run(
+    State(rt): Rt,
+    body: Result<Json<TemplateRequest>, JsonRejection>,
+) -> Result<Json<TemplateDryRun>, ApiError> {
+    let Json(req) = body.map_err(bad_json)?;
+    Ok(Json(rt.template_dry_run(&req.spec).await?))
+}
+
 async fn list_templates(State(rt): Rt) -> Json<TemplateList> {
     Json(TemplateList {
         templates: rt.templates(),
@@ -235,9 +244,13 @@ async fn delete_template(
 
 async fn capacity(State(rt): Rt) -> Result<Json<Capacity>, ApiError> {
     let (used, budget) = rt.disk_usage().await?;
+    let (template_budget, template_used, builds) = rt.template_capacity();
     Ok(Json(Capacity {
         writable_budget_bytes: budget,
         writable_used_bytes: used,
+        template_budget_bytes: template_budget,
+        template_used_bytes: template_used,
+        template_builds: builds,
     }))
 }
 
@@ -283,6 +296,7 @@ pub fn router(rt: Arc<Runtime>) -> Router {
         .route("/v1/capacity", get(capacity))
         .route("/v1/images", post(prebuild))
         .route("/v1/templates", get(list_templates).post(ensure_template))
+        .route("/v1/templates/dry-run", post(template_dry_run))
         .route(
             "/v1/templates/{key}",
             axum::routing::delete(delete_template),

@@ -559,6 +559,96 @@ async fn an_interrupted_firecracker_build_leaves_nothing_after_a_restart() {
     h.signal_runtime("TERM");
 }
 
+/// Issue 32: what templates take is in `GET /v1/capacity`, through the real API: a build's VM
+/// size while it builds (slowed by the simulator's boot delay so it is seen), none once it is
+/// Ready, then the Ready template's bytes against the template budget; the dry run answers what
+/// a request would do and starts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_reports_a_building_templates_vm_and_the_ready_ones_bytes() {
+    use imp_runtime::api::TemplateBuild;
+    if !is_root() {
+        return imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "capacity_reports_a_building_templates_vm_and_the_ready_ones_bytes",
+            "the jailer switches uids and makes device nodes; the build VM has a TAP",
+        );
+    }
+    let mut h = Harness::new(jailed_simulator());
+    h.extra_env.extend([
+        ("IMP_JAILER_DOUBLE_KEEP_ROOT".into(), "1".into()),
+        ("IMP_TEMPLATE_BUDGET_BYTES".into(), (3u64 << 30).to_string()),
+    ]);
+    h.start_runtime().await;
+    let spec = VmSpec {
+        vcpu: 2,
+        memory_mib: 384,
+        ..h.spec(true)
+    };
+    let before = h.client.capacity().await.unwrap();
+    assert_eq!(before.template_budget_bytes, 3 << 30);
+    assert_eq!(
+        (before.template_used_bytes, before.template_builds.len()),
+        (0, 0)
+    );
+
+    // The dry run says a request would build, and builds nothing.
+    let dry = h.client.template_dry_run(&spec).await.unwrap();
+    assert!(dry.would_build && dry.template.is_none(), "{dry:?}");
+    assert!(h.client.templates().await.unwrap().is_empty());
+    assert!(
+        h.client
+            .capacity()
+            .await
+            .unwrap()
+            .template_builds
+            .is_empty()
+    );
+
+    // Its build VM's guest takes 1.5 s to come up: the build is seen with its size.
+    let key = dry.key.clone();
+    h.knobs(
+        &holder(&key),
+        Knobs {
+            boot_delay_ms: 1500,
+            ..Knobs::default()
+        },
+    );
+    let t = h.client.ensure_template(&spec).await.unwrap();
+    assert_eq!(
+        (t.key.as_str(), t.state),
+        (key.as_str(), TemplateState::Building)
+    );
+    let during = h.client.capacity().await.unwrap();
+    assert_eq!(
+        during.template_builds,
+        [TemplateBuild {
+            key: key.clone(),
+            vcpu: 2,
+            memory_mib: 384,
+        }]
+    );
+    assert_eq!(during.template_used_bytes, 0);
+    let dry = h.client.template_dry_run(&spec).await.unwrap();
+    assert!(!dry.would_build, "{dry:?}");
+    assert_eq!(dry.template.map(|t| t.state), Some(TemplateState::Building));
+
+    let built = wait_built(&h, &key).await;
+    assert_eq!(built.state, TemplateState::Ready, "{built:?}");
+    assert!(built.bytes > 0, "{built:?}");
+    let after = h.client.capacity().await.unwrap();
+    assert!(after.template_builds.is_empty(), "{after:?}");
+    assert_eq!(after.template_used_bytes, built.bytes);
+    assert_eq!(after.template_budget_bytes, 3 << 30);
+    let dry = h.client.template_dry_run(&spec).await.unwrap();
+    assert!(!dry.would_build, "{dry:?}");
+    assert_eq!(dry.template.map(|t| t.state), Some(TemplateState::Ready));
+
+    h.client.delete_template(&key).await.unwrap();
+    assert_eq!(h.client.capacity().await.unwrap().template_used_bytes, 0);
+    eventually(|| processes_of(&h), Vec::is_empty).await;
+    h.signal_runtime("TERM");
+}
+
 /// A template built with `warm_paths` has its guest read them before the snapshot and reports
 /// what it read (`TemplateStatus.warm`, meta.json): the regular files of a directory made here
 /// (bound into the jail, where the simulated guest runs), a symlink out of it not followed.

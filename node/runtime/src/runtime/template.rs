@@ -19,7 +19,10 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{Runtime, RuntimeError, Vm, vm};
-use crate::api::{Backend, Failure, TemplateState, TemplateStatus, VmSpec, WarmReport};
+use crate::api::{
+    Backend, Failure, TemplateBuild, TemplateDryRun, TemplateState, TemplateStatus, VmSpec,
+    WarmReport,
+};
 use crate::firecracker::CloneOverrides;
 use crate::firecracker::api::NetworkOverride;
 use crate::firecracker::jailer::{self, Place};
@@ -369,6 +372,22 @@ impl Templates {
         let _ = self.builds.send(key.to_string());
     }
 
+    /// Builds queued or running, sorted by key: each runs a VM of its spec's size.
+    fn builds(&self) -> Vec<TemplateBuild> {
+        let entries = self.entries.lock().expect("templates");
+        let mut out: Vec<TemplateBuild> = entries
+            .iter()
+            .filter(|(_, e)| e.building)
+            .map(|(k, e)| TemplateBuild {
+                key: k.clone(),
+                vcpu: e.spec.vcpu,
+                memory_mib: e.spec.memory_mib,
+            })
+            .collect();
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        out
+    }
+
     fn ready_bytes(&self) -> u64 {
         self.entries
             .lock()
@@ -454,18 +473,50 @@ impl Runtime {
                 warm: None,
             });
         }
-        let build = match known {
-            None => true,
-            Some(Known::Failed { retry }) => retry,
-            Some(Known::Ready { vmm, .. }) => *vmm != self.templates.vmm,
-            Some(_) => false,
-        };
-        if build {
+        if key::request_builds(known.as_ref().unwrap_or(&Known::None), &self.templates.vmm) {
             self.templates.queue_build(&key, &tspec);
         }
         let entries = self.templates.entries.lock().expect("templates");
         let e = entries.get(&key).expect("entry exists after a request");
         Ok(self.templates.status(&key, e))
+    }
+
+    /// `POST /v1/templates/dry-run`: what [`Self::ensure_template`] would find for `spec` and
+    /// whether it would start a build; nothing is started (the agent asks first, so a build
+    /// takes a VM's room only when the node has it).
+    pub async fn template_dry_run(&self, spec: &VmSpec) -> Result<TemplateDryRun, RuntimeError> {
+        super::validate::spec(spec).map_err(RuntimeError::InvalidSpec)?;
+        let resolved = self.resolve_paths(spec)?;
+        let (inputs, _) = self.template_inputs(&resolved);
+        let key = key::key(&inputs);
+        if !self.keeps_templates() {
+            // ensure_template answers Failed TemplateUnsupported and builds nothing.
+            return Ok(TemplateDryRun {
+                key,
+                template: None,
+                would_build: false,
+            });
+        }
+        let known = self.templates.known(&key).unwrap_or(Known::None);
+        let template = {
+            let entries = self.templates.entries.lock().expect("templates");
+            entries.get(&key).map(|e| self.templates.status(&key, e))
+        };
+        Ok(TemplateDryRun {
+            would_build: key::request_builds(&known, &self.templates.vmm),
+            key,
+            template,
+        })
+    }
+
+    /// What templates take of the node: their budget, the Ready ones' bytes, and the builds
+    /// queued or running with their VM's size (`GET /v1/capacity`).
+    pub fn template_capacity(&self) -> (u64, u64, Vec<TemplateBuild>) {
+        (
+            self.templates.budget,
+            self.templates.ready_bytes(),
+            self.templates.builds(),
+        )
     }
 
     pub fn templates(&self) -> Vec<TemplateStatus> {

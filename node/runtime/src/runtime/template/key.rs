@@ -278,6 +278,17 @@ pub fn decide(supported: bool, known: &Known, content: &Content, vmm: &VmmFacts)
     }
 }
 
+/// Whether a `POST /v1/templates` finding `known` starts a build: none known, a failed one past
+/// its backoff, or a ready one another VMM built (its content is checked at each clone).
+pub fn request_builds(known: &Known, vmm: &VmmFacts) -> bool {
+    match known {
+        Known::None => true,
+        Known::Failed { retry } => *retry,
+        Known::Ready { vmm: v, .. } => **v != *vmm,
+        Known::Building => false,
+    }
+}
+
 /// Templates to delete, least recently used first, until the ready ones fit `budget` bytes:
 /// `(key, bytes, last_used)`; templates a restore reads now are in `busy` and kept.
 pub fn plan_gc(templates: &[(String, u64, u64)], budget: u64, busy: &[String]) -> Vec<String> {
@@ -543,6 +554,22 @@ mod tests {
             decide(true, &ready, &content(), &other_cpu),
             cold(TEMPLATE_VMM_MISMATCH, true)
         );
+    }
+
+    #[test]
+    fn a_request_builds_only_what_is_missing_due_or_built_by_another_vmm() {
+        let ready = |v: VmmFacts| Known::Ready {
+            content: Box::new(content()),
+            vmm: Box::new(v),
+        };
+        assert!(request_builds(&Known::None, &vmm()));
+        assert!(!request_builds(&Known::Building, &vmm()));
+        assert!(!request_builds(&Known::Failed { retry: false }, &vmm()));
+        assert!(request_builds(&Known::Failed { retry: true }, &vmm()));
+        assert!(!request_builds(&ready(vmm()), &vmm()));
+        let mut other = vmm();
+        other.accel = "kvm".into();
+        assert!(request_builds(&ready(other), &vmm()));
     }
 
     #[test]
