@@ -133,7 +133,8 @@ pub fn plan(
 /// Ensures the templates of `pools` where the node has room for their builds, deletes those no
 /// longer wanted, and publishes the Ready ones on Node `node_name` (whose annotations are
 /// `annotations`). `offer` is the node's capacity settings; `deferred` the pools the previous
-/// pass deferred (said once, at info).
+/// pass deferred (said once, at info); `warm_paths` go into every template spec.
+#[allow(clippy::too_many_arguments)]
 pub async fn pass(
     client: &Client,
     runtime: &RuntimeClient,
