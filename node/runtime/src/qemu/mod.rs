@@ -517,6 +517,26 @@ pub fn qemu_jail(
 }
 
 #[allow(clippy::too_many_arguments)]
+/// How long a TAP may stay busy after the QEMU that held it was killed.
+const TAP_BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Attach to `name`, waiting while it is busy: a killed QEMU's leader is reaped before its last
+/// thread has closed the TAP, and TUNSETIFF fails with EBUSY for that moment (a boot after a
+/// failed restore, a restore again, a resume all reuse the VM's TAP).
+async fn open_tap(name: &str) -> Result<OwnedFd, tap::TapError> {
+    let deadline = Instant::now() + TAP_BUSY_TIMEOUT;
+    loop {
+        match tap::open(name) {
+            Err(tap::TapError::Open { source, .. })
+                if source.raw_os_error() == Some(libc::EBUSY) && Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            r => return r,
+        }
+    }
+}
+
 async fn spawn_qemu_args(
     cfg: &QemuConfig,
     files: &QemuFiles,
@@ -533,15 +553,12 @@ async fn spawn_qemu_args(
         log: serial::tail(&files.qemu_log),
     };
     // A confined QEMU cannot attach to its TAPs itself: the runtime does, and hands them over.
-    let taps: Vec<OwnedFd> = match jail {
-        Some(_) => plan
-            .nics
-            .iter()
-            .map(|n| tap::open(&n.tap))
-            .collect::<Result<_, _>>()
-            .map_err(|e| failed(e.to_string()))?,
-        None => Vec::new(),
-    };
+    let mut taps: Vec<OwnedFd> = Vec::new();
+    if jail.is_some() {
+        for n in &plan.nics {
+            taps.push(open_tap(&n.tap).await.map_err(|e| failed(e.to_string()))?);
+        }
+    }
     let handed = jail.map(|_| Handed {
         tap_fds: taps.iter().map(|t| t.as_raw_fd()).collect(),
     });

@@ -12,19 +12,27 @@ use super::{Ensured, InFlight, Runtime, RuntimeError, Vm, valid_uid, validate, v
 use crate::api::{Backend, Failure, StartKind, StartReport, VmSpec, VmState, VmStatus};
 use crate::firecracker::jailer::{self, Place};
 use crate::firecracker::{self, BootPlan, VmmFiles};
-use crate::inventory::VmRecord;
+use crate::inventory::{InventoryError, VmRecord};
 use crate::jail::{self, VmJail};
 use crate::metrics::ReasonLabel;
 use crate::qemu::{self, QemuFiles, QemuVm};
 use crate::rootfs::store::ImageSpec;
 use crate::tap;
-use crate::vmm::{self, DriverError, VmPlan};
+use crate::vmm::{self, DriverError, Proc, VmPlan};
 
 /// How long a clone whose restore failed waits for its TAP to be free before booting.
 const TAP_FREE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// How long a clone's restore (fresh VMM to Hello) may take before it boots instead (at most
 /// the boot timeout): a TCG clone on a loaded host restores in about a second.
 const RESTORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// How long a restored clone may be silent before it is restored again (once): a restored
+/// guest says Hello within a few hundred milliseconds even under TCG on a loaded host, but the
+/// vhost-user vsock backend now and then loses the guest's first kick of its re-plugged device
+/// (rust-vmm/vhost#247: a kick before SET_VRING_ENABLE is dropped) and the guest is then
+/// unreachable for good; a fresh VMM and backend do not share that fate.
+const RESTORED_HELLO_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+/// Restores of one clone before it boots instead.
+const RESTORE_ATTEMPTS: u32 = 2;
 
 impl Runtime {
     /// The request's host paths resolved under the image directories (400 naming the field
@@ -355,6 +363,7 @@ impl Runtime {
                 Some(vm.clone()),
             )
         };
+        let mut restores = 0;
         let (vm, spawned_at, deadline, mut announcements) = loop {
             let spawned_at = Instant::now();
             let deadline = spawned_at + self.cfg.boot_timeout;
@@ -381,11 +390,17 @@ impl Runtime {
                     Ok((vm, mut heard)) => {
                         // The guest runs from here: how soon its Hello is seen (docs/snapshots.md).
                         let resumed = Instant::now();
+                        restores += 1;
+                        let window = if restores < RESTORE_ATTEMPTS {
+                            restore_deadline.min(resumed + RESTORED_HELLO_WINDOW)
+                        } else {
+                            restore_deadline
+                        };
                         let hello = vmm::wait_for_hello(
                             &files.vsock,
                             &files.serial_log,
                             || vm.is_alive(),
-                            restore_deadline,
+                            window,
                             heard
                                 .as_mut()
                                 .map_or(vmm::Detect::Resumed, vmm::Detect::Announced),
@@ -393,9 +408,25 @@ impl Runtime {
                         .await;
                         let hello_after_resume_ms = resumed.elapsed().as_secs_f64() * 1000.0;
                         tracing::info!(uid, key = %src.key, hello_after_resume_ms, ok = hello.is_ok(), "clone resumed");
-                        hello
-                            .map(|_| (vm.clone(), heard))
-                            .map_err(|e| (format!("no guest agent Hello: {e}"), Some(vm)))
+                        match hello {
+                            Ok(_) => Ok((vm.clone(), heard)),
+                            Err(e) if restores < RESTORE_ATTEMPTS => {
+                                // Nothing of the clone's own is in it yet (no identity, no
+                                // config): start over from the template's files.
+                                tracing::warn!(uid, key = %src.key, error = %e, "the restored clone did not say Hello; restoring it again");
+                                vm.kill().await;
+                                let _ = std::fs::remove_file(&rec.api_socket);
+                                let _ = std::fs::remove_file(&rec.vsock_path);
+                                if let Some(path) = &rec.writable_disk
+                                    && let Err(message) = Self::clone_writable(src, path)
+                                {
+                                    Err((message, None))
+                                } else {
+                                    continue;
+                                }
+                            }
+                            Err(e) => Err((format!("no guest agent Hello: {e}"), Some(vm))),
+                        }
                     }
                     Err(e) => Err(e),
                 };
@@ -588,12 +619,9 @@ impl Runtime {
         let plan = &plan;
         let vm = Vm::Firecracker(vmm.clone());
         let fail = |e| (boot(e), Some(vm.clone()));
-        self.inventory
-            .set_process(&uid, vmm.process.pid, vmm.process.start_time)
+        self.record_vmm(rec, vmm.process)
             .await
             .map_err(|e| (e.into(), Some(vm.clone())))?;
-        rec.pid = Some(vmm.process.pid);
-        rec.start_time = Some(vmm.process.start_time);
         vmm.wait_api_ready().await.map_err(fail)?;
         vmm.configure(&BootPlan::new(plan, |p| files.vmm_path(p)))
             .await
@@ -711,6 +739,22 @@ impl Runtime {
         Ok((vmm, staged))
     }
 
+    /// Record `vmm` as row `r`'s VMM process: in the inventory first (a restart finds it there
+    /// and kills or adopts it), then in `r`. Called as soon as the process exists, before any
+    /// step that can fail.
+    pub(super) async fn record_vmm(
+        &self,
+        r: &mut VmRecord,
+        vmm: Proc,
+    ) -> Result<(), InventoryError> {
+        self.inventory
+            .set_process(&r.uid, vmm.pid, vmm.start_time)
+            .await?;
+        r.pid = Some(vmm.pid);
+        r.start_time = Some(vmm.start_time);
+        Ok(())
+    }
+
     /// Spawn the vsock device, then QEMU (each recorded as soon as it exists), confined to
     /// `jail` when given.
     pub(super) async fn start_qemu(
@@ -752,12 +796,9 @@ impl Runtime {
             vhost: Some(vhost),
             qmp: qemu::Qmp::new(&files.qmp_sock),
         });
-        self.inventory
-            .set_process(&uid, proc.pid, proc.start_time)
+        self.record_vmm(rec, proc)
             .await
             .map_err(|e| (e.into(), Some(vm.clone())))?;
-        rec.pid = Some(proc.pid);
-        rec.start_time = Some(proc.start_time);
         self.inventory
             .set_state(&uid, VmState::Booting)
             .await

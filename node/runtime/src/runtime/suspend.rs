@@ -104,7 +104,7 @@ impl Runtime {
         let started = Instant::now();
         let lock = self.lock(uid);
         let _guard = lock.lock().await;
-        let r = self
+        let mut r = self
             .observe(uid)
             .await?
             .ok_or_else(|| RuntimeError::NotFound(uid.into()))?;
@@ -115,12 +115,14 @@ impl Runtime {
             });
         }
         let deadline = started + self.cfg.boot_timeout;
+        // The row as read, for the accounting; `r` gets the new VMM's process.
+        let row = r.clone();
         let ((), took) = self
             .measured(
                 Transition::Resume,
-                &r,
+                &row,
                 started,
-                self.resume_vm(&r, deadline),
+                self.resume_vm(&mut r, deadline),
             )
             .await?;
         let rec = self
@@ -226,8 +228,8 @@ impl Runtime {
 
     /// Resuming, a fresh VMM from the snapshot, the guest agent's Hello, Running. A failure
     /// kills what was started and records the VM Suspended again.
-    async fn resume_vm(&self, r: &VmRecord, deadline: Instant) -> Result<(), RuntimeError> {
-        let uid = r.uid.as_str();
+    async fn resume_vm(&self, r: &mut VmRecord, deadline: Instant) -> Result<(), RuntimeError> {
+        let uid = &r.uid.clone();
         self.inventory.set_state(uid, VmState::Resuming).await?;
         self.refresh_state_gauge().await;
         let resumed = match self.load_snapshot(r, deadline).await {
@@ -273,10 +275,10 @@ impl Runtime {
     /// guest running. On error, the message and the process to kill.
     async fn load_snapshot(
         &self,
-        r: &VmRecord,
+        r: &mut VmRecord,
         deadline: Instant,
     ) -> Result<Vm, (String, Option<Vm>)> {
-        let uid = r.uid.as_str();
+        let uid = &r.uid.clone();
         let spec: VmSpec = serde_json::from_str(&r.spec_json)
             .map_err(|e| (format!("recorded spec: {e}"), None))?;
         let [state, mem] = snapshot_files(&vm::snapshot_dir(r));
@@ -313,8 +315,7 @@ impl Runtime {
                 };
                 let vm = Vm::Firecracker(vmm.clone());
                 let fail = |m: String| (m, Some(vm.clone()));
-                self.inventory
-                    .set_process(uid, vmm.process.pid, vmm.process.start_time)
+                self.record_vmm(r, vmm.process)
                     .await
                     .map_err(|e| fail(e.to_string()))?;
                 vmm.wait_api_ready()
@@ -340,44 +341,16 @@ impl Runtime {
                     return Err((format!("TAP {tap} is still held by {holders:?}"), None));
                 }
                 let (vhost, helper_only) = self
-                    .spawn_restore_helper(uid, &files, plan.guest_cid, &procs, jail)
+                    .spawn_restore_helper(r, &files, plan.guest_cid, &procs, jail)
                     .await?;
-                // A killed QEMU's leader is a zombie before its last thread has closed the
-                // TAP: the new QEMU's TUNSETIFF fails with EBUSY for a moment. Retry that.
-                let mut tries = 0;
-                let proc = loop {
-                    match qemu::spawn_qemu_incoming(
-                        &self.cfg.qemu,
-                        &files,
-                        &plan,
-                        &procs,
-                        jail,
-                        &mem,
-                    )
-                    .await
-                    {
-                        Ok(p) => break p,
-                        Err(e)
-                            if tries < TAP_BUSY_RETRIES
-                                && e.to_string().contains("resource busy") =>
-                        {
-                            tries += 1;
-                            tokio::time::sleep(Duration::from_millis(250)).await;
-                        }
-                        Err(e) => return Err((e.to_string(), Some(helper_only.clone()))),
-                    }
-                };
-                let q = QemuVm {
-                    qemu: proc,
-                    vhost: Some(vhost),
-                    qmp: qemu::Qmp::new(&files.qmp_sock),
-                };
+                // The TAP may stay busy a moment after the old QEMU went: spawn waits for it.
+                let proc =
+                    qemu::spawn_qemu_incoming(&self.cfg.qemu, &files, &plan, &procs, jail, &mem)
+                        .await
+                        .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+                let q = self.record_restored_qemu(r, &files, proc, vhost).await?;
                 let vm = Vm::Qemu(q.clone());
                 let fail = |m: String| (m, Some(vm.clone()));
-                self.inventory
-                    .set_process(uid, proc.pid, proc.start_time)
-                    .await
-                    .map_err(|e| fail(e.to_string()))?;
                 q.finish_incoming(deadline)
                     .await
                     .map_err(|e| fail(format!("incoming migration: {e}")))?;
@@ -386,12 +359,12 @@ impl Runtime {
         }
     }
 
-    /// A QEMU restore's vsock helper (vhost-device-vsock), recorded on row `uid` as soon as it
+    /// A QEMU restore's vsock helper (vhost-device-vsock), recorded on row `r` as soon as it
     /// runs (a resume and a clone start it the same way). Also the helper alone as a [`Vm`], for
     /// the caller to kill when a later step fails; on error, the message and what to kill.
     pub(super) async fn spawn_restore_helper(
         &self,
-        uid: &str,
+        r: &mut VmRecord,
         files: &QemuFiles,
         guest_cid: u32,
         cgroups: &[PathBuf],
@@ -406,10 +379,32 @@ impl Runtime {
             qmp: qemu::Qmp::new(&files.qmp_sock),
         });
         self.inventory
-            .set_helper(uid, vhost.pid, vhost.start_time)
+            .set_helper(&r.uid, vhost.pid, vhost.start_time)
             .await
             .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
+        r.helper_pid = Some(vhost.pid);
+        r.helper_start_time = Some(vhost.start_time);
         Ok((vhost, helper_only))
+    }
+
+    /// A QEMU restore's QEMU `proc` with its vsock helper `vhost`, recorded on row `r` at once
+    /// (a resume and a clone record it the same way); on error, the message and what to kill.
+    pub(super) async fn record_restored_qemu(
+        &self,
+        r: &mut VmRecord,
+        files: &QemuFiles,
+        proc: vmm::Proc,
+        vhost: vmm::Proc,
+    ) -> Result<QemuVm, (String, Option<Vm>)> {
+        let q = QemuVm {
+            qemu: proc,
+            vhost: Some(vhost),
+            qmp: qemu::Qmp::new(&files.qmp_sock),
+        };
+        self.record_vmm(r, proc)
+            .await
+            .map_err(|e| (e.to_string(), Some(Vm::Qemu(q.clone()))))?;
+        Ok(q)
     }
 
     pub(super) async fn refresh_snapshot_gauge(&self) {
@@ -453,9 +448,6 @@ fn private(files: &[PathBuf]) {
 
 /// How long the writer of a QEMU migration stream may take to flush it after QEMU is gone.
 const SNAPSHOT_WRITER_TIMEOUT: Duration = Duration::from_secs(120);
-
-/// Starts of a resuming QEMU retried while its TAP is still busy (250 ms apart).
-const TAP_BUSY_RETRIES: u32 = 120;
 
 /// The files `suspend` writes into a VM's directory (names differ from `snapshot`'s, which
 /// leaves the VM running).

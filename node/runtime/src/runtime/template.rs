@@ -29,7 +29,7 @@ use crate::firecracker::jailer::{self, Place};
 use crate::inventory::VmRecord;
 use crate::metrics::{OutcomeLabel, ReasonLabel};
 use crate::network;
-use crate::qemu::{self, QemuFiles, QemuVm};
+use crate::qemu::{self, QemuFiles};
 use crate::rootfs::writable::{WritableDrives, clone_file};
 use crate::tap;
 use crate::vmm::VmPlan;
@@ -747,12 +747,9 @@ impl Runtime {
             .map_err(|e| (e.to_string(), None))?;
         let vm = Vm::Firecracker(vmm.clone());
         let fail = |m: String| (m, Some(vm.clone()));
-        self.inventory
-            .set_process(&r.uid, vmm.process.pid, vmm.process.start_time)
+        self.record_vmm(r, vmm.process)
             .await
             .map_err(|e| fail(e.to_string()))?;
-        r.pid = Some(vmm.process.pid);
-        r.start_time = Some(vmm.process.start_time);
         vmm.wait_api_ready()
             .await
             .map_err(|e| fail(e.to_string()))?;
@@ -803,28 +800,16 @@ impl Runtime {
         let uid = r.uid.clone();
         let files = QemuFiles::in_dir(&r.dir, &r.api_socket, &r.vsock_path, &r.serial_log);
         let (vhost, helper_only) = self
-            .spawn_restore_helper(&uid, &files, plan.guest_cid, cgroups, jail)
+            .spawn_restore_helper(r, &files, plan.guest_cid, cgroups, jail)
             .await?;
-        r.helper_pid = Some(vhost.pid);
-        r.helper_start_time = Some(vhost.start_time);
         // The runtime opens the template's memory and hands QEMU the descriptor: a confined
         // QEMU never sees the templates directory.
         let proc = qemu::spawn_qemu_incoming(&self.cfg.qemu, &files, plan, cgroups, jail, &src.mem)
             .await
             .map_err(|e| (e.to_string(), Some(helper_only.clone())))?;
-        let q = QemuVm {
-            qemu: proc,
-            vhost: Some(vhost),
-            qmp: qemu::Qmp::new(&files.qmp_sock),
-        };
+        let q = self.record_restored_qemu(r, &files, proc, vhost).await?;
         let vm = Vm::Qemu(q.clone());
         let fail = |m: String| (m, Some(vm.clone()));
-        self.inventory
-            .set_process(&uid, proc.pid, proc.start_time)
-            .await
-            .map_err(|e| fail(e.to_string()))?;
-        r.pid = Some(proc.pid);
-        r.start_time = Some(proc.start_time);
         self.inventory
             .set_state(&uid, crate::api::VmState::Booting)
             .await
