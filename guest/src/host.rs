@@ -17,6 +17,7 @@ use crate::frame::{FrameError, FrameReader, FrameWriter};
 use crate::protocol::{
     ErrorMsg, Exec, Exited, GuestMetrics, GuestToHost, Hello, HostToGuest, HttpProbe, Identified,
     MIN_SUPPORTED_PROTOCOL, PROTOCOL_VERSION, ProbeResult, READY_VSOCK_PORT, Reidentify, Started,
+    Warm, Warmed,
 };
 
 /// The `OK <n>\n` line is short; more than this without a newline is not Firecracker.
@@ -763,6 +764,25 @@ impl HostClient {
         check_identified(&req, &got, check, self.generation, sent.elapsed())?;
         self.generation = got.generation;
         Ok(got)
+    }
+
+    /// Have the guest read `req.paths` into its page cache (docs/guest-protocol.md, "Warm").
+    /// An `Error` answer (a field refused, or an older guest's `unknown_type`) is
+    /// [`HostError::Guest`]; the answer timeout applies.
+    pub async fn warm(&mut self, req: Warm) -> Result<Warmed, HostError> {
+        self.check_budget()?;
+        self.send(&HostToGuest::Warm(req)).await?;
+        let pick = |m: &GuestToHost| match m {
+            GuestToHost::Warmed(_) => true,
+            GuestToHost::Error(e) => e.id.is_none(),
+            _ => false,
+        };
+        let after = self.answer_timeout;
+        match within("the Warm", after, self.answer(pick, Some)).await? {
+            GuestToHost::Warmed(w) => Ok(w),
+            GuestToHost::Error(e) => Err(HostError::Guest(e)),
+            other => Err(HostError::Unexpected(type_name(&other))),
+        }
     }
 
     /// Ask the guest to power off. There is no answer; the connection then closes.

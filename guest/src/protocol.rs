@@ -176,9 +176,71 @@ pub struct NetIdentity {
     pub dns_search: Vec<String>,
 }
 
+/// Read the regular files under `paths` once, so they are in the guest's page cache (a
+/// template's snapshot then holds them, and its clones' runners start without reading them
+/// from disk; docs/snapshots.md, "Warming"). Each path is walked recursively without following
+/// a symlink and without leaving its filesystem; unreadable and special files are skipped.
+/// Answered with [`Warmed`], or with [`ErrorCode::InvalidRequest`] naming the field (`warm:
+/// <field>: <reason>`). Allowed at any time, after an `Exec` too: it only reads files as the
+/// agent and answers counts, never contents, and it does not make the identity final.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Warm {
+    /// Absolute paths without `..`, 1..=[`WARM_MAX_PATHS`], each at most [`WARM_MAX_PATH_BYTES`].
+    #[serde(default)]
+    pub paths: Vec<String>,
+    /// Stop after reading this many bytes (positive).
+    #[serde(default)]
+    pub max_bytes: u64,
+    /// Stop after this many files, 1..=[`WARM_MAX_FILES`] (default [`WARM_DEFAULT_FILES`]).
+    #[serde(default = "default_warm_files")]
+    pub max_files: u64,
+}
+
+fn default_warm_files() -> u64 {
+    WARM_DEFAULT_FILES
+}
+
+/// Bounds of a [`Warm`]: the paths fit a frame many times over.
+pub const WARM_MAX_PATHS: usize = 64;
+pub const WARM_MAX_PATH_BYTES: usize = 4096;
+pub const WARM_MAX_FILES: u64 = 1_000_000;
+pub const WARM_DEFAULT_FILES: u64 = 100_000;
+
+/// Why `path` cannot be a [`Warm`] path (or a spec's warm path, checked by the same rule).
+pub fn check_warm_path(path: &str) -> Result<(), String> {
+    if path.is_empty() || path.len() > WARM_MAX_PATH_BYTES {
+        return Err(format!("1-{WARM_MAX_PATH_BYTES} bytes"));
+    }
+    if !path.starts_with('/') {
+        return Err(format!("{path:?} is not absolute"));
+    }
+    if path.split('/').any(|c| c == "..") {
+        return Err(format!("{path:?} has a `..` component"));
+    }
+    if path.chars().any(char::is_control) {
+        return Err("control characters".into());
+    }
+    Ok(())
+}
+
+/// The answer to [`Warm`]: what was read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Warmed {
+    /// Regular files read (to their end, or to the byte bound).
+    pub files: u64,
+    pub bytes: u64,
+    pub millis: u64,
+    /// A bound (`max_bytes`, `max_files`) stopped the walk before its end.
+    pub truncated: bool,
+    /// Entries skipped: symlinks, special files, other filesystems, unreadable ones, and
+    /// paths that do not exist.
+    #[serde(default)]
+    pub skipped: u64,
+}
+
 /// Requests, host -> guest. Answers come back in request order: `Exec` -> `Started` (or
 /// `Error`), `HttpProbe` -> `ProbeResult`, `Metrics` -> `GuestMetrics`, `Reidentify` ->
-/// `Identified` (or `Error`).
+/// `Identified` (or `Error`), `Warm` -> `Warmed` (or `Error`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum HostToGuest {
@@ -188,12 +250,19 @@ pub enum HostToGuest {
     /// Power the guest off (host-process mode: the agent exits). No answer.
     Shutdown,
     Reidentify(Reidentify),
+    Warm(Warm),
 }
 
 impl HostToGuest {
     /// Every `type` value of this direction, for telling an unknown type from a malformed one.
-    pub const TYPES: &'static [&'static str] =
-        &["exec", "http_probe", "metrics", "shutdown", "reidentify"];
+    pub const TYPES: &'static [&'static str] = &[
+        "exec",
+        "http_probe",
+        "metrics",
+        "shutdown",
+        "reidentify",
+        "warm",
+    ];
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -345,6 +414,7 @@ pub enum GuestToHost {
     GuestMetrics(GuestMetrics),
     Error(ErrorMsg),
     Identified(Identified),
+    Warmed(Warmed),
 }
 
 impl GuestToHost {
@@ -357,6 +427,7 @@ impl GuestToHost {
         "guest_metrics",
         "error",
         "identified",
+        "warmed",
     ];
 }
 
@@ -435,6 +506,11 @@ mod tests {
             HostToGuest::Metrics,
             HostToGuest::Shutdown,
             HostToGuest::Reidentify(Reidentify::default()),
+            HostToGuest::Warm(Warm {
+                paths: vec!["/opt".into()],
+                max_bytes: 1,
+                max_files: 1,
+            }),
         ];
         let names: Vec<String> = host
             .iter()
@@ -494,6 +570,13 @@ mod tests {
                 clock_step_ns: 0,
                 network: None,
             }),
+            GuestToHost::Warmed(Warmed {
+                files: 1,
+                bytes: 1,
+                millis: 1,
+                truncated: false,
+                skipped: 0,
+            }),
         ];
         let names: Vec<String> = guest
             .iter()
@@ -535,6 +618,24 @@ mod tests {
         )
         .unwrap_err();
         assert!(!err.to_string().contains("c2VjcmV0LXNlZWQ"), "{err}");
+    }
+
+    #[test]
+    fn warm_defaults_and_path_rule() {
+        let w: HostToGuest =
+            serde_json::from_value(json!({"type": "warm", "paths": ["/opt/actions-runner"]}))
+                .unwrap();
+        let HostToGuest::Warm(w) = w else {
+            panic!("not warm")
+        };
+        // Missing bounds reach the guest's checks (max_bytes 0 is refused, naming it).
+        assert_eq!((w.max_bytes, w.max_files), (0, WARM_DEFAULT_FILES));
+        assert_eq!(check_warm_path("/opt/actions-runner"), Ok(()));
+        assert_eq!(check_warm_path("/a/..b/c."), Ok(()));
+        for bad in ["", "opt", "/opt/../etc", "/..", "/a\nb"] {
+            assert!(check_warm_path(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_warm_path(&format!("/{}", "a".repeat(WARM_MAX_PATH_BYTES))).is_err());
     }
 
     #[test]

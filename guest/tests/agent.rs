@@ -613,3 +613,55 @@ async fn secrets_never_reach_logs_or_console() {
         }
     }
 }
+
+/// `Warm` through the agent: a tree is read (counted, links not followed), a bad field is named,
+/// and it is answered after an Exec too without making the identity final (a later Reidentify
+/// is refused for the missing identity root, not as locked).
+#[tokio::test]
+async fn warm_reads_a_tree_names_bad_fields_and_leaves_the_identity_alone() {
+    use imp_guest::protocol::Warm;
+    let agent = AgentProc::start();
+    let root = agent.dir.path().join("runner");
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::write(root.join("bin/Runner.Listener"), vec![7u8; 300_000]).unwrap();
+    std::fs::write(root.join("run.sh"), b"#!/bin/sh\n").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", root.join("passwd")).unwrap();
+    let mut client = agent.connect().await;
+    let req = |paths: Vec<String>| Warm {
+        paths,
+        max_bytes: 1 << 30,
+        max_files: 1000,
+    };
+    let w = client
+        .warm(req(vec![root.display().to_string()]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (w.files, w.bytes, w.truncated, w.skipped),
+        (2, 300_010, false, 1),
+        "{w:?}"
+    );
+    match client.warm(req(vec!["runner".into()])).await {
+        Err(HostError::Guest(e)) => {
+            assert_eq!(e.code, ErrorCode::InvalidRequest);
+            assert!(e.message.starts_with("warm: paths: [0]: "), "{e:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Not locked by a Warm: refused only because this agent manages no identity.
+    let check = imp_guest::host::IdentityCheck::default();
+    match client
+        .reidentify(imp_guest::protocol::Reidentify::default(), &check)
+        .await
+    {
+        Err(HostError::Guest(e)) => assert_eq!(e.code, ErrorCode::IdentityFailed, "{e:?}"),
+        other => panic!("{other:?}"),
+    }
+    let (_, _, exited) = run(&mut client, exec("first", &["true"])).await;
+    assert_eq!(exited.code, Some(0));
+    let w = client
+        .warm(req(vec![root.join("run.sh").display().to_string()]))
+        .await
+        .unwrap();
+    assert_eq!((w.files, w.bytes), (1, 10));
+}

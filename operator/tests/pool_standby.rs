@@ -126,6 +126,7 @@ fn template() -> TemplateStatus {
         build_seconds: Some(0.5),
         clones: 0,
         failure: None,
+        warm: None,
     }
 }
 

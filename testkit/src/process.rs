@@ -3,7 +3,9 @@
 //! Every child is spawned from one long-lived thread with `PR_SET_PDEATHSIG` (the signal fires when the
 //! *spawning thread* exits, so spawning from short-lived test threads would kill children early), and is
 //! registered so an `atexit` hook can stop it when the test binary exits normally. Teardown only ever
-//! signals pids this process started.
+//! signals pids this process started. A child joins the network namespace of the thread that asked
+//! for it (a test's thread inside a namespace), not the spawner thread's: whichever test spawned
+//! first no longer decides where every later child lives.
 
 use std::{
     fs::File,
@@ -18,12 +20,24 @@ use std::{
 type SpawnRequest = (Command, mpsc::Sender<io::Result<Child>>);
 
 static SPAWNER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+/// The network namespace (inode) the spawner thread was created in, so its children's.
+static SPAWNER_NETNS: OnceLock<Option<u64>> = OnceLock::new();
 static LIVE_PIDS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
 static CLEANUP_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// The inode of the calling thread's network namespace.
+fn thread_netns() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata("/proc/thread-self/ns/net")
+        .ok()
+        .map(|m| m.ino())
+}
 
 fn spawner() -> mpsc::Sender<SpawnRequest> {
     SPAWNER
         .get_or_init(|| {
+            // The thread below is created here: it is in this thread's namespace.
+            SPAWNER_NETNS.get_or_init(thread_netns);
             let (tx, rx) = mpsc::channel::<SpawnRequest>();
             std::thread::Builder::new()
                 .name("imp-testkit-spawner".into())
@@ -108,8 +122,25 @@ impl ManagedProcess {
                 Ok(())
             });
         }
+        let spawner = spawner();
+        let here = thread_netns();
+        if here.is_some() && SPAWNER_NETNS.get().copied().flatten() != here {
+            // Entered in the child, before exec (setns is a plain syscall); the file is open
+            // until then.
+            let ns = File::open("/proc/thread-self/ns/net")?;
+            // SAFETY: setns only changes the child's network namespace.
+            unsafe {
+                cmd.pre_exec(move || {
+                    use std::os::fd::AsRawFd as _;
+                    if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         let (tx, rx) = mpsc::channel();
-        spawner()
+        spawner
             .send((cmd, tx))
             .map_err(|_| io::Error::other("testkit spawner thread is gone"))?;
         let child = rx

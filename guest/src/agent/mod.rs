@@ -5,6 +5,7 @@ pub mod exec;
 pub mod identity;
 pub mod metrics;
 pub mod probe;
+pub mod warm;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use tokio::task::JoinSet;
 use crate::frame::{FrameError, FrameReader, FrameWriter};
 use crate::protocol::{
     ErrorCode, ErrorMsg, Exec, GuestToHost, Hello, HostToGuest, Output, PROTOCOL_VERSION,
-    Reidentify, Started,
+    Reidentify, Started, Warm,
 };
 use exec::{ExecEntry, ExecState, ExecTable};
 use identity::IdentityConfig;
@@ -227,6 +228,11 @@ impl Agent {
                     let answer = self.reidentify(req).await;
                     let _ = tx.send(Outgoing::plain(answer)).await;
                 }
+                // No identity lock either way: it reads files and answers counts, nothing
+                // secret arrives with it.
+                HostToGuest::Warm(req) => {
+                    let _ = tx.send(Outgoing::plain(warm(req).await)).await;
+                }
             }
         }
         // Watchers only relay to this connection; the processes keep running.
@@ -364,6 +370,32 @@ impl Agent {
                 });
             }
         });
+    }
+}
+
+/// Read the request's files into the page cache (warm::run, on a blocking thread); the answer
+/// is `Warmed` or an error naming the field.
+async fn warm(req: Warm) -> GuestToHost {
+    let plan = match warm::plan(&req) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(field = e.field, reason = %e.reason, "warm refused");
+            return error_msg(ErrorCode::InvalidRequest, e.to_string(), None);
+        }
+    };
+    match tokio::task::spawn_blocking(move || warm::run(&plan)).await {
+        Ok(w) => {
+            tracing::info!(
+                files = w.files,
+                bytes = w.bytes,
+                millis = w.millis,
+                truncated = w.truncated,
+                skipped = w.skipped,
+                "page cache warmed"
+            );
+            GuestToHost::Warmed(w)
+        }
+        Err(e) => error_msg(ErrorCode::Internal, format!("warm: {e}"), None),
     }
 }
 

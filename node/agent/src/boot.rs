@@ -163,7 +163,13 @@ pub async fn run(ctx: &Context, api: &Api<ImpVM>, vm: ImpVM) -> Result<(), Error
             }
         }
     }
-    let spec = match spec::vm_spec(&vm, &class.spec, &pull, attachment) {
+    let spec = match spec::vm_spec(
+        &vm,
+        &class.spec,
+        &pull,
+        attachment,
+        &ctx.config.template_warm_paths,
+    ) {
         Ok(s) => s,
         Err(e) => {
             ctx.fail(

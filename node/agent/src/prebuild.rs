@@ -220,6 +220,7 @@ pub fn spawn(client: Client, config: &AgentConfig) -> AbortOnDrop {
         config.node_name.clone(),
         RuntimeClient::new(config.runtime_socket.clone()),
         config.capacity,
+        config.template_warm_paths.clone(),
     )))
 }
 
@@ -233,7 +234,13 @@ impl Drop for AbortOnDrop {
 }
 
 /// Watch the pools; after each change (and every [`TICK`]) plan and pre-build. Never returns.
-pub async fn run(client: Client, node_name: String, runtime: RuntimeClient, offer: CapacityConfig) {
+pub async fn run(
+    client: Client,
+    node_name: String,
+    runtime: RuntimeClient,
+    offer: CapacityConfig,
+    warm_paths: Vec<String>,
+) {
     let pools: Api<ImpVMRunnerPool> = Api::all(client.clone());
     let (reader, writer) = reflector::store();
     let changed = Arc::new(tokio::sync::Notify::new());
@@ -279,6 +286,7 @@ pub async fn run(client: Client, node_name: String, runtime: RuntimeClient, offe
                         &standby,
                         &offer,
                         &deferred,
+                        &warm_paths,
                     )
                     .await;
                     if seen.building {

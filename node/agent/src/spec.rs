@@ -107,12 +107,14 @@ pub fn attachment(
 /// The spec imp-runtime gets for `vm` of class `class`. `pull_secrets` are the Secrets named by
 /// `spec.imagePullSecrets`, in order; the first one is used (one registry credential per VM).
 /// `network`: the VM's [`attachment`] when it has a networkRef.
-/// `from_template` follows `spec.startFrom` (a standby pool's VMs: `Template`).
+/// `from_template` follows `spec.startFrom` (a standby pool's VMs: `Template`); such a VM also
+/// carries `warm_paths` (the agent's `--template-warm-path`s), which key its template.
 pub fn vm_spec(
     vm: &ImpVM,
     class: &ImpVMClassSpec,
     pull_secrets: &[Secret],
     network: Option<NetworkAttachment>,
+    warm_paths: &[String],
 ) -> Result<VmSpec, SpecError> {
     let image = Image {
         base: &vm.spec.image,
@@ -125,17 +127,22 @@ pub fn vm_spec(
         attachment: Some(a),
     });
     spec.from_template = vm.spec.start_from() == StartFrom::Template;
+    if spec.from_template {
+        spec.warm_paths = warm_paths.to_vec();
+    }
     Ok(spec)
 }
 
 /// The spec of the snapshot template a standby pool's clones start from on this node: what
 /// [`vm_spec`] gives each of the pool's VMs, less what makes one VM itself. A NIC when the pool's
 /// VMs have a network, but no attachment (address, MAC) and no hostname: the template is shared
-/// by every clone, which takes its own identity when restored (docs/runner-pool.md).
+/// by every clone, which takes its own identity when restored (docs/runner-pool.md). Its
+/// `warm_paths` are read into the template's page cache before its snapshot.
 pub fn template_spec(
     t: &RunnerVmTemplateSpec,
     class: &ImpVMClassSpec,
     pull_secrets: &[Secret],
+    warm_paths: &[String],
 ) -> Result<VmSpec, SpecError> {
     let image = Image {
         base: &t.image,
@@ -148,6 +155,7 @@ pub fn template_spec(
         attachment: None,
     });
     spec.from_template = true;
+    spec.warm_paths = warm_paths.to_vec();
     Ok(spec)
 }
 
@@ -180,6 +188,7 @@ fn spec_of(
         extra_boot_args: None,
         network: None,
         from_template: false,
+        warm_paths: Vec::new(),
     })
 }
 
@@ -247,6 +256,7 @@ mod tests {
             &class(Some(10)),
             &[],
             None,
+            &[],
         )
         .unwrap();
         assert_eq!(s.vcpu, 2);
@@ -262,15 +272,22 @@ mod tests {
 
     #[test]
     fn start_from_template_asks_the_runtime_for_a_clone() {
-        let boot = vm_spec(&vm(json!({})), &class(None), &[], None).unwrap();
+        let boot = vm_spec(&vm(json!({})), &class(None), &[], None, &[]).unwrap();
         assert!(!boot.from_template);
-        let explicit = vm_spec(&vm(json!({"startFrom": "Boot"})), &class(None), &[], None);
+        let explicit = vm_spec(
+            &vm(json!({"startFrom": "Boot"})),
+            &class(None),
+            &[],
+            None,
+            &[],
+        );
         assert!(!explicit.unwrap().from_template);
         let clone = vm_spec(
             &vm(json!({"startFrom": "Template"})),
             &class(None),
             &[],
             None,
+            &[],
         );
         assert!(clone.unwrap().from_template);
     }
@@ -284,7 +301,8 @@ mod tests {
         .unwrap();
         let cfg = r#"{"auths":{}}"#;
         let pull = [pull_secret(DOCKERCONFIGJSON_KEY, cfg)];
-        let template = template_spec(&t, &class(Some(10)), &pull).unwrap();
+        let warm = ["/opt/actions-runner".to_string()];
+        let template = template_spec(&t, &class(Some(10)), &pull, &warm).unwrap();
         // One of the pool's VMs, with its address.
         let net = network(json!({"subnet": "198.51.100.0/24", "gateway": "198.51.100.1"}));
         let a = attachment(&net, "198.51.100.7/24".parse().unwrap()).unwrap();
@@ -292,7 +310,7 @@ mod tests {
         one.spec.runner_image = t.runner_image.clone();
         one.spec.image_pull_policy = t.image_pull_policy;
         one.spec.start_from = Some(StartFrom::Template);
-        let vm = vm_spec(&one, &class(Some(10)), &pull, Some(a)).unwrap();
+        let vm = vm_spec(&one, &class(Some(10)), &pull, Some(a), &warm).unwrap();
         assert_eq!(
             template.network,
             Some(NetworkSpec {
@@ -303,13 +321,19 @@ mod tests {
         );
         let mut vm_less_identity = vm.clone();
         vm_less_identity.network.as_mut().unwrap().attachment = None;
+        // The same spec, warm paths included: the same template key at the runtime.
         assert_eq!(template, vm_less_identity);
         assert!(template.from_template);
+        assert_eq!(template.warm_paths, warm);
+        // A VM that boots warms nothing (the paths would only make its spec differ).
+        one.spec.start_from = None;
+        let boot = vm_spec(&one, &class(Some(10)), &pull, None, &warm).unwrap();
+        assert!(boot.warm_paths.is_empty());
         // Without a networkRef, no NIC.
         let mut bare = t.clone();
         bare.network_ref = None;
         assert!(
-            template_spec(&bare, &class(None), &[])
+            template_spec(&bare, &class(None), &[], &[])
                 .unwrap()
                 .network
                 .is_none()
@@ -318,7 +342,7 @@ mod tests {
 
     #[test]
     fn disk_defaults_to_the_class_default() {
-        let s = vm_spec(&vm(json!({})), &class(None), &[], None).unwrap();
+        let s = vm_spec(&vm(json!({})), &class(None), &[], None, &[]).unwrap();
         assert_eq!(s.writable_disk_bytes, Some(4 << 30));
         assert!(s.image.unwrap().runner.is_none());
     }
@@ -380,7 +404,7 @@ mod tests {
                 ingress: vec![],
             }
         );
-        let s = vm_spec(&annotated(None), &class(None), &[], Some(a.clone())).unwrap();
+        let s = vm_spec(&annotated(None), &class(None), &[], Some(a.clone()), &[]).unwrap();
         assert_eq!(
             s.network,
             Some(NetworkSpec {
@@ -417,6 +441,7 @@ mod tests {
             &class(None),
             &[pull_secret(DOCKERCONFIGJSON_KEY, cfg)],
             None,
+            &[],
         )
         .unwrap();
         let creds = s.image.as_ref().unwrap().credentials.as_ref().unwrap();
@@ -434,7 +459,8 @@ mod tests {
                 &vm(json!({})),
                 &class(None),
                 &[pull_secret("other", "x")],
-                None
+                None,
+                &[]
             )
             .unwrap_err(),
             SpecError::NoDockerConfig("pull".into())

@@ -133,7 +133,8 @@ pub fn plan(
 /// Ensures the templates of `pools` where the node has room for their builds, deletes those no
 /// longer wanted, and publishes the Ready ones on Node `node_name` (whose annotations are
 /// `annotations`). `offer` is the node's capacity settings; `deferred` the pools the previous
-/// pass deferred (said once, at info).
+/// pass deferred (said once, at info); `warm_paths` go into every template spec.
+#[allow(clippy::too_many_arguments)]
 pub async fn pass(
     client: &Client,
     runtime: &RuntimeClient,
@@ -142,6 +143,7 @@ pub async fn pass(
     pools: &[StandbyPool],
     offer: &CapacityConfig,
     deferred: &BTreeSet<String>,
+    warm_paths: &[String],
 ) -> Outcome {
     let published = annotations
         .get(ANNOTATION_TEMPLATES_READY)
@@ -153,7 +155,7 @@ pub async fn pass(
     // Observe: each pool's template spec and the runtime's dry run of it.
     let mut seen = Vec::new();
     for p in pools {
-        match observe(client, runtime, p).await {
+        match observe(client, runtime, p, warm_paths).await {
             Ok(o) => seen.push((p, o)),
             Err(e) => {
                 note_error(p, &e);
@@ -318,12 +320,13 @@ fn note_error(p: &StandbyPool, e: &TemplateError) {
     }
 }
 
-/// The pool's template spec on this node (its class, its first pull Secret) and the runtime's
-/// dry run of asking for it (None: a runtime without dry runs, 404 or 405).
+/// The pool's template spec on this node (its class, its first pull Secret, the agent's warm
+/// paths) and the runtime's dry run of asking for it (None: a runtime without dry runs, 404 or 405).
 async fn observe(
     client: &Client,
     runtime: &RuntimeClient,
     p: &StandbyPool,
+    warm_paths: &[String],
 ) -> Result<(VmSpec, Option<TemplateDryRun>), TemplateError> {
     let classes: Api<ImpVMClass> = Api::all(client.clone());
     let class_name = &p.template.class_ref.name;
@@ -340,7 +343,7 @@ async fn observe(
             .ok_or_else(|| TemplateError::SecretMissing(format!("{}/{}", p.namespace, r.name)))?;
         pull.push(s);
     }
-    let spec = spec::template_spec(&p.template, &class.spec, &pull)?;
+    let spec = spec::template_spec(&p.template, &class.spec, &pull, warm_paths)?;
     match runtime.template_dry_run(&spec).await {
         Ok(d) => Ok((spec, Some(d))),
         Err(ClientError::Api { status, .. })
@@ -366,6 +369,7 @@ mod tests {
             build_seconds: None,
             clones: 0,
             failure: None,
+            warm: None,
         }
     }
 

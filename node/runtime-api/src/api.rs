@@ -63,6 +63,13 @@ pub struct VmSpec {
     /// the same VM.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub from_template: bool,
+    /// Guest paths (absolute, no `..`) whose regular files a template of this spec reads into
+    /// its page cache after its guest agent's Hello and before the snapshot (the guest's
+    /// `Warm`), so that its clones' runners start without reading them from disk
+    /// (docs/snapshots.md, "Warming"). Part of the template key; a cold boot ignores it, and,
+    /// like `from_template`, it is no part of a spec conflict.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warm_paths: Vec<String>,
 }
 
 /// The VM's `eth0`: a TAP, and (with `attachment`) its place on an ImpNetwork's bridge.
@@ -271,6 +278,29 @@ pub struct TemplateStatus {
     pub clones: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<Failure>,
+    /// What its build read into the guest's page cache before the snapshot (a spec with
+    /// `warm_paths`); absent for a template built without.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<WarmReport>,
+}
+
+/// The page-cache warming of a template's build (docs/snapshots.md, "Warming").
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmReport {
+    pub files: u64,
+    pub bytes: u64,
+    pub millis: u64,
+    /// A bound (bytes, files) stopped the guest before every file was read.
+    #[serde(default)]
+    pub truncated: bool,
+    /// Entries the guest skipped: symlinks, special files, directories of other filesystems,
+    /// unreadable or missing ones.
+    #[serde(default)]
+    pub skipped: u64,
+    /// Why nothing was warmed although asked (a guest too old to know `warm`, no answer in
+    /// time): the template was built anyway, cold.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// Body of `GET /v1/templates`.

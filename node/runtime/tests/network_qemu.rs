@@ -281,6 +281,7 @@ async fn real_guests_get_nat_dns_and_isolation_through_a_restart() {
             attachment: Some(nat_attachment(&net_id, address, GATEWAY)),
         }),
         from_template: false,
+        warm_paths: Vec::new(),
     };
     let vms = [("neta", "198.51.100.10"), ("netb", "198.51.100.11")];
     let mut put_seconds = Vec::new();

@@ -674,3 +674,117 @@ async fn capacity_reports_a_building_templates_vm_and_the_ready_ones_bytes() {
     eventually(|| processes_of(&h), Vec::is_empty).await;
     h.signal_runtime("TERM");
 }
+
+/// A template built with `warm_paths` has its guest read them before the snapshot and reports
+/// what it read (`TemplateStatus.warm`, meta.json): the regular files of a directory made here
+/// (bound into the jail, where the simulated guest runs), a symlink out of it not followed.
+/// The same spec without warm paths keys another template; a clone of the warm one restores
+/// it; a warm path that is not absolute is refused, naming `warm_paths`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_warms_its_paths_before_the_snapshot_and_reports_them() {
+    if !is_root() {
+        return imp_testkit::skip::skip_or_fail(
+            "IMP_REQUIRE_ROOT",
+            "a_template_warms_its_paths_before_the_snapshot_and_reports_them",
+            "the jailer switches uids and makes device nodes; the build VM has a TAP",
+        );
+    }
+    let mut h = Harness::new(jailed_simulator());
+    h.extra_env
+        .push(("IMP_JAILER_DOUBLE_KEEP_ROOT".into(), "1".into()));
+    let runner = h.dir.path().join("actions-runner");
+    std::fs::create_dir_all(runner.join("bin/lib")).unwrap();
+    let files: [(&str, usize); 3] = [
+        ("bin/Runner.Listener", 200_000),
+        ("bin/lib/libcoreclr.so", 50_000),
+        ("run.sh", 10),
+    ];
+    for (name, len) in files {
+        std::fs::write(runner.join(name), vec![b'r'; len]).unwrap();
+    }
+    std::os::unix::fs::symlink("/etc/passwd", runner.join("passwd")).unwrap();
+    h.jail_binds.push(runner.clone());
+    h.start_runtime().await;
+    let spec = VmSpec {
+        warm_paths: vec![runner.display().to_string()],
+        ..h.spec(true)
+    };
+
+    let cold_key = h.client.ensure_template(&h.spec(true)).await.unwrap().key;
+    let key = h.client.ensure_template(&spec).await.unwrap().key;
+    assert_ne!(key, cold_key, "the warm paths are part of the key");
+    let built = wait_built(&h, &key).await;
+    assert_eq!(
+        built.state,
+        TemplateState::Ready,
+        "{built:?}\n{}",
+        h.runtime_log()
+    );
+    let warm = built.warm.clone().expect("a warm report");
+    let bytes: usize = files.iter().map(|f| f.1).sum();
+    assert_eq!(
+        (
+            warm.files,
+            warm.bytes,
+            warm.truncated,
+            warm.skipped,
+            warm.error
+        ),
+        (3, bytes as u64, false, 1, None),
+        "the symlink skipped: {built:?}"
+    );
+    let meta: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(h.state_dir.join("templates").join(&key).join("meta.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(meta["warm"]["files"], 3, "{meta}");
+    assert_eq!(
+        meta["inputs"]["warm_paths"][0],
+        runner.display().to_string()
+    );
+    assert!(
+        h.runtime_log().contains("template page cache warmed"),
+        "{}",
+        h.runtime_log()
+    );
+    let cold = wait_built(&h, &cold_key).await;
+    assert_eq!((cold.state, cold.warm), (TemplateState::Ready, None));
+
+    let clone = VmSpec {
+        from_template: true,
+        ..spec.clone()
+    };
+    let (st, _) = put(&h, "warm0", &clone).await;
+    let start = st.start.unwrap();
+    assert_eq!(
+        (start.from, start.template.as_deref()),
+        (StartKind::Clone, Some(key.as_str()))
+    );
+    h.client.delete("warm0").await.unwrap();
+
+    let bad = VmSpec {
+        warm_paths: vec!["opt/actions-runner".into()],
+        ..spec.clone()
+    };
+    let e = h.client.ensure_template(&bad).await.unwrap_err();
+    assert_eq!(
+        e.reason(),
+        Some(imp_api::names::reason::INVALID_SPEC),
+        "{e}"
+    );
+    assert!(e.to_string().contains("warm_paths"), "{e}");
+
+    for k in [&key, &cold_key] {
+        h.client.delete_template(k).await.unwrap();
+    }
+    eventually(|| processes_of(&h), Vec::is_empty).await;
+    h.signal_runtime("TERM");
+    println!(
+        "MEASURE template_fc warm (simulator): {} files, {} bytes in {} ms; template build {:.3} s (without warm {:.3} s)",
+        warm.files,
+        warm.bytes,
+        warm.millis,
+        built.build_seconds.unwrap_or_default(),
+        cold.build_seconds.unwrap_or_default()
+    );
+}

@@ -176,6 +176,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
             attachment: Some(nat_attachment(&net_id, address, GATEWAY)),
         }),
         from_template: true,
+        warm_paths: Vec::new(),
     };
     const ARGS: &str = "imp.report_grace_s=60";
 
@@ -564,4 +565,141 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
         built.bytes as f64 / f64::from(1u32 << 20)
     );
     drop(children);
+}
+
+/// Warming with a real guest (docs/snapshots.md, "Warming"): a template whose spec has
+/// `warm_paths` reads a directory of its image before the snapshot, and its `Warmed` counts
+/// exactly that directory's files and bytes. Then the effect, measured (printed, not asserted):
+/// an Exec reading those files in a clone of the warm template, against the same Exec in the
+/// VM that booted cold meanwhile: from the disk (its first read, and reads after dropping its
+/// page cache: what a clone of a template built without warming does) and from its page cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_template_holds_its_image_s_files_in_the_page_cache() {
+    let Some(s) = qemu::setup_or_skip() else {
+        return;
+    };
+    const FILES: usize = 16;
+    const FILE_BYTES: usize = 3 << 20;
+    let files = tempfile::tempdir().unwrap();
+    let initrd = files.path().join("initrd.gz");
+    qemu::scripted_initrd(&s, &initrd);
+    // Pseudo-random bytes: nothing in the image is a hole or compresses away.
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut layer = busybox_layer()
+        .dir("tmp", 0o1777)
+        .dir("opt", 0o755)
+        .dir("opt/runner", 0o755);
+    for i in 0..FILES {
+        let data: Vec<u8> = (0..FILE_BYTES)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        layer = layer.file(&format!("opt/runner/f{i:02}"), &data, 0o644);
+    }
+    let registry = imp_testkit::registry::Registry::start(Default::default())
+        .await
+        .unwrap();
+    let base = imp_testkit::oci::push_gzip_image(
+        &registry.host(),
+        "imp/tmpl-warm:qemu",
+        vec![layer.into_gzip()],
+    )
+    .await;
+    let mut h = Harness::qemu(&s, &initrd, registry.host());
+    h.start_runtime().await;
+    let spec = VmSpec {
+        vcpu: 1,
+        memory_mib: 256,
+        base_disk: None,
+        image: Some(ImageSpec {
+            base,
+            runner: None,
+            credentials: None,
+            pull_policy: None,
+        }),
+        writable_disk_bytes: Some(64 << 20),
+        kernel: None,
+        initrd: None,
+        extra_boot_args: Some("imp.report_grace_s=60".into()),
+        network: None,
+        from_template: true,
+        warm_paths: vec!["/opt/runner".into()],
+    };
+    // No template yet: this VM boots cold and starts the build.
+    let (cold, _) = put(&h, "wboot", &spec).await;
+    assert_eq!(cold.start.map(|s| s.from), Some(StartKind::Boot));
+    let key = h.client.ensure_template(&spec).await.unwrap().key;
+    let built = wait_built(&h, &key).await;
+    assert_eq!(
+        built.state,
+        TemplateState::Ready,
+        "{built:?}\n{}",
+        h.runtime_log()
+    );
+    let warm = built.warm.clone().expect("a warm report");
+    assert_eq!(
+        (
+            warm.files,
+            warm.bytes,
+            warm.truncated,
+            warm.error.as_deref()
+        ),
+        (FILES as u64, (FILES * FILE_BYTES) as u64, false, None),
+        "{built:?}"
+    );
+
+    // An Exec reading the files, timed from the host: request to exit.
+    let read = "busybox cat /opt/runner/* > /dev/null";
+    async fn timed(c: &mut HostClient, id: &str, script: &str) -> f64 {
+        let t = Instant::now();
+        ok(c, id, script).await;
+        t.elapsed().as_secs_f64()
+    }
+    let mut c = guest(&h, "wboot").await;
+    let cold_noop = timed(&mut c, "noop", "true").await;
+    let mut cold_reads = vec![timed(&mut c, "read1", read).await];
+    let cold_again = timed(&mut c, "read2", read).await;
+    for i in 0..3 {
+        // The Exec's own shell is read back first (it was dropped too): a no-op before each.
+        ok(
+            &mut c,
+            &format!("drop{i}"),
+            "busybox sync; echo 3 > /proc/sys/vm/drop_caches",
+        )
+        .await;
+        timed(&mut c, &format!("noop{i}"), "true").await;
+        cold_reads.push(timed(&mut c, &format!("cold{i}"), read).await);
+    }
+    drop(c);
+    h.client.delete("wboot").await.unwrap();
+    let (st, clone_s) = put(&h, "wclone", &spec).await;
+    assert_eq!(
+        st.start.as_ref().map(|s| (s.from, s.template.clone())),
+        Some((StartKind::Clone, Some(key.clone()))),
+        "{st:?}"
+    );
+    let mut c = guest(&h, "wclone").await;
+    let clone_noop = timed(&mut c, "noop", "true").await;
+    let clone_first = timed(&mut c, "read1", read).await;
+    let clone_again = timed(&mut c, "read2", read).await;
+    drop(c);
+    h.client.delete("wclone").await.unwrap();
+    h.client.delete_template(&key).await.unwrap();
+    assert!(h.vmm_processes().is_empty(), "{:?}", h.vmm_processes());
+    assert!(h.client.templates().await.unwrap().is_empty());
+    println!(
+        "MEASURE template_qemu warm: {} files, {:.1} MiB warmed in {} ms; template build {:.2} s, {:.1} MiB on disk; clone create->Running {clone_s:.2} s",
+        warm.files,
+        warm.bytes as f64 / f64::from(1u32 << 20),
+        warm.millis,
+        built.build_seconds.unwrap_or_default(),
+        built.bytes as f64 / f64::from(1u32 << 20),
+    );
+    println!(
+        "MEASURE template_qemu warm: Exec reading them: cold-booted VM from its disk {cold_reads:.3?} s (first, then after dropping its page cache), from its page cache {cold_again:.3} s (no-op Exec {cold_noop:.3} s); clone of the warm template first {clone_first:.3} s, again {clone_again:.3} s (no-op Exec {clone_noop:.3} s)",
+    );
 }

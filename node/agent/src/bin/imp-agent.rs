@@ -44,6 +44,19 @@ struct Args {
     /// Program the guest starts for runner VMs (the JIT config goes in its environment).
     #[arg(long, env = "IMP_RUNNER_COMMAND", default_value = imp_agent::DEFAULT_RUNNER_COMMAND)]
     runner_command: String,
+    /// Guest paths a standby pool's snapshot template reads into its page cache before the
+    /// snapshot (repeatable; env: comma-separated). Default: /opt/actions-runner and
+    /// --runner-command (when it is a path).
+    #[arg(
+        long = "template-warm-path",
+        env = "IMP_TEMPLATE_WARM_PATHS",
+        value_delimiter = ','
+    )]
+    template_warm_path: Vec<String>,
+    /// Warm templates' page cache at all (false: snapshots are taken without reading anything).
+    #[arg(long, env = "IMP_TEMPLATE_WARM", default_value_t = true, action = clap::ArgAction::Set,
+        value_parser = clap::builder::BoolishValueParser::new())]
+    template_warm: bool,
     /// Upper bound between two reconciles of a bound VM, e.g. "5s".
     #[arg(long, env = "IMP_POLL_INTERVAL", default_value = "5s", value_parser = imp_api::parse_duration)]
     poll_interval: Duration,
@@ -80,6 +93,17 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let template_warm_paths = match imp_agent::config::template_warm_paths(
+        args.template_warm,
+        &args.template_warm_path,
+        &args.runner_command,
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("imp-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let client = match kube::Client::try_default().await {
         Ok(c) => c,
         Err(e) => {
@@ -98,6 +122,7 @@ async fn main() -> ExitCode {
             reserved_memory_mib: args.reserved_memory_mib,
         },
         runner_command: args.runner_command,
+        template_warm_paths,
         poll_interval: args.poll_interval,
         sweep_interval: args.sweep_interval,
         guest_answer_timeout: args.guest_answer_timeout,

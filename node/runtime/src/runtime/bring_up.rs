@@ -69,10 +69,11 @@ impl Runtime {
         validate::spec(&spec).map_err(RuntimeError::InvalidSpec)?;
         let resolved = self.resolve_paths(&spec)?;
         // Stored and compared as asked and without pull credentials: they are used for this
-        // request only. `from_template` is how, not what: the same VM either way.
+        // request only. `from_template` and `warm_paths` are how, not what: the same VM either way.
         let stored = VmSpec {
             image: spec.image.as_ref().map(ImageSpec::without_credentials),
             from_template: false,
+            warm_paths: Vec::new(),
             ..spec.clone()
         };
         let spec_json = serde_json::to_string(&stored).expect("spec serialises");

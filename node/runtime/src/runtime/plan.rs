@@ -116,6 +116,7 @@ mod tests {
             extra_boot_args: None,
             network: None,
             from_template: false,
+            warm_paths: Vec::new(),
         }
     }
 

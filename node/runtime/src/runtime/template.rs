@@ -13,7 +13,7 @@ use std::sync::{Mutex, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use imp_guest::host::{Announcements, IdentityCheck};
-use imp_guest::protocol::{AGENT_VSOCK_PORT, NetIdentity, Reidentify};
+use imp_guest::protocol::{AGENT_VSOCK_PORT, NetIdentity, Reidentify, WARM_DEFAULT_FILES, Warm};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -21,6 +21,7 @@ use tokio::time::Instant;
 use super::{Runtime, RuntimeError, Vm, vm};
 use crate::api::{
     Backend, Failure, TemplateBuild, TemplateDryRun, TemplateState, TemplateStatus, VmSpec,
+    WarmReport,
 };
 use crate::firecracker::CloneOverrides;
 use crate::firecracker::api::NetworkOverride;
@@ -43,6 +44,9 @@ const MAX_SAMPLES: usize = 4096;
 const REIDENTIFY_TIMEOUT: Duration = Duration::from_secs(60);
 /// Entropy bytes a clone gets (within the protocol's 32..=512).
 const ENTROPY_BYTES: usize = 64;
+/// How long a build VM's guest may take to warm its page cache (then it is snapshotted cold).
+const WARM_TIMEOUT: Duration = Duration::from_secs(300);
+const WARM_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the migration's writer may hold a template's memory file after QEMU is gone.
 const WRITER_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -59,6 +63,9 @@ pub struct Meta {
     pub boot_args: String,
     pub build_seconds: f64,
     pub built_unix: u64,
+    /// What the build read into the guest's page cache (a spec with `warm_paths`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<WarmReport>,
 }
 
 /// One template the runtime knows.
@@ -275,6 +282,7 @@ impl Templates {
                         extra_boot_args: None,
                         network: None,
                         from_template: false,
+                        warm_paths: meta.inputs.warm_paths.clone(),
                     });
                     entry.state = TemplateState::Ready;
                     entry.bytes = bytes;
@@ -338,6 +346,7 @@ impl Templates {
             build_seconds: e.meta.as_ref().map(|m| m.build_seconds),
             clones: e.clones,
             failure: e.failure.clone(),
+            warm: e.meta.as_ref().and_then(|m| m.warm.clone()),
         }
     }
 
@@ -461,6 +470,7 @@ impl Runtime {
                     reason: reason::TEMPLATE_UNSUPPORTED.into(),
                     message: UNJAILED.into(),
                 }),
+                warm: None,
             });
         }
         if key::request_builds(known.as_ref().unwrap_or(&Known::None), &self.templates.vmm) {
@@ -987,7 +997,8 @@ impl Runtime {
         }
     }
 
-    /// Boot a VM of the template spec without identity, wait for its guest agent, migrate it
+    /// Boot a VM of the template spec without identity, wait for its guest agent, warm its
+    /// page cache (`warm_template`, a spec with `warm_paths`), migrate it
     /// into `<templates>/<key>.building/mem` with its writable drive, stop it; then the
     /// directory becomes `<templates>/<key>` with `meta.json`. Whatever fails, the build VM's
     /// process, TAP, cgroup and directory go.
@@ -1024,6 +1035,7 @@ impl Runtime {
                 }
                 return Err(failed(e.reason(), e.to_string()));
             }
+            let warm = self.warm_template(key, &rec, spec).await?;
             let boot_args = self.plan_of(&rec, spec).boot_args;
             let mem = building.join("mem");
             // The backend's snapshot.
@@ -1102,6 +1114,7 @@ impl Runtime {
                 boot_args,
                 build_seconds: started.elapsed().as_secs_f64(),
                 built_unix: unix_now(),
+                warm,
             };
             let meta_path = building.join("meta.json");
             std::fs::write(
@@ -1142,6 +1155,58 @@ impl Runtime {
             }
         }
         out
+    }
+
+    /// The build VM's `Warm` of the spec's `warm_paths` (none: nothing asked, `None`), judged
+    /// by `key::judge_warm`: its report, or the build's failure. The VM is killed by the
+    /// caller either way.
+    async fn warm_template(
+        &self,
+        key: &str,
+        rec: &VmRecord,
+        spec: &VmSpec,
+    ) -> Result<Option<WarmReport>, Failure> {
+        if spec.warm_paths.is_empty() {
+            return Ok(None);
+        }
+        let req = Warm {
+            paths: spec.warm_paths.clone(),
+            max_bytes: key::warm_max_bytes(spec.memory_mib),
+            max_files: WARM_DEFAULT_FILES,
+        };
+        // The guest said Hello moments ago: a connect that takes long finds a dead guest.
+        let deadline = Instant::now() + WARM_CONNECT_TIMEOUT;
+        let answer =
+            match imp_guest::host::connect(&rec.vsock_path, AGENT_VSOCK_PORT, deadline).await {
+                Ok(mut guest) => {
+                    guest.set_answer_timeout(WARM_TIMEOUT);
+                    guest.warm(req).await
+                }
+                Err(e) => Err(e),
+            };
+        match key::judge_warm(answer) {
+            key::WarmVerdict::Snapshot(r) => {
+                match &r.error {
+                    None => tracing::info!(
+                        key,
+                        files = r.files,
+                        bytes = r.bytes,
+                        millis = r.millis,
+                        truncated = r.truncated,
+                        skipped = r.skipped,
+                        "template page cache warmed"
+                    ),
+                    Some(e) => {
+                        tracing::warn!(key, error = %e, "template not warmed; snapshotting it cold")
+                    }
+                }
+                Ok(Some(r))
+            }
+            key::WarmVerdict::Fail(message) => Err(Failure {
+                reason: reason::TEMPLATE_FAILED.into(),
+                message,
+            }),
+        }
     }
 
     /// A build VM's cgroup, once its processes are gone.
@@ -1192,6 +1257,7 @@ mod tests {
                 writable_disk_bytes: Some(1 << 20),
                 nic: true,
                 extra_boot_args: None,
+                warm_paths: Vec::new(),
             },
             content: Content {
                 image_key: Some("abc".into()),
@@ -1210,6 +1276,7 @@ mod tests {
             boot_args: "console=ttyS0".into(),
             build_seconds: 4.0,
             built_unix: 1,
+            warm: None,
         }
     }
 

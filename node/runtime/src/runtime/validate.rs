@@ -104,6 +104,22 @@ pub fn spec(spec: &VmSpec) -> Result<(), Invalid> {
     if let Some(a) = spec.network.as_ref().and_then(|n| n.attachment.as_ref()) {
         attachment(a)?;
     }
+    warm_paths(&spec.warm_paths)
+}
+
+/// The guest's own rules for a `Warm` (imp_guest::protocol), so a template build never sends
+/// one the guest refuses.
+fn warm_paths(paths: &[String]) -> Result<(), Invalid> {
+    use imp_guest::protocol::{WARM_MAX_PATHS, check_warm_path};
+    if paths.len() > WARM_MAX_PATHS {
+        return Err(invalid(
+            "warm_paths",
+            format!("at most {WARM_MAX_PATHS} paths"),
+        ));
+    }
+    for (i, p) in paths.iter().enumerate() {
+        check_warm_path(p).map_err(|why| invalid("warm_paths", format!("[{i}]: {why}")))?;
+    }
     Ok(())
 }
 
@@ -264,6 +280,7 @@ mod tests {
             extra_boot_args: None,
             network: None,
             from_template: false,
+            warm_paths: Vec::new(),
         }
     }
 
@@ -342,6 +359,28 @@ mod tests {
                 ..ok_spec()
             }),
             "network.guest_mac"
+        );
+        let warm = |paths: Vec<String>| {
+            spec(&VmSpec {
+                warm_paths: paths,
+                ..ok_spec()
+            })
+        };
+        assert_eq!(warm(vec!["/opt/actions-runner".into()]), Ok(()));
+        for bad in [
+            vec!["opt/actions-runner".into()],
+            vec!["/opt".into(), "/opt/../etc".into()],
+            vec![String::new()],
+            vec!["/a".into(); imp_guest::protocol::WARM_MAX_PATHS + 1],
+        ] {
+            let e = warm(bad.clone()).unwrap_err();
+            assert_eq!(e.field, "warm_paths", "{bad:?}: {e}");
+        }
+        assert!(
+            warm(vec!["/ok".into(), "rel".into()])
+                .unwrap_err()
+                .message
+                .starts_with("[1]: "),
         );
     }
 

@@ -134,6 +134,9 @@ pub struct Harness {
     pub boot_timeout_secs: f64,
     /// More environment for imp-runtime (e.g. rootfs cache settings).
     pub extra_env: Vec<(String, String)>,
+    /// More host paths the jailer double binds into a jailed simulator's jail (what its guest,
+    /// a host process there, sees; e.g. a directory a template warms).
+    pub jail_binds: Vec<PathBuf>,
     /// Run imp-runtime (and so its VMMs, TAPs and bridges) inside this network namespace
     /// (`ip netns exec`, which also mounts that namespace's /sys); the test creates and removes it.
     pub netns: Option<String>,
@@ -174,6 +177,7 @@ impl Harness {
             behaviour: HashMap::new(),
             boot_timeout_secs: 20.0,
             extra_env: Vec::new(),
+            jail_binds: Vec::new(),
             netns: None,
             runtime: None,
             dir,
@@ -209,6 +213,7 @@ impl Harness {
                 attachment: None,
             }),
             from_template: false,
+            warm_paths: Vec::new(),
         }
     }
 
@@ -261,6 +266,7 @@ impl Harness {
                     .map(PathBuf::from)
                     .filter(|p| p.exists())
                     .chain([guest.clone(), self.dir.path().join("behaviour.json")])
+                    .chain(self.jail_binds.iter().cloned())
                     .map(|p| p.display().to_string())
                     .collect::<Vec<_>>()
                     .join(",");
@@ -668,6 +674,7 @@ pub fn image_vm(base: String, memory_mib: u64, disk_bytes: u64, network: bool) -
             attachment: None,
         }),
         from_template: false,
+        warm_paths: Vec::new(),
     }
 }
 

@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use crate::api::{Backend, NetworkSpec, VmSpec};
+use imp_guest::host::HostError;
+use imp_guest::protocol::{ErrorCode, Warmed};
+
+use crate::api::{Backend, NetworkSpec, VmSpec, WarmReport};
 use crate::rootfs::store::ImageSpec;
 
 /// Reasons of a `from_template` VM that booted cold (`StartReport.fallback`), and of a clone
@@ -48,6 +51,10 @@ pub struct KeyInputs {
     pub nic: bool,
     /// The template's own kernel command line (the spec's words minus its identity).
     pub extra_boot_args: Option<String>,
+    /// Read into the page cache before the snapshot: what the snapshot holds. Left out when
+    /// empty, so the keys of specs without it are what they were before it existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warm_paths: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -166,6 +173,53 @@ pub fn key_inputs(
         writable_disk_bytes: t.writable_disk_bytes,
         nic: t.network.is_some(),
         extra_boot_args: t.extra_boot_args,
+        warm_paths: t.warm_paths,
+    }
+}
+
+/// Bytes a template build of a `memory_mib` guest warms at most: half its memory, so the page
+/// cache it fills (and the snapshot carries) leaves the runner room.
+pub fn warm_max_bytes(memory_mib: u64) -> u64 {
+    (memory_mib << 20) / 2
+}
+
+/// What a build does with the guest's answer to `Warm`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WarmVerdict {
+    /// Snapshot; the answer (or why there is none) goes into the template's record.
+    Snapshot(WarmReport),
+    /// The guest refused a field: the spec is wrong, the template Failed with this message.
+    Fail(String),
+}
+
+/// Warming is an optimisation: a guest that does not know `warm` (an older image's agent) or
+/// does not answer in time still makes a template, cold. A refused field is a spec bug and a
+/// lost connection a guest unfit to snapshot: both fail the build.
+pub fn judge_warm(answer: Result<Warmed, HostError>) -> WarmVerdict {
+    let cold = |why: String| {
+        WarmVerdict::Snapshot(WarmReport {
+            files: 0,
+            bytes: 0,
+            millis: 0,
+            truncated: false,
+            skipped: 0,
+            error: Some(why),
+        })
+    };
+    match answer {
+        Ok(w) => WarmVerdict::Snapshot(WarmReport {
+            files: w.files,
+            bytes: w.bytes,
+            millis: w.millis,
+            truncated: w.truncated,
+            skipped: w.skipped,
+            error: None,
+        }),
+        Err(HostError::Guest(e)) if e.code == ErrorCode::UnknownType => {
+            cold(format!("the guest agent does not know warm: {}", e.message))
+        }
+        Err(e @ HostError::NoAnswer { .. }) => cold(e.to_string()),
+        Err(e) => WarmVerdict::Fail(format!("warm: {e}")),
     }
 }
 
@@ -292,6 +346,7 @@ mod tests {
                 }),
             }),
             from_template: true,
+            warm_paths: vec!["/opt/actions-runner".into()],
         }
     }
 
@@ -326,6 +381,8 @@ mod tests {
             Box::new(|s| s.extra_boot_args = Some("imp.report_grace_s=30".into())),
             Box::new(|s| s.image.as_mut().unwrap().runner = None),
             Box::new(|s| s.image.as_mut().unwrap().base = "reg/base:2".into()),
+            Box::new(|s| s.warm_paths.push("/usr/local/bin/imp-runner".into())),
+            Box::new(|s| s.warm_paths.clear()),
         ];
         for (i, change) in changed.iter().enumerate() {
             let mut s = spec();
@@ -346,6 +403,69 @@ mod tests {
             Some(Path::new("/k/initrd")),
         ));
         assert_ne!(fc, k);
+    }
+
+    #[test]
+    fn a_spec_without_warm_paths_keeps_the_key_it_had_before_them() {
+        let mut s = spec();
+        s.warm_paths.clear();
+        let inputs = key_inputs(&s, Backend::Qemu, Path::new("/k/vmlinuz"), None);
+        let json = serde_json::to_value(&inputs).unwrap();
+        assert!(json.get("warm_paths").is_none(), "{json}");
+        let back: KeyInputs = serde_json::from_value(json).unwrap();
+        assert_eq!(back, inputs);
+        assert_eq!(template_spec(&spec()).warm_paths, ["/opt/actions-runner"]);
+    }
+
+    #[test]
+    fn warming_bounds_and_verdicts() {
+        assert_eq!(warm_max_bytes(256), 128 << 20);
+        let warmed = Warmed {
+            files: 3,
+            bytes: 10,
+            millis: 2,
+            truncated: true,
+            skipped: 1,
+        };
+        assert_eq!(
+            judge_warm(Ok(warmed)),
+            WarmVerdict::Snapshot(WarmReport {
+                files: 3,
+                bytes: 10,
+                millis: 2,
+                truncated: true,
+                skipped: 1,
+                error: None
+            })
+        );
+        let guest = |code, message: &str| {
+            Err(HostError::Guest(imp_guest::protocol::ErrorMsg {
+                code,
+                message: message.into(),
+                id: None,
+            }))
+        };
+        let WarmVerdict::Snapshot(r) = judge_warm(guest(ErrorCode::UnknownType, "warm")) else {
+            panic!("an older guest still makes a template")
+        };
+        assert!(r.error.unwrap().contains("does not know warm"));
+        let WarmVerdict::Snapshot(r) = judge_warm(Err(HostError::NoAnswer {
+            request: "the Warm",
+            after: std::time::Duration::from_secs(1),
+        })) else {
+            panic!("a slow warm still makes a template")
+        };
+        assert_eq!((r.files, r.error.is_some()), (0, true));
+        assert_eq!(
+            judge_warm(guest(ErrorCode::InvalidRequest, "warm: paths: [0]: bad")),
+            WarmVerdict::Fail(
+                "warm: guest answered with error InvalidRequest: warm: paths: [0]: bad".into()
+            )
+        );
+        assert!(matches!(
+            judge_warm(Err(HostError::Closed)),
+            WarmVerdict::Fail(_)
+        ));
     }
 
     #[test]
