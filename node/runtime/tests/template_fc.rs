@@ -374,7 +374,7 @@ async fn firecracker_templates_clone_in_jails_and_leave_nothing() {
     }
     let m = h.metrics().await;
     for line in [
-        "imp_runtime_template_restores_total{outcome=\"cloned\"} 13",
+        "imp_runtime_template_restores_total{outcome=\"cloned\"} 14",
         "imp_runtime_reidentify_failures_total{reason=\"refused\"} 1",
         "imp_runtime_reidentify_failures_total{reason=\"timeout\"} 1",
     ] {

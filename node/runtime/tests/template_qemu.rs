@@ -40,6 +40,12 @@ const WEB: &str = "192.0.2.80";
 /// The env key a runner's JIT config arrives in, and the fake secret the jobs get.
 const JIT_KEY: &str = "ACTIONS_RUNNER_INPUT_JITCONFIG";
 
+/// One test of this file at a time: each boots TCG guests, and two tests' guests at once load
+/// two cores enough that restored guests now and then lose their vsock device (the runtime then
+/// restores them again, see bring_up.rs `RESTORED_HELLO_WINDOW`): the tests measure, so they
+/// take turns.
+static GUESTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn ok(c: &mut HostClient, id: &str, script: &str) -> String {
     let (code, out) = sh(c, id, script, &[]).await;
     assert_eq!(code, Some(0), "{script}:\n{out}");
@@ -116,6 +122,7 @@ async fn whoami(c: &mut HostClient, id: &str) -> Inside {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it() {
+    let _turn = GUESTS.lock().await;
     let Some(s) = qemu::setup_or_skip() else {
         return;
     };
@@ -575,6 +582,7 @@ async fn clones_of_one_template_are_distinct_networked_and_leave_no_secret_in_it
 /// page cache: what a clone of a template built without warming does) and from its page cache.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_warm_template_holds_its_image_s_files_in_the_page_cache() {
+    let _turn = GUESTS.lock().await;
     let Some(s) = qemu::setup_or_skip() else {
         return;
     };

@@ -224,10 +224,7 @@ pub fn qemu_args(
         "-device".into(),
         // The guest CID is the device process's (vhost_args), not a QEMU property. The id lets
         // a suspend unplug it (vhost-user-vsock is unmigratable) and a resume plug it back.
-        format!(
-            "{VSOCK_DEVICE},chardev=vsock0,id={VSOCK_ID},event_idx={}",
-            if VSOCK_EVENT_IDX { "on" } else { "off" }
-        ),
+        format!("{VSOCK_DEVICE},chardev=vsock0,id={VSOCK_ID}"),
         "-chardev".into(),
         format!(
             "file,id=serial0,path={},append=on",
@@ -245,14 +242,6 @@ pub fn qemu_args(
 }
 
 const VSOCK_DEVICE: &str = "vhost-user-vsock-pci";
-/// `event_idx=off` on the vsock device: the vhost-user backend (vhost-device-vsock through
-/// vhost-user-backend 0.20) drops a kick that arrives before its ring is enabled
-/// (rust-vmm/vhost#247), which a guest probing a just-plugged device can send; with event
-/// indices the guest then suppresses every later kick of that queue and the device is dead for
-/// good (seen on restores under load: connects reset until the deadline). Without them the
-/// guest kicks at each packet, so the next one (the host retries its connect) recovers it; the
-/// control channel's few packets do not miss the saved notifications.
-const VSOCK_EVENT_IDX: bool = false;
 /// `guid=auto`: a new generation ID at each start, including each incoming migration.
 pub const VMGENID_DEVICE: &str = "vmgenid,guid=auto";
 /// The name a suspend's migration descriptor gets in QEMU (`getfd`).
@@ -753,7 +742,6 @@ impl QemuVm {
                 "device_add",
                 Some(json!({
                     "driver": VSOCK_DEVICE, "chardev": "vsock0", "id": VSOCK_ID,
-                    "event_idx": VSOCK_EVENT_IDX,
                 })),
             )
             .await
@@ -880,10 +868,7 @@ mod tests {
                 "file,id=serial0,path=/vms/a/serial.log,append=on",
             ]
         );
-        assert!(
-            after(&a, "-device")
-                .contains(&"vhost-user-vsock-pci,chardev=vsock0,id=vsock0dev,event_idx=off")
-        );
+        assert!(after(&a, "-device").contains(&"vhost-user-vsock-pci,chardev=vsock0,id=vsock0dev"));
         assert!(after(&a, "-device").contains(&"vmgenid,guid=auto"));
         let inc = incoming_args(&plan(), &files(), "kvm", None, 9);
         assert!(
