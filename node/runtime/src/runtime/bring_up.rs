@@ -26,11 +26,10 @@ const TAP_FREE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30)
 /// the boot timeout): a TCG clone on a loaded host restores in about a second.
 const RESTORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 /// How long a restored clone may be silent before it is restored again (once): a restored
-/// guest says Hello within a few hundred milliseconds even under TCG on a loaded host, but now
-/// and then (on a loaded host, about one QEMU restore in six) its re-plugged vsock device
-/// never carries a connection: the guest idles, the device shows DRIVER_OK, every connect is
-/// reset until the deadline. The cause is not found (rust-vmm/vhost#247 describes a like hang
-/// of a vhost-user backend); a fresh VMM and backend do not share that fate.
+/// guest says Hello within a few hundred milliseconds even under TCG on a loaded host. A QEMU
+/// clone whose re-plugged vsock device never came up (qemu/mod.rs `finish_incoming`: seen while
+/// the device was plugged before the guest ran, not since) is idle and unreachable for good; a
+/// fresh VMM and vsock helper do not share that fate.
 const RESTORED_HELLO_WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
 /// Restores of one clone before it boots instead.
 const RESTORE_ATTEMPTS: u32 = 2;
