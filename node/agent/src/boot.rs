@@ -35,13 +35,25 @@ async fn admission(
         .await?
         .map(|n| n.annotations().clone())
         .unwrap_or_default();
-    let offered = capacity::limits(
-        capacity::offered(&ctx.config.capacity, capacity::HostFacts::read()),
+    let h = capacity::holdings(
+        &ctx.client,
+        &ctx.runtime,
+        &ctx.config.node_name,
         &published,
-    );
-    let held = capacity::held(&ctx.client, &ctx.config.node_name, Some(uid)).await?;
-    let builds = capacity::builds(&ctx.runtime.capacity().await?);
-    Ok(capacity::admit(&offered, &held, &builds, VmSize::of(class)))
+        &ctx.config.capacity,
+        Some(uid),
+    )
+    .await
+    .map_err(|e| match e {
+        capacity::HoldingsError::Kube(e) => Error::from(e),
+        capacity::HoldingsError::Runtime(e) => Error::from(e),
+    })?;
+    Ok(capacity::admit(
+        &h.offered,
+        &h.held,
+        &h.builds,
+        VmSize::of(class),
+    ))
 }
 
 /// Starting (+bootStartTime), PUT the spec, then Running (+times, Ready) or Failed.

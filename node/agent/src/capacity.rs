@@ -264,6 +264,44 @@ pub fn admit(
     Ok(())
 }
 
+/// What [`admit`] weighs on a node now: what it offers for the capacities its Node publishes
+/// ([`offered`], [`limits`]), the shares its VMs hold ([`held`]) and its runtime's template
+/// builds in flight ([`builds`]). The VM admission and the standby pass both take it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Holdings {
+    pub offered: BTreeMap<String, String>,
+    pub held: Vec<VmSize>,
+    pub builds: Vec<VmSize>,
+}
+
+/// What [`holdings`] could not read.
+#[derive(Debug, thiserror::Error)]
+pub enum HoldingsError {
+    #[error("the VMs bound here: {0}")]
+    Kube(#[from] kube::Error),
+    #[error("imp-runtime's capacity: {0}")]
+    Runtime(#[from] imp_runtime_api::client::ClientError),
+}
+
+/// [`Holdings`] of Node `node`, whose annotations are `published`, with the operator's
+/// settings `config`; the VM `except` holds no share of its own admission.
+pub async fn holdings(
+    client: &kube::Client,
+    runtime: &imp_runtime_api::client::RuntimeClient,
+    node: &str,
+    published: &BTreeMap<String, String>,
+    config: &CapacityConfig,
+    except: Option<&str>,
+) -> Result<Holdings, HoldingsError> {
+    let held = held(client, node, except).await?;
+    let builds = builds(&runtime.capacity().await?);
+    Ok(Holdings {
+        offered: limits(offered(config, HostFacts::read()), published),
+        held,
+        builds,
+    })
+}
+
 /// The shares held by the VMs bound to `node` (but `except`): those in a phase that
 /// [`holds_capacity`], sized by their classes.
 pub async fn held(

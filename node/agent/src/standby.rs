@@ -168,7 +168,9 @@ pub async fn pass(
         .iter()
         .any(|(_, (_, d))| d.as_ref().is_some_and(|d| d.would_build));
     let holdings = if wants_build {
-        holdings(client, runtime, node_name, annotations, offer).await
+        capacity::holdings(client, runtime, node_name, annotations, offer, None)
+            .await
+            .map_err(|e| e.to_string())
     } else {
         Ok(Default::default())
     };
@@ -185,7 +187,7 @@ pub async fn pass(
         })
         .collect();
     let steps = match &holdings {
-        Ok((offered, held, builds)) => plan(&input, offered, held, builds),
+        Ok(h) => plan(&input, &h.offered, &h.held, &h.builds),
         // Unknown room: no build starts; the rest is as seen.
         Err(why) => plan(&input, &BTreeMap::new(), &[], &[])
             .into_iter()
@@ -278,32 +280,6 @@ pub async fn pass(
         }
     }
     out
-}
-
-/// What the node offers (for what its Node publishes), the shares its VMs hold and its runtime's builds in flight; Err says
-/// what could not be read.
-async fn holdings(
-    client: &Client,
-    runtime: &RuntimeClient,
-    node_name: &str,
-    annotations: &BTreeMap<String, String>,
-    offer: &CapacityConfig,
-) -> Result<(BTreeMap<String, String>, Vec<VmSize>, Vec<VmSize>), String> {
-    let builds = runtime
-        .capacity()
-        .await
-        .map_err(|e| format!("imp-runtime's capacity: {e}"))?;
-    let held = capacity::held(client, node_name, None)
-        .await
-        .map_err(|e| format!("the VMs bound here: {e}"))?;
-    Ok((
-        capacity::limits(
-            capacity::offered(offer, capacity::HostFacts::read()),
-            annotations,
-        ),
-        held,
-        capacity::builds(&builds),
-    ))
 }
 
 fn note_error(p: &StandbyPool, e: &TemplateError) {

@@ -740,9 +740,7 @@ impl QemuVm {
         self.qmp
             .execute(
                 "device_add",
-                Some(json!({
-                    "driver": VSOCK_DEVICE, "chardev": "vsock0", "id": VSOCK_ID,
-                })),
+                Some(json!({"driver": VSOCK_DEVICE, "chardev": "vsock0", "id": VSOCK_ID})),
             )
             .await
             .map(|_| ())

@@ -420,13 +420,8 @@ impl Runtime {
                                 let _ = std::fs::remove_file(&rec.api_socket);
                                 let _ = std::fs::remove_file(&rec.vsock_path);
                                 let copied = match &rec.writable_disk {
-                                    Some(path) => Self::clone_writable(src, path).and_then(|_| {
-                                        // The confined VMM opens it as the VM's uid.
-                                        jail.as_ref().map_or(Ok(()), |j| {
-                                            jail::own(path, j.id, 0o600)
-                                                .map_err(|e| format!("own {}: {e}", path.display()))
-                                        })
-                                    }),
+                                    Some(path) => Self::clone_writable(src, path)
+                                        .and_then(|_| self.own_writable(rec, path)),
                                     None => Ok(()),
                                 };
                                 match copied {
@@ -575,11 +570,19 @@ impl Runtime {
                     uid: rec.uid.clone(),
                     source,
                 })?;
-            if let Some(cfg) = &self.cfg.jail
-                && let Some(id) = jail::id_of(cfg, &rec.dir)
-            {
-                let _ = jail::own(path, id, 0o600);
-            }
+            // As before: a drive the VM cannot open fails its start, which says why.
+            let _ = self.own_writable(rec, path);
+        }
+        Ok(())
+    }
+
+    /// Writable drive `path` of row `rec` made its VM's (its directory's uid, 0600): the confined
+    /// VMM opens it as that uid. Nothing to do without confinement.
+    fn own_writable(&self, rec: &VmRecord, path: &Path) -> Result<(), String> {
+        if let Some(cfg) = &self.cfg.jail
+            && let Some(id) = jail::id_of(cfg, &rec.dir)
+        {
+            jail::own(path, id, 0o600).map_err(|e| format!("own {}: {e}", path.display()))?;
         }
         Ok(())
     }

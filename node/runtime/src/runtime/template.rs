@@ -453,10 +453,7 @@ impl Runtime {
     /// background when there is none (or it is stale, or its last build failed long enough
     /// ago). Answers at once.
     pub async fn ensure_template(&self, spec: &VmSpec) -> Result<TemplateStatus, RuntimeError> {
-        super::validate::spec(spec).map_err(RuntimeError::InvalidSpec)?;
-        let resolved = self.resolve_paths(spec)?;
-        let (inputs, tspec) = self.template_inputs(&resolved);
-        let key = key::key(&inputs);
+        let (key, tspec) = self.requested_template(spec)?;
         let known = self.templates.known(&key);
         if !self.keeps_templates() {
             return Ok(TemplateStatus {
@@ -485,10 +482,7 @@ impl Runtime {
     /// whether it would start a build; nothing is started (the agent asks first, so a build
     /// takes a VM's room only when the node has it).
     pub async fn template_dry_run(&self, spec: &VmSpec) -> Result<TemplateDryRun, RuntimeError> {
-        super::validate::spec(spec).map_err(RuntimeError::InvalidSpec)?;
-        let resolved = self.resolve_paths(spec)?;
-        let (inputs, _) = self.template_inputs(&resolved);
-        let key = key::key(&inputs);
+        let (key, _) = self.requested_template(spec)?;
         if !self.keeps_templates() {
             // ensure_template answers Failed TemplateUnsupported and builds nothing.
             return Ok(TemplateDryRun {
@@ -564,6 +558,15 @@ impl Runtime {
     }
 
     /// The key inputs and template spec of a (resolved) spec.
+    /// A template request's key and template spec: `spec` validated (400 naming the field) and
+    /// its paths resolved, as [`Self::ensure_template`] and its dry run both take it.
+    fn requested_template(&self, spec: &VmSpec) -> Result<(String, VmSpec), RuntimeError> {
+        super::validate::spec(spec).map_err(RuntimeError::InvalidSpec)?;
+        let resolved = self.resolve_paths(spec)?;
+        let (inputs, tspec) = self.template_inputs(&resolved);
+        Ok((key::key(&inputs), tspec))
+    }
+
     fn template_inputs(&self, spec: &VmSpec) -> (KeyInputs, VmSpec) {
         let (kernel, initrd) = self.boot_files(spec);
         let inputs = key::key_inputs(spec, self.cfg.backend, &kernel, initrd.as_deref());
